@@ -1,0 +1,3 @@
+from megamoe.cli import main
+
+main()

@@ -1,0 +1,96 @@
+"""Validation of the layer's tensor arguments, shared by every implementation.
+
+Each check raises ``ValueError`` naming the argument, the expected shape or
+dtype and what it got. ``check_expert_ids`` reads the ids on the host (one
+sync); hot paths call it only when asked to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megamoe.config import HIDDEN_MULTIPLE
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_tokens(x_ND: torch.Tensor, name: str = "x") -> tuple[int, int]:
+    """``x_ND`` is a 2-D float tensor whose D is a multiple of 64; returns (N, D)."""
+    if not isinstance(x_ND, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x_ND).__name__}")
+    if x_ND.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, D], got shape {tuple(x_ND.shape)}")
+    if x_ND.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a float tensor, got {x_ND.dtype}")
+    n, d = x_ND.shape
+    if d % HIDDEN_MULTIPLE:
+        raise ValueError(f"{name}: D must be a multiple of {HIDDEN_MULTIPLE}, got D={d}")
+    return n, d
+
+
+def check_routing(top_experts_Nk: torch.Tensor, router_weights_Nk: torch.Tensor, n: int) -> int:
+    """Routing ids (integer [N, k]) and weights (float32 [N, k]); returns k."""
+    if not isinstance(top_experts_Nk, torch.Tensor) or top_experts_Nk.dim() != 2:
+        raise ValueError(f"top_experts must be a 2-D tensor [N, k], got {_describe(top_experts_Nk)}")
+    if top_experts_Nk.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_experts must be int32 or int64, got {top_experts_Nk.dtype}")
+    if top_experts_Nk.shape[0] != n:
+        raise ValueError(f"top_experts has {top_experts_Nk.shape[0]} rows but x has N={n}")
+    k = top_experts_Nk.shape[1]
+    if k < 1:
+        raise ValueError("top_experts must have k >= 1 columns")
+    if not isinstance(router_weights_Nk, torch.Tensor) or tuple(router_weights_Nk.shape) != (n, k):
+        raise ValueError(
+            f"router_weights must have shape ({n}, {k}) like top_experts, got {_describe(router_weights_Nk)}"
+        )
+    if router_weights_Nk.dtype != torch.float32:
+        raise ValueError(f"router_weights must be float32, got {router_weights_Nk.dtype}")
+    return k
+
+
+def check_expert_ids(top_experts: torch.Tensor, num_experts: int) -> None:
+    """Every id is -1 (no route) or in [0, num_experts). Reads the ids on the host."""
+    if top_experts.numel() == 0:
+        return
+    lo, hi = int(top_experts.min()), int(top_experts.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(
+            f"top_experts holds ids in [{lo}, {hi}]; allowed: -1 (no route) or 0..{num_experts - 1}"
+        )
+
+
+def check_expert_weights(w_gate_up_L2ID: torch.Tensor, w_down_LDI: torch.Tensor, d: int) -> tuple[int, int]:
+    """Stacked expert weights ``[L, 2I, D]`` and ``[L, D, I]``; returns (L, I)."""
+    if not isinstance(w_gate_up_L2ID, torch.Tensor) or w_gate_up_L2ID.dim() != 3:
+        raise ValueError(f"w_gate_up must be 3-D [E, 2I, D], got {_describe(w_gate_up_L2ID)}")
+    experts, two_i, wd = w_gate_up_L2ID.shape
+    if two_i % 2 or wd != d:
+        raise ValueError(f"w_gate_up must be [E, 2I, D={d}], got shape {tuple(w_gate_up_L2ID.shape)}")
+    i = two_i // 2
+    if not isinstance(w_down_LDI, torch.Tensor) or tuple(w_down_LDI.shape) != (experts, d, i):
+        raise ValueError(f"w_down must have shape ({experts}, {d}, {i}), got {_describe(w_down_LDI)}")
+    for name, w in (("w_gate_up", w_gate_up_L2ID), ("w_down", w_down_LDI)):
+        if w.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be a float tensor, got {w.dtype}")
+    return experts, i
+
+
+def check_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]], d: int) -> None:
+    """Each shared expert is ``(w_gate_up [2Is, D], w_down [D, Is])``."""
+    for s, pair in enumerate(shared):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"shared[{s}] must be a pair (w_gate_up [2Is, D], w_down [D, Is])")
+        gate_up, down = pair
+        if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2 or gate_up.shape[1] != d or gate_up.shape[0] % 2:
+            raise ValueError(f"shared[{s}] w_gate_up must be [2Is, D={d}], got {_describe(gate_up)}")
+        size = gate_up.shape[0] // 2
+        if not isinstance(down, torch.Tensor) or tuple(down.shape) != (d, size):
+            raise ValueError(f"shared[{s}] w_down must have shape ({d}, {size}), got {_describe(down)}")
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)} {t.dtype}"
+    return type(t).__name__

@@ -1,0 +1,90 @@
+"""Pure-PyTorch MoE layer: the oracle for every kernel and every gradient.
+
+Deliberately plain: a loop over experts, FP32 (or FP64 for FP64 inputs)
+arithmetic, differentiable by autograd. Not fast, never clever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megamoe import checks
+
+
+def swiglu(h_M2I: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``h = [gate | up]`` along the last dim.
+
+    With ``swiglu_limit``, gate is clamped to ``max=limit`` and up to
+    ``[-limit, limit]`` first.
+    """
+    gate, up = h_M2I.chunk(2, dim=-1)
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+    return F.silu(gate) * up
+
+
+def expert_ffn(
+    x_MD: torch.Tensor, w_gate_up_2ID: torch.Tensor, w_down_DI: torch.Tensor, swiglu_limit: float | None = None
+) -> torch.Tensor:
+    """``W_down · swiglu(W_gate_up · x)`` for rows ``x_MD``, in x's dtype."""
+    return swiglu(x_MD @ w_gate_up_2ID.T, swiglu_limit) @ w_down_DI.T
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """FP64 stays FP64; everything else is computed in FP32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def moe_forward(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    swiglu_limit: float | None = None,
+    *,
+    first_expert: int = 0,
+    num_experts: int | None = None,
+) -> torch.Tensor:
+    """The MoE layer's output for the tokens of one rank.
+
+    Args:
+        x: `[N, D]` float tokens; D a multiple of 64.
+        top_experts: int `[N, k]` global expert ids; -1 = no route.
+        router_weights: float32 `[N, k]`, applied as given after each expert.
+        w_gate_up: `[L, 2I, D]` for experts ``first_expert .. first_expert+L-1``
+            (gate rows first, then up rows). With the defaults L = E.
+        w_down: `[L, D, I]`.
+        shared: shared experts, each ``(w_gate_up [2Is, D], w_down [D, Is])``.
+        swiglu_limit: optional SwiGLU clamp (see :func:`swiglu`).
+        first_expert: global id of ``w_gate_up[0]``. Routes to experts outside
+            the held slice contribute nothing: the result is this slice's
+            share of the layer (used to build an expert-parallel reference).
+        num_experts: E, the range ids are checked against (default L).
+
+    Returns:
+        `[N, D]` in x's dtype, accumulated in FP32 (FP64 for FP64 input).
+    """
+    n, d = checks.check_tokens(x)
+    checks.check_routing(top_experts, router_weights, n)
+    held, _ = checks.check_expert_weights(w_gate_up, w_down, d)
+    checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
+    checks.check_shared(shared, d)
+
+    cdt = compute_dtype(x.dtype)
+    x_c = x.to(cdt)
+    out = torch.zeros(n, d, dtype=cdt, device=x.device)
+    for local in range(held):
+        token, slot = (top_experts == first_expert + local).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        y = expert_ffn(x_c[token], w_gate_up[local].to(cdt), w_down[local].to(cdt), swiglu_limit)
+        out = out.index_add(0, token, y * router_weights[token, slot].to(cdt)[:, None])
+    for gate_up, down in shared:
+        out = out + expert_ffn(x_c, gate_up.to(cdt), down.to(cdt), swiglu_limit)
+    return out.to(x.dtype)
