@@ -1,0 +1,377 @@
+"""The pull schedule: which token rows a rank fetches, grouped by local expert.
+
+DESIGN.md §2. Every rank all-gathers the routing ids of its expert-parallel
+group (`[R, N, k]`) and builds, on device and without a host sync, the table
+``Phi = (src_rank, src_index)`` of the rows its L local experts need. Rows land
+grouped by local expert (GEMM-ready); inside one expert's region consecutive
+rows interleave the source ranks round-robin, so a pull dispatch keeps every
+link busy. The table is built once and read four times: pull dispatch, push
+combine, and their mirrors in the backward.
+
+Entry points:
+
+    build_pull_schedule              vectorised torch on the input's device; no host sync
+    build_pull_schedule_loop         plain-Python transcription below: the oracle (slow)
+    gather_routing                   pad [N, k] ids to max_tokens, all-gather to [R, max_tokens, k]
+    build_pull_schedule_distributed  gather_routing + build_pull_schedule for this rank
+
+The algorithm, which both builders follow exactly (l = e - rank*L):
+
+    M[l, r]  routes to local expert l from source rank r;  T[l] = sum_r M[l, r]
+    S[0] = 0,  S[l] = align_up(S[l-1] + T[l-1], align)
+    for (r, i, j) in lexicographic order with e = top_experts_all[r, i, j] on this rank:
+        o = C[l, r]                                  # occurrence index so far
+        p = sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|
+        src_rank[S[l] + p] = r;  src_index[S[l] + p] = i*k + j;  C[l, r] += 1
+
+So within region l the routes are ordered by (o, r): occurrence level first,
+then source rank, and each rank's routes keep their (i, j) order.
+
+How ``build_pull_schedule`` gets there with no loop over routes and no
+data-dependent shapes (Q = R*N*k routes):
+
+1. Stable sort of the local expert id (other ranks' routes get the dump id L):
+   the flat order is r-major, so routes come out grouped by (l, r) in (i, j)
+   order. A searchsorted of the sorted group id l*R + r against 0..L*R gives
+   the group starts and M (no atomics); o = position - group start.
+2. p without a `[Q, R]` gather: with M[l] sorted ascending and
+   s = |{r' : M[l, r'] <= o}| (one searchsorted), sum_r' min(M[l, r'], o) =
+   (sum of the s smallest M[l]) + o*(R - s), and the ranks with M > o are
+   exactly those at sorted positions >= s, so the second term is a table
+   B[l, s, r] of L*(R+1)*R entries.
+3. Scatter (r, i*k + j) to row S[l] + p of -1-filled arrays; routes of other
+   ranks go to one extra dump row that is sliced off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megamoe import checks
+
+#: src_rank / src_index / offsets are int32: capacity must stay below this.
+MAX_CAPACITY = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class PullSchedule:
+    """Rows this rank pulls for its L local experts (global ids ``rank*L + l``).
+
+    Row ``t`` of the expert-grouped buffer is route ``j = src_index[t] % k`` of
+    token ``i = src_index[t] // k`` on rank ``src_rank[t]``. The rows of local
+    expert ``l`` are ``[offsets[l], offsets[l] + tokens_per_expert[l])``; inside
+    that region row ``offsets[l] + p`` is the route with the p-th smallest key
+    ``(o, r)``, where o counts rank r's earlier routes (in (i, j) order) to l:
+    level o = 0, 1, ... lists the ranks with ``counts[l, r] > o`` in increasing r.
+    Every tensor lives on the routing's device; building them never syncs the host.
+
+    Attributes:
+        tokens_per_expert: int32 `[L]`; ``T[l] = counts[l].sum()``.
+        counts: int32 `[L, R]`; ``M[l, r]`` routes to local expert l from rank r.
+        offsets: int32 `[L]`; ``S[0] = 0``,
+            ``S[l] = align_up(S[l-1] + T[l-1], align)``.
+        src_rank: int32 `[capacity]`; source rank of row t, in ``[0, R)``;
+            -1 for alignment padding rows and for rows ``>= num_rows``.
+        src_index: int32 `[capacity]`; ``i*k + j`` on rank ``src_rank[t]``, in
+            ``[0, N*k)``; -1 exactly where src_rank is -1.
+        num_rows: 0-d int32 tensor on device; ``offsets[L-1] + T[L-1]``, the rows
+            in use (padding between regions included). Reading it syncs the host.
+        capacity: ``R*N*k + L*(align-1)``, the static worst case, so every shape
+            is known without reading device data.
+        num_ranks: R.
+        experts_per_rank: L.
+        top_k: k.
+        align: every region starts at a multiple of it.
+    """
+
+    tokens_per_expert: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    src_rank: torch.Tensor
+    src_index: torch.Tensor
+    num_rows: torch.Tensor
+    capacity: int
+    num_ranks: int
+    experts_per_rank: int
+    top_k: int
+    align: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_ranks", "experts_per_rank", "top_k", "align"):
+            _check_positive_int(f"PullSchedule.{name}", getattr(self, name))
+        R, L, k, pad = self.num_ranks, self.experts_per_rank, self.top_k, self.align - 1
+        cap = self.capacity
+        if not _is_int(cap) or cap < L * pad or (cap - L * pad) % (R * k):
+            raise ValueError(
+                f"PullSchedule.capacity must be R*N*k + L*(align-1) = {R}*N*{k} + {L * pad}, got {cap!r}"
+            )
+        shapes = {
+            "tokens_per_expert": (L,),
+            "counts": (L, R),
+            "offsets": (L,),
+            "src_rank": (cap,),
+            "src_index": (cap,),
+            "num_rows": (),
+        }
+        device = self.src_rank.device if isinstance(self.src_rank, torch.Tensor) else None
+        for name, shape in shapes.items():
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"PullSchedule.{name} must have shape {shape}, got {_describe(t)}")
+            allowed = (torch.int32, torch.int64) if name == "num_rows" else (torch.int32,)
+            if t.dtype not in allowed:
+                raise ValueError(f"PullSchedule.{name} must be {' or '.join(map(str, allowed))}, got {t.dtype}")
+            if t.device != device:
+                raise ValueError(f"PullSchedule.{name} is on {t.device}, src_rank on {device}")
+
+    @property
+    def max_tokens(self) -> int:
+        """N, the (padded) tokens per rank the schedule was sized for."""
+        return (self.capacity - self.experts_per_rank * (self.align - 1)) // (self.num_ranks * self.top_k)
+
+    def expert_rows(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(src_rank, src_index)`` of local expert l's rows. Syncs the host: tests, debugging."""
+        if not _is_int(l) or not 0 <= l < self.experts_per_rank:
+            raise ValueError(f"local expert l must be in [0, {self.experts_per_rank}), got {l!r}")
+        start, count = int(self.offsets[l]), int(self.tokens_per_expert[l])
+        return self.src_rank[start : start + count], self.src_index[start : start + count]
+
+
+def build_pull_schedule(
+    top_experts_all: torch.Tensor,
+    rank: int,
+    experts_per_rank: int,
+    *,
+    align: int = 1,
+    check_ids: bool = False,
+) -> PullSchedule:
+    """The pull schedule of ``rank``, vectorised, on ``top_experts_all``'s device.
+
+    Args:
+        top_experts_all: int32/int64 `[R, N, k]`, every rank's global expert ids
+            in rank order; -1 = no route (also pads ranks with fewer tokens).
+            Expert e lives on rank ``e // L``.
+        rank: this rank, in ``[0, R)``.
+        experts_per_rank: L >= 1.
+        align: region starts are multiples of it (>= 1), e.g. a GEMM tile.
+        check_ids: also check every id is -1 or in ``[0, R*L)``; this reads the
+            ids on the host (one sync). Unchecked ids outside that range are
+            treated as no route.
+
+    No host sync, no loop over routes, static shapes, deterministic; meant to
+    be capturable in a CUDA graph. Temporary memory: about a dozen `[R*N*k]` int64s.
+    """
+    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids)
+    L, device = experts_per_rank, top_experts_all.device
+    nk, Q = N * k, R * N * k
+    capacity = Q + L * (align - 1)
+
+    # 1. Group routes by (l, r), keeping (i, j) order: a stable sort of l suffices (flat order is r-major).
+    local = top_experts_all.reshape(-1).long() - rank * L
+    mine = (local >= 0) & (local < L)
+    key_dtype = torch.int16 if L < 2**15 else torch.int32  # narrower keys: fewer radix-sort passes
+    l_sorted, perm = torch.sort(torch.where(mine, local, L).to(key_dtype), stable=True)
+    l_sorted = l_sorted.long()
+    r_sorted = perm // max(nk, 1)
+    is_mine = l_sorted < L
+    lc = l_sorted.clamp(max=L - 1)  # dump routes borrow expert L-1's tables; their rows are discarded
+    group = torch.where(is_mine, l_sorted * R + r_sorted, L * R)
+    bounds = torch.searchsorted(group, torch.arange(L * R + 1, device=device))  # start of group g
+    counts_LR = (bounds[1:] - bounds[:-1]).view(L, R)
+    o = torch.arange(Q, device=device) - bounds[group]
+
+    tokens_L = counts_LR.sum(1)
+    padded_L = (tokens_L + (align - 1)) // align * align
+    offsets_L = padded_L.cumsum(0) - padded_L
+
+    # 2. p = sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}| via per-expert sorted counts.
+    m_sorted, order = torch.sort(counts_LR, dim=1, stable=True)
+    arange_r = torch.arange(R, device=device)
+    sorted_pos = torch.empty_like(order).scatter_(1, order, arange_r.expand(L, R))
+    prefix = torch.zeros(L, R + 1, dtype=torch.int64, device=device)
+    prefix[:, 1:] = m_sorted.cumsum(1)  # prefix[l, s] = sum of the s smallest M[l, :]
+    # active[l, s, r]: rank r still has routes once the s smallest counts are used up (M[l, r] > o).
+    active = (sorted_pos[:, None, :] >= torch.arange(R + 1, device=device)[None, :, None]).long()
+    before = active.cumsum(2) - active  # before[l, s, r] = active ranks r' < r
+    stride = Q + 1  # > any count or o: shifting row l by l*stride makes one sorted 1-D sequence
+    shift = torch.arange(L, device=device)[:, None] * stride
+    s = torch.searchsorted((m_sorted + shift).view(-1), o + lc * stride, right=True) - lc * R
+    p = prefix[lc, s] + o * (R - s) + before[lc, s, r_sorted]
+
+    # 3. Scatter into -1-filled rows; other ranks' routes land in the dump row `capacity`.
+    row = torch.where(is_mine, offsets_L[lc] + p, capacity)
+    src_rank = torch.full((capacity + 1,), -1, dtype=torch.int32, device=device)
+    src_index = torch.full((capacity + 1,), -1, dtype=torch.int32, device=device)
+    src_rank.scatter_(0, row, r_sorted.int())
+    src_index.scatter_(0, row, (perm - r_sorted * nk).int())
+    return PullSchedule(
+        tokens_per_expert=tokens_L.int(),
+        counts=counts_LR.int(),
+        offsets=offsets_L.int(),
+        src_rank=src_rank[:capacity],
+        src_index=src_index[:capacity],
+        num_rows=(offsets_L[-1] + tokens_L[-1]).int(),
+        capacity=capacity,
+        num_ranks=R,
+        experts_per_rank=L,
+        top_k=k,
+        align=align,
+    )
+
+
+def build_pull_schedule_loop(
+    top_experts_all: torch.Tensor,
+    rank: int,
+    experts_per_rank: int,
+    *,
+    align: int = 1,
+    check_ids: bool = False,
+) -> PullSchedule:
+    """``build_pull_schedule`` as a literal Python loop over the algorithm: the oracle.
+
+    Slow (Python over R*N*k routes, times R) and syncs the host: for tests only.
+    """
+    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids)
+    L = experts_per_rank
+    ids = top_experts_all.tolist()
+
+    def local_expert(e: int) -> int | None:
+        return e - rank * L if rank * L <= e < (rank + 1) * L else None
+
+    M = [[0] * R for _ in range(L)]
+    for r in range(R):
+        for i in range(N):
+            for j in range(k):
+                l = local_expert(ids[r][i][j])
+                if l is not None:
+                    M[l][r] += 1
+    T = [sum(M[l]) for l in range(L)]
+    S = [0] * L
+    for l in range(1, L):
+        S[l] = -(-(S[l - 1] + T[l - 1]) // align) * align
+    capacity = R * N * k + L * (align - 1)
+    src_rank = [-1] * capacity
+    src_index = [-1] * capacity
+    C = [[0] * R for _ in range(L)]
+    for r in range(R):
+        for i in range(N):
+            for j in range(k):
+                l = local_expert(ids[r][i][j])
+                if l is None:
+                    continue
+                o = C[l][r]
+                p = sum(min(M[l][q], o) for q in range(R)) + sum(1 for q in range(r) if M[l][q] > o)
+                src_rank[S[l] + p] = r
+                src_index[S[l] + p] = i * k + j
+                C[l][r] += 1
+
+    def as_int32(values: object) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=top_experts_all.device)
+
+    return PullSchedule(
+        tokens_per_expert=as_int32(T),
+        counts=as_int32(M),
+        offsets=as_int32(S),
+        src_rank=as_int32(src_rank),
+        src_index=as_int32(src_index),
+        num_rows=as_int32(S[L - 1] + T[L - 1]),
+        capacity=capacity,
+        num_ranks=R,
+        experts_per_rank=L,
+        top_k=k,
+        align=align,
+    )
+
+
+def gather_routing(
+    top_experts_Nk: torch.Tensor, group: dist.ProcessGroup | None, *, max_tokens: int | None = None
+) -> torch.Tensor:
+    """Every rank's routing ids, `[R, max_tokens, k]`, on ``top_experts_Nk``'s device.
+
+    Pads this rank's int `[N, k]` ids with -1 up to ``max_tokens`` and all-gathers
+    them in ``group`` (None = the default group); every rank must call it with the
+    same k, dtype and ``max_tokens``. With ``max_tokens=None`` it is the group's
+    largest N, found by an all_reduce MAX: a host sync; pass it to avoid that.
+    """
+    if not isinstance(top_experts_Nk, torch.Tensor) or top_experts_Nk.dim() != 2:
+        raise ValueError(f"top_experts must be a 2-D tensor [N, k], got {_describe(top_experts_Nk)}")
+    if top_experts_Nk.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_experts must be int32 or int64, got {top_experts_Nk.dtype}")
+    n, k = top_experts_Nk.shape
+    if k < 1:
+        raise ValueError("top_experts must have k >= 1 columns")
+    if max_tokens is None:
+        # NOTE: host sync, the one place this path reads device data.
+        largest = torch.tensor([n], dtype=torch.int64, device=top_experts_Nk.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        max_tokens = int(largest.item())
+    if not _is_int(max_tokens) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+    if n > max_tokens:
+        raise ValueError(f"this rank has N={n} tokens, more than max_tokens={max_tokens}")
+    padded = torch.full((max_tokens, k), -1, dtype=top_experts_Nk.dtype, device=top_experts_Nk.device)
+    padded[:n] = top_experts_Nk
+    world = dist.get_world_size(group)
+    gathered = padded.new_empty((world * max_tokens, k))
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    return gathered.view(world, max_tokens, k)
+
+
+def build_pull_schedule_distributed(
+    top_experts_Nk: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    experts_per_rank: int,
+    *,
+    max_tokens: int | None = None,
+    align: int = 1,
+    check_ids: bool = False,
+) -> PullSchedule:
+    """``gather_routing`` then ``build_pull_schedule`` for ``dist.get_rank(group)``.
+
+    No host sync when ``max_tokens`` is given and ``check_ids`` is False.
+    """
+    top_experts_all = gather_routing(top_experts_Nk, group, max_tokens=max_tokens)
+    return build_pull_schedule(
+        top_experts_all, dist.get_rank(group), experts_per_rank, align=align, check_ids=check_ids
+    )
+
+
+def _check_inputs(
+    top_experts_all: torch.Tensor, rank: int, experts_per_rank: int, align: int, check_ids: bool
+) -> tuple[int, int, int]:
+    """Validates the builders' arguments; returns (R, N, k). Reads the host only with check_ids."""
+    if not isinstance(top_experts_all, torch.Tensor) or top_experts_all.dim() != 3:
+        raise ValueError(f"top_experts_all must be a 3-D tensor [R, N, k], got {_describe(top_experts_all)}")
+    if top_experts_all.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_experts_all must be int32 or int64, got {top_experts_all.dtype}")
+    R, N, k = top_experts_all.shape
+    if R < 1 or k < 1:
+        raise ValueError(f"top_experts_all [R, N, k] needs R >= 1 and k >= 1, got shape {(R, N, k)}")
+    _check_positive_int("experts_per_rank", experts_per_rank)
+    _check_positive_int("align", align)
+    if not _is_int(rank) or not 0 <= rank < R:
+        raise ValueError(f"rank must be in [0, R={R}), got {rank!r}")
+    capacity = R * N * k + experts_per_rank * (align - 1)
+    if capacity > MAX_CAPACITY:
+        raise ValueError(
+            f"capacity R*N*k + L*(align-1) = {capacity} exceeds the int32 row index limit {MAX_CAPACITY}"
+        )
+    if check_ids:
+        checks.check_expert_ids(top_experts_all, R * experts_per_rank)
+    return R, N, k
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _describe(t: object) -> str:
+    return f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
