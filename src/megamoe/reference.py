@@ -88,3 +88,80 @@ def moe_forward(
     for gate_up, down in shared:
         out = out + expert_ffn(x_c, gate_up.to(cdt), down.to(cdt), swiglu_limit)
     return out.to(x.dtype)
+
+
+def moe_forward_backward(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    d_out: torch.Tensor | None,
+    shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    swiglu_limit: float | None = None,
+    *,
+    first_expert: int = 0,
+    num_experts: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`moe_forward` and its gradients for upstream gradient ``d_out``.
+
+    With ``d_out=None`` only the output is computed (grads is empty).
+
+    Same arguments as :func:`moe_forward`. Autograd runs one expert at a
+    time, so memory stays at one expert's activations (this is how the
+    oracle fits beside full-size layers on one GPU).
+
+    Returns ``(out, grads)`` with grads ``x`` `[N, D]`, ``router_weights``
+    `[N, k]` (both in the compute dtype), ``w_gate_up``, ``w_down`` (in the
+    weights' dtype) and ``shared`` (a list of (d_w_gate_up, d_w_down)).
+    """
+    n, d = checks.check_tokens(x)
+    checks.check_routing(top_experts, router_weights, n)
+    held, _ = checks.check_expert_weights(w_gate_up, w_down, d)
+    checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
+    checks.check_shared(shared, d)
+    if d_out is not None and tuple(d_out.shape) != (n, d):
+        raise ValueError(f"d_out must have shape ({n}, {d}), got {tuple(d_out.shape)}")
+
+    cdt = compute_dtype(x.dtype)
+    x_c = x.detach().to(cdt)
+    g_c = None if d_out is None else d_out.detach().to(cdt)
+    out = torch.zeros(n, d, dtype=cdt, device=x.device)
+    d_x = torch.zeros_like(out)
+    d_rw = torch.zeros(router_weights.shape, dtype=cdt, device=x.device)
+    d_gate_up, d_down = torch.zeros_like(w_gate_up), torch.zeros_like(w_down)
+
+    def one_ffn(rows, gate_up, down):
+        """One expert on ``rows``: (y detached, y in a graph, the graph's leaves)."""
+        with torch.set_grad_enabled(g_c is not None):
+            leaves = [t.detach().to(cdt).requires_grad_() for t in (x_c[rows], gate_up, down)]
+            y = expert_ffn(*leaves, swiglu_limit)
+        return y.detach(), y, leaves
+
+    for local in range(held):
+        token, slot = (top_experts == first_expert + local).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        y, y_graph, leaves = one_ffn(token, w_gate_up[local], w_down[local])
+        weight = router_weights[token, slot].to(cdt)[:, None]
+        out.index_add_(0, token, y * weight)
+        if g_c is None:
+            continue
+        d_rw[token, slot] = (g_c[token] * y).sum(1)
+        grads = torch.autograd.grad(y_graph, leaves, g_c[token] * weight)
+        d_x.index_add_(0, token, grads[0])
+        d_gate_up[local], d_down[local] = grads[1], grads[2]
+    d_shared = []
+    all_rows = torch.arange(n, device=x.device)
+    for gate_up, down in shared:
+        y, y_graph, leaves = one_ffn(all_rows, gate_up, down)
+        out += y
+        if g_c is None:
+            continue
+        grads = torch.autograd.grad(y_graph, leaves, g_c)
+        d_x += grads[0]
+        d_shared.append((grads[1].to(gate_up.dtype), grads[2].to(down.dtype)))
+    if g_c is None:
+        return out.to(x.dtype), {}
+    grads = {"x": d_x, "router_weights": d_rw, "w_gate_up": d_gate_up, "w_down": d_down, "shared": d_shared}
+    return out.to(x.dtype), grads

@@ -1,0 +1,1 @@
+"""Implementations megamoe is measured against."""

@@ -1,0 +1,140 @@
+"""The `nccl-torch` baseline: an expert-parallel MoE layer as torchtitan builds it.
+
+Stages (forward; autograd gives the backward):
+
+1. sort this rank's N·k routes by global expert id (-1 routes go last);
+2. exchange per-expert counts with an all-to-all, then read the split sizes
+   on the host (NOTE: this host sync is inherent to the design: the token
+   all-to-all needs its split sizes on the host);
+3. gather the routed rows and all-to-all them to the experts' ranks; rows
+   arrive grouped by (source rank, local expert);
+4. place them grouped by (local expert, source rank), each expert's group
+   starting on a multiple of ``group_align`` (zero rows between);
+5. ``torch._grouped_mm`` gate/up -> SwiGLU -> ``torch._grouped_mm`` down;
+6. all-to-all the outputs back; weighted sum over k at home (one bf16
+   ``bmm`` with FP32 accumulation), plus the dense shared experts.
+
+NCCL on CUDA, gloo on the CPU; both reach ``torch._grouped_mm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megamoe import checks
+from megamoe.reference import expert_ffn, swiglu
+from megamoe.world import EPWorld
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows; the backward sends gradients the reverse way."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        out = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        back = grad.new_empty((sum(input_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), input_splits, output_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _grouped_destinations(recv_RL: torch.Tensor, recv_host: torch.Tensor, group_align: int):
+    """Where each received row goes in the expert-grouped buffer.
+
+    ``recv_RL[r, l]`` rows arrived from rank r for local expert l, laid out
+    row-major over (r, l). Returns (dest [rows] int64 on device, group ends
+    int32 [L] for ``_grouped_mm``, padded row count).
+    """
+    ranks, experts = recv_host.shape
+    per_expert = recv_host.sum(0)
+    padded = (per_expert + group_align - 1) // group_align * group_align
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    # start of block (r, l) in the grouped buffer: expert start + rows of lower ranks.
+    block_start = starts[None, :] + recv_host.cumsum(0) - recv_host
+    device = recv_RL.device
+    counts = recv_RL.reshape(-1)
+    total = int(recv_host.sum())
+    block = torch.repeat_interleave(torch.arange(ranks * experts, device=device), counts, output_size=total)
+    recv_start = counts.cumsum(0) - counts
+    within = torch.arange(total, device=device) - recv_start[block]
+    dest = block_start.reshape(-1).to(device)[block] + within
+    return dest, ends.to(device=device, dtype=torch.int32), int(ends[-1]) if experts else 0
+
+
+def nccl_torch_moe(
+    world: EPWorld,
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    swiglu_limit: float | None = None,
+    *,
+    group_align: int = 8,
+) -> torch.Tensor:
+    """The MoE layer over ``world`` with NCCL/gloo all-to-all; differentiable.
+
+    Args:
+        world: the EP group (R ranks).
+        x: `[N, D]` this rank's tokens (N may differ between ranks).
+        top_experts: int `[N, k]` global expert ids, -1 = no route.
+        router_weights: float32 `[N, k]`, applied after the experts.
+        w_gate_up: `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``.
+        w_down: `[L, D, I]`.
+        shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
+        swiglu_limit: optional SwiGLU clamp.
+        group_align: each expert's row group starts on a multiple of this.
+
+    Returns `[N, D]` in x's dtype. Syncs the host once (split sizes).
+    """
+    n, d = checks.check_tokens(x)
+    k = checks.check_routing(top_experts, router_weights, n)
+    experts_local, _ = checks.check_expert_weights(w_gate_up, w_down, d)
+    checks.check_shared(shared, d)
+    ranks = world.size
+    num_experts = experts_local * ranks
+
+    flat = top_experts.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    send_counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=world.group)
+    host = torch.stack([send_counts, recv_counts]).cpu()  # the one host sync
+    send_host, recv_host = host[0].view(ranks, experts_local), host[1].view(ranks, experts_local)
+    input_splits = send_host.sum(1).tolist()
+    output_splits = recv_host.sum(1).tolist()
+    routed = order[: sum(input_splits)]
+
+    x_send = x[routed // k]
+    x_recv = _AllToAll.apply(x_send, output_splits, input_splits, world.group)
+    dest, ends, padded_rows = _grouped_destinations(recv_counts.view(ranks, experts_local), recv_host, group_align)
+    x_grouped = x_recv.new_zeros(padded_rows, d).index_copy(0, dest, x_recv)
+    h = _grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
+    y_grouped = _grouped_mm(swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
+    y_back = _AllToAll.apply(y_grouped[dest], input_splits, output_splits, world.group)
+
+    y_routes = y_back.new_zeros(n * k, d).index_copy(0, routed, y_back)
+    weights = router_weights.to(x.dtype).unsqueeze(1)  # [N, 1, k]
+    out = torch.bmm(weights, y_routes.view(n, k, d)).squeeze(1)
+    for gate_up, down in shared:
+        out = out + expert_ffn(x, gate_up, down, swiglu_limit)
+    return out
+
+
+def _grouped_mm(a_MK: torch.Tensor, b_GKN: torch.Tensor, ends_G: torch.Tensor) -> torch.Tensor:
+    if a_MK.shape[0] == 0:  # no rows at all: keep the graph connected to the weights
+        return a_MK.new_zeros(0, b_GKN.shape[-1]) + 0 * b_GKN.sum()
+    return torch._grouped_mm(a_MK, b_GKN, offs=ends_G)

@@ -1,0 +1,1 @@
+"""Benchmark harness, seeded problems and reports for `megamoe bench`."""

@@ -1,0 +1,260 @@
+"""`megamoe bench`: check and time layer implementations side by side.
+
+Each rank builds its seeded problem, computes the oracle once
+(:mod:`megamoe.ep_reference`), then for every implementation and pass
+checks the result against the oracle and times it: CUDA events on GPUs
+(every iteration's time is the slowest rank's), the wall clock between
+barriers on the CPU. Records follow ../shared/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megamoe.baselines.nccl_torch import nccl_torch_moe
+from megamoe.bench.problem import RankProblem, make_problem
+from megamoe.config import MoEConfig, preset
+from megamoe.ep_reference import ep_reference_forward_backward
+from megamoe.world import EPWorld
+
+PASSES = ("fwd", "bwd")
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: (relative L1, max-abs on unit-RMS tensors), ../shared/BENCHMARKS.md.
+TOLERANCES = {"bf16": (1e-2, 0.5), "fp32": (1e-4, 1e-3)}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What one `megamoe bench` run measures (see the CLI for each option)."""
+
+    preset: str
+    tokens: tuple[int, ...]  # per rank (one value = the same on every rank)
+    ep: int
+    device: str
+    precision: str = "bf16"
+    impls: tuple[str, ...] = ("reference", "nccl-torch")
+    passes: tuple[str, ...] = PASSES
+    iters: int = 5
+    warmup: int = 1
+    seed: int = 0
+    routing: str = "uniform"
+    config: MoEConfig | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        cfg = self.config or preset(self.preset)
+        object.__setattr__(self, "config", cfg)
+        cfg.experts_per_rank(self.ep)
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision {self.precision!r} is not available yet for these implementations; "
+                f"available: {', '.join(PRECISIONS)}"
+            )
+        for impl in self.impls:
+            if impl not in RUNNERS:
+                raise ValueError(f"unknown impl {impl!r}; known: {', '.join(RUNNERS)}")
+        for name in self.passes:
+            if name not in PASSES:
+                raise ValueError(f"unknown pass {name!r}; known: {', '.join(PASSES)}")
+        if len(self.tokens) not in (1, self.ep) or any(t < 0 for t in self.tokens):
+            raise ValueError(f"tokens must be one count or one per rank (ep={self.ep}), got {self.tokens}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"iters must be >= 1 and warmup >= 0, got {self.iters}, {self.warmup}")
+
+    def tokens_of(self, rank: int) -> int:
+        return self.tokens[0] if len(self.tokens) == 1 else self.tokens[rank]
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+class _AutogradRunner:
+    """An implementation that is a differentiable function of the problem's tensors."""
+
+    def __init__(self, world: EPWorld, p: RankProblem, fn):
+        self.world, self.p, self.fn = world, p, fn
+        self.leaves = {
+            "x": p.x.detach().clone().requires_grad_(),
+            "router_weights": p.router_weights.detach().clone().requires_grad_(),
+            "w_gate_up": p.w_gate_up.detach().requires_grad_(),
+            "w_down": p.w_down.detach().requires_grad_(),
+        }
+        self.shared = [(a.detach().requires_grad_(), b.detach().requires_grad_()) for a, b in p.shared]
+
+    def forward(self) -> torch.Tensor:
+        for t in self._all_leaves():
+            t.grad = None
+        lv = self.leaves
+        return self.fn(
+            self.world, lv["x"], self.p.top_experts, lv["router_weights"], lv["w_gate_up"], lv["w_down"],
+            self.shared, self.p.config.swiglu_limit,
+        )
+
+    def backward(self, out: torch.Tensor) -> dict:
+        out.backward(self.p.d_out)
+        grads = {name: t.grad for name, t in self.leaves.items()}
+        grads["shared"] = [(a.grad, b.grad) for a, b in self.shared]
+        return grads
+
+    def _all_leaves(self):
+        yield from self.leaves.values()
+        for pair in self.shared:
+            yield from pair
+
+
+class _ReferenceRunner:
+    """The oracle itself. Its bwd time is (forward + backward) minus the forward."""
+
+    def __init__(self, world: EPWorld, p: RankProblem):
+        self.world, self.p = world, p
+
+    def forward(self) -> torch.Tensor:
+        return ep_reference_forward_backward(self.world, self.p, with_grads=False)[0]
+
+    def backward(self, out: torch.Tensor) -> dict:
+        return ep_reference_forward_backward(self.world, self.p)[1]
+
+
+RUNNERS = {
+    "reference": _ReferenceRunner,
+    "nccl-torch": lambda world, p: _AutogradRunner(world, p, nccl_torch_moe),
+}
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def _flatten(grads: dict) -> dict[str, torch.Tensor]:
+    flat = {k: v for k, v in grads.items() if k != "shared"}
+    for s, (a, b) in enumerate(grads["shared"]):
+        flat[f"shared{s}.w_gate_up"], flat[f"shared{s}.w_down"] = a, b
+    return flat
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precision: str) -> dict:
+    """Worst errors over named tensors: max-abs, relative L1, and whether both are in tolerance.
+
+    The max-abs bound applies to tensors scaled to unit RMS (BF16's spacing
+    grows with magnitude: a weight gradient summed over thousands of rows is
+    not held to the same absolute bound as an O(1) output).
+    """
+    rel_tol, abs_tol = TOLERANCES[precision]
+    worst = {"max_abs_err": 0.0, "rel_err": 0.0, "correct": True, "worst_tensor": None}
+    for name, ref in want.items():
+        out = got.get(name)
+        if out is None or out.shape != ref.shape:
+            return {"max_abs_err": float("inf"), "rel_err": float("inf"), "correct": False, "worst_tensor": name}
+        diff = (out.double() - ref.double()).abs()
+        ref_abs = ref.double().abs()
+        max_abs = float(diff.max()) if diff.numel() else 0.0
+        rel = float(diff.sum() / ref_abs.sum().clamp_min(1e-30)) if diff.numel() else 0.0
+        scale = max(1.0, float(ref.double().pow(2).mean().sqrt())) if ref.numel() else 1.0
+        ok = rel <= rel_tol and max_abs <= abs_tol * scale and bool(torch.isfinite(out).all())
+        if rel > worst["rel_err"] or not ok:
+            worst["worst_tensor"] = name if (rel > worst["rel_err"] or worst["correct"]) else worst["worst_tensor"]
+        worst["max_abs_err"] = max(worst["max_abs_err"], max_abs)
+        worst["rel_err"] = max(worst["rel_err"], rel)
+        worst["correct"] = worst["correct"] and ok
+    return worst
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _timed(world: EPWorld, fn) -> tuple[float, object]:
+    """Milliseconds of ``fn()`` on this rank, started together with the other ranks."""
+    world.barrier()
+    if world.is_cuda:
+        torch.cuda.synchronize(world.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), result
+    t0 = time.perf_counter()
+    result = fn()
+    return (time.perf_counter() - t0) * 1e3, result
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _pass_work(world: EPWorld, p: RankProblem, name: str) -> tuple[float, float]:
+    """(FLOPs on this rank's tokens, bytes this rank's routes send across ranks) for one pass."""
+    cfg = p.config
+    routes = p.top_experts[p.top_experts >= 0]
+    flops = cfg.routed_flops(routes.numel()) + cfg.shared_flops(p.tokens)
+    remote = int((routes.long() // p.w_gate_up.shape[0] != world.rank).sum())
+    cross = 2 * remote * cfg.hidden * p.x.element_size()  # dispatch + combine (or their mirrors)
+    return (flops * (2 if name == "bwd" else 1), cross)
+
+
+def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
+    """Check and time every (impl, pass) on this rank; returns the records (rank 0's are complete)."""
+    cfg = opts.config
+    p = make_problem(
+        cfg, world.rank, world.size, opts.tokens_of(world.rank), dtype=PRECISIONS[opts.precision],
+        device=world.device, seed=opts.seed, routing=opts.routing,
+    )
+    oracle_out, oracle_grads = ep_reference_forward_backward(world, p)
+    want = {"fwd": {"out": oracle_out}, "bwd": _flatten(oracle_grads)}
+    work = {name: _pass_work(world, p, name) for name in opts.passes}
+    records = []
+    for impl in opts.impls:
+        runner = RUNNERS[impl](world, p)
+        for name in opts.passes:
+            times, check = [], None
+            for it in range(opts.warmup + opts.iters):
+                if name == "fwd":
+                    ms, out = _timed(world, runner.forward)
+                    got = {"out": out.detach()}
+                else:
+                    out = runner.forward()
+                    ms, grads = _timed(world, lambda: runner.backward(out))
+                    got = _flatten(grads)
+                if check is None:
+                    check = compare(got, want[name], opts.precision)
+                if it >= opts.warmup:
+                    times.append(ms)
+                del out, got
+            records.append(_gather_record(world, opts, impl, name, times, check, work[name]))
+        if impl == "reference" and "fwd" in opts.passes and "bwd" in opts.passes:
+            fwd, bwd = records[-2], records[-1]
+            for key in ("time_ms", "time_ms_p10", "time_ms_p90"):
+                bwd[key] = max(bwd[key] - fwd["time_ms"], 0.0)
+            bwd["tflops"] = bwd["flops"] / bwd["time_ms"] / 1e9 if bwd["time_ms"] else None
+    return records
+
+
+def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check, work) -> dict:
+    everyone = world.all_gather_object({"times": times, "check": check, "work": work})
+    slowest = [max(r["times"][i] for r in everyone) for i in range(len(times))]
+    median = _percentile(slowest, 0.5)
+    flops = sum(r["work"][0] for r in everyone) / world.size
+    cross = max(r["work"][1] for r in everyone)
+    return {
+        "impl": impl,
+        "preset": opts.preset,
+        "precision": opts.precision,
+        "pass": name,
+        "ep": world.size,
+        "tokens_per_rank": opts.tokens_of(0) if len(opts.tokens) == 1 else list(opts.tokens),
+        "device": world.device.type,
+        "time_ms": median,
+        "time_ms_p10": _percentile(slowest, 0.1),
+        "time_ms_p90": _percentile(slowest, 0.9),
+        "flops": flops,
+        "tflops": flops / median / 1e9 if median else None,
+        "cross_gbps": cross / median / 1e6 if median and world.size > 1 else None,
+        "max_abs_err": max(r["check"]["max_abs_err"] for r in everyone),
+        "rel_err": max(r["check"]["rel_err"] for r in everyone),
+        "correct": all(r["check"]["correct"] for r in everyone),
+        "worst_tensor": max(everyone, key=lambda r: r["check"]["rel_err"])["check"]["worst_tensor"],
+        "iters": len(times),
+    }

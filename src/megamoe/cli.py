@@ -1,0 +1,89 @@
+"""The `megamoe` command line: `megamoe bench`."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="megamoe: an expert-parallel MoE layer.")
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+@app.command()
+def bench(
+    preset: str = typer.Option(None, help="Model shape (default: kimi-k2 on GPU, tiny on CPU)."),
+    tokens: str = typer.Option(None, help="Tokens per rank: one count, or one per rank comma-separated "
+                                          "(default: 8192 on GPU, 256 on CPU)."),
+    ep: int = typer.Option(None, help="Expert-parallel ranks (default: every GPU, or 4 simulated CPU ranks)."),
+    device: str = typer.Option(None, help="cuda or cpu (default: cuda when a GPU is visible)."),
+    precision: str = typer.Option("bf16", help="bf16 (fp32 for CPU checks)."),
+    impl: str = typer.Option(None, help="Comma-separated implementations (default: nccl-torch on GPU, "
+                                        "reference,nccl-torch on CPU)."),
+    passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
+    iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 3 on CPU)."),
+    warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 1 on CPU)."),
+    routing: str = typer.Option("uniform", help="uniform, zipf or one-rank."),
+    seed: int = typer.Option(0, help="Seed of every input."),
+    json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
+) -> None:
+    """Check every implementation against the reference and time it, side by side."""
+    from megamoe.bench.harness import BenchOptions, run_rank
+    from megamoe.bench.report import print_table, run_metadata, write_json
+    from megamoe.world import launch
+
+    console = Console()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device == "cuda"
+    try:
+        opts = BenchOptions(
+            preset=preset or ("kimi-k2" if gpu else "tiny"),
+            tokens=tuple(int(t) for t in _csv(tokens or ("8192" if gpu else "256"))),
+            ep=ep or (torch.cuda.device_count() if gpu else 4),
+            device=device,
+            precision=precision,
+            impls=_csv(impl or ("nccl-torch" if gpu else "reference,nccl-torch")),
+            passes=_csv(passes),
+            iters=iters if iters is not None else (20 if gpu else 3),
+            warmup=warmup if warmup is not None else (3 if gpu else 1),
+            seed=seed,
+            routing=routing,
+        )
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"[bold]megamoe bench[/bold]: {opts.preset} on {opts.ep} {device} rank(s), "
+                  f"impls {', '.join(opts.impls)}, passes {', '.join(opts.passes)}, {opts.iters} iters")
+    records = launch(run_rank, opts.ep, opts, device=device)[0]
+    meta = run_metadata(device)
+    for record in records:
+        record.update(meta)
+    print_table(records, console)
+    if json_path:
+        write_json(records, json_path)
+        console.print(f"records written to {json_path}")
+    if not all(r["correct"] for r in records):
+        console.print("[red]some implementation disagrees with the reference[/red]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def version() -> None:
+    """Print the package version."""
+    from megamoe import __version__
+
+    print(__version__)
+
+
+def main() -> None:
+    app(prog_name="megamoe")
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

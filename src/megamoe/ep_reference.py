@@ -1,0 +1,77 @@
+"""The reference layer run over an expert-parallel group (the oracle at EP > 1).
+
+The layer is a sum over experts, so each rank evaluates
+:func:`megamoe.reference.moe_forward_backward` for its own experts on every
+rank's tokens (gathered with plain collectives) and the per-rank shares are
+summed at each token's home rank in rank order. Nothing here is under test:
+it is the pure-PyTorch math plus an exchange of whole tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megamoe.bench.problem import RankProblem
+from megamoe.reference import compute_dtype, moe_forward_backward
+from megamoe.world import EPWorld
+
+
+def _gather_rows(world: EPWorld, t: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
+    """Every rank's ``t`` padded to ``rows`` rows, stacked: `[R * rows, ...]`."""
+    padded = t.new_full((rows,) + tuple(t.shape[1:]), fill)
+    padded[: t.shape[0]] = t
+    out = padded.new_empty((world.size * rows,) + tuple(t.shape[1:]))
+    dist.all_to_all_single(out, padded.repeat((world.size,) + (1,) * (t.dim() - 1)), group=world.group)
+    return out
+
+
+def _sum_home(world: EPWorld, partial: torch.Tensor, rows: int, mine: int) -> torch.Tensor:
+    """Send block r of ``partial`` (`[R * rows, ...]`) to rank r; sum what arrives in rank order."""
+    arrived = torch.empty_like(partial)
+    dist.all_to_all_single(arrived, partial.contiguous(), group=world.group)
+    return arrived.view((world.size, rows) + tuple(partial.shape[1:])).sum(0)[:mine]
+
+
+def ep_reference_forward_backward(world: EPWorld, p: RankProblem, *, with_grads: bool = True) -> tuple[torch.Tensor, dict]:
+    """Output and gradients of the layer for rank ``world.rank``'s tokens and experts.
+
+    Returns ``(out [N, D] in the compute dtype, grads)`` (grads empty without ``with_grads``); grads as in
+    :func:`moe_forward_backward`: ``x`` and ``router_weights`` for this
+    rank's tokens, ``w_gate_up`` / ``w_down`` for its experts, ``shared``.
+    """
+    cfg = p.config
+    n = p.tokens
+    rows = max(world.all_gather_object(n))
+    cdt = compute_dtype(p.x.dtype)
+    x_all = _gather_rows(world, p.x.to(cdt), rows)
+    top_all = _gather_rows(world, p.top_experts, rows, fill=-1)
+    rw_all = _gather_rows(world, p.router_weights, rows)
+    d_out_all = _gather_rows(world, p.d_out.to(cdt), rows) if with_grads else None
+    partial, grads = moe_forward_backward(
+        x_all, top_all, rw_all, p.w_gate_up, p.w_down, d_out_all,
+        swiglu_limit=cfg.swiglu_limit, first_expert=p.first_expert, num_experts=cfg.num_experts,
+    )
+    out = _sum_home(world, partial, rows, n)
+    d_out_mine = p.d_out.to(cdt) if with_grads else None
+    x_mine = p.x.to(cdt)
+    empty_top = torch.full_like(p.top_experts, -1)
+    no_experts = (p.w_gate_up[:0], p.w_down[:0])
+    # The shared experts are replicated: each rank computes them for its own tokens.
+    shared_out, shared_grads = moe_forward_backward(
+        x_mine, empty_top, p.router_weights, *no_experts, d_out_mine, p.shared, cfg.swiglu_limit,
+        num_experts=cfg.num_experts,
+    )
+    out = out + shared_out
+    if not with_grads:
+        return out, {}
+    d_x = _sum_home(world, grads["x"], rows, n)
+    d_rw = _sum_home(world, grads["router_weights"], rows, n)
+    grads = {
+        "x": d_x + shared_grads["x"],
+        "router_weights": d_rw,
+        "w_gate_up": grads["w_gate_up"],
+        "w_down": grads["w_down"],
+        "shared": shared_grads["shared"],
+    }
+    return out, grads
