@@ -31,10 +31,11 @@ def bench(
     routing: str = typer.Option("uniform", help="uniform, zipf or one-rank."),
     seed: int = typer.Option(0, help="Seed of every input."),
     json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
+    md_path: str = typer.Option(None, "--md", help="Write a Markdown table (with machine, commit, command) here."),
 ) -> None:
     """Check every implementation against the reference and time it, side by side."""
     from megamoe.bench.harness import BenchOptions, run_rank
-    from megamoe.bench.report import print_table, run_metadata, write_json
+    from megamoe.bench.report import print_table, run_metadata, write_json, write_markdown
     from megamoe.world import launch
 
     console = Console()
@@ -67,6 +68,8 @@ def bench(
     if json_path:
         write_json(records, json_path)
         console.print(f"records written to {json_path}")
+    if md_path:
+        write_markdown(records, md_path, "megamoe " + " ".join(sys.argv[1:]))
     if not all(r["correct"] for r in records):
         console.print("[red]some implementation disagrees with the reference[/red]")
         raise typer.Exit(1)

@@ -105,6 +105,7 @@ def nccl_torch_moe(
     checks.check_shared(shared, d)
     ranks = world.size
     num_experts = experts_local * ranks
+    checks.check_expert_ids(top_experts, num_experts)  # the split sizes sync the host anyway
 
     flat = top_experts.reshape(-1).long()
     key = torch.where(flat >= 0, flat, num_experts)

@@ -65,3 +65,29 @@ def write_json(records: list[dict], path: str) -> None:
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
         f.write("\n")
+
+
+def write_markdown(records: list[dict], path: str, command: str, baseline: str = "nccl-torch") -> None:
+    """A short Markdown table of the run with its machine, commit, date and command."""
+    first = records[0] if records else {}
+    base = {(r["preset"], r["pass"], r["ep"]): r["time_ms"] for r in records if r["impl"] == baseline}
+    lines = [
+        f"# {first.get('preset')} · EP {first.get('ep')} · {first.get('tokens_per_rank')} tokens/rank · "
+        f"{first.get('precision')}",
+        "",
+        f"- machine: {first.get('machine')}; commit: {first.get('commit')}; date: {first.get('date')}",
+        f"- command: `{command}`",
+        "",
+        f"| impl | pass | ms (median) | p10–p90 | × vs {baseline} | TFLOP/s | cross GB/s | max abs | rel | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        ref = base.get((r["preset"], r["pass"], r["ep"]))
+        lines.append(
+            f"| {r['impl']} | {r['pass']} | {r['time_ms']:.3f} | {r['time_ms_p10']:.3f}–{r['time_ms_p90']:.3f} | "
+            f"{_fmt(ref / r['time_ms'] if ref and r['time_ms'] else None, '.2f')} | {_fmt(r['tflops'], '.1f')} | "
+            f"{_fmt(r['cross_gbps'], '.1f')} | {r['max_abs_err']:.2e} | {r['rel_err']:.2e} | {r['correct']} |"
+        )
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")

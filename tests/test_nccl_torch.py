@@ -1,0 +1,75 @@
+"""The nccl-torch baseline equals the reference, forward and backward, on 1, 2 and 4 CPU ranks."""
+
+import pytest
+import torch
+
+from megamoe.baselines.nccl_torch import nccl_torch_moe
+from megamoe.bench.harness import _AutogradRunner, _flatten, compare
+from megamoe.bench.problem import make_problem
+from megamoe.config import MoEConfig
+from megamoe.ep_reference import ep_reference_forward_backward
+from megamoe.world import launch
+
+CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+EMPTY_EXPERT = 5
+
+
+def _check_against_reference(world, tokens, precision, limit):
+    cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit})
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=dtype, seed=11, drop=0.15)
+    # no token anywhere goes to EMPTY_EXPERT: that expert computes nothing and gets a zero gradient
+    p.top_experts = torch.where(p.top_experts == EMPTY_EXPERT, -1, p.top_experts)
+    want_out, want_grads = ep_reference_forward_backward(world, p)
+    runner = _AutogradRunner(world, p, nccl_torch_moe)
+    out = runner.forward()
+    grads = runner.backward(out)
+    fwd = compare({"out": out.detach()}, {"out": want_out}, precision)
+    bwd = compare(_flatten(grads), _flatten(want_grads), precision)
+    experts = p.w_gate_up.shape[0]
+    local_empty = EMPTY_EXPERT - world.rank * experts
+    empty_grad_zero = None
+    if 0 <= local_empty < experts:
+        empty_grad_zero = bool(grads["w_gate_up"][local_empty].eq(0).all() and grads["w_down"][local_empty].eq(0).all())
+    return fwd, bwd, empty_grad_zero
+
+
+@pytest.mark.parametrize(
+    "tokens, precision, limit",
+    [
+        ((37,), "fp32", None),
+        ((29, 0), "fp32", 0.8),  # a rank with no tokens at all
+        ((23, 5, 41, 1), "fp32", None),
+        ((40, 17), "bf16", None),
+    ],
+)
+def test_matches_reference(tokens, precision, limit):
+    results = launch(_check_against_reference, len(tokens), tokens, precision, limit)
+    for rank, (fwd, bwd, empty_grad_zero) in enumerate(results):
+        assert fwd["correct"], (rank, fwd)
+        assert bwd["correct"], (rank, bwd)
+        if precision == "fp32":  # tight: only summation order differs
+            assert fwd["rel_err"] < 1e-5 and bwd["rel_err"] < 1e-5, (rank, fwd, bwd)
+        assert empty_grad_zero in (None, True)
+    assert any(r[2] is True for r in results)  # the empty expert was checked on its rank
+
+
+def _bad_call(world):
+    p = make_problem(CONFIG, world.rank, world.size, 4, dtype=torch.float32)
+    errors = []
+    for args in (
+        (p.x[:, :32], p.top_experts, p.router_weights, p.w_gate_up, p.w_down),
+        (p.x, p.top_experts[:3], p.router_weights, p.w_gate_up, p.w_down),
+        (p.x, p.top_experts, p.router_weights, p.w_gate_up[:, :, :64], p.w_down),
+    ):
+        try:
+            nccl_torch_moe(world, *args)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_bad_input_raises_value_error():
+    errors = launch(_bad_call, 1)[0]
+    assert len(errors) == 3
+    assert "multiple of 64" in errors[0] and "rows but x has" in errors[1] and "w_gate_up" in errors[2]

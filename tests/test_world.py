@@ -1,0 +1,102 @@
+"""The EP world: ranks see each other's symmetric buffers, from torch and from Triton."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.world import BufferSpec, SymmetricWorkspace, launch, workspace
+
+
+@triton.jit
+def _pull_row_kernel(peer_ptrs, out_ptr, src_rank, n, BLOCK: tl.constexpr):
+    """Copy ``n`` floats of rank ``src_rank``'s buffer into ``out`` through the peer table."""
+    base = tl.load(peer_ptrs + src_rank).to(tl.pointer_type(tl.float32))
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(base + offs, mask=offs < n), mask=offs < n)
+
+
+def _exchange(world):
+    specs = [BufferSpec("rows", (4, 8), torch.float32), BufferSpec("flags", (3,), torch.int32)]
+    ws = workspace(world, specs)
+    assert workspace(world, specs) is ws  # cached per (group, specs)
+    assert torch.equal(ws.local("rows"), torch.zeros(4, 8, device=world.device))  # starts zeroed
+    ws.local("rows").copy_(torch.arange(32, dtype=torch.float32, device=world.device).view(4, 8) + 100 * world.rank)
+    world.barrier()
+    peer = (world.rank + 1) % world.size
+    read = ws.peer("rows", peer).clone()
+    ws.peer("flags", peer)[0] = 7 + world.rank  # write into the peer's memory
+    out = torch.full((8,), -1.0, device=world.device)
+    _pull_row_kernel[(1,)](ws.peer_ptrs("rows"), out, peer, 8, BLOCK=8)
+    if world.is_cuda:
+        torch.cuda.synchronize()
+    world.barrier()
+    result = (read.cpu(), ws.local("flags").cpu().clone(), out.cpu())
+    world.barrier()
+    ws.free()
+    with pytest.raises(RuntimeError, match="freed"):
+        ws.local("rows")
+    return result
+
+
+def _check_exchange(results):
+    size = len(results)
+    for rank, (read, flags, pulled) in enumerate(results):
+        peer = (rank + 1) % size
+        expected = torch.arange(32, dtype=torch.float32).view(4, 8) + 100 * peer
+        assert torch.equal(read, expected)
+        assert torch.equal(pulled, expected[0])
+        writer = (rank - 1) % size
+        assert flags[0] == 7 + writer and flags[1:].eq(0).all()
+
+
+def test_cpu_ranks_read_and_write_each_others_buffers():
+    _check_exchange(launch(_exchange, 3))
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_read_and_write_each_others_buffers():
+    _check_exchange(launch(_exchange, max(2, torch.cuda.device_count()), device="cuda"))
+
+
+def _bad_workspace(world):
+    errors = []
+    for specs in ([BufferSpec("a", (2,), torch.float32), BufferSpec("a", (2,), torch.float32)],
+                  [BufferSpec("a", (-1,), torch.float32)]):
+        try:
+            SymmetricWorkspace(world, specs)
+        except ValueError as exc:
+            errors.append(str(exc))
+    ws = SymmetricWorkspace(world, [BufferSpec("a", (2,), torch.float32)])
+    for call in (lambda: ws.local("b"), lambda: ws.peer("a", world.size)):
+        try:
+            call()
+        except ValueError as exc:
+            errors.append(str(exc))
+    ws.free()
+    return errors
+
+
+def test_bad_workspace_requests_raise_value_error():
+    errors = launch(_bad_workspace, 2)[0]
+    assert len(errors) == 4
+    assert "appears twice" in errors[0] and "bad shape" in errors[1]
+    assert "no buffer 'b'" in errors[2] and "rank must be in [0, 2)" in errors[3]
+
+
+def _fail_on_rank_one(world):
+    if world.rank == 1:
+        raise ValueError("rank one refuses")
+    return world.rank
+
+
+def test_launch_reports_a_failing_rank():
+    with pytest.raises(RuntimeError, match="rank 1 failed: ValueError: rank one refuses"):
+        launch(_fail_on_rank_one, 2)
+
+
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="nprocs"):
+        launch(_fail_on_rank_one, 0)
+    with pytest.raises(ValueError, match="device"):
+        launch(_fail_on_rank_one, 1, device="tpu")
