@@ -270,8 +270,11 @@ def fp8_block_quantize(
     amax_bits = (xb.view(torch.int32) & _F32_ABS_MASK).amax(dim=(-3, -1))
     bad = amax_bits >= _F32_INF_BITS
     amax = amax_bits.view(torch.float32).clamp_min(FP8_BLOCK_AMAX_FLOOR)
-    scale = torch.where(bad, float("nan"), amax / E4M3_MAX)
-    inv = (E4M3_MAX / amax)[..., :, None, :, None]
+    # NOTE: tensor / tensor on purpose: torch turns `448.0 / t` into `t.reciprocal() * 448` and,
+    # on CUDA, `t / 448.0` into `t * (1 / 448)`; neither is the correctly rounded quotient.
+    e4m3_max = torch.full_like(amax, E4M3_MAX)
+    scale = torch.where(bad, float("nan"), amax / e4m3_max)
+    inv = (e4m3_max / amax)[..., :, None, :, None]
     y = (xb * inv).clamp(-E4M3_MAX, E4M3_MAX)
     bits = y.to(torch.float8_e4m3fn).view(torch.uint8)
     bits = torch.where(bad[..., :, None, :, None], E4M3_NAN_BITS, bits)

@@ -23,8 +23,9 @@ from megamoe.world import EPWorld
 
 PASSES = ("fwd", "bwd")
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
-#: (relative L1, max-abs on unit-RMS tensors), ../shared/BENCHMARKS.md.
-TOLERANCES = {"bf16": (1e-2, 0.5), "fp32": (1e-4, 1e-3)}
+#: (relative L1, worst row's relative L2 error, max-abs of the layer output). The first and
+#: last are ../shared/BENCHMARKS.md's; see :func:`compare` for the row check.
+TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3)}
 
 
 @dataclass(frozen=True)
@@ -134,29 +135,58 @@ def _flatten(grads: dict) -> dict[str, torch.Tensor]:
     return flat
 
 
-def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precision: str) -> dict:
-    """Worst errors over named tensors: max-abs, relative L1, and whether both are in tolerance.
+def _error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14) -> dict:
+    """Errors of ``out`` against ``ref`` in float32 chunks of rows (the last dim is a row).
 
-    The max-abs bound applies to tensors scaled to unit RMS (BF16's spacing
-    grows with magnitude: a weight gradient summed over thousands of rows is
-    not held to the same absolute bound as an O(1) output).
+    max_abs = max|out-ref|; rel = sum|out-ref| / sum|ref|; row = the largest
+    ||out_row - ref_row|| / max(||ref_row||, typical row norm), the typical
+    norm being the RMS of ||ref_row||; finite = out has no NaN or inf.
     """
-    rel_tol, abs_tol = TOLERANCES[precision]
-    worst = {"max_abs_err": 0.0, "rel_err": 0.0, "correct": True, "worst_tensor": None}
+    a, b = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    chunks = range(0, a.shape[0], chunk_rows)
+    ref_sq = sum(float(b[i : i + chunk_rows].float().pow(2).sum(dtype=torch.float64)) for i in chunks)
+    typical_row = max((ref_sq / max(a.shape[0], 1)) ** 0.5, torch.finfo(torch.float32).tiny)
+    max_abs, abs_sum, ref_sum, row, finite = 0.0, 0.0, 0.0, 0.0, True
+    for start in chunks:
+        x, y = a[start : start + chunk_rows].float(), b[start : start + chunk_rows].float()
+        diff = x - y
+        max_abs = max(max_abs, float(diff.abs().max()))
+        abs_sum += float(diff.abs().sum(dtype=torch.float64))
+        ref_sum += float(y.abs().sum(dtype=torch.float64))
+        row = max(row, float((diff.norm(dim=1) / y.norm(dim=1).clamp_min(typical_row)).max()))
+        finite = finite and bool(torch.isfinite(x).all())
+    return {"max_abs": max_abs, "rel": abs_sum / max(ref_sum, 1e-30), "row": row, "finite": finite}
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precision: str) -> dict:
+    """Worst errors over named tensors and whether every tensor is in tolerance.
+
+    Every tensor: relative L1 error (catches widespread error) and the worst
+    row's L2 error over its norm, or a typical row's norm if larger (catches
+    a few wrong rows: a missing route or a race gives ~1; BF16 rounding
+    stays near 1e-2). The layer output ``out`` also meets the max-abs bound;
+    gradients do not, as their magnitudes grow with the rows summed and a
+    BF16 result carries half an ULP of its magnitude (measured on kimi-k2:
+    weight gradients up to ~120, router-weight gradients up to ~500).
+    """
+    rel_tol, row_tol, abs_tol = TOLERANCES[precision]
+    worst = {"max_abs_err": 0.0, "rel_err": 0.0, "row_err": 0.0, "correct": True, "worst_tensor": None}
     for name, ref in want.items():
         out = got.get(name)
         if out is None or out.shape != ref.shape:
-            return {"max_abs_err": float("inf"), "rel_err": float("inf"), "correct": False, "worst_tensor": name}
-        diff = (out.double() - ref.double()).abs()
-        ref_abs = ref.double().abs()
-        max_abs = float(diff.max()) if diff.numel() else 0.0
-        rel = float(diff.sum() / ref_abs.sum().clamp_min(1e-30)) if diff.numel() else 0.0
-        scale = max(1.0, float(ref.double().pow(2).mean().sqrt())) if ref.numel() else 1.0
-        ok = rel <= rel_tol and max_abs <= abs_tol * scale and bool(torch.isfinite(out).all())
-        if rel > worst["rel_err"] or not ok:
-            worst["worst_tensor"] = name if (rel > worst["rel_err"] or worst["correct"]) else worst["worst_tensor"]
-        worst["max_abs_err"] = max(worst["max_abs_err"], max_abs)
-        worst["rel_err"] = max(worst["rel_err"], rel)
+            return {**worst, "max_abs_err": float("inf"), "rel_err": float("inf"), "correct": False,
+                    "worst_tensor": name}
+        if ref.numel() == 0:
+            continue
+        st = _error_stats(out, ref)
+        ok = st["rel"] <= rel_tol and st["row"] <= row_tol and st["finite"]
+        ok = ok and (name != "out" or st["max_abs"] <= abs_tol)
+        if worst["worst_tensor"] is None or (not ok and worst["correct"]) or (
+                ok == worst["correct"] and st["rel"] > worst["rel_err"]):
+            worst["worst_tensor"] = name
+        worst["max_abs_err"] = max(worst["max_abs_err"], st["max_abs"])
+        worst["rel_err"] = max(worst["rel_err"], st["rel"])
+        worst["row_err"] = max(worst["row_err"], st["row"])
         worst["correct"] = worst["correct"] and ok
     return worst
 
@@ -254,6 +284,7 @@ def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check
         "cross_gbps": cross / median / 1e6 if median and world.size > 1 else None,
         "max_abs_err": max(r["check"]["max_abs_err"] for r in everyone),
         "rel_err": max(r["check"]["rel_err"] for r in everyone),
+        "row_err": max(r["check"]["row_err"] for r in everyone),
         "correct": all(r["check"]["correct"] for r in everyone),
         "worst_tensor": max(everyone, key=lambda r: r["check"]["rel_err"])["check"]["worst_tensor"],
         "iters": len(times),

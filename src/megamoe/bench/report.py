@@ -16,12 +16,14 @@ from rich.table import Table
 def run_metadata(device: str) -> dict:
     """Fields every record of one run shares: machine, commit, run id, date."""
     try:
+        if os.environ.get("MEGAMOE_COMMIT"):  # a copy of the tree without .git (the GPU machine)
+            raise OSError
         root = os.path.dirname(os.path.abspath(__file__))
         commit = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
         ).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+        commit = os.environ.get("MEGAMOE_COMMIT", "unknown")
     machine = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     return {
         "machine": machine,

@@ -1,0 +1,512 @@
+"""MXFP8 and FP8-block quantisation in Triton: fusable tile functions and standalone kernels.
+
+Every result matches the pure-PyTorch definitions of :mod:`megamoe.formats`
+bit for bit (data bytes, scale bytes, NaN payloads); read that module for the
+formats' rules. Here is how the kernels compute them.
+
+Tile functions (``@triton.jit``; later kernels inline them into dispatch,
+GEMM epilogues and SwiGLU) take a register tile ``x [BLOCK_M, BLOCK_K]`` of
+any float dtype and return ``(data, scale)`` for blocks along either axis:
+
+    mxfp8_quantize_tile(x, AXIS, RCEIL=False, SOFT_E4M3=False)
+        AXIS=1, rowwise (blocks of 32 along K):    data float8e4nv [BM, BK], scale uint8 [BM, BK/32]
+        AXIS=0, columnwise (blocks of 32 along M): data float8e4nv [BM, BK], scale uint8 [BM/32, BK]
+    fp8_block_quantize_tile(x, BLOCK_R, BLOCK_C, SOFT_E4M3=False)
+        (BLOCK_R, BLOCK_C) = (1, 128) rowwise, (128, 1) columnwise, (128, 128) weights:
+        data float8e4nv [BM, BK], scale float32 [BM/BLOCK_R, BK/BLOCK_C]
+
+BLOCK_M and BLOCK_K must be multiples of the block along each axis. The
+training GEMMs pick the axis they reduce over: forward reduces over D
+(rowwise activations, weights blocked along D), dgrad over the output dim
+(rowwise dY, weights blocked along their rows), wgrad over tokens
+(columnwise x and dY).
+
+Stages of one tile (both formats):
+  1. ``x`` to float32 (exact; bf16 by a bit shift) and the int32 bit patterns of ``|x|``; for
+     non-negative floats integer order is float order, with inf and NaN above
+     every finite value.
+  2. Block amax: an integer ``tl.max`` over each block (``tl.reshape`` to
+     ``[.., blocks, block]``). Exact and NaN-aware, free of min/max NaN rules.
+  3. Per block, from the amax bits: mxfp8 -- E8M0 byte ``max(f - 8, 0)``
+     (``f`` = biased exponent field; rceil adds 1 when the mantissa > 1.75)
+     and the multiplier ``2**-e`` built as bits ``(254 - byte) << 23``, a
+     normal float32 for every finite block (no exp2, no subnormal power);
+     fp8-block -- ``amax' = max(amax, 448 * 2**-126)``, scale and multiplier
+     ``div_rn(amax', 448)`` and ``div_rn(448, amax')`` (IEEE division; plain
+     ``/`` is approximate on the GPU). NaN/inf blocks get a NaN multiplier.
+  4. Multiplier broadcast back to ``[BM, BK]``; ``y = x * multiplier``.
+  5. E4M3 round-to-nearest-even with saturation, see ``_e4m3_bits``.
+  6. Elements whose ``y`` is NaN (exactly those of NaN/inf blocks) become 0x7F.
+
+E4M3 conversion. Compiled, ``clamp(y, -448, 448).to(tl.float8e4nv)`` lowers to
+``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even, as torch casts. The
+interpreter's fp8 cast is not RNE (it rounds ties away from zero and drops
+the carry out of the mantissa), so under ``TRITON_INTERPRET=1`` the tile
+functions round in software (``SOFT_E4M3=True``, also runnable compiled): on
+``a = |y|`` with ``E = max(floor(log2 a), -6)``, ``(a + c) - c`` with
+``c = 1.5 * 2**(E + 20)`` rounds ``a`` to a multiple of ``2**(E - 3)`` (the
+E4M3 spacing there, subnormals included) by the float32 adder's own RNE;
+the result is then exactly representable, so any cast is exact. ``|y|`` is
+taken through its bits, which also keeps the compiler from contracting
+``x * m + c`` into an FMA.
+
+Standalone kernel ``_quantize_kernel`` (launched by ``quantize_activations``
+and ``quantize_weights``), one program per ``[BLOCK_M, BLOCK_K]`` tile:
+
+    x      [B, M, K] float32/bfloat16/float16, any strides;
+           B = experts of a weight stack, 1 for activations
+    data   [B, M, K] uint8 view of float8_e4m3fn, any strides (a transposed
+           output is the strided view of a [B, K, M] tensor)
+    scale  [B, M / BLOCK_R, K / BLOCK_C] uint8 (mxfp8) or float32 (fp8-block)
+
+    program_id(0) = t, the tile of one matrix: tile row t // tiles_k, tile
+                    column t % tiles_k (K-tiles fastest, so neighbouring
+                    programs stream neighbouring memory)
+    program_id(1) = b, the matrix (expert) index; its offset is int64
+
+Rows >= M and columns >= K are loaded as 0 and not stored; M and K are
+multiples of the block along the blocked axes, so every block is whole.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.formats import (
+    FORMATS,
+    FP8_BLOCK,
+    FP8_BLOCK_AMAX_FLOOR,
+    MX_BLOCK,
+    check_quant_input,
+    check_rounding,
+    normalize_dim,
+)
+
+__all__ = [
+    "QuantConfig",
+    "default_config",
+    "fp8_block_quantize_tile",
+    "mxfp8_quantize_tile",
+    "quantize_activations",
+    "quantize_weights",
+]
+
+_ABS_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
+_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
+_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
+_MANT_1_75: tl.constexpr = tl.constexpr(0x600000)
+_E4M3_NAN: tl.constexpr = tl.constexpr(0x7F)
+_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+_AMAX_FLOOR: tl.constexpr = tl.constexpr(FP8_BLOCK_AMAX_FLOOR)
+
+
+# ------------------------------------------------------------ tile functions
+
+
+@triton.jit
+def _block_max(v, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """int32 ``v [BM, BK]`` -> its max over each ``BLOCK_R x BLOCK_C`` block, ``[BM/BLOCK_R, BK/BLOCK_C]``."""
+    BM: tl.constexpr = v.shape[0]
+    BK: tl.constexpr = v.shape[1]
+    if BLOCK_R == 1:
+        r = tl.max(tl.reshape(v, [BM, BK // BLOCK_C, BLOCK_C]), axis=2)
+    elif BLOCK_C == 1:
+        r = tl.max(tl.reshape(v, [BM // BLOCK_R, BLOCK_R, BK]), axis=1)
+    else:
+        r4 = tl.reshape(v, [BM // BLOCK_R, BLOCK_R, BK // BLOCK_C, BLOCK_C])
+        r = tl.max(tl.max(r4, axis=3), axis=1)
+    return r
+
+
+@triton.jit
+def _block_expand(s, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per-block ``s [BM/BLOCK_R, BK/BLOCK_C]`` -> ``[BM, BK]``, each value repeated over its block."""
+    SM: tl.constexpr = s.shape[0]
+    SK: tl.constexpr = s.shape[1]
+    if BLOCK_R == 1:
+        r = tl.reshape(tl.broadcast_to(s[:, :, None], [SM, SK, BLOCK_C]), [SM, SK * BLOCK_C])
+    elif BLOCK_C == 1:
+        r = tl.reshape(tl.broadcast_to(s[:, None, :], [SM, BLOCK_R, SK]), [SM * BLOCK_R, SK])
+    else:
+        r4 = tl.broadcast_to(s[:, None, :, None], [SM, BLOCK_R, SK, BLOCK_C])
+        r = tl.reshape(r4, [SM * BLOCK_R, SK * BLOCK_C])
+    return r
+
+
+@triton.jit
+def _to_float32(x):
+    """``x`` as float32, exactly. bf16 goes through its bits (``<< 16``): the
+    interpreter's own bf16 -> fp32 cast mangles subnormals; compiled, this is
+    the same shift the cast lowers to."""
+    if x.dtype == tl.bfloat16:
+        xf = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        xf = x.to(tl.float32)
+    return xf
+
+
+@triton.jit
+def _e4m3_bits(y, SOFT_E4M3: tl.constexpr):
+    """uint8 E4M3 bits of ``rne(clamp(y, -448, 448))`` for float32 ``y`` (NaN ``y``: unspecified)."""
+    if SOFT_E4M3:
+        y_bits = y.to(tl.int32, bitcast=True)
+        a_bits = y_bits & _ABS_MASK
+        a = a_bits.to(tl.float32, bitcast=True)
+        # E = max(floor(log2 a), -6): below 2**-6 E4M3 is subnormal with spacing 2**-9.
+        e_bits = tl.maximum(a_bits & _INF_BITS, (127 - 6) << 23)
+        # c = 1.5 * 2**(E + 20): a + c lies in [2**(E+20), 2**(E+21)), where float32 spacing is 2**(E-3).
+        c = ((e_bits + (20 << 23)) | 0x400000).to(tl.float32, bitcast=True)
+        r = tl.minimum((a + c) - c, _E4M3_MAX)
+        sign = ((y_bits >> 24) & 0x80).to(tl.uint8)
+        bits = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | sign
+    else:
+        bits = tl.clamp(y, -_E4M3_MAX, _E4M3_MAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return bits
+
+
+@triton.jit
+def mxfp8_quantize_tile(x, AXIS: tl.constexpr, RCEIL: tl.constexpr = False, SOFT_E4M3: tl.constexpr = False):
+    """MXFP8 of a register tile ``x [BM, BK]`` with 32-blocks along ``AXIS``.
+
+    Returns ``data`` float8e4nv ``[BM, BK]`` and ``scale`` uint8 E8M0
+    (``[BM, BK/32]`` for AXIS=1, ``[BM/32, BK]`` for AXIS=0), as
+    ``megamoe.formats.mxfp8_quantize`` (``rounding="rceil"`` when RCEIL).
+    """
+    tl.static_assert(AXIS == 0 or AXIS == 1, "AXIS must be 0 (columnwise) or 1 (rowwise)")
+    BLOCK_R: tl.constexpr = 32 if AXIS == 0 else 1
+    BLOCK_C: tl.constexpr = 1 if AXIS == 0 else 32
+    xf = _to_float32(x)
+    amax = _block_max(xf.to(tl.int32, bitcast=True) & _ABS_MASK, BLOCK_R, BLOCK_C)
+    f = amax >> 23
+    if RCEIL:
+        f = f + ((amax & 0x7FFFFF) > _MANT_1_75).to(tl.int32)
+    bad = amax >= _INF_BITS
+    byte = tl.where(bad, 255, tl.maximum(f - 8, 0))
+    mult = tl.where(bad, _NAN_BITS, (254 - byte) << 23).to(tl.float32, bitcast=True)
+    y = xf * _block_expand(mult, BLOCK_R, BLOCK_C)
+    bits = tl.where(y != y, _E4M3_NAN, _e4m3_bits(y, SOFT_E4M3))
+    return bits.to(tl.float8e4nv, bitcast=True), byte.to(tl.uint8)
+
+
+@triton.jit
+def fp8_block_quantize_tile(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SOFT_E4M3: tl.constexpr = False):
+    """FP8-block of a register tile ``x [BM, BK]`` with ``BLOCK_R x BLOCK_C`` blocks.
+
+    Returns ``data`` float8e4nv ``[BM, BK]`` and ``scale`` float32
+    ``[BM/BLOCK_R, BK/BLOCK_C]``, as ``megamoe.formats.fp8_block_quantize``.
+    """
+    xf = _to_float32(x)
+    amax_bits = _block_max(xf.to(tl.int32, bitcast=True) & _ABS_MASK, BLOCK_R, BLOCK_C)
+    bad = amax_bits >= _INF_BITS
+    amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), _AMAX_FLOOR)
+    scale = tl.math.div_rn(amax, _E4M3_MAX)
+    inv = tl.math.div_rn(_E4M3_MAX, amax)
+    scale = tl.where(bad, _NAN_BITS, scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    inv = tl.where(bad, _NAN_BITS, inv.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    y = xf * _block_expand(inv, BLOCK_R, BLOCK_C)
+    bits = tl.where(y != y, _E4M3_NAN, _e4m3_bits(y, SOFT_E4M3))
+    return bits.to(tl.float8e4nv, bitcast=True), scale
+
+
+# ------------------------------------------------------------ standalone kernel
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    M,
+    K,
+    stride_x_b,
+    stride_x_m,
+    stride_x_k,
+    stride_d_b,
+    stride_d_m,
+    stride_d_k,
+    stride_s_b,
+    stride_s_m,
+    stride_s_k,
+    MX: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    RCEIL: tl.constexpr,
+    SOFT_E4M3: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    m0 = (pid // tiles_k) * BLOCK_M
+    k0 = (pid % tiles_k) * BLOCK_K
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    mask = (rm[:, None] < M - m0) & (rk[None, :] < K - k0)
+
+    x_tile = x_ptr + (b * stride_x_b + m0.to(tl.int64) * stride_x_m + k0.to(tl.int64) * stride_x_k)
+    x = tl.load(x_tile + rm[:, None] * stride_x_m + rk[None, :] * stride_x_k, mask=mask, other=0.0)
+    if MX:
+        data, scale = mxfp8_quantize_tile(x, 0 if BLOCK_R == 32 else 1, RCEIL, SOFT_E4M3)
+    else:
+        data, scale = fp8_block_quantize_tile(x, BLOCK_R, BLOCK_C, SOFT_E4M3)
+
+    d_tile = data_ptr + (b * stride_d_b + m0.to(tl.int64) * stride_d_m + k0.to(tl.int64) * stride_d_k)
+    tl.store(d_tile + rm[:, None] * stride_d_m + rk[None, :] * stride_d_k, data.to(tl.uint8, bitcast=True), mask=mask)
+
+    sm = tl.arange(0, BLOCK_M // BLOCK_R)
+    sk = tl.arange(0, BLOCK_K // BLOCK_C)
+    s_mask = (sm[:, None] < (M - m0) // BLOCK_R) & (sk[None, :] < (K - k0) // BLOCK_C)
+    s_tile = scale_ptr + (
+        b * stride_s_b + (m0 // BLOCK_R).to(tl.int64) * stride_s_m + (k0 // BLOCK_C).to(tl.int64) * stride_s_k
+    )
+    tl.store(s_tile + sm[:, None] * stride_s_m + sk[None, :] * stride_s_k, scale, mask=s_mask)
+
+
+# ------------------------------------------------------------ launch wrappers
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Tile shape and code path of one quantisation launch.
+
+    Attributes:
+        block_m: BLOCK_M, tile rows per program; a power of two, a multiple
+            of the block's rows.
+        block_k: BLOCK_K, tile columns per program; a power of two, a
+            multiple of the block's columns.
+        num_warps: warps per program (ignored by the interpreter).
+        soft_e4m3: None picks the hardware E4M3 conversion when compiled and
+            the software rounding under TRITON_INTERPRET=1; True pins the
+            software rounding; False the hardware one (refused under the
+            interpreter, whose fp8 cast is not round-to-nearest-even).
+    """
+
+    block_m: int
+    block_k: int
+    num_warps: int = 8
+    soft_e4m3: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+                raise ValueError(f"QuantConfig.{name} must be a power of two, got {value!r}")
+        if self.soft_e4m3 not in (None, True, False):
+            raise ValueError(f"QuantConfig.soft_e4m3 must be None, True or False, got {self.soft_e4m3!r}")
+
+
+def default_config(block: tuple[int, int]) -> QuantConfig:
+    """The tile for ``block`` (rows, cols): 16-32 K elements per program, 8 warps.
+
+    Rowwise tiles are 32 rows x 512 columns (1 KiB of each bf16 row, 16-byte
+    loads, ~7 K programs for [16384, 7168]); columnwise and 128x128 blocks
+    need whole blocks in M, so 128 rows (32 for mxfp8) x 128-256 columns.
+    The GPU benchmark (benchmarks/quant_bench.py) sweeps alternatives.
+    """
+    br, bc = block
+    if br == 1:
+        return QuantConfig(block_m=32, block_k=512, num_warps=8)
+    if br == MX_BLOCK:
+        return QuantConfig(block_m=32, block_k=512, num_warps=8)
+    if bc == 1:
+        return QuantConfig(block_m=128, block_k=128, num_warps=8)
+    return QuantConfig(block_m=128, block_k=256, num_warps=8)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _resolve_soft(config: QuantConfig) -> bool:
+    if config.soft_e4m3 is None:
+        return _interpreting()
+    if not config.soft_e4m3 and _interpreting():
+        raise ValueError(
+            "QuantConfig(soft_e4m3=False) asks for the hardware E4M3 conversion, which the "
+            "Triton interpreter does not round to nearest even; use None or True under TRITON_INTERPRET=1"
+        )
+    return config.soft_e4m3
+
+
+def _check_config(config: object, block: tuple[int, int]) -> QuantConfig:
+    if config is None:
+        return default_config(block)
+    if not isinstance(config, QuantConfig):
+        raise ValueError(f"config must be a QuantConfig or None, got {type(config).__name__}")
+    br, bc = block
+    if config.block_m % br or config.block_k % bc:
+        raise ValueError(
+            f"config tile [{config.block_m}, {config.block_k}] must hold whole {br}x{bc} blocks"
+        )
+    return config
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1 on the CPU), got {t.device}")
+
+
+def _fmt_block(fmt: object, axis: int, weights: bool) -> tuple[bool, tuple[int, int]]:
+    """(is mxfp8, block rows x cols) for a format and the axis (0 rows, 1 cols) blocks run along."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "mxfp8":
+        return True, ((MX_BLOCK, 1) if axis == 0 else (1, MX_BLOCK))
+    if weights:
+        return False, (FP8_BLOCK, FP8_BLOCK)
+    return False, ((FP8_BLOCK, 1) if axis == 0 else (1, FP8_BLOCK))
+
+
+def _launch(
+    x_BMK: torch.Tensor,
+    mx: bool,
+    block: tuple[int, int],
+    rounding: str,
+    transpose: bool,
+    config: QuantConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each ``[M, K]`` matrix of ``x_BMK``; returns ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
+    (their last two dims swapped, contiguous, when ``transpose``)."""
+    nb, m, k = x_BMK.shape
+    br, bc = block
+    for i, (size, b) in enumerate(((m, br), (k, bc))):
+        if size % b:
+            side = "rows" if i == 0 else "cols"
+            raise ValueError(f"{side}={size} of shape {tuple(x_BMK.shape)} is not a multiple of the block {block}")
+    if nb > 65535:
+        raise ValueError(f"at most 65535 matrices per launch, got {nb}")
+    dev = x_BMK.device
+    scale_dtype = torch.uint8 if mx else torch.float32
+    if transpose:
+        data = torch.empty(nb, k, m, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.empty(nb, k // bc, m // br, dtype=scale_dtype, device=dev)
+        data_v, scale_v = data.transpose(1, 2), scale.transpose(1, 2)
+    else:
+        data = torch.empty(nb, m, k, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.empty(nb, m // br, k // bc, dtype=scale_dtype, device=dev)
+        data_v, scale_v = data, scale
+    if data.numel() == 0:
+        return data, scale
+    bm, bk = config.block_m, config.block_k
+    for name, t in (("x", x_BMK), ("data", data_v)):
+        if bm * abs(t.stride(1)) + bk * abs(t.stride(2)) >= 2**31:
+            raise ValueError(f"{name} strides {t.stride()} overflow int32 tile offsets for tile [{bm}, {bk}]")
+    data_u8 = data_v.view(torch.uint8)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk), nb)
+    _quantize_kernel[grid](
+        x_BMK,
+        data_u8,
+        scale_v,
+        m,
+        k,
+        *x_BMK.stride(),
+        *data_u8.stride(),
+        *scale_v.stride(),
+        MX=mx,
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        RCEIL=rounding == "rceil",
+        SOFT_E4M3=_resolve_soft(config),
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        num_warps=config.num_warps,
+    )
+    return data, scale
+
+
+def quantize_activations(
+    x: torch.Tensor,
+    fmt: str,
+    axis: int = 1,
+    *,
+    rounding: str = "floor",
+    transpose: bool = False,
+    config: QuantConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a 2-D activation ``x [M, K]`` with blocks along ``axis``.
+
+    Args:
+        x: float32/bfloat16/float16 ``[M, K]``, any strides; CUDA (or CPU
+            under TRITON_INTERPRET=1).
+        fmt: ``"mxfp8"`` (32-blocks, E8M0 scales) or ``"fp8-block"``
+            (128-blocks, float32 scales).
+        axis: the axis the blocks run along, the GEMM's reduction axis: 1
+            (or -1) rowwise, 0 (or -2) columnwise; that dim must be a
+            multiple of the block (32 or 128).
+        rounding: mxfp8's exponent rule, ``"floor"`` or ``"rceil"``;
+            fp8-block accepts only the default.
+        transpose: return ``data.T`` and ``scale.T`` (contiguous ``[K, M]``
+            and its scales) instead -- the K-major operand a GEMM reducing
+            over M wants; the kernel writes them directly.
+        config: tile shape and E4M3 path; None picks ``default_config``.
+
+    Returns:
+        ``(data, scale)`` equal bit for bit to ``megamoe.formats``:
+        ``mxfp8_quantize(x, dim=axis, rounding=rounding)`` or
+        ``fp8_block_quantize(x, block=(1, 128) or (128, 1))``.
+    """
+    check_quant_input(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    _check_device(x, "x")
+    ax = normalize_dim(axis, 2, "axis")
+    check_rounding(rounding)
+    mx, block = _fmt_block(fmt, ax, weights=False)
+    if not mx and rounding != "floor":
+        raise ValueError(f"rounding={rounding!r} applies to mxfp8 only; fp8-block scales are amax / 448")
+    if not isinstance(transpose, bool):
+        raise ValueError(f"transpose must be a bool, got {transpose!r}")
+    cfg = _check_config(config, block)
+    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg)
+    return data.squeeze(0), scale.squeeze(0)
+
+
+def quantize_weights(
+    w: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    rounding: str = "floor",
+    config: QuantConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a weight matrix ``[rows, cols]`` or all experts of a stack ``[E, rows, cols]`` in one launch.
+
+    Args:
+        w: float32/bfloat16/float16, 2-D or 3-D, any strides; CUDA (or CPU
+            under TRITON_INTERPRET=1).
+        fmt: ``"mxfp8"`` or ``"fp8-block"``.
+        axis: mxfp8 only: the dim the 32-blocks run along, -1 (cols, e.g. D of
+            ``w_gate_up [E, 2I, D]`` for the forward GEMM) or -2 (rows, for
+            dgrad). fp8-block uses 128x128 blocks, which serve both GEMMs;
+            ``axis`` must still name one of the last two dims.
+        rounding: mxfp8's exponent rule (``"floor"`` or ``"rceil"``).
+        config: tile shape and E4M3 path; None picks ``default_config``.
+
+    Returns:
+        ``(data, scale)`` equal bit for bit to
+        ``mxfp8_quantize(w, dim=axis, rounding=rounding)`` or
+        ``fp8_block_quantize(w, block=(128, 128))``.
+    """
+    check_quant_input(w, "w")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [rows, cols] or [E, rows, cols], got shape {tuple(w.shape)}")
+    _check_device(w, "w")
+    ax = normalize_dim(axis, w.dim(), "axis")
+    if ax < w.dim() - 2:
+        raise ValueError(f"axis={axis} must name rows or cols (-2 or -1) of w with shape {tuple(w.shape)}")
+    check_rounding(rounding)
+    mx, block = _fmt_block(fmt, ax - (w.dim() - 2), weights=True)
+    if not mx and rounding != "floor":
+        raise ValueError(f"rounding={rounding!r} applies to mxfp8 only; fp8-block scales are amax / 448")
+    cfg = _check_config(config, block)
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    data, scale = _launch(w3, mx, block, rounding, False, cfg)
+    if w.dim() == 2:
+        return data.squeeze(0), scale.squeeze(0)
+    return data, scale
