@@ -1,0 +1,47 @@
+"""`megamoe bench` end to end on simulated CPU ranks, and a torchrun-started world."""
+
+import json
+import re
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from megamoe.cli import app
+from megamoe.world import _free_port
+
+FIELDS = {"impl", "preset", "precision", "pass", "ep", "tokens_per_rank", "device", "machine", "commit", "run_id",
+          "time_ms", "time_ms_p10", "time_ms_p90", "tflops", "max_abs_err", "rel_err", "correct"}
+
+
+def test_bench_writes_correct_records(tmp_path):
+    out = tmp_path / "records.json"
+    md = tmp_path / "table.md"
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--ep", "2", "--tokens", "24,7", "--iters", "2",
+                                      "--json", str(out), "--md", str(md)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert {(r["impl"], r["pass"]) for r in records} == {(i, p) for i in ("reference", "nccl-torch") for p in ("fwd", "bwd")}
+    for r in records:
+        assert FIELDS <= set(r)
+        assert r["correct"] and r["ep"] == 2 and r["tokens_per_rank"] == [24, 7] and r["machine"] == "cpu"
+        assert r["time_ms_p10"] <= r["time_ms"] <= r["time_ms_p90"]
+    assert "| nccl-torch | bwd |" in md.read_text()
+
+
+def test_bench_rejects_bad_options_with_exit_code_2():
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--ep", "3"])
+    assert result.exit_code == 2
+    assert "not divisible by ep (3)" in result.output
+
+
+def test_world_joins_a_torchrun_group():
+    probe = os.path.join(os.path.dirname(__file__), "torchrun_probe.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}", probe],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert sorted(re.findall(r"rank \d of \d read \d+", done.stdout)) == ["rank 0 of 2 read 101", "rank 1 of 2 read 100"]
