@@ -359,6 +359,17 @@ def test_tile_shape_does_not_change_the_result(fmt, axis, configs):
         assert_same(quantize_activations(x.to(DEVICE), fmt, axis, config=cfg), want)
 
 
+def test_float16_inputs():
+    """fp16 (subnormals from 2**-24, overflow of the huge kinds to inf) through all three implementations."""
+    x = special(64, 256, 128, seed=16, dtype=torch.float16)
+    want = mxfp8_quantize(x)
+    assert_same(want, _oracle_mxfp8(x, 1, "floor"))
+    assert_same(quantize_activations(x.to(DEVICE), "mxfp8", 1), want)
+    want = fp8_block_quantize(x)
+    assert_same(want, _oracle_fp8_block(x, (1, 128)))
+    assert_same(quantize_activations(x.to(DEVICE), "fp8-block", 1), want)
+
+
 def test_software_e4m3_path_pinned():
     x = special(8, 256, 32, seed=14, dtype=torch.float32).to(DEVICE)
     cfg = QuantConfig(8, 256, soft_e4m3=True)
@@ -377,6 +388,8 @@ def test_empty_and_single_row():
 
 # ------------------------------------------------------------ bad arguments
 
+_F8 = torch.zeros(4, 64).to(torch.float8_e4m3fn)
+
 
 @pytest.mark.parametrize(
     "call",
@@ -389,17 +402,19 @@ def test_empty_and_single_row():
         lambda: mxfp8_quantize(torch.zeros(4, 64), rounding="ceil"),
         lambda: mxfp8_quantize([0.0] * 32),
         lambda: mxfp8_dequantize(torch.zeros(4, 64), torch.zeros(4, 2, dtype=torch.uint8)),
-        lambda: mxfp8_dequantize(torch.zeros(4, 64).to(torch.float8_e4m3fn), torch.zeros(4, 3, dtype=torch.uint8)),
-        lambda: mxfp8_dequantize(torch.zeros(4, 64).to(torch.float8_e4m3fn), torch.zeros(4, 2)),
-        lambda: mxfp8_dequantize(torch.zeros(4, 64).to(torch.float8_e4m3fn), torch.zeros(4, 2, dtype=torch.uint8), dtype=torch.int32),
+        lambda: mxfp8_dequantize(_F8, torch.zeros(4, 3, dtype=torch.uint8)),
+        lambda: mxfp8_dequantize(_F8, torch.zeros(4, 2)),
+        lambda: mxfp8_dequantize(_F8, torch.zeros(4, 2, dtype=torch.uint8), dim=0),
+        lambda: mxfp8_dequantize(_F8, torch.zeros(4, 2, dtype=torch.uint8), dtype=torch.int32),
         lambda: fp8_block_quantize(torch.zeros(4, 192)),  # 192 is not a multiple of 128
         lambda: fp8_block_quantize(torch.zeros(64, 128), (128, 1)),
         lambda: fp8_block_quantize(torch.zeros(2, 64, 256), (128, 128)),
         lambda: fp8_block_quantize(torch.zeros(128, 128), (64, 64)),
         lambda: fp8_block_quantize(torch.zeros(128)),
         lambda: fp8_block_quantize(torch.zeros(4, 128, dtype=torch.float8_e4m3fn)),
-        lambda: fp8_block_dequantize(torch.zeros(4, 128).to(torch.float8_e4m3fn), torch.zeros(4, 2)),
-        lambda: fp8_block_dequantize(torch.zeros(4, 128).to(torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.float64)),
+        lambda: fp8_block_dequantize(_F8[:, :128].contiguous(), torch.zeros(4, 2)),
+        lambda: fp8_block_dequantize(_F8[:, :128].contiguous(), torch.zeros(4, 1, dtype=torch.float64)),
+        lambda: fp8_block_dequantize(_F8[:, :128].contiguous(), torch.zeros(4, 1), block=(128, 128)),
     ],
 )
 def test_torch_functions_reject_bad_arguments(call):

@@ -67,6 +67,7 @@ __all__ = [
     "MX_BLOCK",
     "MX_ROUNDINGS",
     "QUANT_INPUT_DTYPES",
+    "e8m0_to_float32",
     "fp8_block_dequantize",
     "fp8_block_quantize",
     "mxfp8_dequantize",

@@ -26,7 +26,8 @@ Stages of one tile (both formats):
      non-negative floats integer order is float order, with inf and NaN above
      every finite value.
   2. Block amax: an integer ``tl.max`` over each block (``tl.reshape`` to
-     ``[.., blocks, block]``). Exact and NaN-aware, free of min/max NaN rules.
+     ``[.., blocks, block]``, or a plain reduction when one block spans the
+     tile). Exact and NaN-aware, free of float min/max NaN rules.
   3. Per block, from the amax bits: mxfp8 -- E8M0 byte ``max(f - 8, 0)``
      (``f`` = biased exponent field; rceil adds 1 when the mantissa > 1.75)
      and the multiplier ``2**-e`` built as bits ``(254 - byte) << 23``, a
@@ -39,7 +40,8 @@ Stages of one tile (both formats):
   6. Elements whose ``y`` is NaN (exactly those of NaN/inf blocks) become 0x7F.
 
 E4M3 conversion. Compiled, ``clamp(y, -448, 448).to(tl.float8e4nv)`` lowers to
-``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even, as torch casts. The
+``min.xorsign.abs.f32`` + ``cvt.rn.satfinite.e4m3x2.f32``: saturate, then round
+to nearest even, as torch casts. The
 interpreter's fp8 cast is not RNE (it rounds ties away from zero and drops
 the carry out of the mantissa), so under ``TRITON_INTERPRET=1`` the tile
 functions round in software (``SOFT_E4M3=True``, also runnable compiled): on
@@ -48,7 +50,8 @@ functions round in software (``SOFT_E4M3=True``, also runnable compiled): on
 E4M3 spacing there, subnormals included) by the float32 adder's own RNE;
 the result is then exactly representable, so any cast is exact. ``|y|`` is
 taken through its bits, which also keeps the compiler from contracting
-``x * m + c`` into an FMA.
+``x * m + c`` into an FMA. Kernels that inline the tile functions pass
+``SOFT_E4M3=soft_e4m3_default()``.
 
 Standalone kernel ``_quantize_kernel`` (launched by ``quantize_activations``
 and ``quantize_weights``), one program per ``[BLOCK_M, BLOCK_K]`` tile:
@@ -94,6 +97,7 @@ __all__ = [
     "mxfp8_quantize_tile",
     "quantize_activations",
     "quantize_weights",
+    "soft_e4m3_default",
 ]
 
 _ABS_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
@@ -113,7 +117,11 @@ def _block_max(v, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """int32 ``v [BM, BK]`` -> its max over each ``BLOCK_R x BLOCK_C`` block, ``[BM/BLOCK_R, BK/BLOCK_C]``."""
     BM: tl.constexpr = v.shape[0]
     BK: tl.constexpr = v.shape[1]
-    if BLOCK_R == 1:
+    if BLOCK_R == 1 and BLOCK_C == BK:  # one block across: no reshape
+        r = tl.max(v, axis=1, keep_dims=True)
+    elif BLOCK_C == 1 and BLOCK_R == BM:
+        r = tl.max(v, axis=0, keep_dims=True)
+    elif BLOCK_R == 1:
         r = tl.max(tl.reshape(v, [BM, BK // BLOCK_C, BLOCK_C]), axis=2)
     elif BLOCK_C == 1:
         r = tl.max(tl.reshape(v, [BM // BLOCK_R, BLOCK_R, BK]), axis=1)
@@ -128,7 +136,9 @@ def _block_expand(s, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per-block ``s [BM/BLOCK_R, BK/BLOCK_C]`` -> ``[BM, BK]``, each value repeated over its block."""
     SM: tl.constexpr = s.shape[0]
     SK: tl.constexpr = s.shape[1]
-    if BLOCK_R == 1:
+    if (BLOCK_R == 1 and SK == 1) or (BLOCK_C == 1 and SM == 1):  # one block across: plain broadcast
+        r = tl.broadcast_to(s, [SM * BLOCK_R, SK * BLOCK_C])
+    elif BLOCK_R == 1:
         r = tl.reshape(tl.broadcast_to(s[:, :, None], [SM, SK, BLOCK_C]), [SM, SK * BLOCK_C])
     elif BLOCK_C == 1:
         r = tl.reshape(tl.broadcast_to(s[:, None, :], [SM, BLOCK_R, SK]), [SM * BLOCK_R, SK])
@@ -302,30 +312,38 @@ class QuantConfig:
 
 
 def default_config(block: tuple[int, int]) -> QuantConfig:
-    """The tile for ``block`` (rows, cols): 16-32 K elements per program, 8 warps.
+    """The tile for ``block`` (rows, cols).
 
-    Rowwise tiles are 32 rows x 512 columns (1 KiB of each bf16 row, 16-byte
-    loads, ~7 K programs for [16384, 7168]); columnwise and 128x128 blocks
-    need whole blocks in M, so 128 rows (32 for mxfp8) x 128-256 columns.
-    The GPU benchmark (benchmarks/quant_bench.py) sweeps alternatives.
+    Chosen from sm_90 builds (ptxas registers, SASS per element): 64 bf16
+    elements per thread as 16-byte loads, <= ~128 registers so that 2-4
+    programs share an SM; columnwise tiles are exactly one block high, so
+    the block max is a plain cross-warp ``tl.max`` with no reshape.
+    benchmarks/quant_bench.py sweeps the alternatives on the GPU.
     """
     br, bc = block
-    if br == 1:
-        return QuantConfig(block_m=32, block_k=512, num_warps=8)
-    if br == MX_BLOCK:
-        return QuantConfig(block_m=32, block_k=512, num_warps=8)
-    if bc == 1:
-        return QuantConfig(block_m=128, block_k=128, num_warps=8)
-    return QuantConfig(block_m=128, block_k=256, num_warps=8)
+    if (br, bc) == (1, MX_BLOCK):
+        return QuantConfig(block_m=32, block_k=512, num_warps=8)  # 57 regs, ~14 SASS / element
+    if (br, bc) == (MX_BLOCK, 1):
+        return QuantConfig(block_m=32, block_k=256, num_warps=4)  # 106 regs, ~16
+    if (br, bc) == (1, FP8_BLOCK):
+        return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 96 regs, ~18
+    if (br, bc) == (FP8_BLOCK, 1):
+        return QuantConfig(block_m=128, block_k=64, num_warps=4)  # 123 regs, ~22
+    return QuantConfig(block_m=128, block_k=128, num_warps=8)  # 128x128: 93 regs, ~16
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def soft_e4m3_default() -> bool:
+    """The ``SOFT_E4M3`` a launcher passes: True under TRITON_INTERPRET=1, False compiled."""
+    return _interpreting()
+
+
 def _resolve_soft(config: QuantConfig) -> bool:
     if config.soft_e4m3 is None:
-        return _interpreting()
+        return soft_e4m3_default()
     if not config.soft_e4m3 and _interpreting():
         raise ValueError(
             "QuantConfig(soft_e4m3=False) asks for the hardware E4M3 conversion, which the "
@@ -399,15 +417,21 @@ def _launch(
             raise ValueError(f"{name} strides {t.stride()} overflow int32 tile offsets for tile [{bm}, {bk}]")
     data_u8 = data_v.view(torch.uint8)
     grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk), nb)
+    # NOTE: with one matrix its batch strides are passed as 0: Triton then knows they are
+    # multiples of 16, which the 16-byte vectorisation of every tile offset depends on.
+    strides = [list(t.stride()) for t in (x_BMK, data_u8, scale_v)]
+    if nb == 1:
+        for st in strides:
+            st[0] = 0
     _quantize_kernel[grid](
         x_BMK,
         data_u8,
         scale_v,
         m,
         k,
-        *x_BMK.stride(),
-        *data_u8.stride(),
-        *scale_v.stride(),
+        *strides[0],
+        *strides[1],
+        *strides[2],
         MX=mx,
         BLOCK_R=br,
         BLOCK_C=bc,
