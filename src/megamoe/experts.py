@@ -1,0 +1,229 @@
+"""Expert FFNs over schedule-grouped rows: tile planning, launches and the torch twin.
+
+The routed buffer holds rows grouped by local expert, as the pull schedule
+lays them out: expert l owns rows ``[offsets[l], offsets[l] + counts[l])``.
+:func:`expert_forward` runs gate/up + SwiGLU and down on every region with
+persistent Triton kernels (`megamoe.kernels.expert_gemm`); the task list is
+built on the device, so empty experts cost nothing and nothing syncs the
+host. :func:`expert_forward_reference` is the plain-PyTorch twin.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.kernels import expert_gemm
+from megamoe.reference import expert_ffn, swiglu
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch shape of one GEMM kind."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {value}")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def plan_tiles(kind: str, device: torch.device) -> TileConfig:
+    """The tile shape for ``kind`` ("gate_up" or "down") on ``device``.
+
+    GPU (H200, measured in ../shared/BENCHMARKS.md): 128x256 output tiles with
+    8 warps led; gate/up computes a gate and an up tile of 128x128 each (a
+    128x256 tile of h) so SwiGLU fits in the epilogue. The interpreter gets
+    small tiles: it runs one program at a time.
+    """
+    if kind not in ("gate_up", "down"):
+        raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
+    if device.type != "cuda" or interpreting():
+        return TileConfig(32, 32, 32, num_warps=4, num_stages=1)
+    if kind == "gate_up":
+        return TileConfig(128, 128, 64, num_warps=8, num_stages=3)
+    return TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """Row tiles of every expert region, built on the device.
+
+    Attributes:
+        tile_expert: int32 `[max_tiles]` local expert of tile t (valid for t < num_tiles).
+        tile_row0: int32 `[max_tiles]` first row of tile t: offsets[e] + m * block_m.
+        num_tiles: int32 `[1]` tiles in use = sum_l ceil(counts[l] / block_m).
+        block_m: rows per tile.
+    """
+
+    tile_expert: torch.Tensor
+    tile_row0: torch.Tensor
+    num_tiles: torch.Tensor
+    block_m: int
+
+
+def build_row_tiles(counts: torch.Tensor, offsets: torch.Tensor, capacity: int, block_m: int) -> RowTiles:
+    """Tiles of ``block_m`` rows per expert region; no host sync (sizes are static)."""
+    experts = counts.numel()
+    max_tiles = -(-capacity // block_m) + experts
+    per_expert = (counts.long() + block_m - 1) // block_m
+    ends = per_expert.cumsum(0)
+    tile = torch.arange(max_tiles, device=counts.device)
+    expert = torch.searchsorted(ends, tile, right=True).clamp_max(max(experts - 1, 0))
+    first_tile = ends - per_expert
+    row0 = offsets.long()[expert] + (tile - first_tile[expert]) * block_m
+    num_tiles = ends[-1:].to(torch.int32) if experts else torch.zeros(1, dtype=torch.int32, device=counts.device)
+    return RowTiles(expert.to(torch.int32), row0.to(torch.int32), num_tiles, block_m)
+
+
+@dataclass
+class ExpertForward:
+    """What the forward expert compute leaves: `h [R, 2I]` (kept for the backward), `act [R, I]`, `y [R, D]`.
+
+    Only rows inside expert regions are written.
+    """
+
+    h: torch.Tensor
+    act: torch.Tensor
+    y: torch.Tensor
+
+
+def _check(x_rows, counts, offsets, w_gate_up, w_down) -> tuple[int, int, int]:
+    if x_rows.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError("x_rows must be [R, D], w_gate_up [L, 2I, D] and w_down [L, D, I]")
+    experts, two_i, d = w_gate_up.shape
+    i = two_i // 2
+    if x_rows.shape[1] != d or tuple(w_down.shape) != (experts, d, i) or two_i % 2:
+        raise ValueError(
+            f"shapes disagree: x_rows {tuple(x_rows.shape)}, w_gate_up {tuple(w_gate_up.shape)}, "
+            f"w_down {tuple(w_down.shape)}"
+        )
+    if tuple(counts.shape) != (experts,) or tuple(offsets.shape) != (experts,):
+        raise ValueError(f"counts and offsets must be [{experts}], got {tuple(counts.shape)}, {tuple(offsets.shape)}")
+    for name, t in (("x_rows", x_rows), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
+        if t.device != x_rows.device:
+            raise ValueError(f"{name} is on {t.device}, x_rows on {x_rows.device}")
+    if i % 8:
+        raise ValueError(f"the intermediate size I must be a multiple of 8 (16-byte rows), got {i}")
+    return experts, i, d
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def _num_programs(device: torch.device, requested: int | None) -> int:
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"num_programs must be >= 1, got {requested}")
+        return requested
+    if device.type == "cuda" and not interpreting():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def expert_forward(
+    x_rows: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    num_programs: int | None = None,
+    out: ExpertForward | None = None,
+    tiles: dict[str, TileConfig] | None = None,
+) -> ExpertForward:
+    """Gate/up + SwiGLU and down for every expert region of ``x_rows`` (BF16).
+
+    Args:
+        x_rows: bf16 `[R, D]` routed rows, grouped by local expert.
+        counts: int `[L]` rows of each expert; offsets: int `[L]` region starts.
+        w_gate_up: bf16 `[L, 2I, D]`; w_down: bf16 `[L, D, I]`; I a multiple of 8.
+        num_programs: persistent grid size (default: the SM count).
+        out: preallocated outputs to fill (rows outside regions are left alone).
+        tiles: {"gate_up": TileConfig, "down": TileConfig} to pin tile shapes.
+    """
+    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
+    rows = x_rows.shape[0]
+    device = x_rows.device
+    if out is None:
+        out = ExpertForward(
+            h=torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device),
+            act=torch.empty(rows, i, dtype=torch.bfloat16, device=device),
+            y=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
+        )
+    if rows == 0 or experts == 0:
+        return out
+    tiles = tiles or {}
+    gu = tiles.get("gate_up") or plan_tiles("gate_up", device)
+    dn = tiles.get("down") or plan_tiles("down", device)
+    programs = _num_programs(device, num_programs)
+    dot_fp32 = interpreting()
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+
+    row_tiles = build_row_tiles(counts, offsets, rows, gu.block_m)
+    expert_gemm.gate_up_kernel[(programs,)](
+        _descriptor(x_rows, [gu.block_m, gu.block_k]),
+        _descriptor(w_gate_up.view(experts * 2 * i, d), [gu.block_n, gu.block_k]),
+        out.h, out.act, out.h.stride(0), out.act.stride(0),
+        row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
+        i, d, float(swiglu_limit or 0.0),
+        HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, NUM_PROGRAMS=programs,
+        BLOCK_M=gu.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        num_warps=gu.num_warps, num_stages=gu.num_stages,
+    )
+    if dn.block_m != gu.block_m:
+        row_tiles = build_row_tiles(counts, offsets, rows, dn.block_m)
+    expert_gemm.down_kernel[(programs,)](
+        _descriptor(out.act, [dn.block_m, dn.block_k]),
+        _descriptor(w_down.view(experts * d, i), [dn.block_n, dn.block_k]),
+        out.y, out.y.stride(0),
+        row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
+        d, i,
+        DOT_FP32=dot_fp32, NUM_PROGRAMS=programs,
+        BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+        num_warps=dn.num_warps, num_stages=dn.num_stages,
+    )
+    return out
+
+
+def expert_forward_reference(
+    x_rows: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+) -> ExpertForward:
+    """The torch twin of :func:`expert_forward` in FP32 (rows outside regions stay NaN)."""
+    experts, i, d = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
+    rows = x_rows.shape[0]
+    nan = dict(dtype=torch.float32, device=x_rows.device)
+    out = ExpertForward(torch.full((rows, 2 * i), float("nan"), **nan), torch.full((rows, i), float("nan"), **nan),
+                        torch.full((rows, d), float("nan"), **nan))
+    for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
+        x = x_rows[start : start + count].float()
+        h = x @ w_gate_up[l].float().T
+        out.h[start : start + count] = h
+        out.act[start : start + count] = swiglu(h, swiglu_limit)
+        out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), swiglu_limit)
+    return out

@@ -1,0 +1,142 @@
+"""Grouped expert GEMM tiles (BF16): gate/up with SwiGLU in the epilogue, and down.
+
+Index arrays (all on the device, built from the pull schedule without a host sync):
+
+    rows of local expert l:  [offsets[l], offsets[l] + counts[l])  of x_rows / h / act / y
+    tile_expert[t], tile_row0[t]   expert and first row of row-tile t (BLOCK_M rows),
+                                   for t < num_tiles[0]; tiles never straddle experts
+    task = tile * num_n_tiles + n  (expert -> m-tile -> n-tile order: the A tile is
+                                   reused from L2 across n, the weights across m)
+
+Tensors (R = capacity rows of the routed buffer):
+
+    x_rows [R, D] bf16         routed tokens           (TMA descriptor, block [BM, BK])
+    w_gate_up [L*2I, D] bf16   gate rows, then up rows per expert (descriptor, [BN, BK])
+    h [R, 2I] bf16             pre-activation, kept for the backward
+    act [R, I] bf16            silu(gate) * up (clamped with HAS_LIMIT)
+    w_down [L*D, I] bf16       (descriptor, [BN, BK])
+    y [R, D] bf16              expert output rows
+
+Loads past a region's end read the next expert's rows (or zeros past the
+buffer); stores are masked to the region, so that garbage never lands.
+Program roles: a persistent grid; program p takes tasks p, p + P, ...
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def swiglu_tile(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up on FP32 tiles; with HAS_LIMIT gate <= limit and |up| <= limit."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def gate_up_swiglu_tile(
+    x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
+    row0, row_end, expert, n0, I, K, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M rows x BLOCK_N act columns] tile of expert ``expert``.
+
+    Reads x_rows[row0 : row0+BM, :] and the gate and up weight rows n0..n0+BN;
+    writes h (gate and up columns) and act for rows < row_end, columns < I.
+    """
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_gate_row = expert * 2 * I + n0
+    w_up_row = w_gate_row + I
+    for k in range(0, K, BLOCK_K):
+        a = x_desc.load([row0, k])
+        wg = w_desc.load([w_gate_row, k])
+        wu = w_desc.load([w_up_row, k])
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong
+            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_gate = tl.dot(a, wg.T, acc_gate)
+        acc_up = tl.dot(a, wu.T, acc_up)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = (rows < row_end)[:, None] & (cols < I)[None, :]
+    h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
+    tl.store(h_tile, acc_gate.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_tile + I, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
+    act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+    act_tile = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
+    tl.store(act_tile, act.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def down_tile(
+    act_desc, w_desc, y_ptr, stride_y,
+    row0, row_end, expert, n0, D, K,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M x BLOCK_N] tile of y = act · w_down[expert]ᵀ (K = I), rows < row_end."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_row = expert * D + n0
+    for k in range(0, K, BLOCK_K):
+        a = act_desc.load([row0, k])
+        w = w_desc.load([w_row, k])
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w.T, acc)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = (rows < row_end)[:, None] & (cols < D)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr):
+    tile = task // num_n
+    expert = tl.load(tile_expert_ptr + tile)
+    row0 = tl.load(tile_row0_ptr + tile)
+    row_end = tl.load(offsets_ptr + expert) + tl.load(counts_ptr + expert)
+    return expert, row0, row_end, (task % num_n)
+
+
+@triton.jit
+def gate_up_kernel(
+    x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    I, K, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Persistent gate/up + SwiGLU over every (tile, n-tile) task."""
+    num_n = tl.cdiv(I, BLOCK_N)
+    num_tasks = tl.load(num_tiles_ptr) * num_n
+    task = tl.program_id(0)
+    while task < num_tasks:  # a while loop: the interpreter cannot range() to a loaded bound
+        expert, row0, row_end, n = _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr)
+        gate_up_swiglu_tile(
+            x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
+            HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
+        task += NUM_PROGRAMS
+
+
+@triton.jit
+def down_kernel(
+    act_desc, w_desc, y_ptr, stride_y,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    D, K,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Persistent down projection over every (tile, n-tile) task."""
+    num_n = tl.cdiv(D, BLOCK_N)
+    num_tasks = tl.load(num_tiles_ptr) * num_n
+    task = tl.program_id(0)
+    while task < num_tasks:
+        expert, row0, row_end, n = _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr)
+        down_tile(act_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
+                  DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        task += NUM_PROGRAMS

@@ -1,0 +1,109 @@
+"""Grouped expert GEMM tiles (gate/up + SwiGLU, down) against the torch twin."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megamoe.experts import TileConfig, build_row_tiles, expert_forward, expert_forward_reference
+
+# (counts per expert, gap rows between regions): an empty expert, fewer rows than a tile,
+# regions not aligned to the tile, all rows to one expert.
+LOADS = {
+    "mixed": ([5, 0, 40, 33], 3),
+    "one-expert": ([0, 70, 0], 0),
+    "single-row": ([1], 0),
+    "no-rows": ([0, 0], 0),
+}
+
+
+def _problem(counts, gap, d=128, i=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    offsets, cursor = [], 0
+    for c in counts:
+        offsets.append(cursor)
+        cursor += c + gap
+    rows = cursor + 5
+    x = torch.randn(rows, d, generator=g).bfloat16()
+    wgu = (torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5).bfloat16()
+    wd = (torch.randn(len(counts), d, i, generator=g) / i**0.5).bfloat16()
+    return x, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), wgu, wd
+
+
+def _poisoned_like(ref):
+    from megamoe.experts import ExpertForward
+
+    return ExpertForward(*(torch.full_like(getattr(ref, n), float("nan"), dtype=torch.bfloat16) for n in ("h", "act", "y")))
+
+
+@pytest.mark.parametrize("load", LOADS)
+@pytest.mark.parametrize("limit", [None, 0.6])
+def test_forward_tiles_match_reference_and_write_only_their_rows(load, limit):
+    x, counts, offsets, wgu, wd = _problem(*LOADS[load])
+    ref = expert_forward_reference(x, counts, offsets, wgu, wd, swiglu_limit=limit)
+    out = expert_forward(x, counts, offsets, wgu, wd, swiglu_limit=limit, out=_poisoned_like(ref), num_programs=3)
+    for name in ("h", "act", "y"):
+        got, want = getattr(out, name).float(), getattr(ref, name)
+        inside = ~want.isnan()
+        assert torch.equal(got.isnan(), want.isnan()), f"{name}: written rows differ from the expert regions"
+        if inside.any():
+            err = (got[inside] - want[inside]).abs().max()
+            assert err <= 2e-2 * max(1.0, float(want[inside].abs().max())), f"{name}: max error {err}"
+
+
+def test_tile_shapes_and_grid_size_do_not_change_the_result():
+    x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"])
+    base = expert_forward(x, counts, offsets, wgu, wd, num_programs=4)
+    tiles = {"gate_up": TileConfig(16, 64, 32, num_warps=4, num_stages=1),
+             "down": TileConfig(64, 16, 64, num_warps=4, num_stages=1)}
+    other = expert_forward(x, counts, offsets, wgu, wd, num_programs=1, tiles=tiles)
+    for name in ("h", "act", "y"):
+        a, b = getattr(base, name), getattr(other, name)
+        inside = torch.zeros(a.shape[0], dtype=torch.bool)
+        for o, c in zip(offsets.tolist(), counts.tolist()):
+            inside[o : o + c] = True
+        torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_row_tiles_cover_every_region_once():
+    counts = torch.tensor([5, 0, 40, 33, 1])
+    offsets = torch.tensor([0, 8, 8, 50, 90])
+    tiles = build_row_tiles(counts, offsets, capacity=100, block_m=16)
+    n = int(tiles.num_tiles)
+    assert n == 1 + 0 + 3 + 3 + 1
+    got = [(int(e), int(r)) for e, r in zip(tiles.tile_expert[:n], tiles.tile_row0[:n])]
+    assert got == [(0, 0), (2, 8), (2, 24), (2, 40), (3, 50), (3, 66), (3, 82), (4, 90)]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(x=a["x"].float()), "x_rows must be bfloat16"),
+        (lambda a: a.update(x=a["x"][:, :64]), "shapes disagree"),
+        (lambda a: a.update(counts=a["counts"][:-1]), "counts and offsets must be"),
+        (lambda a: a.update(wd=a["wd"][:, :, :-4], wgu=a["wgu"][:, :-8]), "multiple of 8"),
+    ],
+)
+def test_bad_arguments_raise_value_error(mutate, message):
+    x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"])
+    args = dict(x=x, counts=counts, offsets=offsets, wgu=wgu, wd=wd)
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        expert_forward(args["x"], args["counts"], args["offsets"], args["wgu"], args["wd"])
+
+
+def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
+    """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.sm90"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"gate_up_kernel", "down_kernel"}
+    for name, facts in summary.items():
+        assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
+        assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
