@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from megamoe.experts import TileConfig, expert_forward
+from megamoe.experts import ExpertForward, TileConfig, down, expert_forward, gate_up
 
 D, I, ROUTES = 7168, 2048, 65536
 LOADS = {"192x341": 192, "16x4096": 16}
-GATE_UP = [TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 4)]
-DOWN = [TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 256, 64, 8, 4)]
+GATE_UP = [TileConfig(128, 128, 64, 8, 3, g) for g in (1, 4, 8, 16)] + [TileConfig(128, 128, 64, 8, 4, 8)]
+DOWN = [TileConfig(128, 256, 64, 8, 4, g) for g in (1, 4, 8, 16)] + [TileConfig(128, 256, 64, 8, 3, 8),
+                                                                    TileConfig(128, 128, 64, 8, 4, 8)]
 
 
 def make_load(experts: int, device):
@@ -61,42 +61,54 @@ def main() -> None:
         x, counts, offsets, wgu, wd = make_load(experts, device)
         ref_y = torch_path(x, counts, wgu, wd)
         ms = triton.testing.do_bench(lambda: torch_path(x, counts, wgu, wd), warmup=50, rep=300, return_mode="median")
-        records.append({"load": load, "impl": "torch._grouped_mm+swiglu", "ms": ms, "tflops": flops / ms / 1e9,
-                        "rel_err_vs_torch": 0.0, "gate_up": None, "down": None})
-        best = None
-        for gu in GATE_UP:
-            for dn in DOWN:
-                tiles = {"gate_up": gu, "down": dn}
-                t0 = time.time()
+        records.append({"load": load, "impl": "torch._grouped_mm+swiglu", "ms": ms, "tflops": flops / ms / 1e9})
+        out = ExpertForward(torch.full((ROUTES, 2 * I), float("nan"), dtype=torch.bfloat16, device=device),
+                            torch.full((ROUTES, I), float("nan"), dtype=torch.bfloat16, device=device),
+                            torch.full((ROUTES, D), float("nan"), dtype=torch.bfloat16, device=device))
+        expert_forward(x, counts, offsets, wgu, wd, out=out)
+        torch.cuda.synchronize()
+        err = rel(out.y, ref_y)
+        all_written = not bool(out.y.isnan().any() or out.act.isnan().any() or out.h.isnan().any())
+        stage_best = {}
+        for stage, cands, call in (
+            ("gate_up", GATE_UP, lambda cfg: gate_up(x, counts, offsets, wgu, out.h, out.act, tiles=cfg)),
+            ("down", DOWN, lambda cfg: down(out.act, counts, offsets, wd, out.y, tiles=cfg)),
+        ):
+            for cfg in cands:
                 try:
-                    out = expert_forward(x, counts, offsets, wgu, wd, tiles=tiles)
-                    torch.cuda.synchronize()
-                except Exception as exc:  # a tile shape that does not fit: record and go on
-                    records.append({"load": load, "impl": "megamoe", "error": repr(exc)[:200],
-                                    "gate_up": gu.__dict__, "down": dn.__dict__})
+                    ms = triton.testing.do_bench(lambda: call(cfg), warmup=30, rep=200, return_mode="median")
+                except Exception as exc:
+                    records.append({"load": load, "impl": f"megamoe {stage}", "error": repr(exc)[:200],
+                                    "tiles": cfg.__dict__})
                     continue
-                err = rel(out.y, ref_y)
-                ms = triton.testing.do_bench(lambda: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles),
-                                             warmup=50, rep=300, return_mode="median")
-                rec = {"load": load, "impl": "megamoe", "ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err,
-                       "gate_up": gu.__dict__, "down": dn.__dict__, "compile_s": time.time() - t0}
-                records.append(rec)
-                if err < 1e-2 and (best is None or ms < best["ms"]):
-                    best = rec
-        if best is not None:
-            print(f"best {load}: {best['ms']:.3f} ms {best['tflops']:.0f} TFLOP/s")
-        del x, wgu, wd, ref_y
+                stage_flops = flops * (2 if stage == "gate_up" else 1) / 3
+                records.append({"load": load, "impl": f"megamoe {stage}", "ms": ms, "tflops": stage_flops / ms / 1e9,
+                                "tiles": cfg.__dict__})
+                if stage not in stage_best or ms < stage_best[stage][0]:
+                    stage_best[stage] = (ms, cfg)
+        tiles = {k: v[1] for k, v in stage_best.items()}
+        expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles)
+        err_best = rel(out.y, ref_y)
+        ms = triton.testing.do_bench(lambda: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles),
+                                     warmup=50, rep=300, return_mode="median")
+        records.append({"load": load, "impl": "megamoe forward", "ms": ms, "tflops": flops / ms / 1e9,
+                        "rel_err_vs_torch": max(err, err_best), "all_written": all_written,
+                        "tiles": {k: v.__dict__ for k, v in tiles.items()}})
+        del x, wgu, wd, ref_y, out
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"machine": torch.cuda.get_device_name(), "records": records}, f, indent=1)
-    print(f"{'load':9} {'impl':26} {'gate_up':18} {'down':18} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
+    print(f"{'load':9} {'impl':26} {'tiles (m, n, k, warps, stages, group)':40} {'ms':>8} {'TFLOP/s':>8} note")
     for r in records:
+        t = r.get("tiles")
+        t = str(tuple(t.values())) if t and "block_m" in t else ("; ".join(f"{k}={tuple(v.values())}" for k, v in t.items()) if t else "-")
         if "error" in r:
-            print(f"{r['load']:9} {r['impl']:26} {str(tuple(r['gate_up'].values())):18} ERROR {r['error'][:60]}")
+            print(f"{r['load']:9} {r['impl']:26} {t:40} ERROR {r['error'][:60]}")
             continue
-        tiles = [str(tuple(r[k].values())[:3]) if r[k] else "-" for k in ("gate_up", "down")]
-        print(f"{r['load']:9} {r['impl']:26} {tiles[0]:18} {tiles[1]:18} {r['ms']:8.3f} {r['tflops']:8.0f} "
-              f"{r['rel_err_vs_torch']:9.2e}")
+        note = f"rel err {r['rel_err_vs_torch']:.2e}" if "rel_err_vs_torch" in r else ""
+        if "all_written" in r:
+            note += f" all rows written {r['all_written']}"
+        print(f"{r['load']:9} {r['impl']:26} {t[:40]:40} {r['ms']:8.3f} {r['tflops']:8.0f} {note}")
 
 
 if __name__ == "__main__":

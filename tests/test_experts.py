@@ -57,8 +57,8 @@ def test_forward_tiles_match_reference_and_write_only_their_rows(load, limit):
 def test_tile_shapes_and_grid_size_do_not_change_the_result():
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"])
     base = expert_forward(x, counts, offsets, wgu, wd, num_programs=4)
-    tiles = {"gate_up": TileConfig(16, 64, 32, num_warps=4, num_stages=1),
-             "down": TileConfig(64, 16, 64, num_warps=4, num_stages=1)}
+    tiles = {"gate_up": TileConfig(16, 64, 32, num_warps=4, num_stages=1, group_m=3),
+             "down": TileConfig(64, 16, 64, num_warps=4, num_stages=1, group_m=1)}
     other = expert_forward(x, counts, offsets, wgu, wd, num_programs=1, tiles=tiles)
     for name in ("h", "act", "y"):
         a, b = getattr(base, name), getattr(other, name)

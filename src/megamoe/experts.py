@@ -30,6 +30,7 @@ class TileConfig:
     block_k: int
     num_warps: int = 8
     num_stages: int = 3
+    group_m: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -57,7 +58,7 @@ def plan_tiles(kind: str, device: torch.device) -> TileConfig:
         return TileConfig(32, 32, 32, num_warps=4, num_stages=1)
     if kind == "gate_up":
         return TileConfig(128, 128, 64, num_warps=8, num_stages=3)
-    return TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+    return TileConfig(128, 256, 64, num_warps=8, num_stages=4)
 
 
 @dataclass(frozen=True)
@@ -170,39 +171,76 @@ def expert_forward(
             act=torch.empty(rows, i, dtype=torch.bfloat16, device=device),
             y=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
         )
-    if rows == 0 or experts == 0:
-        return out
     tiles = tiles or {}
-    gu = tiles.get("gate_up") or plan_tiles("gate_up", device)
-    dn = tiles.get("down") or plan_tiles("down", device)
-    programs = _num_programs(device, num_programs)
-    dot_fp32 = interpreting()
-    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, swiglu_limit=swiglu_limit,
+            num_programs=num_programs, tiles=tiles.get("gate_up"))
+    down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"))
+    return out
 
-    row_tiles = build_row_tiles(counts, offsets, rows, gu.block_m)
+
+def gate_up(
+    x_rows: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    h: torch.Tensor,
+    act: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    num_programs: int | None = None,
+    tiles: TileConfig | None = None,
+) -> None:
+    """h = x_rows · w_gate_upᵀ and act = SwiGLU(h) on every expert region (one persistent launch)."""
+    experts, two_i, d = w_gate_up.shape
+    i = two_i // 2
+    rows = x_rows.shape[0]
+    if rows == 0 or experts == 0:
+        return
+    cfg = tiles or plan_tiles("gate_up", x_rows.device)
+    programs = _num_programs(x_rows.device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m)
     expert_gemm.gate_up_kernel[(programs,)](
-        _descriptor(x_rows, [gu.block_m, gu.block_k]),
-        _descriptor(w_gate_up.view(experts * 2 * i, d), [gu.block_n, gu.block_k]),
-        out.h, out.act, out.h.stride(0), out.act.stride(0),
+        _descriptor(x_rows, [cfg.block_m, cfg.block_k]),
+        _descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
+        h, act, h.stride(0), act.stride(0),
         row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
         i, d, float(swiglu_limit or 0.0),
-        HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, NUM_PROGRAMS=programs,
-        BLOCK_M=gu.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        num_warps=gu.num_warps, num_stages=gu.num_stages,
+        HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if dn.block_m != gu.block_m:
-        row_tiles = build_row_tiles(counts, offsets, rows, dn.block_m)
+
+
+def down(
+    act: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_down: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    num_programs: int | None = None,
+    tiles: TileConfig | None = None,
+) -> None:
+    """y = act · w_downᵀ on every expert region (one persistent launch)."""
+    experts, d, i = w_down.shape
+    rows = act.shape[0]
+    if rows == 0 or experts == 0:
+        return
+    cfg = tiles or plan_tiles("down", act.device)
+    programs = _num_programs(act.device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m)
     expert_gemm.down_kernel[(programs,)](
-        _descriptor(out.act, [dn.block_m, dn.block_k]),
-        _descriptor(w_down.view(experts * d, i), [dn.block_n, dn.block_k]),
-        out.y, out.y.stride(0),
+        _descriptor(act, [cfg.block_m, cfg.block_k]),
+        _descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]),
+        y, y.stride(0),
         row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
         d, i,
-        DOT_FP32=dot_fp32, NUM_PROGRAMS=programs,
-        BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
-        num_warps=dn.num_warps, num_stages=dn.num_stages,
+        DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
 
 
 def expert_forward_reference(

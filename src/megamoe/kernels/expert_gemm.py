@@ -94,12 +94,25 @@ def down_tile(
 
 
 @triton.jit
-def _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr):
-    tile = task // num_n
+def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M: tl.constexpr):
+    """Task -> (expert, row0, row_end, n-tile) in grouped order.
+
+    Tasks walk groups of GROUP_M consecutive row tiles; inside a group the
+    n-tile is the outer index, so the programs running at once share one
+    weight slice (read from HBM once per group, not once per row tile) and
+    the group's rows stay in L2 across its n-tiles.
+    """
+    group_size = GROUP_M * num_n
+    group = task // group_size
+    first = group * GROUP_M
+    rows_in_group = tl.minimum(num_tiles - first, GROUP_M)
+    within = task - group * group_size
+    tile = first + within % rows_in_group
+    n = within // rows_in_group
     expert = tl.load(tile_expert_ptr + tile)
     row0 = tl.load(tile_row0_ptr + tile)
     row_end = tl.load(offsets_ptr + expert) + tl.load(counts_ptr + expert)
-    return expert, row0, row_end, (task % num_n)
+    return expert, row0, row_end, n
 
 
 @triton.jit
@@ -108,14 +121,16 @@ def gate_up_kernel(
     tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
     I, K, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Persistent gate/up + SwiGLU over every (tile, n-tile) task."""
     num_n = tl.cdiv(I, BLOCK_N)
-    num_tasks = tl.load(num_tiles_ptr) * num_n
+    num_tiles = tl.load(num_tiles_ptr)
+    num_tasks = num_tiles * num_n
     task = tl.program_id(0)
     while task < num_tasks:  # a while loop: the interpreter cannot range() to a loaded bound
-        expert, row0, row_end, n = _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr)
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
         gate_up_swiglu_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
             HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -129,14 +144,16 @@ def down_kernel(
     tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Persistent down projection over every (tile, n-tile) task."""
     num_n = tl.cdiv(D, BLOCK_N)
-    num_tasks = tl.load(num_tiles_ptr) * num_n
+    num_tiles = tl.load(num_tiles_ptr)
+    num_tasks = num_tiles * num_n
     task = tl.program_id(0)
     while task < num_tasks:
-        expert, row0, row_end, n = _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr)
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
         down_tile(act_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
                   DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
         task += NUM_PROGRAMS
