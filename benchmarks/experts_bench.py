@@ -22,9 +22,8 @@ from megamoe.experts import ExpertForward, TileConfig, down, expert_forward, gat
 
 D, I, ROUTES = 7168, 2048, 65536
 LOADS = {"192x341": 192, "16x4096": 16}
-GATE_UP = [TileConfig(128, 128, 64, 8, 3, g) for g in (1, 4, 8, 16)] + [TileConfig(128, 128, 64, 8, 4, 8)]
-DOWN = [TileConfig(128, 256, 64, 8, 4, g) for g in (1, 4, 8, 16)] + [TileConfig(128, 256, 64, 8, 3, 8),
-                                                                    TileConfig(128, 128, 64, 8, 4, 8)]
+GATE_UP = [TileConfig(128, 128, 64, 8, s, g, f) for s in (3, 4) for g in (4, 16) for f in (False, True)]
+DOWN = [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)]
 
 
 def make_load(experts: int, device):
@@ -98,7 +97,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"machine": torch.cuda.get_device_name(), "records": records}, f, indent=1)
-    print(f"{'load':9} {'impl':26} {'tiles (m, n, k, warps, stages, group)':40} {'ms':>8} {'TFLOP/s':>8} note")
+    print(f"{'load':9} {'impl':26} {'tiles (m, n, k, warps, stages, group, flat)':40} {'ms':>8} {'TFLOP/s':>8} note")
     for r in records:
         t = r.get("tiles")
         t = str(tuple(t.values())) if t and "block_m" in t else ("; ".join(f"{k}={tuple(v.values())}" for k, v in t.items()) if t else "-")

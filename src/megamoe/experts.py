@@ -31,6 +31,7 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    flatten: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -207,7 +208,7 @@ def gate_up(
         row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
         i, d, float(swiglu_limit or 0.0),
         HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -238,7 +239,7 @@ def down(
         row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
         d, i,
         DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -12,7 +12,7 @@ import os
 
 _COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "num_tiles_ptr": "*i32", "offsets_ptr": "*i32",
            "counts_ptr": "*i32", "DOT_FP32": "constexpr", "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr"}
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "FLATTEN": "constexpr"}
 
 
 def _cases():
@@ -42,7 +42,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 8, 
     from triton.compiler import ASTSource
 
     signature = {name: signature[name] for name in kernel.arg_names}
-    consts = {"DOT_FP32": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, **constexprs}
+    consts = {"DOT_FP32": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, "FLATTEN": False, **constexprs}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
