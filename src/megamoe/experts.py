@@ -48,18 +48,20 @@ def interpreting() -> bool:
 def plan_tiles(kind: str, device: torch.device) -> TileConfig:
     """The tile shape for ``kind`` ("gate_up" or "down") on ``device``.
 
-    GPU (H200, measured in ../shared/BENCHMARKS.md): 128x256 output tiles with
-    8 warps led; gate/up computes a gate and an up tile of 128x128 each (a
-    128x256 tile of h) so SwiGLU fits in the epilogue. The interpreter gets
-    small tiles: it runs one program at a time.
+    GPU (H200, benchmarks/results/2026-11-29-expert-gemm-forward): 128-row
+    tiles with 8 warps; gate/up computes a 128x128 gate and a 128x128 up tile
+    (a 128x256 tile of h) so SwiGLU fits in the epilogue, 3 stages, groups of
+    4 row tiles; down 128x256, 3 stages, groups of 8, and the flattened task
+    loop (+2-5 %; it costs gate/up 15-20 %). 64-row tiles lost 25-35 %. The
+    interpreter gets small tiles: it runs one program at a time.
     """
     if kind not in ("gate_up", "down"):
         raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
     if device.type != "cuda" or interpreting():
         return TileConfig(32, 32, 32, num_warps=4, num_stages=1)
     if kind == "gate_up":
-        return TileConfig(128, 128, 64, num_warps=8, num_stages=3)
-    return TileConfig(128, 256, 64, num_warps=8, num_stages=4)
+        return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=4)
+    return TileConfig(128, 256, 64, num_warps=8, num_stages=3, group_m=8, flatten=True)
 
 
 @dataclass(frozen=True)
