@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from megamoe.experts import ExpertForward, TileConfig, down, expert_forward, gate_up
+from megamoe.experts import ExpertForward, TileConfig, down, expert_backward, expert_forward, gate_up
 
 D, I, ROUTES = 7168, 2048, 65536
 LOADS = {"192x341": 192, "16x4096": 16}
@@ -47,6 +47,46 @@ def torch_path(x, counts, wgu, wd):
 
 def rel(a, b):
     return float((a.float() - b.float()).abs().sum() / b.float().abs().sum())
+
+
+def backward_records(load, x, counts, offsets, wgu, wd, h):
+    """dgrads + SwiGLU backward + wgrads: megamoe's tiles against autograd through the torch path."""
+    g = torch.Generator(device=x.device).manual_seed(1)
+    dy = torch.randn(x.shape, generator=g, device=x.device).bfloat16()
+    row_w = torch.rand(x.shape[0], generator=g, device=x.device)
+    leaves = [t.detach().requires_grad_() for t in (x, wgu, wd, row_w)]
+
+    def torch_backward():
+        for t in leaves:
+            t.grad = None
+        y = torch_path(leaves[0], counts, leaves[1], leaves[2])
+        (y * leaves[3][:, None].to(y.dtype)).backward(dy)
+
+    def torch_backward_only():
+        for t in leaves:
+            t.grad = None
+        y = torch_path(leaves[0], counts, leaves[1], leaves[2])
+        out = y * leaves[3][:, None].to(y.dtype)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out.backward(dy)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    torch_backward()
+    want = {"d_x": leaves[0].grad, "d_w_gate_up": leaves[1].grad, "d_w_down": leaves[2].grad, "d_router": leaves[3].grad}
+    got = expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd)
+    errs = {k: rel(getattr(got, k), v) for k, v in want.items()}
+    torch_ms = sorted(torch_backward_only() for _ in range(15))[7]
+    ms = triton.testing.do_bench(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd),
+                                 warmup=30, rep=300, return_mode="median")
+    flops = 2 * 6 * ROUTES * D * I
+    return [
+        {"load": load, "impl": "torch autograd backward", "ms": torch_ms, "tflops": flops / torch_ms / 1e9},
+        {"load": load, "impl": "megamoe backward", "ms": ms, "tflops": flops / ms / 1e9,
+         "rel_err_vs_torch": max(errs.values()), "errors": errs},
+    ]
 
 
 def main() -> None:
@@ -93,6 +133,7 @@ def main() -> None:
         records.append({"load": load, "impl": "megamoe forward", "ms": ms, "tflops": flops / ms / 1e9,
                         "rel_err_vs_torch": max(err, err_best), "all_written": all_written,
                         "tiles": {k: v.__dict__ for k, v in tiles.items()}})
+        records.extend(backward_records(load, x, counts, offsets, wgu, wd, out.h))
         del x, wgu, wd, ref_y, out
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

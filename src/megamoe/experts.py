@@ -17,7 +17,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.kernels import expert_gemm
+from megamoe.kernels import expert_gemm, expert_gemm_bwd
 from megamoe.reference import expert_ffn, swiglu
 
 
@@ -45,8 +45,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: The GEMMs of the expert FFN: forward gate/up and down; backward dact, dx and wgrad.
+GEMM_KINDS = ("gate_up", "down", "dact", "dx", "wgrad")
+
+
 def plan_tiles(kind: str, device: torch.device) -> TileConfig:
-    """The tile shape for ``kind`` ("gate_up" or "down") on ``device``.
+    """The tile shape for ``kind`` (one of :data:`GEMM_KINDS`) on ``device``.
 
     GPU (H200, benchmarks/results/2026-11-29-expert-gemm-forward): 128-row
     tiles with 8 warps; gate/up computes a 128x128 gate and a 128x128 up tile
@@ -55,13 +59,16 @@ def plan_tiles(kind: str, device: torch.device) -> TileConfig:
     loop (+2-5 %; it costs gate/up 15-20 %). 64-row tiles lost 25-35 %. The
     interpreter gets small tiles: it runs one program at a time.
     """
-    if kind not in ("gate_up", "down"):
-        raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
+    if kind not in GEMM_KINDS:
+        raise ValueError(f"kind must be one of {GEMM_KINDS}, got {kind!r}")
     if device.type != "cuda" or interpreting():
         return TileConfig(32, 32, 32, num_warps=4, num_stages=1)
     if kind == "gate_up":
         return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=4)
-    return TileConfig(128, 256, 64, num_warps=8, num_stages=3, group_m=8, flatten=True)
+    if kind in ("down", "dx"):
+        return TileConfig(128, 256, 64, num_warps=8, num_stages=3, group_m=8, flatten=kind == "down")
+    # dact: a heavy epilogue (loads h, writes d_h and act_w); wgrad: short K loops over an expert's rows.
+    return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=8)
 
 
 @dataclass(frozen=True)
@@ -268,3 +275,136 @@ def expert_forward_reference(
         out.act[start : start + count] = swiglu(h, swiglu_limit)
         out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), swiglu_limit)
     return out
+
+
+@dataclass
+class ExpertGrads:
+    """Gradients of the expert FFNs: `d_x [R, D]` and `d_router [R]` per routed row (rows outside
+    regions undefined), `d_w_gate_up [L, 2I, D]` and `d_w_down [L, D, I]` (every expert written)."""
+
+    d_x: torch.Tensor
+    d_router: torch.Tensor
+    d_w_gate_up: torch.Tensor
+    d_w_down: torch.Tensor
+
+
+def expert_backward(
+    dy_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    num_programs: int | None = None,
+    tiles: dict[str, TileConfig] | None = None,
+) -> ExpertGrads:
+    """Backward of :func:`expert_forward` for routed rows (BF16; see `megamoe.kernels.expert_gemm_bwd`).
+
+    Args:
+        dy_rows: bf16 `[R, D]` upstream gradient of each row's token, not scaled by its router weight.
+        row_weights: float32 `[R]` router weight of each row's route.
+        x_rows: bf16 `[R, D]` the forward's input rows; h: bf16 `[R, 2I]` its saved pre-activation.
+        counts, offsets, w_gate_up, w_down: as in :func:`expert_forward`.
+    """
+    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
+    rows = x_rows.shape[0]
+    device = x_rows.device
+    for name, t, shape, dtype in (("dy_rows", dy_rows, (rows, d), torch.bfloat16),
+                                  ("row_weights", row_weights, (rows,), torch.float32),
+                                  ("h", h, (rows, 2 * i), torch.bfloat16)):
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+    tiles = tiles or {}
+    cfg = {kind: tiles.get(kind) or plan_tiles(kind, device) for kind in ("dact", "dx", "wgrad")}
+    grads = ExpertGrads(
+        d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
+        d_router=torch.zeros(rows, dtype=torch.float32, device=device),
+        d_w_gate_up=torch.empty_like(w_gate_up),
+        d_w_down=torch.empty_like(w_down),
+    )
+    if experts == 0:
+        return grads
+    programs = _num_programs(device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
+    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
+    if rows:
+        c = cfg["dact"]
+        num_n = -(-i // c.block_n)
+        partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
+        row_tiles = build_row_tiles(counts, offsets, rows, c.block_m)
+        expert_gemm_bwd.dact_swiglu_bwd_kernel[(programs,)](
+            _descriptor(dy_rows, [c.block_m, c.block_k]),
+            _descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
+            h, row_weights, d_h, act_w, partial,
+            h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0),
+            row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
+            d, i, float(swiglu_limit or 0.0),
+            HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+        grads.d_router = partial.sum(dim=1)  # n-tiles added in a fixed order
+        c = cfg["dx"]
+        row_tiles = build_row_tiles(counts, offsets, rows, c.block_m)
+        expert_gemm_bwd.dx_kernel[(programs,)](
+            _descriptor(d_h, [c.block_m, c.block_k]),
+            _descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
+            grads.d_x, grads.d_x.stride(0),
+            row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
+            d, i,
+            DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    c = cfg["wgrad"]
+    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
+        if rows == 0:
+            out.zero_()
+            continue
+        expert_gemm_bwd.wgrad_kernel[(programs,)](
+            _descriptor(a, [c.block_k, c.block_m]), _descriptor(b, [c.block_k, c.block_n]),
+            out, out.stride(0), out.stride(1),
+            offsets, counts, experts, out.shape[1], out.shape[2],
+            DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    return grads
+
+
+def expert_backward_reference(
+    dy_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+) -> ExpertGrads:
+    """The torch twin of :func:`expert_backward` in FP32, from the same saved ``h``.
+
+    Autograd runs from h (as the kernels do: the clamp masks see the saved
+    BF16 pre-activation), then d_x = d_h · w_gate_up and dW_gate_up = d_hᵀ · x.
+    Rows outside expert regions are NaN.
+    """
+    rows, d = x_rows.shape
+    nan = dict(dtype=torch.float32, device=x_rows.device)
+    grads = ExpertGrads(torch.full((rows, d), float("nan"), **nan), torch.full((rows,), float("nan"), **nan),
+                        torch.zeros(w_gate_up.shape, **nan), torch.zeros(w_down.shape, **nan))
+    for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
+        sl = slice(start, start + count)
+        h_l, w_down_l, w = (t.float().requires_grad_() for t in (h[sl], w_down[l], row_weights[sl]))
+        y = swiglu(h_l, swiglu_limit) @ w_down_l.T
+        d_h, grads.d_w_down[l], grads.d_router[sl] = torch.autograd.grad(
+            (y * w[:, None] * dy_rows[sl].float()).sum(), [h_l, w_down_l, w])
+        grads.d_x[sl] = d_h @ w_gate_up[l].float()
+        grads.d_w_gate_up[l] = d_h.T @ x_rows[sl].float()
+    return grads

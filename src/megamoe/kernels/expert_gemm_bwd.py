@@ -1,0 +1,155 @@
+"""Backward expert GEMM tiles (BF16): dgrads with SwiGLU backward and the router gradient fused, wgrads.
+
+Per routed row r of local expert l (rows grouped by expert as in the forward):
+
+    dy[r]  = d_out of the row's token, NOT scaled by its router weight w[r]
+    g[r]   = dy[r] · w_down[l]                  [I]   (dact kernel, K = D)
+    d_w[r] = <g[r], act[r]>  (= <dy[r], y[r]>)        (SonicMoE: no pass over y)
+    d_act  = w[r] · g[r];  d_h = SwiGLU'(h[r]) ⊙ d_act        -> d_h [R, 2I]
+    dx[r]  = d_h[r] · w_gate_up[l]              [D]   (dx kernel, K = 2I)
+    dW_down[l]    = Σ_r dy[r]ᵀ (w[r] act[r])            (wgrad kernel, K = rows of l)
+    dW_gate_up[l] = Σ_r d_h[r]ᵀ x[r]
+
+act is recomputed from the saved pre-activation h in the dact epilogue, which
+also writes act_w = w ⊙ act for the wgrad. The router gradient of a row is
+summed over I in two steps: each n-tile writes its partial sum to
+d_w_partial[r, n]; the launcher adds the partials in n order (no float
+atomics anywhere: bitwise deterministic). wgrad tasks own one
+(expert, m-tile, n-tile) output block and reduce the expert's rows in order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megamoe.kernels.expert_gemm import _tile_task
+
+
+@triton.jit
+def rows_times_kn(a_desc, w_desc, row0, w_row0, n0, K, DOT_FP32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc = A[row0 : row0+BM, :K] · W[w_row0 : w_row0+K, n0 : n0+BN] (W stored [K, N], row-major)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k])
+        w = w_desc.load([w_row0 + k, n0])
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def dact_swiglu_bwd_kernel(
+    dy_desc, w_down_desc, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+    stride_h, stride_d_h, stride_act_w, stride_partial,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    D, I, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """g = dy · w_down[l]; epilogue: router-gradient partials, SwiGLU backward -> d_h, act_w."""
+    num_n = tl.cdiv(I, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+        n0 = n * BLOCK_N
+        g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n0, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
+        gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+        gate_c, up_c = gate, up
+        if HAS_LIMIT:
+            gate_c = tl.minimum(gate, limit)
+            up_c = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = tl.sigmoid(gate_c)
+        silu = gate_c * sig
+        act = silu * up_c
+        tl.store(d_w_partial_ptr + rows.to(tl.int64) * stride_partial + n, tl.sum(g * act, axis=1), mask=row_ok)
+        w = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
+        d_act = g * w[:, None]
+        d_gate = d_act * up_c * (sig * (1.0 + gate_c * (1.0 - sig)))
+        d_up = d_act * silu
+        if HAS_LIMIT:  # clamp passes the gradient inside [min, max] (inclusive), as torch.clamp does
+            d_gate = tl.where(gate <= limit, d_gate, 0.0)
+            d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
+        d_h_tile = d_h_ptr + rows.to(tl.int64)[:, None] * stride_d_h + cols[None, :]
+        tl.store(d_h_tile, d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_h_tile + I, d_up.to(d_h_ptr.dtype.element_ty), mask=mask)
+        act_w_tile = act_w_ptr + rows.to(tl.int64)[:, None] * stride_act_w + cols[None, :]
+        tl.store(act_w_tile, (act * w[:, None]).to(act_w_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dx_kernel(
+    d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    D, I,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dx = d_h · w_gate_up[l] (K = 2I) for every row tile."""
+    num_n = tl.cdiv(D, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+        n0 = n * BLOCK_N
+        acc = rows_times_kn(d_h_desc, w_gate_up_desc, row0, expert * 2 * I, n0, 2 * I, DOT_FP32,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = (rows < row_end)[:, None] & (cols < D)[None, :]
+        tl.store(d_x_ptr + rows.to(tl.int64)[:, None] * stride_d_x + cols[None, :],
+                 acc.to(d_x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def wgrad_kernel(
+    a_desc, b_desc, out_ptr, stride_out_e, stride_out_m,
+    offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[l] = A[rows of l]ᵀ · B[rows of l]: `[OUT_M, OUT_N]` per expert, rows reduced in order.
+
+    A is `[R, OUT_M]`, B `[R, OUT_N]` (descriptor blocks [BK, BM] and [BK, BN]).
+    Full BK-row chunks go straight from TMA to the tensor cores; the last
+    partial chunk is masked (its rows past the region belong to the next
+    expert). An expert with no rows gets zeros.
+    """
+    num_m = tl.cdiv(OUT_M, BLOCK_M)
+    num_n = tl.cdiv(OUT_N, BLOCK_N)
+    per_expert = num_m * num_n
+    for task in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
+        expert = task // per_expert
+        m0 = (task % per_expert) // num_n * BLOCK_M
+        n0 = (task % num_n) * BLOCK_N
+        row0 = tl.load(offsets_ptr + expert)
+        count = tl.load(counts_ptr + expert)
+        full_end = row0 + count // BLOCK_K * BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(row0, full_end, BLOCK_K):
+            a = a_desc.load([k, m0])
+            b = b_desc.load([k, n0])
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a.T, b, acc)
+        if full_end < row0 + count:
+            keep = (full_end + tl.arange(0, BLOCK_K)) < row0 + count
+            a = tl.where(keep[:, None], a_desc.load([full_end, m0]), 0.0)
+            b = tl.where(keep[:, None], b_desc.load([full_end, n0]), 0.0)
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a.T, b, acc)
+        out_m = m0 + tl.arange(0, BLOCK_M)
+        out_n = n0 + tl.arange(0, BLOCK_N)
+        mask = (out_m < OUT_M)[:, None] & (out_n < OUT_N)[None, :]
+        tile = out_ptr + expert.to(tl.int64) * stride_out_e + out_m.to(tl.int64)[:, None] * stride_out_m + out_n[None, :]
+        tl.store(tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
