@@ -1,7 +1,7 @@
 """Expert compute on one GPU: megamoe's grouped GEMM tiles against torch._grouped_mm + SwiGLU.
 
 Run on the GPU machine from the repo root:
-    PYTHONPATH=src python3 benchmarks/experts_bench.py --out $OUT/experts.json
+    PYTHONPATH=src python3 benchmarks/experts_bench.py --out $OUT/experts.json [--sweep]
 
 kimi-k2 shapes (D 7168, I 2048), 8192 tokens x 8 routes = 65,536 rows on one GPU,
 over 192 experts (~341 rows each) and over 16 experts (4096 rows each). Every
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from megamoe.experts import ExpertForward, TileConfig, down, expert_backward, expert_forward, gate_up
+from megamoe.experts import ExpertForward, TileConfig, down, expert_backward, expert_forward, gate_up, plan_tiles
 
 D, I, ROUTES = 7168, 2048, 65536
 LOADS = {"192x341": 192, "16x4096": 16}
@@ -92,6 +92,7 @@ def backward_records(load, x, counts, offsets, wgu, wd, h):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="experts.json")
+    parser.add_argument("--sweep", action="store_true", help="time every candidate tile shape, not only the planner's")
     args = parser.parse_args()
     device = torch.device("cuda")
     records = []
@@ -110,8 +111,8 @@ def main() -> None:
         all_written = not bool(out.y.isnan().any() or out.act.isnan().any() or out.h.isnan().any())
         stage_best = {}
         for stage, cands, call in (
-            ("gate_up", GATE_UP, lambda cfg: gate_up(x, counts, offsets, wgu, out.h, out.act, tiles=cfg)),
-            ("down", DOWN, lambda cfg: down(out.act, counts, offsets, wd, out.y, tiles=cfg)),
+            ("gate_up", GATE_UP if args.sweep else [plan_tiles("gate_up", device)], lambda cfg: gate_up(x, counts, offsets, wgu, out.h, out.act, tiles=cfg)),
+            ("down", DOWN if args.sweep else [plan_tiles("down", device)], lambda cfg: down(out.act, counts, offsets, wd, out.y, tiles=cfg)),
         ):
             for cfg in cands:
                 try:
