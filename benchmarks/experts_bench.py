@@ -49,6 +49,21 @@ def rel(a, b):
     return float((a.float() - b.float()).abs().sum() / b.float().abs().sum())
 
 
+def kernel_times(fn, iters: int = 3) -> dict[str, float]:
+    """Device time per kernel name (ms per call of fn), largest first, from the torch profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.key] = totals.get(event.key, 0.0) + event.device_time_total / 1e3 / iters
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def backward_records(load, x, counts, offsets, wgu, wd, h):
     """dgrads + SwiGLU backward + wgrads: megamoe's tiles against autograd through the torch path."""
     g = torch.Generator(device=x.device).manual_seed(1)
@@ -82,6 +97,11 @@ def backward_records(load, x, counts, offsets, wgu, wd, h):
     ms = triton.testing.do_bench(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd),
                                  warmup=30, rep=300, return_mode="median")
     flops = 2 * 6 * ROUTES * D * I
+    kernels = kernel_times(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd))
+    print(f"{load} megamoe backward by kernel (ms/iter): " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
+    torch_kernels = kernel_times(torch_backward)
+    print(f"{load} torch fwd+bwd by kernel (ms/iter, top 6): " +
+          ", ".join(f"{k[:40]} {v:.2f}" for k, v in list(torch_kernels.items())[:6]))
     return [
         {"load": load, "impl": "torch autograd backward", "ms": torch_ms, "tflops": flops / torch_ms / 1e9},
         {"load": load, "impl": "megamoe backward", "ms": ms, "tflops": flops / ms / 1e9,
