@@ -10,6 +10,9 @@ import torch
 
 from megamoe.experts import TileConfig, build_row_tiles, expert_forward, expert_forward_reference
 
+# On a GPU machine the same tests run compiled on the GPU; on the CPU under the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 # (counts per expert, gap rows between regions): an empty expert, fewer rows than a tile,
 # regions not aligned to the tile, all rows to one expert.
 LOADS = {
@@ -30,7 +33,8 @@ def _problem(counts, gap, d=128, i=96, seed=0):
     x = torch.randn(rows, d, generator=g).bfloat16()
     wgu = (torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5).bfloat16()
     wd = (torch.randn(len(counts), d, i, generator=g) / i**0.5).bfloat16()
-    return x, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), wgu, wd
+    tensors = (x, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), wgu, wd)
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 def _poisoned_like(ref):
@@ -62,15 +66,15 @@ def test_tile_shapes_and_grid_size_do_not_change_the_result():
     other = expert_forward(x, counts, offsets, wgu, wd, num_programs=1, tiles=tiles)
     for name in ("h", "act", "y"):
         a, b = getattr(base, name), getattr(other, name)
-        inside = torch.zeros(a.shape[0], dtype=torch.bool)
+        inside = torch.zeros(a.shape[0], dtype=torch.bool, device=DEVICE)
         for o, c in zip(offsets.tolist(), counts.tolist()):
             inside[o : o + c] = True
         torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_row_tiles_cover_every_region_once():
-    counts = torch.tensor([5, 0, 40, 33, 1])
-    offsets = torch.tensor([0, 8, 8, 50, 90])
+    counts = torch.tensor([5, 0, 40, 33, 1], device=DEVICE)
+    offsets = torch.tensor([0, 8, 8, 50, 90], device=DEVICE)
     tiles = build_row_tiles(counts, offsets, capacity=100, block_m=16)
     n = int(tiles.num_tiles)
     assert n == 1 + 0 + 3 + 3 + 1
@@ -120,8 +124,8 @@ def test_backward_tiles_match_reference(load, limit):
 
     x, counts, offsets, wgu, wd = _problem(*LOADS[load], seed=5)
     g = torch.Generator().manual_seed(6)
-    dy = torch.randn(x.shape, generator=g).bfloat16()
-    row_weights = torch.rand(x.shape[0], generator=g)
+    dy = torch.randn(x.shape, generator=g).bfloat16().to(DEVICE)
+    row_weights = torch.rand(x.shape[0], generator=g).to(DEVICE)
     fwd = expert_forward(x, counts, offsets, wgu, wd, swiglu_limit=limit)
     got = expert_backward(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, swiglu_limit=limit, num_programs=3)
     want = expert_backward_reference(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, swiglu_limit=limit)
@@ -142,10 +146,10 @@ def test_backward_is_bitwise_deterministic_across_grid_sizes():
     from megamoe.experts import expert_backward
 
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=8)
-    dy, row_weights = torch.randn(x.shape).bfloat16(), torch.rand(x.shape[0])
+    dy, row_weights = torch.randn(x.shape, device=DEVICE).bfloat16(), torch.rand(x.shape[0], device=DEVICE)
     h = expert_forward(x, counts, offsets, wgu, wd).h
     runs = [expert_backward(dy, row_weights, x, h, counts, offsets, wgu, wd, num_programs=p) for p in (1, 5)]
-    inside = torch.zeros(x.shape[0], dtype=torch.bool)
+    inside = torch.zeros(x.shape[0], dtype=torch.bool, device=DEVICE)
     for o, c in zip(offsets.tolist(), counts.tolist()):
         inside[o : o + c] = True
     assert torch.equal(runs[0].d_x[inside], runs[1].d_x[inside])
