@@ -12,6 +12,7 @@ expert regions are poisoned and must stay so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -99,6 +100,9 @@ def backward_records(load, x, counts, offsets, wgu, wd, h):
     flops = 2 * 6 * ROUTES * D * I
     kernels = kernel_times(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd))
     print(f"{load} megamoe backward by kernel (ms/iter): " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
+    flat = {kind: dataclasses.replace(plan_tiles(kind, x.device), flatten=True) for kind in ("dact", "dx", "wgrad")}
+    kernels = kernel_times(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd, tiles=flat))
+    print(f"{load} ... with flattened task loops: " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()))
     torch_kernels = kernel_times(torch_backward)
     print(f"{load} torch fwd+bwd by kernel (ms/iter, top 6): " +
           ", ".join(f"{k[:40]} {v:.2f}" for k, v in list(torch_kernels.items())[:6]))

@@ -345,7 +345,7 @@ def expert_backward(
             row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
             d, i, float(swiglu_limit or 0.0),
             HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
         grads.d_router = partial.sum(dim=1)  # n-tiles added in a fixed order
@@ -358,7 +358,7 @@ def expert_backward(
             row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
             d, i,
             DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     c = cfg["wgrad"]
@@ -371,7 +371,7 @@ def expert_backward(
             out, out.stride(0), out.stride(1),
             offsets, counts, experts, out.shape[1], out.shape[2],
             DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return grads

@@ -48,11 +48,12 @@ def dact_swiglu_bwd_kernel(
     D, I, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """g = dy · w_down[l]; epilogue: router-gradient partials, SwiGLU backward -> d_h, act_w."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
         n0 = n * BLOCK_N
@@ -93,11 +94,12 @@ def dx_kernel(
     D, I,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """dx = d_h · w_gate_up[l] (K = 2I) for every row tile."""
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
         n0 = n * BLOCK_N
@@ -115,7 +117,7 @@ def wgrad_kernel(
     a_desc, b_desc, out_ptr, stride_out_e, stride_out_m,
     offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l]: `[OUT_M, OUT_N]` per expert, rows reduced in order.
 
@@ -127,7 +129,7 @@ def wgrad_kernel(
     num_m = tl.cdiv(OUT_M, BLOCK_M)
     num_n = tl.cdiv(OUT_N, BLOCK_N)
     per_expert = num_m * num_n
-    for task in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
+    for task in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS, flatten=FLATTEN):
         expert = task // per_expert
         m0 = (task % per_expert) // num_n * BLOCK_M
         n0 = (task % num_n) * BLOCK_N

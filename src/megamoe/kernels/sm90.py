@@ -18,7 +18,7 @@ _COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "num_tiles_ptr": 
 def _cases():
     from megamoe.kernels import expert_gemm, expert_gemm_bwd
 
-    rows_tiles = {k: v for k, v in _COMMON.items() if k != "FLATTEN"}
+    rows_tiles = _COMMON
     return {
         "gate_up_kernel": (
             expert_gemm.gate_up_kernel,
@@ -52,7 +52,8 @@ def _cases():
             {"a_desc": "tensordesc<bf16[64,128]>", "b_desc": "tensordesc<bf16[64,128]>", "out_ptr": "*bf16",
              "stride_out_e": "i32", "stride_out_m": "i32", "offsets_ptr": "*i32", "counts_ptr": "*i32",
              "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "DOT_FP32": "constexpr",
-             "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+             "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+             "FLATTEN": "constexpr"},
             {"BLOCK_N": 128},
         ),
     }
