@@ -1,0 +1,327 @@
+"""NVLink row movement in Triton: pull and push tile functions, persistent kernels, bounded waits.
+
+DESIGN.md §3. Every rank holds the same named buffers (``megamoe.world``
+symmetric workspace); a kernel reaches rank r's copy of a buffer through an
+int64 ``[R]`` table of base addresses (``peer_ptrs``). The launch layer is
+``megamoe.comm``; this module holds only jit code.
+
+Rows and chunks
+---------------
+A row of D elements is moved as ``CHUNKS = D / BLOCK_D`` chunks of BLOCK_D
+contiguous elements (BLOCK_D a power of two dividing D, 1024 for D = 7168).
+Chunk ``v`` of a table is row ``t = v // CHUNKS``, columns
+``(v % CHUNKS) * BLOCK_D + [0, BLOCK_D)``. A tile is ``VROWS`` consecutive
+chunks, ``[VROWS, BLOCK_D]`` in registers: one masked load of VROWS x BLOCK_D
+elements whose rows may come from different ranks, then one store. That is
+the "bytes in flight" lever (BENCHMARKS.md): a bf16 tile of 16 x 1024 keeps
+32 KB of loads outstanding per program, as 16-byte vectors.
+
+Peer addresses keep 16-byte vectors: a peer row is addressed as
+``anchor + off`` where ``anchor`` is this rank's copy of the same buffer (a
+kernel argument, so the compiler knows it is 16-byte aligned) and
+``off = (peer_base - anchor) / esize + row * stride + chunk * BLOCK_D``
+carries a ``tl.multiple_of(off, ALIGN)`` hint. (Casting an int64 address to a
+pointer loses the alignment and gives 2-byte accesses.)
+
+Tile functions (inlined by the standalone kernels below and, later, by the
+megakernel's communication workers):
+
+    pull_tile  rows t of a pull schedule: dst[t] = src_{src_rank[t]}[src_index[t] // TOP_K]
+               optional: times the route's router weight (read from the source
+               rank's weights at src_index[t]), on-the-fly MXFP8 / FP8-block
+               quantisation of the pulled rows
+    push_tile  entries t of a push table: dst_{dst_rank[t]}[dst_row[t]] = src[t]
+               (or src[src_row[t] // SRC_ROW_DIV])
+    wait_flags bounded spin until flags[r] >= target for every r < count
+
+Index arrays (int32): ``src_rank``/``src_index`` ``[capacity]`` of a
+``PullSchedule`` (-1 = padding, skipped); the push tables ``dst_rank``,
+``dst_row`` ``[rows]`` (-1 = skipped) and ``src_row``. ``num_rows_ptr`` points
+at the device count of rows in use, so no launch reads device data on the
+host; ``row_limit`` caps it (the first minibatch).
+
+Persistent kernels, grid = (num_sms,): program p moves tiles p, p + num_sms,
+... of the row table. ``_push_kernel`` with SIGNAL (push dispatch with a
+completion flag per peer): after its stores each program does
+``debug_barrier`` + an acq_rel arrival on a local counter; the program that
+arrives last (the counter reaches ``arrive_target``, a running total kept by
+the launcher, so nothing is reset between calls) writes ``epoch`` into
+``flags[my_rank]`` of every rank (release, system scope) and then waits,
+bounded, for ``flags[r] >= epoch`` from every rank r. Only that one program
+waits, so the grid need not be co-resident and the interpreter, which runs
+programs one after another, cannot deadlock. ``_barrier_kernel`` is the same
+exchange with one program: a device-side barrier across ranks.
+
+Bounded waits: a wait polls with ``atomic_add(ptr, 0, sem="acquire",
+scope="sys")`` at most ``budget`` times in all. On timeout it writes
+``[wait_id, rank, target, seen]`` to the int32 error word and returns; the
+launcher reads the word and raises RuntimeError naming the flag and the peer.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megamoe.kernels.quant import fp8_block_quantize_tile, mxfp8_quantize_tile
+
+@triton.jit
+def bf16_to_f32(x):
+    """bfloat16 -> float32 through the bits (exact; the interpreter's cast mangles subnormals)."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16(y):
+    """float32 -> bfloat16, round to nearest even (as torch), through the bits.
+
+    The interpreter's cast truncates; this is a few integer ops on the GPU
+    and gives the same bits on both. NaN stays a quiet NaN of the same sign.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out = tl.where(nan, (bits >> 16) | 0x40, rounded)
+    return out.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def peer_offset(rank, row, valid, peer_ptrs, anchor_ptr, stride_row):
+    """int64 element offsets from ``anchor_ptr`` to row ``row`` of rank ``rank``'s buffer.
+
+    ``anchor_ptr`` is this rank's copy of the buffer (any buffer of the same
+    element type works); rows where ``valid`` is False get a meaningless
+    offset and must stay masked.
+    """
+    ESIZE: tl.constexpr = anchor_ptr.dtype.element_ty.primitive_bitwidth // 8
+    base = tl.load(peer_ptrs + rank, mask=valid, other=0)
+    return (base - anchor_ptr.to(tl.int64)) // ESIZE + row.to(tl.int64) * stride_row
+
+
+@triton.jit
+def pull_tile(
+    v0,
+    num_rows,
+    src_peer_ptrs,
+    src_anchor_ptr,
+    stride_src,
+    src_rank_ptr,
+    src_index_ptr,
+    dst_ptr,
+    stride_dst,
+    w_peer_ptrs,
+    w_anchor_ptr,
+    qscale_ptr,
+    stride_qscale,
+    TOP_K: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    SCALE: tl.constexpr,
+    QUANT: tl.constexpr,
+    SOFT_E4M3: tl.constexpr,
+):
+    """Pull chunks ``[v0, v0 + VROWS)`` of the schedule's rows ``t < num_rows`` into ``dst[t]``.
+
+    ``src`` is ``[N, D]`` on every rank (row ``src_index // TOP_K``); ``dst``
+    is local ``[capacity, D]``. SCALE: bf16 rows times the fp32 router weight
+    ``w_{src_rank}[src_index]`` (``w`` is ``[N*k]`` on every rank), rounded to
+    bf16. QUANT (0 none, 1 MXFP8, 2 FP8-block 1x128): store E4M3 bits (uint8 ``dst``) and per-block scales
+    (``qscale [capacity, D/32]`` uint8 or ``[capacity, D/128]`` fp32).
+    Rows with ``src_rank == -1`` are not written.
+    """
+    v = v0 + tl.arange(0, VROWS)
+    t = v // CHUNKS
+    col0 = (v % CHUNKS) * BLOCK_D
+    in_range = t < num_rows
+    rank = tl.load(src_rank_ptr + t, mask=in_range, other=-1)
+    index = tl.load(src_index_ptr + t, mask=in_range, other=-1)
+    valid = rank >= 0
+    token = index // TOP_K
+    src_off = tl.multiple_of(peer_offset(rank, token, valid, src_peer_ptrs, src_anchor_ptr, stride_src) + col0, ALIGN)
+    cols = tl.arange(0, BLOCK_D)
+    x = tl.load(src_anchor_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None])
+    if SCALE:
+        w_off = peer_offset(rank, index, valid, w_peer_ptrs, w_anchor_ptr, 1)
+        w = tl.load(w_anchor_ptr + w_off, mask=valid, other=0.0)
+        x = f32_to_bf16(bf16_to_f32(x) * w[:, None])
+    dst_off = t * stride_dst + col0
+    if QUANT == 0:
+        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
+    else:
+        SBLOCK: tl.constexpr = 32 if QUANT == 1 else 128
+        if QUANT == 1:
+            data, scale = mxfp8_quantize_tile(x, 1, False, SOFT_E4M3)
+        else:
+            data, scale = fp8_block_quantize_tile(x, 1, 128, SOFT_E4M3)
+        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], data.to(tl.uint8, bitcast=True), mask=valid[:, None])
+        scols = tl.arange(0, BLOCK_D // SBLOCK)
+        s_off = t * stride_qscale + col0 // SBLOCK
+        tl.store(qscale_ptr + s_off[:, None] + scols[None, :], scale, mask=valid[:, None])
+
+
+@triton.jit
+def push_tile(
+    v0,
+    num_rows,
+    src_ptr,
+    stride_src,
+    src_row_ptr,
+    dst_rank_ptr,
+    dst_row_ptr,
+    dst_peer_ptrs,
+    dst_anchor_ptr,
+    stride_dst,
+    SRC_ROW_DIV: tl.constexpr,
+    IDENTITY_SRC: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Push chunks ``[v0, v0 + VROWS)`` of entries ``t < num_rows``: ``dst_{dst_rank[t]}[dst_row[t]] = src[s]``.
+
+    ``s = t`` (IDENTITY_SRC) or ``src_row[t] // SRC_ROW_DIV``; ``src`` is a
+    local ``[*, D]`` buffer, ``dst`` exists on every rank. Entries with
+    ``dst_rank == -1`` are skipped.
+    """
+    v = v0 + tl.arange(0, VROWS)
+    t = v // CHUNKS
+    col0 = (v % CHUNKS) * BLOCK_D
+    in_range = t < num_rows
+    rank = tl.load(dst_rank_ptr + t, mask=in_range, other=-1)
+    row = tl.load(dst_row_ptr + t, mask=in_range, other=-1)
+    valid = rank >= 0
+    if IDENTITY_SRC:
+        s = t
+    else:
+        s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    x = tl.load(src_ptr + (s * stride_src + col0)[:, None] + cols[None, :], mask=valid[:, None])
+    dst_off = tl.multiple_of(peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst) + col0, ALIGN)
+    tl.store(dst_anchor_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
+
+
+@triton.jit
+def wait_flags(flags_ptr, count, target, budget, error_ptr, WAIT_ID: tl.constexpr):
+    """Spin until ``flags[r] >= target`` for every ``r < count``; at most ``budget`` polls in all.
+
+    Polls are acquire loads at system scope (``atomic_add(ptr, 0)``), so
+    whatever a peer wrote before its release of the flag is visible after.
+    On timeout writes ``[WAIT_ID, r, target, seen]`` (first late rank) to
+    ``error_ptr[0:4]``. Returns 1 when every flag arrived, else 0.
+    """
+    polls = 0
+    ok = 1
+    for r in range(count):
+        seen = tl.atomic_add(flags_ptr + r, 0, sem="acquire", scope="sys")
+        while (seen < target) & (polls < budget):
+            seen = tl.atomic_add(flags_ptr + r, 0, sem="acquire", scope="sys")
+            polls += 1
+        if (seen < target) & (ok == 1):
+            tl.store(error_ptr + 1, r)
+            tl.store(error_ptr + 2, target)
+            tl.store(error_ptr + 3, seen)
+            tl.store(error_ptr, WAIT_ID)
+            ok = 0
+    return ok
+
+
+@triton.jit
+def signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_ID: tl.constexpr):
+    """Write ``epoch`` to ``flags[my_rank]`` on every rank (release, system scope), then ``wait_flags``."""
+    for r in range(num_ranks):
+        off = (tl.load(flag_peer_ptrs + r) - flags_ptr.to(tl.int64)) // 4 + my_rank
+        tl.atomic_xchg(flags_ptr + off, epoch, sem="release", scope="sys")
+    return wait_flags(flags_ptr, num_ranks, epoch, budget, error_ptr, WAIT_ID)
+
+
+# Per-call scalars are not specialised on (value 1, multiples of 16): a new
+# epoch or row limit must not trigger a recompile inside a timed loop.
+@triton.jit(do_not_specialize=["row_limit"])
+def _pull_kernel(
+    num_rows_ptr,
+    row_limit,
+    src_peer_ptrs,
+    src_anchor_ptr,
+    stride_src,
+    src_rank_ptr,
+    src_index_ptr,
+    dst_ptr,
+    stride_dst,
+    w_peer_ptrs,
+    w_anchor_ptr,
+    qscale_ptr,
+    stride_qscale,
+    TOP_K: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    SCALE: tl.constexpr,
+    QUANT: tl.constexpr,
+    SOFT_E4M3: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n = tl.minimum(tl.load(num_rows_ptr).to(tl.int64), row_limit)
+    for v0 in range(pid * VROWS, n * CHUNKS, nprog * VROWS):
+        pull_tile(
+            v0, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr, stride_dst,
+            w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale,
+            TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3,
+        )
+
+
+@triton.jit(do_not_specialize=["row_limit", "arrive_target", "epoch", "my_rank", "budget"])
+def _push_kernel(
+    num_rows_ptr,
+    row_limit,
+    src_ptr,
+    stride_src,
+    src_row_ptr,
+    dst_rank_ptr,
+    dst_row_ptr,
+    dst_peer_ptrs,
+    dst_anchor_ptr,
+    stride_dst,
+    flag_peer_ptrs,
+    flags_ptr,
+    counter_ptr,
+    arrive_target,
+    epoch,
+    my_rank,
+    num_ranks,
+    budget,
+    error_ptr,
+    SRC_ROW_DIV: tl.constexpr,
+    IDENTITY_SRC: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    WAIT_ID: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n = tl.minimum(tl.load(num_rows_ptr).to(tl.int64), row_limit)
+    for v0 in range(pid * VROWS, n * CHUNKS, nprog * VROWS):
+        push_tile(
+            v0, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
+            stride_dst, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN,
+        )
+    if SIGNAL:
+        tl.debug_barrier()  # every thread's stores are issued before the arrival below releases them
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+        if arrived == arrive_target - 1:  # the last program of this rank: all its stores happened before
+            signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_ID)
+        tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["my_rank", "epoch", "budget"])
+def _barrier_kernel(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_ID: tl.constexpr):
+    tl.debug_barrier()
+    signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_ID)
+    tl.debug_barrier()
