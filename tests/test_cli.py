@@ -22,7 +22,8 @@ def test_bench_writes_correct_records(tmp_path):
                                       "--json", str(out), "--md", str(md)])
     assert result.exit_code == 0, result.output
     records = json.loads(out.read_text())
-    assert {(r["impl"], r["pass"]) for r in records} == {(i, p) for i in ("reference", "nccl-torch") for p in ("fwd", "bwd")}
+    want = {(i, p) for i in ("reference", "nccl-torch") for p in ("fwd", "bwd")} | {("unfused", "fwd")}
+    assert {(r["impl"], r["pass"]) for r in records} == want
     for r in records:
         assert FIELDS <= set(r)
         assert r["correct"] and r["ep"] == 2 and r["tokens_per_rank"] == [24, 7] and r["machine"] == "cpu"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -23,8 +24,9 @@ def bench(
     ep: int = typer.Option(None, help="Expert-parallel ranks (default: every GPU, or 4 simulated CPU ranks)."),
     device: str = typer.Option(None, help="cuda or cpu (default: cuda when a GPU is visible)."),
     precision: str = typer.Option("bf16", help="bf16 (fp32 for CPU checks)."),
-    impl: str = typer.Option(None, help="Comma-separated implementations (default: nccl-torch on GPU, "
-                                        "reference,nccl-torch on CPU)."),
+    impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, unfused "
+                                        "(forward only, BF16). Default: nccl-torch,unfused on GPU, "
+                                        "reference,nccl-torch,unfused on CPU."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
     iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 3 on CPU)."),
     warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 1 on CPU)."),
@@ -34,12 +36,14 @@ def bench(
     md_path: str = typer.Option(None, "--md", help="Write a Markdown table (with machine, commit, command) here."),
 ) -> None:
     """Check every implementation against the reference and time it, side by side."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":  # Triton kernels run under the interpreter on the CPU (set before they are imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from megamoe.bench.harness import BenchOptions, run_rank
     from megamoe.bench.report import print_table, run_metadata, write_json, write_markdown
     from megamoe.world import launch
 
     console = Console()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device == "cuda"
     try:
         opts = BenchOptions(
@@ -48,7 +52,7 @@ def bench(
             ep=ep or (torch.cuda.device_count() if gpu else 4),
             device=device,
             precision=precision,
-            impls=_csv(impl or ("nccl-torch" if gpu else "reference,nccl-torch")),
+            impls=_csv(impl or ("nccl-torch,unfused" if gpu else "reference,nccl-torch,unfused")),
             passes=_csv(passes),
             iters=iters if iters is not None else (20 if gpu else 3),
             warmup=warmup if warmup is not None else (3 if gpu else 1),

@@ -147,6 +147,8 @@ def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device
         os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     for key, value in _NO_MULTICAST.items():
         os.environ.setdefault(key, value)
+    if device == "cpu":  # CPU ranks run Triton kernels under the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     with tempfile.TemporaryDirectory(prefix="megamoe-launch-") as result_dir:
         port = _free_port()
         context = mp.start_processes(

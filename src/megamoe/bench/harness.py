@@ -19,6 +19,7 @@ from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.bench.problem import RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
 from megamoe.ep_reference import ep_reference_forward_backward
+from megamoe.unfused import unfused_moe_forward
 from megamoe.world import EPWorld
 
 PASSES = ("fwd", "bwd")
@@ -37,7 +38,7 @@ class BenchOptions:
     ep: int
     device: str
     precision: str = "bf16"
-    impls: tuple[str, ...] = ("reference", "nccl-torch")
+    impls: tuple[str, ...] = ("reference", "nccl-torch", "unfused")
     passes: tuple[str, ...] = PASSES
     iters: int = 5
     warmup: int = 1
@@ -119,9 +120,20 @@ class _ReferenceRunner:
         return ep_reference_forward_backward(self.world, self.p)[1]
 
 
+class _ForwardOnlyRunner(_AutogradRunner):
+    """An implementation without a backward yet: only its fwd pass is checked and timed."""
+
+    passes = ("fwd",)
+
+    def forward(self) -> torch.Tensor:
+        with torch.no_grad():
+            return super().forward()
+
+
 RUNNERS = {
     "reference": _ReferenceRunner,
     "nccl-torch": lambda world, p: _AutogradRunner(world, p, nccl_torch_moe),
+    "unfused": lambda world, p: _ForwardOnlyRunner(world, p, unfused_moe_forward),
 }
 
 
@@ -239,6 +251,8 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     for impl in opts.impls:
         runner = RUNNERS[impl](world, p)
         for name in opts.passes:
+            if name not in getattr(runner, "passes", PASSES):
+                continue
             times, check = [], None
             for it in range(opts.warmup + opts.iters):
                 if name == "fwd":
