@@ -10,4 +10,4 @@ timeout 200 python3 -m pytest -q tests/test_experts.py 2>&1 | tail -2
 timeout 240 python3 -m megamoe bench --preset kimi-k2 --tokens 8192 --ep 2 --impl nccl-torch,unfused --iters 10 \
     --json "$out/kimi-k2_ep2_layer.json" --md "$out/kimi-k2_ep2_layer.md" 2>&1 | tail -8
 CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/quant_bench.py --out "$out/quant.json" 2>&1 | tee "$out/quant.log" | tail -14
-CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/experts_bench.py --out "$out/experts.json" 2>&1 | grep -E "by kernel|flattened|megamoe backward|autograd"
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m megamoe bench-experts --profile --json "$out/experts.json" 2>&1 | tail -12

@@ -46,3 +46,19 @@ def test_world_joins_a_torchrun_group():
     )
     assert done.returncode == 0, done.stderr[-6000:]
     assert sorted(re.findall(r"rank \d of \d read \d+", done.stdout)) == ["rank 0 of 2 read 101", "rank 1 of 2 read 100"]
+
+
+def test_bench_experts_checks_and_records(tmp_path):
+    out = tmp_path / "experts.json"
+    result = CliRunner().invoke(app, ["bench-experts", "--tokens", "16", "--experts", "3", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert {(r["impl"], r["pass"]) for r in records} >= {("megamoe", "fwd"), ("megamoe", "bwd"),
+                                                        ("torch._grouped_mm+swiglu", "fwd"), ("torch autograd", "bwd")}
+    fwd = next(r for r in records if r["impl"] == "megamoe" and r["pass"] == "fwd")
+    assert fwd["all_written"] and fwd["rel_err_vs_torch"] < 1e-2 and fwd["load"] == "3x10"
+
+
+def test_bench_experts_rejects_bad_options():
+    result = CliRunner().invoke(app, ["bench-experts", "--passes", "sideways"])
+    assert result.exit_code == 2 and "passes must be" in result.output

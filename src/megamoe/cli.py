@@ -79,6 +79,49 @@ def bench(
         raise typer.Exit(1)
 
 
+@app.command("bench-experts")
+def bench_experts(
+    preset: str = typer.Option(None, help="Expert shapes (default: kimi-k2 on GPU, tiny on CPU)."),
+    tokens: int = typer.Option(None, help="Tokens on the GPU; rows = tokens x k (default 8192 on GPU, 64 on CPU)."),
+    experts: str = typer.Option(None, help="Comma-separated expert counts, one load each (default 192,16 on GPU, "
+                                           "4 on CPU)."),
+    passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
+    sweep: bool = typer.Option(False, help="Time every candidate tile shape of the forward, not only the planner's."),
+    profile: bool = typer.Option(False, help="Per-kernel backward times from the torch profiler (GPU)."),
+    json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
+) -> None:
+    """Expert GEMMs alone on one device (no communication) against torch._grouped_mm + SwiGLU."""
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from megamoe.bench import experts as bench_module
+    from megamoe.bench.report import run_metadata, write_json
+    from megamoe.config import preset as get_preset
+
+    console = Console()
+    try:
+        cfg = get_preset(preset or ("kimi-k2" if gpu else "tiny"))
+        routes = (tokens or (8192 if gpu else 64)) * cfg.top_k
+        counts = tuple(int(e) for e in _csv(experts or ("192,16" if gpu else "4")))
+        chosen = _csv(passes)
+        if not set(chosen) <= {"fwd", "bwd"}:
+            raise ValueError(f"passes must be fwd and/or bwd, got {passes!r}")
+        records = bench_module.run(cfg, routes, counts, torch.device("cuda" if gpu else "cpu"), sweep=sweep,
+                                   passes=chosen, profile=profile)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    meta = run_metadata("cuda" if gpu else "cpu")
+    for record in records:
+        record.update(meta, preset=preset or ("kimi-k2" if gpu else "tiny"))
+    print(bench_module.format_table(records))
+    if json_path:
+        write_json(records, json_path)
+    if bench_module.failures(records):
+        console.print("[red]some results disagree with the torch path[/red]")
+        raise typer.Exit(1)
+
+
 @app.command()
 def version() -> None:
     """Print the package version."""

@@ -1,0 +1,201 @@
+"""`megamoe bench-experts`: the expert GEMM tiles alone against torch._grouped_mm + SwiGLU.
+
+One GPU, no communication: ``tokens x k`` routed rows spread evenly over each
+requested expert count (kimi-k2 at 8192 tokens: 65,536 rows over 192 experts,
+~341 rows each, and over 16, 4096 each). Forward and backward. Every variant is
+checked against the torch path before it is timed, and the forward's outputs
+start poisoned (NaN) so every row must be written. On the CPU (interpreter)
+the same checks run on small shapes; times there mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megamoe.config import MoEConfig
+from megamoe.experts import (ExpertForward, TileConfig, down, expert_backward, expert_forward, gate_up,
+                             plan_tiles)
+
+#: Tile candidates for --sweep (BM, BN, BK, warps, stages, group, flatten).
+SWEEP = {
+    "gate_up": [TileConfig(128, 128, 64, 8, s, g, f) for s in (3, 4) for g in (4, 16) for f in (False, True)],
+    "down": [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)],
+}
+
+
+def make_load(experts: int, routes: int, d: int, i: int, device):
+    """``routes`` rows spread evenly over ``experts`` experts; random bf16 inputs and weights."""
+    g = torch.Generator(device=device).manual_seed(experts)
+    counts = torch.full((experts,), routes // experts, dtype=torch.int32, device=device)
+    counts[: routes - int(counts.sum())] += 1
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    x = torch.randn(routes, d, generator=g, device=device).bfloat16()
+    wgu = (torch.randn(experts, 2 * i, d, generator=g, device=device) / d**0.5).bfloat16()
+    wd = (torch.randn(experts, d, i, generator=g, device=device) / i**0.5).bfloat16()
+    return x, counts, offsets, wgu, wd
+
+
+def torch_path(x, counts, wgu, wd):
+    """The baseline: torch._grouped_mm gate/up, eager SwiGLU, torch._grouped_mm down."""
+    ends = counts.cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(x, wgu.transpose(-2, -1), offs=ends)
+    gate, up = h.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, wd.transpose(-2, -1), offs=ends)
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum())
+
+
+def median_ms(fn, device: torch.device) -> float:
+    """Median time of ``fn()``: triton's do_bench (CUDA events) on GPUs; one wall-clock call on the CPU."""
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
+    t0 = time.perf_counter()  # the interpreter is slow: one untimed call would double the run
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def kernel_times(fn, iters: int = 3) -> dict[str, float]:
+    """Device ms per call of ``fn`` for each kernel name, largest first (torch profiler; GPU only)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.key] = totals.get(event.key, 0.0) + event.device_time_total / 1e3 / iters
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool) -> tuple[list[dict], ExpertForward]:
+    rows, d = x.shape
+    i = wd.shape[2]
+    device = x.device
+    flops = 6 * rows * d * i
+    ref_y = torch_path(x, counts, wgu, wd)
+    records = [{"load": load, "impl": "torch._grouped_mm+swiglu", "pass": "fwd",
+                "ms": (ms := median_ms(lambda: torch_path(x, counts, wgu, wd), device)), "tflops": flops / ms / 1e9}]
+    out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
+                          for n in (2 * i, i, d)))
+    expert_forward(x, counts, offsets, wgu, wd, out=out)
+    all_written = not any(bool(t.isnan().any()) for t in (out.h, out.act, out.y))
+    err = rel(out.y, ref_y)
+    best = {}
+    stages = {
+        "gate_up": lambda cfg: gate_up(x, counts, offsets, wgu, out.h, out.act, tiles=cfg),
+        "down": lambda cfg: down(out.act, counts, offsets, wd, out.y, tiles=cfg),
+    }
+    for stage, call in stages.items():
+        for cfg in SWEEP[stage] if sweep else [plan_tiles(stage, device)]:
+            ms = median_ms(lambda: call(cfg), device)
+            stage_flops = flops * (2 if stage == "gate_up" else 1) / 3
+            records.append({"load": load, "impl": f"megamoe {stage}", "pass": "fwd", "ms": ms,
+                            "tflops": stage_flops / ms / 1e9, "tiles": dataclasses.asdict(cfg)})
+            if stage not in best or ms < best[stage][0]:
+                best[stage] = (ms, cfg)
+    tiles = {stage: cfg for stage, (_, cfg) in best.items()}
+    expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles)
+    err = max(err, rel(out.y, ref_y))
+    ms = median_ms(lambda: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles), device)
+    records.append({"load": load, "impl": "megamoe", "pass": "fwd", "ms": ms, "tflops": flops / ms / 1e9,
+                    "rel_err_vs_torch": err, "all_written": all_written,
+                    "tiles": {k: dataclasses.asdict(v) for k, v in tiles.items()}})
+    return records, out
+
+
+def _backward_records(load, x, counts, offsets, wgu, wd, h, profile: bool) -> list[dict]:
+    rows, d = x.shape
+    i = wd.shape[2]
+    device = x.device
+    g = torch.Generator(device=device).manual_seed(1)
+    dy = torch.randn(x.shape, generator=g, device=device).bfloat16()
+    row_w = torch.rand(rows, generator=g, device=device)
+    leaves = [t.detach().requires_grad_() for t in (x, wgu, wd, row_w)]
+
+    def torch_forward():
+        for t in leaves:
+            t.grad = None
+        y = torch_path(leaves[0], counts, leaves[1], leaves[2])
+        return y * leaves[3][:, None].to(y.dtype)
+
+    torch_forward().backward(dy)
+    want = {"d_x": leaves[0].grad, "d_w_gate_up": leaves[1].grad, "d_w_down": leaves[2].grad,
+            "d_router": leaves[3].grad}
+    got = expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd)
+    errors = {name: rel(getattr(got, name), ref) for name, ref in want.items()}
+    # torch's backward alone: its forward runs untimed before each timing
+    torch_times = [_backward_ms(torch_forward(), dy) for _ in range(11 if device.type == "cuda" else 1)]
+    flops = 12 * rows * d * i
+    torch_ms = statistics.median(torch_times)
+    ms = median_ms(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd), device)
+    record = {"load": load, "impl": "megamoe", "pass": "bwd", "ms": ms, "tflops": flops / ms / 1e9,
+              "rel_err_vs_torch": max(errors.values()), "errors": errors}
+    if profile and device.type == "cuda":
+        record["kernels_ms"] = kernel_times(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd))
+    return [{"load": load, "impl": "torch autograd", "pass": "bwd", "ms": torch_ms, "tflops": flops / torch_ms / 1e9},
+            record]
+
+
+def _backward_ms(out: torch.Tensor, grad: torch.Tensor) -> float:
+    if not out.is_cuda:
+        t0 = time.perf_counter()
+        out.backward(grad)
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out.backward(grad)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def run(cfg: MoEConfig, routes: int, expert_counts: tuple[int, ...], device: torch.device, *,
+        sweep: bool = False, passes: tuple[str, ...] = ("fwd", "bwd"), profile: bool = False) -> list[dict]:
+    """Records for every load (expert count) and pass; see the module docstring."""
+    records = []
+    for experts in expert_counts:
+        if experts < 1 or routes < experts:
+            raise ValueError(f"each load needs 1 <= experts <= routes, got {experts} experts for {routes} routes")
+        load = f"{experts}x{routes // experts}"
+        x, counts, offsets, wgu, wd = make_load(experts, routes, cfg.hidden, cfg.intermediate, device)
+        fwd, out = _forward_records(load, x, counts, offsets, wgu, wd, sweep)
+        records += fwd if "fwd" in passes else []
+        if "bwd" in passes:
+            records += _backward_records(load, x, counts, offsets, wgu, wd, out.h, profile)
+        del x, wgu, wd, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+#: rel L1 against the torch path: both sides are BF16 computations, so their errors add (backward: more roundings).
+TOLERANCE = {"fwd": 1e-2, "bwd": 2e-2}
+
+
+def failures(records: list[dict]) -> list[dict]:
+    """Records whose result disagrees with the torch path or left rows unwritten."""
+    return [r for r in records
+            if r.get("rel_err_vs_torch", 0.0) > TOLERANCE[r["pass"]] or r.get("all_written") is False]
+
+
+def format_table(records: list[dict]) -> str:
+    lines = [f"{'load':10} {'pass':4} {'impl':26} {'ms':>9} {'TFLOP/s':>8}  note"]
+    for r in records:
+        note = f"rel err {r['rel_err_vs_torch']:.2e}" if "rel_err_vs_torch" in r else ""
+        if "all_written" in r:
+            note += f", every row written: {r['all_written']}"
+        if "tiles" in r and "block_m" in r["tiles"]:
+            note += " tiles " + ",".join(str(v) for v in r["tiles"].values())
+        lines.append(f"{r['load']:10} {r['pass']:4} {r['impl']:26} {r['ms']:9.3f} {r['tflops']:8.1f}  {note}")
+    return "\n".join(lines)
