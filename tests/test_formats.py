@@ -13,6 +13,11 @@ E4M3), values at and just past +-448 after scaling, and the rceil boundary
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -25,7 +30,13 @@ from megamoe.formats import (
     mxfp8_dequantize,
     mxfp8_quantize,
 )
-from megamoe.kernels.quant import QuantConfig, _interpreting, quantize_activations, quantize_weights
+from megamoe.kernels.quant import (
+    QuantConfig,
+    _interpreting,
+    default_config,
+    quantize_activations,
+    quantize_weights,
+)
 
 DTYPES = (torch.float32, torch.bfloat16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -357,6 +368,78 @@ def test_tile_shape_does_not_change_the_result(fmt, axis, configs):
     want = mxfp8_quantize(x, dim=axis) if fmt == "mxfp8" else fp8_block_quantize(x, (1, 128) if axis else (128, 1))
     for cfg in configs:
         assert_same(quantize_activations(x.to(DEVICE), fmt, axis, config=cfg), want)
+
+
+def _gpu_test_config(fmt: str, axis: int, soft: bool | None) -> QuantConfig:
+    """The explicit tile of test_compiled_kernels_match_torch_on_gpu."""
+    return QuantConfig(128, 128 if axis == 0 and fmt == "fp8-block" else 256, soft_e4m3=soft)
+
+
+@pytest.mark.parametrize("soft", [True, None])  # None: the hardware E4M3 path when compiled
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8-block"])
+@pytest.mark.parametrize("axis", [1, 0])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gpu_test_tiles_match_torch(fmt, axis, transpose, soft):
+    """The GPU test's tiles (128x256, 128x128) with the software E4M3 path, transposed or not.
+
+    On an H200 the software path of mxfp8 rowwise 128x256 ->T wrote 0xFC for ~20% of the data: a
+    ptxas miscompile (see test_sm90_builds_are_sane), which the interpreter cannot show; this covers
+    the same tiles, layouts and strides, and the build check below is what catches the miscompile.
+    """
+    x = torch.cat([special(128, 768, 128, seed=20, dtype=torch.bfloat16),
+                   (torch.randn(128, 768, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()])
+    x = x.to(DEVICE)  # [256, 768]: 2 x 3 tiles of 128 x 256
+    if fmt == "mxfp8":
+        want = mxfp8_quantize(x.cpu(), dim=axis)
+    else:
+        want = fp8_block_quantize(x.cpu(), (1, 128) if axis else (128, 1))
+    if transpose:
+        want = (want[0].T, want[1].T)
+    got = quantize_activations(x, fmt, axis, transpose=transpose, config=_gpu_test_config(fmt, axis, soft))
+    assert_same(got, want)
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+
+
+@pytest.mark.parametrize("block", [(1, 32), (32, 1), (1, 128), (128, 1), (128, 128)])
+def test_default_tiles_match_torch(block):
+    """Each default tile, transposed output too, with partial tiles along both dims."""
+    cfg = default_config(block)
+    br, bc = block
+    if block == (128, 128):
+        w = special_tiles(2, 384, 384, seed=32, dtype=torch.bfloat16).to(DEVICE)
+        assert_same(quantize_weights(w, "fp8-block"), fp8_block_quantize(w.cpu(), block))
+        return
+    fmt = "mxfp8" if 32 in block else "fp8-block"
+    axis = 1 if br == 1 else 0
+    n = max(br, bc)  # the block; the other dim gets a partial tile
+    if axis == 1:  # [2.x tiles of rows, 2 tiles + one block of cols]
+        x = special(2 * cfg.block_m + 3, 2 * cfg.block_k + n, n, seed=31, dtype=torch.bfloat16)
+    else:
+        x = special(2 * cfg.block_k + 5, 2 * cfg.block_m + n, n, seed=31, dtype=torch.bfloat16).T
+    x = x.contiguous().to(DEVICE)
+    want = mxfp8_quantize(x.cpu(), dim=axis) if fmt == "mxfp8" else fp8_block_quantize(x.cpu(), block)
+    assert_same(quantize_activations(x, fmt, axis), want)
+    assert_same(quantize_activations(x, fmt, axis, transpose=True), (want[0].T, want[1].T))
+
+
+def test_sm90_builds_are_sane():
+    """Every tile the GPU test and quant_bench use, compiled for sm_90 on the CPU (ptxas, no GPU).
+
+    No SASS may read R1, the stack pointer, for a value the PTX defines (``suspect``): these
+    kernels have no stack, and such reads are how ptxas 12.8 miscompiled the old software E4M3
+    path (``fp8 | sign`` on bytes, packed by LLVM into 16-bit halves) for transposed stores -- the
+    H200 failure of the GPU test (0xFC, byte 1 of the stack pointer, in ~20% of the data). Also:
+    no local memory, and the data leaves in 16-byte stores.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.quant"], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) >= 30
+    bad = [r for r in report if r["suspect"] or r["local_memory"] or r["data_stores_16b"] == 0]
+    assert not bad, bad
 
 
 def test_float16_inputs():

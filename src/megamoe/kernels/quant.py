@@ -50,8 +50,17 @@ functions round in software (``SOFT_E4M3=True``, also runnable compiled): on
 E4M3 spacing there, subnormals included) by the float32 adder's own RNE;
 the result is then exactly representable, so any cast is exact. ``|y|`` is
 taken through its bits, which also keeps the compiler from contracting
-``x * m + c`` into an FMA. Kernels that inline the tile functions pass
+``x * m + c`` into an FMA; y's sign goes back on in float32, before the cast
+(never as a byte OR on the FP8 bits, which ptxas 12.8 miscompiled for sm_90,
+see ``_e4m3_bits``). Kernels that inline the tile functions pass
 ``SOFT_E4M3=soft_e4m3_default()``.
+
+Hopper build check. ``compile_sm90`` compiles, on a machine without a GPU,
+the exact kernel a launch would run (same arguments and JIT specialisation)
+for sm_90, and ``sm90_facts`` reads its PTX and SASS: stack-pointer reads (the
+signature of that ptxas miscompile), local memory, 16-byte data stores, CTA
+barriers. ``python -m megamoe.kernels.quant`` runs it over every tile the GPU
+test and the defaults use (tests/test_formats.py::test_sm90_builds_are_sane).
 
 Standalone kernel ``_quantize_kernel`` (launched by ``quantize_activations``
 and ``quantize_weights``), one program per ``[BLOCK_M, BLOCK_K]`` tile:
@@ -92,11 +101,14 @@ from megamoe.formats import (
 
 __all__ = [
     "QuantConfig",
+    "compile_sm90",
     "default_config",
     "fp8_block_quantize_tile",
     "mxfp8_quantize_tile",
     "quantize_activations",
     "quantize_weights",
+    "sm90_facts",
+    "sm90_report",
     "soft_e4m3_default",
 ]
 
@@ -172,8 +184,13 @@ def _e4m3_bits(y, SOFT_E4M3: tl.constexpr):
         # c = 1.5 * 2**(E + 20): a + c lies in [2**(E+20), 2**(E+21)), where float32 spacing is 2**(E-3).
         c = ((e_bits + (20 << 23)) | 0x400000).to(tl.float32, bitcast=True)
         r = tl.minimum((a + c) - c, _E4M3_MAX)
-        sign = ((y_bits >> 24) & 0x80).to(tl.uint8)
-        bits = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | sign
+        # The sign goes back on in float32 (``y_bits ^ a_bits`` is y's sign bit), never on
+        # the converted bytes: OR-ing a sign byte into the FP8 bits had LLVM pack the bytes
+        # of two e4m3x2 conversions into 16-bit halves, which ptxas 12.8 (Triton 3.6's, for
+        # sm_90) turned into F2FP...MERGE_C sequences reading R1, the stack pointer, for
+        # some high bytes: a transposed store wrote 0xFC for ~20% of the elements.
+        r = (r.to(tl.int32, bitcast=True) | (y_bits ^ a_bits)).to(tl.float32, bitcast=True)
+        bits = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         bits = tl.clamp(y, -_E4M3_MAX, _E4M3_MAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return bits
@@ -314,22 +331,25 @@ class QuantConfig:
 def default_config(block: tuple[int, int]) -> QuantConfig:
     """The tile for ``block`` (rows, cols).
 
-    Chosen from sm_90 builds (ptxas registers, SASS per element): 64 bf16
-    elements per thread as 16-byte loads, <= ~128 registers so that 2-4
-    programs share an SM; columnwise tiles are exactly one block high, so
-    the block max is a plain cross-warp ``tl.max`` with no reshape.
-    benchmarks/quant_bench.py sweeps the alternatives on the GPU.
+    The fastest tile of the H200 sweep (benchmarks/quant_bench.py; bf16 [16384, 7168] activations,
+    [32, 4096, 7168] weights, % of the 4252 GB/s copy ceiling). Rowwise blocks: 16 x 512, 4 warps
+    (each warp owns whole rows: the block max is in-thread plus two shuffles). Columnwise blocks
+    run across rows, and a tile whose warps split a block (every tile here with > 1 warp) reduces
+    through shared memory (4-6 CTA barriers, ``BLOCK_K x warps`` partials): fewer warps per block
+    was faster on the GPU (32 x 128 w2 71 % vs 32 x 256 w4 48 %, w8 29 %). The sweep also times
+    one-warp tiles (32 x 64, 32 x 128, 128 x 32: the block max is in-thread plus shuffles, no
+    barrier), not yet measured.
     """
     br, bc = block
     if (br, bc) == (1, MX_BLOCK):
-        return QuantConfig(block_m=32, block_k=512, num_warps=8)  # 57 regs, ~14 SASS / element
+        return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 93 % (32 x 512 w8: 91.5 %)
     if (br, bc) == (MX_BLOCK, 1):
-        return QuantConfig(block_m=32, block_k=256, num_warps=4)  # 106 regs, ~16
+        return QuantConfig(block_m=32, block_k=128, num_warps=2)  # 71 % (32 x 256 w4: 48 %)
     if (br, bc) == (1, FP8_BLOCK):
-        return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 96 regs, ~18
+        return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 83 %
     if (br, bc) == (FP8_BLOCK, 1):
-        return QuantConfig(block_m=128, block_k=64, num_warps=4)  # 123 regs, ~22
-    return QuantConfig(block_m=128, block_k=128, num_warps=8)  # 128x128: 93 regs, ~16
+        return QuantConfig(block_m=128, block_k=64, num_warps=4)  # 63 % (128 x 128 w8: 51 %)
+    return QuantConfig(block_m=128, block_k=128, num_warps=8)  # 128x128 weights: 90 %
 
 
 def _interpreting() -> bool:
@@ -381,16 +401,18 @@ def _fmt_block(fmt: object, axis: int, weights: bool) -> tuple[bool, tuple[int, 
     return False, ((FP8_BLOCK, 1) if axis == 0 else (1, FP8_BLOCK))
 
 
-def _launch(
+def _prepare(
     x_BMK: torch.Tensor,
     mx: bool,
     block: tuple[int, int],
     rounding: str,
     transpose: bool,
     config: QuantConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise each ``[M, K]`` matrix of ``x_BMK``; returns ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
-    (their last two dims swapped, contiguous, when ``transpose``)."""
+) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """Outputs and the ``_quantize_kernel`` launch ``(grid, args, kwargs)`` (None when empty) for
+    quantising each ``[M, K]`` matrix of ``x_BMK``: ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
+    (their last two dims swapped, contiguous, when ``transpose``). Works on meta tensors too,
+    which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
     nb, m, k = x_BMK.shape
     br, bc = block
     for i, (size, b) in enumerate(((m, br), (k, bc))):
@@ -410,7 +432,7 @@ def _launch(
         scale = torch.empty(nb, m // br, k // bc, dtype=scale_dtype, device=dev)
         data_v, scale_v = data, scale
     if data.numel() == 0:
-        return data, scale
+        return data, scale, None
     bm, bk = config.block_m, config.block_k
     for name, t in (("x", x_BMK), ("data", data_v)):
         if bm * abs(t.stride(1)) + bk * abs(t.stride(2)) >= 2**31:
@@ -423,15 +445,8 @@ def _launch(
     if nb == 1:
         for st in strides:
             st[0] = 0
-    _quantize_kernel[grid](
-        x_BMK,
-        data_u8,
-        scale_v,
-        m,
-        k,
-        *strides[0],
-        *strides[1],
-        *strides[2],
+    args = (x_BMK, data_u8, scale_v, m, k, *strides[0], *strides[1], *strides[2])
+    kwargs = dict(
         MX=mx,
         BLOCK_R=br,
         BLOCK_C=bc,
@@ -441,6 +456,22 @@ def _launch(
         BLOCK_K=bk,
         num_warps=config.num_warps,
     )
+    return data, scale, (grid, args, kwargs)
+
+
+def _launch(
+    x_BMK: torch.Tensor,
+    mx: bool,
+    block: tuple[int, int],
+    rounding: str,
+    transpose: bool,
+    config: QuantConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each ``[M, K]`` matrix of ``x_BMK`` (see ``_prepare``)."""
+    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config)
+    if launch is not None:
+        grid, args, kwargs = launch
+        _quantize_kernel[grid](*args, **kwargs)
     return data, scale
 
 
@@ -534,3 +565,170 @@ def quantize_weights(
     if w.dim() == 2:
         return data.squeeze(0), scale.squeeze(0)
     return data, scale
+
+
+# ------------------------------------------------------------ sm_90 build check (no GPU needed)
+
+def compile_sm90(
+    shape: tuple[int, ...],
+    fmt: str,
+    axis: int,
+    *,
+    weights: bool = False,
+    transpose: bool = False,
+    rounding: str = "floor",
+    config: QuantConfig | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """The ``_quantize_kernel`` a ``quantize_activations`` / ``quantize_weights`` call on a CUDA
+    tensor of ``shape`` would run, compiled for Hopper (sm_90) on this machine: same arguments,
+    same JIT specialisation (strides of 1, 16-divisibility), no GPU. TRITON_INTERPRET must be unset.
+    Returns Triton's compiled kernel (``.asm`` has ``ttgir``, ``ptx``, ``cubin``, ``sass``)."""
+    if _interpreting():
+        raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    if weights:
+        ax = normalize_dim(axis, x.dim(), "axis")
+        mx, block = _fmt_block(fmt, ax - (x.dim() - 2), weights=True)
+        x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    else:
+        mx, block = _fmt_block(fmt, normalize_dim(axis, 2, "axis"), weights=False)
+        x3 = x.unsqueeze(0)
+    cfg = _check_config(config, block)
+    _, _, launch = _prepare(x3, mx, block, rounding, transpose, cfg)
+    assert launch is not None, "empty tensors launch nothing"
+    _, args, kwargs = launch
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    kernel = _quantize_kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, {"num_warps": cfg.num_warps}, bound, specialization, options
+    )
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps})
+
+
+def _ptx_undefined_registers(ptx: str) -> list[str]:
+    """PTX virtual registers that are read but never written: LLVM's undef/poison lanes (bytes a
+    later ``prmt`` overwrites). ptxas may read any physical register for them, R1 included."""
+    import re
+
+    reg = re.compile(r"%[a-z]+\d+")
+    defined: set[str] = set()
+    read: set[str] = set()
+    for line in ptx.splitlines():
+        line = line.split("//", 1)[0].strip()
+        if not line.endswith(";") or line.startswith("."):
+            continue
+        line = re.sub(r"^@!?%p\d+\s+", "", line[:-1])
+        op, _, operands = line.partition(" ")
+        operands = operands.strip()
+        if op.startswith(("st.", "bar.", "red.", "bra", "ret", "prefetch")):
+            read.update(reg.findall(operands))
+            continue
+        if operands.startswith("{"):
+            dst, _, src = operands[1:].partition("}")
+        else:
+            dst, _, src = operands.partition(",")
+        defined.update(reg.findall(dst))
+        read.update(reg.findall(src))
+    return sorted(read - defined)
+
+
+def sm90_facts(compiled) -> dict:
+    """What the Hopper build of one quantiser looks like, from its PTX and SASS.
+
+    ``stack_pointer_reads`` counts SASS instructions other than the prologue's ``LDC R1,
+    c[0x0][0x28]`` that read R1, the stack pointer. These kernels use no stack, so such a read
+    can only stand for a PTX register that is never written (``ptx_undefined_registers``: bytes
+    of a packed vector that a later ``prmt`` overwrites, harmless); with none of those, it is a
+    ptxas miscompile (``suspect``). The ptxas bundled with Triton 3.6 (12.8) produced exactly that for
+    the old byte-level ``fp8 | sign`` of the software E4M3 path, and transposed stores wrote the
+    pointer's byte 0xFC for ~20% of the elements on an H200. ``data_stores_16b`` counts 16-byte
+    global stores (the data tile; scales are narrower); ``barriers`` the CTA barriers (shared
+    memory reductions and layout conversions)."""
+    import re
+
+    sass = [line.split("\t", 1)[-1].strip() for line in compiled.asm["sass"].splitlines()[1:]]
+    sass = [line for line in sass if line and not line.startswith("NOP")]
+    r1 = re.compile(r"(?<![\w.])R1(?!\w)")
+    sp_reads = []
+    for ins in sass:
+        ins = re.sub(r"^@!?U?P\w+\s+", "", ins)  # guard predicate
+        operands = ins.split(" ", 1)[1] if " " in ins else ""
+        if re.match(r"R1\b", operands):  # R1 as the destination: skip it, look at the sources
+            operands = operands.split(",", 1)[1] if "," in operands else ""
+        if r1.search(operands):
+            sp_reads.append(ins)
+    ptx = compiled.asm["ptx"]
+    undefined = _ptx_undefined_registers(ptx)
+    return {
+        "sass_instructions": len(sass),
+        "stack_pointer_reads": len(sp_reads),
+        "stack_pointer_read_example": sp_reads[0] if sp_reads else None,
+        "ptx_undefined_registers": len(undefined),
+        "suspect": bool(sp_reads) and not undefined,
+        "data_stores_16b": ptx.count("st.global.v4.b32"),
+        "barriers": ptx.count("bar.sync"),
+        "shared_bytes": compiled.metadata.shared,
+        "local_memory": "ld.local" in ptx or "st.local" in ptx or any(i.startswith(("STL", "LDL")) for i in sass),
+    }
+
+
+def sm90_check_cases() -> list[dict]:
+    """The launches of tests/test_formats.py::test_compiled_kernels_match_torch_on_gpu (its explicit
+    tile and every default tile), as ``compile_sm90`` keywords, with the hardware and with the
+    software E4M3 rounding. (benchmarks/quant_bench.py checks its sweep tiles on the GPU.)"""
+    cases = []
+    for fmt in FORMATS:
+        for axis in (1, 0):
+            for transpose in (False, True):
+                d = default_config(_fmt_block(fmt, axis, weights=False)[1])
+                gpu_test_tile = (128, 128 if axis == 0 and fmt == "fp8-block" else 256, 8)
+                tiles = {(d.block_m, d.block_k, d.num_warps), gpu_test_tile}
+                for bm, bk, nw in sorted(tiles):
+                    for soft in (False, True):
+                        cases.append(dict(shape=(4096, 7168), fmt=fmt, axis=axis, transpose=transpose,
+                                          config=QuantConfig(bm, bk, nw, soft_e4m3=soft)))
+    for fmt, axis in (("mxfp8", -1), ("mxfp8", -2), ("fp8-block", -1)):
+        for soft in (False, True):
+            block = _fmt_block(fmt, axis + 2, weights=True)[1]
+            d = default_config(block)
+            cases.append(dict(shape=(4, 1024, 2048), fmt=fmt, axis=axis, weights=True,
+                              config=QuantConfig(d.block_m, d.block_k, d.num_warps, soft_e4m3=soft)))
+    return cases
+
+
+def _describe_case(case: dict) -> str:
+    c = case["config"]
+    return (f"{'w' if case.get('weights') else 'act'} {case['fmt']} axis={case['axis']}"
+            f"{' ->T' if case.get('transpose') else ''} tile {c.block_m}x{c.block_k} w{c.num_warps}"
+            f"{' soft' if c.soft_e4m3 else ''}")
+
+
+def _sm90_one(case: dict) -> dict:
+    return {"case": _describe_case(case), **sm90_facts(compile_sm90(**case))}
+
+
+def sm90_report(cases: list[dict] | None = None, processes: int | None = None) -> list[dict]:
+    """``sm90_facts`` for each case (default ``sm90_check_cases()``), compiled in parallel."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    cases = sm90_check_cases() if cases is None else cases
+    processes = processes or min(8, os.cpu_count() or 1)
+    if processes <= 1:
+        return [_sm90_one(c) for c in cases]
+    with ProcessPoolExecutor(processes) as pool:
+        return list(pool.map(_sm90_one, cases))
+
+
+if __name__ == "__main__":  # python -m megamoe.kernels.quant: the Hopper build check, one JSON line
+    import json
+
+    print(json.dumps(sm90_report()))
