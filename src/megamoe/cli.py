@@ -123,6 +123,32 @@ def bench_experts(
 
 
 @app.command()
+def plan(
+    preset: str = typer.Option("kimi-k2", help="Model shape."),
+    ep: int = typer.Option(2, help="Expert-parallel ranks."),
+    tokens: int = typer.Option(8192, help="Tokens per rank."),
+    sms: int = typer.Option(132, help="SMs of the GPU (H200: 132)."),
+    precision: str = typer.Option("bf16", help="bf16, fp8-block or mxfp8."),
+    comm_sms: int = typer.Option(None, help="Pin the communication SMs."),
+    minibatch: int = typer.Option(None, help="Pin the minibatch (rows)."),
+    ring_rows: int = typer.Option(None, help="Pin the ring size (rows)."),
+) -> None:
+    """The megakernel's minibatch, comm/compute SM split, ring size and memory, with the reasoning."""
+    from megamoe.config import preset as get_preset
+    from megamoe.plan import format_plan
+    from megamoe.plan import plan as make_plan
+
+    try:
+        result = make_plan(get_preset(preset), ep, tokens, num_sms=sms, precision=precision, comm_sms=comm_sms,
+                           minibatch=minibatch, ring_rows=ring_rows)
+    except ValueError as exc:
+        Console().print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    print(f"megamoe plan: {preset}, EP {ep}, {tokens} tokens per rank, {precision}, {sms} SMs")
+    print(format_plan(result))
+
+
+@app.command()
 def version() -> None:
     """Print the package version."""
     from megamoe import __version__

@@ -1,0 +1,185 @@
+"""`megamoe plan`: minibatch, communication SMs, ring size and memory for a layer.
+
+The megakernel splits the SMs into ``comm_sms`` communication workers and
+``C = num_sms - comm_sms`` compute workers, and hands the experts their rows a
+minibatch at a time. The planner applies three rules and prints why:
+
+1. Two waves: each grouped GEMM of a minibatch needs at least two full waves
+   of output tiles over the compute SMs,
+   ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (DESIGN §4; MoK: 128x256
+   tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
+2. Communication keeps up: the fewest comm SMs whose measured per-SM NVLink
+   rate moves a minibatch's remote rows (dispatch + combine) in at most
+   ``COMM_SLACK`` of the time the compute SMs take to process it.
+3. Ring: room for every row a rank expects under balanced routing (N·k), in
+   whole minibatches, so a balanced backward replays nothing; skewed routing
+   wraps the ring (never drops).
+
+Measured inputs (benchmarks/results/): expert GEMMs ~525 TFLOP/s BF16 on
+the whole H200; NVLink pull ~10.7 GB/s per SM (256 GB/s with 24 SMs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megamoe.config import MoEConfig
+
+#: H200 measurements the rules use (benchmarks/results/2026-11-29-*).
+GEMM_TFLOPS = {"bf16": 525.0, "fp8-block": 1000.0, "mxfp8": 525.0}
+NVLINK_GBPS_PER_SM = 10.7
+H200_SMS = 132
+#: Communication of a minibatch may take at most this share of its compute time.
+COMM_SLACK = 0.8
+ELEMENT_BYTES = {"bf16": 2.0, "fp8-block": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Knobs of the persistent kernel (validated against ``num_sms`` on construction).
+
+    Attributes:
+        num_sms: programs in the grid (one per SM, co-resident).
+        comm_sms: programs 0..comm_sms-1 communicate; the rest compute.
+        minibatch: rows handed to the experts per round (a multiple of tile_m).
+        ring_rows: rows of the ring token buffer (a multiple of minibatch).
+        tile_m, tile_n: output tile of the expert GEMMs.
+    """
+
+    num_sms: int
+    comm_sms: int
+    minibatch: int
+    ring_rows: int
+    tile_m: int = 128
+    tile_n: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
+        if self.comm_sms >= self.num_sms:
+            raise ValueError(f"comm_sms ({self.comm_sms}) must leave compute SMs: it must be < num_sms ({self.num_sms})")
+        if self.minibatch % self.tile_m:
+            raise ValueError(f"minibatch ({self.minibatch}) must be a multiple of tile_m ({self.tile_m})")
+        if self.minibatch > self.ring_rows:
+            raise ValueError(f"minibatch ({self.minibatch}) is larger than the ring ({self.ring_rows} rows)")
+        if self.ring_rows % self.minibatch:
+            raise ValueError(f"ring_rows ({self.ring_rows}) must be a multiple of minibatch ({self.minibatch})")
+
+    @property
+    def compute_sms(self) -> int:
+        return self.num_sms - self.comm_sms
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planned :class:`KernelConfig`, its per-rank memory (bytes by buffer) and the reasoning."""
+
+    config: KernelConfig
+    memory: dict[str, int]
+    reasoning: list[str] = field(default_factory=list)
+
+    @property
+    def memory_total(self) -> int:
+        return sum(self.memory.values())
+
+
+def two_wave_rows(cfg: MoEConfig, compute_sms: int, tile_m: int, tile_n: int) -> int:
+    """Rule 1, exact: 2 · C · tile_m · tile_n / min(2I, D), rounded up to whole row tiles."""
+    rows = 2 * compute_sms * tile_m * tile_n / min(2 * cfg.intermediate, cfg.hidden)
+    return math.ceil(rows / tile_m) * tile_m
+
+
+def _comm_over_compute(cfg: MoEConfig, ep: int, comm_sms: int, num_sms: int, precision: str) -> float:
+    """Time to move a row's remote share (dispatch + combine) over time to compute it."""
+    remote = (ep - 1) / ep
+    row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0) * remote  # pull (maybe FP8) + push back (BF16)
+    comm_s = row_bytes / (comm_sms * NVLINK_GBPS_PER_SM * 1e9)
+    compute_s = cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * 1e12 * (num_sms - comm_sms) / num_sms)
+    return comm_s / compute_s
+
+
+def plan(
+    cfg: MoEConfig,
+    ep: int,
+    tokens: int,
+    *,
+    num_sms: int = H200_SMS,
+    precision: str = "bf16",
+    comm_sms: int | None = None,
+    minibatch: int | None = None,
+    ring_rows: int | None = None,
+    tile_m: int = 128,
+    tile_n: int = 256,
+) -> Plan:
+    """Plan the kernel for ``tokens`` tokens per rank on ``ep`` ranks; explicit knobs override the rules."""
+    if precision not in GEMM_TFLOPS:
+        raise ValueError(f"precision must be one of {sorted(GEMM_TFLOPS)}, got {precision!r}")
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+    experts = cfg.experts_per_rank(ep)
+    why = [f"{experts} local experts per rank (E {cfg.num_experts} / EP {ep}); "
+           f"{tokens} tokens x k {cfg.top_k} = {tokens * cfg.top_k} routed rows per rank when balanced"]
+
+    if comm_sms is None:
+        if ep == 1:
+            comm_sms = 1
+            why.append("EP 1: nothing crosses NVLink; 1 SM copies the local rows")
+        else:
+            comm_sms = next(s for s in range(1, num_sms) if _comm_over_compute(cfg, ep, s, num_sms, precision)
+                            <= COMM_SLACK)
+            ratio = _comm_over_compute(cfg, ep, comm_sms, num_sms, precision)
+            why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM} GB/s per SM, moving a row's remote share "
+                       f"takes {ratio:.0%} of computing it on the other {num_sms - comm_sms} SMs "
+                       f"(<= {COMM_SLACK:.0%} needed; {GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate)")
+    else:
+        why.append(f"comm_sms {comm_sms}: given")
+    compute = num_sms - comm_sms
+    if compute < 1:
+        raise ValueError(f"comm_sms ({comm_sms}) must be < num_sms ({num_sms})")
+
+    if minibatch is None:
+        minibatch = two_wave_rows(cfg, compute, tile_m, tile_n)
+        why.append(f"minibatch {minibatch} rows: two waves of {tile_m}x{tile_n} tiles over {compute} compute SMs "
+                   f"= 2*{compute}*{tile_m}*{tile_n}/min(2I={2 * cfg.intermediate}, D={cfg.hidden}), "
+                   f"rounded up to whole {tile_m}-row tiles")
+    else:
+        why.append(f"minibatch {minibatch}: given")
+
+    if ring_rows is None:
+        ring_rows = max(1, math.ceil(tokens * cfg.top_k / minibatch)) * minibatch
+        why.append(f"ring {ring_rows} rows = {ring_rows // minibatch} minibatches: every row of balanced routing "
+                   f"fits, so the backward replays nothing; skewed routing wraps the ring")
+    else:
+        why.append(f"ring {ring_rows}: given")
+
+    config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n)
+    d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
+    act_bytes = ELEMENT_BYTES[precision]
+    memory = {
+        "symmetric x [N, D]": int(tokens * d * act_bytes),
+        "symmetric combine slots [N*k, D]": tokens * k * d * 2,
+        "symmetric d_out [N, D] (backward)": tokens * d * 2,
+        "symmetric d_x slots [N*k, D] (backward)": tokens * k * d * 2,
+        "routing all-gather [R, N, k]": ep * tokens * k * 4,
+        "pull schedule (worst case R*N*k rows)": ep * tokens * k * 8,
+        "ring rows [ring, D]": int(ring_rows * d * act_bytes),
+        "ring pre-activation h [ring, 2I] (backward)": ring_rows * 2 * i * 2,
+        "ring activation [ring, I]": int(ring_rows * i * act_bytes),
+        "minibatch output rows [2 * minibatch, D]": 2 * minibatch * d * 2,
+    }
+    why.append(f"memory per rank {sum(memory.values()) / 2**30:.2f} GiB besides the weights")
+    return Plan(config, memory, why)
+
+
+def format_plan(p: Plan) -> str:
+    c = p.config
+    lines = [f"KernelConfig(num_sms={c.num_sms}, comm_sms={c.comm_sms}, minibatch={c.minibatch}, "
+             f"ring_rows={c.ring_rows}, tile_m={c.tile_m}, tile_n={c.tile_n})", "", "why:"]
+    lines += [f"  - {line}" for line in p.reasoning]
+    lines += ["", "memory per rank:"]
+    lines += [f"  {name:48} {size / 2**20:10.1f} MiB" for name, size in p.memory.items()]
+    lines.append(f"  {'total':48} {p.memory_total / 2**20:10.1f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""The planner: the two-wave rule, the comm/compute split, the ring, and bad knobs."""
+
+import pytest
+from typer.testing import CliRunner
+
+from megamoe.cli import app
+from megamoe.config import MoEConfig, preset
+from megamoe.plan import COMM_SLACK, KernelConfig, _comm_over_compute, plan, two_wave_rows
+
+
+def test_two_wave_rule_reproduces_the_published_example():
+    # MoK: 128x256 tiles, 148 compute SMs, Kimi D 7168, I 2048 -> 2368 rows (already whole 128-row tiles: 18.5 -> 19)
+    kimi = preset("kimi-k2")
+    assert two_wave_rows(kimi, 148, 128, 256) == 19 * 128
+    assert 2 * 148 * 128 * 256 / min(2 * 2048, 7168) == 2368
+    # D smaller than 2I: D is the divisor
+    narrow = MoEConfig(hidden=1024, intermediate=2048, num_experts=8, top_k=2)
+    assert two_wave_rows(narrow, 100, 128, 256) == -(-2 * 100 * 128 * 256 // 1024 // 128) * 128
+
+
+def test_plan_picks_the_fewest_comm_sms_that_keep_up():
+    kimi = preset("kimi-k2")
+    p = plan(kimi, 2, 8192)
+    c = p.config
+    assert _comm_over_compute(kimi, 2, c.comm_sms, 132, "bf16") <= COMM_SLACK
+    assert _comm_over_compute(kimi, 2, c.comm_sms - 1, 132, "bf16") > COMM_SLACK
+    assert c.minibatch == two_wave_rows(kimi, c.compute_sms, 128, 256)
+    assert c.ring_rows % c.minibatch == 0 and c.ring_rows >= 8192 * 8
+    assert p.memory_total > 0 and any("two waves" in line for line in p.reasoning)
+    # more ranks: more rows cross NVLink, so more comm SMs
+    assert plan(kimi, 8, 8192).config.comm_sms >= c.comm_sms
+
+
+def test_pinned_knobs_are_kept_and_checked():
+    kimi = preset("kimi-k2")
+    p = plan(kimi, 2, 4096, comm_sms=16, minibatch=1024, ring_rows=4096)
+    assert (p.config.comm_sms, p.config.minibatch, p.config.ring_rows) == (16, 1024, 4096)
+    with pytest.raises(ValueError, match="must be < num_sms"):
+        plan(kimi, 2, 4096, comm_sms=132)
+    with pytest.raises(ValueError, match="larger than the ring"):
+        plan(kimi, 2, 4096, minibatch=2048, ring_rows=1024)
+    with pytest.raises(ValueError, match="multiple of tile_m"):
+        KernelConfig(num_sms=132, comm_sms=8, minibatch=100, ring_rows=1000)
+    with pytest.raises(ValueError, match="not divisible by ep"):
+        plan(kimi, 5, 4096)
+    with pytest.raises(ValueError, match="precision"):
+        plan(kimi, 2, 4096, precision="fp4")
+
+
+def test_plan_command_prints_the_config_and_why():
+    result = CliRunner().invoke(app, ["plan", "--preset", "kimi-k2", "--ep", "2", "--tokens", "8192"])
+    assert result.exit_code == 0, result.output
+    assert "KernelConfig(num_sms=132" in result.output and "two waves" in result.output and "total" in result.output
+    bad = CliRunner().invoke(app, ["plan", "--comm-sms", "200"])
+    assert bad.exit_code == 2 and "must be < num_sms" in bad.output
