@@ -86,7 +86,7 @@ def bench_experts(
     experts: str = typer.Option(None, help="Comma-separated expert counts, one load each (default 192,16 on GPU, "
                                            "4 on CPU)."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
-    sweep: bool = typer.Option(False, help="Time every candidate tile shape of the forward, not only the planner's."),
+    sweep: bool = typer.Option(False, help="Time every candidate tile shape (forward) and tile variant (backward)."),
     profile: bool = typer.Option(False, help="Per-kernel backward times from the torch profiler (GPU)."),
     json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
 ) -> None:

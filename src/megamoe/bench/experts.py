@@ -26,6 +26,16 @@ SWEEP = {
     "gate_up": [TileConfig(128, 128, 64, 8, s, g, f) for s in (3, 4) for g in (4, 16) for f in (False, True)],
     "down": [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)],
 }
+#: Backward variants for --sweep: each changes one kernel's tiles from the planner's.
+BACKWARD_SWEEP = {
+    "dact 4 stages": {"dact": TileConfig(128, 128, 64, 8, 4, 8)},
+    "dact flatten": {"dact": TileConfig(128, 128, 64, 8, 3, 8, True)},
+    "dx flatten": {"dx": TileConfig(128, 256, 64, 8, 3, 8, True)},
+    "wgrad flatten": {"wgrad": TileConfig(128, 128, 64, 8, 3, 8, True)},
+    "wgrad 128x256": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8)},
+    "wgrad 128x256 flatten": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8, True)},
+    "wgrad 4 stages": {"wgrad": TileConfig(128, 128, 64, 8, 4, 8)},
+}
 
 
 def make_load(experts: int, routes: int, d: int, i: int, device):
@@ -114,7 +124,7 @@ def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool) -> tuple[li
     return records, out
 
 
-def _backward_records(load, x, counts, offsets, wgu, wd, h, profile: bool) -> list[dict]:
+def _backward_records(load, x, counts, offsets, wgu, wd, h, profile: bool, sweep: bool) -> list[dict]:
     rows, d = x.shape
     i = wd.shape[2]
     device = x.device
@@ -143,8 +153,19 @@ def _backward_records(load, x, counts, offsets, wgu, wd, h, profile: bool) -> li
               "rel_err_vs_torch": max(errors.values()), "errors": errors}
     if profile and device.type == "cuda":
         record["kernels_ms"] = kernel_times(lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd))
-    return [{"load": load, "impl": "torch autograd", "pass": "bwd", "ms": torch_ms, "tflops": flops / torch_ms / 1e9},
-            record]
+    records = [{"load": load, "impl": "torch autograd", "pass": "bwd", "ms": torch_ms, "tflops": flops / torch_ms / 1e9},
+               record]
+    for name, tiles in (BACKWARD_SWEEP.items() if sweep else ()):
+        call = lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd, tiles=tiles)  # noqa: E731
+        variant = call()
+        err = max(rel(getattr(variant, k), ref) for k, ref in want.items())
+        ms = median_ms(call, device)
+        entry = {"load": load, "impl": f"megamoe ({name})", "pass": "bwd", "ms": ms, "tflops": flops / ms / 1e9,
+                 "rel_err_vs_torch": err}
+        if profile and device.type == "cuda":
+            entry["kernels_ms"] = kernel_times(call)
+        records.append(entry)
+    return records
 
 
 def _backward_ms(out: torch.Tensor, grad: torch.Tensor) -> float:
@@ -169,10 +190,10 @@ def run(cfg: MoEConfig, routes: int, expert_counts: tuple[int, ...], device: tor
             raise ValueError(f"each load needs 1 <= experts <= routes, got {experts} experts for {routes} routes")
         load = f"{experts}x{routes // experts}"
         x, counts, offsets, wgu, wd = make_load(experts, routes, cfg.hidden, cfg.intermediate, device)
-        fwd, out = _forward_records(load, x, counts, offsets, wgu, wd, sweep)
+        fwd, out = _forward_records(load, x, counts, offsets, wgu, wd, sweep and "fwd" in passes)
         records += fwd if "fwd" in passes else []
         if "bwd" in passes:
-            records += _backward_records(load, x, counts, offsets, wgu, wd, out.h, profile)
+            records += _backward_records(load, x, counts, offsets, wgu, wd, out.h, profile, sweep)
         del x, wgu, wd, out
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -197,5 +218,7 @@ def format_table(records: list[dict]) -> str:
             note += f", every row written: {r['all_written']}"
         if "tiles" in r and "block_m" in r["tiles"]:
             note += " tiles " + ",".join(str(v) for v in r["tiles"].values())
+        if "kernels_ms" in r:
+            note += " | " + ", ".join(f"{k.split('_kernel')[0]} {v:.2f}" for k, v in list(r["kernels_ms"].items())[:3])
         lines.append(f"{r['load']:10} {r['pass']:4} {r['impl']:26} {r['ms']:9.3f} {r['tflops']:8.1f}  {note}")
     return "\n".join(lines)
