@@ -1,0 +1,260 @@
+"""FP8-block (DeepSeek-V3 recipe) expert forward over schedule-grouped rows: launches and the torch twin.
+
+:func:`expert_forward_fp8_block` takes routed rows quantised 1x128 along D and
+expert weights quantised in 128x128 blocks (``megamoe.kernels.quant``'s
+``quantize_activations(x, "fp8-block")`` / ``quantize_weights(w, "fp8-block")``)
+and runs gate/up + SwiGLU (act quantised 1x128 along I in the epilogue) and
+down with the persistent FP8 kernels of `megamoe.kernels.expert_gemm_fp8`.
+Row tiles, grid size and the interpreter switch come from `megamoe.experts`.
+:func:`expert_forward_fp8_block_reference` is the plain-PyTorch twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.experts import TileConfig, _num_programs, build_row_tiles, interpreting
+from megamoe.formats import FP8_BLOCK, fp8_block_quantize
+from megamoe.kernels import expert_gemm_fp8
+from megamoe.kernels.quant import soft_e4m3_default
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class ExpertForwardFP8:
+    """Outputs of the FP8-block forward: `h [R, 2I]` bf16 (None when not stored), `act_q [R, I]` E4M3 with
+    `act_scale [R, I/128]` fp32 (the down GEMM's input, 1x128 blocks along I), `y [R, D]` bf16.
+    Only rows inside expert regions are written."""
+
+    h: torch.Tensor | None
+    act_q: torch.Tensor
+    act_scale: torch.Tensor
+    y: torch.Tensor
+
+
+def plan_tiles_fp8(kind: str, device: torch.device) -> TileConfig:
+    """Tile shape of the FP8 ``kind`` ("gate_up" or "down"); BLOCK_K is always 128 (one scale per K step).
+
+    GPU: 128-row tiles, 8 warps (two warpgroups of 64 rows); gate/up BLOCK_N = 128 act columns (a gate
+    and an up tile, one 1x128 act block per row); down 128x128 (a fresh 128x256 fp32 product per K step
+    next to the accumulator would not fit the registers). Interpreter: small row tiles.
+    """
+    if kind not in ("gate_up", "down"):
+        raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
+    if device.type != "cuda" or interpreting():
+        return TileConfig(32, 128, 128, num_warps=4, num_stages=1)
+    if kind == "gate_up":
+        return TileConfig(128, 128, 128, num_warps=8, num_stages=3, group_m=4)
+    return TileConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=8)
+
+
+def _check_tiles(kind: str, cfg: TileConfig) -> None:
+    if cfg.block_k != FP8_BLOCK:
+        raise ValueError(f"{kind}: fp8-block tiles need block_k = {FP8_BLOCK}, got {cfg.block_k}")
+    if kind == "gate_up" and cfg.block_n != FP8_BLOCK:
+        raise ValueError(f"gate_up: fp8-block tiles need block_n = {FP8_BLOCK}, got {cfg.block_n}")
+    if kind == "down" and cfg.block_n % FP8_BLOCK and FP8_BLOCK % cfg.block_n:
+        raise ValueError(f"down: block_n must divide or be a multiple of {FP8_BLOCK}, got {cfg.block_n}")
+
+
+def _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale):
+    if x_q.dim() != 2 or w_gate_up_q.dim() != 3 or w_down_q.dim() != 3:
+        raise ValueError("x_q must be [R, D], w_gate_up_q [L, 2I, D] and w_down_q [L, D, I]")
+    experts, two_i, d = w_gate_up_q.shape
+    i = two_i // 2
+    rows = x_q.shape[0]
+    if x_q.shape[1] != d or tuple(w_down_q.shape) != (experts, d, i) or two_i % 2:
+        raise ValueError(f"shapes disagree: x_q {tuple(x_q.shape)}, w_gate_up_q {tuple(w_gate_up_q.shape)}, "
+                         f"w_down_q {tuple(w_down_q.shape)}")
+    if d % FP8_BLOCK or i % FP8_BLOCK:
+        raise ValueError(f"fp8-block needs D and I multiples of {FP8_BLOCK}, got D={d}, I={i}")
+    if tuple(counts.shape) != (experts,) or tuple(offsets.shape) != (experts,):
+        raise ValueError(f"counts and offsets must be [{experts}], got {tuple(counts.shape)}, {tuple(offsets.shape)}")
+    b = FP8_BLOCK
+    for name, t, shape, dtype in (
+        ("x_q", x_q, (rows, d), FP8), ("x_scale", x_scale, (rows, d // b), torch.float32),
+        ("w_gate_up_q", w_gate_up_q, (experts, 2 * i, d), FP8),
+        ("w_gate_up_scale", w_gate_up_scale, (experts, 2 * i // b, d // b), torch.float32),
+        ("w_down_q", w_down_q, (experts, d, i), FP8),
+        ("w_down_scale", w_down_scale, (experts, d // b, i // b), torch.float32),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        if t.device != x_q.device:
+            raise ValueError(f"{name} is on {t.device}, x_q on {x_q.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return experts, i, d
+
+
+def expert_forward_fp8_block(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up_q: torch.Tensor,
+    w_gate_up_scale: torch.Tensor,
+    w_down_q: torch.Tensor,
+    w_down_scale: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    num_programs: int | None = None,
+    tiles: dict[str, TileConfig] | None = None,
+    store_h: bool = True,
+    out: ExpertForwardFP8 | None = None,
+) -> ExpertForwardFP8:
+    """FP8-block gate/up + SwiGLU (+ act quantisation) and down for every expert region.
+
+    Args:
+        x_q: E4M3 `[R, D]` routed rows grouped by local expert; x_scale: fp32 `[R, D/128]` (1x128 along D).
+        counts: int `[L]` rows of each expert; offsets: int `[L]` region starts.
+        w_gate_up_q: E4M3 `[L, 2I, D]`, w_gate_up_scale fp32 `[L, 2I/128, D/128]` (128x128 blocks).
+        w_down_q: E4M3 `[L, D, I]`, w_down_scale fp32 `[L, D/128, I/128]`. D, I multiples of 128.
+        swiglu_limit: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
+        num_programs: persistent grid size (default: the SM count).
+        tiles: {"gate_up": TileConfig, "down": TileConfig}; block_k must be 128, gate/up block_n 128.
+        store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
+        out: preallocated outputs to fill (rows outside regions are left alone).
+    """
+    experts, i, d = _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale)
+    rows = x_q.shape[0]
+    device = x_q.device
+    if out is None:
+        out = ExpertForwardFP8(
+            h=torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device) if store_h else None,
+            act_q=torch.empty(rows, i, dtype=FP8, device=device),
+            act_scale=torch.empty(rows, i // FP8_BLOCK, dtype=torch.float32, device=device),
+            y=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
+        )
+    if store_h and out.h is None:
+        raise ValueError("store_h=True needs out.h")
+    tiles = tiles or {}
+    gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, swiglu_limit=swiglu_limit,
+                num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h)
+    down_fp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y,
+             num_programs=num_programs, tiles=tiles.get("down"))
+    return out
+
+
+def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardFP8, *,
+                swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None, store_h: bool = True) -> None:
+    """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch."""
+    experts, two_i, d = w_gate_up_q.shape
+    i = two_i // 2
+    rows = x_q.shape[0]
+    c = tiles or plan_tiles_fp8("gate_up", x_q.device)
+    _check_tiles("gate_up", c)
+    if rows == 0 or experts == 0:
+        return
+    programs = _num_programs(x_q.device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    rt = build_row_tiles(counts, offsets, rows, c.block_m)
+    h = out.h if store_h else out.act_scale  # any pointer: never touched without STORE_H
+    expert_gemm_fp8.gate_up_fp8_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x_q, [c.block_m, FP8_BLOCK]),
+        TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, FP8_BLOCK]),
+        x_scale, w_gate_up_scale, h, out.act_q.view(torch.uint8), out.act_scale,
+        x_scale.stride(0), w_gate_up_scale.stride(1), h.stride(0), out.act_q.stride(0), out.act_scale.stride(0),
+        rt.tile_expert, rt.tile_row0, rt.num_tiles, offsets, counts,
+        i, d, float(swiglu_limit or 0.0),
+        HAS_LIMIT=swiglu_limit is not None, STORE_H=store_h, DOT_FP32=interpreting(), SOFT_E4M3=soft_e4m3_default(),
+        NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUP_M=c.group_m, FLATTEN=c.flatten,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+
+def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
+             tiles: TileConfig | None = None) -> None:
+    """y = dequant(act_q) · dequant(w_down_q)ᵀ on every expert region: one persistent launch."""
+    experts, d, i = w_down_q.shape
+    rows = act_q.shape[0]
+    c = tiles or plan_tiles_fp8("down", act_q.device)
+    _check_tiles("down", c)
+    if rows == 0 or experts == 0:
+        return
+    programs = _num_programs(act_q.device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    rt = build_row_tiles(counts, offsets, rows, c.block_m)
+    expert_gemm_fp8.down_fp8_kernel[(programs,)](
+        TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
+        TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
+        act_scale, w_down_scale, y,
+        act_scale.stride(0), w_down_scale.stride(1), y.stride(0),
+        rt.tile_expert, rt.tile_row0, rt.num_tiles, offsets, counts,
+        d, i,
+        DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUP_M=c.group_m, FLATTEN=c.flatten,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+
+def expert_forward_fp8_block_reference(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up_q: torch.Tensor,
+    w_gate_up_scale: torch.Tensor,
+    w_down_q: torch.Tensor,
+    w_down_scale: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    experts: list[int] | None = None,
+) -> ExpertForwardFP8:
+    """The torch twin: fp32 compute on the dequantised inputs (in the kernels' per-128-K-block promotion
+    order, see `_promoted_matmul`; it equals `formats.fp8_block_dequantize` of both operands followed
+    by an fp32 matmul up to fp32 rounding), act quantised by `formats.fp8_block_quantize`.
+
+    h and y are fp32; rows outside regions are NaN (act_q 0x7F, act_scale NaN). ``experts`` limits
+    the work to those local experts (the others' rows stay NaN).
+    """
+    num, two_i, d = w_gate_up_q.shape
+    i = two_i // 2
+    rows = x_q.shape[0]
+    dev = x_q.device
+    nan = dict(dtype=torch.float32, device=dev)
+    out = ExpertForwardFP8(
+        h=torch.full((rows, 2 * i), float("nan"), **nan),
+        act_q=torch.full((rows, i), 0x7F, dtype=torch.uint8, device=dev).view(FP8),
+        act_scale=torch.full((rows, i // FP8_BLOCK), float("nan"), **nan),
+        y=torch.full((rows, d), float("nan"), **nan),
+    )
+    for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
+        if count == 0 or (experts is not None and l not in experts):
+            continue
+        sl = slice(start, start + count)
+        h = _promoted_matmul(x_q[sl], x_scale[sl], w_gate_up_q[l], w_gate_up_scale[l])
+        act_q, act_s = fp8_block_quantize(_swiglu(h, swiglu_limit))
+        out.h[sl], out.act_q[sl], out.act_scale[sl] = h, act_q, act_s
+        out.y[sl] = _promoted_matmul(act_q, act_s, w_down_q[l], w_down_scale[l])
+    return out
+
+
+def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """`megamoe.reference.swiglu` in the kernels' form, ``gate * sigmoid(gate) * up`` (F.silu rounds
+    differently in ~20 % of the elements, which moves act scales by an ulp)."""
+    gate, up = h.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate) * up
+
+
+def _promoted_matmul(a_q, a_scale, w_q, w_scale):
+    """fp32 ``dequant(a) · dequant(w)ᵀ`` for a 1x128-block ``a [M, K]`` and a 128x128-block ``w [N, K]``,
+    summed per 128-K block and promoted as the kernels do: ``acc += (a_q·w_qᵀ)_kb * (a_s[:, kb] ⊗ w_s[:, kb])``.
+
+    E4M3 products are exact in fp32, so this order leaves the kernels' pre-quantisation act equal to the
+    twin's up to the rounding of the 128-term block sums; the plain dequantise-then-matmul order moves
+    the last bits of most act amaxes (and so most act scales)."""
+    b = FP8_BLOCK
+    acc = torch.zeros(a_q.shape[0], w_q.shape[0], dtype=torch.float32, device=a_q.device)
+    w_s_cols = w_scale.repeat_interleave(b, dim=0)  # [N, K/128]
+    for kb in range(a_q.shape[1] // b):
+        ks = slice(kb * b, (kb + 1) * b)
+        part = a_q[:, ks].float() @ w_q[:, ks].float().T
+        acc = acc + part * (a_scale[:, kb, None] * w_s_cols[None, :, kb])
+    return acc

@@ -1,0 +1,240 @@
+"""Grouped expert GEMM tiles in FP8-block (DeepSeek-V3 recipe): gate/up + SwiGLU + act quantisation, and down.
+
+Same task structure as `megamoe.kernels.expert_gemm` (persistent programs over
+(row tile, n-tile) tasks built on the device; see `_tile_task`), with E4M3
+operands and fp32 block scales:
+
+    x_q [R, D] e4m3, x_scale [R, D/128] fp32              activations, 1x128 blocks along D
+    w_gate_up_q [L*2I, D] e4m3, scale [L, 2I/128, D/128]  weights, 128x128 blocks
+    h [R, 2I] bf16 (optional, kept for the backward)
+    act_q [R, I] e4m3, act_scale [R, I/128] fp32          SwiGLU output, 1x128 blocks along I
+    w_down_q [L*D, I] e4m3, scale [L, D/128, I/128]
+    y [R, D] bf16
+
+Promotion (DeepGEMM): BLOCK_K = 128, so every K step covers exactly one scale
+per row of A and one per 128-row block of W. Each step runs the FP8 tensor-core
+product into a fresh fp32 tile and folds it into the fp32 accumulator with the
+step's scales: ``acc += dot(a_q, w_qᵀ) * (a_scale[:, kb] * w_scale[nb, kb])``.
+The fresh tile is the price of per-block scales (no cross-step wgmma chaining).
+
+Gate/up tiles are BLOCK_N = 128 act columns (a gate and an up tile), so the
+epilogue's act tile holds exactly one 1x128 block per row and is quantised in
+registers by `fp8_block_quantize_tile` before it is stored. Down tiles may be
+BLOCK_N 64/128 (one weight scale) or a multiple of 128 (a scale per column).
+
+Rows past a region's end are loaded (TMA) but their scales are read as 0 and
+their outputs are masked off, as in the BF16 kernels.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile
+from megamoe.kernels.quant import fp8_block_quantize_tile
+
+SCALE_BLOCK = 128
+
+
+@triton.jit
+def _dot_block(a, w, DOT_FP32: tl.constexpr):
+    """a [BM, 128] · w [BN, 128]ᵀ in fp32 (FP8 wgmma compiled; fp32 under the interpreter, exact for E4M3)."""
+    if DOT_FP32:
+        a, w = a.to(tl.float32), w.to(tl.float32)
+    return tl.dot(a, w.T)
+
+
+@triton.jit
+def _w_scales(w_scale_ptr, w_row0, kb, stride_ws_n, BLOCK_N: tl.constexpr):
+    """Weight scales of W rows w_row0 .. w_row0+BN at K block kb: a scalar when the tile lies in one
+    128-row block, else a [1, BN] row (one per column of the output tile)."""
+    if BLOCK_N <= 128:
+        s = tl.load(w_scale_ptr + (w_row0 // 128) * stride_ws_n + kb)
+    else:
+        nb = (w_row0 + tl.arange(0, BLOCK_N)) // 128
+        s = tl.load(w_scale_ptr + nb * stride_ws_n + kb)[None, :]
+    return s
+
+
+@triton.jit
+def gate_up_fp8_tile(
+    x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+    stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
+    row0, row_end, expert, n0, I, K, limit,
+    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One [BLOCK_M rows x 128 act columns] tile: gate and up with per-block promotion, SwiGLU,
+    act quantised 1x128 (act_q, act_scale) and optionally h (bf16), rows < row_end."""
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_gate_row = expert * 2 * I + n0  # row of the flattened [L*2I, D] weight
+    w_up_row = w_gate_row + I
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    xs_rows = x_scale_ptr + rows.to(tl.int64) * stride_xs
+    ws_base = w_scale_ptr + expert.to(tl.int64) * (2 * I // 128) * stride_ws_n
+    for k in range(0, K, 128):
+        kb = k // 128
+        a = x_desc.load([row0, k])
+        wg = w_desc.load([w_gate_row, k])
+        wu = w_desc.load([w_up_row, k])
+        a_s = tl.load(xs_rows + kb, mask=row_ok, other=0.0)
+        sg = _w_scales(ws_base, n0, kb, stride_ws_n, BLOCK_N)
+        su = _w_scales(ws_base, I + n0, kb, stride_ws_n, BLOCK_N)
+        acc_gate += _dot_block(a, wg, DOT_FP32) * (a_s[:, None] * sg)
+        acc_up += _dot_block(a, wu, DOT_FP32) * (a_s[:, None] * su)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < I)[None, :]
+    if STORE_H:
+        h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
+        tl.store(h_tile, acc_gate.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_tile + I, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
+    act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+    act_q, act_s = fp8_block_quantize_tile(act, 1, 128, SOFT_E4M3)  # [BM, BN], [BM, BN/128]
+    act_tile = act_q_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
+    tl.store(act_tile, act_q.to(tl.uint8, bitcast=True), mask=mask)
+    s_cols = n0 // 128 + tl.arange(0, BLOCK_N // 128)
+    s_tile = act_scale_ptr + rows.to(tl.int64)[:, None] * stride_as + s_cols[None, :]
+    tl.store(s_tile, act_s, mask=row_ok[:, None])
+
+
+@triton.jit
+def down_fp8_tile(
+    act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
+    stride_as, stride_ws_n, stride_y,
+    row0, row_end, expert, n0, D, K,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I), rows < row_end."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_row = expert * D + n0
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    as_rows = act_scale_ptr + rows.to(tl.int64) * stride_as
+    ws_base = w_scale_ptr + expert.to(tl.int64) * (D // 128) * stride_ws_n
+    for k in range(0, K, 128):
+        kb = k // 128
+        a = act_desc.load([row0, k])
+        w = w_desc.load([w_row, k])
+        a_s = tl.load(as_rows + kb, mask=row_ok, other=0.0)
+        s = _w_scales(ws_base, n0, kb, stride_ws_n, BLOCK_N)
+        acc += _dot_block(a, w, DOT_FP32) * (a_s[:, None] * s)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gate_up_fp8_kernel(
+    x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+    stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    I, K, limit,
+    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    """Persistent FP8-block gate/up + SwiGLU + act quantisation over every (tile, n-tile) task."""
+    tl.static_assert(BLOCK_N % 128 == 0, "gate/up tiles must hold whole 1x128 act blocks")
+    num_n = tl.cdiv(I, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_tasks = num_tiles * num_n
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+        gate_up_fp8_tile(
+            x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+            stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
+            row0, row_end, expert, n * BLOCK_N, I, K, limit,
+            HAS_LIMIT, STORE_H, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N,
+        )
+
+
+@triton.jit
+def down_fp8_kernel(
+    act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
+    stride_as, stride_ws_n, stride_y,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    D, K,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """Persistent FP8-block down projection over every (tile, n-tile) task."""
+    tl.static_assert(BLOCK_N % 128 == 0 or 128 % BLOCK_N == 0, "down BLOCK_N must divide or be a multiple of 128")
+    num_n = tl.cdiv(D, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_tasks = num_tiles * num_n
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+        down_fp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
+                      row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N)
+
+
+# ------------------------------------------------------------ sm_90 build check (no GPU needed)
+
+_COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "num_tiles_ptr": "*i32", "offsets_ptr": "*i32",
+           "counts_ptr": "*i32", "DOT_FP32": "constexpr", "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "GROUP_M": "constexpr", "FLATTEN": "constexpr"}
+
+
+def sm90_cases(block_m: int = 128, down_block_n: int = 128, num_stages: int = 3) -> dict:
+    """{name: (kernel, signature, constexprs, num_stages)} of the launches the GPU bench makes."""
+    gate_up = {"x_desc": f"tensordesc<fp8e4nv[{block_m},128]>", "w_desc": "tensordesc<fp8e4nv[128,128]>",
+               "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "h_ptr": "*bf16", "act_q_ptr": "*u8",
+               "act_scale_ptr": "*fp32", "stride_xs": "i32", "stride_ws_n": "i32", "stride_h": "i32",
+               "stride_act": "i32", "stride_as": "i32", **_COMMON, "I": "i32", "K": "i32", "limit": "fp32",
+               "HAS_LIMIT": "constexpr", "STORE_H": "constexpr", "SOFT_E4M3": "constexpr"}
+    down = {"act_desc": f"tensordesc<fp8e4nv[{block_m},128]>", "w_desc": f"tensordesc<fp8e4nv[{down_block_n},128]>",
+            "act_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "y_ptr": "*bf16", "stride_as": "i32",
+            "stride_ws_n": "i32", "stride_y": "i32", **_COMMON, "D": "i32", "K": "i32"}
+    base = {"DOT_FP32": False, "NUM_PROGRAMS": 132, "BLOCK_M": block_m, "GROUP_M": 8, "FLATTEN": False}
+    return {
+        "gate_up_fp8_kernel": (gate_up_fp8_kernel, gate_up, {**base, "BLOCK_N": 128, "HAS_LIMIT": True,
+                                                            "STORE_H": True, "SOFT_E4M3": False}, num_stages),
+        "down_fp8_kernel": (down_fp8_kernel, down, {**base, "BLOCK_N": down_block_n}, num_stages),
+    }
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 8, num_stages: int = 3):
+    """The compiled kernel for sm_90 (the interpreter must be off)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: signature[name] for name in kernel.arg_names}
+    consts = {name: value for name, value in constexprs.items() if name in signature}
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def summary(**kwargs) -> dict:
+    """{kernel: {wgmma, wgmma_fp8, tma, shared_bytes, spills, registers}} of the FP8 kernels built for sm_90."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
+    out = {}
+    for name, (kernel, signature, consts, stages) in sm90_cases(**kwargs).items():
+        compiled = compile_sm90(kernel, signature, consts, num_stages=stages)
+        ptx = compiled.asm["ptx"]
+        sass = compiled.asm.get("sass", "") or ""
+        out[name] = {
+            "wgmma": ptx.count("wgmma.mma_async"),
+            "wgmma_fp8": "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx,
+            "tma": "cp.async.bulk.tensor" in ptx,
+            "shared_bytes": compiled.metadata.shared,
+            "local_memory": "ld.local" in ptx or "st.local" in ptx or "STL" in sass,
+            "spills": getattr(compiled, "n_spills", None),
+            "registers": getattr(compiled, "n_regs", None),
+        }
+    return out
+
+
+if __name__ == "__main__":  # python -m megamoe.kernels.expert_gemm_fp8: the Hopper build check, one JSON line
+    import json
+    import sys
+
+    kw = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    print(json.dumps(summary(**kw)))

@@ -1,0 +1,159 @@
+"""FP8-block grouped expert GEMM tiles (gate/up + SwiGLU + act quantisation, down) against the torch twin."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megamoe.experts import TileConfig
+from megamoe.experts_fp8 import (
+    ExpertForwardFP8,
+    expert_forward_fp8_block,
+    expert_forward_fp8_block_reference,
+)
+from megamoe.formats import fp8_block_quantize
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP8 = torch.float8_e4m3fn
+
+# (counts per expert, gap rows between regions): an empty expert, fewer rows than a tile,
+# regions not aligned to the tile, all rows to one expert, no rows at all.
+LOADS = {
+    "mixed": ([5, 0, 40, 33], 3),
+    "one-expert": ([0, 70, 0], 0),
+    "no-rows": ([0, 0], 0),
+}
+
+
+def _problem(counts, gap, d=256, i=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    offsets, cursor = [], 0
+    for c in counts:
+        offsets.append(cursor)
+        cursor += c + gap
+    rows = cursor + 5
+    x = torch.randn(rows, d, generator=g) * torch.rand(rows, 1, generator=g) * 4  # per-row ranges differ
+    wgu = torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5
+    wd = torch.randn(len(counts), d, i, generator=g) / i**0.5
+    x_q, x_s = fp8_block_quantize(x)
+    gu_q, gu_s = fp8_block_quantize(wgu, (128, 128))
+    dn_q, dn_s = fp8_block_quantize(wd, (128, 128))
+    tensors = (x_q, x_s, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
+               gu_q, gu_s, dn_q, dn_s)
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
+def _poisoned(rows, d, i):
+    nan = dict(dtype=torch.bfloat16, device=DEVICE)
+    return ExpertForwardFP8(
+        h=torch.full((rows, 2 * i), float("nan"), **nan),
+        act_q=torch.full((rows, i), 0xFF, dtype=torch.uint8, device=DEVICE).view(FP8),
+        act_scale=torch.full((rows, i // 128), float("nan"), dtype=torch.float32, device=DEVICE),
+        y=torch.full((rows, d), float("nan"), **nan),
+    )
+
+
+def _inside(counts, offsets, rows):
+    inside = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
+    for o, c in zip(offsets.tolist(), counts.tolist()):
+        inside[o : o + c] = True
+    return inside
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("load, limit", [("mixed", None), ("mixed", 0.6), ("one-expert", 0.6), ("no-rows", None)])
+def test_forward_matches_twin_and_writes_only_its_rows(load, limit):
+    args = _problem(*LOADS[load])
+    x_q, counts, offsets = args[0], args[2], args[3]
+    rows, d = x_q.shape
+    i = args[6].shape[2]
+    out = expert_forward_fp8_block(*args, swiglu_limit=limit, num_programs=3, out=_poisoned(rows, d, i))
+    ref = expert_forward_fp8_block_reference(*args, swiglu_limit=limit)
+    inside = _inside(counts, offsets, rows)
+    # written exactly inside the expert regions
+    assert not out.y[inside].isnan().any() and out.y[~inside].isnan().all()
+    assert not out.h[inside].isnan().any() and out.h[~inside].isnan().all()
+    assert not out.act_scale[inside].isnan().any() and out.act_scale[~inside].isnan().all()
+    q = out.act_q.view(torch.uint8)
+    assert (q[inside] != 0xFF).all() and (q[~inside] == 0xFF).all()
+    if not inside.any():
+        return
+    assert _rel(out.y[inside], ref.y[inside]) <= 2e-2, _rel(out.y[inside], ref.y[inside])
+    assert _rel(out.h[inside], ref.h[inside]) <= 1e-2
+    # act scales: the same up to the rounding of the fp32 block sums (an ulp or so of the amax)
+    got_s, want_s = out.act_scale[inside], ref.act_scale[inside]
+    assert ((got_s / want_s - 1).abs() <= 1e-3).all()
+    same = got_s == want_s
+    if DEVICE.type == "cpu":  # the GPU's FP8 wgmma accumulates with fewer bits: only the tolerance applies there
+        assert float(same.float().mean()) >= 0.9, float(same.float().mean())
+    # act data: bit-equal in every block whose scale agrees (but for rare rounding ties)
+    blocks = same.repeat_interleave(128, dim=1)
+    got_q, want_q = q[inside][blocks], ref.act_q.view(torch.uint8)[inside][blocks]
+    assert float((got_q == want_q).float().mean()) >= 0.999
+
+
+def test_store_h_false_and_tile_shapes_do_not_change_the_result():
+    args = _problem(*LOADS["mixed"], seed=3)
+    rows = args[0].shape[0]
+    base = expert_forward_fp8_block(*args, num_programs=4)
+    tiles = {"gate_up": TileConfig(16, 128, 128, num_warps=4, num_stages=1, group_m=3),
+             "down": TileConfig(64, 256, 128, num_warps=4, num_stages=1, group_m=1)}  # per-column weight scales
+    other = expert_forward_fp8_block(*args, num_programs=1, tiles=tiles, store_h=False)
+    tiles["down"] = TileConfig(16, 64, 128, num_warps=4, num_stages=1, group_m=2)  # half a weight block
+    third = expert_forward_fp8_block(*args, num_programs=2, tiles=tiles, store_h=False)
+    assert other.h is None
+    inside = _inside(args[2], args[3], rows)
+    for o in (other, third):
+        # other tile shapes sum the 128-term blocks in another order: the act amaxes may move by an ulp
+        torch.testing.assert_close(base.act_scale[inside], o.act_scale[inside], rtol=1e-3, atol=0)
+        same = (base.act_q.view(torch.uint8)[inside] == o.act_q.view(torch.uint8)[inside]).float().mean()
+        assert float(same) >= 0.99, float(same)
+        torch.testing.assert_close(base.y[inside].float(), o.y[inside].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.__setitem__(0, a[0].float()), "x_q must be"),
+        (lambda a: a.__setitem__(1, a[1][:, :1]), "x_scale must be"),
+        (lambda a: a.__setitem__(2, a[2][:-1]), "counts and offsets must be"),
+        (lambda a: (a.__setitem__(4, a[4][:, :, :192]), a.__setitem__(6, a[6][:, :192])), "multiples of 128"),
+        (lambda a: a.__setitem__(7, a[7].double()), "w_down_scale must be"),
+    ],
+)
+def test_bad_arguments_raise_value_error(mutate, message):
+    args = list(_problem(*LOADS["mixed"]))
+    mutate(args)
+    if message == "multiples of 128":
+        args[0] = args[0][:, :192]
+    with pytest.raises(ValueError, match=message):
+        expert_forward_fp8_block(*args)
+
+
+def test_bad_tiles_raise_value_error():
+    args = _problem(*LOADS["mixed"])
+    with pytest.raises(ValueError, match="block_k"):
+        expert_forward_fp8_block(*args, tiles={"down": TileConfig(32, 128, 64)})
+    with pytest.raises(ValueError, match="block_n"):
+        expert_forward_fp8_block(*args, tiles={"gate_up": TileConfig(32, 64, 128)})
+
+
+def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
+    """Compiled on the CPU for Hopper: FP8 (e4m3 x e4m3) wgmma and TMA bulk copies in the PTX, no spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.expert_gemm_fp8"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"gate_up_fp8_kernel", "down_fp8_kernel"}
+    for name, facts in summary.items():
+        assert facts["wgmma"] > 0 and facts["wgmma_fp8"] and facts["tma"], (name, facts)
+        assert not facts["local_memory"], (name, facts)
+        assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
