@@ -61,15 +61,29 @@ def gate_up_swiglu_tile(
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_gate = tl.dot(a, wg.T, acc_gate)
         acc_up = tl.dot(a, wu.T, acc_up)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (rows < row_end)[:, None] & (cols < I)[None, :]
-    h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
-    tl.store(h_tile, acc_gate.to(h_ptr.dtype.element_ty), mask=mask)
-    tl.store(h_tile + I, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
-    act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
-    act_tile = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
-    tl.store(act_tile, act.to(act_ptr.dtype.element_ty), mask=mask)
+    # The epilogue runs on column halves with int32 offsets from per-tile base pointers: one
+    # [BM, BN] pass with int64 pointer tensors spilled ~1 KB per thread (cuobjdump).
+    h_base = h_ptr + row0.to(tl.int64) * stride_h
+    act_base = act_ptr + row0.to(tl.int64) * stride_act
+    row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
+    g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    _gate_up_store(g_lo, u_lo, h_base, act_base, stride_h, stride_act, row_ok, n0, I, limit, HAS_LIMIT)
+    _gate_up_store(g_hi, u_hi, h_base, act_base, stride_h, stride_act, row_ok, n0 + BLOCK_N // 2, I, limit,
+                   HAS_LIMIT)
+
+
+@triton.jit
+def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0, I, limit, HAS_LIMIT: tl.constexpr):
+    """Store h (gate and up columns c0..) and act = SwiGLU for a [BM, W] column chunk of a row tile."""
+    local = tl.arange(0, gate.shape[0])
+    cols = c0 + tl.arange(0, gate.shape[1])
+    mask = row_ok[:, None] & (cols < I)[None, :]
+    h_tile = h_base + (local[:, None] * stride_h + cols[None, :])
+    tl.store(h_tile, gate.to(h_base.dtype.element_ty), mask=mask)
+    tl.store(h_tile + I, up.to(h_base.dtype.element_ty), mask=mask)
+    act = swiglu_tile(gate, up, limit, HAS_LIMIT)
+    tl.store(act_base + (local[:, None] * stride_act + cols[None, :]), act.to(act_base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
