@@ -11,7 +11,8 @@ timeout 150 python3 -m pytest -q -m gpu tests/test_formats.py tests/test_schedul
 timeout 150 python3 -m pytest -q tests/test_experts.py tests/test_experts_fp8.py 2>&1 | tail -2
 timeout 100 python3 benchmarks/quant_bench.py --out "$out/quant.json" > "$out/quant.log" 2>&1; tail -13 "$out/quant.log" | cut -c1-110
 timeout 200 python3 benchmarks/experts_fp8_bench.py --out "$out/fp8.json" > "$out/fp8.log" 2>&1; tail -12 "$out/fp8.log"
-timeout 200 python3 -m megamoe bench-experts --sweep --passes bwd --profile --json "$out/experts.json" 2>&1 | cut -c1-160 | tail -18
+timeout 120 python3 -m megamoe bench-experts --passes fwd --json "$out/experts_fwd.json" 2>&1 | cut -c1-160 | tail -9
+timeout 200 python3 -m megamoe bench-experts --sweep --passes bwd --profile --json "$out/experts_bwd.json" 2>&1 | cut -c1-160 | tail -18
 unset CUDA_VISIBLE_DEVICES
 timeout 120 python3 -m pytest -q -m gpu tests/test_comm.py tests/test_world.py 2>&1 | tail -2
 timeout 200 python3 benchmarks/comm_bench.py --out "$out" > "$out/comm_bench.log" 2>&1; tail -30 "$out/comm_bench.log"
