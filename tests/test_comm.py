@@ -51,6 +51,17 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(as_int), b.view(as_int))
 
 
+#: (num_sms, tuning) of the pipelining / local-row options, each checked bit-exact against the reference.
+VARIANTS = (
+    (3, CommTuning(tile_chunks=2, prefetch=True)),
+    (3, CommTuning(tile_chunks=2, local_sms=1, prefetch=True)),
+    (4, CommTuning(tile_chunks=4, local_last=True)),
+    (3, CommTuning(tile_chunks=2, num_stages=3)),
+    (2, CommTuning(tile_chunks=1, local_sms=1)),
+    (1, CommTuning(tile_chunks=2, local_sms=2, prefetch=True)),  # one program: local_sms clamps to 0
+)
+
+
 def _run_case(world, case: dict, failures: list[str]) -> None:
     tokens, k, L, align = case["tokens"], case["k"], case["L"], case["align"]
     me, R, device = world.rank, world.size, world.device
@@ -81,6 +92,9 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
     ref = comm.dispatch_reference(x_dev, sched)
     for num_sms, tuning in ((1, CommTuning(tile_chunks=1)), (3, None), (64, CommTuning(tile_chunks=4))):
         check(f"dispatch_pull num_sms={num_sms}", comm.dispatch_pull(ws, sched, num_sms=num_sms, tuning=tuning), ref)
+    for num_sms, tuning in VARIANTS:  # pipelining and local-row options give the same bits
+        check(f"dispatch_pull num_sms={num_sms} {tuning.label()}",
+              comm.dispatch_pull(ws, sched, num_sms=num_sms, tuning=tuning), ref)
     sentinel = torch.full((sched.capacity, D), 7.0, dtype=torch.bfloat16, device=device)
     out = comm.dispatch_pull(ws, sched, num_sms=2, out=sentinel.clone(), rows=5)
     want = torch.where((torch.arange(sched.capacity) < 5)[:, None] & valid[:, None], ref.cpu(), sentinel.cpu())
@@ -100,6 +114,11 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
         slots = torch.full((shape.max_tokens * k, D), -3.0, dtype=torch.bfloat16)
         check(f"{fn.__name__}", got, comm.combine_reference(ys, scheds, me, slots))
         ys = [y.flip(0).contiguous() for y in ys]
+    for num_sms, tuning in VARIANTS:
+        ws.local("combine").fill_(-3.0)
+        got = comm.combine_push(ws, sched, ys[me].to(device), num_sms=num_sms, tuning=tuning)
+        slots = torch.full((shape.max_tokens * k, D), -3.0, dtype=torch.bfloat16)
+        check(f"combine_push num_sms={num_sms} {tuning.label()}", got, comm.combine_reference(ys, scheds, me, slots))
 
     # backward reverse-combine, pull scaled by the source rank's router weights
     ref_b = comm.reverse_combine_reference([d.to(device) for d in d_outs], [w.to(device) for w in weights], sched)
@@ -107,6 +126,10 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
     q = comm.reverse_combine_pull(ws, sched, num_sms=2, quantize="mxfp8")
     data, scale = formats.mxfp8_quantize(ref_b.cpu(), dim=-1)
     check("reverse_combine_pull quantize=mxfp8", q.data, data, valid)
+    for num_sms, tuning in VARIANTS[:2]:
+        q = comm.reverse_combine_pull(ws, sched, num_sms=num_sms, quantize="mxfp8", tuning=tuning)
+        check(f"reverse_combine_pull quantize=mxfp8 {tuning.label()}", q.data, data, valid)
+        check(f"reverse_combine_pull quantize=mxfp8 {tuning.label()} scale", q.scale, scale, valid)
 
     # push dispatch (the experiment's twin): barrier-synchronised and flag-synchronised
     push = comm.build_push_schedule(ws, sched)
@@ -117,6 +140,12 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
         if signal:
             comm.device_barrier(ws)  # the data is complete on this rank; keep peers from refilling early
         check(f"push_dispatch signal={signal}", routed, ref, valid)
+    for num_sms, tuning in VARIANTS[:3]:
+        ws.local("routed").fill_(5.0)
+        comm.device_barrier(ws)
+        routed = comm.push_dispatch(ws, push, num_sms=num_sms, signal=True, sync=False, tuning=tuning)
+        comm.device_barrier(ws)
+        check(f"push_dispatch signal=True {tuning.label()}", routed, ref, valid)
     ws.local("routed").fill_(5.0)
     comm.device_barrier(ws)
     routed = comm.push_dispatch(ws, push.below(4), num_sms=2, signal=True, sync=False)
@@ -283,6 +312,16 @@ def test_shape_and_tuning_validation():
         CommTuning(tile_chunks=3)
     with pytest.raises(ValueError, match="block_d"):
         CommTuning(block_d=64)
+    with pytest.raises(ValueError, match="exclude"):
+        CommTuning(local_sms=2, local_last=True)
+    with pytest.raises(ValueError, match="num_stages"):
+        CommTuning(num_stages=0)
+    with pytest.raises(ValueError, match="prefetch"):
+        CommTuning(prefetch=1)
+    assert CommTuning(local_sms=4).launch_options(24) == (4, dict(LOCAL_MODE=1, PREFETCH=False, STAGES=1))
+    assert CommTuning(local_sms=4, num_stages=3).launch_options(1) == (0, dict(LOCAL_MODE=0, PREFETCH=False, STAGES=3))
+    assert CommTuning(local_last=True, prefetch=True, num_stages=3).launch_options(8)[1] == dict(
+        LOCAL_MODE=2, PREFETCH=True, STAGES=1)
     assert CommShape(2, 8, 128, 2, experts_per_rank=3, align=4).capacity == 2 * 8 * 2 + 3 * 3
     assert comm._tile(7168, 2, CommTuning()) == (1024, 7, 16, 8)
     assert comm._tile(224, 1, CommTuning()) == (32, 7, 512, 16)
