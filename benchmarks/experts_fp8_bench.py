@@ -5,7 +5,8 @@ Run on the GPU machine from the repo root:
 
 kimi-k2 shapes (D 7168, I 2048), 65,536 routed rows over 192 experts (~341 rows each) and over
 16 experts (4096 each). Inputs are quantised with megamoe.kernels.quant (not timed). y is checked
-against the BF16 expert_forward (rel L1 <= 5e-2) and against the fp32 twin on a few experts.
+against the BF16 expert_forward (rel L1 <= 1e-1, the FP8 tolerance of ../shared/BENCHMARKS.md) and
+against the fp32 twin on a few experts (<= 2e-2).
 FLOPs = 6 * R * D * I; TFLOP/s of each stage count its own share (gate/up 2/3, down 1/3).
 """
 
@@ -95,7 +96,8 @@ def main() -> None:
         scale_eq = float((out.act_scale[rows] == ref.act_scale[rows]).float().mean())
         scale_rel = float((out.act_scale[rows] / ref.act_scale[rows] - 1).abs().max())
         del ref
-        ok = err_bf16 <= 5e-2 and err_twin <= 2e-2 and all_written
+        # ../shared/BENCHMARKS.md: FP8 within 1e-1 relative of the reference; the fp32 twin checks the kernel itself
+        ok = err_bf16 <= 1e-1 and err_twin <= 2e-2 and all_written
         print(f"{load}: y rel L1 vs bf16 {err_bf16:.2e}, vs fp32 twin {err_twin:.2e} (experts {subset}); "
               f"act_scale equal {scale_eq:.3f} (max rel {scale_rel:.1e}); all written {all_written} -> "
               f"{'OK' if ok else 'FAIL'}", flush=True)

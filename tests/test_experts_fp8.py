@@ -89,13 +89,18 @@ def test_forward_matches_twin_and_writes_only_its_rows(load, limit):
     # act scales: the same up to the rounding of the fp32 block sums (an ulp or so of the amax)
     got_s, want_s = out.act_scale[inside], ref.act_scale[inside]
     assert ((got_s / want_s - 1).abs() <= 1e-3).all()
-    same = got_s == want_s
-    if DEVICE.type == "cpu":  # the GPU's FP8 wgmma accumulates with fewer bits: only the tolerance applies there
+    # act values: the dequantised activations agree within FP8 resolution on every device
+    got_act = out.act_q[inside].float() * got_s.repeat_interleave(128, dim=1)
+    want_act = ref.act_q[inside].float() * want_s.repeat_interleave(128, dim=1)
+    assert _rel(got_act, want_act) <= 2e-2, _rel(got_act, want_act)
+    if DEVICE.type == "cpu":
+        # The interpreter accumulates like the twin: scales and bytes match (but for rare rounding ties).
+        # The GPU's FP8 wgmma accumulates with fewer bits, so there only the tolerances above apply.
+        same = got_s == want_s
         assert float(same.float().mean()) >= 0.9, float(same.float().mean())
-    # act data: bit-equal in every block whose scale agrees (but for rare rounding ties)
-    blocks = same.repeat_interleave(128, dim=1)
-    got_q, want_q = q[inside][blocks], ref.act_q.view(torch.uint8)[inside][blocks]
-    assert float((got_q == want_q).float().mean()) >= 0.999
+        blocks = same.repeat_interleave(128, dim=1)
+        got_q, want_q = q[inside][blocks], ref.act_q.view(torch.uint8)[inside][blocks]
+        assert float((got_q == want_q).float().mean()) >= 0.999
 
 
 def test_store_h_false_and_tile_shapes_do_not_change_the_result():
@@ -112,9 +117,10 @@ def test_store_h_false_and_tile_shapes_do_not_change_the_result():
     for o in (other, third):
         # other tile shapes sum the 128-term blocks in another order: the act amaxes may move by an ulp
         torch.testing.assert_close(base.act_scale[inside], o.act_scale[inside], rtol=1e-3, atol=0)
-        same = (base.act_q.view(torch.uint8)[inside] == o.act_q.view(torch.uint8)[inside]).float().mean()
-        assert float(same) >= 0.99, float(same)
-        torch.testing.assert_close(base.y[inside].float(), o.y[inside].float(), rtol=1e-2, atol=1e-2)
+        if DEVICE.type == "cpu":  # on the GPU the FP8 accumulation order moves act bytes by an ulp
+            same = (base.act_q.view(torch.uint8)[inside] == o.act_q.view(torch.uint8)[inside]).float().mean()
+            assert float(same) >= 0.99, float(same)
+        assert _rel(o.y[inside], base.y[inside]) <= 1e-2, _rel(o.y[inside], base.y[inside])
 
 
 @pytest.mark.parametrize(
