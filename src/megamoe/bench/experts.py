@@ -60,9 +60,9 @@ def torch_path(x, counts, wgu, wd):
 
 def rel(a, b) -> float:
     """sum|a-b| / sum|b|, in chunks (weight gradients are GBs: no full-size float copies)."""
-    from megamoe.bench.harness import _error_stats
+    from megamoe.bench.harness import error_stats
 
-    return _error_stats(a, b)["rel"]
+    return error_stats(a, b)["rel"]
 
 
 def median_ms(fn, device: torch.device) -> float:

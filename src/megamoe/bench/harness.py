@@ -147,7 +147,7 @@ def _flatten(grads: dict) -> dict[str, torch.Tensor]:
     return flat
 
 
-def _error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14) -> dict:
+def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14) -> dict:
     """Errors of ``out`` against ``ref`` in float32 chunks of rows (the last dim is a row).
 
     max_abs = max|out-ref|; rel = sum|out-ref| / sum|ref|; row = the largest
@@ -190,7 +190,7 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precisi
                     "worst_tensor": name}
         if ref.numel() == 0:
             continue
-        st = _error_stats(out, ref)
+        st = error_stats(out, ref)
         ok = st["rel"] <= rel_tol and st["row"] <= row_tol and st["finite"]
         ok = ok and (name != "out" or st["max_abs"] <= abs_tol)
         if worst["worst_tensor"] is None or (not ok and worst["correct"]) or (
