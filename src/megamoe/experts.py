@@ -150,6 +150,22 @@ def _num_programs(device: torch.device, requested: int | None) -> int:
     return 4
 
 
+def launch_row_tasks(kernel, cfg: TileConfig, programs: int, counts: torch.Tensor, offsets: torch.Tensor,
+                     rows: int, head: tuple, tail: tuple, **constexprs) -> None:
+    """Launch a persistent row-tile kernel: ``kernel(*head, <tile map>, offsets, counts, *tail, ...)``.
+
+    Every row-tile kernel takes the device-built tile map (see :func:`build_row_tiles`) between its
+    tensor arguments (``head``) and its sizes (``tail``), and the same tile constexprs.
+    """
+    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m)
+    kernel[(programs,)](
+        *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts, *tail,
+        DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **constexprs,
+    )
+
+
 def expert_forward(
     x_rows: torch.Tensor,
     counts: torch.Tensor,
@@ -207,18 +223,14 @@ def gate_up(
     if rows == 0 or experts == 0:
         return
     cfg = tiles or plan_tiles("gate_up", x_rows.device)
-    programs = _num_programs(x_rows.device, num_programs)
-    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m)
-    expert_gemm.gate_up_kernel[(programs,)](
-        _descriptor(x_rows, [cfg.block_m, cfg.block_k]),
-        _descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
-        h, act, h.stride(0), act.stride(0),
-        row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
-        i, d, float(swiglu_limit or 0.0),
-        HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    launch_row_tasks(
+        expert_gemm.gate_up_kernel, cfg, _num_programs(x_rows.device, num_programs),
+        counts.to(torch.int32), offsets.to(torch.int32), rows,
+        head=(_descriptor(x_rows, [cfg.block_m, cfg.block_k]),
+              _descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
+              h, act, h.stride(0), act.stride(0)),
+        tail=(i, d, float(swiglu_limit or 0.0)),
+        HAS_LIMIT=swiglu_limit is not None,
     )
 
 
@@ -238,18 +250,12 @@ def down(
     if rows == 0 or experts == 0:
         return
     cfg = tiles or plan_tiles("down", act.device)
-    programs = _num_programs(act.device, num_programs)
-    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m)
-    expert_gemm.down_kernel[(programs,)](
-        _descriptor(act, [cfg.block_m, cfg.block_k]),
-        _descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]),
-        y, y.stride(0),
-        row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
-        d, i,
-        DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    launch_row_tasks(
+        expert_gemm.down_kernel, cfg, _num_programs(act.device, num_programs),
+        counts.to(torch.int32), offsets.to(torch.int32), rows,
+        head=(_descriptor(act, [cfg.block_m, cfg.block_k]),
+              _descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]), y, y.stride(0)),
+        tail=(d, i),
     )
 
 
@@ -336,30 +342,23 @@ def expert_backward(
         c = cfg["dact"]
         num_n = -(-i // c.block_n)
         partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-        row_tiles = build_row_tiles(counts, offsets, rows, c.block_m)
-        expert_gemm_bwd.dact_swiglu_bwd_kernel[(programs,)](
-            _descriptor(dy_rows, [c.block_m, c.block_k]),
-            _descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
-            h, row_weights, d_h, act_w, partial,
-            h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0),
-            row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
-            d, i, float(swiglu_limit or 0.0),
-            HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten,
-            num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_row_tasks(
+            expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
+            head=(_descriptor(dy_rows, [c.block_m, c.block_k]),
+                  _descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
+                  h, row_weights, d_h, act_w, partial,
+                  h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+            tail=(d, i, float(swiglu_limit or 0.0)),
+            HAS_LIMIT=swiglu_limit is not None,
         )
         grads.d_router = partial.sum(dim=1)  # n-tiles added in a fixed order
         c = cfg["dx"]
-        row_tiles = build_row_tiles(counts, offsets, rows, c.block_m)
-        expert_gemm_bwd.dx_kernel[(programs,)](
-            _descriptor(d_h, [c.block_m, c.block_k]),
-            _descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
-            grads.d_x, grads.d_x.stride(0),
-            row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts,
-            d, i,
-            DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten,
-            num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_row_tasks(
+            expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, rows,
+            head=(_descriptor(d_h, [c.block_m, c.block_k]),
+                  _descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
+                  grads.d_x, grads.d_x.stride(0)),
+            tail=(d, i),
         )
     c = cfg["wgrad"]
     for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
