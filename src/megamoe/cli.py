@@ -28,8 +28,9 @@ def bench(
                                         "(forward only, BF16). Default: nccl-torch,unfused on GPU, "
                                         "reference,nccl-torch,unfused on CPU."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
-    iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 3 on CPU)."),
-    warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 1 on CPU)."),
+    iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 2 on CPU)."),
+    warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 0 on CPU: nothing to "
+                                          "compile under the interpreter)."),
     routing: str = typer.Option("uniform", help="uniform, zipf or one-rank."),
     seed: int = typer.Option(0, help="Seed of every input."),
     json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
@@ -54,8 +55,8 @@ def bench(
             precision=precision,
             impls=_csv(impl or ("nccl-torch,unfused" if gpu else "reference,nccl-torch,unfused")),
             passes=_csv(passes),
-            iters=iters if iters is not None else (20 if gpu else 3),
-            warmup=warmup if warmup is not None else (3 if gpu else 1),
+            iters=iters if iters is not None else (20 if gpu else 2),
+            warmup=warmup if warmup is not None else (3 if gpu else 0),
             seed=seed,
             routing=routing,
         )
