@@ -155,3 +155,14 @@ def test_backward_is_bitwise_deterministic_across_grid_sizes():
     assert torch.equal(runs[0].d_x[inside], runs[1].d_x[inside])
     assert torch.equal(runs[0].d_router[inside], runs[1].d_router[inside])
     assert torch.equal(runs[0].d_w_gate_up, runs[1].d_w_gate_up) and torch.equal(runs[0].d_w_down, runs[1].d_w_down)
+
+
+def test_forward_is_bitwise_deterministic_across_grid_sizes():
+    x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=9)
+    runs = [expert_forward(x, counts, offsets, wgu, wd, num_programs=p) for p in (1, 3, 7)]
+    inside = torch.zeros(x.shape[0], dtype=torch.bool, device=DEVICE)
+    for o, c in zip(offsets.tolist(), counts.tolist()):
+        inside[o : o + c] = True
+    for other in runs[1:]:
+        for name in ("h", "act", "y"):
+            assert torch.equal(getattr(runs[0], name)[inside], getattr(other, name)[inside]), name
