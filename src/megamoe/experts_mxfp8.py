@@ -1,0 +1,279 @@
+"""MXFP8 (OCP MX) expert forward over schedule-grouped rows: launches and the torch twin.
+
+:func:`expert_forward_mxfp8` takes routed rows quantised along D (``quantize_activations(x, "mxfp8")``)
+and expert weights quantised along their reduction axis (``quantize_weights(w_gate_up, "mxfp8")`` along
+D, ``quantize_weights(w_down, "mxfp8")`` along I) and runs gate/up + SwiGLU (act quantised to MXFP8
+along I in the epilogue) and down with the persistent kernels of `megamoe.kernels.expert_gemm_mxfp8`,
+in one of two exact formulations (Hopper has no block-scaled MMA; see that module):
+
+* ``variant="dequant"``: dequantise-on-load to bf16 (exact) and bf16 wgmma;
+* ``variant="rescale"``: e4m3 wgmma per 32-K block, each block's product scaled by 2**(sa+sw-254).
+
+Row tiles, grid size and the interpreter switch come from `megamoe.experts`.
+:func:`expert_forward_mxfp8_reference` is the plain-PyTorch twin (fp32 on the dequantised operands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe.experts import TileConfig, _num_programs, build_row_tiles, interpreting
+from megamoe.formats import MX_BLOCK, mxfp8_dequantize, mxfp8_quantize
+from megamoe.kernels import expert_gemm_mxfp8
+from megamoe.kernels.quant import soft_e4m3_default
+
+FP8 = torch.float8_e4m3fn
+VARIANTS = ("dequant", "rescale")
+
+
+@dataclass
+class ExpertForwardMXFP8:
+    """Outputs: `h [R, 2I]` bf16 (None when not stored), `act_q [R, I]` E4M3 with `act_scale [R, I/32]` uint8
+    E8M0 (the down GEMM's input, 32-blocks along I), `y [R, D]` bf16. Only rows inside expert regions
+    are written."""
+
+    h: torch.Tensor | None
+    act_q: torch.Tensor
+    act_scale: torch.Tensor
+    y: torch.Tensor
+
+
+def plan_tiles_mxfp8(kind: str, variant: str, device: torch.device, *, compiled: bool = False) -> TileConfig:
+    """Tile shape of ``kind`` ("gate_up" or "down") for ``variant``.
+
+    GPU (``compiled`` forces these, for the sm_90 build check on a CPU machine), picked from a CPU sweep of
+    sm_90 builds (registers and ptxas spills, cuobjdump) for tiles that do not spill:
+    dequant: gate/up 128 rows x 64 act columns x BLOCK_K 64, 8 warps (233 registers; 128 columns spill
+    72 B: the dequantised gate and up tiles sit next to two 128x128 accumulators); down 128x128x64
+    (255 registers, no spill; 128x256 spills).
+    rescale: BLOCK_K = 32 (one scale per step, the e4m3 wgmma's K); every step makes a fresh fp32
+    product next to the accumulator: down 64x128 with 4 warps (186 registers; 128x128 with 8 warps
+    spills 160 B); gate/up 128x64, 8 warps, 3 stages is the least bad (spills ~100 B: two
+    accumulators + two fresh products + per-column scales). Interpreter: small row tiles.
+    """
+    if kind not in ("gate_up", "down"):
+        raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    bk = 32 if variant == "rescale" else 64
+    if not compiled and (device.type != "cuda" or interpreting()):
+        return TileConfig(32, 64, bk, num_warps=4, num_stages=1)
+    if variant == "dequant":
+        if kind == "gate_up":
+            return TileConfig(128, 64, 64, num_warps=8, num_stages=3, group_m=4)
+        return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=8)
+    if kind == "gate_up":
+        return TileConfig(128, 64, 32, num_warps=8, num_stages=3, group_m=4)
+    return TileConfig(64, 128, 32, num_warps=4, num_stages=4, group_m=8)
+
+
+def _check_tiles(kind: str, variant: str, cfg: TileConfig) -> None:
+    if variant == "rescale" and cfg.block_k != MX_BLOCK:
+        raise ValueError(f"{kind}: rescale tiles need block_k = {MX_BLOCK} (one scale per K step), got {cfg.block_k}")
+    if cfg.block_k < MX_BLOCK:
+        raise ValueError(f"{kind}: block_k must be a multiple of {MX_BLOCK}, got {cfg.block_k}")
+    if kind == "gate_up" and cfg.block_n < 2 * MX_BLOCK:
+        raise ValueError(f"gate_up: block_n must be >= {2 * MX_BLOCK} (two chunks of 32-blocks), got {cfg.block_n}")
+
+
+def _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale, variant):
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    tensors = (x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError("every input must be a torch.Tensor")
+    if x_q.dim() != 2 or w_gate_up_q.dim() != 3 or w_down_q.dim() != 3:
+        raise ValueError("x_q must be [R, D], w_gate_up_q [L, 2I, D] and w_down_q [L, D, I]")
+    experts, two_i, d = w_gate_up_q.shape
+    i = two_i // 2
+    rows = x_q.shape[0]
+    if x_q.shape[1] != d or tuple(w_down_q.shape) != (experts, d, i) or two_i % 2:
+        raise ValueError(f"shapes disagree: x_q {tuple(x_q.shape)}, w_gate_up_q {tuple(w_gate_up_q.shape)}, "
+                         f"w_down_q {tuple(w_down_q.shape)}")
+    # 32-blocks along both reduction axes; that also makes every fp8 row a multiple of 16 bytes (TMA).
+    if d % MX_BLOCK or i % MX_BLOCK or d == 0 or i == 0:
+        raise ValueError(f"mxfp8 needs D and I positive multiples of {MX_BLOCK}, got D={d}, I={i}")
+    if tuple(counts.shape) != (experts,) or tuple(offsets.shape) != (experts,):
+        raise ValueError(f"counts and offsets must be [{experts}], got {tuple(counts.shape)}, {tuple(offsets.shape)}")
+    if counts.dtype not in (torch.int32, torch.int64) or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"counts and offsets must be int32/int64, got {counts.dtype}, {offsets.dtype}")
+    b = MX_BLOCK
+    for name, t, shape, dtype in (
+        ("x_q", x_q, (rows, d), FP8), ("x_scale", x_scale, (rows, d // b), torch.uint8),
+        ("w_gate_up_q", w_gate_up_q, (experts, 2 * i, d), FP8),
+        ("w_gate_up_scale", w_gate_up_scale, (experts, 2 * i, d // b), torch.uint8),
+        ("w_down_q", w_down_q, (experts, d, i), FP8),
+        ("w_down_scale", w_down_scale, (experts, d, i // b), torch.uint8),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        if t.device != x_q.device:
+            raise ValueError(f"{name} is on {t.device}, x_q on {x_q.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    for name, t in (("counts", counts), ("offsets", offsets)):
+        if t.device != x_q.device:
+            raise ValueError(f"{name} is on {t.device}, x_q on {x_q.device}")
+    return experts, i, d
+
+
+def expert_forward_mxfp8(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up_q: torch.Tensor,
+    w_gate_up_scale: torch.Tensor,
+    w_down_q: torch.Tensor,
+    w_down_scale: torch.Tensor,
+    *,
+    variant: str = "dequant",
+    swiglu_limit: float | None = None,
+    num_programs: int | None = None,
+    tiles: dict[str, TileConfig] | None = None,
+    store_h: bool = True,
+    out: ExpertForwardMXFP8 | None = None,
+) -> ExpertForwardMXFP8:
+    """MXFP8 gate/up + SwiGLU (+ act quantisation along I) and down for every expert region.
+
+    Args:
+        x_q: E4M3 `[R, D]` routed rows grouped by local expert; x_scale: uint8 E8M0 `[R, D/32]`.
+        counts: int `[L]` rows of each expert; offsets: int `[L]` region starts.
+        w_gate_up_q: E4M3 `[L, 2I, D]`, w_gate_up_scale uint8 `[L, 2I, D/32]` (32-blocks along D).
+        w_down_q: E4M3 `[L, D, I]`, w_down_scale uint8 `[L, D, I/32]` (32-blocks along I).
+            D and I multiples of 32.
+        variant: "dequant" (dequantise-on-load, bf16 wgmma) or "rescale" (e4m3 wgmma, per-32 rescale).
+        swiglu_limit: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
+        num_programs: persistent grid size (default: the SM count).
+        tiles: {"gate_up": TileConfig, "down": TileConfig}; block_k a multiple of 32 (rescale: exactly
+            32), gate/up block_n >= 64.
+        store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
+        out: preallocated outputs to fill (rows outside regions are left alone).
+    """
+    experts, i, d = _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale,
+                           variant)
+    rows = x_q.shape[0]
+    device = x_q.device
+    if out is None:
+        out = ExpertForwardMXFP8(
+            h=torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device) if store_h else None,
+            act_q=torch.empty(rows, i, dtype=FP8, device=device),
+            act_scale=torch.empty(rows, i // MX_BLOCK, dtype=torch.uint8, device=device),
+            y=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
+        )
+    if store_h and out.h is None:
+        raise ValueError("store_h=True needs out.h")
+    tiles = tiles or {}
+    gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, variant=variant,
+                  swiglu_limit=swiglu_limit, num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h)
+    down_mxfp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y, variant=variant,
+               num_programs=num_programs, tiles=tiles.get("down"))
+    return out
+
+
+def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardMXFP8, *,
+                  variant: str = "dequant", swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None,
+                  store_h: bool = True, int_exp: bool = False) -> None:
+    """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch.
+    ``int_exp`` (rescale only) forms 2**(sa+sw-254) by an int32 exponent add instead of an fp32 product."""
+    experts, two_i, d = w_gate_up_q.shape
+    i = two_i // 2
+    rows = x_q.shape[0]
+    c = tiles or plan_tiles_mxfp8("gate_up", variant, x_q.device)
+    _check_tiles("gate_up", variant, c)
+    if rows == 0 or experts == 0:
+        return
+    programs = _num_programs(x_q.device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    rt = build_row_tiles(counts, offsets, rows, c.block_m)
+    h = out.h if store_h else out.y  # any pointer: never touched without STORE_H
+    expert_gemm_mxfp8.gate_up_mxfp8_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x_q, [c.block_m, c.block_k]),
+        TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, c.block_k]),
+        x_scale, w_gate_up_scale, h, out.act_q.view(torch.uint8), out.act_scale,
+        x_scale.stride(0), w_gate_up_scale.stride(1), h.stride(0), out.act_q.stride(0), out.act_scale.stride(0),
+        rt.tile_expert, rt.tile_row0, rt.num_tiles, offsets, counts,
+        i, experts * 2 * i, d, float(swiglu_limit or 0.0),
+        HAS_LIMIT=swiglu_limit is not None, STORE_H=store_h, RESCALE=variant == "rescale", INT_EXP=int_exp,
+        DOT_FP32=interpreting(), SOFT_E4M3=soft_e4m3_default(),
+        NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+
+def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, variant: str = "dequant",
+               num_programs=None, tiles: TileConfig | None = None, int_exp: bool = False) -> None:
+    """y = dequant(act_q) · dequant(w_down_q)ᵀ on every expert region: one persistent launch."""
+    experts, d, i = w_down_q.shape
+    rows = act_q.shape[0]
+    c = tiles or plan_tiles_mxfp8("down", variant, act_q.device)
+    _check_tiles("down", variant, c)
+    if rows == 0 or experts == 0:
+        return
+    programs = _num_programs(act_q.device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    rt = build_row_tiles(counts, offsets, rows, c.block_m)
+    expert_gemm_mxfp8.down_mxfp8_kernel[(programs,)](
+        TensorDescriptor.from_tensor(act_q, [c.block_m, c.block_k]),
+        TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, c.block_k]),
+        act_scale, w_down_scale, y,
+        act_scale.stride(0), w_down_scale.stride(1), y.stride(0),
+        rt.tile_expert, rt.tile_row0, rt.num_tiles, offsets, counts,
+        d, experts * d, i,
+        RESCALE=variant == "rescale", INT_EXP=int_exp, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+
+def expert_forward_mxfp8_reference(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up_q: torch.Tensor,
+    w_gate_up_scale: torch.Tensor,
+    w_down_q: torch.Tensor,
+    w_down_scale: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    experts: list[int] | None = None,
+) -> ExpertForwardMXFP8:
+    """The torch twin: operands dequantised by `formats.mxfp8_dequantize` (exact, fp32), fp32 matmuls,
+    SwiGLU in the kernels' form, act quantised along I by `formats.mxfp8_quantize`.
+
+    h and y are fp32; rows outside regions are NaN (act_q 0x7F, act_scale 255). ``experts`` limits
+    the work to those local experts (the others' rows stay NaN).
+    """
+    num, two_i, d = w_gate_up_q.shape
+    i = two_i // 2
+    rows = x_q.shape[0]
+    dev = x_q.device
+    nan = dict(dtype=torch.float32, device=dev)
+    out = ExpertForwardMXFP8(
+        h=torch.full((rows, 2 * i), float("nan"), **nan),
+        act_q=torch.full((rows, i), 0x7F, dtype=torch.uint8, device=dev).view(FP8),
+        act_scale=torch.full((rows, i // MX_BLOCK), 255, dtype=torch.uint8, device=dev),
+        y=torch.full((rows, d), float("nan"), **nan),
+    )
+    for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
+        if count == 0 or (experts is not None and l not in experts):
+            continue
+        sl = slice(start, start + count)
+        x = mxfp8_dequantize(x_q[sl], x_scale[sl])
+        h = x @ mxfp8_dequantize(w_gate_up_q[l], w_gate_up_scale[l]).T
+        act_q, act_s = mxfp8_quantize(_swiglu(h, swiglu_limit))
+        out.h[sl], out.act_q[sl], out.act_scale[sl] = h, act_q, act_s
+        out.y[sl] = mxfp8_dequantize(act_q, act_s) @ mxfp8_dequantize(w_down_q[l], w_down_scale[l]).T
+    return out
+
+
+def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """`megamoe.reference.swiglu` in the kernels' form, ``gate * sigmoid(gate) * up``."""
+    gate, up = h.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate) * up

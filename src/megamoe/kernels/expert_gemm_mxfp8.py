@@ -1,0 +1,342 @@
+"""Grouped expert GEMM tiles in MXFP8 (OCP MX: E4M3 elements, one E8M0 scale per 32 along K) on Hopper.
+
+Hopper has no block-scaled MMA, so two exact formulations, same task structure as
+`megamoe.kernels.expert_gemm` (persistent programs over (row tile, n-tile) tasks, `_tile_task`):
+
+    x_q [R, D] e4m3, x_scale [R, D/32] u8             rows, 32-blocks along D
+    w_gate_up_q [L*2I, D] e4m3, scale [L*2I, D/32] u8 weights, 32-blocks along D
+    h [R, 2I] bf16 (optional)
+    act_q [R, I] e4m3, act_scale [R, I/32] u8         SwiGLU output, 32-blocks along I
+    w_down_q [L*D, I] e4m3, scale [L*D, I/32] u8
+    y [R, D] bf16
+
+(A) dequantise-on-load (``RESCALE=False``): each TMA-loaded E4M3 tile is multiplied in registers by
+    its blocks' powers of two and rounded to bf16, then one bf16 wgmma per BLOCK_K step accumulates
+    in fp32 (wgmma chaining across K as in the BF16 kernel). Exactness of the bf16 operand: an E4M3
+    value has at most 4 significant bits and |q| in {0} U [2**-9, 448]; times 2**(s-127) the product
+    has the same <= 4 bits with exponent in [-9 + s - 127, 8 + s - 127]. bf16 has 8 significant bits,
+    exponent range [-126, 127] normal and subnormals down to 2**-133, and max (2 - 2**-7) * 2**127.
+    448 * 2**(s-127) = 1.75 * 2**(s-119) fits for s <= 246; the smallest element bit 2**(s-136)
+    stays >= 2**-133 for s >= 3. So the bf16 operand is exact for scale bytes 3..246. The quantiser
+    (formats.mxfp8_quantize: byte = max(f - 8, 0), f <= 254 for finite amax) never emits a byte above
+    246; bytes 0..2 (blocks with amax < 2**-116) can lose their smallest element bits to bf16's
+    subnormal grid (|values| < 2**-110: below anything an fp32 sum of normal-sized terms keeps).
+    The power of two is built from bits in fp32 (``s << 23``; byte 0 -> 2**-127 as the subnormal
+    0x00400000; 255 -> NaN); the fp32 product is exact (no FTZ), the bf16 cast then only rounds in
+    the case above.
+(B) FP8 MMA with per-32 rescale (``RESCALE=True``): BLOCK_K = 32, the native K of the e4m3 wgmma.
+    Each step's product is a fresh fp32 tile (exact sums of E4M3 products up to the tensor core's
+    accumulation width) folded in with the step's scales:
+    ``acc += dot(a_q[BM,32], w_q[BN,32]ᵀ) * 2**(sa[m] + sw[n] - 254)``.
+    Two ways to form the power (constexpr INT_EXP):
+      INT_EXP=True (the literal recipe): the biased exponent ``sa + sw - 127`` is added in int32 per
+        element, clamped to [0, 255] and shifted into the fp32 exponent field: exactly
+        2**(sa+sw-254) when that is a normal fp32, 0 below 2**-126 and +inf above 2**127; NaN
+        scales (255) are folded in by per-row / per-column flags after the loop.
+        Per element: IADD, 2 IMNMX, SHF, FFMA (Hopper's INT32 pipe runs at half the FP32 rate).
+      INT_EXP=False (default): the same exponent add done by the fp32 multiplier on two bit-built
+        powers, ``2**(sa-127) * 2**(sw-127)`` (a product of powers of two is exact, rounds to the
+        exact subnormal power down to 2**-149, 0 below, inf above, NaN for 255 bytes).
+        Per element: FMUL + FFMA.
+    Row/column powers are built once per step on [BM] / [BN] vectors, never with exp2.
+
+Both: the gate/up epilogue runs SwiGLU on column chunks (as expert_gemm does, to avoid spills),
+quantises each chunk along I with the fused `mxfp8_quantize_tile` (32-blocks per row) and stores
+act_q, act_scale (and h in bf16 when STORE_H). Rows past a region's end are loaded (TMA) with their
+scales masked to 1.0 and their outputs masked off.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile
+from megamoe.kernels.quant import mxfp8_quantize_tile
+
+MX = 32  # elements per E8M0 scale (the jitted code spells it 32)
+_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
+_SUBNORMAL_2_M127: tl.constexpr = tl.constexpr(0x00400000)
+
+
+@triton.jit
+def _pow2_e8m0(s):
+    """E8M0 bytes -> fp32 ``2**(s-127)`` built from bits (0 -> the subnormal 2**-127, 255 -> NaN)."""
+    si = s.to(tl.int32)
+    bits = tl.where(si == 0, _SUBNORMAL_2_M127, si << 23)
+    bits = tl.where(si == 255, _NAN_BITS, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant(q, s, DOT_FP32: tl.constexpr):
+    """E4M3 tile ``q [M, BK]`` with E8M0 ``s [M, BK/32]`` -> exact bf16 ``q * 2**(s-127)`` (fp32 under the
+    interpreter, whose bf16 dot is wrong; the values are the same)."""
+    M: tl.constexpr = q.shape[0]
+    BK: tl.constexpr = q.shape[1]
+    p = _pow2_e8m0(s)
+    if BK == 32:
+        pe = tl.broadcast_to(p, [M, BK])
+    else:
+        pe = tl.reshape(tl.broadcast_to(p[:, :, None], [M, BK // 32, 32]), [M, BK])
+    v = q.to(tl.float32) * pe
+    if not DOT_FP32:
+        v = v.to(tl.bfloat16)
+    return v
+
+
+@triton.jit
+def _block_scales(s_ptr, rows64, stride_s, k, K, mask, BLOCK_K: tl.constexpr):
+    """Scale bytes ``[len(rows), BLOCK_K/32]`` of K columns k .. k+BLOCK_K; masked rows and blocks past K
+    (whose data TMA fills with zeros) read 127 = 1.0, so no NaN byte meets those zeros."""
+    ks = k // 32 + tl.arange(0, BLOCK_K // 32)
+    return tl.load(s_ptr + rows64[:, None] * stride_s + ks[None, :], mask=mask[:, None] & (ks < K // 32)[None, :],
+                   other=127)
+
+
+@triton.jit
+def _dot_fp8(a, w, DOT_FP32: tl.constexpr):
+    """a [BM, 32] · w [BN, 32]ᵀ into a fresh fp32 tile (e4m3 wgmma compiled; fp32 under the interpreter)."""
+    if DOT_FP32:
+        a, w = a.to(tl.float32), w.to(tl.float32)
+    return tl.dot(a, w.T)
+
+
+@triton.jit
+def _rescale(p, sa, sw, INT_EXP: tl.constexpr):
+    """``p * 2**(sa[m] + sw[n] - 254)`` for one 32-K step (see the module docstring for both forms)."""
+    if INT_EXP:
+        e = sa.to(tl.int32)[:, None] + (sw.to(tl.int32) - 127)[None, :]  # biased fp32 exponent
+        f = (tl.minimum(tl.maximum(e, 0), 255) << 23).to(tl.float32, bitcast=True)
+    else:
+        f = _pow2_e8m0(sa)[:, None] * _pow2_e8m0(sw)[None, :]
+    return p * f
+
+
+@triton.jit
+def _nan_fix(acc, nan_r, nan_c, INT_EXP: tl.constexpr):
+    if INT_EXP:
+        acc = tl.where(nan_r[:, None] | nan_c[None, :], float("nan"), acc)
+    return acc
+
+
+@triton.jit
+def _mx_gemm_pair(
+    a_desc, w_desc, a_s_ptr, w_s_ptr, stride_as, stride_ws,
+    row0, row_ok, w_row_a, w_row_b, W_ROWS, K,
+    TWO: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """fp32 ``dequant(a) · dequant(w[w_row_a ..])ᵀ`` (and, with TWO, the same for w rows w_row_b) over K."""
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N if TWO else 16), dtype=tl.float32)
+    rows64 = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    wa64 = (w_row_a + tl.arange(0, BLOCK_N)).to(tl.int64)
+    wb64 = (w_row_b + tl.arange(0, BLOCK_N)).to(tl.int64)
+    wa_ok = wa64 < W_ROWS  # a tile may run past I (gate/up) or D (down): rows past W are not read
+    wb_ok = wb64 < W_ROWS
+    nan_r = tl.zeros((BLOCK_M,), dtype=tl.int1)
+    nan_a = tl.zeros((BLOCK_N,), dtype=tl.int1)
+    nan_b = tl.zeros((BLOCK_N,), dtype=tl.int1)
+    if RESCALE:
+        tl.static_assert(BLOCK_K == 32, "the rescale variant steps K by one 32-block")
+        as_rows = a_s_ptr + rows64 * stride_as
+        wa_rows = w_s_ptr + wa64 * stride_ws
+        wb_rows = w_s_ptr + wb64 * stride_ws
+        for k in range(0, K, 32):
+            kb = k // 32
+            a = a_desc.load([row0, k])
+            sa = tl.load(as_rows + kb, mask=row_ok, other=127)
+            wa = w_desc.load([w_row_a, k])
+            swa = tl.load(wa_rows + kb, mask=wa_ok, other=127)
+            acc_a += _rescale(_dot_fp8(a, wa, DOT_FP32), sa, swa, INT_EXP)
+            if TWO:
+                wb = w_desc.load([w_row_b, k])
+                swb = tl.load(wb_rows + kb, mask=wb_ok, other=127)
+                acc_b += _rescale(_dot_fp8(a, wb, DOT_FP32), sa, swb, INT_EXP)
+                if INT_EXP:
+                    nan_b |= swb == 255
+            if INT_EXP:
+                nan_r |= sa == 255
+                nan_a |= swa == 255
+        acc_a = _nan_fix(acc_a, nan_r, nan_a, INT_EXP)
+        if TWO:
+            acc_b = _nan_fix(acc_b, nan_r, nan_b, INT_EXP)
+    else:
+        for k in range(0, K, BLOCK_K):
+            a = _dequant(a_desc.load([row0, k]), _block_scales(a_s_ptr, rows64, stride_as, k, K, row_ok, BLOCK_K),
+                         DOT_FP32)
+            wa = _dequant(w_desc.load([w_row_a, k]), _block_scales(w_s_ptr, wa64, stride_ws, k, K, wa_ok, BLOCK_K),
+                          DOT_FP32)
+            acc_a = tl.dot(a, wa.T, acc_a)
+            if TWO:
+                wb = _dequant(w_desc.load([w_row_b, k]),
+                              _block_scales(w_s_ptr, wb64, stride_ws, k, K, wb_ok, BLOCK_K), DOT_FP32)
+                acc_b = tl.dot(a, wb.T, acc_b)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, c0, I, limit,
+               HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, SOFT_E4M3: tl.constexpr):
+    """h (optional), act_q and act_scale for a [BM, W] column chunk (W a multiple of 32) of a row tile."""
+    W: tl.constexpr = gate.shape[1]
+    local = tl.arange(0, gate.shape[0])
+    cols = c0 + tl.arange(0, W)
+    mask = row_ok[:, None] & (cols < I)[None, :]
+    if STORE_H:
+        h_tile = h_base + (local[:, None] * stride_h + cols[None, :])
+        tl.store(h_tile, gate.to(h_base.dtype.element_ty), mask=mask)
+        tl.store(h_tile + I, up.to(h_base.dtype.element_ty), mask=mask)
+    act = swiglu_tile(gate, up, limit, HAS_LIMIT)
+    act_q, act_s = mxfp8_quantize_tile(act, 1, False, SOFT_E4M3)  # [BM, W], [BM, W/32]
+    tl.store(q_base + (local[:, None] * stride_act + cols[None, :]), act_q.to(tl.uint8, bitcast=True), mask=mask)
+    s_cols = c0 // 32 + tl.arange(0, W // 32)
+    tl.store(s_base + (local[:, None] * stride_as + s_cols[None, :]), act_s,
+             mask=row_ok[:, None] & (s_cols < I // 32)[None, :])
+
+
+@triton.jit
+def gate_up_mxfp8_kernel(
+    x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+    stride_xs, stride_ws, stride_h, stride_act, stride_as,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    I, W_ROWS, K, limit,
+    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
+    DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """Persistent MXFP8 gate/up + SwiGLU + act quantisation (along I) over every (tile, n-tile) task."""
+    tl.static_assert(BLOCK_N % 64 == 0, "gate/up BLOCK_N must hold two chunks of whole 32-blocks")
+    num_n = tl.cdiv(I, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_tasks = num_tiles * num_n
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+        n0 = n * BLOCK_N
+        row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
+        w_gate_row = expert * 2 * I + n0
+        acc_gate, acc_up = _mx_gemm_pair(
+            x_desc, w_desc, x_scale_ptr, w_scale_ptr, stride_xs, stride_ws,
+            row0, row_ok, w_gate_row, w_gate_row + I, W_ROWS, K,
+            True, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        # Epilogue on column halves with int32 offsets from per-tile base pointers (as expert_gemm).
+        h_base = h_ptr + row0.to(tl.int64) * stride_h
+        q_base = act_q_ptr + row0.to(tl.int64) * stride_act
+        s_base = act_scale_ptr + row0.to(tl.int64) * stride_as
+        g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _act_store(g_lo, u_lo, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, n0, I, limit,
+                   HAS_LIMIT, STORE_H, SOFT_E4M3)
+        _act_store(g_hi, u_hi, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok,
+                   n0 + BLOCK_N // 2, I, limit, HAS_LIMIT, STORE_H, SOFT_E4M3)
+
+
+@triton.jit
+def down_mxfp8_kernel(
+    act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
+    stride_as, stride_ws, stride_y,
+    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    D, W_ROWS, K,
+    RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    """Persistent MXFP8 down projection y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I)."""
+    num_n = tl.cdiv(D, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_tasks = num_tiles * num_n
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+        n0 = n * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        acc, _unused = _mx_gemm_pair(
+            act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws,
+            row0, row_ok, expert * D + n0, 0, W_ROWS, K,
+            False, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        y_base = y_ptr + row0.to(tl.int64) * stride_y
+        local = tl.arange(0, BLOCK_M)
+        tl.store(y_base + (local[:, None] * stride_y + cols[None, :]), acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------ sm_90 build check (no GPU needed)
+
+_COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "num_tiles_ptr": "*i32", "offsets_ptr": "*i32",
+           "counts_ptr": "*i32", "RESCALE": "constexpr", "INT_EXP": "constexpr", "DOT_FP32": "constexpr",
+           "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "GROUP_M": "constexpr", "FLATTEN": "constexpr"}
+
+
+def sm90_cases(tiles: dict | None = None) -> dict:
+    """{name: (kernel, signature, constexprs, num_warps, num_stages)} of the default GPU launches
+    (tiles: {"dequant"|"rescale": {"gate_up"|"down": TileConfig}}, default `experts_mxfp8.plan_tiles_mxfp8`)."""
+    import torch
+
+    from megamoe.experts_mxfp8 import plan_tiles_mxfp8
+
+    cases = {}
+    for variant in ("dequant", "rescale"):
+        for kind in ("gate_up", "down"):
+            c = (tiles or {}).get(variant, {}).get(kind) or plan_tiles_mxfp8(kind, variant, torch.device("cuda"),
+                                                                               compiled=True)
+            sig = {"tensordesc_a": f"tensordesc<fp8e4nv[{c.block_m},{c.block_k}]>",
+                   "tensordesc_w": f"tensordesc<fp8e4nv[{c.block_n},{c.block_k}]>"}
+            base = {"RESCALE": variant == "rescale", "INT_EXP": False, "DOT_FP32": False, "NUM_PROGRAMS": 132,
+                    "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m,
+                    "FLATTEN": c.flatten}
+            if kind == "gate_up":
+                signature = {"x_desc": sig["tensordesc_a"], "w_desc": sig["tensordesc_w"], "x_scale_ptr": "*u8",
+                             "w_scale_ptr": "*u8", "h_ptr": "*bf16", "act_q_ptr": "*u8", "act_scale_ptr": "*u8",
+                             "stride_xs": "i32", "stride_ws": "i32", "stride_h": "i32", "stride_act": "i32",
+                             "stride_as": "i32", **_COMMON, "I": "i32", "W_ROWS": "i32", "K": "i32", "limit": "fp32",
+                             "HAS_LIMIT": "constexpr", "STORE_H": "constexpr", "SOFT_E4M3": "constexpr"}
+                consts = {**base, "HAS_LIMIT": True, "STORE_H": True, "SOFT_E4M3": False}
+                kernel = gate_up_mxfp8_kernel
+            else:
+                signature = {"act_desc": sig["tensordesc_a"], "w_desc": sig["tensordesc_w"], "act_scale_ptr": "*u8",
+                             "w_scale_ptr": "*u8", "y_ptr": "*bf16", "stride_as": "i32", "stride_ws": "i32",
+                             "stride_y": "i32", **_COMMON, "D": "i32", "W_ROWS": "i32", "K": "i32"}
+                consts = base
+                kernel = down_mxfp8_kernel
+            cases[f"{kind}_{variant}"] = (kernel, signature, consts, c.num_warps, c.num_stages)
+            if variant == "rescale":
+                cases[f"{kind}_{variant}_int_exp"] = (kernel, signature, {**consts, "INT_EXP": True},
+                                                      c.num_warps, c.num_stages)
+    return cases
+
+
+def summary(tiles: dict | None = None) -> dict:
+    """{case: {wgmma, wgmma_bf16, wgmma_fp8, tma, shared_bytes, local_memory, registers, stack_bytes}} for sm_90."""
+    import os
+
+    from megamoe.kernels.expert_gemm_fp8 import _resource_usage, compile_sm90
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
+    out = {}
+    for name, (kernel, signature, consts, warps, stages) in sm90_cases(tiles).items():
+        compiled = compile_sm90(kernel, signature, consts, num_warps=warps, num_stages=stages)
+        ptx = compiled.asm["ptx"]
+        sass = compiled.asm.get("sass", "") or ""
+        out[name] = {
+            "wgmma": ptx.count("wgmma.mma_async"),
+            "wgmma_bf16": "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx,
+            "wgmma_fp8": "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx,
+            "tma": "cp.async.bulk.tensor" in ptx,
+            "shared_bytes": compiled.metadata.shared,
+            "local_memory": "ld.local" in ptx or "st.local" in ptx or "STL" in sass,
+            **_resource_usage(compiled.asm["cubin"]),
+        }
+    return out
+
+
+if __name__ == "__main__":  # python -m megamoe.kernels.expert_gemm_mxfp8: the Hopper build check, one JSON line
+    import json
+
+    print(json.dumps(summary()))
