@@ -15,12 +15,11 @@ Promotion (DeepGEMM): BLOCK_K = 128, so every K step covers exactly one scale
 per row of A and one per 128-row block of W. Each step runs the FP8 tensor-core
 product into a fresh fp32 tile and folds it into the fp32 accumulator with the
 step's scales: ``acc += dot(a_q, w_qᵀ) * (a_scale[:, kb] * w_scale[nb, kb])``.
-The fresh tile is the price of per-block scales (no cross-step wgmma chaining, and
-the wgmma is waited for before its promotion: see the comment in `gate_up_fp8_tile`).
+The fresh tile is the price of per-block scales (no cross-step wgmma chaining).
 
 Gate/up tiles are BLOCK_N = 128 act columns (a gate and an up tile), so the
 epilogue's act tile holds exactly one 1x128 block per row and is quantised in
-registers (the math of `fp8_block_quantize_tile`, run on column chunks) before it is stored. Down tiles may be
+registers by `fp8_block_quantize_tile` before it is stored. Down tiles may be
 BLOCK_N 64/128 (one weight scale) or a multiple of 128 (a scale per column).
 
 Rows past a region's end are loaded (TMA) but their scales are read as 0 and
@@ -33,15 +32,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile
-from megamoe.kernels.quant import (  # the 1x128 quantisation of `fp8_block_quantize_tile`, split in column chunks
-    _ABS_MASK,
-    _AMAX_FLOOR,
-    _E4M3_MAX,
-    _E4M3_NAN,
-    _INF_BITS,
-    _NAN_BITS,
-    _e4m3_bits,
-)
+from megamoe.kernels.quant import fp8_block_quantize_tile
 
 SCALE_BLOCK = 128
 
@@ -76,7 +67,6 @@ def gate_up_fp8_tile(
 ):
     """One [BLOCK_M rows x 128 act columns] tile: gate and up with per-block promotion, SwiGLU,
     act quantised 1x128 (act_q, act_scale) and optionally h (bf16), rows < row_end."""
-    tl.static_assert(BLOCK_N == 128, "gate/up tiles hold exactly one 1x128 act block per row")
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_gate_row = expert * 2 * I + n0  # row of the flattened [L*2I, D] weight
@@ -85,18 +75,6 @@ def gate_up_fp8_tile(
     row_ok = rows < row_end
     xs_rows = x_scale_ptr + rows.to(tl.int64) * stride_xs
     ws_base = w_scale_ptr + expert.to(tl.int64) * (2 * I // 128) * stride_ws_n
-    # Promotion and wgmma overlap (checked in the sm_90 TTGIR/PTX, Triton 3.6): every fresh-tile dot
-    # is followed by `warp_group_dot_wait {pendings = 0}` (PTX `wgmma.wait_group 0`) before its FMA, so
-    # no wgmma is in flight during a promotion. Triton's Hopper MMA pipeliner defers the wait only for
-    # a dot whose accumulator operand is a loop-carried value that flows back only into the yield;
-    # a fresh product read by the promotion never qualifies. Tried and dropped: (a) down unrolled x2
-    # with two products (p0, p1 issued, then both promoted): still wait 0 after each dot, and 16 B
-    # of spills; (b) down with the product loop-carried (`p = dot(a, wᵀ, where(k < 0, p, 0))`,
-    # promoted at the top of the next step): the pipeliner still waits 0 (p has a non-dot user)
-    # and ptxas spills 176 B. Here the registers rule it out anyway: 128x128 fp32 is 64 regs/thread
-    # at 8 warps, and issuing up's wgmma before gate's promotion needs acc_gate, acc_up and two
-    # products live = 256 regs (> 255 with nothing else). Overlap needs warp specialisation
-    # (DeepGEMM's separate promotion warpgroups), not a reordering of this loop.
     for k in range(0, K, 128):
         kb = k // 128
         a = x_desc.load([row0, k])
@@ -107,79 +85,19 @@ def gate_up_fp8_tile(
         su = _w_scales(ws_base, I + n0, kb, stride_ws_n, BLOCK_N)
         acc_gate += _dot_block(a, wg, DOT_FP32) * (a_s[:, None] * sg)
         acc_up += _dot_block(a, wu, DOT_FP32) * (a_s[:, None] * su)
-    # Epilogue on column chunks with int32 offsets from per-tile base pointers (as `_gate_up_store` in
-    # expert_gemm): one [BM, BN] pass with int64 pointer tensors spilled 904 B/thread (cuobjdump). SwiGLU
-    # on halves, h stored in quarters (the smallest stack: 16 B; h in halves 200 B, act bytes in quarters
-    # 168-248 B). The 1x128 act block spans both halves, so the halves' SwiGLU outputs (one [BM, BN] fp32
-    # tile in all) stay live until the row amax of the whole block is known; gate/up are dead by then.
-    # No column masks: I is a multiple of 128 = BLOCK_N, so a tile never passes column I.
-    row0_64 = row0.to(tl.int64)
-    h_base = h_ptr + row0_64 * stride_h
-    act_base = act_q_ptr + row0_64 * stride_act
-    g_lo, g_hi = _halves(acc_gate)
-    u_lo, u_hi = _halves(acc_up)
-    act_lo = _gate_up_chunk(g_lo, u_lo, h_base, stride_h, row_ok, n0, I, limit, HAS_LIMIT, STORE_H)
-    act_hi = _gate_up_chunk(g_hi, u_hi, h_base, stride_h, row_ok, n0 + BLOCK_N // 2, I, limit, HAS_LIMIT, STORE_H)
-    amax_bits = tl.maximum(_abs_max_bits(act_lo), _abs_max_bits(act_hi))  # [BM]: the row's 1x128 block
-    act_s, inv = _block_scale(amax_bits)
-    _act_q_store(act_lo, inv, act_base, stride_act, row_ok, n0, SOFT_E4M3)
-    _act_q_store(act_hi, inv, act_base, stride_act, row_ok, n0 + BLOCK_N // 2, SOFT_E4M3)
-    tl.store(act_scale_ptr + rows.to(tl.int64) * stride_as + n0 // 128, act_s, mask=row_ok)
-
-
-@triton.jit
-def _halves(x):
-    """Column halves of x [BM, W]."""
-    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _h_store(gate, up, h_base, stride_h, row_ok, c0, I):
-    """h's gate and up columns c0.. of a [BM, W] chunk (int32 offsets from the tile's row-0 pointer)."""
-    local = tl.arange(0, gate.shape[0])
-    cols = c0 + tl.arange(0, gate.shape[1])
-    h_tile = h_base + (local[:, None] * stride_h + cols[None, :])
-    tl.store(h_tile, gate.to(h_base.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(h_tile + I, up.to(h_base.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _gate_up_chunk(gate, up, h_base, stride_h, row_ok, c0, I, limit, HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr):
-    """Store h of a [BM, W] column chunk (in halves, STORE_H); return its SwiGLU (fp32)."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < I)[None, :]
     if STORE_H:
-        g_lo, g_hi = _halves(gate)
-        u_lo, u_hi = _halves(up)
-        _h_store(g_lo, u_lo, h_base, stride_h, row_ok, c0, I)
-        _h_store(g_hi, u_hi, h_base, stride_h, row_ok, c0 + gate.shape[1] // 2, I)
-    return swiglu_tile(gate, up, limit, HAS_LIMIT)
-
-
-@triton.jit
-def _abs_max_bits(x):
-    """Row max of |x| as int32 float bits ([BM, W] fp32 -> [BM]); NaN rows come out above +inf's bits."""
-    return tl.max(x.to(tl.int32, bitcast=True) & _ABS_MASK, axis=1)
-
-
-@triton.jit
-def _block_scale(amax_bits):
-    """(scale, 1/scale) of 1x128 blocks from their amax bits, exactly as `fp8_block_quantize_tile`."""
-    bad = amax_bits >= _INF_BITS
-    amax = tl.maximum(amax_bits.to(tl.float32, bitcast=True), _AMAX_FLOOR)
-    scale = tl.math.div_rn(amax, _E4M3_MAX)
-    inv = tl.math.div_rn(_E4M3_MAX, amax)
-    scale = tl.where(bad, _NAN_BITS, scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-    inv = tl.where(bad, _NAN_BITS, inv.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-    return scale, inv
-
-
-@triton.jit
-def _act_q_store(act, inv, act_base, stride_act, row_ok, c0, SOFT_E4M3: tl.constexpr):
-    """E4M3 bytes of act * inv (a [BM, W] column chunk of the rows' 1x128 blocks) stored at columns c0.."""
-    local = tl.arange(0, act.shape[0])
-    cols = c0 + tl.arange(0, act.shape[1])
-    y = act * inv[:, None]
-    bits = tl.where(y != y, _E4M3_NAN, _e4m3_bits(y, SOFT_E4M3))
-    tl.store(act_base + (local[:, None] * stride_act + cols[None, :]), bits.to(tl.uint8), mask=row_ok[:, None])
+        h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
+        tl.store(h_tile, acc_gate.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_tile + I, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
+    act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+    act_q, act_s = fp8_block_quantize_tile(act, 1, 128, SOFT_E4M3)  # [BM, BN], [BM, BN/128]
+    act_tile = act_q_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
+    tl.store(act_tile, act_q.to(tl.uint8, bitcast=True), mask=mask)
+    s_cols = n0 // 128 + tl.arange(0, BLOCK_N // 128)
+    s_tile = act_scale_ptr + rows.to(tl.int64)[:, None] * stride_as + s_cols[None, :]
+    tl.store(s_tile, act_s, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -219,7 +137,7 @@ def gate_up_fp8_kernel(
     FLATTEN: tl.constexpr,
 ):
     """Persistent FP8-block gate/up + SwiGLU + act quantisation over every (tile, n-tile) task."""
-    tl.static_assert(BLOCK_N == 128, "gate/up tiles hold exactly one 1x128 act block per row")
+    tl.static_assert(BLOCK_N % 128 == 0, "gate/up tiles must hold whole 1x128 act blocks")
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
@@ -313,8 +231,8 @@ def _resource_usage(cubin: bytes) -> dict:
 def summary(**kwargs) -> dict:
     """{kernel: {wgmma, wgmma_fp8, tma, shared_bytes, local_memory, registers, stack_bytes}} for sm_90.
 
-    Triton 3.6: gate/up at 128x(128+128) with 8 warps uses 255 registers; its chunked epilogue keeps
-    the stack at 16 B/thread (904 B with the one-pass [BM, BN] epilogue); down 128x128: 255, no stack."""
+    Known (Triton 3.6): gate/up at 128x(128+128) with 8 warps hits 255 registers and ptxas spills
+    ~0.9 KB/thread (two fp32 accumulators + the fresh per-K-step product tiles); down 128x128 does not."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") == "1":
