@@ -2,6 +2,7 @@
 
 import json
 import re
+import socket
 import os
 import subprocess
 import sys
@@ -9,7 +10,6 @@ import sys
 from typer.testing import CliRunner
 
 from megamoe.cli import app
-from megamoe.world import _free_port
 
 FIELDS = {"impl", "preset", "precision", "pass", "ep", "tokens_per_rank", "device", "machine", "commit", "run_id",
           "time_ms", "time_ms_p10", "time_ms_p90", "tflops", "max_abs_err", "rel_err", "correct"}
@@ -35,6 +35,12 @@ def test_bench_rejects_bad_options_with_exit_code_2():
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--ep", "3"])
     assert result.exit_code == 2
     assert "not divisible by ep (3)" in result.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_world_joins_a_torchrun_group():

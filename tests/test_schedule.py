@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +15,7 @@ from megamoe.schedule import (
     build_pull_schedule_loop,
     gather_routing,
 )
+from megamoe.world import launch
 
 TENSOR_FIELDS = ("tokens_per_expert", "counts", "offsets", "src_rank", "src_index", "num_rows")
 INT_FIELDS = ("capacity", "num_ranks", "experts_per_rank", "top_k", "align")
@@ -271,35 +268,23 @@ def test_gather_routing_rejects_bad_ids_before_any_collective():
         gather_routing(torch.zeros(5, 3, dtype=torch.int64), None, max_tokens=4)
 
 
-def _distributed_worker(rank, world, port, tokens, k, L, align):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        full = routing(7, tokens, k, L * world)  # every process draws the same routing
-        mine = full[rank, : tokens[rank]]
-        assert torch.equal(gather_routing(mine, None), full)
-        got = build_pull_schedule_distributed(mine, None, L, align=align)
-        assert_same(got, build_pull_schedule(full, rank, L, align=align))
-        wider = torch.cat([full, torch.full((world, 3, k), -1)], dim=1)
-        got = build_pull_schedule_distributed(mine.int(), None, L, max_tokens=max(tokens) + 3, align=align)
-        assert_same(got, build_pull_schedule(wider, rank, L, align=align))
-        with pytest.raises(ValueError, match="more than max_tokens"):
-            gather_routing(mine, None, max_tokens=min(tokens) - 1)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _distributed_worker(ep_world, tokens, k, L, align):
+    rank, world = ep_world.rank, ep_world.size
+    full = routing(7, tokens, k, L * world)  # every process draws the same routing
+    mine = full[rank, : tokens[rank]]
+    assert torch.equal(gather_routing(mine, None), full)
+    got = build_pull_schedule_distributed(mine, None, L, align=align)
+    assert_same(got, build_pull_schedule(full, rank, L, align=align))
+    wider = torch.cat([full, torch.full((world, 3, k), -1)], dim=1)
+    got = build_pull_schedule_distributed(mine.int(), None, L, max_tokens=max(tokens) + 3, align=align)
+    assert_same(got, build_pull_schedule(wider, rank, L, align=align))
+    with pytest.raises(ValueError, match="more than max_tokens"):
+        gather_routing(mine, None, max_tokens=min(tokens) - 1)
 
 
 @pytest.mark.slow
 def test_distributed_matches_concatenated_routing():
-    world, tokens = 2, (3, 6)
-    mp.spawn(_distributed_worker, args=(world, _free_port(), tokens, 2, 3, 4), nprocs=world, join=True)
+    launch(_distributed_worker, 2, (3, 6), 2, 3, 4)
 
 
 @pytest.mark.gpu

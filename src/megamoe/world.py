@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import tempfile
 import traceback
 import uuid
@@ -101,19 +100,17 @@ def init_world(device: str | None = None) -> EPWorld:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         timeout = timedelta(seconds=float(os.environ.get("MEGAMOE_DIST_TIMEOUT_S", "600")))
-        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
+        # launch() hands its ranks a rendezvous file: no TCP port to race for with other jobs on the host
+        init_file = os.environ.get("MEGAMOE_INIT_FILE")
+        init_method = f"file://{init_file}" if init_file else "env://"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout,
+                                **kwargs)
     return EPWorld(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD, device=dev)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, size: int, port: int, device: str, result_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
-    os.environ["LOCAL_RANK"] = str(rank)
+def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                      MEGAMOE_INIT_FILE=os.path.join(result_dir, "rendezvous"))
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     path = os.path.join(result_dir, f"rank{rank}.pt")
@@ -150,9 +147,8 @@ def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device
     if device == "cpu":  # CPU ranks run Triton kernels under the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     with tempfile.TemporaryDirectory(prefix="megamoe-launch-") as result_dir:
-        port = _free_port()
         context = mp.start_processes(
-            _rank_main, args=(nprocs, port, device, result_dir, fn, args), nprocs=nprocs, join=False, start_method="spawn"
+            _rank_main, args=(nprocs, device, result_dir, fn, args), nprocs=nprocs, join=False, start_method="spawn"
         )
         try:
             while not context.join():
