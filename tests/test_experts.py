@@ -78,8 +78,40 @@ def test_row_tiles_cover_every_region_once():
     tiles = build_row_tiles(counts, offsets, capacity=100, block_m=16)
     n = int(tiles.num_tiles)
     assert n == 1 + 0 + 3 + 3 + 1
-    got = [(int(e), int(r)) for e, r in zip(tiles.tile_expert[:n], tiles.tile_row0[:n])]
-    assert got == [(0, 0), (2, 8), (2, 24), (2, 40), (3, 50), (3, 66), (3, 82), (4, 90)]
+    got = [(int(e), int(r), int(x)) for e, r, x in zip(tiles.tile_expert[:n], tiles.tile_row0[:n],
+                                                        tiles.tile_row_end[:n])]
+    assert got == [(0, 0, 5), (2, 8, 24), (2, 24, 40), (2, 40, 48), (3, 50, 66), (3, 66, 82), (3, 82, 83),
+                   (4, 90, 91)]
+    assert tiles.minibatch_tiles.tolist() == [0, n]
+
+
+def test_minibatch_tiles_never_straddle_a_minibatch_and_cover_each_row_once():
+    counts = torch.tensor([5, 0, 40, 33, 1, 17], device=DEVICE)
+    offsets = torch.tensor([0, 8, 8, 50, 90, 91], device=DEVICE)
+    tiles = build_row_tiles(counts, offsets, capacity=110, block_m=16, minibatch=24)
+    n = int(tiles.num_tiles)
+    bounds = tiles.minibatch_tiles.tolist()
+    assert len(bounds) == 1 + 5 and bounds[0] == 0 and bounds[-1] == n
+    covered = []
+    for j in range(5):
+        for t in range(bounds[j], bounds[j + 1]):
+            e, r0, r1 = int(tiles.tile_expert[t]), int(tiles.tile_row0[t]), int(tiles.tile_row_end[t])
+            assert 0 < r1 - r0 <= 16 and j * 24 <= r0 and r1 <= (j + 1) * 24, (j, r0, r1)
+            assert offsets[e] <= r0 and r1 <= offsets[e] + counts[e], (e, r0, r1)
+            covered += range(r0, r1)
+    want = [r for o, c in zip(offsets.tolist(), counts.tolist()) for r in range(o, o + c)]
+    assert sorted(covered) == want
+
+
+def test_forward_over_minibatch_tiles_gives_the_same_bits():
+    x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=4)
+    plain = expert_forward(x, counts, offsets, wgu, wd, num_programs=3)
+    cut = expert_forward(x, counts, offsets, wgu, wd, num_programs=3, minibatch=24)
+    inside = torch.zeros(x.shape[0], dtype=torch.bool, device=DEVICE)
+    for o, c in zip(offsets.tolist(), counts.tolist()):
+        inside[o : o + c] = True
+    for name in ("h", "act", "y"):
+        assert torch.equal(getattr(plain, name)[inside], getattr(cut, name)[inside]), name
 
 
 @pytest.mark.parametrize(

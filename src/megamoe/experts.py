@@ -80,33 +80,57 @@ def plan_tiles(kind: str, device: torch.device) -> TileConfig:
 
 @dataclass(frozen=True)
 class RowTiles:
-    """Row tiles of every expert region, built on the device.
+    """Row tiles of every expert region, built on the device (no host sync: sizes are static).
+
+    A tile is at most ``block_m`` consecutive rows of one expert region and, with a minibatch,
+    of one minibatch ``[j * minibatch, (j + 1) * minibatch)`` of the routed rows. Tiles are
+    ordered by minibatch, then expert, then row.
 
     Attributes:
         tile_expert: int32 `[max_tiles]` local expert of tile t (valid for t < num_tiles).
-        tile_row0: int32 `[max_tiles]` first row of tile t: offsets[e] + m * block_m.
-        num_tiles: int32 `[1]` tiles in use = sum_l ceil(counts[l] / block_m).
+        tile_row0: int32 `[max_tiles]` first row of tile t.
+        tile_row_end: int32 `[max_tiles]` one past its last row (region end, minibatch end or row0 + block_m).
+        num_tiles: int32 `[1]` tiles in use.
+        minibatch_tiles: int32 `[num_minibatches + 1]` tiles of minibatch j are
+            ``[minibatch_tiles[j], minibatch_tiles[j + 1])``.
         block_m: rows per tile.
     """
 
     tile_expert: torch.Tensor
     tile_row0: torch.Tensor
+    tile_row_end: torch.Tensor
     num_tiles: torch.Tensor
+    minibatch_tiles: torch.Tensor
     block_m: int
 
 
-def build_row_tiles(counts: torch.Tensor, offsets: torch.Tensor, capacity: int, block_m: int) -> RowTiles:
-    """Tiles of ``block_m`` rows per expert region; no host sync (sizes are static)."""
+def build_row_tiles(
+    counts: torch.Tensor, offsets: torch.Tensor, capacity: int, block_m: int, *, minibatch: int | None = None
+) -> RowTiles:
+    """Tiles of ``block_m`` rows per expert region (and per minibatch of rows, when given)."""
+    device = counts.device
     experts = counts.numel()
-    max_tiles = -(-capacity // block_m) + experts
-    per_expert = (counts.long() + block_m - 1) // block_m
-    ends = per_expert.cumsum(0)
-    tile = torch.arange(max_tiles, device=counts.device)
-    expert = torch.searchsorted(ends, tile, right=True).clamp_max(max(experts - 1, 0))
-    first_tile = ends - per_expert
-    row0 = offsets.long()[expert] + (tile - first_tile[expert]) * block_m
-    num_tiles = ends[-1:].to(torch.int32) if experts else torch.zeros(1, dtype=torch.int32, device=counts.device)
-    return RowTiles(expert.to(torch.int32), row0.to(torch.int32), num_tiles, block_m)
+    minibatch = minibatch or max(capacity, 1)
+    batches = max(1, -(-capacity // minibatch))
+    # segment (j, l) = region l ∩ minibatch j, in minibatch-major order
+    start = offsets.long()
+    end = start + counts.long()
+    batch_start = torch.arange(batches, device=device)[:, None] * minibatch
+    seg_start = torch.maximum(start[None, :], batch_start)
+    seg_end = torch.minimum(end[None, :], batch_start + minibatch)
+    seg_tiles = ((seg_end - seg_start).clamp_min(0) + block_m - 1) // block_m  # [batches, L]
+    ends = seg_tiles.reshape(-1).cumsum(0)
+    max_tiles = -(-capacity // block_m) + experts + batches
+    tile = torch.arange(max_tiles, device=device)
+    segment = torch.searchsorted(ends, tile, right=True).clamp_max(max(batches * experts - 1, 0))
+    first = ends - seg_tiles.reshape(-1)
+    row0 = seg_start.reshape(-1)[segment] + (tile - first[segment]) * block_m if experts else tile * 0
+    row_end = torch.minimum(row0 + block_m, seg_end.reshape(-1)[segment]) if experts else tile * 0
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    minibatch_tiles = torch.cat([zero, seg_tiles.sum(1).cumsum(0)]).to(torch.int32)
+    num_tiles = minibatch_tiles[-1:].clone()
+    return RowTiles((segment % max(experts, 1)).to(torch.int32), row0.to(torch.int32), row_end.to(torch.int32),
+                    num_tiles, minibatch_tiles, block_m)
 
 
 @dataclass
@@ -158,15 +182,15 @@ def _num_programs(device: torch.device, requested: int | None) -> int:
 
 
 def launch_row_tasks(kernel, cfg: TileConfig, programs: int, counts: torch.Tensor, offsets: torch.Tensor,
-                     rows: int, head: tuple, tail: tuple, **constexprs) -> None:
+                     rows: int, head: tuple, tail: tuple, *, minibatch: int | None = None, **constexprs) -> None:
     """Launch a persistent row-tile kernel: ``kernel(*head, <tile map>, offsets, counts, *tail, ...)``.
 
     Every row-tile kernel takes the device-built tile map (see :func:`build_row_tiles`) between its
     tensor arguments (``head``) and its sizes (``tail``), and the same tile constexprs.
     """
-    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m)
+    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m, minibatch=minibatch)
     kernel[(programs,)](
-        *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.num_tiles, offsets, counts, *tail,
+        *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.tile_row_end, row_tiles.num_tiles, *tail,
         DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **constexprs,
@@ -184,6 +208,7 @@ def expert_forward(
     num_programs: int | None = None,
     out: ExpertForward | None = None,
     tiles: dict[str, TileConfig] | None = None,
+    minibatch: int | None = None,
 ) -> ExpertForward:
     """Gate/up + SwiGLU and down for every expert region of ``x_rows`` (BF16).
 
@@ -194,6 +219,8 @@ def expert_forward(
         num_programs: persistent grid size (default: the SM count).
         out: preallocated outputs to fill (rows outside regions are left alone).
         tiles: {"gate_up": TileConfig, "down": TileConfig} to pin tile shapes.
+        minibatch: also cut tiles at multiples of this many rows (the megakernel's minibatches);
+            the result is the same bits.
     """
     experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
@@ -206,8 +233,9 @@ def expert_forward(
         )
     tiles = tiles or {}
     gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, swiglu_limit=swiglu_limit,
-            num_programs=num_programs, tiles=tiles.get("gate_up"))
-    down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"))
+            num_programs=num_programs, tiles=tiles.get("gate_up"), minibatch=minibatch)
+    down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"),
+         minibatch=minibatch)
     return out
 
 
@@ -222,6 +250,7 @@ def gate_up(
     swiglu_limit: float | None = None,
     num_programs: int | None = None,
     tiles: TileConfig | None = None,
+    minibatch: int | None = None,
 ) -> None:
     """h = x_rows · w_gate_upᵀ and act = SwiGLU(h) on every expert region (one persistent launch)."""
     experts, two_i, d = w_gate_up.shape
@@ -237,6 +266,7 @@ def gate_up(
               _descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
               h, act, h.stride(0), act.stride(0)),
         tail=(i, d, float(swiglu_limit or 0.0)),
+        minibatch=minibatch,
         HAS_LIMIT=swiglu_limit is not None,
     )
 
@@ -250,6 +280,7 @@ def down(
     *,
     num_programs: int | None = None,
     tiles: TileConfig | None = None,
+    minibatch: int | None = None,
 ) -> None:
     """y = act · w_downᵀ on every expert region (one persistent launch)."""
     experts, d, i = w_down.shape
@@ -263,6 +294,7 @@ def down(
         head=(_descriptor(act, [cfg.block_m, cfg.block_k]),
               _descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]), y, y.stride(0)),
         tail=(d, i),
+        minibatch=minibatch,
     )
 
 

@@ -3,8 +3,9 @@
 Index arrays (all on the device, built from the pull schedule without a host sync):
 
     rows of local expert l:  [offsets[l], offsets[l] + counts[l])  of x_rows / h / act / y
-    tile_expert[t], tile_row0[t]   expert and first row of row-tile t (BLOCK_M rows),
-                                   for t < num_tiles[0]; tiles never straddle experts
+    tile_expert[t], tile_row0[t],  expert, first row and end row of row-tile t (at most
+    tile_row_end[t]                BLOCK_M rows), for t < num_tiles[0]; tiles never straddle
+                                   experts (nor minibatches, see megamoe.experts.build_row_tiles)
     task = tile * num_n_tiles + n  (expert -> m-tile -> n-tile order: the A tile is
                                    reused from L2 across n, the weights across m)
 
@@ -108,7 +109,7 @@ def down_tile(
 
 
 @triton.jit
-def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M: tl.constexpr):
+def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M: tl.constexpr):
     """Task -> (expert, row0, row_end, n-tile) in grouped order.
 
     Tasks walk groups of GROUP_M consecutive row tiles; inside a group the
@@ -125,14 +126,14 @@ def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_p
     n = within // rows_in_group
     expert = tl.load(tile_expert_ptr + tile)
     row0 = tl.load(tile_row0_ptr + tile)
-    row_end = tl.load(offsets_ptr + expert) + tl.load(counts_ptr + expert)
+    row_end = tl.load(tile_row_end_ptr + tile)
     return expert, row0, row_end, n
 
 
 @triton.jit
 def gate_up_kernel(
     x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
-    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
     I, K, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -145,7 +146,7 @@ def gate_up_kernel(
     # FLATTEN lets the pipeliner fetch the next task's first K tiles during this task's epilogue.
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         gate_up_swiglu_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
             HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -155,7 +156,7 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     act_desc, w_desc, y_ptr, stride_y,
-    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -167,6 +168,6 @@ def down_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         down_tile(act_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
                   DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)

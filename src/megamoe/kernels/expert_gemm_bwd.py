@@ -44,7 +44,7 @@ def rows_times_kn(a_desc, w_desc, row0, w_row0, n0, K, DOT_FP32: tl.constexpr,
 def dact_swiglu_bwd_kernel(
     dy_desc, w_down_desc, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_h, stride_d_h, stride_act_w, stride_partial,
-    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
     D, I, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -55,7 +55,7 @@ def dact_swiglu_bwd_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         n0 = n * BLOCK_N
         g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n0, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
         # The epilogue runs on column quarters: one [BM, BN] pass kept ~10 [BM, BN] fp32/pointer
@@ -127,7 +127,7 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
 @triton.jit
 def dx_kernel(
     d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x,
-    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
     D, I,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -138,7 +138,7 @@ def dx_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         n0 = n * BLOCK_N
         acc = rows_times_kn(d_h_desc, w_gate_up_desc, row0, expert * 2 * I, n0, 2 * I, DOT_FP32,
                             BLOCK_M, BLOCK_N, BLOCK_K)

@@ -200,7 +200,7 @@ def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as
 def gate_up_mxfp8_kernel(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
     stride_xs, stride_ws, stride_h, stride_act, stride_as,
-    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
     I, W_ROWS, K, limit,
     HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
@@ -214,7 +214,7 @@ def gate_up_mxfp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         n0 = n * BLOCK_N
         row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
         w_gate_row = expert * 2 * I + n0
@@ -238,7 +238,7 @@ def gate_up_mxfp8_kernel(
 def down_mxfp8_kernel(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
     stride_as, stride_ws, stride_y,
-    tile_expert_ptr, tile_row0_ptr, num_tiles_ptr, offsets_ptr, counts_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
     D, W_ROWS, K,
     RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -250,7 +250,7 @@ def down_mxfp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, offsets_ptr, counts_ptr, GROUP_M)
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         n0 = n * BLOCK_N
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
@@ -267,8 +267,8 @@ def down_mxfp8_kernel(
 
 # ------------------------------------------------------------ sm_90 build check (no GPU needed)
 
-_COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "num_tiles_ptr": "*i32", "offsets_ptr": "*i32",
-           "counts_ptr": "*i32", "RESCALE": "constexpr", "INT_EXP": "constexpr", "DOT_FP32": "constexpr",
+_COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "num_tiles_ptr": "*i32",
+           "RESCALE": "constexpr", "INT_EXP": "constexpr", "DOT_FP32": "constexpr",
            "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
            "GROUP_M": "constexpr", "FLATTEN": "constexpr"}
 

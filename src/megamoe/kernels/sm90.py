@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-_COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "num_tiles_ptr": "*i32", "offsets_ptr": "*i32",
-           "counts_ptr": "*i32", "DOT_FP32": "constexpr", "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr",
+_COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "num_tiles_ptr": "*i32",
+           "DOT_FP32": "constexpr", "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "FLATTEN": "constexpr"}
 
 
