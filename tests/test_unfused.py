@@ -111,3 +111,20 @@ def _check_bad_calls(errors):
     assert all(errors), errors
     assert "multiple of 64" in errors[0] and "rows but x has" in errors[1] and "w_gate_up" in errors[2]
     assert "bfloat16" in errors[3] and "top_experts holds ids" in errors[4]
+
+
+def _odd_shapes(world):
+    """k = E, a prime E, D not a multiple of 256, fewer tokens than a tile: unfused and nccl-torch."""
+    from megamoe.baselines.nccl_torch import nccl_torch_moe
+
+    cfg = MoEConfig(hidden=192, intermediate=64, num_experts=7, top_k=7, shared=())
+    p = make_problem(cfg, world.rank, world.size, 5, dtype=torch.bfloat16, seed=21)
+    want, _ = ep_reference_forward_backward(world, p, with_grads=False)
+    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
+    return [compare({"out": fn(world, *args).detach()}, {"out": want}, "bf16")
+            for fn in (unfused_moe_forward, nccl_torch_moe)]
+
+
+def test_odd_shapes_k_equals_prime_e():
+    for check in launch(_odd_shapes, 1)[0]:
+        assert check["correct"] and check["rel_err"] < 1e-2, check
