@@ -186,14 +186,16 @@ def launch_row_tasks(kernel, cfg: TileConfig, programs: int, counts: torch.Tenso
     """Launch a persistent row-tile kernel: ``kernel(*head, <tile map>, offsets, counts, *tail, ...)``.
 
     Every row-tile kernel takes the device-built tile map (see :func:`build_row_tiles`) between its
-    tensor arguments (``head``) and its sizes (``tail``), and the same tile constexprs.
+    tensor arguments (``head``) and its sizes (``tail``), and the tile constexprs it declares
+    (FP8-block kernels fix BLOCK_K at 128 and do not take it).
     """
     row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m, minibatch=minibatch)
+    tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     kernel[(programs,)](
         *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.tile_row_end, row_tiles.num_tiles, *tail,
-        DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **constexprs,
+        **{name: value for name, value in tile.items() if name in kernel.arg_names},
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.experts import TileConfig, _num_programs, build_row_tiles, interpreting
+from megamoe.experts import TileConfig, _num_programs, interpreting, launch_row_tasks
 from megamoe.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8
 from megamoe.kernels.quant import soft_e4m3_default
@@ -150,20 +150,17 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
     _check_tiles("gate_up", c)
     if rows == 0 or experts == 0:
         return
-    programs = _num_programs(x_q.device, num_programs)
-    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    rt = build_row_tiles(counts, offsets, rows, c.block_m)
     h = out.h if store_h else out.act_scale  # any pointer: never touched without STORE_H
-    expert_gemm_fp8.gate_up_fp8_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x_q, [c.block_m, FP8_BLOCK]),
-        TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, FP8_BLOCK]),
-        x_scale, w_gate_up_scale, h, out.act_q.view(torch.uint8), out.act_scale,
-        x_scale.stride(0), w_gate_up_scale.stride(1), h.stride(0), out.act_q.stride(0), out.act_scale.stride(0),
-        rt.tile_expert, rt.tile_row0, rt.tile_row_end, rt.num_tiles,
-        i, d, float(swiglu_limit or 0.0),
-        HAS_LIMIT=swiglu_limit is not None, STORE_H=store_h, DOT_FP32=interpreting(), SOFT_E4M3=soft_e4m3_default(),
-        NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUP_M=c.group_m, FLATTEN=c.flatten,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+    launch_row_tasks(
+        expert_gemm_fp8.gate_up_fp8_kernel, c, _num_programs(x_q.device, num_programs),
+        counts.to(torch.int32), offsets.to(torch.int32), rows,
+        head=(TensorDescriptor.from_tensor(x_q, [c.block_m, FP8_BLOCK]),
+              TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, FP8_BLOCK]),
+              x_scale, w_gate_up_scale, h, out.act_q.view(torch.uint8), out.act_scale,
+              x_scale.stride(0), w_gate_up_scale.stride(1), h.stride(0), out.act_q.stride(0),
+              out.act_scale.stride(0)),
+        tail=(i, d, float(swiglu_limit or 0.0)),
+        HAS_LIMIT=swiglu_limit is not None, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
     )
 
 
@@ -176,19 +173,13 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
     _check_tiles("down", c)
     if rows == 0 or experts == 0:
         return
-    programs = _num_programs(act_q.device, num_programs)
-    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    rt = build_row_tiles(counts, offsets, rows, c.block_m)
-    expert_gemm_fp8.down_fp8_kernel[(programs,)](
-        TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
-        TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
-        act_scale, w_down_scale, y,
-        act_scale.stride(0), w_down_scale.stride(1), y.stride(0),
-        rt.tile_expert, rt.tile_row0, rt.tile_row_end, rt.num_tiles,
-        d, i,
-        DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUP_M=c.group_m, FLATTEN=c.flatten,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+    launch_row_tasks(
+        expert_gemm_fp8.down_fp8_kernel, c, _num_programs(act_q.device, num_programs),
+        counts.to(torch.int32), offsets.to(torch.int32), rows,
+        head=(TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
+              TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
+              act_scale, w_down_scale, y, act_scale.stride(0), w_down_scale.stride(1), y.stride(0)),
+        tail=(d, i),
     )
 
 
