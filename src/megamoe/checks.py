@@ -90,6 +90,17 @@ def check_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]], d: int) ->
             raise ValueError(f"shared[{s}] w_down must have shape ({d}, {size}), got {_describe(down)}")
 
 
+def check_tensors(specs, device: torch.device) -> None:
+    """Each ``(name, tensor, shape, dtype)`` has that shape and dtype, lives on ``device`` and is contiguous."""
+    for name, t, shape, dtype in specs:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} {tuple(shape)}, got {_describe(t)}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
 def _describe(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"shape {tuple(t.shape)} {t.dtype}"

@@ -18,6 +18,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megamoe import checks
 from megamoe.kernels import expert_gemm, expert_gemm_bwd
 from megamoe.reference import expert_ffn, swiglu
 
@@ -360,11 +361,9 @@ def expert_backward(
     experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
     device = x_rows.device
-    for name, t, shape, dtype in (("dy_rows", dy_rows, (rows, d), torch.bfloat16),
-                                  ("row_weights", row_weights, (rows,), torch.float32),
-                                  ("h", h, (rows, 2 * i), torch.bfloat16)):
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+    checks.check_tensors((("dy_rows", dy_rows, (rows, d), torch.bfloat16),
+                          ("row_weights", row_weights, (rows,), torch.float32),
+                          ("h", h, (rows, 2 * i), torch.bfloat16)), device)
     tiles = tiles or {}
     cfg = {kind: tiles.get(kind) or plan_tiles(kind, device) for kind in ("dact", "dx", "wgrad")}
     grads = ExpertGrads(

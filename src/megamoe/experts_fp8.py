@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megamoe import checks
 from megamoe.experts import TileConfig, _num_programs, interpreting, launch_row_tasks
 from megamoe.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8
@@ -75,19 +76,13 @@ def _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q
     if tuple(counts.shape) != (experts,) or tuple(offsets.shape) != (experts,):
         raise ValueError(f"counts and offsets must be [{experts}], got {tuple(counts.shape)}, {tuple(offsets.shape)}")
     b = FP8_BLOCK
-    for name, t, shape, dtype in (
+    checks.check_tensors((
         ("x_q", x_q, (rows, d), FP8), ("x_scale", x_scale, (rows, d // b), torch.float32),
         ("w_gate_up_q", w_gate_up_q, (experts, 2 * i, d), FP8),
         ("w_gate_up_scale", w_gate_up_scale, (experts, 2 * i // b, d // b), torch.float32),
         ("w_down_q", w_down_q, (experts, d, i), FP8),
         ("w_down_scale", w_down_scale, (experts, d // b, i // b), torch.float32),
-    ):
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
-        if t.device != x_q.device:
-            raise ValueError(f"{name} is on {t.device}, x_q on {x_q.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    ), x_q.device)
     return experts, i, d
 
 
