@@ -21,7 +21,7 @@ import triton
 
 from megamoe.experts import TileConfig, expert_forward
 from megamoe.experts_fp8 import (
-    ExpertForwardFP8,
+    ExpertForwardQuantized,
     down_fp8,
     expert_forward_fp8_block,
     expert_forward_fp8_block_reference,
@@ -75,7 +75,7 @@ def main() -> None:
         records.append({"load": load, "impl": "bf16 expert_forward", "ms": ms_bf16, "tflops": flops / ms_bf16 / 1e9})
 
         # correctness, default tiles, poisoned outputs
-        out = ExpertForwardFP8(
+        out = ExpertForwardQuantized(
             h=torch.full((ROUTES, 2 * I), float("nan"), dtype=torch.bfloat16, device=device),
             act_q=torch.full((ROUTES, I), 0xFF, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
             act_scale=torch.full((ROUTES, I // 128), float("nan"), device=device),

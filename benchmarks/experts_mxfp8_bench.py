@@ -20,7 +20,7 @@ import triton
 
 from megamoe.experts import expert_forward
 from megamoe.experts_mxfp8 import (
-    ExpertForwardMXFP8,
+    ExpertForwardQuantized,
     down_mxfp8,
     expert_forward_mxfp8,
     expert_forward_mxfp8_reference,
@@ -54,7 +54,7 @@ def bench(fn, rep=100):
 
 
 def poisoned(device):
-    return ExpertForwardMXFP8(
+    return ExpertForwardQuantized(
         h=torch.full((ROUTES, 2 * I), float("nan"), dtype=torch.bfloat16, device=device),
         act_q=torch.full((ROUTES, I), 0xFF, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
         act_scale=torch.full((ROUTES, I // 32), 0xFE, dtype=torch.uint8, device=device),

@@ -10,7 +10,7 @@ import torch
 
 from megamoe.experts import TileConfig
 from megamoe.experts_fp8 import (
-    ExpertForwardFP8,
+    ExpertForwardQuantized,
     expert_forward_fp8_block,
     expert_forward_fp8_block_reference,
 )
@@ -48,7 +48,7 @@ def _problem(counts, gap, d=256, i=256, seed=0):
 
 def _poisoned(rows, d, i):
     nan = dict(dtype=torch.bfloat16, device=DEVICE)
-    return ExpertForwardFP8(
+    return ExpertForwardQuantized(
         h=torch.full((rows, 2 * i), float("nan"), **nan),
         act_q=torch.full((rows, i), 0xFF, dtype=torch.uint8, device=DEVICE).view(FP8),
         act_scale=torch.full((rows, i // 128), float("nan"), dtype=torch.float32, device=DEVICE),

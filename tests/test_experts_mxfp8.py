@@ -10,7 +10,7 @@ import torch
 
 from megamoe.experts import TileConfig
 from megamoe.experts_mxfp8 import (
-    ExpertForwardMXFP8,
+    ExpertForwardQuantized,
     expert_forward_mxfp8,
     expert_forward_mxfp8_reference,
 )
@@ -50,7 +50,7 @@ def _problem(counts, gap, d=128, i=96, seed=0):
 
 def _poisoned(rows, d, i):
     nan = dict(dtype=torch.bfloat16, device=DEVICE)
-    return ExpertForwardMXFP8(
+    return ExpertForwardQuantized(
         h=torch.full((rows, 2 * i), float("nan"), **nan),
         act_q=torch.full((rows, i), 0xFF, dtype=torch.uint8, device=DEVICE).view(FP8),
         act_scale=torch.full((rows, i // 32), 0xFE, dtype=torch.uint8, device=DEVICE),

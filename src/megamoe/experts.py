@@ -146,6 +146,19 @@ class ExpertForward:
     y: torch.Tensor
 
 
+@dataclass
+class ExpertForwardQuantized:
+    """Outputs of a forward on FP8 operands (FP8-block or MXFP8): `h [R, 2I]` bf16 (None when not
+    stored), `act_q [R, I]` E4M3 with `act_scale` (the down GEMM's input, quantised along I: fp32
+    `[R, I/128]` for FP8-block, E8M0 uint8 `[R, I/32]` for MXFP8), `y [R, D]` bf16. Only rows inside
+    expert regions are written."""
+
+    h: torch.Tensor | None
+    act_q: torch.Tensor
+    act_scale: torch.Tensor
+    y: torch.Tensor
+
+
 def _check(x_rows, counts, offsets, w_gate_up, w_down) -> tuple[int, int, int]:
     if x_rows.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError("x_rows must be [R, D], w_gate_up [L, 2I, D] and w_down [L, D, I]")

@@ -11,30 +11,17 @@ Row tiles, grid size and the interpreter switch come from `megamoe.experts`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
-from megamoe.experts import TileConfig, _num_programs, interpreting, launch_row_tasks
+from megamoe.experts import ExpertForwardQuantized, TileConfig, _num_programs, interpreting, launch_row_tasks
 from megamoe.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8
 from megamoe.kernels.quant import soft_e4m3_default
 
 FP8 = torch.float8_e4m3fn
-
-
-@dataclass
-class ExpertForwardFP8:
-    """Outputs of the FP8-block forward: `h [R, 2I]` bf16 (None when not stored), `act_q [R, I]` E4M3 with
-    `act_scale [R, I/128]` fp32 (the down GEMM's input, 1x128 blocks along I), `y [R, D]` bf16.
-    Only rows inside expert regions are written."""
-
-    h: torch.Tensor | None
-    act_q: torch.Tensor
-    act_scale: torch.Tensor
-    y: torch.Tensor
 
 
 def plan_tiles_fp8(kind: str, device: torch.device) -> TileConfig:
@@ -100,8 +87,8 @@ def expert_forward_fp8_block(
     num_programs: int | None = None,
     tiles: dict[str, TileConfig] | None = None,
     store_h: bool = True,
-    out: ExpertForwardFP8 | None = None,
-) -> ExpertForwardFP8:
+    out: ExpertForwardQuantized | None = None,
+) -> ExpertForwardQuantized:
     """FP8-block gate/up + SwiGLU (+ act quantisation) and down for every expert region.
 
     Args:
@@ -119,7 +106,7 @@ def expert_forward_fp8_block(
     rows = x_q.shape[0]
     device = x_q.device
     if out is None:
-        out = ExpertForwardFP8(
+        out = ExpertForwardQuantized(
             h=torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device) if store_h else None,
             act_q=torch.empty(rows, i, dtype=FP8, device=device),
             act_scale=torch.empty(rows, i // FP8_BLOCK, dtype=torch.float32, device=device),
@@ -135,7 +122,7 @@ def expert_forward_fp8_block(
     return out
 
 
-def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardFP8, *,
+def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
                 swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None, store_h: bool = True) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch."""
     experts, two_i, d = w_gate_up_q.shape
@@ -190,7 +177,7 @@ def expert_forward_fp8_block_reference(
     *,
     swiglu_limit: float | None = None,
     experts: list[int] | None = None,
-) -> ExpertForwardFP8:
+) -> ExpertForwardQuantized:
     """The torch twin: fp32 compute on the dequantised inputs (in the kernels' per-128-K-block promotion
     order, see `_promoted_matmul`; it equals `formats.fp8_block_dequantize` of both operands followed
     by an fp32 matmul up to fp32 rounding), act quantised by `formats.fp8_block_quantize`.
@@ -203,7 +190,7 @@ def expert_forward_fp8_block_reference(
     rows = x_q.shape[0]
     dev = x_q.device
     nan = dict(dtype=torch.float32, device=dev)
-    out = ExpertForwardFP8(
+    out = ExpertForwardQuantized(
         h=torch.full((rows, 2 * i), float("nan"), **nan),
         act_q=torch.full((rows, i), 0x7F, dtype=torch.uint8, device=dev).view(FP8),
         act_scale=torch.full((rows, i // FP8_BLOCK), float("nan"), **nan),

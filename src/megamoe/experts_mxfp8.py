@@ -15,31 +15,18 @@ Row tiles, grid size and the interpreter switch come from `megamoe.experts`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
-from megamoe.experts import TileConfig, _num_programs, interpreting, launch_row_tasks
+from megamoe.experts import ExpertForwardQuantized, TileConfig, _num_programs, interpreting, launch_row_tasks
 from megamoe.formats import MX_BLOCK, mxfp8_dequantize, mxfp8_quantize
 from megamoe.kernels import expert_gemm_mxfp8
 from megamoe.kernels.quant import soft_e4m3_default
 
 FP8 = torch.float8_e4m3fn
 VARIANTS = ("dequant", "rescale")
-
-
-@dataclass
-class ExpertForwardMXFP8:
-    """Outputs: `h [R, 2I]` bf16 (None when not stored), `act_q [R, I]` E4M3 with `act_scale [R, I/32]` uint8
-    E8M0 (the down GEMM's input, 32-blocks along I), `y [R, D]` bf16. Only rows inside expert regions
-    are written."""
-
-    h: torch.Tensor | None
-    act_q: torch.Tensor
-    act_scale: torch.Tensor
-    y: torch.Tensor
 
 
 def plan_tiles_mxfp8(kind: str, variant: str, device: torch.device, *, compiled: bool = False) -> TileConfig:
@@ -130,8 +117,8 @@ def expert_forward_mxfp8(
     num_programs: int | None = None,
     tiles: dict[str, TileConfig] | None = None,
     store_h: bool = True,
-    out: ExpertForwardMXFP8 | None = None,
-) -> ExpertForwardMXFP8:
+    out: ExpertForwardQuantized | None = None,
+) -> ExpertForwardQuantized:
     """MXFP8 gate/up + SwiGLU (+ act quantisation along I) and down for every expert region.
 
     Args:
@@ -153,7 +140,7 @@ def expert_forward_mxfp8(
     rows = x_q.shape[0]
     device = x_q.device
     if out is None:
-        out = ExpertForwardMXFP8(
+        out = ExpertForwardQuantized(
             h=torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device) if store_h else None,
             act_q=torch.empty(rows, i, dtype=FP8, device=device),
             act_scale=torch.empty(rows, i // MX_BLOCK, dtype=torch.uint8, device=device),
@@ -169,7 +156,7 @@ def expert_forward_mxfp8(
     return out
 
 
-def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardMXFP8, *,
+def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
                   variant: str = "dequant", swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None,
                   store_h: bool = True, int_exp: bool = False) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch.
@@ -228,7 +215,7 @@ def expert_forward_mxfp8_reference(
     *,
     swiglu_limit: float | None = None,
     experts: list[int] | None = None,
-) -> ExpertForwardMXFP8:
+) -> ExpertForwardQuantized:
     """The torch twin: operands dequantised by `formats.mxfp8_dequantize` (exact, fp32), fp32 matmuls,
     SwiGLU in the kernels' form, act quantised along I by `formats.mxfp8_quantize`.
 
@@ -240,7 +227,7 @@ def expert_forward_mxfp8_reference(
     rows = x_q.shape[0]
     dev = x_q.device
     nan = dict(dtype=torch.float32, device=dev)
-    out = ExpertForwardMXFP8(
+    out = ExpertForwardQuantized(
         h=torch.full((rows, 2 * i), float("nan"), **nan),
         act_q=torch.full((rows, i), 0x7F, dtype=torch.uint8, device=dev).view(FP8),
         act_scale=torch.full((rows, i // MX_BLOCK), 255, dtype=torch.uint8, device=dev),
