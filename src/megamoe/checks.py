@@ -101,6 +101,30 @@ def check_tensors(specs, device: torch.device) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
+def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared) -> tuple[int, int, int, int, int]:
+    """The arguments of a BF16 layer forward over ``world``; returns (N, D, k, L, I).
+
+    Reads the expert ids on the host (one sync).
+    """
+    n, d = check_tokens(x)
+    k = check_routing(top_experts, router_weights, n)
+    experts_local, inter = check_expert_weights(w_gate_up, w_down, d)
+    check_shared(shared, d)
+    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 (the expert kernels are BF16-only), got {t.dtype}")
+    for name, t in (("x", x), ("top_experts", top_experts), ("router_weights", router_weights),
+                    ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t.device != world.device:
+            raise ValueError(f"{name} is on {t.device}, the world on {world.device}")
+    if experts_local < 1:
+        raise ValueError("w_gate_up must hold at least one local expert")
+    if inter % 8:
+        raise ValueError(f"the intermediate size I must be a multiple of 8, got {inter}")
+    check_expert_ids(top_experts, experts_local * world.size)
+    return n, d, k, experts_local, inter
+
+
 def _describe(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"shape {tuple(t.shape)} {t.dtype}"

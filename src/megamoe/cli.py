@@ -24,9 +24,9 @@ def bench(
     ep: int = typer.Option(None, help="Expert-parallel ranks (default: every GPU, or 4 simulated CPU ranks)."),
     device: str = typer.Option(None, help="cuda or cpu (default: cuda when a GPU is visible)."),
     precision: str = typer.Option("bf16", help="bf16 (fp32 for CPU checks)."),
-    impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, unfused "
-                                        "(forward only, BF16). Default: nccl-torch,unfused on GPU, "
-                                        "reference,nccl-torch,unfused on CPU."),
+    impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, unfused, "
+                                        "megamoe (the last two forward only, BF16). Default: "
+                                        "nccl-torch,unfused,megamoe on GPU, all four on CPU."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
     iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 2 on CPU)."),
     warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 0 on CPU: nothing to "
@@ -53,7 +53,7 @@ def bench(
             ep=ep or (torch.cuda.device_count() if gpu else 4),
             device=device,
             precision=precision,
-            impls=_csv(impl or ("nccl-torch,unfused" if gpu else "reference,nccl-torch,unfused")),
+            impls=_csv(impl or ("nccl-torch,unfused,megamoe" if gpu else "reference,nccl-torch,unfused,megamoe")),
             passes=_csv(passes),
             iters=iters if iters is not None else (20 if gpu else 2),
             warmup=warmup if warmup is not None else (3 if gpu else 0),

@@ -78,26 +78,10 @@ def unfused_moe_forward(
     Returns `[N, D]` in x's dtype (bf16). Raises ValueError on bad inputs.
     Syncs the host (the group's largest N, the id check, the launches' barriers).
     """
-    n, d = checks.check_tokens(x)
-    k = checks.check_routing(top_experts, router_weights, n)
-    experts_local, inter = checks.check_expert_weights(w_gate_up, w_down, d)
-    checks.check_shared(shared, d)
-    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 (the expert kernels are BF16-only), got {t.dtype}")
-    for name, t in (("top_experts", top_experts), ("router_weights", router_weights),
-                    ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.device != world.device:
-            raise ValueError(f"{name} is on {t.device}, the world on {world.device}")
-    if x.device != world.device:
-        raise ValueError(f"x is on {x.device}, the world on {world.device}")
-    if experts_local < 1:
-        raise ValueError("w_gate_up must hold at least one local expert")
-    if inter % 8:
-        raise ValueError(f"the intermediate size I must be a multiple of 8, got {inter}")
+    n, d, k, experts_local, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
+                                                            shared)
     if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1):
         raise ValueError(f"num_sms must be None or a positive int, got {num_sms!r}")
-    checks.check_expert_ids(top_experts, experts_local * world.size)
 
     x, router_weights = x.detach(), router_weights.detach()
     w_gate_up, w_down = w_gate_up.detach(), w_down.detach()

@@ -19,6 +19,7 @@ from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.bench.problem import RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
 from megamoe.ep_reference import ep_reference_forward_backward
+from megamoe.megakernel import megamoe_forward
 from megamoe.unfused import unfused_moe_forward
 from megamoe.world import EPWorld
 
@@ -134,6 +135,7 @@ RUNNERS = {
     "reference": _ReferenceRunner,
     "nccl-torch": lambda world, p: _AutogradRunner(world, p, nccl_torch_moe),
     "unfused": lambda world, p: _ForwardOnlyRunner(world, p, unfused_moe_forward),
+    "megamoe": lambda world, p: _ForwardOnlyRunner(world, p, megamoe_forward),
 }
 
 

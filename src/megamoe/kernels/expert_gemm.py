@@ -109,6 +109,17 @@ def down_tile(
 
 
 @triton.jit
+def grouped_task(task, num_n, num_tiles, GROUP_M: tl.constexpr):
+    """Task -> (row tile, n-tile): groups of GROUP_M consecutive row tiles, n-tile outer inside a group."""
+    group_size = GROUP_M * num_n
+    group = task // group_size
+    first = group * GROUP_M
+    rows_in_group = tl.minimum(num_tiles - first, GROUP_M)
+    within = task - group * group_size
+    return first + within % rows_in_group, within // rows_in_group
+
+
+@triton.jit
 def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M: tl.constexpr):
     """Task -> (expert, row0, row_end, n-tile) in grouped order.
 
@@ -117,13 +128,7 @@ def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_
     weight slice (read from HBM once per group, not once per row tile) and
     the group's rows stay in L2 across its n-tiles.
     """
-    group_size = GROUP_M * num_n
-    group = task // group_size
-    first = group * GROUP_M
-    rows_in_group = tl.minimum(num_tiles - first, GROUP_M)
-    within = task - group * group_size
-    tile = first + within % rows_in_group
-    n = within // rows_in_group
+    tile, n = grouped_task(task, num_n, num_tiles, GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     row0 = tl.load(tile_row0_ptr + tile)
     row_end = tl.load(tile_row_end_ptr + tile)

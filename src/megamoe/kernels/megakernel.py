@@ -1,0 +1,398 @@
+"""The forward megakernel: one persistent launch moves, computes and returns every routed row.
+
+DESIGN.md §4, docs/megakernel.md. Grid = one program per SM, co-resident
+(the launcher refuses a grid the GPU cannot hold at once, since programs
+wait for each other). Programs ``0 .. comm_sms-1`` are communication
+workers, the others compute workers; they meet only through GPU-local int32
+counters (zeroed before each pass):
+
+    rows_ready[j]     comm workers that pulled their share of minibatch j   (target comm_sms)
+    tile_done[t]      gate/up n-tiles finished of row tile t                (target cdiv(I, BN_GU))
+    y_done[j]         down tasks finished of minibatch j                     (target tiles(j) * cdiv(D, BN_DN))
+    shared_done[t]    gate/up n-tiles finished of shared row tile t
+    comm_done         comm workers finished (the last one opens the end-of-pass barrier across ranks)
+
+Minibatch j holds routed rows ``[j*mb, min((j+1)*mb, num_rows))`` and lives in
+ring slot ``j mod slots`` (ring rows ``slot*mb ..``): row t sits at ring row
+``t + (slot - j) * mb``. Minibatches are visited in reverse (``M-1 .. 0``), so
+the ring left after the pass holds the first ``slots`` minibatches.
+
+Communication worker c, for each visited minibatch j: if the slot was used
+(by j + slots), push that minibatch's outputs home first (wait y_done); then
+pull its share of j's rows into the slot and release rows_ready[j]. After the
+last pull it pushes the minibatches still in the ring, in visit order.
+
+Compute worker: the shared expert's gate/up and down tiles over this rank's
+tokens (no wait on communication), then per visited minibatch: wait
+rows_ready[j], gate/up + SwiGLU tasks (release tile_done), down tasks (each
+waits for its row tile's gate/up) into the ring's y rows (release y_done).
+Tasks are dealt from one global list in that order, round robin over the
+compute workers; every wait targets an earlier task of the list, so the
+waits cannot cycle.
+
+Waits poll with acquire atomics within a per-program budget of polls; on
+timeout the first failing wait writes ``[wait id, index, target, seen]`` to
+the error word, the program's budget drops to 0 (later waits fail at once,
+so the grid drains) and the host raises after the pass.
+
+PHASE > 0 runs one step of one role for all its workers (grid = those
+workers), with waits compiled out: the interpreter runs programs one after
+another, so the launcher sequences the steps (CPU mode). Each tile is
+computed by the same code either way, so results are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, pull_tile, push_tile, signal_and_wait
+from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
+
+#: Wait ids of the error word (megamoe.megakernel names them).
+WAIT_ROWS_READY = 1
+WAIT_TILE_DONE = 2
+WAIT_Y_DONE = 3
+WAIT_SHARED_DONE = 4
+WAIT_PASS_END = 5
+WAIT_PASS_START = 6
+
+#: PHASE values: 0 the whole pass; the others one step (CPU mode).
+PHASE_ALL = 0
+PHASE_SHARED_GATE_UP = 1
+PHASE_SHARED_DOWN = 2
+PHASE_PULL = 3
+PHASE_GATE_UP = 4
+PHASE_DOWN = 5
+PHASE_PUSH = 6
+
+
+@triton.jit
+def fence_async_proxy(FENCE: tl.constexpr):
+    """Order generic-proxy writes seen through an acquire before this thread's TMA (async-proxy) reads."""
+    if FENCE:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_counter(ptr, target, budget, error_ptr, index, WAIT_ID: tl.constexpr, WAIT: tl.constexpr):
+    """Spin (acquire, GPU scope) until ``*ptr >= target``; returns the program's remaining poll budget.
+
+    A timeout records ``[WAIT_ID, index, target, seen]`` (first failure only) and returns 0.
+    """
+    if WAIT:
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        polls = 0
+        while (seen < target) & (polls < budget):
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+        if seen < target:
+            if tl.atomic_cas(error_ptr, 0, WAIT_ID) == 0:
+                tl.store(error_ptr + 1, index)
+                tl.store(error_ptr + 2, target)
+                tl.store(error_ptr + 3, seen)
+            budget = 0
+        else:
+            budget = budget - polls
+    return budget
+
+
+@triton.jit
+def release_add(ptr):
+    """Publish this program's earlier stores: every thread's stores, then one release increment."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def ring_shift(j, minibatch, slots):
+    """Ring row minus routed row for minibatch j (it lives in slot j mod slots)."""
+    return ((j % slots) - j).to(tl.int64) * minibatch
+
+
+@triton.jit
+def comm_pull(
+    j, c, comm_sms, num_rows, minibatch, slots,
+    x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, rows_ready_ptr,
+    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Worker c's share of minibatch j's rows into its ring slot, then rows_ready[j] += 1."""
+    first_row = j.to(tl.int64) * minibatch
+    end_row = tl.minimum(first_row + minibatch, num_rows)
+    dst = ring_ptr + ring_shift(j, minibatch, slots) * stride_ring
+    for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
+        pull_tile(v0, end_row, x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, dst, stride_ring,
+                  x_peer_ptrs, x_ptr, dst, 0,
+                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, False, 0, False)
+    release_add(rows_ready_ptr + j)
+
+
+@triton.jit
+def comm_push(
+    j, c, comm_sms, num_rows, minibatch, slots, budget,
+    y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+    y_done_ptr, minibatch_tiles_ptr, error_ptr, num_n_down,
+    CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, WAIT: tl.constexpr,
+):
+    """Once minibatch j's down tasks are done, worker c's share of its rows to their home combine slots."""
+    tiles = tl.load(minibatch_tiles_ptr + j + 1) - tl.load(minibatch_tiles_ptr + j)
+    budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, WAIT_Y_DONE, WAIT)
+    first_row = j.to(tl.int64) * minibatch
+    end_row = tl.minimum(first_row + minibatch, num_rows)
+    src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
+    for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
+        push_tile(v0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
+                  combine_ptr, stride_combine, 1, True, CHUNKS, BLOCK_D, VROWS, ALIGN)
+    return budget
+
+
+@triton.jit
+def first_task(c, workers, dealt):
+    """The first task of a list that worker c takes when ``dealt`` tasks were dealt before it (round robin)."""
+    return (c + workers - dealt % workers) % workers
+
+
+@triton.jit
+def compute_gate_up(
+    j, c, workers, dealt, minibatch, slots, budget,
+    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
+    error_ptr, comm_sms, I, D, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Worker c's gate/up + SwiGLU tasks of minibatch j; returns (tasks dealt so far, budget)."""
+    t0 = tl.load(minibatch_tiles_ptr + j)
+    tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
+    num_n = tl.cdiv(I, BN_GU)
+    tasks = tiles * num_n
+    shift = ring_shift(j, minibatch, slots).to(tl.int32)
+    first = first_task(c, workers, dealt)
+    if first < tasks:
+        budget = wait_counter(rows_ready_ptr + j, comm_sms, budget, error_ptr, j, WAIT_ROWS_READY, WAIT)
+        fence_async_proxy(FENCE)
+    for task in range(first, tasks, workers):
+        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
+        tile += t0
+        expert = tl.load(tile_expert_ptr + tile)
+        row0 = tl.load(tile_row0_ptr + tile) + shift
+        row_end = tl.load(tile_row_end_ptr + tile) + shift
+        gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert,
+                            n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
+        release_add(tile_done_ptr + tile)
+    return dealt + tasks, budget
+
+
+@triton.jit
+def compute_down(
+    j, c, workers, dealt, minibatch, slots, budget,
+    act_desc, w_down_desc, y_ptr, stride_y,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
+    error_ptr, I, D,
+    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget)."""
+    t0 = tl.load(minibatch_tiles_ptr + j)
+    tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
+    num_n = tl.cdiv(D, BN_DN)
+    tasks = tiles * num_n
+    shift = ring_shift(j, minibatch, slots).to(tl.int32)
+    for task in range(first_task(c, workers, dealt), tasks, workers):
+        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
+        tile += t0
+        budget = wait_counter(tile_done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, WAIT_TILE_DONE, WAIT)
+        fence_async_proxy(FENCE)
+        expert = tl.load(tile_expert_ptr + tile)
+        row0 = tl.load(tile_row0_ptr + tile) + shift
+        row_end = tl.load(tile_row_end_ptr + tile) + shift
+        down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
+                  DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+        release_add(y_done_ptr + j)
+    return dealt + tasks, budget
+
+
+@triton.jit
+def shared_gate_up(
+    c, workers, tokens, x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, done_ptr, I, D, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Worker c's gate/up tasks of the shared expert over this rank's tokens; returns tasks dealt."""
+    num_n = tl.cdiv(I, BN_GU)
+    tiles = tl.cdiv(tokens, BLOCK_M)
+    for task in range(c, tiles * num_n, workers):
+        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
+        row0 = tile * BLOCK_M
+        gate_up_swiglu_tile(x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, tokens, 0, n * BN_GU, I, D,
+                            limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
+        release_add(done_ptr + tile)
+    return tiles * num_n
+
+
+@triton.jit
+def shared_down(
+    c, workers, dealt, budget, tokens, act_desc, w_desc, y_ptr, stride_y, done_ptr, error_ptr, I, D,
+    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Worker c's down tasks of the shared expert; returns (dealt, budget)."""
+    num_n = tl.cdiv(D, BN_DN)
+    tiles = tl.cdiv(tokens, BLOCK_M)
+    for task in range(first_task(c, workers, dealt), tiles * num_n, workers):
+        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
+        budget = wait_counter(done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, WAIT_SHARED_DONE, WAIT)
+        fence_async_proxy(FENCE)
+        down_tile(act_desc, w_desc, y_ptr, stride_y, tile * BLOCK_M, tokens, 0, n * BN_DN, D, I,
+                  DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+    return dealt + tiles * num_n, budget
+
+
+@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "phase_minibatch", "limit"])
+def megakernel(
+    # schedule and row tiles (device)
+    num_rows_ptr, src_rank_ptr, src_index_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+    # communication: symmetric x (pulled), the ring's x rows, symmetric combine slots (pushed)
+    x_peer_ptrs, x_ptr, stride_x, ring_ptr, stride_ring, combine_peer_ptrs, combine_ptr, stride_combine,
+    # routed experts over the ring
+    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc, y_ptr, stride_y,
+    # shared expert over this rank's tokens
+    shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr, stride_shared_h, stride_shared_act,
+    shared_act_desc, shared_w_down_desc, shared_y_ptr, stride_shared_y,
+    # counters, flags, error word
+    rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
+    flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr,
+    # sizes and knobs
+    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, I, D, shared_I, limit, budget, phase_minibatch,
+    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_rows = tl.load(num_rows_ptr).to(tl.int64)
+    batches = tl.cdiv(num_rows, minibatch).to(tl.int32)
+    WAIT: tl.constexpr = PHASE == PHASE_ALL
+    if PHASE == PHASE_ALL:
+        if pid < comm_sms:
+            for p in range(batches):
+                j = batches - 1 - p
+                if p >= slots:  # the slot still holds minibatch j + slots: send it home first
+                    budget = comm_push(
+                        j + slots, pid, comm_sms, num_rows, minibatch, slots, budget,
+                        y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+                        y_done_ptr, minibatch_tiles_ptr, error_ptr, tl.cdiv(D, BN_DN),
+                        CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT)
+                comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
+                          x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
+                          rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN)
+            for p in range(tl.maximum(batches - slots, 0), batches):
+                budget = comm_push(
+                    batches - 1 - p, pid, comm_sms, num_rows, minibatch, slots, budget,
+                    y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+                    y_done_ptr, minibatch_tiles_ptr, error_ptr, tl.cdiv(D, BN_DN),
+                    CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT)
+            # End of pass: the last comm worker of this rank tells every rank its pushes landed and waits
+            # for theirs (system scope), so the epilogue launched after this kernel reads complete slots.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(comm_done_ptr, 1, sem="acq_rel", scope="sys")
+            if arrived == comm_sms - 1:
+                epoch = tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1  # once, not per thread
+                signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, tl.maximum(budget, 1),
+                                error_ptr, WAIT_PASS_END)
+            tl.debug_barrier()
+        else:
+            c = pid - comm_sms
+            workers = tl.num_programs(0) - comm_sms
+            dealt = c * 0
+            if HAS_SHARED:
+                dealt = shared_gate_up(c, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr,
+                                       shared_act_ptr, stride_shared_h, stride_shared_act, shared_done_ptr,
+                                       shared_I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                dealt, budget = shared_down(c, workers, dealt, budget, tokens, shared_act_desc, shared_w_down_desc,
+                                            shared_y_ptr, stride_shared_y, shared_done_ptr, error_ptr, shared_I, D,
+                                            DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+            for p in range(batches):
+                j = batches - 1 - p
+                dealt, budget = compute_gate_up(
+                    j, c, workers, dealt, minibatch, slots, budget,
+                    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+                    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
+                    tile_done_ptr, error_ptr, comm_sms, I, D, limit,
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                dealt, budget = compute_down(
+                    j, c, workers, dealt, minibatch, slots, budget,
+                    act_desc, w_down_desc, y_ptr, stride_y,
+                    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
+                    y_done_ptr, error_ptr, I, D,
+                    DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+    else:
+        # One step for all workers of one role: program pid is worker pid of tl.num_programs(0).
+        workers = tl.num_programs(0)
+        j = phase_minibatch
+        if PHASE == PHASE_SHARED_GATE_UP:
+            shared_gate_up(pid, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr,
+                           stride_shared_h, stride_shared_act, shared_done_ptr, shared_I, D, limit,
+                           HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+        elif PHASE == PHASE_SHARED_DOWN:
+            shared_down(pid, workers, 0, budget, tokens, shared_act_desc, shared_w_down_desc, shared_y_ptr,
+                        stride_shared_y, shared_done_ptr, error_ptr, shared_I, D,
+                        DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+        elif PHASE == PHASE_PULL:
+            comm_pull(j, pid, workers, num_rows, minibatch, slots,
+                      x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
+                      rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN)
+        elif PHASE == PHASE_GATE_UP:
+            compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
+                            ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+                            tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
+                            tile_done_ptr, error_ptr, comm_sms, I, D, limit,
+                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+        elif PHASE == PHASE_DOWN:
+            compute_down(j, pid, workers, 0, minibatch, slots, budget,
+                         act_desc, w_down_desc, y_ptr, stride_y,
+                         tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
+                         y_done_ptr, error_ptr, I, D,
+                         DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+        elif PHASE == PHASE_PUSH:
+            comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
+                      y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+                      y_done_ptr, minibatch_tiles_ptr, error_ptr, tl.cdiv(D, BN_DN),
+                      CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT)
+
+
+@triton.jit(do_not_specialize=["my_rank", "budget"])
+def pass_barrier_kernel(flag_peer_ptrs, flags_ptr, epoch_ptr, my_rank, num_ranks, budget, error_ptr):
+    """A barrier across ranks whose epoch lives on the device (a captured graph replays it unchanged)."""
+    tl.debug_barrier()
+    epoch = tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1
+    signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_PASS_START)
+    tl.debug_barrier()
+
+
+@triton.jit
+def weighted_sum_kernel(
+    combine_ptr, stride_combine, top_experts_ptr, router_weights_ptr, shared_y_ptr, stride_shared_y,
+    out_ptr, stride_out, tokens, D,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[i] = sum_j w[i, j] * combine[i*k + j] (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i]."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < tokens
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in range(TOP_K):
+        route = rows.to(tl.int64) * TOP_K + j
+        valid = row_ok & (tl.load(top_experts_ptr + route, mask=row_ok, other=-1) >= 0)
+        w = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+        slot = tl.load(combine_ptr + route[:, None] * stride_combine + cols[None, :],
+                       mask=valid[:, None] & mask, other=0.0)
+        acc += w[:, None] * bf16_to_f32(slot)
+    if HAS_SHARED:
+        acc += bf16_to_f32(tl.load(shared_y_ptr + rows.to(tl.int64)[:, None] * stride_shared_y + cols[None, :],
+                                        mask=mask, other=0.0))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], f32_to_bf16(acc), mask=mask)
+

@@ -1,0 +1,420 @@
+"""`impl=megamoe`: the MoE layer's forward as one persistent kernel per pass.
+
+A pass, all queued on the current stream with no host sync (so it can be
+captured in a CUDA graph once ``check=False``):
+
+1. stage: this rank's x into the symmetric ``x``; its routing ids into row
+   ``rank`` of every rank's ``routing`` buffer;
+2. a device barrier across ranks (every x and routing row is in place);
+3. the pull schedule and its minibatch row tiles, built on the device;
+4. the megakernel (``megamoe.kernels.megakernel``): communication workers pull
+   minibatches into the ring and push finished ones home, compute workers run
+   the shared expert and the routed gate/up + SwiGLU and down tiles; it ends
+   with a barrier across ranks (every push landed);
+5. the weighted sum of each token's k combine slots (router weights, fixed
+   order) plus the shared output, rounded once to bf16.
+
+On the CPU (the Triton interpreter runs programs one after another, so
+programs cannot wait for each other) step 4 runs in phases: the same kernel
+code, one step of one role per launch, sequenced by the host, with host
+barriers across the simulated ranks. Each tile is computed by the same code
+on the same rows either way: outputs are bitwise equal across runs and across
+``comm_sms``, ``minibatch`` and ``ring_rows``.
+
+Several shared experts run as one: SwiGLU FFNs with intermediate sizes Is_1..
+Is_S sum to one FFN whose gate, up and down weights are their concatenations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe import checks
+from megamoe.comm import DEFAULT_WAIT_BUDGET, DEFAULT_WAIT_BUDGET_INTERPRETED, _tile
+from megamoe.comm import CommTuning
+from megamoe.config import MoEConfig
+from megamoe.experts import RowTiles, TileConfig, build_row_tiles, interpreting, plan_tiles
+from megamoe.kernels import megakernel as mk
+from megamoe.plan import KernelConfig, plan
+from megamoe.schedule import PullSchedule, build_pull_schedule
+from megamoe.world import BufferSpec, EPWorld, workspace
+
+#: Precisions the megakernel runs (the FP8 paths are the standalone kernels' for now).
+PRECISIONS = ("bf16",)
+
+WAITS = {
+    mk.WAIT_ROWS_READY: "rows_ready of minibatch",
+    mk.WAIT_TILE_DONE: "gate/up done of row tile",
+    mk.WAIT_Y_DONE: "y done of minibatch",
+    mk.WAIT_SHARED_DONE: "shared gate/up done of row tile",
+    mk.WAIT_PASS_END: "end-of-pass barrier flag of rank",
+    mk.WAIT_PASS_START: "start-of-pass barrier flag of rank",
+}
+
+#: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
+CPU_SMS = 4
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What a forward pass leaves for the backward (per rank).
+
+    The ring holds the minibatches visited last, which are the first ones
+    (minibatches are visited in reverse): minibatch ``j < ring_rows / minibatch``
+    has its routed rows, pre-activation and activation at ring rows
+    ``j * minibatch ..``. The others must be replayed from the schedule
+    (pull x again, recompute h) before their gradients.
+
+    Attributes:
+        schedule: the pull schedule of the pass.
+        row_tiles: its row tiles, cut at minibatch boundaries.
+        config: the KernelConfig the pass ran with.
+        ring_x, h, act: bf16 `[ring_rows, D]`, `[ring_rows, 2I]`, `[ring_rows, I]`.
+        shared_h, shared_act: the shared expert's `[N, 2Is]`, `[N, Is]` (None without one).
+    """
+
+    schedule: PullSchedule
+    row_tiles: RowTiles
+    config: KernelConfig
+    ring_x: torch.Tensor
+    h: torch.Tensor
+    act: torch.Tensor
+    shared_h: torch.Tensor | None
+    shared_act: torch.Tensor | None
+
+    def resident_minibatches(self) -> int:
+        """Minibatches 0 .. this-1 are still in the ring."""
+        return self.config.ring_rows // self.config.minibatch
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What sizes a megakernel's buffers (every rank of the group builds the same)."""
+
+    num_ranks: int
+    max_tokens: int
+    hidden: int
+    intermediate: int
+    experts_per_rank: int
+    top_k: int
+    shared_intermediate: int
+
+    @property
+    def capacity(self) -> int:
+        return self.num_ranks * max(self.max_tokens, 1) * self.top_k
+
+
+def default_config(world: EPWorld, shape: LayerShape) -> KernelConfig:
+    """The planner's KernelConfig for this shape on this device (GPU), or a small one for the interpreter."""
+    cfg = MoEConfig(hidden=shape.hidden, intermediate=shape.intermediate,
+                    num_experts=shape.experts_per_rank * shape.num_ranks, top_k=shape.top_k)
+    tokens = max(shape.max_tokens, 1)
+    if _on_gpu(world):
+        sms = torch.cuda.get_device_properties(world.device).multi_processor_count
+        tile = plan_tiles("down", world.device)
+        return plan(cfg, world.size, tokens, num_sms=sms, tile_m=tile.block_m, tile_n=tile.block_n).config
+    tile = plan_tiles("down", torch.device("cpu"))
+    # Interpreter: small minibatches so even tiny shapes cross a few minibatches.
+    minibatch = 2 * tile.block_m
+    ring = max(1, math.ceil(tokens * shape.top_k / minibatch)) * minibatch
+    return KernelConfig(CPU_SMS, 1, minibatch, ring, tile.block_m, tile.block_n)
+
+
+class MegaKernel:
+    """One rank's megakernel for one layer shape: symmetric workspace, ring buffers, counters.
+
+    Collective to build (allocates symmetric memory). ``forward`` is a pass;
+    every rank makes the same sequence of passes.
+    """
+
+    def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
+                 wait_budget: int | None = None):
+        self.world, self.shape = world, shape
+        self.config = config or default_config(world, shape)
+        self.gpu = _on_gpu(world)
+        self._check_config()
+        R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
+        I, Is, c = shape.intermediate, shape.shared_intermediate, self.config
+        self.sym = workspace(world, (
+            BufferSpec("x", (max(N, 1), D), torch.bfloat16),
+            BufferSpec("combine", (max(N * k, 1), D), torch.bfloat16),
+            BufferSpec("routing", (R, max(N, 1), k), torch.int32),
+            BufferSpec("flags", (2, R), torch.int32),
+        ))
+        dev = world.device
+        bf16 = dict(dtype=torch.bfloat16, device=dev)
+        self.ring_x = torch.zeros(c.ring_rows, D, **bf16)
+        self.h = torch.empty(c.ring_rows, 2 * I, **bf16)
+        self.act = torch.zeros(c.ring_rows, I, **bf16)
+        self.y = torch.empty(c.ring_rows, D, **bf16)
+        self.shared_h = torch.empty(max(N, 1), 2 * Is, **bf16) if Is else None
+        self.shared_act = torch.zeros(max(N, 1), Is, **bf16) if Is else None
+        self.shared_y = torch.empty(max(N, 1), D, **bf16) if Is else None
+        # counters: rows_ready [M] | y_done [M] | tile_done [tiles] | shared_done [shared tiles] | comm_done [1]
+        self.max_batches = max(1, -(-shape.capacity // c.minibatch))
+        self.max_tiles = -(-shape.capacity // c.tile_m) + shape.experts_per_rank + self.max_batches
+        shared_tiles = -(-max(N, 1) // c.tile_m)
+        self.counters = torch.zeros(2 * self.max_batches + self.max_tiles + shared_tiles + 1, dtype=torch.int32,
+                                    device=dev)
+        self.epochs = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.error = torch.zeros(4, dtype=torch.int32, device=dev)
+        self.budget = wait_budget or (DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET)
+        self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
+        self._broken: str | None = None
+        self._checked_occupancy = False
+
+    # ---- validation
+
+    def _check_config(self) -> None:
+        c = self.config
+        gate_up, down = self._tiles()
+        if c.tile_m != gate_up.block_m:
+            raise ValueError(f"KernelConfig.tile_m ({c.tile_m}) must be the expert tiles' rows ({gate_up.block_m} "
+                             f"on {'this GPU' if self.gpu else 'the interpreter'})")
+        if self.gpu:
+            sms = torch.cuda.get_device_properties(self.world.device).multi_processor_count
+            if c.num_sms > sms:
+                raise ValueError(f"KernelConfig.num_sms ({c.num_sms}) exceeds the GPU's {sms} SMs: the programs wait "
+                                 f"for each other and must all be resident at once")
+        if self.shape.hidden % 64 or self.shape.intermediate % 8 or self.shape.shared_intermediate % 8:
+            raise ValueError("D must be a multiple of 64, I and the shared I multiples of 8")
+
+    def _tiles(self) -> tuple[TileConfig, TileConfig]:
+        device = self.world.device if self.gpu else torch.device("cpu")
+        return plan_tiles("gate_up", device), plan_tiles("down", device)
+
+    def check_errors(self) -> None:
+        """Raise RuntimeError if a wait of an earlier pass timed out (reads the error word: a host sync)."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        code, index, target, seen = self.error.tolist()
+        if code:
+            what = WAITS.get(code, f"wait #{code}")
+            self._broken = (f"rank {self.world.rank}: the megakernel timed out waiting for {what} {index} "
+                            f"(wanted >= {target}, saw {seen}); this MegaKernel's counters are out of step now")
+            raise RuntimeError(self._broken)
+
+    # ---- a pass
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        top_experts: torch.Tensor,
+        router_weights: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+        swiglu_limit: float | None = None,
+        *,
+        check: bool = True,
+    ) -> tuple[torch.Tensor, ForwardContext]:
+        """One forward pass (collective). Inputs as :func:`megamoe_forward` (validated there), ``shared`` one
+        (gate_up, down) pair or None. ``check`` reads the error word after the pass (a host sync)."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        world, s, c = self.world, self.shape, self.config
+        n, k = x.shape[0], s.top_k
+        me = world.rank
+        # 1. stage x and the routing ids
+        self.sym.local("x")[:n].copy_(x)
+        routing = torch.full((max(s.max_tokens, 1), k), -1, dtype=torch.int32, device=x.device)
+        routing[:n] = top_experts
+        for r in range(world.size):
+            self.sym.peer("routing", r)[me].copy_(routing)
+        # 2. every rank staged
+        self._barrier(0)
+        # 3. the schedule and its minibatch row tiles
+        schedule = build_pull_schedule(self.sym.local("routing")[:, : max(s.max_tokens, 1)], me, s.experts_per_rank)
+        tiles = build_row_tiles(schedule.tokens_per_expert, schedule.offsets, schedule.capacity, c.tile_m,
+                                minibatch=c.minibatch)
+        self.counters.zero_()
+        # 4. the megakernel
+        self._launch(n, schedule, tiles, w_gate_up, w_down, shared, swiglu_limit)
+        # 5. the weighted sum
+        out = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=x.device)
+        if n:
+            self._weighted_sum(out, top_experts, router_weights, shared is not None)
+        if check:
+            self.check_errors()
+        ctx = ForwardContext(schedule, tiles, c, self.ring_x, self.h, self.act, self.shared_h, self.shared_act)
+        return out, ctx
+
+    def _barrier(self, row: int) -> None:
+        if not self.gpu:
+            self.world.barrier()
+            return
+        mk.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("flags")[row], self.epochs[row:],
+                                     self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
+
+    def _launch(self, n, schedule, tiles, w_gate_up, w_down, shared, swiglu_limit) -> None:
+        s, c = self.shape, self.config
+        gate_up_tile, down_tile = self._tiles()
+        D, I, L = s.hidden, s.intermediate, s.experts_per_rank
+        bm, bk = c.tile_m, gate_up_tile.block_k
+        desc = TensorDescriptor.from_tensor
+        ring_desc = desc(self.ring_x, [bm, bk])
+        w_gu_desc = desc(w_gate_up.view(L * 2 * I, D), [gate_up_tile.block_n, bk])
+        act_desc = desc(self.act, [bm, bk])
+        w_dn_desc = desc(w_down.view(L * D, I), [down_tile.block_n, bk])
+        x_sym = self.sym.local("x")
+        if shared is not None:
+            shared_args = (desc(x_sym, [bm, bk]), desc(shared[0], [gate_up_tile.block_n, bk]), self.shared_h,
+                           self.shared_act, self.shared_h.stride(0), self.shared_act.stride(0),
+                           desc(self.shared_act, [bm, bk]), desc(shared[1], [down_tile.block_n, bk]), self.shared_y,
+                           self.shared_y.stride(0))
+        else:  # never read (HAS_SHARED=False)
+            shared_args = (ring_desc, w_gu_desc, self.h, self.act, 0, 0, act_desc, w_dn_desc, self.y, 0)
+        M, T = self.max_batches, self.max_tiles
+        rows_ready, y_done = self.counters[:M], self.counters[M: 2 * M]
+        tile_done, shared_done = self.counters[2 * M: 2 * M + T], self.counters[2 * M + T: -1]
+        comm_done = self.counters[-1:]
+        combine = self.sym.local("combine")
+        block_d, chunks, vrows, align = _tile(D, 2, CommTuning())
+        slots = c.ring_rows // c.minibatch
+        args = (
+            schedule.num_rows, schedule.src_rank, schedule.src_index,
+            tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.minibatch_tiles,
+            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.ring_x, self.ring_x.stride(0),
+            self.sym.peer_ptrs("combine"), combine, combine.stride(0),
+            ring_desc, w_gu_desc, self.h, self.act, self.h.stride(0), self.act.stride(0), act_desc, w_dn_desc,
+            self.y, self.y.stride(0),
+            *shared_args,
+            rows_ready, tile_done, y_done, shared_done, comm_done,
+            self.flag_ptrs[1], self.sym.local("flags")[1], self.epochs[1:], self.error,
+            n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, slots, I, D, s.shared_intermediate,
+            float(swiglu_limit or 0.0), self.budget,
+        )
+        consts = dict(
+            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align,
+            HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(),
+            FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up_tile.block_n, BN_DN=down_tile.block_n, BLOCK_K=bk,
+            GROUP_GU=gate_up_tile.group_m, GROUP_DN=down_tile.group_m,
+            num_warps=down_tile.num_warps, num_stages=down_tile.num_stages,
+        )
+        if self.gpu:
+            if not self._checked_occupancy:
+                self._check_occupancy(args, consts)
+            mk.megakernel[(c.num_sms,)](*args, 0, PHASE=mk.PHASE_ALL, **consts)
+        else:
+            self._launch_phased(schedule, shared is not None, args, consts)
+            self.world.barrier()  # every rank's pushes landed
+
+    def _launch_phased(self, schedule, has_shared: bool, args, consts) -> None:
+        c = self.config
+        compute = c.num_sms - c.comm_sms
+
+        def step(phase: int, programs: int, j: int = 0) -> None:
+            mk.megakernel[(programs,)](*args, j, PHASE=phase, **consts)
+
+        if has_shared:
+            step(mk.PHASE_SHARED_GATE_UP, compute)
+            step(mk.PHASE_SHARED_DOWN, compute)
+        batches = -(-int(schedule.num_rows) // c.minibatch)  # the CPU: reading it costs nothing
+        slots = c.ring_rows // c.minibatch
+        for p in range(batches):
+            j = batches - 1 - p
+            if p >= slots:
+                step(mk.PHASE_PUSH, c.comm_sms, j + slots)
+            step(mk.PHASE_PULL, c.comm_sms, j)
+            step(mk.PHASE_GATE_UP, compute, j)
+            step(mk.PHASE_DOWN, compute, j)
+        for p in range(max(batches - slots, 0), batches):
+            step(mk.PHASE_PUSH, c.comm_sms, batches - 1 - p)
+
+    def _check_occupancy(self, args, consts) -> None:
+        """Refuse a grid whose programs cannot all be resident at once (they would wait on each other forever)."""
+        compiled = mk.megakernel.warmup(*args, 0, PHASE=mk.PHASE_ALL, grid=(self.config.num_sms,), **consts)
+        props = torch.cuda.get_device_properties(self.world.device)
+        threads = 32 * consts["num_warps"]
+        regs = compiled.n_regs * threads
+        smem = compiled.metadata.shared
+        if regs > props.regs_per_multiprocessor or smem > props.shared_memory_per_multiprocessor:
+            raise ValueError(f"the megakernel needs {compiled.n_regs} registers x {threads} threads and {smem} B "
+                             f"of shared memory per program: one program per SM does not fit")
+        self._checked_occupancy = True
+
+    def _weighted_sum(self, out, top_experts, router_weights, has_shared: bool) -> None:
+        n, D = out.shape
+        combine = self.sym.local("combine")
+        block_t, block_d = (32, 256) if self.gpu else (16, 64)
+        shared_y = self.shared_y if has_shared else out
+        mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
+            combine, combine.stride(0), top_experts.contiguous(), router_weights.contiguous(), shared_y,
+            shared_y.stride(0), out, out.stride(0), n, D,
+            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        )
+
+
+def _on_gpu(world: EPWorld) -> bool:
+    return world.is_cuda and not interpreting()
+
+
+def fuse_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One (w_gate_up [2*sum Is, D], w_down [D, sum Is]) FFN equal to the sum of the shared experts."""
+    if not shared:
+        return None
+    if len(shared) == 1:
+        return shared[0][0].contiguous(), shared[0][1].contiguous()
+    gates = [gu[: gu.shape[0] // 2] for gu, _ in shared]
+    ups = [gu[gu.shape[0] // 2:] for gu, _ in shared]
+    return torch.cat(gates + ups).contiguous(), torch.cat([dn for _, dn in shared], dim=1).contiguous()
+
+
+_KERNELS: dict[tuple, MegaKernel] = {}
+
+
+@torch.no_grad()
+def megamoe_forward(
+    world: EPWorld,
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    swiglu_limit: float | None = None,
+    *,
+    config: KernelConfig | None = None,
+    precision: str = "bf16",
+    max_tokens: int | None = None,
+) -> torch.Tensor:
+    """The MoE layer's forward over ``world`` as one megakernel per pass (no autograd yet).
+
+    Arguments as :func:`megamoe.unfused.unfused_moe_forward`; besides:
+
+    Args:
+        config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
+        precision: ``bf16`` (the FP8 formats run in the standalone kernels only, for now).
+        max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
+
+    Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
+    The kernel state is cached per (group, shape, config); for CUDA-graph capture use
+    :class:`MegaKernel` directly with ``check=False``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
+    n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
+                                                      shared)
+    if max_tokens is None:
+        largest = torch.tensor([n], dtype=torch.int64, device=world.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=world.group)
+        max_tokens = int(largest.item())  # NOTE: host sync
+    if not isinstance(max_tokens, int) or max_tokens < n:
+        raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
+    fused = fuse_shared([(gu.detach(), dn.detach()) for gu, dn in shared])
+    if fused is not None and fused[0].dtype != torch.bfloat16:
+        raise ValueError(f"shared expert weights must be bfloat16, got {fused[0].dtype}")
+    shape = LayerShape(world.size, max_tokens, d, inter, experts, k, 0 if fused is None else fused[1].shape[1])
+    key = (id(world.group), world.device, shape, config)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = MegaKernel(world, shape, config)
+    out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(),
+                            w_gate_up.detach().contiguous(), w_down.detach().contiguous(), fused, swiglu_limit)
+    return out

@@ -1,0 +1,127 @@
+"""The forward megakernel (impl megamoe) on CPU ranks: correct, bitwise deterministic, strict about configs.
+
+Under the interpreter the kernel runs in phases (docs/megakernel.md); the GPU
+run of the same code is benchmarks/megakernel_sweep.py and `megamoe bench`.
+One launch per rank count runs a table of cases on one process group.
+"""
+
+import pytest
+import torch
+
+from megamoe.bench.harness import compare
+from megamoe.bench.problem import make_problem
+from megamoe.config import MoEConfig
+from megamoe.ep_reference import ep_reference_forward_backward
+from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared, megamoe_forward
+from megamoe.plan import KernelConfig
+from megamoe.world import launch
+
+CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+EMPTY_EXPERT = 5
+#: Interpreter tiles are 32 rows: a 32-row minibatch in a 64-row ring wraps for any case with > 64 rows.
+WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_m=32, tile_n=32)
+OTHERS = (KernelConfig(num_sms=5, comm_sms=1, minibatch=96, ring_rows=192, tile_m=32, tile_n=32),
+          KernelConfig(num_sms=3, comm_sms=2, minibatch=64, ring_rows=1024, tile_m=32, tile_n=32))
+
+# (name, tokens per rank, routing, drop, seed, swiglu_limit, shared experts)
+CASES = {
+    1: [("uniform", (37,), "uniform", 0.0, 1, None, (32,)),
+        ("no-tokens", (0,), "uniform", 0.0, 4, None, (32,))],
+    2: [("uneven", (29, 0), "uniform", 0.15, 1, None, (32,)),
+        ("one-rank-limit", (17, 23), "one-rank", 0.1, 3, 0.8, (32,)),
+        ("two-shared", (40, 33), "uniform", 0.0, 5, None, (32, 16))],
+    3: [("zipf", (13, 31, 7), "zipf", 0.2, 2, None, ())],
+    4: [("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, None, (32,))],
+}
+
+
+def _problem(world, cfg, tokens, routing, drop, seed):
+    p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=torch.bfloat16, seed=seed,
+                     routing=routing, drop=drop)
+    p.top_experts = torch.where(p.top_experts == EMPTY_EXPERT, -1, p.top_experts)  # an expert with no tokens
+    p.router_weights = torch.where(p.top_experts >= 0, p.router_weights, 0.5)  # a stale slot would show
+    return p
+
+
+def _suite(world, cases):
+    results = []
+    for name, tokens, routing, drop, seed, limit, shared in cases:
+        experts = 9 if world.size == 3 else CONFIG.num_experts
+        cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit, "shared": shared, "num_experts": experts})
+        p = _problem(world, cfg, tokens, routing, drop, seed)
+        want = ep_reference_forward_backward(world, p, with_grads=False)[0]
+        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, limit)
+        out = megamoe_forward(*args)
+        again = megamoe_forward(*args)
+        wrapped = megamoe_forward(*args, config=WRAPPING)
+        others = [megamoe_forward(*args, config=c) for c in OTHERS]
+        fwd = compare({"out": out.float()}, {"out": want.float()}, "bf16")
+        results.append({
+            "case": name, "correct": fwd["correct"], "rel_err": fwd["rel_err"],
+            "dtype_ok": out.dtype == torch.bfloat16 and out.shape == p.x.shape,
+            "same_bits": [torch.equal(out, o) for o in (again, wrapped, *others)],
+        })
+    return results
+
+
+@pytest.mark.parametrize("ranks", sorted(CASES))
+def test_matches_reference_and_is_bitwise_stable(ranks):
+    """Every case equals the EP oracle; reruns, a wrapping ring and other comm_sms / minibatch / ring sizes
+    give the same bits."""
+    results = launch(_suite, ranks, CASES[ranks])
+    for rank, per_case in enumerate(results):
+        assert len(per_case) == len(CASES[ranks])
+        for r in per_case:
+            assert r["correct"] and r["rel_err"] < 1e-2, (ranks, rank, r)
+            assert r["dtype_ok"] and all(r["same_bits"]), (ranks, rank, r)
+
+
+def _ring_wraps(world):
+    """The wrapping config really wraps (more routed rows than ring rows) and leaves the first minibatches."""
+    p = _problem(world, CONFIG, (40, 40), "uniform", 0.0, 7)
+    fused = fuse_shared(p.shared)
+    shape = LayerShape(world.size, 40, CONFIG.hidden, CONFIG.intermediate, CONFIG.experts_per_rank(world.size),
+                       CONFIG.top_k, fused[1].shape[1])
+    kernel = MegaKernel(world, shape, WRAPPING)
+    out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
+    rows = int(ctx.schedule.num_rows)
+    resident = ctx.resident_minibatches() * WRAPPING.minibatch
+    # rows of the first minibatches still in the ring are the pulled x rows
+    src_rank, src_index = ctx.schedule.src_rank[:resident], ctx.schedule.src_index[:resident]
+    x_all = [torch.empty_like(p.x) for _ in range(world.size)]
+    torch.distributed.all_gather(x_all, p.x, group=world.group)
+    expect = torch.stack([x_all[r][i // CONFIG.top_k] for r, i in zip(src_rank.tolist(), src_index.tolist())])
+    return rows, resident, torch.equal(ctx.ring_x[:resident], expect)
+
+
+def test_ring_wraps_and_keeps_first_minibatches():
+    for rows, resident, same in launch(_ring_wraps, 2):
+        assert rows > resident and same
+
+
+def _bad(world):
+    p = make_problem(CONFIG, world.rank, world.size, 4, dtype=torch.bfloat16)
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
+    calls = [
+        lambda: megamoe_forward(*args, precision="fp4"),
+        lambda: megamoe_forward(*args, config=KernelConfig(4, 1, 64, 64, tile_m=64, tile_n=32)),
+        lambda: megamoe_forward(world, p.x.float(), *args[2:]),
+        lambda: megamoe_forward(*args, max_tokens=2),
+        lambda: KernelConfig(4, 4, 32, 64, tile_m=32),
+        lambda: KernelConfig(4, 1, 64, 32, tile_m=32),
+    ]
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_bad_inputs_and_configs_raise_value_error():
+    errors = launch(_bad, 1)[0]
+    assert all(errors), errors
+    assert "precision" in errors[0] and "tile_m" in errors[1] and "bfloat16" in errors[2]
+    assert "max_tokens" in errors[3] and "comm_sms" in errors[4] and "larger than the ring" in errors[5]
