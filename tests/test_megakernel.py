@@ -125,3 +125,52 @@ def test_bad_inputs_and_configs_raise_value_error():
     assert all(errors), errors
     assert "precision" in errors[0] and "tile_m" in errors[1] and "bfloat16" in errors[2]
     assert "max_tokens" in errors[3] and "comm_sms" in errors[4] and "larger than the ring" in errors[5]
+
+
+# --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
+
+GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,), swiglu_limit=None)
+
+
+def _gpu_configs(sms: int):
+    return [KernelConfig(sms, comm, minibatch, ring, 128, 256)
+            for comm, minibatch, ring in ((16, 1024, 8192), (4, 256, 512), (32, 512, 16384), (1, 128, 256))]
+
+
+def _gpu_suite(world):
+    results = []
+    sms = torch.cuda.get_device_properties(world.device).multi_processor_count
+    for name, tokens, routing, drop in (("uneven", (1000, 700), "uniform", 0.1), ("one-rank", (900, 0), "one-rank", 0.0),
+                                        ("zipf", (2048, 2048), "zipf", 0.05)):
+        p = _problem(world, GPU_CONFIG, tokens, routing, drop, 11)
+        want = ep_reference_forward_backward(world, p, with_grads=False)[0]
+        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
+        out = megamoe_forward(*args)
+        outs = [megamoe_forward(*args, config=c) for c in _gpu_configs(sms)] + [megamoe_forward(*args)]
+        fwd = compare({"out": out.float()}, {"out": want.float()}, "bf16")
+        results.append({"case": name, "correct": fwd["correct"], "rel_err": fwd["rel_err"],
+                        "same_bits": [torch.equal(out, o) for o in outs]})
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_two_ranks_correct_and_bitwise_stable():
+    for rank, per_case in enumerate(launch(_gpu_suite, 2, device="cuda")):
+        for r in per_case:
+            assert r["correct"] and r["rel_err"] < 1e-2 and all(r["same_bits"]), (rank, r)
+
+
+def _tiny_minibatches(world):
+    from megamoe.config import preset
+
+    cfg = preset("tiny")
+    p = make_problem(cfg, world.rank, world.size, 64, dtype=torch.bfloat16, seed=0)
+    return [megamoe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared,
+                            config=KernelConfig(4, 1, minibatch, 1024, 32, 32)) for minibatch in (64, 128)]
+
+
+def test_tiny_preset_same_bits_for_two_minibatches():
+    """A row's down-projection once differed by its place in the row tile (numpy's FP32 matmul)."""
+    for a, b in launch(_tiny_minibatches, 2):
+        assert torch.equal(a, b)

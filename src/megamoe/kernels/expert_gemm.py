@@ -30,6 +30,19 @@ import triton.language as tl
 
 
 @triton.jit
+def tile_dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a·b. DOT_FP32 (the interpreter, whose bf16 dot is wrong): the block's products summed in
+    FP64, which is exact for bf16 inputs at these depths, then added in FP32 -- numpy's FP32 matmul
+    rounds a row differently depending on its place in the tile, which would break bitwise equality
+    across tilings."""
+    if DOT_FP32:
+        wide = tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float64)
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64), wide, out_dtype=tl.float64).to(tl.float32)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def swiglu_tile(gate, up, limit, HAS_LIMIT: tl.constexpr):
     """silu(gate) * up on FP32 tiles; with HAS_LIMIT gate <= limit and |up| <= limit."""
     if HAS_LIMIT:
@@ -58,10 +71,8 @@ def gate_up_swiglu_tile(
         a = x_desc.load([row0, k])
         wg = w_desc.load([w_gate_row, k])
         wu = w_desc.load([w_up_row, k])
-        if DOT_FP32:  # the interpreter's bf16 dot is wrong
-            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_gate = tl.dot(a, wg.T, acc_gate)
-        acc_up = tl.dot(a, wu.T, acc_up)
+        acc_gate = tile_dot(a, wg.T, acc_gate, DOT_FP32)
+        acc_up = tile_dot(a, wu.T, acc_up, DOT_FP32)
     # The epilogue runs on column halves with int32 offsets from per-tile base pointers: one
     # [BM, BN] pass with int64 pointer tensors spilled ~1 KB per thread (cuobjdump).
     h_base = h_ptr + row0.to(tl.int64) * stride_h
@@ -99,9 +110,7 @@ def down_tile(
     for k in range(0, K, BLOCK_K):
         a = act_desc.load([row0, k])
         w = w_desc.load([w_row, k])
-        if DOT_FP32:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w.T, acc)
+        acc = tile_dot(a, w.T, acc, DOT_FP32)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = (rows < row_end)[:, None] & (cols < D)[None, :]
