@@ -37,7 +37,7 @@ CASES = {
 
 def _problem(world, cfg, tokens, routing, drop, seed):
     p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=torch.bfloat16, seed=seed,
-                     routing=routing, drop=drop)
+                     routing=routing, drop=drop, device=world.device)
     p.top_experts = torch.where(p.top_experts == EMPTY_EXPERT, -1, p.top_experts)  # an expert with no tokens
     p.router_weights = torch.where(p.top_experts >= 0, p.router_weights, 0.5)  # a stale slot would show
     return p

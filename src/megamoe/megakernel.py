@@ -49,12 +49,12 @@ from megamoe.world import BufferSpec, EPWorld, workspace
 PRECISIONS = ("bf16",)
 
 WAITS = {
-    mk.WAIT_ROWS_READY: "rows_ready of minibatch",
-    mk.WAIT_TILE_DONE: "gate/up done of row tile",
-    mk.WAIT_Y_DONE: "y done of minibatch",
-    mk.WAIT_SHARED_DONE: "shared gate/up done of row tile",
-    mk.WAIT_PASS_END: "end-of-pass barrier flag of rank",
-    mk.WAIT_PASS_START: "start-of-pass barrier flag of rank",
+    mk.WAIT_ROWS_READY.value: "rows_ready of minibatch",
+    mk.WAIT_TILE_DONE.value: "gate/up done of row tile",
+    mk.WAIT_Y_DONE.value: "y done of minibatch",
+    mk.WAIT_SHARED_DONE.value: "shared gate/up done of row tile",
+    mk.WAIT_PASS_END.value: "end-of-pass barrier flag of rank",
+    mk.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
 }
 
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
@@ -300,7 +300,7 @@ class MegaKernel:
         if self.gpu:
             if not self._checked_occupancy:
                 self._check_occupancy(args, consts)
-            mk.megakernel[(c.num_sms,)](*args, 0, PHASE=mk.PHASE_ALL, **consts)
+            mk.megakernel[(c.num_sms,)](*args, 0, PHASE=mk.PHASE_ALL.value, **consts)
         else:
             self._launch_phased(schedule, shared is not None, args, consts)
             self.world.barrier()  # every rank's pushes landed
@@ -313,23 +313,24 @@ class MegaKernel:
             mk.megakernel[(programs,)](*args, j, PHASE=phase, **consts)
 
         if has_shared:
-            step(mk.PHASE_SHARED_GATE_UP, compute)
-            step(mk.PHASE_SHARED_DOWN, compute)
+            step(mk.PHASE_SHARED_GATE_UP.value, compute)
+            step(mk.PHASE_SHARED_DOWN.value, compute)
         batches = -(-int(schedule.num_rows) // c.minibatch)  # the CPU: reading it costs nothing
         slots = c.ring_rows // c.minibatch
         for p in range(batches):
             j = batches - 1 - p
             if p >= slots:
-                step(mk.PHASE_PUSH, c.comm_sms, j + slots)
-            step(mk.PHASE_PULL, c.comm_sms, j)
-            step(mk.PHASE_GATE_UP, compute, j)
-            step(mk.PHASE_DOWN, compute, j)
+                step(mk.PHASE_PUSH.value, c.comm_sms, j + slots)
+            step(mk.PHASE_PULL.value, c.comm_sms, j)
+            step(mk.PHASE_GATE_UP.value, compute, j)
+            step(mk.PHASE_DOWN.value, compute, j)
         for p in range(max(batches - slots, 0), batches):
-            step(mk.PHASE_PUSH, c.comm_sms, batches - 1 - p)
+            step(mk.PHASE_PUSH.value, c.comm_sms, batches - 1 - p)
 
     def _check_occupancy(self, args, consts) -> None:
         """Refuse a grid whose programs cannot all be resident at once (they would wait on each other forever)."""
-        compiled = mk.megakernel.warmup(*args, 0, PHASE=mk.PHASE_ALL, grid=(self.config.num_sms,), **consts)
+        compiled = mk.megakernel.warmup(*args, 0, PHASE=mk.PHASE_ALL.value, grid=(self.config.num_sms,), **consts)
+        compiled._init_handles()  # loads the module: fills n_regs
         props = torch.cuda.get_device_properties(self.world.device)
         threads = 32 * consts["num_warps"]
         regs = compiled.n_regs * threads

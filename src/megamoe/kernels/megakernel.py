@@ -50,21 +50,21 @@ from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, pull_tile, push_tile,
 from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
 
 #: Wait ids of the error word (megamoe.megakernel names them).
-WAIT_ROWS_READY = 1
-WAIT_TILE_DONE = 2
-WAIT_Y_DONE = 3
-WAIT_SHARED_DONE = 4
-WAIT_PASS_END = 5
-WAIT_PASS_START = 6
+WAIT_ROWS_READY = tl.constexpr(1)
+WAIT_TILE_DONE = tl.constexpr(2)
+WAIT_Y_DONE = tl.constexpr(3)
+WAIT_SHARED_DONE = tl.constexpr(4)
+WAIT_PASS_END = tl.constexpr(5)
+WAIT_PASS_START = tl.constexpr(6)
 
 #: PHASE values: 0 the whole pass; the others one step (CPU mode).
-PHASE_ALL = 0
-PHASE_SHARED_GATE_UP = 1
-PHASE_SHARED_DOWN = 2
-PHASE_PULL = 3
-PHASE_GATE_UP = 4
-PHASE_DOWN = 5
-PHASE_PUSH = 6
+PHASE_ALL = tl.constexpr(0)
+PHASE_SHARED_GATE_UP = tl.constexpr(1)
+PHASE_SHARED_DOWN = tl.constexpr(2)
+PHASE_PULL = tl.constexpr(3)
+PHASE_GATE_UP = tl.constexpr(4)
+PHASE_DOWN = tl.constexpr(5)
+PHASE_PUSH = tl.constexpr(6)
 
 
 @triton.jit
