@@ -66,10 +66,14 @@ def run_rank(world, args, points) -> list[dict] | None:
     inputs = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
     unfused_out = unfused_moe_forward(*inputs)
     if args.impl == "megamoe":
-        from megamoe.megakernel import megamoe_forward  # imported here: it is being written alongside this script
+        from megamoe.megakernel import megamoe_forward
 
-        def forward(config):
-            return megamoe_forward(*inputs, config=config, precision=args.precision)
+        def forward(config):  # no host sync in the pass: N is the same on every rank; checks on the first
+            first = forward.calls == 0
+            forward.calls += 1
+            return megamoe_forward(*inputs, config=config, precision=args.precision, max_tokens=args.tokens,
+                                   check=first)
+        forward.calls = 0
     else:
         def forward(config):  # ignores config: runs the script end to end without the megakernel
             return unfused_moe_forward(*inputs)

@@ -101,10 +101,11 @@ def check_tensors(specs, device: torch.device) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
-def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared) -> tuple[int, int, int, int, int]:
+def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, *,
+                     check_ids: bool = True) -> tuple[int, int, int, int, int]:
     """The arguments of a BF16 layer forward over ``world``; returns (N, D, k, L, I).
 
-    Reads the expert ids on the host (one sync).
+    ``check_ids`` reads the expert ids on the host (one sync).
     """
     n, d = check_tokens(x)
     k = check_routing(top_experts, router_weights, n)
@@ -121,7 +122,8 @@ def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, s
         raise ValueError("w_gate_up must hold at least one local expert")
     if inter % 8:
         raise ValueError(f"the intermediate size I must be a multiple of 8, got {inter}")
-    check_expert_ids(top_experts, experts_local * world.size)
+    if check_ids:
+        check_expert_ids(top_experts, experts_local * world.size)
     return n, d, k, experts_local, inter
 
 

@@ -384,6 +384,7 @@ def megamoe_forward(
     config: KernelConfig | None = None,
     precision: str = "bf16",
     max_tokens: int | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """The MoE layer's forward over ``world`` as one megakernel per pass (no autograd yet).
 
@@ -393,6 +394,8 @@ def megamoe_forward(
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
         precision: ``bf16`` (the FP8 formats run in the standalone kernels only, for now).
         max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
+        check: validate the expert ids and read the kernel's error word after the pass (host syncs).
+            With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
 
     Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
     The kernel state is cached per (group, shape, config); for CUDA-graph capture use
@@ -401,7 +404,7 @@ def megamoe_forward(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
-                                                      shared)
+                                                      shared, check_ids=check)
     if max_tokens is None:
         largest = torch.tensor([n], dtype=torch.int64, device=world.device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=world.group)
@@ -417,5 +420,6 @@ def megamoe_forward(
     if kernel is None:
         kernel = _KERNELS[key] = MegaKernel(world, shape, config)
     out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(),
-                            w_gate_up.detach().contiguous(), w_down.detach().contiguous(), fused, swiglu_limit)
+                            w_gate_up.detach().contiguous(), w_down.detach().contiguous(), fused, swiglu_limit,
+                            check=check)
     return out
