@@ -1,0 +1,95 @@
+"""Inside one megakernel pass: when each program started and ended and how long it waited (globaltimer).
+
+    PYTHONPATH=src python3 benchmarks/megakernel_trace.py --preset kimi-k2 --tokens 8192 [--config S,C,MB,RING]
+
+One process per GPU. Rank 0 prints, for the communication and the compute workers: time from the first
+program's start to their end (mean / max), nanoseconds spent in waits, the shared expert's end; then the
+standalone expert kernels (`megamoe.experts.expert_forward`) on the same routed rows, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from megamoe.bench.problem import make_problem
+from megamoe.config import preset
+from megamoe.experts import expert_forward
+from megamoe.kernels import megakernel as mk
+from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared
+from megamoe.plan import KernelConfig
+from megamoe.world import launch
+
+
+def _ms(ns) -> float:
+    return float(ns) / 1e6
+
+
+def _trace(world, preset_name: str, tokens: int, config: KernelConfig | None, passes: int):
+    cfg = preset(preset_name)
+    p = make_problem(cfg, world.rank, world.size, tokens, dtype=torch.bfloat16, device=world.device)
+    fused = fuse_shared(p.shared)
+    shape = LayerShape(world.size, tokens, cfg.hidden, cfg.intermediate, cfg.experts_per_rank(world.size), cfg.top_k,
+                       0 if fused is None else fused[1].shape[1])
+    kernel = MegaKernel(world, shape, config, trace=True)
+    c = kernel.config
+    summaries = []
+    for _ in range(passes):
+        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
+        t = kernel.trace.cpu()
+        start = t[:, mk.TRACE_START.value].min()
+        comm, compute = t[: c.comm_sms], t[c.comm_sms:]
+        summaries.append({
+            "kernel_ms": _ms(t[:, mk.TRACE_END.value].max() - start),
+            "comm_end_ms_mean": _ms((comm[:, 1] - start).float().mean()), "comm_end_ms_max": _ms((comm[:, 1] - start).max()),
+            "comm_wait_ms_mean": _ms(comm[:, 2].float().mean()),
+            "compute_end_ms_min": _ms((compute[:, 1] - start).min()),
+            "compute_end_ms_mean": _ms((compute[:, 1] - start).float().mean()),
+            "compute_end_ms_max": _ms((compute[:, 1] - start).max()),
+            "compute_wait_ms_mean": _ms(compute[:, 2].float().mean()), "compute_wait_ms_max": _ms(compute[:, 2].max()),
+            "compute_waits_mean": float(compute[:, 3].float().mean()),
+            "shared_end_ms_mean": _ms((compute[:, 4] - start).float().mean()),
+        })
+    rows = int(ctx.schedule.num_rows)
+    standalone = None
+    if rows <= c.ring_rows:  # the ring holds every routed row: time the standalone kernels on them
+        s = ctx.schedule
+        args = (kernel.ring_x, s.tokens_per_expert, s.offsets, p.w_gate_up, p.w_down)
+        expert_forward(*args)
+        times = []
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            expert_forward(*args)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        standalone = sorted(times)[1]
+    return {"rank": world.rank, "config": str(c), "routed_rows": rows, "passes": summaries,
+            "standalone_expert_forward_ms": standalone}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="kimi-k2")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--config", default=None, help="num_sms,comm_sms,minibatch,ring_rows (default: the planner's)")
+    parser.add_argument("--out", default=None)
+    a = parser.parse_args()
+    config = KernelConfig(*map(int, a.config.split(",")), 128, 256) if a.config else None
+    results = launch(_trace, torch.cuda.device_count(), a.preset, a.tokens, config, a.passes, device="cuda")
+    text = json.dumps(results, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    for r in results:
+        last = r["passes"][-1]
+        print(f"rank {r['rank']} rows {r['routed_rows']} standalone experts {r['standalone_expert_forward_ms']} ms | "
+              + " ".join(f"{k}={v:.3f}" for k, v in last.items()))
+
+
+if __name__ == "__main__":
+    main()
