@@ -22,7 +22,7 @@ def test_bench_writes_correct_records(tmp_path):
                                       "--json", str(out), "--md", str(md)])
     assert result.exit_code == 0, result.output
     records = json.loads(out.read_text())
-    want = {(i, p) for i in ("reference", "nccl-torch") for p in ("fwd", "bwd")} | {("unfused", "fwd")}
+    want = {(i, p) for i in ("reference", "nccl-torch") for p in ("fwd", "bwd")} | {("unfused", "fwd"), ("megamoe", "fwd")}
     assert {(r["impl"], r["pass"]) for r in records} == want
     for r in records:
         assert FIELDS <= set(r)

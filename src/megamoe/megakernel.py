@@ -134,7 +134,7 @@ class MegaKernel:
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
-                 wait_budget: int | None = None):
+                 wait_budget: int | None = None, trace: bool = False):
         self.world, self.shape = world, shape
         self.config = config or default_config(world, shape)
         self.gpu = _on_gpu(world)
@@ -164,6 +164,8 @@ class MegaKernel:
                                     device=dev)
         self.epochs = torch.zeros(2, dtype=torch.int32, device=dev)
         self.error = torch.zeros(4, dtype=torch.int32, device=dev)
+        # trace (GPU only): per program [start, end, ns waiting, waits, shared done] globaltimer stamps
+        self.trace = torch.zeros(c.num_sms, mk.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
         self.budget = wait_budget or (DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
         self._broken: str | None = None
@@ -234,6 +236,8 @@ class MegaKernel:
         tiles = build_row_tiles(schedule.tokens_per_expert, schedule.offsets, schedule.capacity, c.tile_m,
                                 minibatch=c.minibatch)
         self.counters.zero_()
+        if self.trace is not None:
+            self.trace.zero_()
         # 4. the megakernel
         self._launch(n, schedule, tiles, w_gate_up, w_down, shared, swiglu_limit)
         # 5. the weighted sum
@@ -287,6 +291,7 @@ class MegaKernel:
             *shared_args,
             rows_ready, tile_done, y_done, shared_done, comm_done,
             self.flag_ptrs[1], self.sym.local("flags")[1], self.epochs[1:], self.error,
+            self.error if self.trace is None else self.trace,
             n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, slots, I, D, s.shared_intermediate,
             float(swiglu_limit or 0.0), self.budget,
         )
@@ -294,7 +299,7 @@ class MegaKernel:
             TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align,
             HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up_tile.block_n, BN_DN=down_tile.block_n, BLOCK_K=bk,
-            GROUP_GU=gate_up_tile.group_m, GROUP_DN=down_tile.group_m,
+            GROUP_GU=gate_up_tile.group_m, GROUP_DN=down_tile.group_m, TRACE=self.trace is not None and self.gpu,
             num_warps=down_tile.num_warps, num_stages=down_tile.num_stages,
         )
         if self.gpu:

@@ -9,7 +9,7 @@ minibatch at a time. The planner applies three rules and prints why:
    ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (DESIGN §4; MoK: 128x256
    tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
 2. Communication keeps up: the fewest comm SMs whose measured per-SM NVLink
-   rate moves a minibatch's remote rows (dispatch + combine) in at most
+   rate moves a minibatch's rows (dispatch + combine, local rows too) in at most
    ``COMM_SLACK`` of the time the compute SMs take to process it.
 3. Ring: room for every row a rank expects under balanced routing (N·k), in
    whole minibatches, so a balanced backward replays nothing; skewed routing
@@ -93,9 +93,13 @@ def two_wave_rows(cfg: MoEConfig, compute_sms: int, tile_m: int, tile_n: int) ->
 
 
 def _comm_over_compute(cfg: MoEConfig, ep: int, comm_sms: int, num_sms: int, precision: str) -> float:
-    """Time to move a row's remote share (dispatch + combine) over time to compute it."""
-    remote = (ep - 1) / ep
-    row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0) * remote  # pull (maybe FP8) + push back (BF16)
+    """Time for the comm SMs to move a row (dispatch + combine) over time to compute it.
+
+    Every row counts, local ones too: the comm workers copy local rows into the ring and back to the
+    combine slots as well (megakernel trace, kimi-k2 EP 2: 10 SMs planned on remote bytes alone
+    finished their pushes 2.7 ms after the compute SMs).
+    """
+    row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0)  # pull (maybe FP8) + push back (BF16)
     comm_s = row_bytes / (comm_sms * NVLINK_GBPS_PER_SM * 1e9)
     compute_s = cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * 1e12 * (num_sms - comm_sms) / num_sms)
     return comm_s / compute_s
@@ -124,16 +128,16 @@ def plan(
            f"{tokens} tokens x k {cfg.top_k} = {tokens * cfg.top_k} routed rows per rank when balanced"]
 
     if comm_sms is None:
-        if ep == 1:
-            comm_sms = 1
-            why.append("EP 1: nothing crosses NVLink; 1 SM copies the local rows")
-        else:
-            comm_sms = next(s for s in range(1, num_sms) if _comm_over_compute(cfg, ep, s, num_sms, precision)
-                            <= COMM_SLACK)
-            ratio = _comm_over_compute(cfg, ep, comm_sms, num_sms, precision)
-            why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM} GB/s per SM, moving a row's remote share "
-                       f"takes {ratio:.0%} of computing it on the other {num_sms - comm_sms} SMs "
-                       f"(<= {COMM_SLACK:.0%} needed; {GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate)")
+        fitting = [s for s in range(1, num_sms) if _comm_over_compute(cfg, ep, s, num_sms, precision) <= COMM_SLACK]
+        if not fitting:
+            raise ValueError(f"no comm_sms < {num_sms} keeps communication within {COMM_SLACK:.0%} of compute; "
+                             f"give comm_sms")
+        comm_sms = fitting[0]
+        ratio = _comm_over_compute(cfg, ep, comm_sms, num_sms, precision)
+        why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM} GB/s per SM, moving a row there and back "
+                   f"(local rows too: the comm workers copy them) takes {ratio:.0%} of computing it on the other "
+                   f"{num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; {GEMM_TFLOPS[precision]:.0f} TFLOP/s "
+                   f"measured GEMM rate)")
     else:
         why.append(f"comm_sms {comm_sms}: given")
     compute = num_sms - comm_sms

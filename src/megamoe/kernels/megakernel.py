@@ -47,6 +47,8 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, pull_tile, push_tile, signal_and_wait
+from triton.language.extra.cuda import globaltimer
+
 from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
 
 #: Wait ids of the error word (megamoe.megakernel names them).
@@ -66,6 +68,14 @@ PHASE_GATE_UP = tl.constexpr(4)
 PHASE_DOWN = tl.constexpr(5)
 PHASE_PUSH = tl.constexpr(6)
 
+#: TRACE: int64 [programs, TRACE_FIELDS] of globaltimer stamps and wait totals (profiling only).
+TRACE_START = tl.constexpr(0)
+TRACE_END = tl.constexpr(1)
+TRACE_WAIT_NS = tl.constexpr(2)
+TRACE_WAITS = tl.constexpr(3)
+TRACE_SHARED_END = tl.constexpr(4)
+TRACE_FIELDS = tl.constexpr(8)
+
 
 @triton.jit
 def fence_async_proxy(FENCE: tl.constexpr):
@@ -76,12 +86,16 @@ def fence_async_proxy(FENCE: tl.constexpr):
 
 
 @triton.jit
-def wait_counter(ptr, target, budget, error_ptr, index, WAIT_ID: tl.constexpr, WAIT: tl.constexpr):
+def wait_counter(ptr, target, budget, error_ptr, index, trace_ptr, WAIT_ID: tl.constexpr, WAIT: tl.constexpr,
+                 TRACE: tl.constexpr):
     """Spin (acquire, GPU scope) until ``*ptr >= target``; returns the program's remaining poll budget.
 
-    A timeout records ``[WAIT_ID, index, target, seen]`` (first failure only) and returns 0.
+    A timeout records ``[WAIT_ID, index, target, seen]`` (first failure only) and returns 0. TRACE adds
+    the nanoseconds spent here to ``trace_ptr[TRACE_WAIT_NS]`` and counts the wait.
     """
     if WAIT:
+        if TRACE:
+            t0 = globaltimer()
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         polls = 0
         while (seen < target) & (polls < budget):
@@ -95,6 +109,9 @@ def wait_counter(ptr, target, budget, error_ptr, index, WAIT_ID: tl.constexpr, W
             budget = 0
         else:
             budget = budget - polls
+        if TRACE:
+            tl.atomic_add(trace_ptr + TRACE_WAIT_NS, globaltimer() - t0, sem="relaxed")
+            tl.atomic_add(trace_ptr + TRACE_WAITS, 1, sem="relaxed")
     return budget
 
 
@@ -132,12 +149,14 @@ def comm_pull(
 def comm_push(
     j, c, comm_sms, num_rows, minibatch, slots, budget,
     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-    y_done_ptr, minibatch_tiles_ptr, error_ptr, num_n_down,
+    y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, num_n_down,
     CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, WAIT: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     """Once minibatch j's down tasks are done, worker c's share of its rows to their home combine slots."""
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - tl.load(minibatch_tiles_ptr + j)
-    budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, WAIT_Y_DONE, WAIT)
+    budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_Y_DONE, WAIT,
+                          TRACE)
     first_row = j.to(tl.int64) * minibatch
     end_row = tl.minimum(first_row + minibatch, num_rows)
     src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
@@ -158,8 +177,8 @@ def compute_gate_up(
     j, c, workers, dealt, minibatch, slots, budget,
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
-    error_ptr, comm_sms, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr,
+    error_ptr, trace_ptr, comm_sms, I, D, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's gate/up + SwiGLU tasks of minibatch j; returns (tasks dealt so far, budget)."""
@@ -170,7 +189,8 @@ def compute_gate_up(
     shift = ring_shift(j, minibatch, slots).to(tl.int32)
     first = first_task(c, workers, dealt)
     if first < tasks:
-        budget = wait_counter(rows_ready_ptr + j, comm_sms, budget, error_ptr, j, WAIT_ROWS_READY, WAIT)
+        budget = wait_counter(rows_ready_ptr + j, comm_sms, budget, error_ptr, j, trace_ptr, WAIT_ROWS_READY,
+                              WAIT, TRACE)
         fence_async_proxy(FENCE)
     for task in range(first, tasks, workers):
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
@@ -189,8 +209,8 @@ def compute_down(
     j, c, workers, dealt, minibatch, slots, budget,
     act_desc, w_down_desc, y_ptr, stride_y,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
-    error_ptr, I, D,
-    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr,
+    error_ptr, trace_ptr, I, D,
+    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget)."""
@@ -202,7 +222,8 @@ def compute_down(
     for task in range(first_task(c, workers, dealt), tasks, workers):
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
         tile += t0
-        budget = wait_counter(tile_done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, WAIT_TILE_DONE, WAIT)
+        budget = wait_counter(tile_done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, trace_ptr,
+                              WAIT_TILE_DONE, WAIT, TRACE)
         fence_async_proxy(FENCE)
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile) + shift
@@ -233,8 +254,8 @@ def shared_gate_up(
 
 @triton.jit
 def shared_down(
-    c, workers, dealt, budget, tokens, act_desc, w_desc, y_ptr, stride_y, done_ptr, error_ptr, I, D,
-    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr,
+    c, workers, dealt, budget, tokens, act_desc, w_desc, y_ptr, stride_y, done_ptr, error_ptr, trace_ptr, I, D,
+    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's down tasks of the shared expert; returns (dealt, budget)."""
@@ -242,7 +263,8 @@ def shared_down(
     tiles = tl.cdiv(tokens, BLOCK_M)
     for task in range(first_task(c, workers, dealt), tiles * num_n, workers):
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
-        budget = wait_counter(done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, WAIT_SHARED_DONE, WAIT)
+        budget = wait_counter(done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, trace_ptr,
+                              WAIT_SHARED_DONE, WAIT, TRACE)
         fence_async_proxy(FENCE)
         down_tile(act_desc, w_desc, y_ptr, stride_y, tile * BLOCK_M, tokens, 0, n * BN_DN, D, I,
                   DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
@@ -263,15 +285,18 @@ def megakernel(
     shared_act_desc, shared_w_down_desc, shared_y_ptr, stride_shared_y,
     # counters, flags, error word
     rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
-    flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr,
+    flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
     tokens, my_rank, num_ranks, comm_sms, minibatch, slots, I, D, shared_I, limit, budget, phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr,
+    GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    trace_ptr = trace_base_ptr + pid * TRACE_FIELDS
+    if TRACE:
+        tl.store(trace_ptr + TRACE_START, globaltimer())
     num_rows = tl.load(num_rows_ptr).to(tl.int64)
     batches = tl.cdiv(num_rows, minibatch).to(tl.int32)
     WAIT: tl.constexpr = PHASE == PHASE_ALL
@@ -283,8 +308,8 @@ def megakernel(
                     budget = comm_push(
                         j + slots, pid, comm_sms, num_rows, minibatch, slots, budget,
                         y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                        y_done_ptr, minibatch_tiles_ptr, error_ptr, tl.cdiv(D, BN_DN),
-                        CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT)
+                        y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                        CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
                           rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN)
@@ -292,8 +317,8 @@ def megakernel(
                 budget = comm_push(
                     batches - 1 - p, pid, comm_sms, num_rows, minibatch, slots, budget,
                     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                    y_done_ptr, minibatch_tiles_ptr, error_ptr, tl.cdiv(D, BN_DN),
-                    CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT)
+                    y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                    CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
             # End of pass: the last comm worker of this rank tells every rank its pushes landed and waits
             # for theirs (system scope), so the epilogue launched after this kernel reads complete slots.
             tl.debug_barrier()
@@ -303,6 +328,8 @@ def megakernel(
                 signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, tl.maximum(budget, 1),
                                 error_ptr, WAIT_PASS_END)
             tl.debug_barrier()
+            if TRACE:
+                tl.store(trace_ptr + TRACE_END, globaltimer())
         else:
             c = pid - comm_sms
             workers = tl.num_programs(0) - comm_sms
@@ -312,22 +339,26 @@ def megakernel(
                                        shared_act_ptr, stride_shared_h, stride_shared_act, shared_done_ptr,
                                        shared_I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
                 dealt, budget = shared_down(c, workers, dealt, budget, tokens, shared_act_desc, shared_w_down_desc,
-                                            shared_y_ptr, stride_shared_y, shared_done_ptr, error_ptr, shared_I, D,
-                                            DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                                            shared_y_ptr, stride_shared_y, shared_done_ptr, error_ptr, trace_ptr,
+                                            shared_I, D, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+            if TRACE:
+                tl.store(trace_ptr + TRACE_SHARED_END, globaltimer())
             for p in range(batches):
                 j = batches - 1 - p
                 dealt, budget = compute_gate_up(
                     j, c, workers, dealt, minibatch, slots, budget,
                     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-                    tile_done_ptr, error_ptr, comm_sms, I, D, limit,
-                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                    tile_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
                     act_desc, w_down_desc, y_ptr, stride_y,
                     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-                    y_done_ptr, error_ptr, I, D,
-                    DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                    y_done_ptr, error_ptr, trace_ptr, I, D,
+                    DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+            if TRACE:
+                tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
         # One step for all workers of one role: program pid is worker pid of tl.num_programs(0).
         workers = tl.num_programs(0)
@@ -338,8 +369,8 @@ def megakernel(
                            HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
         elif PHASE == PHASE_SHARED_DOWN:
             shared_down(pid, workers, 0, budget, tokens, shared_act_desc, shared_w_down_desc, shared_y_ptr,
-                        stride_shared_y, shared_done_ptr, error_ptr, shared_I, D,
-                        DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                        stride_shared_y, shared_done_ptr, error_ptr, trace_ptr, shared_I, D,
+                        DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PULL:
             comm_pull(j, pid, workers, num_rows, minibatch, slots,
                       x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
@@ -348,19 +379,19 @@ def megakernel(
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
                             ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                             tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-                            tile_done_ptr, error_ptr, comm_sms, I, D, limit,
-                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                            tile_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
+                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
                          act_desc, w_down_desc, y_ptr, stride_y,
                          tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-                         y_done_ptr, error_ptr, I, D,
-                         DOT_FP32, FENCE, WAIT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                         y_done_ptr, error_ptr, trace_ptr, I, D,
+                         DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                      y_done_ptr, minibatch_tiles_ptr, error_ptr, tl.cdiv(D, BN_DN),
-                      CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT)
+                      y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                      CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
 
 
 @triton.jit(do_not_specialize=["my_rank", "budget"])
