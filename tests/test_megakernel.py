@@ -103,7 +103,7 @@ def _bad(world):
     p = make_problem(CONFIG, world.rank, world.size, 4, dtype=torch.bfloat16)
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
     calls = [
-        lambda: megamoe_forward(*args, precision="fp4"),
+        lambda: megamoe_forward(*args, precision="mxfp8"),
         lambda: megamoe_forward(*args, config=KernelConfig(4, 1, 64, 64, tile_m=64, tile_n=32)),
         lambda: megamoe_forward(world, p.x.float(), *args[2:]),
         lambda: megamoe_forward(*args, max_tokens=2),
@@ -174,3 +174,45 @@ def test_tiny_preset_same_bits_for_two_minibatches():
     """A row's down-projection once differed by its place in the row tile (numpy's FP32 matmul)."""
     for a, b in launch(_tiny_minibatches, 2):
         assert torch.equal(a, b)
+
+
+FP8_CONFIG = MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=3, shared=(64,), swiglu_limit=None)
+
+
+def _fp8(world):
+    from megamoe.formats import fp8_block_quantize
+
+    p = _problem(world, FP8_CONFIG, (41, 23), "uniform", 0.1, 9)
+    want = ep_reference_forward_backward(world, p, with_grads=False)[0]
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
+    out = megamoe_forward(*args, precision="fp8-block")
+    wrapped = megamoe_forward(*args, precision="fp8-block", config=WRAPPING)
+    bf16 = megamoe_forward(*args)
+    # the ring's rows are the pulled x rows quantised 1x128, bit for bit
+    fused = fuse_shared(p.shared)
+    shape = LayerShape(world.size, 41, FP8_CONFIG.hidden, FP8_CONFIG.intermediate,
+                       FP8_CONFIG.experts_per_rank(world.size), FP8_CONFIG.top_k, fused[1].shape[1])
+    _, ctx = MegaKernel(world, shape, precision="fp8-block").forward(p.x, p.top_experts, p.router_weights,
+                                                                      p.w_gate_up, p.w_down, fused)
+    rows = int(ctx.schedule.num_rows)
+    x_all = [torch.empty(41, FP8_CONFIG.hidden, dtype=p.x.dtype) for _ in range(world.size)]
+    torch.distributed.all_gather(x_all, torch.cat([p.x, p.x.new_zeros(41 - p.x.shape[0], p.x.shape[1])]),
+                                 group=world.group)
+    pulled = torch.stack([x_all[r][i // FP8_CONFIG.top_k] for r, i in
+                          zip(ctx.schedule.src_rank[:rows].tolist(), ctx.schedule.src_index[:rows].tolist())])
+    data, scale = fp8_block_quantize(pulled)
+    return {
+        "fp8": compare({"out": out.float()}, {"out": want.float()}, "bf16"),
+        "bf16": compare({"out": bf16.float()}, {"out": want.float()}, "bf16"),
+        "same_bits": torch.equal(out, wrapped),
+        "ring_exact": torch.equal(ctx.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
+        and torch.equal(ctx.ring_scale[:rows], scale),
+    }
+
+
+def test_fp8_block_quantises_in_the_pull_and_stays_close():
+    """fp8-block: the ring holds exactly formats.fp8_block_quantize of the pulled rows; the output is within
+    E4M3's error of the BF16 oracle (and farther than the BF16 path); bitwise equal with a wrapping ring."""
+    for r in launch(_fp8, 2):
+        assert r["ring_exact"] and r["same_bits"], r
+        assert r["fp8"]["rel_err"] < 6e-2 and r["bf16"]["rel_err"] < r["fp8"]["rel_err"], r

@@ -40,13 +40,17 @@ from megamoe.comm import DEFAULT_WAIT_BUDGET, DEFAULT_WAIT_BUDGET_INTERPRETED, _
 from megamoe.comm import CommTuning
 from megamoe.config import MoEConfig
 from megamoe.experts import RowTiles, TileConfig, build_row_tiles, interpreting, plan_tiles
+from megamoe.experts_fp8 import plan_tiles_fp8
+from megamoe.formats import FP8_BLOCK
 from megamoe.kernels import megakernel as mk
+from megamoe.kernels.quant import quantize_weights, soft_e4m3_default
 from megamoe.plan import KernelConfig, plan
 from megamoe.schedule import PullSchedule, build_pull_schedule
 from megamoe.world import BufferSpec, EPWorld, workspace
 
-#: Precisions the megakernel runs (the FP8 paths are the standalone kernels' for now).
-PRECISIONS = ("bf16",)
+#: Precisions of the routed experts (the shared expert stays BF16). fp8-block: the pulled rows are
+#: quantised 1x128 on the way into the ring, the weights 128x128 per pass, act 1x128 in the gate/up epilogue.
+PRECISIONS = ("bf16", "fp8-block")
 
 WAITS = {
     mk.WAIT_ROWS_READY.value: "rows_ready of minibatch",
@@ -75,7 +79,9 @@ class ForwardContext:
         schedule: the pull schedule of the pass.
         row_tiles: its row tiles, cut at minibatch boundaries.
         config: the KernelConfig the pass ran with.
-        ring_x, h, act: bf16 `[ring_rows, D]`, `[ring_rows, 2I]`, `[ring_rows, I]`.
+        ring_x, h, act: `[ring_rows, D]`, `[ring_rows, 2I]`, `[ring_rows, I]`; bf16, but ring_x and act are
+            E4M3 with fp8-block.
+        ring_scale, act_scale: fp8-block's fp32 1x128 scales of ring_x and act (None with bf16).
         shared_h, shared_act: the shared expert's `[N, 2Is]`, `[N, Is]` (None without one).
     """
 
@@ -85,6 +91,8 @@ class ForwardContext:
     ring_x: torch.Tensor
     h: torch.Tensor
     act: torch.Tensor
+    ring_scale: torch.Tensor | None
+    act_scale: torch.Tensor | None
     shared_h: torch.Tensor | None
     shared_act: torch.Tensor | None
 
@@ -134,8 +142,11 @@ class MegaKernel:
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
-                 wait_budget: int | None = None, trace: bool = False):
-        self.world, self.shape = world, shape
+                 precision: str = "bf16", wait_budget: int | None = None, trace: bool = False):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
+        self.world, self.shape, self.precision = world, shape, precision
+        self.fp8 = precision == "fp8-block"
         self.config = config or default_config(world, shape)
         self.gpu = _on_gpu(world)
         self._check_config()
@@ -149,9 +160,13 @@ class MegaKernel:
         ))
         dev = world.device
         bf16 = dict(dtype=torch.bfloat16, device=dev)
-        self.ring_x = torch.zeros(c.ring_rows, D, **bf16)
+        row_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self.ring_x = torch.zeros(c.ring_rows, D, dtype=row_dtype, device=dev)
         self.h = torch.empty(c.ring_rows, 2 * I, **bf16)
-        self.act = torch.zeros(c.ring_rows, I, **bf16)
+        self.act = torch.zeros(c.ring_rows, I, dtype=row_dtype, device=dev)
+        scales = dict(dtype=torch.float32, device=dev)  # FP8-block 1x128 scales of the ring rows and of act
+        self.ring_scale = torch.zeros(c.ring_rows, D // FP8_BLOCK, **scales) if self.fp8 else None
+        self.act_scale = torch.zeros(c.ring_rows, I // FP8_BLOCK, **scales) if self.fp8 else None
         self.y = torch.empty(c.ring_rows, D, **bf16)
         self.shared_h = torch.empty(max(N, 1), 2 * Is, **bf16) if Is else None
         self.shared_act = torch.zeros(max(N, 1), Is, **bf16) if Is else None
@@ -176,6 +191,9 @@ class MegaKernel:
     def _check_config(self) -> None:
         c = self.config
         gate_up, down = self._tiles()
+        if self.fp8 and (self.shape.hidden % FP8_BLOCK or self.shape.intermediate % FP8_BLOCK):
+            raise ValueError(f"fp8-block needs D and I multiples of {FP8_BLOCK}, got D={self.shape.hidden}, "
+                             f"I={self.shape.intermediate}")
         if c.tile_m != gate_up.block_m:
             raise ValueError(f"KernelConfig.tile_m ({c.tile_m}) must be the expert tiles' rows ({gate_up.block_m} "
                              f"on {'this GPU' if self.gpu else 'the interpreter'})")
@@ -187,9 +205,11 @@ class MegaKernel:
         if self.shape.hidden % 64 or self.shape.intermediate % 8 or self.shape.shared_intermediate % 8:
             raise ValueError("D must be a multiple of 64, I and the shared I multiples of 8")
 
-    def _tiles(self) -> tuple[TileConfig, TileConfig]:
+    def _tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
+        """(gate/up, down) tiles of the routed experts (``routed``) or of the shared expert (always BF16)."""
         device = self.world.device if self.gpu else torch.device("cpu")
-        return plan_tiles("gate_up", device), plan_tiles("down", device)
+        plan_kind = plan_tiles_fp8 if self.fp8 and routed else plan_tiles
+        return plan_kind("gate_up", device), plan_kind("down", device)
 
     def check_errors(self) -> None:
         """Raise RuntimeError if a wait of an earlier pass timed out (reads the error word: a host sync)."""
@@ -246,7 +266,8 @@ class MegaKernel:
             self._weighted_sum(out, top_experts, router_weights, shared is not None)
         if check:
             self.check_errors()
-        ctx = ForwardContext(schedule, tiles, c, self.ring_x, self.h, self.act, self.shared_h, self.shared_act)
+        ctx = ForwardContext(schedule, tiles, c, self.ring_x, self.h, self.act, self.ring_scale, self.act_scale,
+                             self.shared_h, self.shared_act)
         return out, ctx
 
     def _barrier(self, row: int) -> None:
@@ -259,19 +280,26 @@ class MegaKernel:
     def _launch(self, n, schedule, tiles, w_gate_up, w_down, shared, swiglu_limit) -> None:
         s, c = self.shape, self.config
         gate_up_tile, down_tile = self._tiles()
+        shared_gate_up, shared_down = self._tiles(routed=False)
         D, I, L = s.hidden, s.intermediate, s.experts_per_rank
-        bm, bk = c.tile_m, gate_up_tile.block_k
+        bm, bk, sbk = c.tile_m, gate_up_tile.block_k, shared_gate_up.block_k
         desc = TensorDescriptor.from_tensor
+        if self.fp8:  # the weights are quantised every pass (they change every training step)
+            (w_gate_up, w_gu_scale), (w_down, w_dn_scale) = (quantize_weights(w, "fp8-block") for w in (w_gate_up, w_down))
+            scale_args = (self.ring_scale, w_gu_scale, self.act_scale, w_dn_scale, self.ring_scale.stride(0),
+                          w_gu_scale.stride(1), self.act_scale.stride(0), w_dn_scale.stride(1))
+        else:  # never read
+            scale_args = (self.error, self.error, self.error, self.error, 0, 0, 0, 0)
         ring_desc = desc(self.ring_x, [bm, bk])
         w_gu_desc = desc(w_gate_up.view(L * 2 * I, D), [gate_up_tile.block_n, bk])
         act_desc = desc(self.act, [bm, bk])
         w_dn_desc = desc(w_down.view(L * D, I), [down_tile.block_n, bk])
         x_sym = self.sym.local("x")
         if shared is not None:
-            shared_args = (desc(x_sym, [bm, bk]), desc(shared[0], [gate_up_tile.block_n, bk]), self.shared_h,
+            shared_args = (desc(x_sym, [bm, sbk]), desc(shared[0], [shared_gate_up.block_n, sbk]), self.shared_h,
                            self.shared_act, self.shared_h.stride(0), self.shared_act.stride(0),
-                           desc(self.shared_act, [bm, bk]), desc(shared[1], [down_tile.block_n, bk]), self.shared_y,
-                           self.shared_y.stride(0))
+                           desc(self.shared_act, [bm, sbk]), desc(shared[1], [shared_down.block_n, sbk]),
+                           self.shared_y, self.shared_y.stride(0))
         else:  # never read (HAS_SHARED=False)
             shared_args = (ring_desc, w_gu_desc, self.h, self.act, 0, 0, act_desc, w_dn_desc, self.y, 0)
         M, T = self.max_batches, self.max_tiles
@@ -279,15 +307,17 @@ class MegaKernel:
         tile_done, shared_done = self.counters[2 * M: 2 * M + T], self.counters[2 * M + T: -1]
         comm_done = self.counters[-1:]
         combine = self.sym.local("combine")
-        block_d, chunks, vrows, align = _tile(D, 2, CommTuning())
+        block_d, chunks, vrows, align = _tile(D, 2, CommTuning(), min_block=FP8_BLOCK if self.fp8 else 1)
         slots = c.ring_rows // c.minibatch
         args = (
             schedule.num_rows, schedule.src_rank, schedule.src_index,
             tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.minibatch_tiles,
-            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.ring_x, self.ring_x.stride(0),
+            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.ring_x.view(torch.uint8) if self.fp8 else self.ring_x,
+            self.ring_x.stride(0),
             self.sym.peer_ptrs("combine"), combine, combine.stride(0),
-            ring_desc, w_gu_desc, self.h, self.act, self.h.stride(0), self.act.stride(0), act_desc, w_dn_desc,
-            self.y, self.y.stride(0),
+            ring_desc, w_gu_desc, self.h, self.act.view(torch.uint8) if self.fp8 else self.act, self.h.stride(0),
+            self.act.stride(0), act_desc, w_dn_desc, self.y, self.y.stride(0),
+            *scale_args,
             *shared_args,
             rows_ready, tile_done, y_done, shared_done, comm_done,
             self.flag_ptrs[1], self.sym.local("flags")[1], self.epochs[1:], self.error,
@@ -300,7 +330,9 @@ class MegaKernel:
             HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up_tile.block_n, BN_DN=down_tile.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up_tile.group_m, GROUP_DN=down_tile.group_m, TRACE=self.trace is not None and self.gpu,
-            num_warps=down_tile.num_warps, num_stages=down_tile.num_stages,
+            FP8=self.fp8, SOFT_E4M3=soft_e4m3_default(),
+            SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk,
+            num_warps=gate_up_tile.num_warps, num_stages=gate_up_tile.num_stages,
         )
         if self.gpu:
             if not self._checked_occupancy:
@@ -397,7 +429,8 @@ def megamoe_forward(
 
     Args:
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
-        precision: ``bf16`` (the FP8 formats run in the standalone kernels only, for now).
+        precision: ``bf16`` or ``fp8-block`` (routed experts; rows quantised in the pull, weights per pass).
+            mxfp8 runs in the standalone kernels only, for now.
         max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
         check: validate the expert ids and read the kernel's error word after the pass (host syncs).
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
@@ -420,10 +453,10 @@ def megamoe_forward(
     if fused is not None and fused[0].dtype != torch.bfloat16:
         raise ValueError(f"shared expert weights must be bfloat16, got {fused[0].dtype}")
     shape = LayerShape(world.size, max_tokens, d, inter, experts, k, 0 if fused is None else fused[1].shape[1])
-    key = (id(world.group), world.device, shape, config)
+    key = (id(world.group), world.device, shape, config, precision)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = MegaKernel(world, shape, config)
+        kernel = _KERNELS[key] = MegaKernel(world, shape, config, precision=precision)
     out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(),
                             w_gate_up.detach().contiguous(), w_down.detach().contiguous(), fused, swiglu_limit,
                             check=check)

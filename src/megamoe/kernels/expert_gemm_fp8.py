@@ -39,9 +39,12 @@ SCALE_BLOCK = 128
 
 @triton.jit
 def _dot_block(a, w, DOT_FP32: tl.constexpr):
-    """a [BM, 128] · w [BN, 128]ᵀ in fp32 (FP8 wgmma compiled; fp32 under the interpreter, exact for E4M3)."""
+    """a [BM, 128] · w [BN, 128]ᵀ in fp32 (FP8 wgmma compiled). Under the interpreter the products and their
+    sum in FP64 (exact for E4M3), then rounded once: numpy's FP32 matmul rounds a row by its place in the tile."""
     if DOT_FP32:
-        a, w = a.to(tl.float32), w.to(tl.float32)
+        wide = tl.zeros((a.shape[0], w.shape[0]), dtype=tl.float64)
+        a, w = a.to(tl.float32).to(tl.float64), w.to(tl.float32).to(tl.float64)  # E4M3 -> fp32 is exact
+        return tl.dot(a, w.T, wide, out_dtype=tl.float64).to(tl.float32)
     return tl.dot(a, w.T)
 
 

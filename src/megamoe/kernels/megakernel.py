@@ -50,6 +50,7 @@ from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, pull_tile, push_tile,
 from triton.language.extra.cuda import globaltimer
 
 from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
+from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
 
 #: Wait ids of the error word (megamoe.megakernel names them).
 WAIT_ROWS_READY = tl.constexpr(1)
@@ -131,17 +132,22 @@ def ring_shift(j, minibatch, slots):
 @triton.jit
 def comm_pull(
     j, c, comm_sms, num_rows, minibatch, slots,
-    x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, rows_ready_ptr,
+    x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr,
+    stride_ring_scale, rows_ready_ptr,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+    FP8: tl.constexpr, SOFT_E4M3: tl.constexpr,
 ):
-    """Worker c's share of minibatch j's rows into its ring slot, then rows_ready[j] += 1."""
+    """Worker c's share of minibatch j's rows into its ring slot (FP8: quantised 1x128 on the way, E4M3 bytes
+    and fp32 scales), then rows_ready[j] += 1."""
     first_row = j.to(tl.int64) * minibatch
     end_row = tl.minimum(first_row + minibatch, num_rows)
-    dst = ring_ptr + ring_shift(j, minibatch, slots) * stride_ring
+    shift = ring_shift(j, minibatch, slots)
+    dst = ring_ptr + shift * stride_ring
+    dst_scale = ring_scale_ptr + shift * stride_ring_scale
     for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
         pull_tile(v0, end_row, x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, dst, stride_ring,
-                  x_peer_ptrs, x_ptr, dst, 0,
-                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, False, 0, False)
+                  x_peer_ptrs, x_ptr, dst_scale, stride_ring_scale,
+                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, False, 2 if FP8 else 0, SOFT_E4M3)
     release_add(rows_ready_ptr + j)
 
 
@@ -176,9 +182,11 @@ def first_task(c, workers, dealt):
 def compute_gate_up(
     j, c, workers, dealt, minibatch, slots, budget,
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+    ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_act_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
     error_ptr, trace_ptr, comm_sms, I, D, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
+    FP8: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's gate/up + SwiGLU tasks of minibatch j; returns (tasks dealt so far, budget)."""
@@ -198,8 +206,14 @@ def compute_gate_up(
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile) + shift
         row_end = tl.load(tile_row_end_ptr + tile) + shift
-        gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert,
-                            n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
+        if FP8:
+            gate_up_fp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
+                             act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act, stride_act_scale,
+                             row0, row_end, expert, n * BN_GU, I, D, limit, HAS_LIMIT, True, DOT_FP32, SOFT_E4M3,
+                             BLOCK_M, BN_GU)
+        else:
+            gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
+                                expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
         release_add(tile_done_ptr + tile)
     return dealt + tasks, budget
 
@@ -207,10 +221,10 @@ def compute_gate_up(
 @triton.jit
 def compute_down(
     j, c, workers, dealt, minibatch, slots, budget,
-    act_desc, w_down_desc, y_ptr, stride_y,
+    act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
     error_ptr, trace_ptr, I, D,
-    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
+    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget)."""
@@ -228,8 +242,12 @@ def compute_down(
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile) + shift
         row_end = tl.load(tile_row_end_ptr + tile) + shift
-        down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
-                  DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+        if FP8:
+            down_fp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
+                          stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, I, DOT_FP32, BLOCK_M, BN_DN)
+        else:
+            down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
+                      DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
         release_add(y_done_ptr + j)
     return dealt + tasks, budget
 
@@ -280,6 +298,9 @@ def megakernel(
     x_peer_ptrs, x_ptr, stride_x, ring_ptr, stride_ring, combine_peer_ptrs, combine_ptr, stride_combine,
     # routed experts over the ring
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc, y_ptr, stride_y,
+    # FP8-block scales: the ring's (1x128 along D), gate/up and down weights' (128x128), act's (1x128 along I)
+    ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, w_down_scale_ptr,
+    stride_ring_scale, stride_wgu_scale, stride_act_scale, stride_wdn_scale,
     # shared expert over this rank's tokens
     shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr, stride_shared_h, stride_shared_act,
     shared_act_desc, shared_w_down_desc, shared_y_ptr, stride_shared_y,
@@ -292,6 +313,8 @@ def megakernel(
     HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
+    FP8: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    SHARED_BN_GU: tl.constexpr, SHARED_BN_DN: tl.constexpr, SHARED_BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     trace_ptr = trace_base_ptr + pid * TRACE_FIELDS
@@ -312,7 +335,8 @@ def megakernel(
                         CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
-                          rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN)
+                          ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
+                          FP8, SOFT_E4M3)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
                     batches - 1 - p, pid, comm_sms, num_rows, minibatch, slots, budget,
@@ -337,10 +361,12 @@ def megakernel(
             if HAS_SHARED:
                 dealt = shared_gate_up(c, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr,
                                        shared_act_ptr, stride_shared_h, stride_shared_act, shared_done_ptr,
-                                       shared_I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                                       shared_I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, SHARED_BN_GU, SHARED_BK,
+                                       GROUP_GU)
                 dealt, budget = shared_down(c, workers, dealt, budget, tokens, shared_act_desc, shared_w_down_desc,
                                             shared_y_ptr, stride_shared_y, shared_done_ptr, error_ptr, trace_ptr,
-                                            shared_I, D, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                                            shared_I, D, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, SHARED_BN_GU, SHARED_BN_DN,
+                                            SHARED_BK, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_SHARED_END, globaltimer())
             for p in range(batches):
@@ -348,15 +374,17 @@ def megakernel(
                 dealt, budget = compute_gate_up(
                     j, c, workers, dealt, minibatch, slots, budget,
                     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
-                    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
+                    ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
+                    stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
                     tile_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FP8, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
+                    GROUP_GU)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
-                    act_desc, w_down_desc, y_ptr, stride_y,
-                    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
+                    act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
+                    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
                     y_done_ptr, error_ptr, trace_ptr, I, D,
-                    DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                    DOT_FP32, FENCE, WAIT, TRACE, FP8, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
@@ -366,27 +394,30 @@ def megakernel(
         if PHASE == PHASE_SHARED_GATE_UP:
             shared_gate_up(pid, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr,
                            stride_shared_h, stride_shared_act, shared_done_ptr, shared_I, D, limit,
-                           HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                           HAS_LIMIT, DOT_FP32, BLOCK_M, SHARED_BN_GU, SHARED_BK, GROUP_GU)
         elif PHASE == PHASE_SHARED_DOWN:
             shared_down(pid, workers, 0, budget, tokens, shared_act_desc, shared_w_down_desc, shared_y_ptr,
                         stride_shared_y, shared_done_ptr, error_ptr, trace_ptr, shared_I, D,
-                        DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                        DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, SHARED_BN_GU, SHARED_BN_DN, SHARED_BK, GROUP_DN)
         elif PHASE == PHASE_PULL:
             comm_pull(j, pid, workers, num_rows, minibatch, slots,
                       x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
-                      rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN)
+                      ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
+                      FP8, SOFT_E4M3)
         elif PHASE == PHASE_GATE_UP:
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
                             ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
-                            tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
+                            ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
+                            stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
                             tile_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FP8, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
+                    GROUP_GU)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
-                         act_desc, w_down_desc, y_ptr, stride_y,
-                         tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
+                         act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
+                         stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
                          y_done_ptr, error_ptr, trace_ptr, I, D,
-                         DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                         DOT_FP32, FENCE, WAIT, TRACE, FP8, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
