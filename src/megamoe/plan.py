@@ -15,8 +15,8 @@ minibatch at a time. The planner applies three rules and prints why:
    whole minibatches, so a balanced backward replays nothing; skewed routing
    wraps the ring (never drops).
 
-Measured inputs (benchmarks/results/): expert GEMMs ~525 TFLOP/s BF16 on
-the whole H200; NVLink pull ~10.7 GB/s per SM (256 GB/s with 24 SMs).
+Measured inputs (benchmarks/results/): expert GEMM rates (``GEMM_TFLOPS``, BF16 as the
+megakernel runs them); NVLink pull ~10.7 GB/s per SM (256 GB/s with 24 SMs).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from megamoe.config import MoEConfig
 
 #: H200 measurements the rules use (benchmarks/results/2026-11-29-*).
-GEMM_TFLOPS = {"bf16": 525.0, "fp8-block": 1000.0, "mxfp8": 525.0}
+#: Expert GEMM rates on all 132 SMs: bf16 from the megakernel's trace (5.77 TFLOP of routed kimi-k2 tiles in
+#: 14.05 ms on 114 compute SMs: 410 TFLOP/s there, 475 scaled to 132), FP8-block and MXFP8 from the standalone
+#: forwards (744 and 205 TFLOP/s, benchmarks/results/2026-11-29-round2 and -fp8-mxfp8).
+GEMM_TFLOPS = {"bf16": 475.0, "fp8-block": 744.0, "mxfp8": 205.0}
 NVLINK_GBPS_PER_SM = 10.7
 H200_SMS = 132
 #: Communication of a minibatch may take at most this share of its compute time.
