@@ -216,3 +216,41 @@ def test_fp8_block_quantises_in_the_pull_and_stays_close():
     for r in launch(_fp8, 2):
         assert r["ring_exact"] and r["same_bits"], r
         assert r["fp8"]["rel_err"] < 6e-2 and r["bf16"]["rel_err"] < r["fp8"]["rel_err"], r
+
+
+def _gpu_graph_and_timeout(world):
+    """A captured pass replays to the eager pass's bits; a rank that never arrives makes the other raise."""
+    cfg = MoEConfig(hidden=512, intermediate=256, num_experts=8, top_k=2, shared=(128,))
+    p = _problem(world, cfg, (300, 200), "uniform", 0.0, 5)
+    fused = fuse_shared(p.shared)
+    shape = LayerShape(world.size, 300, cfg.hidden, cfg.intermediate, cfg.experts_per_rank(world.size), cfg.top_k,
+                       fused[1].shape[1])
+    kernel = MegaKernel(world, shape)
+    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
+    eager = kernel.forward(*args)[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.forward(*args, check=False)[0]
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        replays.append(torch.equal(captured, eager))
+    kernel.check_errors()
+    lonely = MegaKernel(world, shape, wait_budget=1 << 14)  # collective: both ranks allocate
+    message = None
+    if world.rank == 0:  # rank 1 never starts the pass: rank 0's barrier must give up and say so
+        try:
+            lonely.forward(*args)
+        except RuntimeError as exc:
+            message = str(exc)
+    torch.cuda.synchronize()
+    world.barrier()
+    return replays, message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_graph_replay_and_bounded_wait():
+    (replays, message), (replays1, _) = launch(_gpu_graph_and_timeout, 2, device="cuda")
+    assert all(replays) and all(replays1)
+    assert message is not None and "start-of-pass barrier flag of rank 1" in message, message
