@@ -157,6 +157,8 @@ class MegaKernel:
             BufferSpec("combine", (max(N * k, 1), D), torch.bfloat16),
             BufferSpec("routing", (R, max(N, 1), k), torch.int32),
             BufferSpec("flags", (2, R), torch.int32),
+            # this rank's barrier epochs: with the flags, shared by every MegaKernel on this workspace
+            BufferSpec("epochs", (2,), torch.int32),
         ))
         dev = world.device
         bf16 = dict(dtype=torch.bfloat16, device=dev)
@@ -177,7 +179,7 @@ class MegaKernel:
         shared_tiles = -(-max(N, 1) // c.tile_m)
         self.counters = torch.zeros(2 * self.max_batches + self.max_tiles + shared_tiles + 1, dtype=torch.int32,
                                     device=dev)
-        self.epochs = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.epochs = self.sym.local("epochs")
         self.error = torch.zeros(4, dtype=torch.int32, device=dev)
         # trace (GPU only): per program [start, end, ns waiting, waits, shared done] globaltimer stamps
         self.trace = torch.zeros(c.num_sms, mk.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
