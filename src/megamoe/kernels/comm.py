@@ -331,7 +331,7 @@ def wait_flags(flags_ptr, count, target, budget, error_ptr, WAIT_ID: tl.constexp
     Polls are acquire loads at system scope (``atomic_add(ptr, 0)``), so
     whatever a peer wrote before its release of the flag is visible after.
     On timeout writes ``[WAIT_ID, r, target, seen]`` (first late rank) to
-    ``error_ptr[0:4]``. Returns 1 when every flag arrived, else 0.
+    ``error_ptr[0:4]`` unless an earlier timeout holds the word. Returns 1 when every flag arrived, else 0.
     """
     polls = 0
     ok = 1
@@ -341,10 +341,10 @@ def wait_flags(flags_ptr, count, target, budget, error_ptr, WAIT_ID: tl.constexp
             seen = tl.atomic_add(flags_ptr + r, 0, sem="acquire", scope="sys")
             polls += 1
         if (seen < target) & (ok == 1):
-            tl.store(error_ptr + 1, r)
-            tl.store(error_ptr + 2, target)
-            tl.store(error_ptr + 3, seen)
-            tl.store(error_ptr, WAIT_ID)
+            if tl.atomic_cas(error_ptr, 0, WAIT_ID) == 0:  # the first timeout of a pass is the one reported
+                tl.store(error_ptr + 1, r)
+                tl.store(error_ptr + 2, target)
+                tl.store(error_ptr + 3, seen)
             ok = 0
     return ok
 
