@@ -336,19 +336,20 @@ def default_config(block: tuple[int, int]) -> QuantConfig:
     (each warp owns whole rows: the block max is in-thread plus two shuffles). Columnwise blocks
     run across rows, and a tile whose warps split a block (every tile here with > 1 warp) reduces
     through shared memory (4-6 CTA barriers, ``BLOCK_K x warps`` partials): fewer warps per block
-    was faster on the GPU (32 x 128 w2 71 % vs 32 x 256 w4 48 %, w8 29 %). The sweep also times
-    one-warp tiles (32 x 64, 32 x 128, 128 x 32: the block max is in-thread plus shuffles, no
-    barrier), not yet measured.
+    was faster on the GPU (32 x 128 w2 71 % vs 32 x 256 w4 48 %, w8 29 %). One-warp tiles (the
+    block max in-thread plus shuffles, no barrier) win for 32-row blocks; each columnwise default
+    is the tile best for both output layouts (row-major and transposed), 2026-11-29 sweep in
+    benchmarks/results/2026-11-29-quant-defaults.
     """
     br, bc = block
     if (br, bc) == (1, MX_BLOCK):
         return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 93 % (32 x 512 w8: 91.5 %)
     if (br, bc) == (MX_BLOCK, 1):
-        return QuantConfig(block_m=32, block_k=128, num_warps=2)  # 71 % (32 x 256 w4: 48 %)
+        return QuantConfig(block_m=64, block_k=64, num_warps=1)  # 80 %, transposed 71.5 % (32 x 128 w2: 71 / 66 %)
     if (br, bc) == (1, FP8_BLOCK):
         return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 83 %
     if (br, bc) == (FP8_BLOCK, 1):
-        return QuantConfig(block_m=128, block_k=64, num_warps=4)  # 63 % (128 x 128 w8: 51 %)
+        return QuantConfig(block_m=128, block_k=64, num_warps=2)  # 65 %, transposed 82 % (w4: 63 / 61 %)
     return QuantConfig(block_m=128, block_k=128, num_warps=8)  # 128x128 weights: 90 %
 
 
