@@ -146,6 +146,7 @@ class MegaKernel:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
         self.world, self.shape, self.precision = world, shape, precision
+        self.requested = (config, precision)
         self.fp8 = precision == "fp8-block"
         self.config = config or default_config(world, shape)
         self.gpu = _on_gpu(world)
@@ -438,8 +439,8 @@ def megamoe_forward(
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
 
     Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
-    The kernel state is cached per (group, shape, config); for CUDA-graph capture use
-    :class:`MegaKernel` directly with ``check=False``.
+    The kernel state is cached per (group, shape), one config and precision at a time; for CUDA-graph
+    capture use :class:`MegaKernel` directly with ``check=False``.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
@@ -455,9 +456,11 @@ def megamoe_forward(
     if fused is not None and fused[0].dtype != torch.bfloat16:
         raise ValueError(f"shared expert weights must be bfloat16, got {fused[0].dtype}")
     shape = LayerShape(world.size, max_tokens, d, inter, experts, k, 0 if fused is None else fused[1].shape[1])
-    key = (id(world.group), world.device, shape, config, precision)
+    # One MegaKernel per shape: another config or precision replaces it (its ring buffers are freed first).
+    key = (id(world.group), world.device, shape)
     kernel = _KERNELS.get(key)
-    if kernel is None:
+    if kernel is None or kernel.requested != (config, precision):
+        _KERNELS.pop(key, None)
         kernel = _KERNELS[key] = MegaKernel(world, shape, config, precision=precision)
     out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(),
                             w_gate_up.detach().contiguous(), w_down.detach().contiguous(), fused, swiglu_limit,
