@@ -103,7 +103,7 @@ def _bad(world):
     p = make_problem(CONFIG, world.rank, world.size, 4, dtype=torch.bfloat16)
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
     calls = [
-        lambda: megamoe_forward(*args, precision="mxfp8"),
+        lambda: megamoe_forward(*args, precision="fp4"),
         lambda: megamoe_forward(*args, config=KernelConfig(4, 1, 64, 64, tile_m=64, tile_n=32)),
         lambda: megamoe_forward(world, p.x.float(), *args[2:]),
         lambda: megamoe_forward(*args, max_tokens=2),
@@ -125,6 +125,111 @@ def test_bad_inputs_and_configs_raise_value_error():
     assert all(errors), errors
     assert "precision" in errors[0] and "tile_m" in errors[1] and "bfloat16" in errors[2]
     assert "max_tokens" in errors[3] and "comm_sms" in errors[4] and "larger than the ring" in errors[5]
+
+
+# --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
+
+GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,), swiglu_limit=None)
+
+
+def _gpu_configs(sms: int):
+    return [KernelConfig(sms, comm, minibatch, ring, 128, 256)
+            for comm, minibatch, ring in ((16, 1024, 8192), (4, 256, 512), (32, 512, 16384), (1, 128, 256))]
+
+
+def _gpu_suite(world):
+    results = []
+    sms = torch.cuda.get_device_properties(world.device).multi_processor_count
+    for name, tokens, routing, drop in (("uneven", (1000, 700), "uniform", 0.1), ("one-rank", (900, 0), "one-rank", 0.0),
+                                        ("zipf", (2048, 2048), "zipf", 0.05)):
+        p = _problem(world, GPU_CONFIG, tokens, routing, drop, 11)
+        want = ep_reference_forward_backward(world, p, with_grads=False)[0]
+        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
+        out = megamoe_forward(*args)
+        outs = [megamoe_forward(*args, config=c) for c in _gpu_configs(sms)] + [megamoe_forward(*args)]
+        fwd = compare({"out": out.float()}, {"out": want.float()}, "bf16")
+        results.append({"case": name, "correct": fwd["correct"], "rel_err": fwd["rel_err"],
+                        "same_bits": [torch.equal(out, o) for o in outs]})
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_two_ranks_correct_and_bitwise_stable():
+    for rank, per_case in enumerate(launch(_gpu_suite, 2, device="cuda")):
+        for r in per_case:
+            assert r["correct"] and r["rel_err"] < 1e-2 and all(r["same_bits"]), (rank, r)
+
+
+def _tiny_minibatches(world):
+    from megamoe.config import preset
+
+    cfg = preset("tiny")
+    p = make_problem(cfg, world.rank, world.size, 64, dtype=torch.bfloat16, seed=0)
+    return [megamoe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared,
+                            config=KernelConfig(4, 1, minibatch, 1024, 32, 32)) for minibatch in (64, 128)]
+
+
+def test_tiny_preset_same_bits_for_two_minibatches():
+    """A row's down-projection once differed by its place in the row tile (numpy's FP32 matmul)."""
+    for a, b in launch(_tiny_minibatches, 2):
+        assert torch.equal(a, b)
+
+
+FP8_CONFIG = MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=3, shared=(64,), swiglu_limit=None)
+ROOMY = KernelConfig(num_sms=4, comm_sms=1, minibatch=64, ring_rows=1024, tile_m=32, tile_n=32)  # nothing wraps
+
+
+def _quantized(world, precision):
+    from megamoe.experts_fp8 import expert_forward_fp8_block_reference
+    from megamoe.experts_mxfp8 import expert_forward_mxfp8_reference
+    from megamoe.formats import fp8_block_quantize, mxfp8_quantize
+    from megamoe.kernels.quant import quantize_weights
+
+    quantize = {"mxfp8": mxfp8_quantize, "fp8-block": fp8_block_quantize}[precision]
+    twin = {"mxfp8": expert_forward_mxfp8_reference, "fp8-block": expert_forward_fp8_block_reference}[precision]
+    p = _problem(world, FP8_CONFIG, (41, 23), "uniform", 0.1, 9)
+    want = ep_reference_forward_backward(world, p, with_grads=False)[0]
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
+    out = megamoe_forward(*args, precision=precision)
+    wrapped = megamoe_forward(*args, precision=precision, config=WRAPPING)
+    bf16 = megamoe_forward(*args)
+    fused = fuse_shared(p.shared)
+    shape = LayerShape(world.size, 41, FP8_CONFIG.hidden, FP8_CONFIG.intermediate,
+                       FP8_CONFIG.experts_per_rank(world.size), FP8_CONFIG.top_k, fused[1].shape[1])
+    kernel = MegaKernel(world, shape, ROOMY, precision=precision)
+    _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
+    rows, s = int(ctx.schedule.num_rows), ctx.schedule
+    # 1. the ring's rows are the pulled x rows quantised, bit for bit
+    x_all = [torch.empty(41, FP8_CONFIG.hidden, dtype=p.x.dtype) for _ in range(world.size)]
+    torch.distributed.all_gather(x_all, torch.cat([p.x, p.x.new_zeros(41 - p.x.shape[0], p.x.shape[1])]),
+                                 group=world.group)
+    pulled = torch.stack([x_all[r][i // FP8_CONFIG.top_k] for r, i in
+                          zip(s.src_rank[:rows].tolist(), s.src_index[:rows].tolist())])
+    data, scale = quantize(pulled)
+    ring_exact = (torch.equal(ctx.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
+                  and torch.equal(ctx.ring_scale[:rows], scale))
+    # 2. the expert outputs are the twin's on those rows and the same quantised weights
+    (wgu, wgu_s), (wdn, wdn_s) = (quantize_weights(w, precision) for w in (p.w_gate_up, p.w_down))
+    ref = twin(ctx.ring_x[:rows], ctx.ring_scale[:rows], s.tokens_per_expert, s.offsets, wgu, wgu_s, wdn, wdn_s)
+    return {
+        "out": compare({"out": out.float()}, {"out": want.float()}, "bf16"),
+        "bf16": compare({"out": bf16.float()}, {"out": want.float()}, "bf16"),
+        "y": compare({"y": kernel.y[:rows].float()}, {"y": ref.y}, "bf16"),
+        "same_bits": torch.equal(out, wrapped),
+        "ring_exact": ring_exact,
+    }
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8-block"])
+def test_quantized_formats_quantise_in_the_pull_and_match_their_twin(precision):
+    """The ring holds exactly formats' quantisation of the pulled rows; the expert outputs equal the format's
+    torch twin on them; the layer output is within E4M3's error of the BF16 oracle (and farther than the BF16
+    path); a wrapping ring gives the same bits."""
+    for r in launch(_quantized, 2, precision):
+        assert r["ring_exact"] and r["same_bits"], r
+        assert r["y"]["correct"], r["y"]
+        assert r["out"]["rel_err"] < 6e-2 and r["bf16"]["rel_err"] < r["out"]["rel_err"], r
 
 
 # --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
@@ -254,3 +359,23 @@ def test_gpu_graph_replay_and_bounded_wait():
     (replays, message), (replays1, _) = launch(_gpu_graph_and_timeout, 2, device="cuda")
     assert all(replays) and all(replays1)
     assert message is not None and "start-of-pass barrier flag of rank 1" in message, message
+
+
+def test_megakernel_compiles_for_sm90_in_every_format():
+    """Compiled on the CPU for Hopper: wgmma (FP8 for fp8-block; MXFP8 dequantises to BF16), TMA loads, and the
+    async-proxy fences between the comm workers' stores and the compute workers' TMA reads."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.sm90", "megakernel"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"bf16", "mxfp8", "fp8-block"}
+    for fmt, facts in summary.items():
+        assert facts["wgmma"] > 0 and facts["tma"] and facts["fence_proxy_async"], (fmt, facts)
+        assert facts["wgmma_fp8"] == (fmt == "fp8-block") and facts["wgmma_bf16"], (fmt, facts)

@@ -41,16 +41,24 @@ from megamoe.comm import CommTuning
 from megamoe.config import MoEConfig
 from megamoe.experts import RowTiles, TileConfig, build_row_tiles, interpreting, plan_tiles
 from megamoe.experts_fp8 import plan_tiles_fp8
-from megamoe.formats import FP8_BLOCK
+from megamoe.experts_mxfp8 import plan_tiles_mxfp8
+from megamoe.formats import FP8_BLOCK, MX_BLOCK
 from megamoe.kernels import megakernel as mk
 from megamoe.kernels.quant import quantize_weights, soft_e4m3_default
 from megamoe.plan import KernelConfig, plan
 from megamoe.schedule import PullSchedule, build_pull_schedule
 from megamoe.world import BufferSpec, EPWorld, workspace
 
-#: Precisions of the routed experts (the shared expert stays BF16). fp8-block: the pulled rows are
-#: quantised 1x128 on the way into the ring, the weights 128x128 per pass, act 1x128 in the gate/up epilogue.
-PRECISIONS = ("bf16", "fp8-block")
+#: Precisions of the routed experts (the shared expert stays BF16) -> (the kernel's FMT, elements per
+#: activation scale, scale dtype). The pulled rows are quantised on the way into the ring (1x32 / 1x128
+#: along D), the weights once per pass (mxfp8 1x32 along the reduction axis, fp8-block 128x128), act in
+#: the gate/up epilogue; MXFP8 runs dequantise-on-load tiles (megamoe.experts_mxfp8).
+FORMATS = {
+    "bf16": (mk.FMT_BF16.value, 1, None),
+    "mxfp8": (mk.FMT_MXFP8.value, MX_BLOCK, torch.uint8),
+    "fp8-block": (mk.FMT_FP8_BLOCK.value, FP8_BLOCK, torch.float32),
+}
+PRECISIONS = tuple(FORMATS)
 
 WAITS = {
     mk.WAIT_ROWS_READY.value: "rows_ready of minibatch",
@@ -80,8 +88,9 @@ class ForwardContext:
         row_tiles: its row tiles, cut at minibatch boundaries.
         config: the KernelConfig the pass ran with.
         ring_x, h, act: `[ring_rows, D]`, `[ring_rows, 2I]`, `[ring_rows, I]`; bf16, but ring_x and act are
-            E4M3 with fp8-block.
-        ring_scale, act_scale: fp8-block's fp32 1x128 scales of ring_x and act (None with bf16).
+            E4M3 with mxfp8 and fp8-block.
+        ring_scale, act_scale: their scales along D and I (mxfp8 E8M0 1x32, fp8-block fp32 1x128; None with
+            bf16).
         shared_h, shared_act: the shared expert's `[N, 2Is]`, `[N, Is]` (None without one).
     """
 
@@ -118,15 +127,17 @@ class LayerShape:
         return self.num_ranks * max(self.max_tokens, 1) * self.top_k
 
 
-def default_config(world: EPWorld, shape: LayerShape) -> KernelConfig:
-    """The planner's KernelConfig for this shape on this device (GPU), or a small one for the interpreter."""
+def default_config(world: EPWorld, shape: LayerShape, precision: str = "bf16") -> KernelConfig:
+    """The planner's KernelConfig for this shape and precision on this device (GPU), or a small one for the
+    interpreter."""
     cfg = MoEConfig(hidden=shape.hidden, intermediate=shape.intermediate,
                     num_experts=shape.experts_per_rank * shape.num_ranks, top_k=shape.top_k)
     tokens = max(shape.max_tokens, 1)
     if _on_gpu(world):
         sms = torch.cuda.get_device_properties(world.device).multi_processor_count
         tile = plan_tiles("down", world.device)
-        return plan(cfg, world.size, tokens, num_sms=sms, tile_m=tile.block_m, tile_n=tile.block_n).config
+        return plan(cfg, world.size, tokens, num_sms=sms, precision=precision, tile_m=tile.block_m,
+                    tile_n=tile.block_n).config
     tile = plan_tiles("down", torch.device("cpu"))
     # Interpreter: small minibatches so even tiny shapes cross a few minibatches.
     minibatch = 2 * tile.block_m
@@ -147,8 +158,9 @@ class MegaKernel:
             raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
         self.world, self.shape, self.precision = world, shape, precision
         self.requested = (config, precision)
-        self.fp8 = precision == "fp8-block"
-        self.config = config or default_config(world, shape)
+        self.fmt, self.scale_block, scale_dtype = FORMATS[precision]
+        self.quantized = precision != "bf16"
+        self.config = config or default_config(world, shape, precision)
         self.gpu = _on_gpu(world)
         self._check_config()
         R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
@@ -163,13 +175,13 @@ class MegaKernel:
         ))
         dev = world.device
         bf16 = dict(dtype=torch.bfloat16, device=dev)
-        row_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        row_dtype = torch.float8_e4m3fn if self.quantized else torch.bfloat16
         self.ring_x = torch.zeros(c.ring_rows, D, dtype=row_dtype, device=dev)
         self.h = torch.empty(c.ring_rows, 2 * I, **bf16)
         self.act = torch.zeros(c.ring_rows, I, dtype=row_dtype, device=dev)
-        scales = dict(dtype=torch.float32, device=dev)  # FP8-block 1x128 scales of the ring rows and of act
-        self.ring_scale = torch.zeros(c.ring_rows, D // FP8_BLOCK, **scales) if self.fp8 else None
-        self.act_scale = torch.zeros(c.ring_rows, I // FP8_BLOCK, **scales) if self.fp8 else None
+        block, scales = self.scale_block, dict(dtype=scale_dtype, device=dev)
+        self.ring_scale = torch.zeros(c.ring_rows, D // block, **scales) if self.quantized else None
+        self.act_scale = torch.zeros(c.ring_rows, I // block, **scales) if self.quantized else None
         self.y = torch.empty(c.ring_rows, D, **bf16)
         self.shared_h = torch.empty(max(N, 1), 2 * Is, **bf16) if Is else None
         self.shared_act = torch.zeros(max(N, 1), Is, **bf16) if Is else None
@@ -194,8 +206,9 @@ class MegaKernel:
     def _check_config(self) -> None:
         c = self.config
         gate_up, down = self._tiles()
-        if self.fp8 and (self.shape.hidden % FP8_BLOCK or self.shape.intermediate % FP8_BLOCK):
-            raise ValueError(f"fp8-block needs D and I multiples of {FP8_BLOCK}, got D={self.shape.hidden}, "
+        block = FORMATS[self.precision][1]
+        if self.shape.hidden % block or self.shape.intermediate % block:
+            raise ValueError(f"{self.precision} needs D and I multiples of {block}, got D={self.shape.hidden}, "
                              f"I={self.shape.intermediate}")
         if c.tile_m != gate_up.block_m:
             raise ValueError(f"KernelConfig.tile_m ({c.tile_m}) must be the expert tiles' rows ({gate_up.block_m} "
@@ -211,8 +224,11 @@ class MegaKernel:
     def _tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
         """(gate/up, down) tiles of the routed experts (``routed``) or of the shared expert (always BF16)."""
         device = self.world.device if self.gpu else torch.device("cpu")
-        plan_kind = plan_tiles_fp8 if self.fp8 and routed else plan_tiles
-        return plan_kind("gate_up", device), plan_kind("down", device)
+        if routed and self.precision == "fp8-block":
+            return plan_tiles_fp8("gate_up", device), plan_tiles_fp8("down", device)
+        if routed and self.precision == "mxfp8":
+            return plan_tiles_mxfp8("gate_up", "dequant", device), plan_tiles_mxfp8("down", "dequant", device)
+        return plan_tiles("gate_up", device), plan_tiles("down", device)
 
     def check_errors(self) -> None:
         """Raise RuntimeError if a wait of an earlier pass timed out (reads the error word: a host sync)."""
@@ -287,8 +303,9 @@ class MegaKernel:
         D, I, L = s.hidden, s.intermediate, s.experts_per_rank
         bm, bk, sbk = c.tile_m, gate_up_tile.block_k, shared_gate_up.block_k
         desc = TensorDescriptor.from_tensor
-        if self.fp8:  # the weights are quantised every pass (they change every training step)
-            (w_gate_up, w_gu_scale), (w_down, w_dn_scale) = (quantize_weights(w, "fp8-block") for w in (w_gate_up, w_down))
+        if self.quantized:  # the weights are quantised every pass (they change every training step)
+            (w_gate_up, w_gu_scale), (w_down, w_dn_scale) = (quantize_weights(w, self.precision)
+                                                             for w in (w_gate_up, w_down))
             scale_args = (self.ring_scale, w_gu_scale, self.act_scale, w_dn_scale, self.ring_scale.stride(0),
                           w_gu_scale.stride(1), self.act_scale.stride(0), w_dn_scale.stride(1))
         else:  # never read
@@ -310,22 +327,22 @@ class MegaKernel:
         tile_done, shared_done = self.counters[2 * M: 2 * M + T], self.counters[2 * M + T: -1]
         comm_done = self.counters[-1:]
         combine = self.sym.local("combine")
-        block_d, chunks, vrows, align = _tile(D, 2, CommTuning(), min_block=FP8_BLOCK if self.fp8 else 1)
+        block_d, chunks, vrows, align = _tile(D, 2, CommTuning(), min_block=self.scale_block)
         slots = c.ring_rows // c.minibatch
         args = (
             schedule.num_rows, schedule.src_rank, schedule.src_index,
             tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.minibatch_tiles,
-            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.ring_x.view(torch.uint8) if self.fp8 else self.ring_x,
+            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.ring_x.view(torch.uint8) if self.quantized else self.ring_x,
             self.ring_x.stride(0),
             self.sym.peer_ptrs("combine"), combine, combine.stride(0),
-            ring_desc, w_gu_desc, self.h, self.act.view(torch.uint8) if self.fp8 else self.act, self.h.stride(0),
+            ring_desc, w_gu_desc, self.h, self.act.view(torch.uint8) if self.quantized else self.act, self.h.stride(0),
             self.act.stride(0), act_desc, w_dn_desc, self.y, self.y.stride(0),
             *scale_args,
             *shared_args,
             rows_ready, tile_done, y_done, shared_done, comm_done,
             self.flag_ptrs[1], self.sym.local("flags")[1], self.epochs[1:], self.error,
             self.error if self.trace is None else self.trace,
-            n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, slots, I, D, s.shared_intermediate,
+            n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, slots, L, I, D, s.shared_intermediate,
             float(swiglu_limit or 0.0), self.budget,
         )
         consts = dict(
@@ -333,7 +350,7 @@ class MegaKernel:
             HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up_tile.block_n, BN_DN=down_tile.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up_tile.group_m, GROUP_DN=down_tile.group_m, TRACE=self.trace is not None and self.gpu,
-            FP8=self.fp8, SOFT_E4M3=soft_e4m3_default(),
+            FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
             SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk,
             num_warps=gate_up_tile.num_warps, num_stages=gate_up_tile.num_stages,
         )
@@ -432,8 +449,8 @@ def megamoe_forward(
 
     Args:
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
-        precision: ``bf16`` or ``fp8-block`` (routed experts; rows quantised in the pull, weights per pass).
-            mxfp8 runs in the standalone kernels only, for now.
+        precision: ``bf16``, ``mxfp8`` or ``fp8-block`` (routed experts; rows quantised in the pull,
+            weights once per pass; the shared expert stays BF16).
         max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
         check: validate the expert ids and read the kernel's error word after the pass (host syncs).
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.

@@ -51,7 +51,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile
+from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile, tile_dot
 from megamoe.kernels.quant import mxfp8_quantize_tile
 
 MX = 32  # elements per E8M0 scale (the jitted code spells it 32)
@@ -168,11 +168,11 @@ def _mx_gemm_pair(
                          DOT_FP32)
             wa = _dequant(w_desc.load([w_row_a, k]), _block_scales(w_s_ptr, wa64, stride_ws, k, K, wa_ok, BLOCK_K),
                           DOT_FP32)
-            acc_a = tl.dot(a, wa.T, acc_a)
+            acc_a = tile_dot(a, wa.T, acc_a, DOT_FP32)
             if TWO:
                 wb = _dequant(w_desc.load([w_row_b, k]),
                               _block_scales(w_s_ptr, wb64, stride_ws, k, K, wb_ok, BLOCK_K), DOT_FP32)
-                acc_b = tl.dot(a, wb.T, acc_b)
+                acc_b = tile_dot(a, wb.T, acc_b, DOT_FP32)
     return acc_a, acc_b
 
 
@@ -197,6 +197,55 @@ def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as
 
 
 @triton.jit
+def gate_up_mxfp8_tile(
+    x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+    stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n0, I, W_ROWS, K, limit,
+    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
+    DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M rows x BLOCK_N act columns] tile: gate and up, SwiGLU, act quantised along I (32-blocks)
+    and optionally h, rows < row_end. W_ROWS: rows of the flattened [L*2I, D] weight."""
+    row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
+    w_gate_row = expert * 2 * I + n0
+    acc_gate, acc_up = _mx_gemm_pair(
+        x_desc, w_desc, x_scale_ptr, w_scale_ptr, stride_xs, stride_ws,
+        row0, row_ok, w_gate_row, w_gate_row + I, W_ROWS, K,
+        True, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    # Epilogue on column halves with int32 offsets from per-tile base pointers (as expert_gemm).
+    h_base = h_ptr + row0.to(tl.int64) * stride_h
+    q_base = act_q_ptr + row0.to(tl.int64) * stride_act
+    s_base = act_scale_ptr + row0.to(tl.int64) * stride_as
+    g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    _act_store(g_lo, u_lo, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, n0, I, limit,
+               HAS_LIMIT, STORE_H, SOFT_E4M3)
+    _act_store(g_hi, u_hi, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok,
+               n0 + BLOCK_N // 2, I, limit, HAS_LIMIT, STORE_H, SOFT_E4M3)
+
+
+@triton.jit
+def down_mxfp8_tile(
+    act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
+    row0, row_end, expert, n0, D, W_ROWS, K,
+    RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I), rows < row_end.
+    W_ROWS: rows of the flattened [L*D, I] weight."""
+    row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
+    acc, _unused = _mx_gemm_pair(
+        act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws,
+        row0, row_ok, expert * D + n0, 0, W_ROWS, K,
+        False, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    y_base = y_ptr + row0.to(tl.int64) * stride_y
+    local = tl.arange(0, BLOCK_M)
+    tl.store(y_base + (local[:, None] * stride_y + cols[None, :]), acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gate_up_mxfp8_kernel(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
     stride_xs, stride_ws, stride_h, stride_act, stride_as,
@@ -215,23 +264,10 @@ def gate_up_mxfp8_kernel(
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
-        n0 = n * BLOCK_N
-        row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
-        w_gate_row = expert * 2 * I + n0
-        acc_gate, acc_up = _mx_gemm_pair(
-            x_desc, w_desc, x_scale_ptr, w_scale_ptr, stride_xs, stride_ws,
-            row0, row_ok, w_gate_row, w_gate_row + I, W_ROWS, K,
-            True, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-        # Epilogue on column halves with int32 offsets from per-tile base pointers (as expert_gemm).
-        h_base = h_ptr + row0.to(tl.int64) * stride_h
-        q_base = act_q_ptr + row0.to(tl.int64) * stride_act
-        s_base = act_scale_ptr + row0.to(tl.int64) * stride_as
-        g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        _act_store(g_lo, u_lo, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, n0, I, limit,
-                   HAS_LIMIT, STORE_H, SOFT_E4M3)
-        _act_store(g_hi, u_hi, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok,
-                   n0 + BLOCK_N // 2, I, limit, HAS_LIMIT, STORE_H, SOFT_E4M3)
+        gate_up_mxfp8_tile(
+            x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+            stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n * BLOCK_N, I, W_ROWS, K,
+            limit, HAS_LIMIT, STORE_H, RESCALE, INT_EXP, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -251,18 +287,9 @@ def down_mxfp8_kernel(
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
-        n0 = n * BLOCK_N
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        acc, _unused = _mx_gemm_pair(
-            act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws,
-            row0, row_ok, expert * D + n0, 0, W_ROWS, K,
-            False, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        mask = row_ok[:, None] & (cols < D)[None, :]
-        y_base = y_ptr + row0.to(tl.int64) * stride_y
-        local = tl.arange(0, BLOCK_M)
-        tl.store(y_base + (local[:, None] * stride_y + cols[None, :]), acc.to(y_ptr.dtype.element_ty), mask=mask)
+        down_mxfp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
+                        row0, row_end, expert, n * BLOCK_N, D, W_ROWS, K,
+                        RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # ------------------------------------------------------------ sm_90 build check (no GPU needed)

@@ -51,6 +51,7 @@ from triton.language.extra.cuda import globaltimer
 
 from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
 from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
+from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_tile, gate_up_mxfp8_tile
 
 #: Wait ids of the error word (megamoe.megakernel names them).
 WAIT_ROWS_READY = tl.constexpr(1)
@@ -68,6 +69,11 @@ PHASE_PULL = tl.constexpr(3)
 PHASE_GATE_UP = tl.constexpr(4)
 PHASE_DOWN = tl.constexpr(5)
 PHASE_PUSH = tl.constexpr(6)
+
+#: FMT values: how the routed rows, act and weights are stored (the pull's QUANT codes).
+FMT_BF16 = tl.constexpr(0)
+FMT_MXFP8 = tl.constexpr(1)
+FMT_FP8_BLOCK = tl.constexpr(2)
 
 #: TRACE: int64 [programs, TRACE_FIELDS] of globaltimer stamps and wait totals (profiling only).
 TRACE_START = tl.constexpr(0)
@@ -135,10 +141,10 @@ def comm_pull(
     x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr,
     stride_ring_scale, rows_ready_ptr,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
-    FP8: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
 ):
-    """Worker c's share of minibatch j's rows into its ring slot (FP8: quantised 1x128 on the way, E4M3 bytes
-    and fp32 scales), then rows_ready[j] += 1."""
+    """Worker c's share of minibatch j's rows into its ring slot (quantised on the way with FMT: E4M3 bytes and
+    1x32 E8M0 or 1x128 fp32 scales), then rows_ready[j] += 1."""
     first_row = j.to(tl.int64) * minibatch
     end_row = tl.minimum(first_row + minibatch, num_rows)
     shift = ring_shift(j, minibatch, slots)
@@ -147,7 +153,7 @@ def comm_pull(
     for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
         pull_tile(v0, end_row, x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, dst, stride_ring,
                   x_peer_ptrs, x_ptr, dst_scale, stride_ring_scale,
-                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, False, 2 if FP8 else 0, SOFT_E4M3)
+                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, False, FMT, SOFT_E4M3)
     release_add(rows_ready_ptr + j)
 
 
@@ -184,9 +190,9 @@ def compute_gate_up(
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_act_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
-    error_ptr, trace_ptr, comm_sms, I, D, limit,
+    error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
-    FP8: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's gate/up + SwiGLU tasks of minibatch j; returns (tasks dealt so far, budget)."""
@@ -206,11 +212,16 @@ def compute_gate_up(
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile) + shift
         row_end = tl.load(tile_row_end_ptr + tile) + shift
-        if FP8:
+        if FMT == FMT_FP8_BLOCK:
             gate_up_fp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
                              act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act, stride_act_scale,
                              row0, row_end, expert, n * BN_GU, I, D, limit, HAS_LIMIT, True, DOT_FP32, SOFT_E4M3,
                              BLOCK_M, BN_GU)
+        elif FMT == FMT_MXFP8:
+            gate_up_mxfp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
+                               act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act,
+                               stride_act_scale, row0, row_end, expert, n * BN_GU, I, experts * 2 * I, D, limit,
+                               HAS_LIMIT, True, False, False, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K)
         else:
             gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
                                 expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
@@ -223,8 +234,8 @@ def compute_down(
     j, c, workers, dealt, minibatch, slots, budget,
     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
-    error_ptr, trace_ptr, I, D,
-    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FP8: tl.constexpr,
+    error_ptr, trace_ptr, experts, I, D,
+    DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget)."""
@@ -242,9 +253,13 @@ def compute_down(
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile) + shift
         row_end = tl.load(tile_row_end_ptr + tile) + shift
-        if FP8:
+        if FMT == FMT_FP8_BLOCK:
             down_fp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
                           stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, I, DOT_FP32, BLOCK_M, BN_DN)
+        elif FMT == FMT_MXFP8:
+            down_mxfp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
+                            stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, experts * D, I,
+                            False, False, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
         else:
             down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
                       DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
@@ -298,7 +313,8 @@ def megakernel(
     x_peer_ptrs, x_ptr, stride_x, ring_ptr, stride_ring, combine_peer_ptrs, combine_ptr, stride_combine,
     # routed experts over the ring
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc, y_ptr, stride_y,
-    # FP8-block scales: the ring's (1x128 along D), gate/up and down weights' (128x128), act's (1x128 along I)
+    # FP8 scales of the ring rows, the gate/up and down weights and act (MXFP8: E8M0 1x32; FP8-block: fp32
+    # 1x128, weights 128x128)
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, w_down_scale_ptr,
     stride_ring_scale, stride_wgu_scale, stride_act_scale, stride_wdn_scale,
     # shared expert over this rank's tokens
@@ -308,12 +324,12 @@ def megakernel(
     rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
-    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, I, D, shared_I, limit, budget, phase_minibatch,
+    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
-    FP8: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     SHARED_BN_GU: tl.constexpr, SHARED_BN_DN: tl.constexpr, SHARED_BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -336,7 +352,7 @@ def megakernel(
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
                           ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
-                          FP8, SOFT_E4M3)
+                          FMT, SOFT_E4M3)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
                     batches - 1 - p, pid, comm_sms, num_rows, minibatch, slots, budget,
@@ -376,15 +392,15 @@ def megakernel(
                     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
                     stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-                    tile_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FP8, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
+                    tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
                     GROUP_GU)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
                     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                     stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-                    y_done_ptr, error_ptr, trace_ptr, I, D,
-                    DOT_FP32, FENCE, WAIT, TRACE, FP8, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                    y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                    DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
@@ -403,21 +419,21 @@ def megakernel(
             comm_pull(j, pid, workers, num_rows, minibatch, slots,
                       x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
                       ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
-                      FP8, SOFT_E4M3)
+                      FMT, SOFT_E4M3)
         elif PHASE == PHASE_GATE_UP:
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
                             ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                             ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
                             stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-                            tile_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FP8, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
+                            tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
+                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
                     GROUP_GU)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
                          act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                          stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-                         y_done_ptr, error_ptr, trace_ptr, I, D,
-                         DOT_FP32, FENCE, WAIT, TRACE, FP8, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                         y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                         DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,

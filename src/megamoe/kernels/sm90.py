@@ -2,7 +2,9 @@
 
 `python -m megamoe.kernels.sm90` prints, per kernel, whether the PTX uses
 wgmma tensor-core instructions and TMA bulk copies, and its shared memory;
-tests run it in a subprocess (the interpreter must be off to compile).
+`python -m megamoe.kernels.sm90 megakernel` does the same for the forward
+megakernel in each routed format (plus its async-proxy fences). Tests run
+them in a subprocess (the interpreter must be off to compile).
 """
 
 from __future__ import annotations
@@ -91,5 +93,71 @@ def summary() -> dict:
     return out
 
 
+#: The megakernel's launch as megamoe.megakernel makes it on an H200 (kimi-k2 rows: D = 7168, k = 8).
+_MEGA_TILES = {  # format: (FMT, BN_GU, BN_DN, BLOCK_K, activation element type, scale type)
+    "bf16": (0, 128, 256, 64, "bf16", "fp32"),
+    "mxfp8": (1, 64, 128, 64, "fp8e4nv", "u8"),
+    "fp8-block": (2, 128, 128, 128, "fp8e4nv", "fp32"),
+}
+
+
+def megakernel_case(fmt: str) -> tuple[dict, dict]:
+    """(signature, constexprs) of the forward megakernel for routed format ``fmt``."""
+    from megamoe.kernels import megakernel as mk
+
+    code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
+    consts = dict(TOP_K=8, CHUNKS=7, BLOCK_D=1024, VROWS=16, ALIGN=8, HAS_SHARED=True, HAS_LIMIT=False,
+                  DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
+                  GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
+                  SHARED_BK=64)
+    descs = {"ring_desc": (elem, 128, bk), "w_gate_up_desc": (elem, bn_gu, bk), "act_desc": (elem, 128, bk),
+             "w_down_desc": (elem, bn_dn, bk), "shared_x_desc": ("bf16", 128, 64),
+             "shared_w_gate_up_desc": ("bf16", 128, 64), "shared_act_desc": ("bf16", 128, 64),
+             "shared_w_down_desc": ("bf16", 256, 64)}
+    quantized = code != 0
+    signature = {}
+    for name in mk.megakernel.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in descs:
+            e, rows, cols = descs[name]
+            signature[name] = f"tensordesc<{e}[{rows},{cols}]>"
+        elif name in ("x_peer_ptrs", "combine_peer_ptrs", "flag_peer_ptrs", "trace_base_ptr"):
+            signature[name] = "*i64"
+        elif name in ("ring_ptr", "act_ptr"):
+            signature[name] = "*u8" if quantized else "*bf16"
+        elif name in ("ring_scale_ptr", "w_gate_up_scale_ptr", "act_scale_ptr", "w_down_scale_ptr"):
+            signature[name] = f"*{scale}"
+        elif name in ("x_ptr", "combine_ptr", "h_ptr", "y_ptr", "shared_h_ptr", "shared_act_ptr", "shared_y_ptr"):
+            signature[name] = "*bf16"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32"
+        else:
+            signature[name] = "fp32" if name == "limit" else "i32"
+    return signature, consts
+
+
+def megakernel_summary() -> dict:
+    """{format: {wgmma, wgmma_bf16, wgmma_fp8, tma, fence_proxy_async}} of the megakernel's sm_90 build."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
+    from megamoe.kernels import megakernel as mk
+
+    out = {}
+    for fmt in _MEGA_TILES:
+        signature, consts = megakernel_case(fmt)
+        ptx = compile_sm90(mk.megakernel, signature, consts).asm["ptx"]
+        out[fmt] = {
+            "wgmma": ptx.count("wgmma.mma_async"),
+            "wgmma_bf16": ".bf16.bf16" in ptx,
+            "wgmma_fp8": ".e4m3.e4m3" in ptx,
+            "tma": "cp.async.bulk.tensor" in ptx,
+            "fence_proxy_async": "fence.proxy.async" in ptx,
+        }
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(summary()))
+    import sys
+
+    print(json.dumps(megakernel_summary() if sys.argv[1:] == ["megakernel"] else summary()))
