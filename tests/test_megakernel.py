@@ -379,3 +379,31 @@ def test_megakernel_compiles_for_sm90_in_every_format():
     for fmt, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["tma"] and facts["fence_proxy_async"], (fmt, facts)
         assert facts["wgmma_fp8"] == (fmt == "fp8-block") and facts["wgmma_bf16"], (fmt, facts)
+
+
+def _error_word(world):
+    from megamoe.kernels import megakernel as mk
+
+    p = make_problem(CONFIG, world.rank, world.size, 8, dtype=torch.bfloat16)
+    fused = fuse_shared(p.shared)
+    shape = LayerShape(1, 8, CONFIG.hidden, CONFIG.intermediate, CONFIG.num_experts, CONFIG.top_k,
+                       fused[1].shape[1])
+    kernel = MegaKernel(world, shape)
+    kernel.error.copy_(torch.tensor([mk.WAIT_TILE_DONE.value, 7, 2, 1], dtype=torch.int32))
+    messages = []
+    for call in (kernel.check_errors,
+                 lambda: kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)):
+        try:
+            call()
+            messages.append(None)
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_a_timed_out_wait_names_its_counter_and_breaks_the_kernel():
+    """The error word a wait leaves becomes a RuntimeError naming the counter, index, target and value seen;
+    the MegaKernel refuses later passes."""
+    first, later = launch(_error_word, 1)[0]
+    assert first is not None and "gate/up done of row tile 7" in first and "wanted >= 2, saw 1" in first
+    assert later == first
