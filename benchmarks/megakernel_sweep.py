@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # CPU ranks run Triton kernels under the inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megamoe import plan as planner  # noqa: E402
-from megamoe.bench.harness import TOLERANCES, _pass_work, _percentile, _timed, compare, error_stats  # noqa: E402
+from megamoe.bench.harness import TOLERANCES, compare, error_stats, pass_work, percentile, timed_pass  # noqa: E402
 from megamoe.bench.problem import make_problem  # noqa: E402
 from megamoe.bench.report import run_metadata  # noqa: E402
 from megamoe.config import preset  # noqa: E402
@@ -79,12 +79,12 @@ def run_rank(world, args, points) -> list[dict] | None:
             return unfused_moe_forward(*inputs)
     # The harness has tolerances for bf16 only; other precisions get the same statistics and no verdict.
     tolerance = args.precision if args.precision in TOLERANCES else "bf16"
-    flops = sum(world.all_gather_object(_pass_work(world, p, "fwd")[0])) / world.size  # mean per GPU
+    flops = sum(world.all_gather_object(pass_work(world, p, "fwd")[0])) / world.size  # mean per GPU
     first_out, results = None, []
     for sweep, config in points:
         times, identical, off_by, check = [], True, 0.0, None
         for it in range(args.warmup + args.iters):
-            ms, out = _timed(world, lambda: forward(config))
+            ms, out = timed_pass(world, lambda: forward(config))
             if first_out is None:
                 first_out = out.clone()  # a copy: an implementation may hand back a buffer it reuses
             if not torch.equal(out, first_out):  # how far off tells rounding from wrong rows
@@ -97,10 +97,10 @@ def run_rank(world, args, points) -> list[dict] | None:
         everyone = world.all_gather_object({"times": times, "identical": identical, "off_by": off_by,
                                             "check": check})
         slowest = [max(r["times"][i] for r in everyone) for i in range(len(times))]
-        median = _percentile(slowest, 0.5)
+        median = percentile(slowest, 0.5)
         results.append({
             "sweep": sweep, **asdict(config),
-            "time_ms": median, "time_ms_p10": _percentile(slowest, 0.1), "time_ms_p90": _percentile(slowest, 0.9),
+            "time_ms": median, "time_ms_p10": percentile(slowest, 0.1), "time_ms_p90": percentile(slowest, 0.9),
             "tflops": flops / median / 1e9 if median else None,
             "bitwise_equal": all(r["identical"] for r in everyone),
             "max_abs_vs_first": max(r["off_by"] for r in everyone),

@@ -247,7 +247,7 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precisi
 # --------------------------------------------------------------------------- timing
 
 
-def _timed(world: EPWorld, fn) -> tuple[float, object]:
+def timed_pass(world: EPWorld, fn) -> tuple[float, object]:
     """Milliseconds of ``fn()`` on this rank, started together with the other ranks."""
     world.barrier()
     if world.is_cuda:
@@ -263,12 +263,12 @@ def _timed(world: EPWorld, fn) -> tuple[float, object]:
     return (time.perf_counter() - t0) * 1e3, result
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def _pass_work(world: EPWorld, p: RankProblem, name: str) -> tuple[float, float]:
+def pass_work(world: EPWorld, p: RankProblem, name: str) -> tuple[float, float]:
     """(FLOPs on this rank's tokens, bytes this rank's routes send across ranks) for one pass."""
     cfg = p.config
     routes = p.top_experts[p.top_experts >= 0]
@@ -287,7 +287,7 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     )
     oracle_out, oracle_grads = ep_reference_forward_backward(world, p)
     want = {"fwd": {"out": oracle_out}, "bwd": _flatten(oracle_grads)}
-    work = {name: _pass_work(world, p, name) for name in opts.passes}
+    work = {name: pass_work(world, p, name) for name in opts.passes}
     records = []
     for impl in opts.impls:
         runner = RUNNERS[impl](world, p)
@@ -297,11 +297,11 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
             times, check = [], None
             for it in range(opts.warmup + opts.iters):
                 if name == "fwd":
-                    ms, out = _timed(world, runner.forward)
+                    ms, out = timed_pass(world, runner.forward)
                     got = {"out": out.detach()}
                 else:
                     out = runner.forward()
-                    ms, grads = _timed(world, lambda: runner.backward(out))
+                    ms, grads = timed_pass(world, lambda: runner.backward(out))
                     got = _flatten(grads)
                 if check is None:
                     check = compare(got, want[name], opts.precision)
@@ -320,7 +320,7 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
 def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check, work) -> dict:
     everyone = world.all_gather_object({"times": times, "check": check, "work": work})
     slowest = [max(r["times"][i] for r in everyone) for i in range(len(times))]
-    median = _percentile(slowest, 0.5)
+    median = percentile(slowest, 0.5)
     flops = sum(r["work"][0] for r in everyone) / world.size
     cross = max(r["work"][1] for r in everyone)
     return {
@@ -332,8 +332,8 @@ def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check
         "tokens_per_rank": opts.tokens_of(0) if len(opts.tokens) == 1 else list(opts.tokens),
         "device": world.device.type,
         "time_ms": median,
-        "time_ms_p10": _percentile(slowest, 0.1),
-        "time_ms_p90": _percentile(slowest, 0.9),
+        "time_ms_p10": percentile(slowest, 0.1),
+        "time_ms_p90": percentile(slowest, 0.9),
         "flops": flops,
         "tflops": flops / median / 1e9 if median else None,
         "cross_gbps": cross / median / 1e6 if median and world.size > 1 else None,
