@@ -198,6 +198,7 @@ class MegaKernel:
         self.trace = torch.zeros(c.num_sms, mk.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
         self.budget = wait_budget or (DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
+        self._prepare_launches()
         self._broken: str | None = None
         self._checked_occupancy = False
 
@@ -296,12 +297,37 @@ class MegaKernel:
         mk.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("flags")[row], self.epochs[row:],
                                      self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
 
+    def _prepare_launches(self) -> None:
+        """What every pass's launch shares (built once, off the hot path): tiles, constexprs, the counters'
+        views and the descriptors of this kernel's own buffers."""
+        s, c = self.shape, self.config
+        self._routed_tiles = gate_up, down = self._tiles()
+        self._shared_tiles = shared_gate_up, shared_down = self._tiles(routed=False)
+        bm, bk, sbk = c.tile_m, gate_up.block_k, shared_gate_up.block_k
+        desc = TensorDescriptor.from_tensor
+        self._ring_desc, self._act_desc = desc(self.ring_x, [bm, bk]), desc(self.act, [bm, bk])
+        if s.shared_intermediate:
+            self._shared_x_desc = desc(self.sym.local("x"), [bm, sbk])
+            self._shared_act_desc = desc(self.shared_act, [bm, sbk])
+        M, T = self.max_batches, self.max_tiles
+        # rows_ready, tile_done, y_done, shared_done, comm_done (the kernel's argument order)
+        self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
+                               self.counters[2 * M + T: -1], self.counters[-1:])
+        block_d, chunks, vrows, align = _tile(s.hidden, 2, CommTuning(), min_block=self.scale_block)
+        self._consts = dict(
+            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
+            FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
+            GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
+            FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
+            SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk,
+            num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+        )
+
     def _launch(self, n, schedule, tiles, w_gate_up, w_down, shared, swiglu_limit) -> None:
         s, c = self.shape, self.config
-        gate_up_tile, down_tile = self._tiles()
-        shared_gate_up, shared_down = self._tiles(routed=False)
+        (gate_up_tile, down_tile), (shared_gate_up, shared_down) = self._routed_tiles, self._shared_tiles
         D, I, L = s.hidden, s.intermediate, s.experts_per_rank
-        bm, bk, sbk = c.tile_m, gate_up_tile.block_k, shared_gate_up.block_k
+        bk, sbk = gate_up_tile.block_k, shared_gate_up.block_k
         desc = TensorDescriptor.from_tensor
         if self.quantized:  # the weights are quantised every pass (they change every training step)
             (w_gate_up, w_gu_scale), (w_down, w_dn_scale) = (quantize_weights(w, self.precision)
@@ -310,50 +336,33 @@ class MegaKernel:
                           w_gu_scale.stride(1), self.act_scale.stride(0), w_dn_scale.stride(1))
         else:  # never read
             scale_args = (self.error, self.error, self.error, self.error, 0, 0, 0, 0)
-        ring_desc = desc(self.ring_x, [bm, bk])
         w_gu_desc = desc(w_gate_up.view(L * 2 * I, D), [gate_up_tile.block_n, bk])
-        act_desc = desc(self.act, [bm, bk])
         w_dn_desc = desc(w_down.view(L * D, I), [down_tile.block_n, bk])
-        x_sym = self.sym.local("x")
         if shared is not None:
-            shared_args = (desc(x_sym, [bm, sbk]), desc(shared[0], [shared_gate_up.block_n, sbk]), self.shared_h,
+            shared_args = (self._shared_x_desc, desc(shared[0], [shared_gate_up.block_n, sbk]), self.shared_h,
                            self.shared_act, self.shared_h.stride(0), self.shared_act.stride(0),
-                           desc(self.shared_act, [bm, sbk]), desc(shared[1], [shared_down.block_n, sbk]),
+                           self._shared_act_desc, desc(shared[1], [shared_down.block_n, sbk]),
                            self.shared_y, self.shared_y.stride(0))
         else:  # never read (HAS_SHARED=False)
-            shared_args = (ring_desc, w_gu_desc, self.h, self.act, 0, 0, act_desc, w_dn_desc, self.y, 0)
-        M, T = self.max_batches, self.max_tiles
-        rows_ready, y_done = self.counters[:M], self.counters[M: 2 * M]
-        tile_done, shared_done = self.counters[2 * M: 2 * M + T], self.counters[2 * M + T: -1]
-        comm_done = self.counters[-1:]
-        combine = self.sym.local("combine")
-        block_d, chunks, vrows, align = _tile(D, 2, CommTuning(), min_block=self.scale_block)
-        slots = c.ring_rows // c.minibatch
+            shared_args = (self._ring_desc, w_gu_desc, self.h, self.act, 0, 0, self._act_desc, w_dn_desc, self.y, 0)
+        x_sym, combine = self.sym.local("x"), self.sym.local("combine")
+        bytes_view = (lambda t: t.view(torch.uint8)) if self.quantized else (lambda t: t)
         args = (
             schedule.num_rows, schedule.src_rank, schedule.src_index,
             tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.minibatch_tiles,
-            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.ring_x.view(torch.uint8) if self.quantized else self.ring_x,
-            self.ring_x.stride(0),
+            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), bytes_view(self.ring_x), self.ring_x.stride(0),
             self.sym.peer_ptrs("combine"), combine, combine.stride(0),
-            ring_desc, w_gu_desc, self.h, self.act.view(torch.uint8) if self.quantized else self.act, self.h.stride(0),
-            self.act.stride(0), act_desc, w_dn_desc, self.y, self.y.stride(0),
+            self._ring_desc, w_gu_desc, self.h, bytes_view(self.act), self.h.stride(0), self.act.stride(0),
+            self._act_desc, w_dn_desc, self.y, self.y.stride(0),
             *scale_args,
             *shared_args,
-            rows_ready, tile_done, y_done, shared_done, comm_done,
+            *self._counter_views,
             self.flag_ptrs[1], self.sym.local("flags")[1], self.epochs[1:], self.error,
             self.error if self.trace is None else self.trace,
-            n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, slots, L, I, D, s.shared_intermediate,
-            float(swiglu_limit or 0.0), self.budget,
+            n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, c.ring_rows // c.minibatch, L, I, D,
+            s.shared_intermediate, float(swiglu_limit or 0.0), self.budget,
         )
-        consts = dict(
-            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align,
-            HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=interpreting(),
-            FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up_tile.block_n, BN_DN=down_tile.block_n, BLOCK_K=bk,
-            GROUP_GU=gate_up_tile.group_m, GROUP_DN=down_tile.group_m, TRACE=self.trace is not None and self.gpu,
-            FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
-            SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk,
-            num_warps=gate_up_tile.num_warps, num_stages=gate_up_tile.num_stages,
-        )
+        consts = dict(self._consts, HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None)
         if self.gpu:
             if not self._checked_occupancy:
                 self._check_occupancy(args, consts)
