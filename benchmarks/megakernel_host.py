@@ -24,9 +24,7 @@ def _host(world, preset_name: str, tokens: int, passes: int):
     cfg = preset(preset_name)
     p = make_problem(cfg, world.rank, world.size, tokens, dtype=torch.bfloat16, device=world.device)
     fused = mega.fuse_shared(p.shared)
-    shape = mega.LayerShape(world.size, tokens, cfg.hidden, cfg.intermediate, cfg.experts_per_rank(world.size),
-                            cfg.top_k, 0 if fused is None else fused[1].shape[1])
-    kernel = mega.MegaKernel(world, shape)
+    kernel = mega.MegaKernel(world, mega.LayerShape.of(cfg, world.size, tokens))
     spent = defaultdict(float)
 
     def timed(name, fn):

@@ -31,26 +31,27 @@ def _trace(world, preset_name: str, tokens: int, config: KernelConfig | None, pa
     cfg = preset(preset_name)
     p = make_problem(cfg, world.rank, world.size, tokens, dtype=torch.bfloat16, device=world.device)
     fused = fuse_shared(p.shared)
-    shape = LayerShape(world.size, tokens, cfg.hidden, cfg.intermediate, cfg.experts_per_rank(world.size), cfg.top_k,
-                       0 if fused is None else fused[1].shape[1])
-    kernel = MegaKernel(world, shape, config, trace=True)
+    kernel = MegaKernel(world, LayerShape.of(cfg, world.size, tokens), config, trace=True)
     c = kernel.config
     summaries = []
     for _ in range(passes):
         _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
         t = kernel.trace.cpu()
-        start = t[:, mk.TRACE_START.value].min()
-        comm, compute = t[: c.comm_sms], t[c.comm_sms:]
+        start_at = t[:, mk.TRACE_START.value].min()
+        end = t[:, mk.TRACE_END.value] - start_at
+        waited = t[:, mk.TRACE_WAIT_NS.value]
+        comm, compute = slice(0, c.comm_sms), slice(c.comm_sms, None)
         summaries.append({
-            "kernel_ms": _ms(t[:, mk.TRACE_END.value].max() - start),
-            "comm_end_ms_mean": _ms((comm[:, 1] - start).float().mean()), "comm_end_ms_max": _ms((comm[:, 1] - start).max()),
-            "comm_wait_ms_mean": _ms(comm[:, 2].float().mean()),
-            "compute_end_ms_min": _ms((compute[:, 1] - start).min()),
-            "compute_end_ms_mean": _ms((compute[:, 1] - start).float().mean()),
-            "compute_end_ms_max": _ms((compute[:, 1] - start).max()),
-            "compute_wait_ms_mean": _ms(compute[:, 2].float().mean()), "compute_wait_ms_max": _ms(compute[:, 2].max()),
-            "compute_waits_mean": float(compute[:, 3].float().mean()),
-            "shared_end_ms_mean": _ms((compute[:, 4] - start).float().mean()),
+            "kernel_ms": _ms(end.max()),
+            "comm_end_ms_mean": _ms(end[comm].float().mean()), "comm_end_ms_max": _ms(end[comm].max()),
+            "comm_wait_ms_mean": _ms(waited[comm].float().mean()),
+            "compute_end_ms_min": _ms(end[compute].min()),
+            "compute_end_ms_mean": _ms(end[compute].float().mean()),
+            "compute_end_ms_max": _ms(end[compute].max()),
+            "compute_wait_ms_mean": _ms(waited[compute].float().mean()),
+            "compute_wait_ms_max": _ms(waited[compute].max()),
+            "compute_waits_mean": float(t[compute, mk.TRACE_WAITS.value].float().mean()),
+            "shared_end_ms_mean": _ms((t[compute, mk.TRACE_SHARED_END.value] - start_at).float().mean()),
         })
     rows = int(ctx.schedule.num_rows)
     standalone = None

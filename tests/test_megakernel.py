@@ -43,6 +43,16 @@ def _problem(world, cfg, tokens, routing, drop, seed):
     return p
 
 
+def _pulled_rows(world, x, max_tokens, schedule, rows):
+    """The x rows the first ``rows`` schedule rows name, gathered from every rank (x padded to max_tokens)."""
+    padded = torch.cat([x, x.new_zeros(max_tokens - x.shape[0], x.shape[1])])
+    x_all = [torch.empty_like(padded) for _ in range(world.size)]
+    torch.distributed.all_gather(x_all, padded, group=world.group)
+    k = schedule.top_k
+    return torch.stack([x_all[r][i // k] for r, i in zip(schedule.src_rank[:rows].tolist(),
+                                                          schedule.src_index[:rows].tolist())])
+
+
 def _suite(world, cases):
     results = []
     for name, tokens, routing, drop, seed, limit, shared in cases:
@@ -80,17 +90,12 @@ def _ring_wraps(world):
     """The wrapping config really wraps (more routed rows than ring rows) and leaves the first minibatches."""
     p = _problem(world, CONFIG, (40, 40), "uniform", 0.0, 7)
     fused = fuse_shared(p.shared)
-    shape = LayerShape(world.size, 40, CONFIG.hidden, CONFIG.intermediate, CONFIG.experts_per_rank(world.size),
-                       CONFIG.top_k, fused[1].shape[1])
-    kernel = MegaKernel(world, shape, WRAPPING)
+    kernel = MegaKernel(world, LayerShape.of(CONFIG, world.size, 40), WRAPPING)
     out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
     rows = int(ctx.schedule.num_rows)
     resident = ctx.resident_minibatches() * WRAPPING.minibatch
     # rows of the first minibatches still in the ring are the pulled x rows
-    src_rank, src_index = ctx.schedule.src_rank[:resident], ctx.schedule.src_index[:resident]
-    x_all = [torch.empty_like(p.x) for _ in range(world.size)]
-    torch.distributed.all_gather(x_all, p.x, group=world.group)
-    expect = torch.stack([x_all[r][i // CONFIG.top_k] for r, i in zip(src_rank.tolist(), src_index.tolist())])
+    expect = _pulled_rows(world, p.x, 40, ctx.schedule, resident)
     return rows, resident, torch.equal(ctx.ring_x[:resident], expect)
 
 
@@ -127,40 +132,6 @@ def test_bad_inputs_and_configs_raise_value_error():
     assert "max_tokens" in errors[3] and "comm_sms" in errors[4] and "larger than the ring" in errors[5]
 
 
-# --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
-
-GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,), swiglu_limit=None)
-
-
-def _gpu_configs(sms: int):
-    return [KernelConfig(sms, comm, minibatch, ring, 128, 256)
-            for comm, minibatch, ring in ((16, 1024, 8192), (4, 256, 512), (32, 512, 16384), (1, 128, 256))]
-
-
-def _gpu_suite(world):
-    results = []
-    sms = torch.cuda.get_device_properties(world.device).multi_processor_count
-    for name, tokens, routing, drop in (("uneven", (1000, 700), "uniform", 0.1), ("one-rank", (900, 0), "one-rank", 0.0),
-                                        ("zipf", (2048, 2048), "zipf", 0.05)):
-        p = _problem(world, GPU_CONFIG, tokens, routing, drop, 11)
-        want = ep_reference_forward_backward(world, p, with_grads=False)[0]
-        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
-        out = megamoe_forward(*args)
-        outs = [megamoe_forward(*args, config=c) for c in _gpu_configs(sms)] + [megamoe_forward(*args)]
-        fwd = compare({"out": out.float()}, {"out": want.float()}, "bf16")
-        results.append({"case": name, "correct": fwd["correct"], "rel_err": fwd["rel_err"],
-                        "same_bits": [torch.equal(out, o) for o in outs]})
-    return results
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_two_ranks_correct_and_bitwise_stable():
-    for rank, per_case in enumerate(launch(_gpu_suite, 2, device="cuda")):
-        for r in per_case:
-            assert r["correct"] and r["rel_err"] < 1e-2 and all(r["same_bits"]), (rank, r)
-
-
 def _tiny_minibatches(world):
     from megamoe.config import preset
 
@@ -195,18 +166,11 @@ def _quantized(world, precision):
     wrapped = megamoe_forward(*args, precision=precision, config=WRAPPING)
     bf16 = megamoe_forward(*args)
     fused = fuse_shared(p.shared)
-    shape = LayerShape(world.size, 41, FP8_CONFIG.hidden, FP8_CONFIG.intermediate,
-                       FP8_CONFIG.experts_per_rank(world.size), FP8_CONFIG.top_k, fused[1].shape[1])
-    kernel = MegaKernel(world, shape, ROOMY, precision=precision)
+    kernel = MegaKernel(world, LayerShape.of(FP8_CONFIG, world.size, 41), ROOMY, precision=precision)
     _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
     rows, s = int(ctx.schedule.num_rows), ctx.schedule
     # 1. the ring's rows are the pulled x rows quantised, bit for bit
-    x_all = [torch.empty(41, FP8_CONFIG.hidden, dtype=p.x.dtype) for _ in range(world.size)]
-    torch.distributed.all_gather(x_all, torch.cat([p.x, p.x.new_zeros(41 - p.x.shape[0], p.x.shape[1])]),
-                                 group=world.group)
-    pulled = torch.stack([x_all[r][i // FP8_CONFIG.top_k] for r, i in
-                          zip(s.src_rank[:rows].tolist(), s.src_index[:rows].tolist())])
-    data, scale = quantize(pulled)
+    data, scale = quantize(_pulled_rows(world, p.x, 41, s, rows))
     ring_exact = (torch.equal(ctx.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
                   and torch.equal(ctx.ring_scale[:rows], scale))
     # 2. the expert outputs are the twin's on those rows and the same quantised weights
@@ -245,7 +209,8 @@ def _gpu_configs(sms: int):
 def _gpu_suite(world):
     results = []
     sms = torch.cuda.get_device_properties(world.device).multi_processor_count
-    for name, tokens, routing, drop in (("uneven", (1000, 700), "uniform", 0.1), ("one-rank", (900, 0), "one-rank", 0.0),
+    for name, tokens, routing, drop in (("uneven", (1000, 700), "uniform", 0.1),
+                                        ("one-rank", (900, 0), "one-rank", 0.0),
                                         ("zipf", (2048, 2048), "zipf", 0.05)):
         p = _problem(world, GPU_CONFIG, tokens, routing, drop, 11)
         want = ep_reference_forward_backward(world, p, with_grads=False)[0]
@@ -266,70 +231,12 @@ def test_gpu_two_ranks_correct_and_bitwise_stable():
             assert r["correct"] and r["rel_err"] < 1e-2 and all(r["same_bits"]), (rank, r)
 
 
-def _tiny_minibatches(world):
-    from megamoe.config import preset
-
-    cfg = preset("tiny")
-    p = make_problem(cfg, world.rank, world.size, 64, dtype=torch.bfloat16, seed=0)
-    return [megamoe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared,
-                            config=KernelConfig(4, 1, minibatch, 1024, 32, 32)) for minibatch in (64, 128)]
-
-
-def test_tiny_preset_same_bits_for_two_minibatches():
-    """A row's down-projection once differed by its place in the row tile (numpy's FP32 matmul)."""
-    for a, b in launch(_tiny_minibatches, 2):
-        assert torch.equal(a, b)
-
-
-FP8_CONFIG = MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=3, shared=(64,), swiglu_limit=None)
-
-
-def _fp8(world):
-    from megamoe.formats import fp8_block_quantize
-
-    p = _problem(world, FP8_CONFIG, (41, 23), "uniform", 0.1, 9)
-    want = ep_reference_forward_backward(world, p, with_grads=False)[0]
-    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
-    out = megamoe_forward(*args, precision="fp8-block")
-    wrapped = megamoe_forward(*args, precision="fp8-block", config=WRAPPING)
-    bf16 = megamoe_forward(*args)
-    # the ring's rows are the pulled x rows quantised 1x128, bit for bit
-    fused = fuse_shared(p.shared)
-    shape = LayerShape(world.size, 41, FP8_CONFIG.hidden, FP8_CONFIG.intermediate,
-                       FP8_CONFIG.experts_per_rank(world.size), FP8_CONFIG.top_k, fused[1].shape[1])
-    _, ctx = MegaKernel(world, shape, precision="fp8-block").forward(p.x, p.top_experts, p.router_weights,
-                                                                      p.w_gate_up, p.w_down, fused)
-    rows = int(ctx.schedule.num_rows)
-    x_all = [torch.empty(41, FP8_CONFIG.hidden, dtype=p.x.dtype) for _ in range(world.size)]
-    torch.distributed.all_gather(x_all, torch.cat([p.x, p.x.new_zeros(41 - p.x.shape[0], p.x.shape[1])]),
-                                 group=world.group)
-    pulled = torch.stack([x_all[r][i // FP8_CONFIG.top_k] for r, i in
-                          zip(ctx.schedule.src_rank[:rows].tolist(), ctx.schedule.src_index[:rows].tolist())])
-    data, scale = fp8_block_quantize(pulled)
-    return {
-        "fp8": compare({"out": out.float()}, {"out": want.float()}, "bf16"),
-        "bf16": compare({"out": bf16.float()}, {"out": want.float()}, "bf16"),
-        "same_bits": torch.equal(out, wrapped),
-        "ring_exact": torch.equal(ctx.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
-        and torch.equal(ctx.ring_scale[:rows], scale),
-    }
-
-
-def test_fp8_block_quantises_in_the_pull_and_stays_close():
-    """fp8-block: the ring holds exactly formats.fp8_block_quantize of the pulled rows; the output is within
-    E4M3's error of the BF16 oracle (and farther than the BF16 path); bitwise equal with a wrapping ring."""
-    for r in launch(_fp8, 2):
-        assert r["ring_exact"] and r["same_bits"], r
-        assert r["fp8"]["rel_err"] < 6e-2 and r["bf16"]["rel_err"] < r["fp8"]["rel_err"], r
-
-
 def _gpu_graph_and_timeout(world):
     """A captured pass replays to the eager pass's bits; a rank that never arrives makes the other raise."""
     cfg = MoEConfig(hidden=512, intermediate=256, num_experts=8, top_k=2, shared=(128,))
     p = _problem(world, cfg, (300, 200), "uniform", 0.0, 5)
     fused = fuse_shared(p.shared)
-    shape = LayerShape(world.size, 300, cfg.hidden, cfg.intermediate, cfg.experts_per_rank(world.size), cfg.top_k,
-                       fused[1].shape[1])
+    shape = LayerShape.of(cfg, world.size, 300)
     kernel = MegaKernel(world, shape)
     args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
     eager = kernel.forward(*args)[0].clone()
@@ -386,9 +293,7 @@ def _error_word(world):
 
     p = make_problem(CONFIG, world.rank, world.size, 8, dtype=torch.bfloat16)
     fused = fuse_shared(p.shared)
-    shape = LayerShape(1, 8, CONFIG.hidden, CONFIG.intermediate, CONFIG.num_experts, CONFIG.top_k,
-                       fused[1].shape[1])
-    kernel = MegaKernel(world, shape)
+    kernel = MegaKernel(world, LayerShape.of(CONFIG, 1, 8))
     kernel.error.copy_(torch.tensor([mk.WAIT_TILE_DONE.value, 7, 2, 1], dtype=torch.int32))
     messages = []
     for call in (kernel.check_errors,

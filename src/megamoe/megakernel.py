@@ -122,6 +122,12 @@ class LayerShape:
     top_k: int
     shared_intermediate: int
 
+    @classmethod
+    def of(cls, cfg: MoEConfig, ranks: int, max_tokens: int) -> LayerShape:
+        """The shape of ``cfg``'s layer on ``ranks`` ranks holding at most ``max_tokens`` tokens each."""
+        return cls(ranks, max_tokens, cfg.hidden, cfg.intermediate, cfg.experts_per_rank(ranks), cfg.top_k,
+                   sum(cfg.shared))
+
     @property
     def capacity(self) -> int:
         return self.num_ranks * max(self.max_tokens, 1) * self.top_k

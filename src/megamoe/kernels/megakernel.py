@@ -381,8 +381,8 @@ def megakernel(
                                        GROUP_GU)
                 dealt, budget = shared_down(c, workers, dealt, budget, tokens, shared_act_desc, shared_w_down_desc,
                                             shared_y_ptr, stride_shared_y, shared_done_ptr, error_ptr, trace_ptr,
-                                            shared_I, D, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, SHARED_BN_GU, SHARED_BN_DN,
-                                            SHARED_BK, GROUP_DN)
+                                            shared_I, D, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, SHARED_BN_GU,
+                                            SHARED_BN_DN, SHARED_BK, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_SHARED_END, globaltimer())
             for p in range(batches):
@@ -391,15 +391,14 @@ def megakernel(
                     j, c, workers, dealt, minibatch, slots, budget,
                     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
-                    stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-                    tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
-                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
-                    GROUP_GU)
+                    stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                    rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
                     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-                    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-                    y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                    tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                     DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
@@ -424,15 +423,15 @@ def megakernel(
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
                             ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                             ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
-                            stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-                            tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
+                            stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                            rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
                             HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
-                    GROUP_GU)
+                            GROUP_GU)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
                          act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-                         stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-                         y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                         stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                         tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                          DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
