@@ -42,6 +42,10 @@ MINIBATCHES = (256, 512, 1024, 2048, 4096, 8192)
 COMM_SMS = (8, 12, 16, 20, 24, 32, 48)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
 def sweep_points(args) -> tuple[planner.Plan, list[tuple[str, planner.KernelConfig]]]:
     """The planner's plan and every (sweep, config) to run; invalid configs raise here, before any launch."""
     # The expert GEMMs' tile (128x256 on Hopper, 32x32 under the interpreter): the kernel accepts no other,
@@ -54,7 +58,8 @@ def sweep_points(args) -> tuple[planner.Plan, list[tuple[str, planner.KernelConf
     for rows in sorted({*args.minibatch, base.minibatch}):
         ring = -(-base.ring_rows // rows) * rows  # the planner's ring, in whole minibatches of this size
         points.append(("minibatch", replace(base, minibatch=rows, ring_rows=ring)))
-    points += [("comm_sms", replace(base, comm_sms=sms)) for sms in sorted({*args.comm_sms, base.comm_sms})]
+    if args.comm_sms:  # an empty list: the planner's point once, not twice
+        points += [("comm_sms", replace(base, comm_sms=sms)) for sms in sorted({*args.comm_sms, base.comm_sms})]
     return plan, points
 
 
@@ -194,8 +199,9 @@ def main() -> int:
     parser.add_argument("--ep", type=int, default=gpus or 2, help="ranks (default: every GPU, or 2 CPU ranks)")
     parser.add_argument("--sms", type=int, default=None, help="num_sms (default: the GPU's SMs, an H200's on CPU)")
     parser.add_argument("--precision", default="bf16", choices=sorted(planner.GEMM_TFLOPS))
-    parser.add_argument("--minibatch", type=lambda s: [int(v) for v in s.split(",")], default=list(MINIBATCHES))
-    parser.add_argument("--comm-sms", type=lambda s: [int(v) for v in s.split(",")], default=list(COMM_SMS))
+    parser.add_argument("--minibatch", type=_ints, default=list(MINIBATCHES))
+    parser.add_argument("--comm-sms", type=_ints, default=list(COMM_SMS),
+                        help="'' sweeps none: with --minibatch '' only the planner's point runs")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="megakernel_sweep")
