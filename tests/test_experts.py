@@ -72,10 +72,14 @@ def test_tile_shapes_and_grid_size_do_not_change_the_result():
         torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=2e-2, atol=2e-2)
 
 
-def test_row_tiles_cover_every_region_once():
+TILE_BACKENDS = ("triton", "torch")
+
+
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_row_tiles_cover_every_region_once(backend):
     counts = torch.tensor([5, 0, 40, 33, 1], device=DEVICE)
     offsets = torch.tensor([0, 8, 8, 50, 90], device=DEVICE)
-    tiles = build_row_tiles(counts, offsets, capacity=100, block_m=16)
+    tiles = build_row_tiles(counts, offsets, capacity=100, block_m=16, backend=backend)
     n = int(tiles.num_tiles)
     assert n == 1 + 0 + 3 + 3 + 1
     got = [(int(e), int(r), int(x)) for e, r, x in zip(tiles.tile_expert[:n], tiles.tile_row0[:n],
@@ -85,10 +89,11 @@ def test_row_tiles_cover_every_region_once():
     assert tiles.minibatch_tiles.tolist() == [0, n]
 
 
-def test_minibatch_tiles_never_straddle_a_minibatch_and_cover_each_row_once():
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_minibatch_tiles_never_straddle_a_minibatch_and_cover_each_row_once(backend):
     counts = torch.tensor([5, 0, 40, 33, 1, 17], device=DEVICE)
     offsets = torch.tensor([0, 8, 8, 50, 90, 91], device=DEVICE)
-    tiles = build_row_tiles(counts, offsets, capacity=110, block_m=16, minibatch=24)
+    tiles = build_row_tiles(counts, offsets, capacity=110, block_m=16, minibatch=24, backend=backend)
     n = int(tiles.num_tiles)
     bounds = tiles.minibatch_tiles.tolist()
     assert len(bounds) == 1 + 5 and bounds[0] == 0 and bounds[-1] == n
@@ -101,6 +106,26 @@ def test_minibatch_tiles_never_straddle_a_minibatch_and_cover_each_row_once():
             covered += range(r0, r1)
     want = [r for o, c in zip(offsets.tolist(), counts.tolist()) for r in range(o, o + c)]
     assert sorted(covered) == want
+
+
+def test_row_tile_builders_agree_on_random_layouts():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(25):
+        experts, block_m = int(torch.randint(1, 7, (), generator=gen)), (16, 32)[int(torch.randint(2, (), generator=gen))]
+        align = (1, 16, 32)[int(torch.randint(3, (), generator=gen))]
+        counts = torch.randint(0, 101, (experts,), generator=gen) * (torch.rand(experts, generator=gen) > 0.3)
+        padded = (counts + align - 1) // align * align
+        offsets = padded.cumsum(0) - padded
+        capacity = int(padded.sum()) + int(torch.randint(0, 51, (), generator=gen))
+        minibatch = (None, 8, 24, 64, 100)[int(torch.randint(5, (), generator=gen))]
+        a, b = (build_row_tiles(counts.to(DEVICE), offsets.to(DEVICE), capacity, block_m, minibatch=minibatch,
+                                backend=backend) for backend in TILE_BACKENDS)
+        n = int(b.num_tiles)
+        assert int(a.num_tiles) == n and torch.equal(a.minibatch_tiles, b.minibatch_tiles)
+        for name in ("tile_expert", "tile_row0", "tile_row_end"):
+            assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n]), (name, counts, capacity, minibatch)
+    with pytest.raises(ValueError, match="backend must be"):
+        build_row_tiles(counts, offsets, capacity, 16, backend="numpy")
 
 
 def test_forward_over_minibatch_tiles_gives_the_same_bits():

@@ -20,6 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
 from megamoe.kernels import expert_gemm, expert_gemm_bwd
+from megamoe.kernels import schedule as schedule_kernels
 from megamoe.reference import expert_ffn, swiglu
 
 
@@ -106,13 +107,25 @@ class RowTiles:
 
 
 def build_row_tiles(
-    counts: torch.Tensor, offsets: torch.Tensor, capacity: int, block_m: int, *, minibatch: int | None = None
+    counts: torch.Tensor, offsets: torch.Tensor, capacity: int, block_m: int, *, minibatch: int | None = None,
+    backend: str | None = None,
 ) -> RowTiles:
-    """Tiles of ``block_m`` rows per expert region (and per minibatch of rows, when given)."""
+    """Tiles of ``block_m`` rows per expert region (and per minibatch of rows, when given).
+
+    ``backend``: ``"triton"`` (one launch, `megamoe.kernels.schedule.row_tiles_kernel`) or ``"torch"``
+    (~15 torch ops); None picks triton on a GPU and torch on the CPU. Both give the same tiles; entries
+    past ``num_tiles`` are unspecified.
+    """
+    if backend is None:
+        backend = "triton" if counts.is_cuda else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
     device = counts.device
     experts = counts.numel()
     minibatch = minibatch or max(capacity, 1)
     batches = max(1, -(-capacity // minibatch))
+    if backend == "triton":
+        return _row_tiles_by_kernel(counts, offsets, capacity, block_m, minibatch, batches)
     # segment (j, l) = region l ∩ minibatch j, in minibatch-major order
     start = offsets.long()
     end = start + counts.long()
@@ -132,6 +145,22 @@ def build_row_tiles(
     num_tiles = minibatch_tiles[-1:].clone()
     return RowTiles((segment % max(experts, 1)).to(torch.int32), row0.to(torch.int32), row_end.to(torch.int32),
                     num_tiles, minibatch_tiles, block_m)
+
+
+def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch: int, batches: int) -> RowTiles:
+    experts, device = counts.numel(), counts.device
+    max_tiles = -(-capacity // block_m) + experts + batches
+    tile_expert, tile_row0, tile_row_end = (torch.empty(max_tiles, dtype=torch.int32, device=device)
+                                            for _ in range(3))
+    num_tiles = torch.zeros(1, dtype=torch.int32, device=device)
+    minibatch_tiles = torch.zeros(batches + 1, dtype=torch.int32, device=device)
+    if experts:
+        tiles_per_segment = -(-min(minibatch, max(capacity, 1)) // block_m) + 1
+        schedule_kernels.row_tiles_kernel[(batches * experts,)](
+            counts, offsets, tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, experts, batches,
+            minibatch, block_m, BLOCK_L=min(1024, triton.next_power_of_2(experts)),
+            BLOCK_U=min(64, triton.next_power_of_2(tiles_per_segment)))
+    return RowTiles(tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, block_m)
 
 
 @dataclass
