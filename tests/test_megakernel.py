@@ -14,6 +14,7 @@ from megamoe.config import MoEConfig
 from megamoe.ep_reference import ep_reference_forward_backward
 from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared, megamoe_forward
 from megamoe.plan import KernelConfig
+from megamoe.reference import moe_forward
 from megamoe.world import launch
 
 CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
@@ -229,6 +230,38 @@ def test_gpu_two_ranks_correct_and_bitwise_stable():
     for rank, per_case in enumerate(launch(_gpu_suite, 2, device="cuda")):
         for r in per_case:
             assert r["correct"] and r["rel_err"] < 1e-2 and all(r["same_bits"]), (rank, r)
+
+
+def _shared_gpus(world):
+    """More ranks than GPUs (gloo group, each rank its share of the SMs): correct against a one-process
+    reference that rebuilds every rank's experts from the problem's seeds (no collective on CUDA tensors)."""
+    tokens = (700, 300, 1000, 0)
+    p = _problem(world, GPU_CONFIG, tokens, "uniform", 0.1, 13)
+    experts = [make_problem(GPU_CONFIG, r, world.size, tokens[r], dtype=torch.bfloat16, seed=13, device=world.device)
+               for r in range(world.size)]
+    w_gate_up, w_down = (torch.cat([getattr(e, name) for e in experts]) for name in ("w_gate_up", "w_down"))
+    want = moe_forward(p.x, p.top_experts, p.router_weights, w_gate_up, w_down, p.shared)
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
+    out = megamoe_forward(*args, max_tokens=max(tokens))
+    again = megamoe_forward(*args, max_tokens=max(tokens))
+    fwd = compare({"out": out.float()}, {"out": want.float()}, "bf16")
+    whole_gpu = torch.cuda.get_device_properties(world.device).multi_processor_count
+    try:
+        megamoe_forward(*args, max_tokens=max(tokens), config=KernelConfig(whole_gpu, 8, 256, 512, 128, 256))
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"correct": fwd["correct"], "rel_err": fwd["rel_err"], "same_bits": torch.equal(out, again),
+            "per_device": world.ranks_per_device, "refused": refused}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not 0 < torch.cuda.device_count() < 4, reason="needs 1 to 3 GPUs")
+def test_gpu_four_ranks_on_fewer_gpus_correct():
+    for rank, r in enumerate(launch(_shared_gpus, 4, device="cuda")):
+        assert r["correct"] and r["rel_err"] < 1e-2 and r["same_bits"], (rank, r)
+        assert r["per_device"] == -(-4 // torch.cuda.device_count()), r
+        assert r["refused"] is not None and "ranks on one GPU" in r["refused"], r
 
 
 def _gpu_graph_and_timeout(world):

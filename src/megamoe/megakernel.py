@@ -140,7 +140,8 @@ def default_config(world: EPWorld, shape: LayerShape, precision: str = "bf16") -
                     num_experts=shape.experts_per_rank * shape.num_ranks, top_k=shape.top_k)
     tokens = max(shape.max_tokens, 1)
     if _on_gpu(world):
-        sms = torch.cuda.get_device_properties(world.device).multi_processor_count
+        # ranks sharing a GPU (correctness runs) split its SMs: every rank's grid must be resident at once
+        sms = torch.cuda.get_device_properties(world.device).multi_processor_count // world.ranks_per_device
         tile = plan_tiles("down", world.device)
         return plan(cfg, world.size, tokens, num_sms=sms, precision=precision, tile_m=tile.block_m,
                     tile_n=tile.block_n).config
@@ -221,9 +222,11 @@ class MegaKernel:
             raise ValueError(f"KernelConfig.tile_m ({c.tile_m}) must be the expert tiles' rows ({gate_up.block_m} "
                              f"on {'this GPU' if self.gpu else 'the interpreter'})")
         if self.gpu:
-            sms = torch.cuda.get_device_properties(self.world.device).multi_processor_count
+            share = self.world.ranks_per_device
+            sms = torch.cuda.get_device_properties(self.world.device).multi_processor_count // share
             if c.num_sms > sms:
-                raise ValueError(f"KernelConfig.num_sms ({c.num_sms}) exceeds the GPU's {sms} SMs: the programs wait "
+                whose = "the GPU's" if share == 1 else f"this rank's share ({share} ranks on one GPU) of the"
+                raise ValueError(f"KernelConfig.num_sms ({c.num_sms}) exceeds {whose} {sms} SMs: the programs wait "
                                  f"for each other and must all be resident at once")
         if self.shape.hidden % 64 or self.shape.intermediate % 8 or self.shape.shared_intermediate % 8:
             raise ValueError("D must be a multiple of 64, I and the shared I multiples of 8")

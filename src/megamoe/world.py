@@ -47,21 +47,27 @@ class EPWorld:
     Attributes:
         rank: this rank's index in ``group``, in [0, size).
         size: R, ranks in the group.
-        group: the ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA).
+        group: the ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA;
+            gloo when ranks share a GPU, which NCCL refuses).
         device: where this rank's tensors live (``cpu`` or ``cuda:i``).
+        ranks_per_device: how many ranks of this host share one GPU (1 unless more
+            ranks than GPUs were started: correctness runs only). A persistent
+            kernel takes at most its share of the SMs, or the ranks' grids could
+            not all be resident at once.
     """
 
     rank: int
     size: int
     group: Any
     device: torch.device
+    ranks_per_device: int = 1
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
     def barrier(self) -> None:
-        if self.is_cuda:
+        if self.is_cuda and dist.get_backend(self.group) == "nccl":
             dist.barrier(group=self.group, device_ids=[self.device.index])
         else:
             dist.barrier(group=self.group)
@@ -94,22 +100,26 @@ def init_world(device: str | None = None) -> EPWorld:
     rank = int(os.environ.get("RANK", "0"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
     dev = _device_for_rank(int(os.environ.get("LOCAL_RANK", rank)), device)
+    per_device = 1
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        per_device = -(-int(os.environ.get("LOCAL_WORLD_SIZE", size)) // torch.cuda.device_count())
     if not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        nccl = dev.type == "cuda" and per_device == 1  # NCCL refuses two ranks on one GPU
+        backend = "nccl" if nccl else "gloo"
+        kwargs = {"device_id": dev} if nccl else {}
         timeout = timedelta(seconds=float(os.environ.get("MEGAMOE_DIST_TIMEOUT_S", "600")))
         # launch() hands its ranks a rendezvous file: no TCP port to race for with other jobs on the host
         init_file = os.environ.get("MEGAMOE_INIT_FILE")
         init_method = f"file://{init_file}" if init_file else "env://"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout,
                                 **kwargs)
-    return EPWorld(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD, device=dev)
+    return EPWorld(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD, device=dev,
+                   ranks_per_device=per_device)
 
 
 def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
                       MEGAMOE_INIT_FILE=os.path.join(result_dir, "rendezvous"))
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
