@@ -54,6 +54,11 @@ def sweep_points(args) -> tuple[planner.Plan, list[tuple[str, planner.KernelConf
     plan = planner.plan(preset(args.preset), args.ep, args.tokens, num_sms=args.sms, precision=args.precision,
                         tile_m=tile.block_m, tile_n=tile.block_n)
     base = plan.config
+    if args.grid:  # every (minibatch, comm_sms) pair: where the two knobs interact
+        return plan, [("grid", replace(base, minibatch=rows, ring_rows=-(-base.ring_rows // rows) * rows,
+                                       comm_sms=sms))
+                      for rows in sorted({*args.minibatch, base.minibatch})
+                      for sms in sorted({*args.comm_sms, base.comm_sms})]
     points = []
     for rows in sorted({*args.minibatch, base.minibatch}):
         ring = -(-base.ring_rows // rows) * rows  # the planner's ring, in whole minibatches of this size
@@ -136,7 +141,7 @@ def markdown(run: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in run["points"]:
-        mark = {k: " *" if r["sweep"] == k and r[k] == base[k] else "" for k in ("minibatch", "comm_sms")}
+        mark = {k: " *" if r["sweep"] in (k, "grid") and r[k] == base[k] else "" for k in ("minibatch", "comm_sms")}
         tflops = "—" if r["tflops"] is None else f"{r['tflops']:.3g}"
         bitwise = "yes" if r["bitwise_equal"] else f"NO (max abs {r['max_abs_vs_first']:.1e})"
         lines.append(
@@ -202,6 +207,7 @@ def main() -> int:
     parser.add_argument("--minibatch", type=_ints, default=list(MINIBATCHES))
     parser.add_argument("--comm-sms", type=_ints, default=list(COMM_SMS),
                         help="'' sweeps none: with --minibatch '' only the planner's point runs")
+    parser.add_argument("--grid", action="store_true", help="every (minibatch, comm_sms) pair, not two one-knob sweeps")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="megakernel_sweep")

@@ -33,6 +33,7 @@ CASES = {
         ("two-shared", (40, 33), "uniform", 0.0, 5, None, (32, 16))],
     3: [("zipf", (13, 31, 7), "zipf", 0.2, 2, None, ())],
     4: [("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, None, (32,))],
+    8: [("uneven", (9, 0, 14, 3, 7, 11, 2, 6), "uniform", 0.1, 2, None, (32,))],
 }
 
 
@@ -235,7 +236,7 @@ def test_gpu_two_ranks_correct_and_bitwise_stable():
 def _shared_gpus(world):
     """More ranks than GPUs (gloo group, each rank its share of the SMs): correct against a one-process
     reference that rebuilds every rank's experts from the problem's seeds (no collective on CUDA tensors)."""
-    tokens = (700, 300, 1000, 0)
+    tokens = (700, 300, 1000, 0, 500, 64, 900, 1)[:world.size]
     p = _problem(world, GPU_CONFIG, tokens, "uniform", 0.1, 13)
     experts = [make_problem(GPU_CONFIG, r, world.size, tokens[r], dtype=torch.bfloat16, seed=13, device=world.device)
                for r in range(world.size)]
@@ -256,11 +257,14 @@ def _shared_gpus(world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not 0 < torch.cuda.device_count() < 4, reason="needs 1 to 3 GPUs")
-def test_gpu_four_ranks_on_fewer_gpus_correct():
-    for rank, r in enumerate(launch(_shared_gpus, 4, device="cuda")):
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_gpu_more_ranks_than_gpus_correct(ranks):
+    gpus = torch.cuda.device_count()
+    if not 0 < gpus < ranks:
+        pytest.skip(f"needs 1 to {ranks - 1} GPUs")
+    for rank, r in enumerate(launch(_shared_gpus, ranks, device="cuda")):
         assert r["correct"] and r["rel_err"] < 1e-2 and r["same_bits"], (rank, r)
-        assert r["per_device"] == -(-4 // torch.cuda.device_count()), r
+        assert r["per_device"] == -(-ranks // gpus), r
         assert r["refused"] is not None and "ranks on one GPU" in r["refused"], r
 
 
