@@ -76,7 +76,11 @@ def run_rank(world, args, points) -> list[dict] | None:
     inputs = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
     unfused_out = unfused_moe_forward(*inputs)
     if args.impl == "megamoe":
+        import megamoe.megakernel as mega
         from megamoe.megakernel import megamoe_forward
+
+        if args.comm_chunks:  # an experiment: the comm workers' copy tile
+            mega.COMM_TUNING = replace(mega.COMM_TUNING, tile_chunks=args.comm_chunks)
 
         def forward(config):  # no host sync in the pass: N is the same on every rank; checks on the first
             first = forward.calls == 0
@@ -207,6 +211,8 @@ def main() -> int:
     parser.add_argument("--minibatch", type=_ints, default=list(MINIBATCHES))
     parser.add_argument("--comm-sms", type=_ints, default=list(COMM_SMS),
                         help="'' sweeps none: with --minibatch '' only the planner's point runs")
+    parser.add_argument("--comm-chunks", type=int, default=0,
+                        help="row chunks per comm copy step (default: the kernel's COMM_TUNING)")
     parser.add_argument("--grid", action="store_true", help="every (minibatch, comm_sms) pair, not two one-knob sweeps")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

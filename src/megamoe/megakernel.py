@@ -69,6 +69,9 @@ WAITS = {
     mk.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
 }
 
+#: The communication workers' copy tile (chunks of a row moved per loop step). Benchmarks may swap it.
+COMM_TUNING = CommTuning()
+
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
 
@@ -322,7 +325,7 @@ class MegaKernel:
         # rows_ready, tile_done, y_done, shared_done, comm_done (the kernel's argument order)
         self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
                                self.counters[2 * M + T: -1], self.counters[-1:])
-        block_d, chunks, vrows, align = _tile(s.hidden, 2, CommTuning(), min_block=self.scale_block)
+        block_d, chunks, vrows, align = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
         self._consts = dict(
             TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
