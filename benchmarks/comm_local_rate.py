@@ -1,0 +1,88 @@
+"""How fast one SM copies rows with the pull kernel when no link is involved (EP 1: every row local).
+
+    PYTHONPATH=src python3 benchmarks/comm_local_rate.py [--out rate.json]
+
+One rank on GPU 0, kimi-k2 rows (8192 tokens x 8 routes of 7168 bf16, 0.94 GB read and written):
+`dispatch_pull` with 1 to 132 programs and a few copy tiles, timed with CUDA events (median of 10),
+against torch's gather (`index_select` of the same rows). Every pull is checked against the gather.
+In the megakernel the comm workers move ~11-13 GB/s each whether the rows are local or remote
+(benchmarks/results/2026-11-29-comm-tile); this isolates the copy loop from the GEMMs beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from megamoe import comm
+from megamoe.comm import CommTuning
+from megamoe.config import preset
+from megamoe.world import launch
+
+SMS = (1, 2, 4, 8, 16, 32, 132)
+TUNINGS = (CommTuning(), CommTuning(tile_chunks=64, num_warps=16), CommTuning(tile_chunks=4, num_warps=4))
+
+
+def _median_ms(fn, iters: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def _rank(world, tokens: int) -> list[dict]:
+    cfg = preset("kimi-k2")
+    shape = comm.comm_shape(world, cfg, tokens, max_tokens=tokens)
+    ws = comm.comm_workspace(world, shape)
+    gen = torch.Generator(device=world.device).manual_seed(0)
+    x = torch.randn(tokens, cfg.hidden, generator=gen, device=world.device).bfloat16()
+    top = torch.randint(0, cfg.num_experts, (tokens, cfg.top_k), generator=gen, device=world.device)
+    ws.stage(x=x)
+    sched = ws.pull_schedule(top)
+    rows = int(sched.num_rows)
+    token = (sched.src_index[:rows] // cfg.top_k).long()
+    want = x.index_select(0, token)
+    nbytes = rows * cfg.hidden * 2
+    out = torch.empty(sched.capacity, cfg.hidden, dtype=torch.bfloat16, device=world.device)
+    records = [{"impl": "torch index_select (whole GPU)", "num_sms": None,
+                "ms": _median_ms(lambda: torch.index_select(x, 0, token, out=out[:rows]))}]
+    for tuning in TUNINGS:
+        for sms in SMS:
+            out.fill_(float("nan"))
+            ms = _median_ms(lambda: comm.dispatch_pull(ws, sched, num_sms=sms, out=out, sync=False, tuning=tuning))
+            records.append({"impl": f"dispatch_pull {tuning.label()}", "num_sms": sms, "ms": ms,
+                            "exact": bool(torch.equal(out[:rows], want))})
+    for r in records:
+        r["gb_s"] = nbytes / r["ms"] / 1e6
+        r["gb_s_per_sm"] = r["gb_s"] / r["num_sms"] if r["num_sms"] else None
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    records = launch(_rank, 1, args.tokens, device="cuda")[0]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print("| impl | programs | ms | GB/s (rows read) | GB/s per program | exact |")
+    print("|---|---|---|---|---|---|")
+    for r in records:
+        per = "—" if r["gb_s_per_sm"] is None else f"{r['gb_s_per_sm']:.1f}"
+        print(f"| {r['impl']} | {r['num_sms'] or 'all'} | {r['ms']:.3f} | {r['gb_s']:.0f} | {per} "
+              f"| {r.get('exact', '—')} |")
+
+
+if __name__ == "__main__":
+    main()
