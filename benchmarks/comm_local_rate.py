@@ -21,8 +21,10 @@ from megamoe.comm import CommTuning
 from megamoe.config import preset
 from megamoe.world import launch
 
-SMS = (1, 2, 4, 8, 16, 32, 132)
-TUNINGS = (CommTuning(), CommTuning(tile_chunks=64, num_warps=16), CommTuning(tile_chunks=4, num_warps=4))
+SMS = (1, 4, 8, 16, 32, 132)
+TUNINGS = (CommTuning(), CommTuning(tile_chunks=64, num_warps=16),
+           CommTuning(tile_chunks=2, whole_rows=True), CommTuning(tile_chunks=4, whole_rows=True),
+           CommTuning(tile_chunks=8, whole_rows=True, num_warps=16))
 
 
 def _median_ms(fn, iters: int = 10) -> float:

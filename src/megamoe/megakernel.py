@@ -327,7 +327,8 @@ class MegaKernel:
                                self.counters[2 * M + T: -1], self.counters[-1:])
         block_d, chunks, vrows, align = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
         self._consts = dict(
-            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
+            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, WIDTH=s.hidden, VROWS=vrows, ALIGN=align,
+            DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
             FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
