@@ -1,8 +1,9 @@
-"""How fast one SM copies rows with the pull kernel when no link is involved (EP 1: every row local).
+"""How fast one SM copies rows with the pull kernel: every row local (one rank), or a real dispatch.
 
-    PYTHONPATH=src python3 benchmarks/comm_local_rate.py [--out rate.json]
+    PYTHONPATH=src python3 benchmarks/comm_local_rate.py [--ranks 2] [--out rate.json]
 
-One rank on GPU 0, kimi-k2 rows (8192 tokens x 8 routes of 7168 bf16, 0.94 GB read and written):
+One rank on GPU 0 (or --ranks R, one per GPU: half the rows come over NVLink at R = 2), kimi-k2 rows
+(8192 tokens x 8 routes of 7168 bf16, 0.94 GB read and written):
 `dispatch_pull` with 1 to 132 programs and a few copy tiles, timed with CUDA events (median of 10),
 against torch's gather (`index_select` of the same rows). Every pull is checked against the gather.
 In the megakernel the comm workers move ~11-13 GB/s each whether the rows are local or remote
@@ -24,7 +25,7 @@ from megamoe.world import launch
 SMS = (1, 4, 8, 16, 32, 132)
 TUNINGS = (CommTuning(), CommTuning(tile_chunks=64, num_warps=16),
            CommTuning(tile_chunks=2, whole_rows=True), CommTuning(tile_chunks=4, whole_rows=True),
-           CommTuning(tile_chunks=8, whole_rows=True, num_warps=16))
+           CommTuning(tile_chunks=4, whole_rows=True, num_warps=16))
 
 
 def _median_ms(fn, iters: int = 10) -> float:
@@ -41,7 +42,7 @@ def _median_ms(fn, iters: int = 10) -> float:
 
 
 @torch.no_grad()
-def _rank(world, tokens: int) -> list[dict]:
+def _rank(world, tokens: int, sms_list: tuple[int, ...]) -> list[dict]:
     cfg = preset("kimi-k2")
     shape = comm.comm_shape(world, cfg, tokens, max_tokens=tokens)
     ws = comm.comm_workspace(world, shape)
@@ -58,8 +59,9 @@ def _rank(world, tokens: int) -> list[dict]:
     records = [{"impl": "torch index_select (whole GPU)", "num_sms": None,
                 "ms": _median_ms(lambda: torch.index_select(x, 0, token, out=out[:rows]))}]
     for tuning in TUNINGS:
-        for sms in SMS:
+        for sms in sms_list:
             out.fill_(float("nan"))
+            world.barrier()  # ranks time the same launch together
             ms = _median_ms(lambda: comm.dispatch_pull(ws, sched, num_sms=sms, out=out, sync=False, tuning=tuning))
             records.append({"impl": f"dispatch_pull {tuning.label()}", "num_sms": sms, "ms": ms,
                             "exact": bool(torch.equal(out[:rows], want))})
@@ -72,12 +74,14 @@ def _rank(world, tokens: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    records = launch(_rank, 1, args.tokens, device="cuda")[0]
+    records = launch(_rank, args.ranks, args.tokens, SMS if args.ranks == 1 else (8, 16, 24, 32), device="cuda")[0]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
+    print(f"rank 0 of {args.ranks}")
     print("| impl | programs | ms | GB/s (rows read) | GB/s per program | exact |")
     print("|---|---|---|---|---|---|")
     for r in records:
