@@ -23,9 +23,8 @@ from megamoe.config import preset
 from megamoe.world import launch
 
 SMS = (1, 4, 8, 16, 32, 132)
-TUNINGS = (CommTuning(), CommTuning(tile_chunks=64, num_warps=16),
-           CommTuning(tile_chunks=2, whole_rows=True), CommTuning(tile_chunks=4, whole_rows=True),
-           CommTuning(tile_chunks=4, whole_rows=True, num_warps=16))
+#: the megakernel's copy tile (16 chunks of 1024, its 8 warps) and the standalone kernels' default (64 chunks, 16 warps)
+TUNINGS = (CommTuning(tile_chunks=16, num_warps=8), CommTuning())
 
 
 def _median_ms(fn, iters: int = 10) -> float:

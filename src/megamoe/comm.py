@@ -211,29 +211,22 @@ class CommTuning:
             program moves every row.
         local_last: every program moves its remote rows first, then its local
             rows (with local_sms == 0).
-        whole_rows: a chunk is a whole row (the width rounded up to a power of
-            two, the tail masked) and a tile is tile_chunks rows; block_d is
-            then ignored. Every thread repeats a row's index and address
-            arithmetic for each chunk it holds, so whole rows cut the
-            instructions per byte (the chunked tile spends ~600 instructions a
-            thread to move 128 bytes: benchmarks/results/2026-11-29-comm-tile).
     """
 
     block_d: int = 1024
-    tile_chunks: int = 16
-    num_warps: int = 8
+    tile_chunks: int = 64
+    num_warps: int = 16
     prefetch: bool = False
     num_stages: int = 1
     local_sms: int = 0
     local_last: bool = False
-    whole_rows: bool = False
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("block_d", 128, 8192), ("tile_chunks", 1, 512), ("num_warps", 1, 32)):
             value = getattr(self, name)
             if not _is_int(value) or not lo <= value <= hi or value & (value - 1):
                 raise ValueError(f"CommTuning.{name} must be a power of two in [{lo}, {hi}], got {value!r}")
-        for name in ("prefetch", "local_last", "whole_rows"):
+        for name in ("prefetch", "local_last"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CommTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.num_stages) or not 1 <= self.num_stages <= 8:
@@ -254,8 +247,6 @@ class CommTuning:
             parts.append(f"local_sms{self.local_sms}")
         if self.local_last:
             parts.append("local_last")
-        if self.whole_rows:
-            parts[0] = f"{self.tile_chunks} whole rows {self.num_warps}w"
         return " ".join(parts)
 
     def launch_options(self, num_sms: int) -> tuple[int, dict]:
@@ -705,8 +696,7 @@ def push_dispatch(
         push_schedule.dst_rank, push_schedule.dst_row, ws.peer_ptrs("routed"), routed, routed.stride(0),
         flag_ptrs, flags, ws.local("counters"), arrive_target, epoch, ws.world.rank, ws.world.size, budget,
         ws.local("error"), local_progs,
-        SRC_ROW_DIV=ws.shape.top_k, IDENTITY_SRC=False, CHUNKS=chunks, BLOCK_D=block, WIDTH=ws.shape.hidden,
-        VROWS=vrows, ALIGN=align,
+        SRC_ROW_DIV=ws.shape.top_k, IDENTITY_SRC=False, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align,
         SIGNAL=signal, WAIT_ID=_WAIT_DISPATCH, num_warps=tuning.num_warps, **options,
     )
     if signal and check:
@@ -770,7 +760,7 @@ def _launch_pull(
     _pull_kernel[(num_sms,)](
         schedule.num_rows, limit, ws.peer_ptrs(src_name), src, src.stride(0), schedule.src_rank, schedule.src_index,
         dst, dst.stride(0), w_ptrs, w_anchor, qscale, qscale.stride(0), ws.world.rank, local_progs,
-        TOP_K=ws.shape.top_k, CHUNKS=chunks, BLOCK_D=block, WIDTH=width, VROWS=vrows, ALIGN=align, SCALE=scale,
+        TOP_K=ws.shape.top_k, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align, SCALE=scale,
         QUANT={None: 0, "mxfp8": 1, "fp8-block": 2}[quant], SOFT_E4M3=quant_kernels.soft_e4m3_default(),
         num_warps=tuning.num_warps, **options,
     )
@@ -802,8 +792,7 @@ def _push_rows(
         schedule.src_rank, schedule.src_index, ws.peer_ptrs(dst_name), dst, dst.stride(0),
         flag_ptrs, flags, ws.local("counters"), 0, 0, ws.world.rank, ws.world.size, 0, ws.local("error"),
         local_progs,
-        SRC_ROW_DIV=1, IDENTITY_SRC=True, CHUNKS=chunks, BLOCK_D=block, WIDTH=ws.shape.hidden, VROWS=vrows,
-        ALIGN=align,
+        SRC_ROW_DIV=1, IDENTITY_SRC=True, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align,
         SIGNAL=False, WAIT_ID=0, num_warps=tuning.num_warps, **options,
     )
     if sync:
@@ -813,17 +802,11 @@ def _push_rows(
 def _tile(width: int, esize: int, tuning: CommTuning, *, min_block: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_D, CHUNKS, VROWS, ALIGN) for rows of ``width`` elements of ``esize`` bytes.
 
-    BLOCK_D: the largest power of two <= tuning.block_d dividing the width (with
-    ``whole_rows``: the width rounded up to a power of two, one chunk per row).
+    BLOCK_D: the largest power of two <= tuning.block_d dividing the width.
     VROWS grows as the chunk shrinks below tuning.block_d so that a tile keeps
     about the same elements in flight (narrow rows: fp8 scales). ALIGN: the
     element alignment every row start shares (16 bytes when the row allows).
     """
-    if tuning.whole_rows:
-        if width % min_block:
-            raise ValueError(f"rows of {width} elements cannot be split into blocks of {min_block}")
-        block = 1 << max(0, width - 1).bit_length()  # the row, rounded up to a power of two
-        return block, 1, tuning.tile_chunks, math.gcd(width, max(1, 16 // esize))
     block = min(width & -width, tuning.block_d)
     if block < min_block:
         raise ValueError(f"rows of {width} elements cannot be split into blocks of {min_block}")

@@ -69,8 +69,10 @@ WAITS = {
     mk.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
 }
 
-#: The communication workers' copy tile (chunks of a row moved per loop step). Benchmarks may swap it.
-COMM_TUNING = CommTuning()
+#: The communication workers' copy tile (chunks of a row moved per loop step; the kernel's own 8 warps). 64
+#: chunks, twice as fast per SM in the standalone copy kernels, were no faster here
+#: (benchmarks/results/2026-11-29-comm-tile). Benchmarks may swap it.
+COMM_TUNING = CommTuning(tile_chunks=16)
 
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
@@ -327,8 +329,7 @@ class MegaKernel:
                                self.counters[2 * M + T: -1], self.counters[-1:])
         block_d, chunks, vrows, align = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
         self._consts = dict(
-            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, WIDTH=s.hidden, VROWS=vrows, ALIGN=align,
-            DOT_FP32=interpreting(),
+            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
             FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),

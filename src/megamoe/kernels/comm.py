@@ -7,17 +7,17 @@ int64 ``[R]`` table of base addresses (``peer_ptrs``). The launch layer is
 
 Rows and chunks
 ---------------
-A row of D = WIDTH elements is moved as ``CHUNKS = D / BLOCK_D`` chunks of BLOCK_D
-contiguous elements (BLOCK_D a power of two dividing D, 1024 for D = 7168), or
-as one whole-row chunk (BLOCK_D = D rounded up to a power of two, the columns
-past D masked): the per-row index and address arithmetic, which every thread
-repeats for each row it touches, then serves the whole row instead of one chunk.
+A row of D elements is moved as ``CHUNKS = D / BLOCK_D`` chunks of BLOCK_D
+contiguous elements (BLOCK_D a power of two dividing D, 1024 for D = 7168).
 Chunk ``v`` of a table is row ``t = v // CHUNKS``, columns
 ``(v % CHUNKS) * BLOCK_D + [0, BLOCK_D)``. A tile is ``VROWS`` consecutive
 chunks, ``[VROWS, BLOCK_D]`` in registers: one masked load of VROWS x BLOCK_D
 elements whose rows may come from different ranks, then one store. That is
-the "bytes in flight" lever (BENCHMARKS.md): a bf16 tile of 16 x 1024 keeps
-32 KB of loads outstanding per program, as 16-byte vectors.
+the "bytes in flight" lever (BENCHMARKS.md): a bf16 tile of 64 x 1024 (the
+standalone kernels' default, 16 warps) keeps 128 KB of loads outstanding per
+program, as 16-byte vectors. Each thread repeats a chunk's row arithmetic
+(index loads, 64-bit offsets: ~40 instructions) for every chunk it holds, so
+small tiles are instruction-bound (~11 GB/s per SM for 16 x 1024 with 8 warps).
 
 Peer addresses keep 16-byte vectors: a peer row is addressed as
 ``anchor + off`` where ``anchor`` is this rank's copy of the same buffer (a
@@ -102,16 +102,6 @@ def peer_offset(rank, row, valid, peer_ptrs, anchor_ptr, stride_row):
 
 
 @triton.jit
-def chunk_mask(valid, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr):
-    """The mask of a ``[VROWS, BLOCK_D]`` tile: the rows that move and, for whole-row tiles (BLOCK_D is the row
-    width rounded up to a power of two, one chunk per row), the columns inside the row."""
-    if WIDTH % BLOCK_D == 0:
-        return valid[:, None]
-    else:
-        return valid[:, None] & (tl.arange(0, BLOCK_D) < WIDTH)[None, :]
-
-
-@triton.jit
 def select_rows(rank, my_rank, CLASS: tl.constexpr):
     """Which rows of a tile this pass moves: CLASS 0 all, 1 remote only (rank != my_rank), 2 local only."""
     if CLASS == 1:
@@ -123,7 +113,7 @@ def select_rows(rank, my_rank, CLASS: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(v0, num_rows, rank_ptr, my_rank, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr, VROWS: tl.constexpr,
+def tile_rows(v0, num_rows, rank_ptr, my_rank, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr,
               CLASS: tl.constexpr):
     """(t, col0, valid) of the tile at chunk ``v0``: its rows, first columns and which rows it moves."""
     v = v0 + tl.arange(0, VROWS)
@@ -135,7 +125,7 @@ def tile_rows(v0, num_rows, rank_ptr, my_rank, CHUNKS: tl.constexpr, BLOCK_D: tl
 
 @triton.jit
 def push_dst(v0, num_rows, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr, stride_dst, my_rank,
-             CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+             CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
              CLASS: tl.constexpr):
     """(destination offsets from ``dst_anchor_ptr``, valid) of the push tile at chunk ``v0``."""
     v = v0 + tl.arange(0, VROWS)
@@ -164,7 +154,6 @@ def pull_load(
     TOP_K: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SCALE: tl.constexpr,
@@ -181,7 +170,7 @@ def pull_load(
     token = index // TOP_K
     src_off = tl.multiple_of(peer_offset(rank, token, valid, src_peer_ptrs, src_anchor_ptr, stride_src) + col0, ALIGN)
     cols = tl.arange(0, BLOCK_D)
-    x = tl.load(src_anchor_ptr + src_off[:, None] + cols[None, :], mask=chunk_mask(valid, BLOCK_D, WIDTH))
+    x = tl.load(src_anchor_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None])
     if SCALE:
         w_off = peer_offset(rank, index, valid, w_peer_ptrs, w_anchor_ptr, 1)
         w = tl.load(w_anchor_ptr + w_off, mask=valid, other=0.0)
@@ -200,7 +189,6 @@ def pull_store(
     qscale_ptr,
     stride_qscale,
     BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr,
     QUANT: tl.constexpr,
     SOFT_E4M3: tl.constexpr,
 ):
@@ -208,19 +196,17 @@ def pull_store(
     cols = tl.arange(0, BLOCK_D)
     dst_off = t * stride_dst + col0
     if QUANT == 0:
-        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], x, mask=chunk_mask(valid, BLOCK_D, WIDTH))
+        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
     else:
         SBLOCK: tl.constexpr = 32 if QUANT == 1 else 128
         if QUANT == 1:
             data, scale = mxfp8_quantize_tile(x, 1, False, SOFT_E4M3)
         else:
             data, scale = fp8_block_quantize_tile(x, 1, 128, SOFT_E4M3)
-        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], data.to(tl.uint8, bitcast=True),
-                 mask=chunk_mask(valid, BLOCK_D, WIDTH))
+        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], data.to(tl.uint8, bitcast=True), mask=valid[:, None])
         scols = tl.arange(0, BLOCK_D // SBLOCK)
         s_off = t * stride_qscale + col0 // SBLOCK
-        tl.store(qscale_ptr + s_off[:, None] + scols[None, :], scale,
-                 mask=chunk_mask(valid, BLOCK_D // SBLOCK, WIDTH // SBLOCK))
+        tl.store(qscale_ptr + s_off[:, None] + scols[None, :], scale, mask=valid[:, None])
 
 
 @triton.jit
@@ -241,7 +227,6 @@ def pull_tile(
     TOP_K: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SCALE: tl.constexpr,
@@ -259,9 +244,9 @@ def pull_tile(
     """
     x, t, col0, valid = pull_load(
         v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-        w_anchor_ptr, 0, TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, 0,
+        w_anchor_ptr, 0, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, 0,
     )
-    pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, WIDTH, QUANT, SOFT_E4M3)
+    pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
 
 
 @triton.jit
@@ -281,7 +266,6 @@ def push_load(
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     CLASS: tl.constexpr,
@@ -299,16 +283,16 @@ def push_load(
     else:
         s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    x = tl.load(src_ptr + (s * stride_src + col0)[:, None] + cols[None, :], mask=chunk_mask(valid, BLOCK_D, WIDTH))
+    x = tl.load(src_ptr + (s * stride_src + col0)[:, None] + cols[None, :], mask=valid[:, None])
     dst_off = tl.multiple_of(peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst) + col0, ALIGN)
     return x, dst_off, valid
 
 
 @triton.jit
-def push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr):
+def push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D: tl.constexpr):
     """The store half of ``push_tile``."""
     cols = tl.arange(0, BLOCK_D)
-    tl.store(dst_anchor_ptr + dst_off[:, None] + cols[None, :], x, mask=chunk_mask(valid, BLOCK_D, WIDTH))
+    tl.store(dst_anchor_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
 
 
 @triton.jit
@@ -327,7 +311,6 @@ def push_tile(
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
@@ -339,9 +322,9 @@ def push_tile(
     """
     x, dst_off, valid = push_load(
         v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
-        stride_dst, 0, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, 0,
+        stride_dst, 0, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 0,
     )
-    push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D, WIDTH)
+    push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D)
 
 
 @triton.jit
@@ -382,7 +365,7 @@ def signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget
 def _pull_range(
     first, end, step, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
     stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
     SCALE: tl.constexpr, QUANT: tl.constexpr, SOFT_E4M3: tl.constexpr, CLASS: tl.constexpr,
     PREFETCH: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -399,34 +382,34 @@ def _pull_range(
         # before the loop (all masked off when first >= end: rows >= num_rows).
         x, t, col0, valid = pull_load(
             first, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-            w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, CLASS,
+            w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
         )
         prev = first
         for v0 in range(first + step, end, step):
             xn, tn, cn, vn = pull_load(
                 v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, CLASS,
+                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
             )
-            t, col0, valid = tile_rows(prev, num_rows, src_rank_ptr, my_rank, CHUNKS, BLOCK_D, WIDTH, VROWS, CLASS)
-            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, WIDTH, QUANT, SOFT_E4M3)
+            t, col0, valid = tile_rows(prev, num_rows, src_rank_ptr, my_rank, CHUNKS, BLOCK_D, VROWS, CLASS)
+            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
             x = xn
             prev = v0
-        t, col0, valid = tile_rows(prev, num_rows, src_rank_ptr, my_rank, CHUNKS, BLOCK_D, WIDTH, VROWS, CLASS)
-        pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, WIDTH, QUANT, SOFT_E4M3)
+        t, col0, valid = tile_rows(prev, num_rows, src_rank_ptr, my_rank, CHUNKS, BLOCK_D, VROWS, CLASS)
+        pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
     elif STAGES > 1:
         for v0 in tl.range(first, end, step, num_stages=STAGES):
             x, t, col0, valid = pull_load(
                 v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, CLASS,
+                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
             )
-            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, WIDTH, QUANT, SOFT_E4M3)
+            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
     else:
         for v0 in range(first, end, step):
             x, t, col0, valid = pull_load(
                 v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, CLASS,
+                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
             )
-            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, WIDTH, QUANT, SOFT_E4M3)
+            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
 
 
 # Per-call scalars are not specialised on (value 1, multiples of 16): a new
@@ -456,7 +439,6 @@ def _pull_kernel(
     TOP_K: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SCALE: tl.constexpr,
@@ -480,27 +462,27 @@ def _pull_kernel(
             _pull_range(
                 first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
                 stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-                TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 2, PREFETCH, STAGES,
+                TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 2, PREFETCH, STAGES,
             )
         else:
             _pull_range(
                 first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
                 stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-                TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 1, PREFETCH, STAGES,
+                TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 1, PREFETCH, STAGES,
             )
     else:
         first, step = pid * VROWS, nprog * VROWS
         _pull_range(
             first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
             stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-            TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 1 if LOCAL_MODE == 2 else 0, PREFETCH,
+            TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 1 if LOCAL_MODE == 2 else 0, PREFETCH,
             STAGES,
         )
         if LOCAL_MODE == 2:
             _pull_range(
                 first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
                 stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-                TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 2, PREFETCH, STAGES,
+                TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 2, PREFETCH, STAGES,
             )
 
 
@@ -509,42 +491,42 @@ def _push_range(
     first, end, step, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
     dst_anchor_ptr, stride_dst, my_rank,
     SRC_ROW_DIV: tl.constexpr, IDENTITY_SRC: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, CLASS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+    VROWS: tl.constexpr, ALIGN: tl.constexpr, CLASS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The push twin of ``_pull_range``."""
     if PREFETCH:
         x, off, valid = push_load(
             first, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-            dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, CLASS,
+            dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
         )
         prev = first
         for v0 in range(first + step, end, step):
             xn, on, vn = push_load(
                 v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, CLASS,
+                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
             )
             off, valid = push_dst(prev, num_rows, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr, stride_dst,
-                                  my_rank, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, CLASS)
-            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D, WIDTH)
+                                  my_rank, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS)
+            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
             x = xn
             prev = v0
         off, valid = push_dst(prev, num_rows, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr, stride_dst,
-                              my_rank, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, CLASS)
-        push_store(x, off, valid, dst_anchor_ptr, BLOCK_D, WIDTH)
+                              my_rank, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS)
+        push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
     elif STAGES > 1:
         for v0 in tl.range(first, end, step, num_stages=STAGES):
             x, off, valid = push_load(
                 v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, CLASS,
+                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
             )
-            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D, WIDTH)
+            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
     else:
         for v0 in range(first, end, step):
             x, off, valid = push_load(
                 v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, CLASS,
+                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
             )
-            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D, WIDTH)
+            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["row_limit", "arrive_target", "epoch", "my_rank", "budget", "local_progs"])
@@ -573,7 +555,6 @@ def _push_kernel(
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WIDTH: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SIGNAL: tl.constexpr,
@@ -595,26 +576,26 @@ def _push_kernel(
         if pid < lp:
             _push_range(
                 first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, 2,
+                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 2,
                 PREFETCH, STAGES,
             )
         else:
             _push_range(
                 first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, 1,
+                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 1,
                 PREFETCH, STAGES,
             )
     else:
         first, step = pid * VROWS, nprog * VROWS
         _push_range(
             first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-            dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN,
+            dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN,
             1 if LOCAL_MODE == 2 else 0, PREFETCH, STAGES,
         )
         if LOCAL_MODE == 2:
             _push_range(
                 first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, 2,
+                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 2,
                 PREFETCH, STAGES,
             )
     if SIGNAL:

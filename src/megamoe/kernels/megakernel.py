@@ -140,7 +140,7 @@ def comm_pull(
     j, c, comm_sms, num_rows, minibatch, slots,
     x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr,
     stride_ring_scale, rows_ready_ptr,
-    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
 ):
     """Worker c's share of minibatch j's rows into its ring slot (quantised on the way with FMT: E4M3 bytes and
@@ -153,7 +153,7 @@ def comm_pull(
     for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
         pull_tile(v0, end_row, x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, dst, stride_ring,
                   x_peer_ptrs, x_ptr, dst_scale, stride_ring_scale,
-                  TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, False, FMT, SOFT_E4M3)
+                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, False, FMT, SOFT_E4M3)
     release_add(rows_ready_ptr + j)
 
 
@@ -162,7 +162,7 @@ def comm_push(
     j, c, comm_sms, num_rows, minibatch, slots, budget,
     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
     y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, num_n_down,
-    CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, WAIT: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, WAIT: tl.constexpr,
     TRACE: tl.constexpr,
 ):
     """Once minibatch j's down tasks are done, worker c's share of its rows to their home combine slots."""
@@ -174,7 +174,7 @@ def comm_push(
     src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
     for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
         push_tile(v0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
-                  combine_ptr, stride_combine, 1, True, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN)
+                  combine_ptr, stride_combine, 1, True, CHUNKS, BLOCK_D, VROWS, ALIGN)
     return budget
 
 
@@ -325,7 +325,7 @@ def megakernel(
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
     tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, phase_minibatch,
-    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
@@ -348,17 +348,17 @@ def megakernel(
                         j + slots, pid, comm_sms, num_rows, minibatch, slots, budget,
                         y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                         y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
-                        CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, WAIT, TRACE)
+                        CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
-                          ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN,
+                          ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
                           FMT, SOFT_E4M3)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
                     batches - 1 - p, pid, comm_sms, num_rows, minibatch, slots, budget,
                     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                     y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
-                    CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, WAIT, TRACE)
+                    CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
             # End of pass: the last comm worker of this rank tells every rank its pushes landed and waits
             # for theirs (system scope), so the epilogue launched after this kernel reads complete slots.
             tl.debug_barrier()
@@ -417,7 +417,7 @@ def megakernel(
         elif PHASE == PHASE_PULL:
             comm_pull(j, pid, workers, num_rows, minibatch, slots,
                       x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
-                      ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN,
+                      ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
                       FMT, SOFT_E4M3)
         elif PHASE == PHASE_GATE_UP:
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
@@ -437,7 +437,7 @@ def megakernel(
             comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                       y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
-                      CHUNKS, BLOCK_D, WIDTH, VROWS, ALIGN, WAIT, TRACE)
+                      CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
 
 
 @triton.jit(do_not_specialize=["my_rank", "budget"])
