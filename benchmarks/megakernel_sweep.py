@@ -81,7 +81,6 @@ def run_rank(world, args, points) -> list[dict] | None:
 
         if args.comm_chunks:  # an experiment: the comm workers' copy tile
             mega.COMM_TUNING = replace(mega.COMM_TUNING, tile_chunks=args.comm_chunks)
-        mega.HALF_TAILS = not args.no_half_tails
 
         def forward(config):  # no host sync in the pass: N is the same on every rank; checks on the first
             first = forward.calls == 0
@@ -214,7 +213,6 @@ def main() -> int:
                         help="'' sweeps none: with --minibatch '' only the planner's point runs")
     parser.add_argument("--comm-chunks", type=int, default=0,
                         help="row chunks per comm copy step (default: the kernel's COMM_TUNING)")
-    parser.add_argument("--no-half-tails", action="store_true", help="BF16 tail tiles at full height (an A/B)")
     parser.add_argument("--grid", action="store_true", help="every (minibatch, comm_sms) pair, not two one-knob sweeps")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

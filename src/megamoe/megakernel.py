@@ -74,10 +74,6 @@ WAITS = {
 #: (benchmarks/results/2026-11-29-comm-tile). Benchmarks may swap it.
 COMM_TUNING = CommTuning(tile_chunks=16)
 
-#: BF16 tail tiles of at most half a tile's rows (an expert's last rows, a minibatch's edge) run as
-#: half-height tiles: ~171-row experts (kimi-k2 at EP 1) fill 128-row tiles only 67 %.
-HALF_TAILS = True
-
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
 
@@ -324,7 +320,6 @@ class MegaKernel:
         bm, bk, sbk = c.tile_m, gate_up.block_k, shared_gate_up.block_k
         desc = TensorDescriptor.from_tensor
         self._ring_desc, self._act_desc = desc(self.ring_x, [bm, bk]), desc(self.act, [bm, bk])
-        self._ring_half_desc, self._act_half_desc = desc(self.ring_x, [bm // 2, bk]), desc(self.act, [bm // 2, bk])
         if s.shared_intermediate:
             self._shared_x_desc = desc(self.sym.local("x"), [bm, sbk])
             self._shared_act_desc = desc(self.shared_act, [bm, sbk])
@@ -337,7 +332,7 @@ class MegaKernel:
             TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
-            FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(), HALF_TAILS=HALF_TAILS and self.fmt == 0,
+            FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
             SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk,
             num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
         )
@@ -373,7 +368,6 @@ class MegaKernel:
             self.sym.peer_ptrs("combine"), combine, combine.stride(0),
             self._ring_desc, w_gu_desc, self.h, bytes_view(self.act), self.h.stride(0), self.act.stride(0),
             self._act_desc, w_dn_desc, self.y, self.y.stride(0),
-            self._ring_half_desc, self._act_half_desc,
             *scale_args,
             *shared_args,
             *self._counter_views,

@@ -187,19 +187,15 @@ def first_task(c, workers, dealt):
 @triton.jit
 def compute_gate_up(
     j, c, workers, dealt, minibatch, slots, budget,
-    ring_desc, ring_half_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_act_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
     error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
-    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr, HALF_TAILS: tl.constexpr,
+    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Worker c's gate/up + SwiGLU tasks of minibatch j; returns (tasks dealt so far, budget).
-
-    HALF_TAILS (BF16): a tile of at most BLOCK_M / 2 rows (an expert's or a minibatch's tail) runs as a
-    half-height tile through ``ring_half_desc``: each output element sums over K in the same order, so
-    the bits do not change."""
+    """Worker c's gate/up + SwiGLU tasks of minibatch j; returns (tasks dealt so far, budget)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     num_n = tl.cdiv(I, BN_GU)
@@ -226,14 +222,6 @@ def compute_gate_up(
                                act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act,
                                stride_act_scale, row0, row_end, expert, n * BN_GU, I, experts * 2 * I, D, limit,
                                HAS_LIMIT, True, False, False, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K)
-        elif HALF_TAILS:
-            if row_end - row0 <= BLOCK_M // 2:
-                gate_up_swiglu_tile(ring_half_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0,
-                                    row_end, expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M // 2, BN_GU,
-                                    BLOCK_K)
-            else:
-                gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
-                                    expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
         else:
             gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
                                 expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
@@ -244,15 +232,13 @@ def compute_gate_up(
 @triton.jit
 def compute_down(
     j, c, workers, dealt, minibatch, slots, budget,
-    act_desc, act_half_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-    y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+    act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
+    error_ptr, trace_ptr, experts, I, D,
     DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FMT: tl.constexpr,
-    HALF_TAILS: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget).
-    HALF_TAILS as in compute_gate_up."""
+    """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     num_n = tl.cdiv(D, BN_DN)
@@ -274,13 +260,6 @@ def compute_down(
             down_mxfp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
                             stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, experts * D, I,
                             False, False, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
-        elif HALF_TAILS:
-            if row_end - row0 <= BLOCK_M // 2:
-                down_tile(act_half_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
-                          DOT_FP32, BLOCK_M // 2, BN_DN, BLOCK_K)
-            else:
-                down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
-                          DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
         else:
             down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
                       DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
@@ -334,8 +313,6 @@ def megakernel(
     x_peer_ptrs, x_ptr, stride_x, ring_ptr, stride_ring, combine_peer_ptrs, combine_ptr, stride_combine,
     # routed experts over the ring
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc, y_ptr, stride_y,
-    # half-height (BLOCK_M / 2 rows) views of the ring rows and act for tail tiles (HALF_TAILS)
-    ring_half_desc, act_half_desc,
     # FP8 scales of the ring rows, the gate/up and down weights and act (MXFP8: E8M0 1x32; FP8-block: fp32
     # 1x128, weights 128x128)
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, w_down_scale_ptr,
@@ -352,7 +329,7 @@ def megakernel(
     HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
-    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr, HALF_TAILS: tl.constexpr,
+    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     SHARED_BN_GU: tl.constexpr, SHARED_BN_DN: tl.constexpr, SHARED_BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -412,19 +389,17 @@ def megakernel(
                 j = batches - 1 - p
                 dealt, budget = compute_gate_up(
                     j, c, workers, dealt, minibatch, slots, budget,
-                    ring_desc, ring_half_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+                    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
                     stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
                     rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
-                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, HALF_TAILS, BLOCK_M, BN_GU, BLOCK_K,
-                    GROUP_GU)
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
-                    act_desc, act_half_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr,
-                    stride_act_scale,
+                    act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                     stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
                     tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
-                    DOT_FP32, FENCE, WAIT, TRACE, FMT, HALF_TAILS, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                    DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
@@ -446,19 +421,18 @@ def megakernel(
                       FMT, SOFT_E4M3)
         elif PHASE == PHASE_GATE_UP:
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
-                            ring_desc, ring_half_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+                            ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                             ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
                             stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
                             rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
-                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, HALF_TAILS, BLOCK_M, BN_GU,
-                            BLOCK_K, GROUP_GU)
+                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
+                            GROUP_GU)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
-                         act_desc, act_half_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr,
-                         stride_act_scale,
+                         act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                          stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
                          tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
-                         DOT_FP32, FENCE, WAIT, TRACE, FMT, HALF_TAILS, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                         DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,

@@ -108,14 +108,12 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
     consts = dict(TOP_K=8, CHUNKS=7, BLOCK_D=1024, VROWS=16, ALIGN=8, HAS_SHARED=True, HAS_LIMIT=False,
                   DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
-                  GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, HALF_TAILS=code == 0,
-                  SHARED_BN_GU=128, SHARED_BN_DN=256,
+                  GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
                   SHARED_BK=64)
     descs = {"ring_desc": (elem, 128, bk), "w_gate_up_desc": (elem, bn_gu, bk), "act_desc": (elem, 128, bk),
              "w_down_desc": (elem, bn_dn, bk), "shared_x_desc": ("bf16", 128, 64),
              "shared_w_gate_up_desc": ("bf16", 128, 64), "shared_act_desc": ("bf16", 128, 64),
-             "shared_w_down_desc": ("bf16", 256, 64), "ring_half_desc": (elem, 64, bk),
-             "act_half_desc": (elem, 64, bk)}
+             "shared_w_down_desc": ("bf16", 256, 64)}
     quantized = code != 0
     signature = {}
     for name in mk.megakernel.arg_names:
