@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from megamoe.cli import app
@@ -35,6 +37,13 @@ def test_bench_rejects_bad_options_with_exit_code_2():
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--ep", "3"])
     assert result.exit_code == 2
     assert "not divisible by ep (3)" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs fewer than 2 visible GPUs")
+def test_bench_refuses_more_ranks_than_gpus():
+    result = CliRunner().invoke(app, ["bench", "--device", "cuda", "--ep", "2"])
+    assert result.exit_code == 2
+    assert f"ep=2 needs 2 GPUs, {torch.cuda.device_count()} visible" in result.output
 
 
 def _free_port() -> int:

@@ -67,6 +67,12 @@ class BenchOptions:
             raise ValueError(f"tokens must be one count or one per rank (ep={self.ep}), got {self.tokens}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"iters must be >= 1 and warmup >= 0, got {self.iters}, {self.warmup}")
+        gpus = torch.cuda.device_count() if self.device == "cuda" else 0
+        if self.device == "cuda" and self.ep > gpus:
+            # ranks sharing a GPU run over gloo (NCCL refuses them) and split its SMs: the baselines cannot
+            # run and no timing would mean anything
+            raise ValueError(f"ep={self.ep} needs {self.ep} GPUs, {gpus} visible; more ranks than GPUs is for "
+                             f"correctness runs (tests/test_megakernel.py::test_gpu_more_ranks_than_gpus_correct)")
 
     def tokens_of(self, rank: int) -> int:
         return self.tokens[0] if len(self.tokens) == 1 else self.tokens[rank]
