@@ -10,12 +10,11 @@ k 8, E 384, 8192 tokens per rank, seeded routing):
 0. Checks: dispatch_pull, combine_push, reverse_combine_pull,
    reverse_dispatch_push, on-the-fly MXFP8 dispatch and push_dispatch (with
    flags) are bitwise equal to the torch references; peer ``copy_`` ceilings.
-1. Bandwidth against num_sms (8 .. 32) for dispatch (pull) and combine (push):
-   the earlier tiles ("base"), pipelined tiles (register double buffering
-   ``prefetch``, ``tl.range`` ``num_stages``), local rows last, and a few
-   programs reserved for the local rows (``local_sms``); NCCL
-   all_to_all_single moving the same cross-rank rows (contiguous, no gather)
-   in the same run.
+1. Bandwidth against num_sms (8 .. 32) for dispatch (pull) and combine (push)
+   with three copy tiles; NCCL all_to_all_single moving the same cross-rank
+   rows (contiguous, no gather) in the same run. (Pipelined tiles and
+   programs reserved for the local rows lost in 2026-11-29-round2 and were
+   removed from the kernels.)
 2. Signalling: time from kernel start until the first M rows (M = 256 ..
    8192) of every rank's routed buffer are usable: pull (the receiver loads
    them) against push (senders store, raise a flag per peer; the receiver
@@ -49,7 +48,6 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -61,19 +59,8 @@ from megamoe.schedule import build_pull_schedule
 from megamoe.world import launch
 
 SMS = (8, 16, 24, 32)
-#: Section 1's variants: (tuning, local_sms as a fraction of num_sms or None). "base" tiles are the
-#: earlier kernel (every program moves every row, no pipelining).
+#: Section 1's copy tiles (the last is the default).
 BASE = (CommTuning(1024, 16, 8), CommTuning(1024, 32, 16), CommTuning(1024, 64, 16))
-PIPELINED = (
-    CommTuning(1024, 16, 8, prefetch=True), CommTuning(1024, 32, 16, prefetch=True),
-    CommTuning(1024, 32, 8, prefetch=True),  # (64x1024 16w prefetch spills: 128 registers a thread at 512 threads)
-    CommTuning(1024, 16, 8, num_stages=3), CommTuning(1024, 16, 8, num_stages=4),
-    CommTuning(1024, 32, 16, num_stages=3),
-    CommTuning(1024, 32, 16, prefetch=True, local_last=True),
-)
-SPLIT_TILES = (CommTuning(1024, 32, 16, prefetch=True), CommTuning(1024, 32, 8, prefetch=True),
-               CommTuning(1024, 16, 8, num_stages=3))
-SPLIT_FRACTIONS = (1 / 8, 1 / 4, 3 / 8)
 MINIBATCHES = (256, 1024, 4096, 8192)
 SIGNAL_SMS = (24,)
 IMBALANCE_SMS = (16, 24)
@@ -293,7 +280,7 @@ class Bench:
         ys = [rows_for(r, s.capacity, D, 2, dev) for r, s in enumerate(scheds)]
         want = comm.combine_reference(ys, scheds, self.me, torch.full_like(ws.local("combine"), float("nan")))
         dref = comm.dispatch_reference(p["xs"], sched)
-        for tuning in PIPELINED + tuple(replace(t, local_sms=6) for t in SPLIT_TILES):
+        for tuning in BASE:
             out.fill_(float("nan"))
             comm.dispatch_pull(ws, sched, num_sms=24, out=out, tuning=tuning)
             results[f"dispatch_pull {tuning.label()}"] = same(out[v], dref[v])
@@ -323,8 +310,7 @@ class Bench:
             if not self.time_left():
                 self.notes.append(f"1 bandwidth: stopped before num_sms={num_sms}, past the deadline")
                 break
-            split = [replace(t, local_sms=max(1, round(f * num_sms))) for t in SPLIT_TILES for f in SPLIT_FRACTIONS]
-            for tuning in BASE + PIPELINED + tuple(split):
+            for tuning in BASE:
                 for impl, fn in (
                     ("dispatch_pull", lambda: comm.dispatch_pull(ws, sched, num_sms=num_sms, out=out, sync=False,
                                                                  tuning=tuning)),
@@ -333,7 +319,7 @@ class Bench:
                 ):
                     stats = self.timeit(fn)
                     self.record(measurement="bandwidth", impl=impl, routing="uniform", num_sms=num_sms,
-                                tuning=dict(tuning.__dict__), variant=tuning.label(), base=tuning in BASE,
+                                tuning=dict(tuning.__dict__), variant=tuning.label(),
                                 **self.rates(p["cross"], p["total"], stats))
         del out, y
         if self.cuda:  # NCCL all_to_all_single of exactly the cross rows (self split 0)
@@ -468,8 +454,8 @@ def summary(meta: dict, records: list[dict], notes: list[str]) -> str:
     if bw:
         ref = max(ceil.values()) if ceil else None
         lines += ["", "1. cross GB/s against num_sms, uniform routing (time = whole kernel; % of the faster peer copy_)",
-                  "", "| num_sms | impl | base (earlier kernel) | best variant | GB/s | % of ceiling |",
-                  "|---|---|---|---|---|---|"]
+                  "", "| num_sms | impl | best tile | GB/s | % of ceiling |",
+                  "|---|---|---|---|---|"]
         pct = lambda g: f"{100 * g / ref:.0f}%" if ref else "-"
         best_at = {}
         for s in sorted({r["num_sms"] for r in bw}):
@@ -478,11 +464,8 @@ def summary(meta: dict, records: list[dict], notes: list[str]) -> str:
                 if not rs:
                     continue
                 b = max(rs, key=lambda r: r["cross_GBps"])
-                base = [r for r in rs if r.get("base")]
-                bb = max(base, key=lambda r: r["cross_GBps"]) if base else None
                 best_at[(s, impl)] = b
-                base_cell = f"{bb['cross_GBps']:.0f} ({bb['variant']})" if bb else "-"
-                lines.append(f"| {s} | {impl} | {base_cell} | {b.get('variant', '?')} | {b['cross_GBps']:.0f} | "
+                lines.append(f"| {s} | {impl} | {b.get('variant', '?')} | {b['cross_GBps']:.0f} | "
                              f"{pct(b['cross_GBps'])} |")
         lines += ["", "per variant (cross GB/s at each num_sms):", ""]
         sms = sorted({r["num_sms"] for r in bw})
@@ -493,21 +476,11 @@ def summary(meta: dict, records: list[dict], notes: list[str]) -> str:
                 if r["impl"] != impl or r.get("variant") in seen:
                     continue
                 v = r.get("variant")
-                if "local_sms" in v:
-                    v = v[: v.index(" local_sms")] + " local_sms"
-                if v in seen:
-                    continue
                 seen.add(v)
                 cells = []
                 for s in sms:
-                    rs = [x for x in bw if x["impl"] == impl and x["num_sms"] == s and
-                          (x.get("variant") == v or (v.endswith("local_sms") and x.get("variant", "").startswith(v)))]
-                    if rs:
-                        b = max(rs, key=lambda x: x["cross_GBps"])
-                        extra = f" ({b['tuning']['local_sms']})" if b["tuning"].get("local_sms") else ""
-                        cells.append(f"{b['cross_GBps']:.0f}{extra}")
-                    else:
-                        cells.append("-")
+                    rs = [x for x in bw if x["impl"] == impl and x["num_sms"] == s and x.get("variant") == v]
+                    cells.append(f"{max(x['cross_GBps'] for x in rs):.0f}" if rs else "-")
                 lines.append(f"| {v} | " + " | ".join(cells) + " |")
             lines.append("")
         if ref:

@@ -51,14 +51,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(as_int), b.view(as_int))
 
 
-#: (num_sms, tuning) of the pipelining / local-row options, each checked bit-exact against the reference.
+#: (num_sms, tuning): grids and tiles, each checked bit-exact against the reference.
 VARIANTS = (
-    (3, CommTuning(tile_chunks=2, prefetch=True)),
-    (3, CommTuning(tile_chunks=2, local_sms=1, prefetch=True)),
-    (4, CommTuning(tile_chunks=4, local_last=True)),
-    (3, CommTuning(tile_chunks=2, num_stages=3)),
-    (2, CommTuning(tile_chunks=1, local_sms=1)),
-    (1, CommTuning(tile_chunks=2, local_sms=2, prefetch=True)),  # one program: local_sms clamps to 0
+    (3, CommTuning(tile_chunks=2, num_warps=4)),
+    (4, CommTuning(tile_chunks=4, block_d=128)),
+    (2, CommTuning(tile_chunks=1)),
+    (1, CommTuning()),
 )
 
 
@@ -92,7 +90,7 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
     ref = comm.dispatch_reference(x_dev, sched)
     for num_sms, tuning in ((1, CommTuning(tile_chunks=1)), (3, None), (64, CommTuning(tile_chunks=4))):
         check(f"dispatch_pull num_sms={num_sms}", comm.dispatch_pull(ws, sched, num_sms=num_sms, tuning=tuning), ref)
-    for num_sms, tuning in VARIANTS:  # pipelining and local-row options give the same bits
+    for num_sms, tuning in VARIANTS:  # other grids and tiles give the same bits
         check(f"dispatch_pull num_sms={num_sms} {tuning.label()}",
               comm.dispatch_pull(ws, sched, num_sms=num_sms, tuning=tuning), ref)
     sentinel = torch.full((sched.capacity, D), 7.0, dtype=torch.bfloat16, device=device)
@@ -312,16 +310,8 @@ def test_shape_and_tuning_validation():
         CommTuning(tile_chunks=3)
     with pytest.raises(ValueError, match="block_d"):
         CommTuning(block_d=64)
-    with pytest.raises(ValueError, match="exclude"):
-        CommTuning(local_sms=2, local_last=True)
-    with pytest.raises(ValueError, match="num_stages"):
-        CommTuning(num_stages=0)
-    with pytest.raises(ValueError, match="prefetch"):
-        CommTuning(prefetch=1)
-    assert CommTuning(local_sms=4).launch_options(24) == (4, dict(LOCAL_MODE=1, PREFETCH=False, STAGES=1))
-    assert CommTuning(local_sms=4, num_stages=3).launch_options(1) == (0, dict(LOCAL_MODE=0, PREFETCH=False, STAGES=3))
-    assert CommTuning(local_last=True, prefetch=True, num_stages=3).launch_options(8)[1] == dict(
-        LOCAL_MODE=2, PREFETCH=True, STAGES=1)
+    with pytest.raises(ValueError, match="num_warps"):
+        CommTuning(num_warps=0)
     assert CommShape(2, 8, 128, 2, experts_per_rank=3, align=4).capacity == 2 * 8 * 2 + 3 * 3
     assert comm._tile(7168, 2, CommTuning()) == (1024, 7, 64, 8)
     assert comm._tile(224, 1, CommTuning()) == (32, 7, 512, 16)

@@ -200,61 +200,26 @@ class CommTuning:
         tile_chunks: VROWS, chunks moved per tile (loads in flight per
             program: tile_chunks * block_d elements).
         num_warps: warps per program (ignored by the interpreter).
-        prefetch: register double buffering: each program issues the next
-            tile's loads before the current tile's stores (two tiles in flight;
-            twice the registers).
-        num_stages: > 1 runs the tile loop as ``tl.range(num_stages=...)``
-            (Triton's software pipeliner); ignored with ``prefetch``.
-        local_sms: > 0 reserves that many programs (at most num_sms - 1) for
-            the local rows (source or destination rank == this rank: no
-            NVLink); the other programs move only remote rows. 0: every
-            program moves every row.
-        local_last: every program moves its remote rows first, then its local
-            rows (with local_sms == 0).
+
+    The default, 64 x 1024 with 16 warps, is the fastest measured on 2 x H200
+    (benchmarks/results/2026-11-29-comm-tile). Register double buffering,
+    Triton's loop pipeliner and programs reserved for the local rows were
+    measured too and lost (2026-11-29-round2); they were removed.
     """
 
     block_d: int = 1024
     tile_chunks: int = 64
     num_warps: int = 16
-    prefetch: bool = False
-    num_stages: int = 1
-    local_sms: int = 0
-    local_last: bool = False
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("block_d", 128, 8192), ("tile_chunks", 1, 512), ("num_warps", 1, 32)):
             value = getattr(self, name)
             if not _is_int(value) or not lo <= value <= hi or value & (value - 1):
                 raise ValueError(f"CommTuning.{name} must be a power of two in [{lo}, {hi}], got {value!r}")
-        for name in ("prefetch", "local_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"CommTuning.{name} must be a bool, got {getattr(self, name)!r}")
-        if not _is_int(self.num_stages) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"CommTuning.num_stages must be an int in [1, 8], got {self.num_stages!r}")
-        if not _is_int(self.local_sms) or self.local_sms < 0:
-            raise ValueError(f"CommTuning.local_sms must be a non-negative int, got {self.local_sms!r}")
-        if self.local_sms and self.local_last:
-            raise ValueError("CommTuning: local_sms and local_last exclude each other")
 
     def label(self) -> str:
-        """A short name: ``16x1024 8w`` plus the options in use."""
-        parts = [f"{self.tile_chunks}x{self.block_d} {self.num_warps}w"]
-        if self.prefetch:
-            parts.append("prefetch")
-        if self.num_stages > 1 and not self.prefetch:
-            parts.append(f"stages{self.num_stages}")
-        if self.local_sms:
-            parts.append(f"local_sms{self.local_sms}")
-        if self.local_last:
-            parts.append("local_last")
-        return " ".join(parts)
-
-    def launch_options(self, num_sms: int) -> tuple[int, dict]:
-        """(local_progs, constexprs) of a launch on ``num_sms`` programs."""
-        local_progs = min(self.local_sms, num_sms - 1)
-        mode = 1 if local_progs > 0 else 2 if self.local_last else 0
-        stages = 1 if self.prefetch else self.num_stages
-        return local_progs, dict(LOCAL_MODE=mode, PREFETCH=self.prefetch, STAGES=stages)
+        """A short name: ``64x1024 16w``."""
+        return f"{self.tile_chunks}x{self.block_d} {self.num_warps}w"
 
 
 @dataclass(frozen=True)
@@ -680,7 +645,6 @@ def push_dispatch(
     x, routed = ws.local("x"), ws.local("routed")
     block, chunks, vrows, align = _tile(ws.shape.hidden, x.element_size(), tuning)
     flag_ptrs, flags = ws._flag_ptrs(_WAIT_DISPATCH)
-    local_progs, options = tuning.launch_options(num_sms)
     epoch = arrive_target = 0
     if signal:
         ws._epochs[_WAIT_DISPATCH] += 1
@@ -695,9 +659,9 @@ def push_dispatch(
         push_schedule.num_entries, _NO_LIMIT, x, x.stride(0), push_schedule.route,
         push_schedule.dst_rank, push_schedule.dst_row, ws.peer_ptrs("routed"), routed, routed.stride(0),
         flag_ptrs, flags, ws.local("counters"), arrive_target, epoch, ws.world.rank, ws.world.size, budget,
-        ws.local("error"), local_progs,
+        ws.local("error"),
         SRC_ROW_DIV=ws.shape.top_k, IDENTITY_SRC=False, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align,
-        SIGNAL=signal, WAIT_ID=_WAIT_DISPATCH, num_warps=tuning.num_warps, **options,
+        SIGNAL=signal, WAIT_ID=_WAIT_DISPATCH, num_warps=tuning.num_warps,
     )
     if signal and check:
         _device_sync(ws)
@@ -756,13 +720,12 @@ def _launch_pull(
     w_ptrs, w_anchor = (ws.peer_ptrs("router_weights"), ws.local("router_weights")) if scale else (
         ws.peer_ptrs(src_name), src)
     qscale = dst if qscale is None else qscale
-    local_progs, options = tuning.launch_options(num_sms)
     _pull_kernel[(num_sms,)](
         schedule.num_rows, limit, ws.peer_ptrs(src_name), src, src.stride(0), schedule.src_rank, schedule.src_index,
-        dst, dst.stride(0), w_ptrs, w_anchor, qscale, qscale.stride(0), ws.world.rank, local_progs,
+        dst, dst.stride(0), w_ptrs, w_anchor, qscale, qscale.stride(0),
         TOP_K=ws.shape.top_k, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align, SCALE=scale,
         QUANT={None: 0, "mxfp8": 1, "fp8-block": 2}[quant], SOFT_E4M3=quant_kernels.soft_e4m3_default(),
-        num_warps=tuning.num_warps, **options,
+        num_warps=tuning.num_warps,
     )
 
 
@@ -786,14 +749,12 @@ def _push_rows(
     if sync:
         _sync(ws)
     flag_ptrs, flags = ws._flag_ptrs(_WAIT_DISPATCH)  # unused without SIGNAL
-    local_progs, options = tuning.launch_options(num_sms)
     _push_kernel[(num_sms,)](
         schedule.num_rows, _NO_LIMIT, rows, rows.stride(0), schedule.src_index,
         schedule.src_rank, schedule.src_index, ws.peer_ptrs(dst_name), dst, dst.stride(0),
         flag_ptrs, flags, ws.local("counters"), 0, 0, ws.world.rank, ws.world.size, 0, ws.local("error"),
-        local_progs,
         SRC_ROW_DIV=1, IDENTITY_SRC=True, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align,
-        SIGNAL=False, WAIT_ID=0, num_warps=tuning.num_warps, **options,
+        SIGNAL=False, WAIT_ID=0, num_warps=tuning.num_warps,
     )
     if sync:
         _sync(ws)

@@ -102,44 +102,6 @@ def peer_offset(rank, row, valid, peer_ptrs, anchor_ptr, stride_row):
 
 
 @triton.jit
-def select_rows(rank, my_rank, CLASS: tl.constexpr):
-    """Which rows of a tile this pass moves: CLASS 0 all, 1 remote only (rank != my_rank), 2 local only."""
-    if CLASS == 1:
-        return (rank >= 0) & (rank != my_rank)
-    elif CLASS == 2:
-        return rank == my_rank
-    else:
-        return rank >= 0
-
-
-@triton.jit
-def tile_rows(v0, num_rows, rank_ptr, my_rank, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr,
-              CLASS: tl.constexpr):
-    """(t, col0, valid) of the tile at chunk ``v0``: its rows, first columns and which rows it moves."""
-    v = v0 + tl.arange(0, VROWS)
-    t = v // CHUNKS
-    col0 = (v % CHUNKS) * BLOCK_D
-    rank = tl.load(rank_ptr + t, mask=t < num_rows, other=-1)
-    return t, col0, select_rows(rank, my_rank, CLASS)
-
-
-@triton.jit
-def push_dst(v0, num_rows, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr, stride_dst, my_rank,
-             CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
-             CLASS: tl.constexpr):
-    """(destination offsets from ``dst_anchor_ptr``, valid) of the push tile at chunk ``v0``."""
-    v = v0 + tl.arange(0, VROWS)
-    t = v // CHUNKS
-    col0 = (v % CHUNKS) * BLOCK_D
-    in_range = t < num_rows
-    rank = tl.load(dst_rank_ptr + t, mask=in_range, other=-1)
-    row = tl.load(dst_row_ptr + t, mask=in_range, other=-1)
-    valid = select_rows(rank, my_rank, CLASS)
-    off = tl.multiple_of(peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst) + col0, ALIGN)
-    return off, valid
-
-
-@triton.jit
 def pull_load(
     v0,
     num_rows,
@@ -150,14 +112,12 @@ def pull_load(
     src_index_ptr,
     w_peer_ptrs,
     w_anchor_ptr,
-    my_rank,
     TOP_K: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SCALE: tl.constexpr,
-    CLASS: tl.constexpr,
 ):
     """The load half of ``pull_tile``: (x [VROWS, BLOCK_D], t, col0, valid) of chunks ``[v0, v0 + VROWS)``."""
     v = v0 + tl.arange(0, VROWS)
@@ -166,7 +126,7 @@ def pull_load(
     in_range = t < num_rows
     rank = tl.load(src_rank_ptr + t, mask=in_range, other=-1)
     index = tl.load(src_index_ptr + t, mask=in_range, other=-1)
-    valid = select_rows(rank, my_rank, CLASS)
+    valid = rank >= 0
     token = index // TOP_K
     src_off = tl.multiple_of(peer_offset(rank, token, valid, src_peer_ptrs, src_anchor_ptr, stride_src) + col0, ALIGN)
     cols = tl.arange(0, BLOCK_D)
@@ -244,7 +204,7 @@ def pull_tile(
     """
     x, t, col0, valid = pull_load(
         v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-        w_anchor_ptr, 0, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, 0,
+        w_anchor_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE,
     )
     pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
 
@@ -261,14 +221,12 @@ def push_load(
     dst_peer_ptrs,
     dst_anchor_ptr,
     stride_dst,
-    my_rank,
     SRC_ROW_DIV: tl.constexpr,
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     VROWS: tl.constexpr,
     ALIGN: tl.constexpr,
-    CLASS: tl.constexpr,
 ):
     """The load half of ``push_tile``: (x [VROWS, BLOCK_D], destination offsets, valid)."""
     v = v0 + tl.arange(0, VROWS)
@@ -277,7 +235,7 @@ def push_load(
     in_range = t < num_rows
     rank = tl.load(dst_rank_ptr + t, mask=in_range, other=-1)
     row = tl.load(dst_row_ptr + t, mask=in_range, other=-1)
-    valid = select_rows(rank, my_rank, CLASS)
+    valid = rank >= 0
     if IDENTITY_SRC:
         s = t
     else:
@@ -322,7 +280,7 @@ def push_tile(
     """
     x, dst_off, valid = push_load(
         v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
-        stride_dst, 0, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 0,
+        stride_dst, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN,
     )
     push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D)
 
@@ -361,65 +319,9 @@ def signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget
     return wait_flags(flags_ptr, num_ranks, epoch, budget, error_ptr, WAIT_ID)
 
 
-@triton.jit
-def _pull_range(
-    first, end, step, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-    stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
-    SCALE: tl.constexpr, QUANT: tl.constexpr, SOFT_E4M3: tl.constexpr, CLASS: tl.constexpr,
-    PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Tiles at chunks first, first + step, ... < end (int64) of rows of class CLASS.
-
-    PREFETCH: register double buffering, the next tile's loads are issued
-    before the current tile's stores (two tiles in flight). STAGES > 1: the
-    loop is a ``tl.range(num_stages=STAGES)`` (Triton's software pipeliner).
-    """
-    if PREFETCH:
-        # Only the data and the scalar chunk index are carried: the store's
-        # offsets and mask are recomputed from it (cached index loads), so the
-        # compiler still sees 16-byte aligned rows. The first tile is loaded
-        # before the loop (all masked off when first >= end: rows >= num_rows).
-        x, t, col0, valid = pull_load(
-            first, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-            w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
-        )
-        prev = first
-        for v0 in range(first + step, end, step):
-            xn, tn, cn, vn = pull_load(
-                v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
-            )
-            t, col0, valid = tile_rows(prev, num_rows, src_rank_ptr, my_rank, CHUNKS, BLOCK_D, VROWS, CLASS)
-            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
-            x = xn
-            prev = v0
-        t, col0, valid = tile_rows(prev, num_rows, src_rank_ptr, my_rank, CHUNKS, BLOCK_D, VROWS, CLASS)
-        pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
-    elif STAGES > 1:
-        for v0 in tl.range(first, end, step, num_stages=STAGES):
-            x, t, col0, valid = pull_load(
-                v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
-            )
-            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
-    else:
-        for v0 in range(first, end, step):
-            x, t, col0, valid = pull_load(
-                v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-                w_anchor_ptr, my_rank, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, CLASS,
-            )
-            pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
-
-
 # Per-call scalars are not specialised on (value 1, multiples of 16): a new
 # epoch or row limit must not trigger a recompile inside a timed loop.
-#
-# Local rows (LOCAL_MODE): 0 every program moves every row; 1 "split":
-# programs < local_progs move the local rows (source / destination rank ==
-# my_rank, no NVLink), the others the remote rows; 2 "remote first": every
-# program moves its remote rows, then its local rows.
-@triton.jit(do_not_specialize=["row_limit", "my_rank", "local_progs"])
+@triton.jit(do_not_specialize=["row_limit"])
 def _pull_kernel(
     num_rows_ptr,
     row_limit,
@@ -434,8 +336,6 @@ def _pull_kernel(
     w_anchor_ptr,
     qscale_ptr,
     stride_qscale,
-    my_rank,
-    local_progs,
     TOP_K: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -444,92 +344,15 @@ def _pull_kernel(
     SCALE: tl.constexpr,
     QUANT: tl.constexpr,
     SOFT_E4M3: tl.constexpr,
-    LOCAL_MODE: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    nprog = tl.num_programs(0).to(tl.int64)
     n = tl.minimum(tl.load(num_rows_ptr).to(tl.int64), row_limit)
-    end = n * CHUNKS
-    if LOCAL_MODE == 1:
-        lp = local_progs.to(tl.int64)
-        if pid < lp:
-            first, step = pid * VROWS, lp * VROWS
-        else:
-            first, step = (pid - lp) * VROWS, (nprog - lp) * VROWS
-        if pid < lp:
-            _pull_range(
-                first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-                stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-                TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 2, PREFETCH, STAGES,
-            )
-        else:
-            _pull_range(
-                first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-                stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-                TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 1, PREFETCH, STAGES,
-            )
-    else:
-        first, step = pid * VROWS, nprog * VROWS
-        _pull_range(
-            first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-            stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-            TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 1 if LOCAL_MODE == 2 else 0, PREFETCH,
-            STAGES,
-        )
-        if LOCAL_MODE == 2:
-            _pull_range(
-                first, end, step, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-                stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale, my_rank,
-                TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3, 2, PREFETCH, STAGES,
-            )
+    for v0 in range(tl.program_id(0).to(tl.int64) * VROWS, n * CHUNKS, tl.num_programs(0).to(tl.int64) * VROWS):
+        pull_tile(v0, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr, stride_dst,
+                  w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale,
+                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3)
 
 
-@triton.jit
-def _push_range(
-    first, end, step, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-    dst_anchor_ptr, stride_dst, my_rank,
-    SRC_ROW_DIV: tl.constexpr, IDENTITY_SRC: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr,
-    VROWS: tl.constexpr, ALIGN: tl.constexpr, CLASS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-):
-    """The push twin of ``_pull_range``."""
-    if PREFETCH:
-        x, off, valid = push_load(
-            first, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-            dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
-        )
-        prev = first
-        for v0 in range(first + step, end, step):
-            xn, on, vn = push_load(
-                v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
-            )
-            off, valid = push_dst(prev, num_rows, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr, stride_dst,
-                                  my_rank, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS)
-            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
-            x = xn
-            prev = v0
-        off, valid = push_dst(prev, num_rows, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr, stride_dst,
-                              my_rank, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS)
-        push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
-    elif STAGES > 1:
-        for v0 in tl.range(first, end, step, num_stages=STAGES):
-            x, off, valid = push_load(
-                v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
-            )
-            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
-    else:
-        for v0 in range(first, end, step):
-            x, off, valid = push_load(
-                v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, CLASS,
-            )
-            push_store(x, off, valid, dst_anchor_ptr, BLOCK_D)
-
-
-@triton.jit(do_not_specialize=["row_limit", "arrive_target", "epoch", "my_rank", "budget", "local_progs"])
+@triton.jit(do_not_specialize=["row_limit", "arrive_target", "epoch", "my_rank", "budget"])
 def _push_kernel(
     num_rows_ptr,
     row_limit,
@@ -550,7 +373,6 @@ def _push_kernel(
     num_ranks,
     budget,
     error_ptr,
-    local_progs,
     SRC_ROW_DIV: tl.constexpr,
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -559,45 +381,11 @@ def _push_kernel(
     ALIGN: tl.constexpr,
     SIGNAL: tl.constexpr,
     WAIT_ID: tl.constexpr,
-    LOCAL_MODE: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    nprog = tl.num_programs(0).to(tl.int64)
     n = tl.minimum(tl.load(num_rows_ptr).to(tl.int64), row_limit)
-    end = n * CHUNKS
-    if LOCAL_MODE == 1:
-        lp = local_progs.to(tl.int64)
-        if pid < lp:
-            first, step = pid * VROWS, lp * VROWS
-        else:
-            first, step = (pid - lp) * VROWS, (nprog - lp) * VROWS
-        if pid < lp:
-            _push_range(
-                first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 2,
-                PREFETCH, STAGES,
-            )
-        else:
-            _push_range(
-                first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 1,
-                PREFETCH, STAGES,
-            )
-    else:
-        first, step = pid * VROWS, nprog * VROWS
-        _push_range(
-            first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-            dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN,
-            1 if LOCAL_MODE == 2 else 0, PREFETCH, STAGES,
-        )
-        if LOCAL_MODE == 2:
-            _push_range(
-                first, end, step, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                dst_anchor_ptr, stride_dst, my_rank, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN, 2,
-                PREFETCH, STAGES,
-            )
+    for v0 in range(tl.program_id(0).to(tl.int64) * VROWS, n * CHUNKS, tl.num_programs(0).to(tl.int64) * VROWS):
+        push_tile(v0, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
+                  stride_dst, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN)
     if SIGNAL:
         tl.debug_barrier()  # every thread's stores are issued before the arrival below releases them
         arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
