@@ -39,6 +39,25 @@ def test_bench_rejects_bad_options_with_exit_code_2():
     assert "not divisible by ep (3)" in result.output
 
 
+@pytest.mark.parametrize("experts", ["fp8-block", "mxfp8"])
+def test_bench_megamoe_with_fp8_experts(tmp_path, experts):
+    out = tmp_path / "fp8.json"
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--ep", "2", "--tokens", "40,23", "--impl",
+                                      "megamoe", "--experts", experts, "--passes", "fwd", "--iters", "1",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    (r,) = json.loads(out.read_text())
+    assert r["impl"] == f"megamoe ({experts} experts)" and r["correct"], r
+    assert 1e-3 < r["rel_err"] < 6e-2, r  # FP8 rounding shows; a wrong row would not pass the row check
+
+
+def test_bench_rejects_unknown_expert_format():
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--experts", "fp4"])
+    assert result.exit_code == 2 and "experts must be one of bf16, fp8-block, mxfp8" in result.output
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--experts", "mxfp8", "--precision", "fp32"])
+    assert result.exit_code == 2 and "precision must be bf16" in result.output
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs fewer than 2 visible GPUs")
 def test_bench_refuses_more_ranks_than_gpus():
     result = CliRunner().invoke(app, ["bench", "--device", "cuda", "--ep", "2"])

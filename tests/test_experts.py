@@ -111,7 +111,8 @@ def test_minibatch_tiles_never_straddle_a_minibatch_and_cover_each_row_once(back
 def test_row_tile_builders_agree_on_random_layouts():
     gen = torch.Generator().manual_seed(0)
     for _ in range(25):
-        experts, block_m = int(torch.randint(1, 7, (), generator=gen)), (16, 32)[int(torch.randint(2, (), generator=gen))]
+        experts = int(torch.randint(1, 7, (), generator=gen))
+        block_m = (16, 32)[int(torch.randint(2, (), generator=gen))]
         align = (1, 16, 32)[int(torch.randint(3, (), generator=gen))]
         counts = torch.randint(0, 101, (experts,), generator=gen) * (torch.rand(experts, generator=gen) > 0.3)
         padded = (counts + align - 1) // align * align
