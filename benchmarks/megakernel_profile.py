@@ -7,7 +7,6 @@ One process per GPU; prints the kernels by total CUDA time (rank 0) and writes t
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -17,6 +16,8 @@ from megamoe.config import preset
 from megamoe.megakernel import megamoe_forward
 from megamoe.plan import KernelConfig
 from megamoe.world import launch
+
+import megakernel_args  # benchmarks/, beside this script
 
 
 def _profile(world, preset_name: str, tokens: int, passes: int, config: KernelConfig | None):
@@ -34,14 +35,7 @@ def _profile(world, preset_name: str, tokens: int, passes: int, config: KernelCo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="kimi-k2")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--passes", type=int, default=3)
-    parser.add_argument("--config", default=None, help="num_sms,comm_sms,minibatch,ring_rows (default: the planner's)")
-    parser.add_argument("--out", default=None)
-    a = parser.parse_args()
-    config = KernelConfig(*map(int, a.config.split(",")), 128, 256) if a.config else None
+    a, config = megakernel_args.parse(__doc__)
     table = launch(_profile, torch.cuda.device_count(), a.preset, a.tokens, a.passes, config, device="cuda")[0]
     print(table)
     if a.out:

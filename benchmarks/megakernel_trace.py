@@ -9,7 +9,6 @@ standalone expert kernels (`megamoe.experts.expert_forward`) on the same routed 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -21,6 +20,8 @@ from megamoe.kernels import megakernel as mk
 from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared
 from megamoe.plan import KernelConfig
 from megamoe.world import launch
+
+import megakernel_args  # benchmarks/, beside this script
 
 
 def _ms(ns) -> float:
@@ -73,14 +74,7 @@ def _trace(world, preset_name: str, tokens: int, config: KernelConfig | None, pa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="kimi-k2")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--passes", type=int, default=3)
-    parser.add_argument("--config", default=None, help="num_sms,comm_sms,minibatch,ring_rows (default: the planner's)")
-    parser.add_argument("--out", default=None)
-    a = parser.parse_args()
-    config = KernelConfig(*map(int, a.config.split(",")), 128, 256) if a.config else None
+    a, config = megakernel_args.parse(__doc__)
     results = launch(_trace, torch.cuda.device_count(), a.preset, a.tokens, config, a.passes, device="cuda")
     text = json.dumps(results, indent=1)
     if a.out:

@@ -17,6 +17,8 @@ from megamoe.plan import KernelConfig
 from megamoe.reference import moe_forward
 from megamoe.world import launch
 
+from raised import raised  # tests/raised.py
+
 CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
 EMPTY_EXPERT = 5
 #: Interpreter tiles are 32 rows: a 32-row minibatch in a 64-row ring wraps for any case with > 64 rows.
@@ -117,14 +119,7 @@ def _bad(world):
         lambda: KernelConfig(4, 4, 32, 64, tile_m=32),
         lambda: KernelConfig(4, 1, 64, 32, tile_m=32),
     ]
-    errors = []
-    for call in calls:
-        try:
-            call()
-            errors.append(None)
-        except ValueError as exc:
-            errors.append(str(exc))
-    return errors
+    return raised(calls)
 
 
 def test_bad_inputs_and_configs_raise_value_error():
@@ -332,15 +327,9 @@ def _error_word(world):
     fused = fuse_shared(p.shared)
     kernel = MegaKernel(world, LayerShape.of(CONFIG, 1, 8))
     kernel.error.copy_(torch.tensor([mk.WAIT_TILE_DONE.value, 7, 2, 1], dtype=torch.int32))
-    messages = []
-    for call in (kernel.check_errors,
-                 lambda: kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)):
-        try:
-            call()
-            messages.append(None)
-        except RuntimeError as exc:
-            messages.append(str(exc))
-    return messages
+    return raised((kernel.check_errors,
+                   lambda: kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)),
+                  RuntimeError)
 
 
 def test_a_timed_out_wait_names_its_counter_and_breaks_the_kernel():

@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from megamoe import formats
 from megamoe.config import HIDDEN_MULTIPLE, MoEConfig
@@ -172,9 +171,7 @@ def comm_shape(
     if not _is_int(tokens) or tokens < 0:
         raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
     if max_tokens is None:
-        largest = torch.tensor([tokens], dtype=torch.int64, device=world.device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=world.group)
-        max_tokens = int(largest.item())  # NOTE: host sync
+        max_tokens = world.largest(tokens)  # NOTE: host sync
     if not _is_int(max_tokens) or max_tokens < tokens:
         raise ValueError(f"max_tokens must be an int >= this rank's tokens ({tokens}), got {max_tokens!r}")
     return CommShape(

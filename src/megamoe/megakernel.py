@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
@@ -487,9 +486,7 @@ def megamoe_forward(
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
                                                       shared, check_ids=check)
     if max_tokens is None:
-        largest = torch.tensor([n], dtype=torch.int64, device=world.device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=world.group)
-        max_tokens = int(largest.item())  # NOTE: host sync
+        max_tokens = world.largest(n)  # NOTE: host sync
     if not isinstance(max_tokens, int) or max_tokens < n:
         raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
     fused = fuse_shared([(gu.detach(), dn.detach()) for gu, dn in shared])

@@ -72,6 +72,12 @@ class EPWorld:
         else:
             dist.barrier(group=self.group)
 
+    def largest(self, value: int) -> int:
+        """The largest ``value`` over the group's ranks (collective: an all-reduce MAX, one host sync)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)

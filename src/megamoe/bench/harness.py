@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.bench.problem import RankProblem, make_problem
@@ -157,9 +156,7 @@ class _MegamoeRunner(_ForwardOnlyRunner):
     def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
         super().__init__(world, p, megamoe_forward)
         self.experts = experts
-        largest = torch.tensor([p.tokens], dtype=torch.int64, device=world.device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=world.group)
-        self.max_tokens, self.passes_run = int(largest.item()), 0
+        self.max_tokens, self.passes_run = world.largest(p.tokens), 0
 
     def forward(self) -> torch.Tensor:
         self.fn = partial(megamoe_forward, max_tokens=self.max_tokens, check=self.passes_run == 0,

@@ -22,6 +22,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _routes_to(ids_ptr, rank, start, routes_per_rank, first_expert, local, BLOCK: tl.constexpr):
+    """(route, mine) of rank r's routes ``[start, start + BLOCK)`` (``i*k + j`` order): mine = 1 where the route
+    goes to local expert ``local`` of this rank (global id ``first_expert + local``)."""
+    route = start + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + rank.to(tl.int64) * routes_per_rank + route, mask=route < routes_per_rank, other=-1)
+    return route, (ids.to(tl.int64) - first_expert == local).to(tl.int32)
+
+
+@triton.jit
 def route_counts_kernel(ids_ptr, counts_ptr, src_rank_ptr, src_index_ptr, routes_per_rank, first_expert,
                         num_ranks, capacity, BLOCK: tl.constexpr):
     """ids int `[R, N*k]` (global expert ids, -1 = none); counts int32 `[L, R]`; src_rank / src_index
@@ -32,9 +41,8 @@ def route_counts_kernel(ids_ptr, counts_ptr, src_rank_ptr, src_index_ptr, routes
     offs = tl.arange(0, BLOCK)
     total = tl.zeros((), dtype=tl.int32)
     for start in range(0, routes_per_rank, BLOCK):
-        route = start + offs
-        ids = tl.load(ids_ptr + rank.to(tl.int64) * routes_per_rank + route, mask=route < routes_per_rank, other=-1)
-        total += tl.sum((ids.to(tl.int64) - first_expert == local).to(tl.int32), axis=0)
+        _, mine = _routes_to(ids_ptr, rank, start, routes_per_rank, first_expert, local, BLOCK)
+        total += tl.sum(mine, axis=0)
     tl.store(counts_ptr + pid, total)
     share = tl.cdiv(capacity, tl.num_programs(0))
     fill = tl.full((BLOCK,), -1, dtype=tl.int32)
@@ -71,12 +79,9 @@ def schedule_rows_kernel(ids_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_
         if local == num_experts - 1:
             tl.store(num_rows_ptr, start_row + tokens)
     earlier = ranks[None, :] < rank
-    offs = tl.arange(0, BLOCK)
     seen = tl.zeros((), dtype=tl.int32)
     for start in range(0, routes_per_rank, BLOCK):
-        route = start + offs
-        ids = tl.load(ids_ptr + rank.to(tl.int64) * routes_per_rank + route, mask=route < routes_per_rank, other=-1)
-        mine = (ids.to(tl.int64) - first_expert == local).to(tl.int32)
+        route, mine = _routes_to(ids_ptr, rank, start, routes_per_rank, first_expert, local, BLOCK)
         o = seen + tl.cumsum(mine, axis=0) - mine
         seen += tl.sum(mine, axis=0)
         below = tl.sum(tl.minimum(counts[None, :], o[:, None]), axis=1)
