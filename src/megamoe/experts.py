@@ -10,12 +10,14 @@ host. :func:`expert_forward_reference` is the plain-PyTorch twin.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 import triton
+from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
@@ -74,9 +76,10 @@ def plan_tiles(kind: str, device: torch.device) -> TileConfig:
         return TileConfig(32, 32, 32, num_warps=4, num_stages=1)
     if kind == "gate_up":
         return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=4)
-    if kind in ("down", "dx"):
+    if kind in ("down", "dx", "wgrad"):
+        # wgrad: an expert's few rows make short K loops; 128x256 blocks halve the fills and stores per FLOP
         return TileConfig(128, 256, 64, num_warps=8, num_stages=3, group_m=8, flatten=kind == "down")
-    # dact: a heavy epilogue (loads h, writes d_h and act_w); wgrad: short K loops over an expert's rows.
+    # dact: a heavy epilogue (loads h, writes d_h and act_w).
     return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=8)
 
 
@@ -208,6 +211,24 @@ def _check(x_rows, counts, offsets, w_gate_up, w_down) -> tuple[int, int, int]:
     if i % 8:
         raise ValueError(f"the intermediate size I must be a multiple of 8 (16-byte rows), got {i}")
     return experts, i, d
+
+
+@contextlib.contextmanager
+def scratch_allocator():
+    """Within the block, Triton launches that need global scratch (descriptors made in the kernel) get it from torch.
+
+    The caller's allocator (a context variable) comes back on exit.
+    """
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # torch's caching allocator aligns to 512 bytes, beyond what TMA descriptors need (128)
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -411,8 +432,8 @@ def expert_backward(
     grads = ExpertGrads(
         d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
         d_router=torch.zeros(rows, dtype=torch.float32, device=device),
-        d_w_gate_up=torch.empty_like(w_gate_up),
-        d_w_down=torch.empty_like(w_down),
+        d_w_gate_up=torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=device),
+        d_w_down=torch.empty(w_down.shape, dtype=torch.bfloat16, device=device),
     )
     if experts == 0:
         return grads
@@ -443,18 +464,14 @@ def expert_backward(
             tail=(d, i),
         )
     c = cfg["wgrad"]
-    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
-        if rows == 0:
-            out.zero_()
-            continue
-        expert_gemm_bwd.wgrad_kernel[(programs,)](
-            _descriptor(a, [c.block_k, c.block_m]), _descriptor(b, [c.block_k, c.block_n]),
-            out, out.stride(0), out.stride(1),
-            offsets, counts, experts, out.shape[1], out.shape[2],
-            DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+    with scratch_allocator():
+        for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
+            expert_gemm_bwd.wgrad_kernel[(programs,)](
+                a, b, out, offsets, counts, experts, out.shape[1], out.shape[2],
+                DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )
     return grads
 
 

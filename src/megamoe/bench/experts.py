@@ -31,10 +31,9 @@ BACKWARD_SWEEP = {
     "dact 4 stages": {"dact": TileConfig(128, 128, 64, 8, 4, 8)},
     "dact flatten": {"dact": TileConfig(128, 128, 64, 8, 3, 8, True)},
     "dx flatten": {"dx": TileConfig(128, 256, 64, 8, 3, 8, True)},
-    "wgrad flatten": {"wgrad": TileConfig(128, 128, 64, 8, 3, 8, True)},
-    "wgrad 128x256": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8)},
-    "wgrad 128x256 flatten": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8, True)},
-    "wgrad 4 stages": {"wgrad": TileConfig(128, 128, 64, 8, 4, 8)},
+    "wgrad 128x128": {"wgrad": TileConfig(128, 128, 64, 8, 3, 8)},
+    "wgrad 128x256 BK 32": {"wgrad": TileConfig(128, 256, 32, 8, 4, 8)},
+    "wgrad 128x256 BK 32 6 stages": {"wgrad": TileConfig(128, 256, 32, 8, 6, 8)},
 }
 
 

@@ -151,44 +151,44 @@ def dx_kernel(
 
 @triton.jit
 def wgrad_kernel(
-    a_desc, b_desc, out_ptr, stride_out_e, stride_out_m,
-    offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l]: `[OUT_M, OUT_N]` per expert, rows reduced in order.
 
-    A is `[R, OUT_M]`, B `[R, OUT_N]` (descriptor blocks [BK, BM] and [BK, BN]).
-    Full BK-row chunks go straight from TMA to the tensor cores; the last
-    partial chunk is masked (its rows past the region belong to the next
-    expert). An expert with no rows gets zeros.
+    A is `[R, OUT_M]`, B `[R, OUT_N]` and out `[L, OUT_M, OUT_N]`, all contiguous.
+    Tasks are (expert, m-tile, n-tile) blocks dealt round-robin to the
+    programs. Each program makes TMA descriptors per expert that end at the
+    expert's last row, so the hardware zero-fills the partial last K step (no
+    masked register path) and every K step streams from shared memory to the
+    tensor cores; the output descriptor ends at the expert's block, so the
+    TMA store clips partial tiles. An expert with no rows gets zeros.
+    Launch with a scratch allocator for the descriptors (`megamoe.experts.scratch_allocator`).
     """
-    num_m = tl.cdiv(OUT_M, BLOCK_M)
     num_n = tl.cdiv(OUT_N, BLOCK_N)
-    per_expert = num_m * num_n
-    for task in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS, flatten=FLATTEN):
-        expert = task // per_expert
-        m0 = (task % per_expert) // num_n * BLOCK_M
-        n0 = (task % num_n) * BLOCK_N
-        row0 = tl.load(offsets_ptr + expert)
-        count = tl.load(counts_ptr + expert)
-        full_end = row0 + count // BLOCK_K * BLOCK_K
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(row0, full_end, BLOCK_K):
-            a = a_desc.load([k, m0])
-            b = b_desc.load([k, n0])
-            if DOT_FP32:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a.T, b, acc)
-        if full_end < row0 + count:
-            keep = (full_end + tl.arange(0, BLOCK_K)) < row0 + count
-            a = tl.where(keep[:, None], a_desc.load([full_end, m0]), 0.0)
-            b = tl.where(keep[:, None], b_desc.load([full_end, n0]), 0.0)
-            if DOT_FP32:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a.T, b, acc)
-        out_m = m0 + tl.arange(0, BLOCK_M)
-        out_n = n0 + tl.arange(0, BLOCK_N)
-        mask = (out_m < OUT_M)[:, None] & (out_n < OUT_N)[None, :]
-        tile = out_ptr + expert.to(tl.int64) * stride_out_e + out_m.to(tl.int64)[:, None] * stride_out_m + out_n[None, :]
-        tl.store(tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n
+    pid = tl.program_id(0)
+    for expert in range(0, num_experts):
+        # this program's first task of the expert: tasks are numbered expert-major, dealt round-robin
+        first = (pid - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+        if first < per_expert:
+            row0 = tl.load(offsets_ptr + expert)
+            row_end = row0 + tl.load(counts_ptr + expert)
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[tl.maximum(row_end, 1), OUT_M], strides=[OUT_M, 1],
+                                               block_shape=[BLOCK_K, BLOCK_M])
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[tl.maximum(row_end, 1), OUT_N], strides=[OUT_N, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+            out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N, shape=[OUT_M, OUT_N],
+                                                 strides=[OUT_N, 1], block_shape=[BLOCK_M, BLOCK_N])
+            for task in range(first, per_expert, NUM_PROGRAMS):
+                m0 = task // num_n * BLOCK_M
+                n0 = task % num_n * BLOCK_N
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k in range(row0, row_end, BLOCK_K):
+                    a = a_desc.load([k, m0])
+                    b = b_desc.load([k, n0])
+                    if DOT_FP32:
+                        a, b = a.to(tl.float32), b.to(tl.float32)
+                    acc = tl.dot(a.T, b, acc)
+                out_desc.store([m0, n0], acc.to(out_ptr.dtype.element_ty))

@@ -51,12 +51,10 @@ def _cases():
         ),
         "wgrad_kernel": (
             expert_gemm_bwd.wgrad_kernel,
-            {"a_desc": "tensordesc<bf16[64,128]>", "b_desc": "tensordesc<bf16[64,128]>", "out_ptr": "*bf16",
-             "stride_out_e": "i32", "stride_out_m": "i32", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+            {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
              "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "DOT_FP32": "constexpr",
-             "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-             "FLATTEN": "constexpr"},
-            {"BLOCK_N": 128},
+             "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+            {"BLOCK_N": 256},
         ),
     }
 
