@@ -374,7 +374,7 @@ def expert_forward_reference(
     swiglu_limit: float | None = None,
 ) -> ExpertForward:
     """The torch twin of :func:`expert_forward` in FP32 (rows outside regions stay NaN)."""
-    experts, i, d = w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up.shape[2]
+    i, d = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     rows = x_rows.shape[0]
     nan = dict(dtype=torch.float32, device=x_rows.device)
     out = ExpertForward(torch.full((rows, 2 * i), float("nan"), **nan), torch.full((rows, i), float("nan"), **nan),
