@@ -28,12 +28,14 @@ SWEEP = {
 }
 #: Backward variants for --sweep: each changes one kernel's tiles from the planner's.
 BACKWARD_SWEEP = {
-    "dact 4 stages": {"dact": TileConfig(128, 128, 64, 8, 4, 8)},
-    "dact flatten": {"dact": TileConfig(128, 128, 64, 8, 3, 8, True)},
-    "dx flatten": {"dx": TileConfig(128, 256, 64, 8, 3, 8, True)},
+    "dact 3 stages": {"dact": TileConfig(128, 128, 64, 8, 3, 8)},
+    "dact 4 stages flatten": {"dact": TileConfig(128, 128, 64, 8, 4, 8, True)},
+    "dx 4 stages": {"dx": TileConfig(128, 256, 64, 8, 4, 8)},
     "wgrad 128x128": {"wgrad": TileConfig(128, 128, 64, 8, 3, 8)},
-    "wgrad 128x256 BK 32": {"wgrad": TileConfig(128, 256, 32, 8, 4, 8)},
-    "wgrad 128x256 BK 32 6 stages": {"wgrad": TileConfig(128, 256, 32, 8, 6, 8)},
+    "wgrad flatten": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8, True)},
+    "wgrad BK 32": {"wgrad": TileConfig(128, 256, 32, 8, 4, 8)},
+    "wgrad BK 32 flatten": {"wgrad": TileConfig(128, 256, 32, 8, 4, 8, True)},
+    "wgrad BK 32 5 stages flatten": {"wgrad": TileConfig(128, 256, 32, 8, 5, 8, True)},
 }
 
 

@@ -153,7 +153,7 @@ def dx_kernel(
 def wgrad_kernel(
     a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l]: `[OUT_M, OUT_N]` per expert, rows reduced in order.
 
@@ -181,7 +181,7 @@ def wgrad_kernel(
                                                block_shape=[BLOCK_K, BLOCK_N])
             out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N, shape=[OUT_M, OUT_N],
                                                  strides=[OUT_N, 1], block_shape=[BLOCK_M, BLOCK_N])
-            for task in range(first, per_expert, NUM_PROGRAMS):
+            for task in tl.range(first, per_expert, NUM_PROGRAMS, flatten=FLATTEN):
                 m0 = task // num_n * BLOCK_M
                 n0 = task % num_n * BLOCK_N
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -53,7 +53,8 @@ def _cases():
             expert_gemm_bwd.wgrad_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
              "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "DOT_FP32": "constexpr",
-             "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+             "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+             "FLATTEN": "constexpr"},
             {"BLOCK_N": 256},
         ),
     }
