@@ -32,10 +32,8 @@ BACKWARD_SWEEP = {
     "dact 4 stages flatten": {"dact": TileConfig(128, 128, 64, 8, 4, 8, True)},
     "dx 4 stages": {"dx": TileConfig(128, 256, 64, 8, 4, 8)},
     "wgrad 128x128": {"wgrad": TileConfig(128, 128, 64, 8, 3, 8)},
-    "wgrad flatten": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8, True)},
-    "wgrad BK 32": {"wgrad": TileConfig(128, 256, 32, 8, 4, 8)},
-    "wgrad BK 32 flatten": {"wgrad": TileConfig(128, 256, 32, 8, 4, 8, True)},
-    "wgrad BK 32 5 stages flatten": {"wgrad": TileConfig(128, 256, 32, 8, 5, 8, True)},
+    "wgrad BK 64": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8, True)},
+    "wgrad not flattened": {"wgrad": TileConfig(128, 256, 32, 8, 5, 8)},
 }
 
 
