@@ -5,7 +5,7 @@ set -u
 out=${1:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
-probe() { timeout 45 python3 benchmarks/ws_probe.py "$@" >> "$out/ws_probe.jsonl" 2>> "$out/ws_probe.err" \
+probe() { timeout 35 python3 benchmarks/ws_probe.py "$@" >> "$out/ws_probe.jsonl" 2>> "$out/ws_probe.err" \
           || echo "{\"args\": \"$*\", \"failed\": $?}" >> "$out/ws_probe.jsonl"; tail -1 "$out/ws_probe.jsonl"; }
 for e in 192 16; do
   probe --kind down --experts $e --plan
