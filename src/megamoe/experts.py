@@ -37,7 +37,6 @@ class TileConfig:
     num_stages: int = 3
     group_m: int = 8
     flatten: bool = False
-    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -260,8 +259,7 @@ def launch_row_tasks(kernel, cfg: TileConfig, programs: int, counts: torch.Tenso
     """
     row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m, minibatch=minibatch)
     tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
-                WARP_SPECIALIZE=cfg.warp_specialize)
+                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     kernel[(programs,)](
         *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.tile_row_end, row_tiles.num_tiles, *tail,
         **{name: value for name, value in tile.items() if name in kernel.arg_names},
@@ -476,7 +474,7 @@ def expert_backward(
                 a, b, out, offsets, counts, experts, out.shape[1], out.shape[2],
                 DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
-                WARP_SPECIALIZE=c.warp_specialize, num_warps=c.num_warps, num_stages=c.num_stages,
+                num_warps=c.num_warps, num_stages=c.num_stages,
             )
     return grads
 

@@ -24,8 +24,7 @@ from megamoe.experts import (ExpertForward, TileConfig, down, expert_backward, e
 #: Tile candidates for --sweep (BM, BN, BK, warps, stages, group, flatten).
 SWEEP = {
     "gate_up": [TileConfig(128, 128, 64, 8, s, g, f) for s in (3, 4) for g in (4, 16) for f in (False, True)],
-    "down": [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)]
-    + [TileConfig(128, 256, 64, 4, s, 8, warp_specialize=True) for s in (3, 4)],
+    "down": [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)],
 }
 #: Backward variants for --sweep: each changes one kernel's tiles from the planner's.
 BACKWARD_SWEEP = {
@@ -35,10 +34,6 @@ BACKWARD_SWEEP = {
     "wgrad 128x128": {"wgrad": TileConfig(128, 128, 64, 8, 3, 8)},
     "wgrad BK 64": {"wgrad": TileConfig(128, 256, 64, 8, 3, 8, True)},
     "wgrad not flattened": {"wgrad": TileConfig(128, 256, 32, 8, 5, 8)},
-    "dx warp-specialized": {"dx": TileConfig(128, 256, 64, 4, 3, 8, warp_specialize=True)},
-    "dx warp-specialized 4 stages": {"dx": TileConfig(128, 256, 64, 4, 4, 8, warp_specialize=True)},
-    "wgrad warp-specialized": {"wgrad": TileConfig(128, 256, 64, 4, 3, 8, warp_specialize=True)},
-    "wgrad warp-specialized BK 32": {"wgrad": TileConfig(128, 256, 32, 4, 5, 8, warp_specialize=True)},
 }
 
 

@@ -131,13 +131,12 @@ def dx_kernel(
     D, I,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    FLATTEN: tl.constexpr,
 ):
     """dx = d_h · w_gate_up[l] (K = 2I) for every row tile."""
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         n0 = n * BLOCK_N
@@ -155,7 +154,6 @@ def wgrad_kernel(
     a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l]: `[OUT_M, OUT_N]` per expert, rows reduced in order.
 
@@ -183,7 +181,7 @@ def wgrad_kernel(
                                                block_shape=[BLOCK_K, BLOCK_N])
             out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N, shape=[OUT_M, OUT_N],
                                                  strides=[OUT_N, 1], block_shape=[BLOCK_M, BLOCK_N])
-            for task in tl.range(first, per_expert, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            for task in tl.range(first, per_expert, NUM_PROGRAMS, flatten=FLATTEN):
                 m0 = task // num_n * BLOCK_M
                 n0 = task % num_n * BLOCK_N
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

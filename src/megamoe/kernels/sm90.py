@@ -14,8 +14,7 @@ import os
 
 _COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "num_tiles_ptr": "*i32",
            "DOT_FP32": "constexpr", "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "FLATTEN": "constexpr",
-           "WARP_SPECIALIZE": "constexpr"}
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "FLATTEN": "constexpr"}
 
 
 def _cases():
@@ -55,7 +54,7 @@ def _cases():
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
              "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "DOT_FP32": "constexpr",
              "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-             "FLATTEN": "constexpr", "WARP_SPECIALIZE": "constexpr"},
+             "FLATTEN": "constexpr"},
             {"BLOCK_N": 256},
         ),
     }
@@ -69,7 +68,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 8, 
 
     signature = {name: signature[name] for name in kernel.arg_names}
     consts = {"DOT_FP32": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, "FLATTEN": False,
-              "WARP_SPECIALIZE": False, **constexprs}
+              **constexprs}
     consts = {name: value for name, value in consts.items() if name in signature}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
