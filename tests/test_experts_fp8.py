@@ -165,5 +165,3 @@ def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
         assert not facts["local_memory"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     assert summary["down_fp8_kernel"]["stack_bytes"] in (0, None), summary["down_fp8_kernel"]
-    # gate/up spilled 0.9 KB with pointer stores of h; TMA stores took it to 0.4 KB
-    assert (summary["gate_up_fp8_kernel"]["stack_bytes"] or 0) <= 512, summary["gate_up_fp8_kernel"]

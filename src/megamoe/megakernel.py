@@ -38,7 +38,7 @@ from megamoe import checks
 from megamoe.comm import DEFAULT_WAIT_BUDGET, DEFAULT_WAIT_BUDGET_INTERPRETED, _tile
 from megamoe.comm import CommTuning
 from megamoe.config import MoEConfig
-from megamoe.experts import RowTiles, TileConfig, build_row_tiles, interpreting, plan_tiles, scratch_allocator
+from megamoe.experts import RowTiles, TileConfig, build_row_tiles, interpreting, plan_tiles
 from megamoe.experts_fp8 import plan_tiles_fp8
 from megamoe.experts_mxfp8 import plan_tiles_mxfp8
 from megamoe.formats import FP8_BLOCK, MX_BLOCK
@@ -379,8 +379,7 @@ class MegaKernel:
         if self.gpu:
             if not self._checked_occupancy:
                 self._check_occupancy(args, consts)
-            with scratch_allocator():  # TMA descriptors made in the kernel (FP8-block h stores)
-                mk.megakernel[(c.num_sms,)](*args, 0, PHASE=mk.PHASE_ALL.value, **consts)
+            mk.megakernel[(c.num_sms,)](*args, 0, PHASE=mk.PHASE_ALL.value, **consts)
         else:
             self._launch_phased(schedule, shared is not None, args, consts)
             self.world.barrier()  # every rank's pushes landed
@@ -390,8 +389,7 @@ class MegaKernel:
         compute = c.num_sms - c.comm_sms
 
         def step(phase: int, programs: int, j: int = 0) -> None:
-            with scratch_allocator():
-                mk.megakernel[(programs,)](*args, j, PHASE=phase, **consts)
+            mk.megakernel[(programs,)](*args, j, PHASE=phase, **consts)
 
         if has_shared:
             step(mk.PHASE_SHARED_GATE_UP.value, compute)
