@@ -43,10 +43,15 @@ def _poisoned_like(ref):
     return ExpertForward(*(torch.full_like(getattr(ref, n), float("nan"), dtype=torch.bfloat16) for n in ("h", "act", "y")))
 
 
+#: (D, I): multiples of the CPU tiles (32), and neither (every GEMM gets partial n- and output tiles).
+SHAPES = {"aligned": (128, 96), "ragged": (136, 40)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("limit", [None, 0.6])
-def test_forward_tiles_match_reference_and_write_only_their_rows(load, limit):
-    x, counts, offsets, wgu, wd = _problem(*LOADS[load])
+def test_forward_tiles_match_reference_and_write_only_their_rows(load, limit, shape):
+    x, counts, offsets, wgu, wd = _problem(*LOADS[load], *SHAPES[shape])
     ref = expert_forward_reference(x, counts, offsets, wgu, wd, swiglu_limit=limit)
     out = expert_forward(x, counts, offsets, wgu, wd, swiglu_limit=limit, out=_poisoned_like(ref), num_programs=3)
     for name in ("h", "act", "y"):
@@ -175,16 +180,22 @@ def _rel(a, b):
     return float((a.float() - b).abs().sum() / b.abs().sum().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("limit", [None, 0.6])
-def test_backward_tiles_match_reference(load, limit):
+def test_backward_tiles_match_reference(load, limit, shape):
     from megamoe.experts import expert_backward, expert_backward_reference
 
-    x, counts, offsets, wgu, wd = _problem(*LOADS[load], seed=5)
+    x, counts, offsets, wgu, wd = _problem(*LOADS[load], *SHAPES[shape], seed=5)
     g = torch.Generator().manual_seed(6)
     dy = torch.randn(x.shape, generator=g).bfloat16().to(DEVICE)
     row_weights = torch.rand(x.shape[0], generator=g).to(DEVICE)
     fwd = expert_forward(x, counts, offsets, wgu, wd, swiglu_limit=limit)
+    outside = torch.ones(x.shape[0], dtype=torch.bool, device=DEVICE)
+    for o, c in zip(offsets.tolist(), counts.tolist()):
+        outside[o : o + c] = False
+    for t in (x, dy, fwd.h):  # rows outside every region must never reach a result
+        t[outside] = float("nan")
     got = expert_backward(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, swiglu_limit=limit, num_programs=3)
     want = expert_backward_reference(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, swiglu_limit=limit)
     inside = ~want.d_router.isnan()
