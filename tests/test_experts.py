@@ -162,6 +162,31 @@ def test_bad_arguments_raise_value_error(mutate, message):
         expert_forward(args["x"], args["counts"], args["offsets"], args["wgu"], args["wd"])
 
 
+def test_backward_bad_arguments_raise_value_error():
+    from megamoe.experts import expert_backward
+
+    x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"])
+    dy, w = torch.randn_like(x), torch.rand(x.shape[0], device=DEVICE)
+    h = expert_forward(x, counts, offsets, wgu, wd).h
+    strided = torch.cat([x, x], dim=1)[:, : x.shape[1]]  # rows of twice the length: not contiguous
+    for args, message in (((dy, w, strided, h), "x_rows must be contiguous"),
+                          ((dy.float(), w, x, h), "dy_rows must be"),
+                          ((dy, w, x, h[:, :8]), "h must be")):
+        with pytest.raises(ValueError, match=message):
+            expert_backward(*args, counts, offsets, wgu, wd)
+
+
+def test_backward_with_no_rows_gives_zero_weight_gradients():
+    from megamoe.experts import expert_backward
+
+    _, counts, offsets, wgu, wd = _problem([0, 0], 0)
+    x = torch.empty(0, wgu.shape[2], dtype=torch.bfloat16, device=DEVICE)
+    got = expert_backward(x, torch.empty(0, device=DEVICE), x, torch.empty(0, wgu.shape[1], dtype=torch.bfloat16,
+                                                                       device=DEVICE), counts, offsets, wgu, wd)
+    assert got.d_x.shape == (0, wgu.shape[2]) and got.d_router.shape == (0,)
+    assert got.d_w_gate_up.eq(0).all() and got.d_w_down.eq(0).all()
+
+
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

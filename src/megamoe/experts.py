@@ -428,7 +428,9 @@ def expert_backward(
     experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
     device = x_rows.device
-    checks.check_tensors((("dy_rows", dy_rows, (rows, d), torch.bfloat16),
+    # contiguous: the wgrad kernel addresses x_rows and dy_rows by row length
+    checks.check_tensors((("x_rows", x_rows, (rows, d), torch.bfloat16),
+                          ("dy_rows", dy_rows, (rows, d), torch.bfloat16),
                           ("row_weights", row_weights, (rows,), torch.float32),
                           ("h", h, (rows, 2 * i), torch.bfloat16)), device)
     tiles = tiles or {}
@@ -467,6 +469,10 @@ def expert_backward(
                   grads.d_x, grads.d_x.stride(0)),
             tail=(d, i),
         )
+    if rows == 0:
+        grads.d_w_gate_up.zero_()
+        grads.d_w_down.zero_()
+        return grads
     c = cfg["wgrad"]
     with scratch_allocator():
         for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
