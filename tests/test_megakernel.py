@@ -5,6 +5,8 @@ run of the same code is benchmarks/megakernel_sweep.py and `megamoe bench`.
 One launch per rank count runs a table of cases on one process group.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,15 +163,19 @@ def _quantized(world, precision):
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
     out = megamoe_forward(*args, precision=precision)
     wrapped = megamoe_forward(*args, precision=precision, config=WRAPPING)
+    owner = megamoe_forward(*args, precision=precision, config=dataclasses.replace(WRAPPING, owner_quantize=True))
     bf16 = megamoe_forward(*args)
     fused = fuse_shared(p.shared)
-    kernel = MegaKernel(world, LayerShape.of(FP8_CONFIG, world.size, 41), ROOMY, precision=precision)
-    _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
-    rows, s = int(ctx.schedule.num_rows), ctx.schedule
-    # 1. the ring's rows are the pulled x rows quantised, bit for bit
-    data, scale = quantize(_pulled_rows(world, p.x, 41, s, rows))
-    ring_exact = (torch.equal(ctx.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
-                  and torch.equal(ctx.ring_scale[:rows], scale))
+    shape = LayerShape.of(FP8_CONFIG, world.size, 41)
+    ring_exact = []
+    for config in (ROOMY, dataclasses.replace(ROOMY, owner_quantize=True)):
+        kernel = MegaKernel(world, shape, config, precision=precision)
+        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
+        rows, s = int(ctx.schedule.num_rows), ctx.schedule
+        # 1. the ring's rows are the pulled x rows quantised, bit for bit (on arrival, or by their owners)
+        data, scale = quantize(_pulled_rows(world, p.x, 41, s, rows))
+        ring_exact.append(torch.equal(ctx.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
+                          and torch.equal(ctx.ring_scale[:rows], scale))
     # 2. the expert outputs are the twin's on those rows and the same quantised weights
     (wgu, wgu_s), (wdn, wdn_s) = (quantize_weights(w, precision) for w in (p.w_gate_up, p.w_down))
     ref = twin(ctx.ring_x[:rows], ctx.ring_scale[:rows], s.tokens_per_expert, s.offsets, wgu, wgu_s, wdn, wdn_s)
@@ -177,16 +183,16 @@ def _quantized(world, precision):
         "out": compare({"out": out.float()}, {"out": want.float()}, "bf16"),
         "bf16": compare({"out": bf16.float()}, {"out": want.float()}, "bf16"),
         "y": compare({"y": kernel.y[:rows].float()}, {"y": ref.y}, "bf16"),
-        "same_bits": torch.equal(out, wrapped),
-        "ring_exact": ring_exact,
+        "same_bits": torch.equal(out, wrapped) and torch.equal(out, owner),
+        "ring_exact": all(ring_exact),
     }
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "fp8-block"])
 def test_quantized_formats_quantise_in_the_pull_and_match_their_twin(precision):
-    """The ring holds exactly formats' quantisation of the pulled rows; the expert outputs equal the format's
-    torch twin on them; the layer output is within E4M3's error of the BF16 oracle (and farther than the BF16
-    path); a wrapping ring gives the same bits."""
+    """The ring holds exactly formats' quantisation of the pulled rows, quantised on arrival or by their owners;
+    the expert outputs equal the format's torch twin on them; the layer output is within E4M3's error of the
+    BF16 oracle (and farther than the BF16 path); a wrapping ring and owner quantisation give the same bits."""
     for r in launch(_quantized, 2, precision):
         assert r["ring_exact"] and r["same_bits"], r
         assert r["y"]["correct"], r["y"]
@@ -314,10 +320,10 @@ def test_megakernel_compiles_for_sm90_in_every_format():
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"bf16", "mxfp8", "fp8-block"}
+    assert set(summary) == {"bf16", "mxfp8", "fp8-block", "mxfp8 owner-quantised", "fp8-block owner-quantised"}
     for fmt, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["tma"] and facts["fence_proxy_async"], (fmt, facts)
-        assert facts["wgmma_fp8"] == (fmt == "fp8-block") and facts["wgmma_bf16"], (fmt, facts)
+        assert facts["wgmma_fp8"] == fmt.startswith("fp8-block") and facts["wgmma_bf16"], (fmt, facts)
 
 
 def _error_word(world):

@@ -43,7 +43,7 @@ from megamoe.experts_fp8 import plan_tiles_fp8
 from megamoe.experts_mxfp8 import plan_tiles_mxfp8
 from megamoe.formats import FP8_BLOCK, MX_BLOCK
 from megamoe.kernels import megakernel as mk
-from megamoe.kernels.quant import quantize_weights, soft_e4m3_default
+from megamoe.kernels.quant import quantize_activations, quantize_weights, soft_e4m3_default
 from megamoe.plan import KernelConfig, plan
 from megamoe.schedule import PullSchedule, build_pull_schedule
 from megamoe.world import BufferSpec, EPWorld, workspace
@@ -176,6 +176,9 @@ class MegaKernel:
         self._check_config()
         R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
         I, Is, c = shape.intermediate, shape.shared_intermediate, self.config
+        self.owner_quantize = self.quantized and self.config.owner_quantize
+        owner_rows = (BufferSpec("x_q", (max(N, 1), D), torch.uint8),
+                      BufferSpec("x_scale", (max(N, 1), D // self.scale_block), scale_dtype))
         self.sym = workspace(world, (
             BufferSpec("x", (max(N, 1), D), torch.bfloat16),
             BufferSpec("combine", (max(N * k, 1), D), torch.bfloat16),
@@ -183,7 +186,7 @@ class MegaKernel:
             BufferSpec("flags", (2, R), torch.int32),
             # this rank's barrier epochs: with the flags, shared by every MegaKernel on this workspace
             BufferSpec("epochs", (2,), torch.int32),
-        ))
+        ) + (owner_rows if self.owner_quantize else ()))
         dev = world.device
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         row_dtype = torch.float8_e4m3fn if self.quantized else torch.bfloat16
@@ -276,8 +279,12 @@ class MegaKernel:
         world, s, c = self.world, self.shape, self.config
         n, k = x.shape[0], s.top_k
         me = world.rank
-        # 1. stage x and the routing ids
+        # 1. stage x (quantised too with owner_quantize: once per token, not once per route) and the routing ids
         self.sym.local("x")[:n].copy_(x)
+        if self.owner_quantize and n:
+            data, scale = quantize_activations(x, self.precision)
+            self.sym.local("x_q")[:n].copy_(data.view(torch.uint8))
+            self.sym.local("x_scale")[:n].copy_(scale)
         routing = torch.full((max(s.max_tokens, 1), k), -1, dtype=torch.int32, device=x.device)
         routing[:n] = top_experts
         for r in range(world.size):
@@ -327,12 +334,25 @@ class MegaKernel:
         self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
                                self.counters[2 * M + T: -1], self.counters[-1:])
         block_d, chunks, vrows, align = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
+        if self.owner_quantize:
+            x_q, x_scale = self.sym.local("x_q"), self.sym.local("x_scale")
+            self._owner_rows_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),
+                                     self.sym.peer_ptrs("x_scale"), x_scale, x_scale.stride(0))
+            q_tile = _tile(s.hidden, 1, COMM_TUNING)
+            s_tile = _tile(x_scale.shape[1], x_scale.element_size(), COMM_TUNING)
+        else:  # never read (OWNER_Q=False)
+            x_sym = self.sym.local("x")
+            self._owner_rows_args = (self.sym.peer_ptrs("x"), x_sym, 0, self.sym.peer_ptrs("x"), x_sym, 0)
+            q_tile = s_tile = (block_d, chunks, vrows, align)
+        owner = dict(OWNER_Q=self.owner_quantize,
+                     **dict(zip(("Q_BLOCK_D", "Q_CHUNKS", "Q_VROWS", "Q_ALIGN"), q_tile)),
+                     **dict(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), s_tile)))
         self._consts = dict(
             TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
             FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
-            SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk,
+            SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk, **owner,
             num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
         )
 
@@ -365,6 +385,7 @@ class MegaKernel:
             tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.minibatch_tiles,
             self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), bytes_view(self.ring_x), self.ring_x.stride(0),
             self.sym.peer_ptrs("combine"), combine, combine.stride(0),
+            *self._owner_rows_args,
             self._ring_desc, w_gu_desc, self.h, bytes_view(self.act), self.h.stride(0), self.act.stride(0),
             self._act_desc, w_dn_desc, self.y, self.y.stride(0),
             *scale_args,

@@ -48,6 +48,9 @@ class KernelConfig:
         minibatch: rows handed to the experts per round (a multiple of tile_m).
         ring_rows: rows of the ring token buffer (a multiple of minibatch).
         tile_m, tile_n: output tile of the expert GEMMs.
+        owner_quantize: FP8 formats only: each rank quantises its own tokens once while staging them and
+            the comm workers pull E4M3 rows and scales (half the bytes, plain copies); False: they pull BF16
+            rows and quantise every routed row on arrival. The same bits either way.
     """
 
     num_sms: int
@@ -56,12 +59,15 @@ class KernelConfig:
     ring_rows: int
     tile_m: int = 128
     tile_n: int = 256
+    owner_quantize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.owner_quantize, bool):
+            raise ValueError(f"KernelConfig.owner_quantize must be a bool, got {self.owner_quantize!r}")
         if self.comm_sms >= self.num_sms:
             raise ValueError(f"comm_sms ({self.comm_sms}) must leave compute SMs: it must be < num_sms ({self.num_sms})")
         if self.minibatch % self.tile_m:
