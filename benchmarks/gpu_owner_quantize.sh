@@ -13,7 +13,7 @@ sweep() {  # name, extra args
   timeout 150 python3 benchmarks/megakernel_sweep.py --impl megamoe --preset kimi-k2 --tokens 8192 --iters 10 \
       --warmup 2 --out "$out/$name" "$@" > "$out/$name/sweep.log" 2>&1
   tail -3 "$out/$name/sweep.log"
-  rm -f "$out/$name"/*.png
+  rm -f "$out/$name"/*.png "$out/$name/sweep.md" "$out/$name/sweep.log"  # the device returns 8 files at most
 }
 for precision in fp8-block mxfp8; do
   sweep "$precision-arrival" --precision $precision --minibatch= --comm-sms=
