@@ -14,7 +14,7 @@ from megamoe.bench.harness import compare
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.ep_reference import ep_reference_forward_backward
-from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared, megamoe_forward
+from megamoe.megakernel import LayerShape, MegaKernel, default_config, fuse_shared, megamoe_forward
 from megamoe.plan import KernelConfig
 from megamoe.reference import moe_forward
 from megamoe.world import launch
@@ -232,6 +232,27 @@ def test_gpu_two_ranks_correct_and_bitwise_stable():
     for rank, per_case in enumerate(launch(_gpu_suite, 2, device="cuda")):
         for r in per_case:
             assert r["correct"] and r["rel_err"] < 1e-2 and all(r["same_bits"]), (rank, r)
+
+
+def _owner_quantized_gpus(world):
+    """FP8 rows quantised by their owners give the bits of rows quantised on arrival (planner's configs)."""
+    p = _problem(world, GPU_CONFIG, (1000, 700), "uniform", 0.1, 17)
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
+    same = {}
+    for precision in ("fp8-block", "mxfp8"):
+        planned = default_config(world, LayerShape.of(GPU_CONFIG, world.size, 1000), precision)
+        arrival = megamoe_forward(*args, precision=precision, max_tokens=1000, config=planned)
+        owner = megamoe_forward(*args, precision=precision, max_tokens=1000,
+                                config=dataclasses.replace(planned, owner_quantize=True))
+        same[precision] = torch.equal(arrival, owner)
+    return same
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_owner_quantized_rows_same_bits():
+    for rank, same in enumerate(launch(_owner_quantized_gpus, 2, device="cuda")):
+        assert all(same.values()), (rank, same)
 
 
 def _shared_gpus(world):
