@@ -15,6 +15,7 @@ sweep() {  # name, extra args
   tail -3 "$out/$name/sweep.log"
   rm -f "$out/$name"/*.png "$out/$name/sweep.md" "$out/$name/sweep.log"  # the device returns 8 files at most
 }
+timeout 150 python3 -m pytest -q -m gpu tests/test_megakernel.py -k owner 2>&1 | tail -2
 for precision in fp8-block mxfp8; do
   sweep "$precision-arrival" --precision $precision --minibatch= --comm-sms=
   sweep "$precision-owner" --precision $precision --minibatch= --comm-sms= --owner-quantize
