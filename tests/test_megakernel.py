@@ -120,6 +120,7 @@ def _bad(world):
         lambda: megamoe_forward(*args, max_tokens=2),
         lambda: KernelConfig(4, 4, 32, 64, tile_m=32),
         lambda: KernelConfig(4, 1, 64, 32, tile_m=32),
+        lambda: megamoe_forward(*args, config=KernelConfig(4, 1, 64, 64, 32, 32, owner_quantize=True)),
     ]
     return raised(calls)
 
@@ -129,6 +130,7 @@ def test_bad_inputs_and_configs_raise_value_error():
     assert all(errors), errors
     assert "precision" in errors[0] and "tile_m" in errors[1] and "bfloat16" in errors[2]
     assert "max_tokens" in errors[3] and "comm_sms" in errors[4] and "larger than the ring" in errors[5]
+    assert "owner_quantize" in errors[6] and "bf16" in errors[6]
 
 
 def _tiny_minibatches(world):

@@ -176,7 +176,7 @@ class MegaKernel:
         self._check_config()
         R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
         I, Is, c = shape.intermediate, shape.shared_intermediate, self.config
-        self.owner_quantize = self.quantized and self.config.owner_quantize
+        self.owner_quantize = self.config.owner_quantize
         owner_rows = (BufferSpec("x_q", (max(N, 1), D), torch.uint8),
                       BufferSpec("x_scale", (max(N, 1), D // self.scale_block), scale_dtype))
         self.sym = workspace(world, (
@@ -220,6 +220,9 @@ class MegaKernel:
 
     def _check_config(self) -> None:
         c = self.config
+        if c.owner_quantize and not self.quantized:
+            raise ValueError("KernelConfig.owner_quantize applies to the FP8 precisions; bf16 rows are pulled as "
+                             "they are")
         gate_up, down = self._tiles()
         block = FORMATS[self.precision][1]
         if self.shape.hidden % block or self.shape.intermediate % block:
