@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -72,6 +72,9 @@ WAITS = {
 #: chunks, twice as fast per SM in the standalone copy kernels, were no faster here
 #: (benchmarks/results/2026-11-29-comm-tile). Benchmarks may swap it.
 COMM_TUNING = CommTuning(tile_chunks=16)
+#: E4M3 rows copied as they are (owner_quantize): twice the chunks per tile keeps a tile's bytes, and so the
+#: bytes in flight of a latency-bound comm SM, those of a BF16 tile.
+OWNER_ROWS_TUNING = replace(COMM_TUNING, tile_chunks=2 * COMM_TUNING.tile_chunks)
 
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
@@ -341,7 +344,7 @@ class MegaKernel:
             x_q, x_scale = self.sym.local("x_q"), self.sym.local("x_scale")
             self._owner_rows_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),
                                      self.sym.peer_ptrs("x_scale"), x_scale, x_scale.stride(0))
-            q_tile = _tile(s.hidden, 1, COMM_TUNING)
+            q_tile = _tile(s.hidden, 1, OWNER_ROWS_TUNING)
             s_tile = _tile(x_scale.shape[1], x_scale.element_size(), COMM_TUNING)
         else:  # never read (OWNER_Q=False)
             x_sym = self.sym.local("x")

@@ -105,7 +105,7 @@ def megakernel_case(fmt: str, owner_quantize: bool = False) -> tuple[dict, dict]
     comm workers copy owner-quantised rows and scales)."""
     from megamoe.comm import _tile
     from megamoe.kernels import megakernel as mk
-    from megamoe.megakernel import COMM_TUNING, FORMATS
+    from megamoe.megakernel import COMM_TUNING, FORMATS, OWNER_ROWS_TUNING
 
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
     consts = dict(TOP_K=8, CHUNKS=7, BLOCK_D=1024, VROWS=16, ALIGN=8, HAS_SHARED=True, HAS_LIMIT=False,
@@ -114,7 +114,7 @@ def megakernel_case(fmt: str, owner_quantize: bool = False) -> tuple[dict, dict]
                   SHARED_BK=64, OWNER_Q=owner_quantize)
     _, scale_block, scale_dtype = FORMATS[fmt]
     scale_bytes = 1 if scale_dtype is None else scale_dtype.itemsize
-    q_tile, s_tile = _tile(7168, 1, COMM_TUNING), _tile(7168 // scale_block, scale_bytes, COMM_TUNING)
+    q_tile, s_tile = _tile(7168, 1, OWNER_ROWS_TUNING), _tile(7168 // scale_block, scale_bytes, COMM_TUNING)
     consts.update(zip(("Q_BLOCK_D", "Q_CHUNKS", "Q_VROWS", "Q_ALIGN"), q_tile))
     consts.update(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), s_tile))
     descs = {"ring_desc": (elem, 128, bk), "w_gate_up_desc": (elem, bn_gu, bk), "act_desc": (elem, 128, bk),
