@@ -31,13 +31,18 @@ def _routes_to(ids_ptr, rank, start, routes_per_rank, first_expert, local, BLOCK
 
 
 @triton.jit
+def _program_expert_rank(num_ranks):
+    """(pid, local expert l, source rank r) of program (l, r) of an L*R grid."""
+    pid = tl.program_id(0)
+    return pid, pid // num_ranks, pid % num_ranks
+
+
+@triton.jit
 def route_counts_kernel(ids_ptr, counts_ptr, src_rank_ptr, src_index_ptr, routes_per_rank, first_expert,
                         num_ranks, capacity, BLOCK: tl.constexpr):
     """ids int `[R, N*k]` (global expert ids, -1 = none); counts int32 `[L, R]`; src_rank / src_index
     int32 `[capacity]`, set to -1 here (the next kernel writes the used rows)."""
-    pid = tl.program_id(0)
-    local = pid // num_ranks
-    rank = pid % num_ranks
+    pid, local, rank = _program_expert_rank(num_ranks)
     offs = tl.arange(0, BLOCK)
     total = tl.zeros((), dtype=tl.int32)
     for start in range(0, routes_per_rank, BLOCK):
@@ -60,9 +65,7 @@ def schedule_rows_kernel(ids_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_
     """Program (l, r) places rank r's routes to local expert l. Route with occurrence index o goes to row
     ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``; S[l] = sum over l' < l of T[l'] rounded
     up to ``align``. Program (l, 0) also writes tokens_per_expert[l], offsets[l] and, for the last l, num_rows."""
-    pid = tl.program_id(0)
-    local = pid // num_ranks
-    rank = pid % num_ranks
+    pid, local, rank = _program_expert_rank(num_ranks)
     ranks = tl.arange(0, RANKS)
     start_row = tl.zeros((), dtype=tl.int32)
     for l0 in range(0, num_experts, BLOCK_L):
