@@ -78,15 +78,19 @@ def run_rank(world, args, points) -> list[dict] | None:
     if args.impl == "megamoe":
         import megamoe.megakernel as mega
         from megamoe.megakernel import megamoe_forward
+        from megamoe.quantized_experts import quantize_experts
 
         if args.comm_chunks:  # an experiment: the comm workers' copy tile
             mega.COMM_TUNING = replace(mega.COMM_TUNING, tile_chunks=args.comm_chunks)
+
+        # FP8: the weights quantised once, as after an optimizer step (`megamoe bench` does the same)
+        experts_q = None if args.precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, args.precision)
 
         def forward(config):  # no host sync in the pass: N is the same on every rank; checks on the first
             first = forward.calls == 0
             forward.calls += 1
             return megamoe_forward(*inputs, config=config, precision=args.precision, max_tokens=args.tokens,
-                                   check=first)
+                                   experts_q=experts_q, check=first)
         forward.calls = 0
     else:
         def forward(config):  # ignores config: runs the script end to end without the megakernel

@@ -1,10 +1,11 @@
 """Inside one megakernel pass: when each program started and ended and how long it waited (globaltimer).
 
     PYTHONPATH=src python3 benchmarks/megakernel_trace.py --preset kimi-k2 --tokens 8192 [--config S,C,MB,RING]
+        [--precision fp8-block [--owner-quantize]]
 
 One process per GPU. Rank 0 prints, for the communication and the compute workers: time from the first
 program's start to their end (mean / max), nanoseconds spent in waits, the shared expert's end; then the
-standalone expert kernels (`megamoe.experts.expert_forward`) on the same routed rows, for comparison.
+standalone expert kernels (`megamoe.experts.expert_forward`, BF16 only) on the same routed rows, for comparison.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from megamoe.config import preset
 from megamoe.experts import expert_forward
 from megamoe.kernels import megakernel as mk
 from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared
-from megamoe.plan import KernelConfig
 from megamoe.world import launch
 
 import megakernel_args  # benchmarks/, beside this script
@@ -28,14 +28,15 @@ def _ms(ns) -> float:
     return float(ns) / 1e6
 
 
-def _trace(world, preset_name: str, tokens: int, config: KernelConfig | None, passes: int):
-    cfg = preset(preset_name)
-    p = make_problem(cfg, world.rank, world.size, tokens, dtype=torch.bfloat16, device=world.device)
+def _trace(world, a):
+    cfg = preset(a.preset)
+    p = make_problem(cfg, world.rank, world.size, a.tokens, dtype=torch.bfloat16, device=world.device)
     fused = fuse_shared(p.shared)
-    kernel = MegaKernel(world, LayerShape.of(cfg, world.size, tokens), config, trace=True)
+    shape = LayerShape.of(cfg, world.size, a.tokens)
+    kernel = MegaKernel(world, shape, megakernel_args.config_for(a, world, shape), precision=a.precision, trace=True)
     c = kernel.config
     summaries = []
-    for _ in range(passes):
+    for _ in range(a.passes):
         _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
         t = kernel.trace.cpu()
         start_at = t[:, mk.TRACE_START.value].min()
@@ -56,7 +57,7 @@ def _trace(world, preset_name: str, tokens: int, config: KernelConfig | None, pa
         })
     rows = int(ctx.schedule.num_rows)
     standalone = None
-    if rows <= c.ring_rows:  # the ring holds every routed row: time the standalone kernels on them
+    if rows <= c.ring_rows and a.precision == "bf16":  # the ring holds every routed row: time the standalone kernels
         s = ctx.schedule
         args = (kernel.ring_x, s.tokens_per_expert, s.offsets, p.w_gate_up, p.w_down)
         expert_forward(*args)
@@ -74,8 +75,8 @@ def _trace(world, preset_name: str, tokens: int, config: KernelConfig | None, pa
 
 
 def main() -> None:
-    a, config = megakernel_args.parse(__doc__)
-    results = launch(_trace, torch.cuda.device_count(), a.preset, a.tokens, config, a.passes, device="cuda")
+    a = megakernel_args.parse(__doc__)
+    results = launch(_trace, torch.cuda.device_count(), a, device="cuda")
     text = json.dumps(results, indent=1)
     if a.out:
         with open(a.out, "w") as f:

@@ -43,12 +43,14 @@ def test_bench_rejects_bad_options_with_exit_code_2():
 def test_bench_megamoe_with_fp8_experts(tmp_path, experts):
     out = tmp_path / "fp8.json"
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--ep", "2", "--tokens", "40,23", "--impl",
-                                      "megamoe", "--experts", experts, "--passes", "fwd", "--iters", "1",
-                                      "--json", str(out)])
+                                      "megamoe", "--experts", f"bf16,{experts}", "--passes", "fwd", "--iters",
+                                      "1", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    (r,) = json.loads(out.read_text())
+    bf16, r = json.loads(out.read_text())
+    assert bf16["impl"] == "megamoe" and bf16["weights_quantize_ms"] is None and bf16["correct"], bf16
     assert r["impl"] == f"megamoe ({experts} experts)" and r["correct"], r
     assert 1e-3 < r["rel_err"] < 6e-2, r  # FP8 rounding shows; a wrong row would not pass the row check
+    assert r["weights_quantize_ms"] > 0 and "quantised once before the passes" in result.output
 
 
 def test_bench_rejects_unknown_expert_format():

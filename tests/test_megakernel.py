@@ -16,6 +16,7 @@ from megamoe.config import MoEConfig
 from megamoe.ep_reference import ep_reference_forward_backward
 from megamoe.megakernel import LayerShape, MegaKernel, default_config, fuse_shared, megamoe_forward
 from megamoe.plan import KernelConfig
+from megamoe.quantized_experts import quantize_experts
 from megamoe.reference import moe_forward
 from megamoe.world import launch
 
@@ -166,6 +167,7 @@ def _quantized(world, precision):
     out = megamoe_forward(*args, precision=precision)
     wrapped = megamoe_forward(*args, precision=precision, config=WRAPPING)
     owner = megamoe_forward(*args, precision=precision, config=dataclasses.replace(WRAPPING, owner_quantize=True))
+    once = megamoe_forward(*args, precision=precision, experts_q=quantize_experts(p.w_gate_up, p.w_down, precision))
     bf16 = megamoe_forward(*args)
     fused = fuse_shared(p.shared)
     shape = LayerShape.of(FP8_CONFIG, world.size, 41)
@@ -185,7 +187,7 @@ def _quantized(world, precision):
         "out": compare({"out": out.float()}, {"out": want.float()}, "bf16"),
         "bf16": compare({"out": bf16.float()}, {"out": want.float()}, "bf16"),
         "y": compare({"y": kernel.y[:rows].float()}, {"y": ref.y}, "bf16"),
-        "same_bits": torch.equal(out, wrapped) and torch.equal(out, owner),
+        "same_bits": torch.equal(out, wrapped) and torch.equal(out, owner) and torch.equal(out, once),
         "ring_exact": all(ring_exact),
     }
 
@@ -194,11 +196,37 @@ def _quantized(world, precision):
 def test_quantized_formats_quantise_in_the_pull_and_match_their_twin(precision):
     """The ring holds exactly formats' quantisation of the pulled rows, quantised on arrival or by their owners;
     the expert outputs equal the format's torch twin on them; the layer output is within E4M3's error of the
-    BF16 oracle (and farther than the BF16 path); a wrapping ring and owner quantisation give the same bits."""
+    BF16 oracle (and farther than the BF16 path); a wrapping ring, owner quantisation and weights quantised
+    before the pass (quantize_experts) give the same bits."""
     for r in launch(_quantized, 2, precision):
         assert r["ring_exact"] and r["same_bits"], r
         assert r["y"]["correct"], r["y"]
         assert r["out"]["rel_err"] < 6e-2 and r["bf16"]["rel_err"] < r["out"]["rel_err"], r
+
+
+def _stale_experts_q(world):
+    p = _problem(world, FP8_CONFIG, (16,), "uniform", 0.0, 3)
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
+    q = quantize_experts(p.w_gate_up, p.w_down, "fp8-block")
+    calls = [
+        lambda: megamoe_forward(*args, experts_q=q),  # bf16 pass
+        lambda: megamoe_forward(*args, precision="mxfp8", experts_q=q),
+        lambda: megamoe_forward(world, *args[1:4], p.w_gate_up.clone(), *args[5:], precision="fp8-block",
+                                experts_q=q),
+        lambda: quantize_experts(p.w_gate_up.float(), p.w_down, "fp8-block"),
+        lambda: quantize_experts(p.w_gate_up, p.w_down, "bf16"),
+    ]
+    early = raised(calls)
+    p.w_down.mul_(2.0)  # an optimizer step, in place
+    late = raised([lambda: megamoe_forward(*args, precision="fp8-block", experts_q=q)])
+    return early + late
+
+
+def test_experts_q_refuses_other_weights_precisions_and_stale_packs():
+    errors = launch(_stale_experts_q, 1)[0]
+    assert all(errors), errors
+    assert "bf16" in errors[0] and "mxfp8" in errors[1] and "changed since" in errors[2]
+    assert "bfloat16" in errors[3] and "precision" in errors[4] and "changed since" in errors[5]
 
 
 # --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
@@ -237,7 +265,8 @@ def test_gpu_two_ranks_correct_and_bitwise_stable():
 
 
 def _owner_quantized_gpus(world):
-    """FP8 rows quantised by their owners give the bits of rows quantised on arrival (planner's configs)."""
+    """FP8 rows quantised by their owners, and weights quantised before the pass, give the bits of rows and
+    weights quantised in the pass (planner's configs)."""
     p = _problem(world, GPU_CONFIG, (1000, 700), "uniform", 0.1, 17)
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
     same = {}
@@ -246,13 +275,15 @@ def _owner_quantized_gpus(world):
         arrival = megamoe_forward(*args, precision=precision, max_tokens=1000, config=planned)
         owner = megamoe_forward(*args, precision=precision, max_tokens=1000,
                                 config=dataclasses.replace(planned, owner_quantize=True))
-        same[precision] = torch.equal(arrival, owner)
+        once = megamoe_forward(*args, precision=precision, max_tokens=1000, config=planned,
+                               experts_q=quantize_experts(p.w_gate_up, p.w_down, precision))
+        same[precision] = torch.equal(arrival, owner) and torch.equal(arrival, once)
     return same
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_owner_quantized_rows_same_bits():
+def test_gpu_owner_quantized_rows_and_prequantized_weights_same_bits():
     for rank, same in enumerate(launch(_owner_quantized_gpus, 2, device="cuda")):
         assert all(same.values()), (rank, same)
 

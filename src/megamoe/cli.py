@@ -27,9 +27,10 @@ def bench(
     impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, unfused, "
                                         "megamoe, megamoe-graph (the last three forward only). Default: "
                                         "nccl-torch,unfused,megamoe on GPU, all four on CPU."),
-    experts: str = typer.Option("bf16", help="Routed-expert format of the megamoe implementations: bf16, "
-                                             "fp8-block or mxfp8 (the others stay BF16; checked with FP8 "
-                                             "tolerances)."),
+    experts: str = typer.Option("bf16", help="Comma-separated routed-expert formats of the megamoe "
+                                             "implementations, each run in turn: bf16, fp8-block, mxfp8 (the "
+                                             "others stay BF16; FP8 rows are checked with FP8 tolerances and "
+                                             "their weights quantised once, outside the timed passes)."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
     iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 2 on CPU)."),
     warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 0 on CPU: nothing to "
@@ -57,7 +58,7 @@ def bench(
             device=device,
             precision=precision,
             impls=_csv(impl or ("nccl-torch,unfused,megamoe" if gpu else "reference,nccl-torch,unfused,megamoe")),
-            experts=experts,
+            experts=_csv(experts),
             passes=_csv(passes),
             iters=iters if iters is not None else (20 if gpu else 2),
             warmup=warmup if warmup is not None else (3 if gpu else 0),

@@ -43,8 +43,9 @@ from megamoe.experts_fp8 import plan_tiles_fp8
 from megamoe.experts_mxfp8 import plan_tiles_mxfp8
 from megamoe.formats import FP8_BLOCK, MX_BLOCK
 from megamoe.kernels import megakernel as mk
-from megamoe.kernels.quant import quantize_activations, quantize_weights, soft_e4m3_default
+from megamoe.kernels.quant import quantize_activations, soft_e4m3_default
 from megamoe.plan import KernelConfig, plan
+from megamoe.quantized_experts import QuantizedExperts, quantize_experts
 from megamoe.schedule import PullSchedule, build_pull_schedule
 from megamoe.world import BufferSpec, EPWorld, workspace
 
@@ -276,12 +277,17 @@ class MegaKernel:
         shared: tuple[torch.Tensor, torch.Tensor] | None = None,
         swiglu_limit: float | None = None,
         *,
+        experts_q: QuantizedExperts | None = None,
         check: bool = True,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """One forward pass (collective). Inputs as :func:`megamoe_forward` (validated there), ``shared`` one
         (gate_up, down) pair or None. ``check`` reads the error word after the pass (a host sync)."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
+        if experts_q is not None:
+            if not self.quantized:
+                raise ValueError("experts_q is for the FP8 precisions; this pass runs bf16 experts")
+            experts_q.check_source(w_gate_up, w_down, self.precision)
         world, s, c = self.world, self.shape, self.config
         n, k = x.shape[0], s.top_k
         me = world.rank
@@ -305,7 +311,7 @@ class MegaKernel:
         if self.trace is not None:
             self.trace.zero_()
         # 4. the megakernel
-        self._launch(n, schedule, tiles, w_gate_up, w_down, shared, swiglu_limit)
+        self._launch(n, schedule, tiles, w_gate_up, w_down, experts_q, shared, swiglu_limit)
         # 5. the weighted sum
         out = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=x.device)
         if n:
@@ -362,15 +368,15 @@ class MegaKernel:
             num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
         )
 
-    def _launch(self, n, schedule, tiles, w_gate_up, w_down, shared, swiglu_limit) -> None:
+    def _launch(self, n, schedule, tiles, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:
         s, c = self.shape, self.config
         (gate_up_tile, down_tile), (shared_gate_up, shared_down) = self._routed_tiles, self._shared_tiles
         D, I, L = s.hidden, s.intermediate, s.experts_per_rank
         bk, sbk = gate_up_tile.block_k, shared_gate_up.block_k
         desc = TensorDescriptor.from_tensor
-        if self.quantized:  # the weights are quantised every pass (they change every training step)
-            (w_gate_up, w_gu_scale), (w_down, w_dn_scale) = (quantize_weights(w, self.precision)
-                                                             for w in (w_gate_up, w_down))
+        if self.quantized:  # quantised once per optimizer step by the caller (experts_q), else in this pass
+            q = experts_q or quantize_experts(w_gate_up, w_down, self.precision)
+            w_gate_up, w_gu_scale, w_down, w_dn_scale = q.w_gate_up, q.w_gate_up_scale, q.w_down, q.w_down_scale
             scale_args = (self.ring_scale, w_gu_scale, self.act_scale, w_dn_scale, self.ring_scale.stride(0),
                           w_gu_scale.stride(1), self.act_scale.stride(0), w_dn_scale.stride(1))
         else:  # never read
@@ -490,6 +496,7 @@ def megamoe_forward(
     config: KernelConfig | None = None,
     precision: str = "bf16",
     max_tokens: int | None = None,
+    experts_q: QuantizedExperts | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """The MoE layer's forward over ``world`` as one megakernel per pass (no autograd yet).
@@ -499,8 +506,11 @@ def megamoe_forward(
     Args:
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
         precision: ``bf16``, ``mxfp8`` or ``fp8-block`` (routed experts; rows quantised in the pull,
-            weights once per pass; the shared expert stays BF16).
+            weights as ``experts_q`` says; the shared expert stays BF16).
         max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
+        experts_q: FP8 precisions: ``quantize_experts(w_gate_up, w_down, precision)``, made once per optimizer
+            step and passed to every forward until then (ValueError if the weights changed since); None
+            quantises the weights inside every pass (a pass over all of them).
         check: validate the expert ids and read the kernel's error word after the pass (host syncs).
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
 
@@ -526,7 +536,8 @@ def megamoe_forward(
     if kernel is None or kernel.requested != (config, precision):
         _KERNELS.pop(key, None)
         kernel = _KERNELS[key] = MegaKernel(world, shape, config, precision=precision)
-    out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(),
-                            w_gate_up.detach().contiguous(), w_down.detach().contiguous(), fused, swiglu_limit,
-                            check=check)
+    # experts_q stands for the weights (never read then): keep the tensors it was made from, for its check
+    weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (w_gate_up, w_down)]
+    out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(), *weights,
+                            fused, swiglu_limit, experts_q=experts_q, check=check)
     return out

@@ -20,6 +20,7 @@ from megamoe.bench.problem import RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
 from megamoe.ep_reference import ep_reference_forward_backward
 from megamoe.megakernel import megamoe_forward
+from megamoe.quantized_experts import quantize_experts
 from megamoe.unfused import unfused_moe_forward
 from megamoe.world import EPWorld
 
@@ -46,7 +47,7 @@ class BenchOptions:
     device: str
     precision: str = "bf16"
     impls: tuple[str, ...] = ("reference", "nccl-torch", "unfused")
-    experts: str = "bf16"
+    experts: tuple[str, ...] = ("bf16",)  # routed-expert formats of the megamoe impls, each run in turn
     passes: tuple[str, ...] = PASSES
     iters: int = 5
     warmup: int = 1
@@ -66,11 +67,13 @@ class BenchOptions:
         for impl in self.impls:
             if impl not in RUNNERS:
                 raise ValueError(f"unknown impl {impl!r}; known: {', '.join(RUNNERS)}")
-        if self.experts not in EXPERT_FORMATS:
-            raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {self.experts!r}")
-        if self.experts != "bf16" and self.precision != "bf16":
-            raise ValueError(f"experts={self.experts} quantises BF16 inputs: precision must be bf16, "
-                             f"got {self.precision}")
+        if not self.experts:
+            raise ValueError("experts needs at least one format")
+        for fmt in self.experts:
+            if fmt not in EXPERT_FORMATS:
+                raise ValueError(f"experts must be one of {', '.join(EXPERT_FORMATS)}, got {fmt!r}")
+            if fmt != "bf16" and self.precision != "bf16":
+                raise ValueError(f"experts={fmt} quantises BF16 inputs: precision must be bf16, got {self.precision}")
         for name in self.passes:
             if name not in PASSES:
                 raise ValueError(f"unknown pass {name!r}; known: {', '.join(PASSES)}")
@@ -157,10 +160,20 @@ class _MegamoeRunner(_ForwardOnlyRunner):
         super().__init__(world, p, megamoe_forward)
         self.experts = experts
         self.max_tokens, self.passes_run = world.largest(p.tokens), 0
+        # FP8 experts: the weights are quantised once, as after a training step's optimizer step, and that
+        # quantisation is timed on its own (the second call: the first compiles) and recorded beside the pass
+        self.experts_q, self.weights_quantize_ms = None, None
+        if experts != "bf16":
+            quantize = partial(quantize_experts, self.leaves["w_gate_up"], self.leaves["w_down"], experts)
+            for _ in range(2):
+                self.weights_quantize_ms, self.experts_q = timed_pass(world, quantize)
+
+    def _pass(self, check: bool):
+        return partial(megamoe_forward, max_tokens=self.max_tokens, check=check, precision=self.experts,
+                       experts_q=self.experts_q)
 
     def forward(self) -> torch.Tensor:
-        self.fn = partial(megamoe_forward, max_tokens=self.max_tokens, check=self.passes_run == 0,
-                          precision=self.experts)
+        self.fn = self._pass(check=self.passes_run == 0)
         self.passes_run += 1
         return super().forward()
 
@@ -178,7 +191,7 @@ class _MegamoeGraphRunner(_MegamoeRunner):
             return super().forward()
         if self.graph is None:
             self.passes_run += 1
-            self.fn = partial(megamoe_forward, max_tokens=self.max_tokens, check=False, precision=self.experts)
+            self.fn = self._pass(check=False)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.static_out = _ForwardOnlyRunner.forward(self)
@@ -308,9 +321,11 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     want = {"fwd": {"out": oracle_out}, "bwd": _flatten(oracle_grads)}
     work = {name: pass_work(world, p, name) for name in opts.passes}
     records = []
-    for impl in opts.impls:
-        quantized = opts.experts != "bf16" and impl in TAKES_EXPERT_FORMAT
-        runner = RUNNERS[impl](world, p, opts.experts) if quantized else RUNNERS[impl](world, p)
+    runs = [(impl, fmt) for impl in opts.impls
+            for fmt in (opts.experts if impl in TAKES_EXPERT_FORMAT else ("bf16",))]
+    for impl, fmt in runs:
+        quantized = fmt != "bf16"
+        runner = RUNNERS[impl](world, p, fmt) if quantized else RUNNERS[impl](world, p)
         tolerance = "fp8" if quantized else opts.precision
         for name in opts.passes:
             if name not in getattr(runner, "passes", PASSES):
@@ -329,8 +344,9 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
                 if it >= opts.warmup:
                     times.append(ms)
                 del out, got
-            label = f"{impl} ({opts.experts} experts)" if quantized else impl
-            records.append(_gather_record(world, opts, label, name, times, check, work[name]))
+            label = f"{impl} ({fmt} experts)" if quantized else impl
+            records.append(_gather_record(world, opts, label, name, times, check, work[name],
+                                          getattr(runner, "weights_quantize_ms", None)))
         if impl == "reference" and "fwd" in opts.passes and "bwd" in opts.passes:
             fwd, bwd = records[-2], records[-1]
             for key in ("time_ms", "time_ms_p10", "time_ms_p90"):
@@ -339,8 +355,10 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     return records
 
 
-def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check, work) -> dict:
-    everyone = world.all_gather_object({"times": times, "check": check, "work": work})
+def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check, work,
+                   weights_quantize_ms: float | None = None) -> dict:
+    everyone = world.all_gather_object({"times": times, "check": check, "work": work,
+                                        "quantize": weights_quantize_ms})
     slowest = [max(r["times"][i] for r in everyone) for i in range(len(times))]
     median = percentile(slowest, 0.5)
     flops = sum(r["work"][0] for r in everyone) / world.size
@@ -365,4 +383,6 @@ def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check
         "correct": all(r["check"]["correct"] for r in everyone),
         "worst_tensor": max(everyone, key=lambda r: r["check"]["rel_err"])["check"]["worst_tensor"],
         "iters": len(times),
+        # FP8 experts: one quantisation of the routed weights (once per optimizer step, outside the pass)
+        "weights_quantize_ms": None if weights_quantize_ms is None else max(r["quantize"] for r in everyone),
     }

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# FP8 routed experts in the forward megakernel, kimi-k2 EP 2, 8192 tokens/GPU, on nvidia-h200-x2. Usage (repo root):
+#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|owner OUTDIR
+# bench: the megakernel's GPU tests; where an FP8 pass that quantises its weights spends its time (profile);
+#        `megamoe bench` with bf16, fp8-block and mxfp8 experts (weights quantised once) beside nccl-torch.
+# owner: rows quantised on arrival against quantised by their owners (KernelConfig.owner_quantize) at the
+#        planner's configs, then a comm_sms sweep with owner quantisation; OUTDIR/sweeps.json holds every point.
+set -u
+part=${1:?bench or owner}
+out=${2:?output folder}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
+if [ "$part" = bench ]; then
+  nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv > "$out/log.txt" 2>&1
+  timeout 240 python3 -m pytest -q -m gpu tests/test_megakernel.py 2>&1 | tail -15 | tee -a "$out/log.txt" | tail -2
+  timeout 100 python3 benchmarks/megakernel_profile.py --precision fp8-block --out "$out" 2>&1 | tail -2
+  mv "$out/profile.txt" "$out/profile-fp8-block.txt" 2>/dev/null
+  timeout 240 python3 -m megamoe bench --preset kimi-k2 --tokens 8192 --ep 2 --impl nccl-torch,megamoe,megamoe-graph \
+      --experts bf16,fp8-block,mxfp8 --passes fwd --iters 10 --json "$out/bench.json" --md "$out/bench.md" 2>&1 | tail -14
+  exit 0
+fi
+sweep() {  # name, extra args: one sweep, its points kept in $out/sweeps/name.json
+  local name=$1; shift
+  mkdir -p "$out/run-$name" "$out/sweeps"
+  timeout 150 python3 benchmarks/megakernel_sweep.py --impl megamoe --preset kimi-k2 --tokens 8192 --iters 10 \
+      --warmup 2 --out "$out/run-$name" "$@" > "$out/run-$name/sweep.log" 2>&1
+  echo "== $name" >> "$out/summary.txt"; tail -4 "$out/run-$name/sweep.log" | tee -a "$out/summary.txt"
+  mv "$out/run-$name/sweep.json" "$out/sweeps/$name.json" 2>/dev/null; rm -rf "$out/run-$name"
+}
+for precision in fp8-block mxfp8; do
+  sweep "$precision-arrival" --precision $precision --minibatch= --comm-sms=
+  sweep "$precision-owner" --precision $precision --minibatch= --comm-sms= --owner-quantize
+done
+sweep fp8-block-owner-comm --precision fp8-block --minibatch= --comm-sms=6,8,10,12,16 --owner-quantize
+python3 - "$out" <<'PY'
+import glob, json, os, shutil, sys
+out = sys.argv[1]
+runs = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(f"{out}/sweeps/*.json"))}
+json.dump(runs, open(f"{out}/sweeps.json", "w"), indent=1)
+shutil.rmtree(f"{out}/sweeps")
+PY
