@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # FP8 routed experts in the forward megakernel, kimi-k2 EP 2, 8192 tokens/GPU, on nvidia-h200-x2. Usage (repo root):
-#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|owner OUTDIR
+#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|owner|grid OUTDIR
 # bench: the megakernel's GPU tests; where an FP8 pass that quantises its weights spends its time (profile);
 #        `megamoe bench` with bf16, fp8-block and mxfp8 experts (weights quantised once) beside nccl-torch.
 # owner: rows quantised on arrival against quantised by their owners (KernelConfig.owner_quantize) at the
 #        planner's configs, then a comm_sms sweep with owner quantisation; OUTDIR/sweeps.json holds every point.
+# grid:  (minibatch x comm_sms) grids of bf16 and fp8-block (owner-quantised), arrival at a few comm_sms, and a
+#        trace of one pass of each (where the compute workers wait).
 set -u
 part=${1:?bench or owner}
 out=${2:?output folder}
@@ -27,11 +29,21 @@ sweep() {  # name, extra args: one sweep, its points kept in $out/sweeps/name.js
   echo "== $name" >> "$out/summary.txt"; tail -4 "$out/run-$name/sweep.log" | tee -a "$out/summary.txt"
   mv "$out/run-$name/sweep.json" "$out/sweeps/$name.json" 2>/dev/null; rm -rf "$out/run-$name"
 }
-for precision in fp8-block mxfp8; do
-  sweep "$precision-arrival" --precision $precision --minibatch= --comm-sms=
-  sweep "$precision-owner" --precision $precision --minibatch= --comm-sms= --owner-quantize
-done
-sweep fp8-block-owner-comm --precision fp8-block --minibatch= --comm-sms=6,8,10,12,16 --owner-quantize
+if [ "$part" = owner ]; then
+  for precision in fp8-block mxfp8; do
+    sweep "$precision-arrival" --precision $precision --minibatch= --comm-sms=
+    sweep "$precision-owner" --precision $precision --minibatch= --comm-sms= --owner-quantize
+  done
+  sweep fp8-block-owner-comm --precision fp8-block --minibatch= --comm-sms=6,8,10,12,16 --owner-quantize
+else
+  sweep bf16-grid --grid --minibatch=1920,3840,7680 --comm-sms=10,12,14,16
+  sweep fp8-block-owner-grid --precision fp8-block --owner-quantize --grid --minibatch=1920,3840,7680 \
+      --comm-sms=10,12,14,16
+  sweep fp8-block-arrival-comm --precision fp8-block --minibatch= --comm-sms=10,12,16
+  timeout 100 python3 benchmarks/megakernel_trace.py --out "$out/trace-bf16.json" 2>&1 | tail -2
+  timeout 100 python3 benchmarks/megakernel_trace.py --precision fp8-block --owner-quantize \
+      --config 132,12,1920,67200 --out "$out/trace-fp8-block.json" 2>&1 | tail -2
+fi
 python3 - "$out" <<'PY'
 import glob, json, os, shutil, sys
 out = sys.argv[1]
