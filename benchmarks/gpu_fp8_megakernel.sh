@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # FP8 routed experts in the forward megakernel, kimi-k2 EP 2, 8192 tokens/GPU, on nvidia-h200-x2. Usage (repo root):
-#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|owner|grid OUTDIR
-# bench: the megakernel's GPU tests; where an FP8 pass that quantises its weights spends its time (profile);
-#        `megamoe bench` with bf16, fp8-block and mxfp8 experts (weights quantised once) beside nccl-torch.
-# owner: rows quantised on arrival against quantised by their owners (KernelConfig.owner_quantize) at the
-#        planner's configs, then a comm_sms sweep with owner quantisation; OUTDIR/sweeps.json holds every point.
-# grid:  (minibatch x comm_sms) grids of bf16 and fp8-block (owner-quantised), arrival at a few comm_sms, and a
-#        trace of one pass of each (where the compute workers wait).
+#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|presets|grid OUTDIR
+# bench: the megakernel's GPU tests; `megamoe bench` with bf16, fp8-block and mxfp8 experts (weights quantised
+#        once) beside nccl-torch.
+# presets: the same for deepseek-v4-pro and qwen3.5-397b (bf16 and fp8-block).
+# grid:  (minibatch x comm_sms) grids of bf16 and fp8-block, and a trace of one pass of each (where the
+#        compute workers wait); OUTDIR/sweeps.json holds every point.
+# The comparison of FP8 rows quantised on arrival with rows quantised by their owners that made the second the
+# only way: benchmarks/results/2026-11-30-fp8-experts (commits 390f669, fc40094).
 set -u
-part=${1:?bench or owner}
+part=${1:?bench, presets or grid}
 out=${2:?output folder}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
 if [ "$part" = bench ]; then
   nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv > "$out/log.txt" 2>&1
   timeout 240 python3 -m pytest -q -m gpu tests/test_megakernel.py 2>&1 | tail -15 | tee -a "$out/log.txt" | tail -2
-  timeout 100 python3 benchmarks/megakernel_profile.py --precision fp8-block --out "$out" 2>&1 | tail -2
-  mv "$out/profile.txt" "$out/profile-fp8-block.txt" 2>/dev/null
   timeout 240 python3 -m megamoe bench --preset kimi-k2 --tokens 8192 --ep 2 --impl nccl-torch,megamoe,megamoe-graph \
       --experts bf16,fp8-block,mxfp8 --passes fwd --iters 10 --json "$out/bench.json" --md "$out/bench.md" 2>&1 | tail -14
+  exit 0
+fi
+if [ "$part" = presets ]; then
+  for preset in deepseek-v4-pro qwen3.5-397b; do
+    timeout 270 python3 -m megamoe bench --preset $preset --tokens 8192 --ep 2 --impl nccl-torch,megamoe,megamoe-graph \
+        --experts bf16,fp8-block --passes fwd --iters 10 --json "$out/$preset.json" --md "$out/$preset.md" 2>&1 | tail -9
+  done
   exit 0
 fi
 sweep() {  # name, extra args: one sweep, its points kept in $out/sweeps/name.json
@@ -29,21 +35,10 @@ sweep() {  # name, extra args: one sweep, its points kept in $out/sweeps/name.js
   echo "== $name" >> "$out/summary.txt"; tail -4 "$out/run-$name/sweep.log" | tee -a "$out/summary.txt"
   mv "$out/run-$name/sweep.json" "$out/sweeps/$name.json" 2>/dev/null; rm -rf "$out/run-$name"
 }
-if [ "$part" = owner ]; then
-  for precision in fp8-block mxfp8; do
-    sweep "$precision-arrival" --precision $precision --minibatch= --comm-sms=
-    sweep "$precision-owner" --precision $precision --minibatch= --comm-sms= --owner-quantize
-  done
-  sweep fp8-block-owner-comm --precision fp8-block --minibatch= --comm-sms=6,8,10,12,16 --owner-quantize
-else
-  sweep bf16-grid --grid --minibatch=1920,3840,7680 --comm-sms=10,12,14,16
-  sweep fp8-block-owner-grid --precision fp8-block --owner-quantize --grid --minibatch=1920,3840,7680 \
-      --comm-sms=10,12,14,16
-  sweep fp8-block-arrival-comm --precision fp8-block --minibatch= --comm-sms=10,12,16
-  timeout 100 python3 benchmarks/megakernel_trace.py --out "$out/trace-bf16.json" 2>&1 | tail -2
-  timeout 100 python3 benchmarks/megakernel_trace.py --precision fp8-block --owner-quantize \
-      --config 132,12,1920,67200 --out "$out/trace-fp8-block.json" 2>&1 | tail -2
-fi
+sweep bf16-grid --grid --minibatch=1920,3840,7680 --comm-sms=10,12,14,16
+sweep fp8-block-grid --precision fp8-block --grid --minibatch=1920,3840,7680 --comm-sms=10,12,14,16
+timeout 100 python3 benchmarks/megakernel_trace.py --out "$out/trace-bf16.json" 2>&1 | tail -2
+timeout 100 python3 benchmarks/megakernel_trace.py --precision fp8-block --out "$out/trace-fp8-block.json" 2>&1 | tail -2
 python3 - "$out" <<'PY'
 import glob, json, os, shutil, sys
 out = sys.argv[1]

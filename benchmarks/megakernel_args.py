@@ -3,30 +3,26 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
 from megamoe.megakernel import LayerShape, default_config
 from megamoe.plan import KernelConfig
 
 
 def parse(doc: str) -> argparse.Namespace:
-    """(--preset, --tokens, --passes, --config, --precision, --owner-quantize, --out); `config_for` turns them
-    into the pass's KernelConfig on a rank."""
+    """(--preset, --tokens, --passes, --config, --precision, --out); `config_for` turns them into the pass's
+    KernelConfig on a rank."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="kimi-k2")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--config", default=None, help="num_sms,comm_sms,minibatch,ring_rows (default: the planner's)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "mxfp8", "fp8-block"))
-    parser.add_argument("--owner-quantize", action="store_true", help="FP8: owners quantise, comm workers copy E4M3")
     parser.add_argument("--out", default=None)
     return parser.parse_args()
 
 
 def config_for(args: argparse.Namespace, world, shape: LayerShape) -> KernelConfig:
-    """--config (or the planner's config for this precision) with --owner-quantize applied."""
+    """--config, or the planner's config for this precision."""
     if args.config:
-        base = KernelConfig(*map(int, args.config.split(",")), 128, 256)
-    else:
-        base = default_config(world, shape, args.precision)
-    return replace(base, owner_quantize=args.owner_quantize)
+        return KernelConfig(*map(int, args.config.split(",")), 128, 256)
+    return default_config(world, shape, args.precision)

@@ -53,7 +53,7 @@ def sweep_points(args) -> tuple[planner.Plan, list[tuple[str, planner.KernelConf
     tile = plan_tiles("down", torch.device(args.device))
     plan = planner.plan(preset(args.preset), args.ep, args.tokens, num_sms=args.sms, precision=args.precision,
                         tile_m=tile.block_m, tile_n=tile.block_n)
-    base = replace(plan.config, owner_quantize=args.owner_quantize)
+    base = plan.config
     if args.grid:  # every (minibatch, comm_sms) pair: where the two knobs interact
         return plan, [("grid", replace(base, minibatch=rows, ring_rows=-(-base.ring_rows // rows) * rows,
                                        comm_sms=sms))
@@ -218,8 +218,6 @@ def main() -> int:
     parser.add_argument("--comm-chunks", type=int, default=0,
                         help="row chunks per comm copy step (default: the kernel's COMM_TUNING)")
     parser.add_argument("--grid", action="store_true", help="every (minibatch, comm_sms) pair, not two one-knob sweeps")
-    parser.add_argument("--owner-quantize", action="store_true",
-                        help="FP8 precisions: owners quantise their tokens once, the comm workers copy E4M3 rows")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="megakernel_sweep")
@@ -246,7 +244,7 @@ def main() -> int:
     meta = run_metadata(device)
     run = {
         "meta": {**meta, "impl": args.impl, "preset": args.preset, "ep": args.ep, "tokens_per_rank": args.tokens,
-                 "precision": args.precision, "owner_quantize": args.owner_quantize, "device": device,
+                 "precision": args.precision, "device": device,
                  "torch": torch.__version__,
                  "triton": triton.__version__, "command": " ".join(["python3", *sys.argv])},
         "plan": {**asdict(plan.config), "reasoning": plan.reasoning},

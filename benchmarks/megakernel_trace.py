@@ -1,7 +1,7 @@
 """Inside one megakernel pass: when each program started and ended and how long it waited (globaltimer).
 
     PYTHONPATH=src python3 benchmarks/megakernel_trace.py --preset kimi-k2 --tokens 8192 [--config S,C,MB,RING]
-        [--precision fp8-block [--owner-quantize]]
+        [--precision fp8-block]
 
 One process per GPU. Rank 0 prints, for the communication and the compute workers: time from the first
 program's start to their end (mean / max), nanoseconds spent in waits, the shared expert's end; then the

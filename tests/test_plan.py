@@ -41,8 +41,6 @@ def test_pinned_knobs_are_kept_and_checked():
         plan(kimi, 2, 4096, minibatch=2048, ring_rows=1024)
     with pytest.raises(ValueError, match="multiple of tile_m"):
         KernelConfig(num_sms=132, comm_sms=8, minibatch=100, ring_rows=1000)
-    with pytest.raises(ValueError, match="owner_quantize must be a bool"):
-        KernelConfig(num_sms=132, comm_sms=8, minibatch=128, ring_rows=1024, owner_quantize="yes")
     with pytest.raises(ValueError, match="not divisible by ep"):
         plan(kimi, 5, 4096)
     with pytest.raises(ValueError, match="precision"):

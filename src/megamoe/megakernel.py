@@ -73,9 +73,9 @@ WAITS = {
 #: chunks, twice as fast per SM in the standalone copy kernels, were no faster here
 #: (benchmarks/results/2026-11-29-comm-tile). Benchmarks may swap it.
 COMM_TUNING = CommTuning(tile_chunks=16)
-#: E4M3 rows copied as they are (owner_quantize): twice the chunks per tile keeps a tile's bytes, and so the
-#: bytes in flight of a latency-bound comm SM, those of a BF16 tile.
-OWNER_ROWS_TUNING = replace(COMM_TUNING, tile_chunks=2 * COMM_TUNING.tile_chunks)
+#: E4M3 rows: twice the chunks per tile keeps a tile's bytes, and so the bytes in flight of a latency-bound
+#: comm SM, those of a BF16 tile.
+FP8_ROWS_TUNING = replace(COMM_TUNING, tile_chunks=2 * COMM_TUNING.tile_chunks)
 
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
@@ -145,7 +145,8 @@ def default_config(world: EPWorld, shape: LayerShape, precision: str = "bf16") -
     """The planner's KernelConfig for this shape and precision on this device (GPU), or a small one for the
     interpreter."""
     cfg = MoEConfig(hidden=shape.hidden, intermediate=shape.intermediate,
-                    num_experts=shape.experts_per_rank * shape.num_ranks, top_k=shape.top_k)
+                    num_experts=shape.experts_per_rank * shape.num_ranks, top_k=shape.top_k,
+                    shared=(shape.shared_intermediate,) if shape.shared_intermediate else ())
     tokens = max(shape.max_tokens, 1)
     if _on_gpu(world):
         # ranks sharing a GPU (correctness runs) split its SMs: every rank's grid must be resident at once
@@ -180,9 +181,10 @@ class MegaKernel:
         self._check_config()
         R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
         I, Is, c = shape.intermediate, shape.shared_intermediate, self.config
-        self.owner_quantize = self.config.owner_quantize
-        owner_rows = (BufferSpec("x_q", (max(N, 1), D), torch.uint8),
-                      BufferSpec("x_scale", (max(N, 1), D // self.scale_block), scale_dtype))
+        # FP8: each rank quantises its tokens once while staging them (not once per route on arrival: that
+        # needed 19 comm SMs where copying E4M3 rows needs 12, benchmarks/results/2026-11-30-fp8-experts)
+        quantized_rows = (BufferSpec("x_q", (max(N, 1), D), torch.uint8),
+                          BufferSpec("x_scale", (max(N, 1), D // self.scale_block), scale_dtype))
         self.sym = workspace(world, (
             BufferSpec("x", (max(N, 1), D), torch.bfloat16),
             BufferSpec("combine", (max(N * k, 1), D), torch.bfloat16),
@@ -190,7 +192,7 @@ class MegaKernel:
             BufferSpec("flags", (2, R), torch.int32),
             # this rank's barrier epochs: with the flags, shared by every MegaKernel on this workspace
             BufferSpec("epochs", (2,), torch.int32),
-        ) + (owner_rows if self.owner_quantize else ()))
+        ) + (quantized_rows if self.quantized else ()))
         dev = world.device
         bf16 = dict(dtype=torch.bfloat16, device=dev)
         row_dtype = torch.float8_e4m3fn if self.quantized else torch.bfloat16
@@ -224,9 +226,6 @@ class MegaKernel:
 
     def _check_config(self) -> None:
         c = self.config
-        if c.owner_quantize and not self.quantized:
-            raise ValueError("KernelConfig.owner_quantize applies to the FP8 precisions; bf16 rows are pulled as "
-                             "they are")
         gate_up, down = self._tiles()
         block = FORMATS[self.precision][1]
         if self.shape.hidden % block or self.shape.intermediate % block:
@@ -291,9 +290,9 @@ class MegaKernel:
         world, s, c = self.world, self.shape, self.config
         n, k = x.shape[0], s.top_k
         me = world.rank
-        # 1. stage x (quantised too with owner_quantize: once per token, not once per route) and the routing ids
+        # 1. stage x (FP8: quantised too, once per token) and the routing ids
         self.sym.local("x")[:n].copy_(x)
-        if self.owner_quantize and n:
+        if self.quantized and n:
             data, scale = quantize_activations(x, self.precision)
             self.sym.local("x_q")[:n].copy_(data.view(torch.uint8))
             self.sym.local("x_scale")[:n].copy_(scale)
@@ -346,25 +345,24 @@ class MegaKernel:
         self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
                                self.counters[2 * M + T: -1], self.counters[-1:])
         block_d, chunks, vrows, align = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
-        if self.owner_quantize:
+        if self.quantized:  # E4M3 rows and their scales
             x_q, x_scale = self.sym.local("x_q"), self.sym.local("x_scale")
-            self._owner_rows_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),
-                                     self.sym.peer_ptrs("x_scale"), x_scale, x_scale.stride(0))
-            q_tile = _tile(s.hidden, 1, OWNER_ROWS_TUNING)
-            s_tile = _tile(x_scale.shape[1], x_scale.element_size(), COMM_TUNING)
-        else:  # never read (OWNER_Q=False)
+            self._pulled_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),
+                                 self.sym.peer_ptrs("x_scale"), x_scale, x_scale.stride(0))
+            rows_tile = _tile(s.hidden, 1, FP8_ROWS_TUNING)
+            scales_tile = _tile(x_scale.shape[1], x_scale.element_size(), COMM_TUNING)
+        else:  # BF16 rows; the scales are never read
             x_sym = self.sym.local("x")
-            self._owner_rows_args = (self.sym.peer_ptrs("x"), x_sym, 0, self.sym.peer_ptrs("x"), x_sym, 0)
-            q_tile = s_tile = (block_d, chunks, vrows, align)
-        owner = dict(OWNER_Q=self.owner_quantize,
-                     **dict(zip(("Q_BLOCK_D", "Q_CHUNKS", "Q_VROWS", "Q_ALIGN"), q_tile)),
-                     **dict(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), s_tile)))
+            self._pulled_args = (self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.sym.peer_ptrs("x"), x_sym, 0)
+            rows_tile = scales_tile = (block_d, chunks, vrows, align)
+        pulled = dict(**dict(zip(("P_BLOCK_D", "P_CHUNKS", "P_VROWS", "P_ALIGN"), rows_tile)),
+                      **dict(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), scales_tile)))
         self._consts = dict(
             TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
             FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
-            SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk, **owner,
+            SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk, **pulled,
             num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
         )
 
@@ -390,14 +388,13 @@ class MegaKernel:
                            self.shared_y, self.shared_y.stride(0))
         else:  # never read (HAS_SHARED=False)
             shared_args = (self._ring_desc, w_gu_desc, self.h, self.act, 0, 0, self._act_desc, w_dn_desc, self.y, 0)
-        x_sym, combine = self.sym.local("x"), self.sym.local("combine")
+        combine = self.sym.local("combine")
         bytes_view = (lambda t: t.view(torch.uint8)) if self.quantized else (lambda t: t)
         args = (
             schedule.num_rows, schedule.src_rank, schedule.src_index,
             tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.minibatch_tiles,
-            self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), bytes_view(self.ring_x), self.ring_x.stride(0),
+            *self._pulled_args, bytes_view(self.ring_x), self.ring_x.stride(0),
             self.sym.peer_ptrs("combine"), combine, combine.stride(0),
-            *self._owner_rows_args,
             self._ring_desc, w_gu_desc, self.h, bytes_view(self.act), self.h.stride(0), self.act.stride(0),
             self._act_desc, w_dn_desc, self.y, self.y.stride(0),
             *scale_args,

@@ -8,15 +8,16 @@ minibatch at a time. The planner applies three rules and prints why:
    of output tiles over the compute SMs,
    ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (DESIGN §4; MoK: 128x256
    tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
-2. Communication keeps up: the fewest comm SMs whose measured per-SM NVLink
-   rate moves a minibatch's rows (dispatch + combine, local rows too) in at most
-   ``COMM_SLACK`` of the time the compute SMs take to process it.
+2. Communication keeps up: the fewest comm SMs whose measured per-SM copy
+   rate moves the routed rows (dispatch + combine, local rows too) in at most
+   ``COMM_SLACK`` of the time the compute SMs take over them and the shared
+   expert (the first pulls overlap the shared expert).
 3. Ring: room for every row a rank expects under balanced routing (N·k), in
    whole minibatches, so a balanced backward replays nothing; skewed routing
    wraps the ring (never drops).
 
-Measured inputs (benchmarks/results/): expert GEMM rates (``GEMM_TFLOPS``, BF16 as the
-megakernel runs them); NVLink pull ~10.7 GB/s per SM (256 GB/s with 24 SMs).
+Measured inputs (benchmarks/results/2026-11-30-fp8-experts, the megakernel's trace): the expert GEMM
+rates and the comm SMs' copy rate inside the megakernel.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from dataclasses import dataclass, field
 
 from megamoe.config import MoEConfig
 
-#: H200 measurements the rules use (benchmarks/results/2026-11-29-*).
-#: Expert GEMM rates on all 132 SMs: bf16 from the megakernel's trace (5.77 TFLOP of routed kimi-k2 tiles in
-#: 14.05 ms on 114 compute SMs: 410 TFLOP/s there, 475 scaled to 132), FP8-block and MXFP8 from the standalone
-#: forwards (744 and 205 TFLOP/s, benchmarks/results/2026-11-29-round2 and -fp8-mxfp8).
-GEMM_TFLOPS = {"bf16": 475.0, "fp8-block": 744.0, "mxfp8": 205.0}
-NVLINK_GBPS_PER_SM = 10.7
+#: H200 measurements the rules use. Routed expert GEMM rates scaled to all 132 SMs, from the megakernel's
+#: trace of kimi-k2 EP 2 (benchmarks/results/2026-11-30-fp8-experts: 5.81 TFLOP of routed tiles in the compute
+#: workers' busy time, 12.6 ms on 116 SMs for bf16, 9.15 ms on 120 for fp8-block); MXFP8 from its standalone
+#: forward (benchmarks/results/2026-11-29-fp8-mxfp8).
+GEMM_TFLOPS = {"bf16": 523.0, "fp8-block": 699.0, "mxfp8": 205.0}
+#: The comm workers' copy rate per SM in the same traces (11.0 GB/s with BF16 rows, 12.6 with E4M3 rows).
+NVLINK_GBPS_PER_SM = 11.0
 H200_SMS = 132
-#: Communication of a minibatch may take at most this share of its compute time.
-COMM_SLACK = 0.8
+#: Communication may take at most this share of the compute time. The (minibatch x comm_sms) grids of the same
+#: results are flat from 12 to 16 comm SMs and slower at 10, in bf16 and fp8-block; 0.95 lands on 13.
+COMM_SLACK = 0.95
 ELEMENT_BYTES = {"bf16": 2.0, "fp8-block": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
 
 
@@ -48,9 +51,6 @@ class KernelConfig:
         minibatch: rows handed to the experts per round (a multiple of tile_m).
         ring_rows: rows of the ring token buffer (a multiple of minibatch).
         tile_m, tile_n: output tile of the expert GEMMs.
-        owner_quantize: FP8 formats only: each rank quantises its own tokens once while staging them and
-            the comm workers pull E4M3 rows and scales (half the bytes, plain copies); False: they pull BF16
-            rows and quantise every routed row on arrival. The same bits either way.
     """
 
     num_sms: int
@@ -59,15 +59,12 @@ class KernelConfig:
     ring_rows: int
     tile_m: int = 128
     tile_n: int = 256
-    owner_quantize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.owner_quantize, bool):
-            raise ValueError(f"KernelConfig.owner_quantize must be a bool, got {self.owner_quantize!r}")
         if self.comm_sms >= self.num_sms:
             raise ValueError(f"comm_sms ({self.comm_sms}) must leave compute SMs: it must be < num_sms ({self.num_sms})")
         if self.minibatch % self.tile_m:
@@ -102,15 +99,18 @@ def two_wave_rows(cfg: MoEConfig, compute_sms: int, tile_m: int, tile_n: int) ->
 
 
 def _comm_over_compute(cfg: MoEConfig, ep: int, comm_sms: int, num_sms: int, precision: str) -> float:
-    """Time for the comm SMs to move a row (dispatch + combine) over time to compute it.
+    """Time for the comm SMs to move a routed row (dispatch + combine) over the compute SMs' time per row.
 
     Every row counts, local ones too: the comm workers copy local rows into the ring and back to the
     combine slots as well (megakernel trace, kimi-k2 EP 2: 10 SMs planned on remote bytes alone
-    finished their pushes 2.7 ms after the compute SMs).
+    finished their pushes 2.7 ms after the compute SMs). The compute time includes the shared expert's share
+    (BF16, its tokens spread over their k routed rows under balanced routing): the pulls start under it.
     """
     row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0)  # pull (maybe FP8) + push back (BF16)
     comm_s = row_bytes / (comm_sms * NVLINK_GBPS_PER_SM * 1e9)
-    compute_s = cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * 1e12 * (num_sms - comm_sms) / num_sms)
+    share = (num_sms - comm_sms) / num_sms
+    compute_s = (cfg.routed_flops(1) / GEMM_TFLOPS[precision]
+                 + cfg.shared_flops(1) / cfg.top_k / GEMM_TFLOPS["bf16"]) / (1e12 * share)
     return comm_s / compute_s
 
 
@@ -144,9 +144,9 @@ def plan(
         comm_sms = fitting[0]
         ratio = _comm_over_compute(cfg, ep, comm_sms, num_sms, precision)
         why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM} GB/s per SM, moving a row there and back "
-                   f"(local rows too: the comm workers copy them) takes {ratio:.0%} of computing it on the other "
-                   f"{num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; {GEMM_TFLOPS[precision]:.0f} TFLOP/s "
-                   f"measured GEMM rate)")
+                   f"(local rows too: the comm workers copy them) takes {ratio:.0%} of computing it and its share "
+                   f"of the shared expert on the other {num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; "
+                   f"{GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate)")
     else:
         why.append(f"comm_sms {comm_sms}: given")
     compute = num_sms - comm_sms

@@ -138,38 +138,31 @@ def ring_shift(j, minibatch, slots):
 @triton.jit
 def comm_pull(
     j, c, comm_sms, num_rows, minibatch, slots,
-    x_peer_ptrs, x_ptr, stride_x, xq_peer_ptrs, xq_ptr, stride_xq, xs_peer_ptrs, xs_ptr, stride_xs,
+    rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
     src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale, rows_ready_ptr,
-    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
-    FMT: tl.constexpr, SOFT_E4M3: tl.constexpr, OWNER_Q: tl.constexpr,
-    Q_CHUNKS: tl.constexpr, Q_BLOCK_D: tl.constexpr, Q_VROWS: tl.constexpr, Q_ALIGN: tl.constexpr,
+    TOP_K: tl.constexpr, FMT: tl.constexpr,
+    P_CHUNKS: tl.constexpr, P_BLOCK_D: tl.constexpr, P_VROWS: tl.constexpr, P_ALIGN: tl.constexpr,
     S_CHUNKS: tl.constexpr, S_BLOCK_D: tl.constexpr, S_VROWS: tl.constexpr, S_ALIGN: tl.constexpr,
 ):
     """Worker c's share of minibatch j's rows into its ring slot, then rows_ready[j] += 1.
 
-    FMT quantised: with OWNER_Q the owners staged their tokens quantised (xq: E4M3 bytes, xs: scales), and
-    the rows and their scales are copied as they are (Q_*, S_*: their copy tiles); without it BF16 rows are
-    pulled from x and quantised on the way (E4M3 bytes and 1x32 E8M0 or 1x128 fp32 scales).
+    The rows are copied as their owners staged them: BF16 x, or (FMT quantised) E4M3 bytes and their scales,
+    quantised once per token by the owner (P_*, S_*: the copy tiles of rows and scales).
     """
     first_row = j.to(tl.int64) * minibatch
     end_row = tl.minimum(first_row + minibatch, num_rows)
     shift = ring_shift(j, minibatch, slots)
     dst = ring_ptr + shift * stride_ring
     dst_scale = ring_scale_ptr + shift * stride_ring_scale
-    if OWNER_Q:
-        for v0 in range(first_row * Q_CHUNKS + c * Q_VROWS, end_row * Q_CHUNKS, comm_sms * Q_VROWS):
-            pull_tile(v0, end_row, xq_peer_ptrs, xq_ptr, stride_xq, src_rank_ptr, src_index_ptr, dst, stride_ring,
-                      xq_peer_ptrs, xq_ptr, dst_scale, stride_ring_scale,
-                      TOP_K, Q_CHUNKS, Q_BLOCK_D, Q_VROWS, Q_ALIGN, False, 0, SOFT_E4M3)
+    for v0 in range(first_row * P_CHUNKS + c * P_VROWS, end_row * P_CHUNKS, comm_sms * P_VROWS):
+        pull_tile(v0, end_row, rows_peer_ptrs, rows_ptr, stride_rows, src_rank_ptr, src_index_ptr, dst, stride_ring,
+                  rows_peer_ptrs, rows_ptr, dst_scale, stride_ring_scale,
+                  TOP_K, P_CHUNKS, P_BLOCK_D, P_VROWS, P_ALIGN, False, 0, False)
+    if FMT != FMT_BF16:
         for v0 in range(first_row * S_CHUNKS + c * S_VROWS, end_row * S_CHUNKS, comm_sms * S_VROWS):
-            pull_tile(v0, end_row, xs_peer_ptrs, xs_ptr, stride_xs, src_rank_ptr, src_index_ptr, dst_scale,
-                      stride_ring_scale, xs_peer_ptrs, xs_ptr, dst_scale, stride_ring_scale,
-                      TOP_K, S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN, False, 0, SOFT_E4M3)
-    else:
-        for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
-            pull_tile(v0, end_row, x_peer_ptrs, x_ptr, stride_x, src_rank_ptr, src_index_ptr, dst, stride_ring,
-                      x_peer_ptrs, x_ptr, dst_scale, stride_ring_scale,
-                      TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, False, FMT, SOFT_E4M3)
+            pull_tile(v0, end_row, scales_peer_ptrs, scales_ptr, stride_scales, src_rank_ptr, src_index_ptr,
+                      dst_scale, stride_ring_scale, scales_peer_ptrs, scales_ptr, dst_scale, stride_ring_scale,
+                      TOP_K, S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN, False, 0, False)
     release_add(rows_ready_ptr + j)
 
 
@@ -325,10 +318,10 @@ def megakernel(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-    # communication: symmetric x (pulled), the ring's x rows, symmetric combine slots (pushed)
-    x_peer_ptrs, x_ptr, stride_x, ring_ptr, stride_ring, combine_peer_ptrs, combine_ptr, stride_combine,
-    # owner-quantised x (OWNER_Q): symmetric E4M3 rows and their scales
-    xq_peer_ptrs, xq_ptr, stride_xq, xs_peer_ptrs, xs_ptr, stride_xs,
+    # communication: the symmetric rows the owners staged (BF16 x, or E4M3 x and its scales) pulled into the
+    # ring's rows (and scales), symmetric combine slots (pushed)
+    rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales, ring_ptr, stride_ring,
+    combine_peer_ptrs, combine_ptr, stride_combine,
     # routed experts over the ring
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc, y_ptr, stride_y,
     # FP8 scales of the ring rows, the gate/up and down weights and act (MXFP8: E8M0 1x32; FP8-block: fp32
@@ -349,9 +342,8 @@ def megakernel(
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     SHARED_BN_GU: tl.constexpr, SHARED_BN_DN: tl.constexpr, SHARED_BK: tl.constexpr,
-    OWNER_Q: tl.constexpr, Q_CHUNKS: tl.constexpr, Q_BLOCK_D: tl.constexpr, Q_VROWS: tl.constexpr,
-    Q_ALIGN: tl.constexpr, S_CHUNKS: tl.constexpr, S_BLOCK_D: tl.constexpr, S_VROWS: tl.constexpr,
-    S_ALIGN: tl.constexpr,
+    P_CHUNKS: tl.constexpr, P_BLOCK_D: tl.constexpr, P_VROWS: tl.constexpr, P_ALIGN: tl.constexpr,
+    S_CHUNKS: tl.constexpr, S_BLOCK_D: tl.constexpr, S_VROWS: tl.constexpr, S_ALIGN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     trace_ptr = trace_base_ptr + pid * TRACE_FIELDS
@@ -371,10 +363,9 @@ def megakernel(
                         y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
                         CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
-                          x_peer_ptrs, x_ptr, stride_x, xq_peer_ptrs, xq_ptr, stride_xq, xs_peer_ptrs, xs_ptr,
-                          stride_xs, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
-                          ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
-                          FMT, SOFT_E4M3, OWNER_Q, Q_CHUNKS, Q_BLOCK_D, Q_VROWS, Q_ALIGN,
+                          rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
+                          src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale,
+                          rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_BLOCK_D, P_VROWS, P_ALIGN,
                           S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
@@ -439,10 +430,9 @@ def megakernel(
                         DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, SHARED_BN_GU, SHARED_BN_DN, SHARED_BK, GROUP_DN)
         elif PHASE == PHASE_PULL:
             comm_pull(j, pid, workers, num_rows, minibatch, slots,
-                      x_peer_ptrs, x_ptr, stride_x, xq_peer_ptrs, xq_ptr, stride_xq, xs_peer_ptrs, xs_ptr,
-                      stride_xs, src_rank_ptr, src_index_ptr, ring_ptr, stride_ring,
-                      ring_scale_ptr, stride_ring_scale, rows_ready_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN,
-                      FMT, SOFT_E4M3, OWNER_Q, Q_CHUNKS, Q_BLOCK_D, Q_VROWS, Q_ALIGN,
+                      rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
+                      src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale,
+                      rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_BLOCK_D, P_VROWS, P_ALIGN,
                       S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN)
         elif PHASE == PHASE_GATE_UP:
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,

@@ -100,28 +100,29 @@ _MEGA_TILES = {  # format: (FMT, BN_GU, BN_DN, BLOCK_K, activation element type,
 }
 
 
-def megakernel_case(fmt: str, owner_quantize: bool = False) -> tuple[dict, dict]:
-    """(signature, constexprs) of the forward megakernel for routed format ``fmt`` (``owner_quantize``: the
-    comm workers copy owner-quantised rows and scales)."""
+def megakernel_case(fmt: str) -> tuple[dict, dict]:
+    """(signature, constexprs) of the forward megakernel for routed format ``fmt`` (FP8: the comm workers copy
+    the owners' E4M3 rows and scales)."""
     from megamoe.comm import _tile
     from megamoe.kernels import megakernel as mk
-    from megamoe.megakernel import COMM_TUNING, FORMATS, OWNER_ROWS_TUNING
+    from megamoe.megakernel import COMM_TUNING, FORMATS, FP8_ROWS_TUNING
 
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
     consts = dict(TOP_K=8, CHUNKS=7, BLOCK_D=1024, VROWS=16, ALIGN=8, HAS_SHARED=True, HAS_LIMIT=False,
                   DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
                   GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
-                  SHARED_BK=64, OWNER_Q=owner_quantize)
+                  SHARED_BK=64)
     _, scale_block, scale_dtype = FORMATS[fmt]
+    quantized = code != 0
     scale_bytes = 1 if scale_dtype is None else scale_dtype.itemsize
-    q_tile, s_tile = _tile(7168, 1, OWNER_ROWS_TUNING), _tile(7168 // scale_block, scale_bytes, COMM_TUNING)
-    consts.update(zip(("Q_BLOCK_D", "Q_CHUNKS", "Q_VROWS", "Q_ALIGN"), q_tile))
-    consts.update(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), s_tile))
+    rows_tile = _tile(7168, 1, FP8_ROWS_TUNING) if quantized else _tile(7168, 2, COMM_TUNING)
+    scales_tile = _tile(7168 // scale_block, scale_bytes, COMM_TUNING) if quantized else rows_tile
+    consts.update(zip(("P_BLOCK_D", "P_CHUNKS", "P_VROWS", "P_ALIGN"), rows_tile))
+    consts.update(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), scales_tile))
     descs = {"ring_desc": (elem, 128, bk), "w_gate_up_desc": (elem, bn_gu, bk), "act_desc": (elem, 128, bk),
              "w_down_desc": (elem, bn_dn, bk), "shared_x_desc": ("bf16", 128, 64),
              "shared_w_gate_up_desc": ("bf16", 128, 64), "shared_act_desc": ("bf16", 128, 64),
              "shared_w_down_desc": ("bf16", 256, 64)}
-    quantized = code != 0
     signature = {}
     for name in mk.megakernel.arg_names:
         if name in consts:
@@ -129,16 +130,16 @@ def megakernel_case(fmt: str, owner_quantize: bool = False) -> tuple[dict, dict]
         elif name in descs:
             e, rows, cols = descs[name]
             signature[name] = f"tensordesc<{e}[{rows},{cols}]>"
-        elif name in ("x_peer_ptrs", "xq_peer_ptrs", "xs_peer_ptrs", "combine_peer_ptrs", "flag_peer_ptrs",
+        elif name in ("rows_peer_ptrs", "scales_peer_ptrs", "combine_peer_ptrs", "flag_peer_ptrs",
                       "trace_base_ptr"):
             signature[name] = "*i64"
-        elif name == "xq_ptr":
-            signature[name] = "*u8"
-        elif name in ("ring_ptr", "act_ptr"):
+        elif name in ("rows_ptr", "ring_ptr", "act_ptr"):
             signature[name] = "*u8" if quantized else "*bf16"
-        elif name in ("ring_scale_ptr", "w_gate_up_scale_ptr", "act_scale_ptr", "w_down_scale_ptr", "xs_ptr"):
+        elif name in ("ring_scale_ptr", "w_gate_up_scale_ptr", "act_scale_ptr", "w_down_scale_ptr"):
             signature[name] = f"*{scale}"
-        elif name in ("x_ptr", "combine_ptr", "h_ptr", "y_ptr", "shared_h_ptr", "shared_act_ptr", "shared_y_ptr"):
+        elif name == "scales_ptr":
+            signature[name] = f"*{scale}" if quantized else "*bf16"
+        elif name in ("combine_ptr", "h_ptr", "y_ptr", "shared_h_ptr", "shared_act_ptr", "shared_y_ptr"):
             signature[name] = "*bf16"
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
@@ -154,10 +155,10 @@ def megakernel_summary() -> dict:
     from megamoe.kernels import megakernel as mk
 
     out = {}
-    for fmt, owner in [(fmt, False) for fmt in _MEGA_TILES] + [("mxfp8", True), ("fp8-block", True)]:
-        signature, consts = megakernel_case(fmt, owner)
+    for fmt in _MEGA_TILES:
+        signature, consts = megakernel_case(fmt)
         ptx = compile_sm90(mk.megakernel, signature, consts).asm["ptx"]
-        out[f"{fmt} owner-quantised" if owner else fmt] = {
+        out[fmt] = {
             "wgmma": ptx.count("wgmma.mma_async"),
             "wgmma_bf16": ".bf16.bf16" in ptx,
             "wgmma_fp8": ".e4m3.e4m3" in ptx,
