@@ -502,8 +502,8 @@ def megamoe_forward(
 
     Args:
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
-        precision: ``bf16``, ``mxfp8`` or ``fp8-block`` (routed experts; rows quantised in the pull,
-            weights as ``experts_q`` says; the shared expert stays BF16).
+        precision: ``bf16``, ``mxfp8`` or ``fp8-block`` (routed experts; each rank quantises its tokens
+            once while staging them, weights as ``experts_q`` says; the shared expert stays BF16).
         max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
         experts_q: FP8 precisions: ``quantize_experts(w_gate_up, w_down, precision)``, made once per optimizer
             step and passed to every forward until then (ValueError if the weights changed since); None
