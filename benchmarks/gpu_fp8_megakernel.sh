@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # FP8 routed experts in the forward megakernel, kimi-k2 EP 2, 8192 tokens/GPU, on nvidia-h200-x2. Usage (repo root):
-#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|presets|grid OUTDIR
+#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|presets|ep1|grid OUTDIR
 # bench: the megakernel's GPU tests; `megamoe bench` with bf16, fp8-block and mxfp8 experts (weights quantised
 #        once) beside nccl-torch.
 # presets: the same for deepseek-v4-pro and qwen3.5-397b (bf16 and fp8-block).
+# ep1:   kimi-k2 at EP 1 on GPU 0 (bf16 and fp8-block beside nccl-torch), and comm_sms sweeps there.
 # grid:  (minibatch x comm_sms) grids of bf16 and fp8-block, and a trace of one pass of each (where the
 #        compute workers wait); OUTDIR/sweeps.json holds every point.
 # The comparison of FP8 rows quantised on arrival with rows quantised by their owners that made the second the
 # only way: benchmarks/results/2026-11-30-fp8-experts (commits 390f669, fc40094).
 set -u
-part=${1:?bench, presets or grid}
+part=${1:?bench, presets, ep1 or grid}
 out=${2:?output folder}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -35,10 +36,19 @@ sweep() {  # name, extra args: one sweep, its points kept in $out/sweeps/name.js
   echo "== $name" >> "$out/summary.txt"; tail -4 "$out/run-$name/sweep.log" | tee -a "$out/summary.txt"
   mv "$out/run-$name/sweep.json" "$out/sweeps/$name.json" 2>/dev/null; rm -rf "$out/run-$name"
 }
+if [ "$part" = ep1 ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 240 python3 -m megamoe bench --preset kimi-k2 --tokens 8192 --ep 1 --impl nccl-torch,megamoe,megamoe-graph \
+      --experts bf16,fp8-block --passes fwd --iters 10 --json "$out/kimi-k2-ep1.json" --md "$out/kimi-k2-ep1.md" 2>&1 | tail -9
+  sweep ep1-bf16-comm --ep 1 --minibatch= --comm-sms=4,6,8,10,12
+  sweep ep1-fp8-block-comm --ep 1 --precision fp8-block --minibatch= --comm-sms=4,6,8,10,12
+  timeout 100 python3 benchmarks/megakernel_trace.py --out "$out/trace-ep1-bf16.json" 2>&1 | tail -1
+else
 sweep bf16-grid --grid --minibatch=1920,3840,7680 --comm-sms=10,12,14,16
 sweep fp8-block-grid --precision fp8-block --grid --minibatch=1920,3840,7680 --comm-sms=10,12,14,16
 timeout 100 python3 benchmarks/megakernel_trace.py --out "$out/trace-bf16.json" 2>&1 | tail -2
 timeout 100 python3 benchmarks/megakernel_trace.py --precision fp8-block --out "$out/trace-fp8-block.json" 2>&1 | tail -2
+fi
 python3 - "$out" <<'PY'
 import glob, json, os, shutil, sys
 out = sys.argv[1]
