@@ -5,7 +5,7 @@ from typer.testing import CliRunner
 
 from megamoe.cli import app
 from megamoe.config import MoEConfig, preset
-from megamoe.plan import COMM_SLACK, KernelConfig, _comm_over_compute, plan, two_wave_rows
+from megamoe.plan import COMM_SLACK, KernelConfig, _comm_over_compute, plan, tile_use, two_wave_rows
 
 
 def test_two_wave_rule_reproduces_the_published_example():
@@ -22,13 +22,18 @@ def test_plan_picks_the_fewest_comm_sms_that_keep_up():
     kimi = preset("kimi-k2")
     p = plan(kimi, 2, 8192)
     c = p.config
-    assert _comm_over_compute(kimi, 2, c.comm_sms, 132, "bf16") <= COMM_SLACK
-    assert _comm_over_compute(kimi, 2, c.comm_sms - 1, 132, "bf16") > COMM_SLACK
+    assert _comm_over_compute(kimi, 2, 8192, c.comm_sms, 132, "bf16") <= COMM_SLACK
+    assert _comm_over_compute(kimi, 2, 8192, c.comm_sms - 1, 132, "bf16") > COMM_SLACK
     assert c.minibatch == two_wave_rows(kimi, c.compute_sms, 128, 256)
     assert c.ring_rows % c.minibatch == 0 and c.ring_rows >= 8192 * 8
     assert p.memory_total > 0 and any("two waves" in line for line in p.reasoning)
     # more ranks: more rows cross NVLink, so more comm SMs
     assert plan(kimi, 8, 8192).config.comm_sms >= c.comm_sms
+    # EP 1: ~171 rows per expert fill 2 tiles of 128 to 67 %, so the compute is slower per row and needs
+    # fewer comm SMs to keep up
+    assert tile_use(kimi, 1, 8192, 128) == pytest.approx(8192 * 8 / 384 / 256)
+    assert tile_use(kimi, 2, 8192, 128) == pytest.approx(2 * 8192 * 8 / 384 / 384)
+    assert plan(kimi, 1, 8192).config.comm_sms < c.comm_sms
 
 
 def test_pinned_knobs_are_kept_and_checked():

@@ -10,8 +10,8 @@ minibatch at a time. The planner applies three rules and prints why:
    tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
 2. Communication keeps up: the fewest comm SMs whose measured per-SM copy
    rate moves the routed rows (dispatch + combine, local rows too) in at most
-   ``COMM_SLACK`` of the time the compute SMs take over them and the shared
-   expert (the first pulls overlap the shared expert).
+   ``COMM_SLACK`` of the time the compute SMs take over them (padded to whole
+   row tiles per expert) and the shared expert (the first pulls overlap it).
 3. Ring: room for every row a rank expects under balanced routing (N·k), in
    whole minibatches, so a balanced backward replays nothing; skewed routing
    wraps the ring (never drops).
@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 
 from megamoe.config import MoEConfig
 
-#: H200 measurements the rules use. Routed expert GEMM rates scaled to all 132 SMs, from the megakernel's
-#: trace of kimi-k2 EP 2 (benchmarks/results/2026-11-30-fp8-experts: 5.81 TFLOP of routed tiles in the compute
-#: workers' busy time, 12.6 ms on 116 SMs for bf16, 9.15 ms on 120 for fp8-block); MXFP8 from its standalone
-#: forward (benchmarks/results/2026-11-29-fp8-mxfp8).
-GEMM_TFLOPS = {"bf16": 523.0, "fp8-block": 699.0, "mxfp8": 205.0}
+#: H200 measurements the rules use. Routed expert GEMM rates on full 128-row tiles, scaled to all 132 SMs, from
+#: the megakernel's trace of kimi-k2 EP 2 (benchmarks/results/2026-11-30-fp8-experts: 5.81 TFLOP of routed
+#: tiles in the compute workers' busy time, 12.6 ms on 116 SMs for bf16, 9.15 ms on 120 for fp8-block: 523 and
+#: 699 TFLOP/s, over the 89 % of tile rows its ~341 rows per expert fill); MXFP8 from its standalone forward
+#: (benchmarks/results/2026-11-29-fp8-mxfp8, the same load).
+GEMM_TFLOPS = {"bf16": 588.0, "fp8-block": 786.0, "mxfp8": 230.0}
 #: The comm workers' copy rate per SM in the same traces (11.0 GB/s with BF16 rows, 12.6 with E4M3 rows).
 NVLINK_GBPS_PER_SM = 11.0
 H200_SMS = 132
@@ -98,18 +99,27 @@ def two_wave_rows(cfg: MoEConfig, compute_sms: int, tile_m: int, tile_n: int) ->
     return math.ceil(rows / tile_m) * tile_m
 
 
-def _comm_over_compute(cfg: MoEConfig, ep: int, comm_sms: int, num_sms: int, precision: str) -> float:
+def tile_use(cfg: MoEConfig, ep: int, tokens: int, tile_m: int) -> float:
+    """Share of the routed tiles' rows that hold rows under balanced routing: each expert's rows
+    (ep * tokens * k / E) are padded to whole tiles of tile_m rows."""
+    rows = ep * tokens * cfg.top_k / cfg.num_experts
+    return rows / (math.ceil(rows / tile_m) * tile_m)
+
+
+def _comm_over_compute(cfg: MoEConfig, ep: int, tokens: int, comm_sms: int, num_sms: int, precision: str,
+                       tile_m: int = 128) -> float:
     """Time for the comm SMs to move a routed row (dispatch + combine) over the compute SMs' time per row.
 
     Every row counts, local ones too: the comm workers copy local rows into the ring and back to the
     combine slots as well (megakernel trace, kimi-k2 EP 2: 10 SMs planned on remote bytes alone
-    finished their pushes 2.7 ms after the compute SMs). The compute time includes the shared expert's share
+    finished their pushes 2.7 ms after the compute SMs). The routed compute time counts the rows padding
+    each expert's last tile (``tile_use``: kimi-k2 at EP 1 fills 67 %); it includes the shared expert's share
     (BF16, its tokens spread over their k routed rows under balanced routing): the pulls start under it.
     """
     row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0)  # pull (maybe FP8) + push back (BF16)
     comm_s = row_bytes / (comm_sms * NVLINK_GBPS_PER_SM * 1e9)
     share = (num_sms - comm_sms) / num_sms
-    compute_s = (cfg.routed_flops(1) / GEMM_TFLOPS[precision]
+    compute_s = (cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * tile_use(cfg, ep, tokens, tile_m))
                  + cfg.shared_flops(1) / cfg.top_k / GEMM_TFLOPS["bf16"]) / (1e12 * share)
     return comm_s / compute_s
 
@@ -137,16 +147,18 @@ def plan(
            f"{tokens} tokens x k {cfg.top_k} = {tokens * cfg.top_k} routed rows per rank when balanced"]
 
     if comm_sms is None:
-        fitting = [s for s in range(1, num_sms) if _comm_over_compute(cfg, ep, s, num_sms, precision) <= COMM_SLACK]
+        fitting = [s for s in range(1, num_sms)
+                   if _comm_over_compute(cfg, ep, tokens, s, num_sms, precision, tile_m) <= COMM_SLACK]
         if not fitting:
             raise ValueError(f"no comm_sms < {num_sms} keeps communication within {COMM_SLACK:.0%} of compute; "
                              f"give comm_sms")
         comm_sms = fitting[0]
-        ratio = _comm_over_compute(cfg, ep, comm_sms, num_sms, precision)
+        ratio = _comm_over_compute(cfg, ep, tokens, comm_sms, num_sms, precision, tile_m)
         why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM} GB/s per SM, moving a row there and back "
                    f"(local rows too: the comm workers copy them) takes {ratio:.0%} of computing it and its share "
                    f"of the shared expert on the other {num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; "
-                   f"{GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate)")
+                   f"{GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate on full tiles, "
+                   f"{tile_use(cfg, ep, tokens, tile_m):.0%} of the tile rows filled)")
     else:
         why.append(f"comm_sms {comm_sms}: given")
     compute = num_sms - comm_sms
