@@ -223,6 +223,37 @@ def test_experts_q_refuses_other_weights_precisions_and_stale_packs():
     assert "bfloat16" in errors[3] and "precision" in errors[4] and "changed since" in errors[5]
 
 
+def _plan_and_buffers(world, precision):
+    """The planner's memory entries for the forward's buffers, and the bytes a MegaKernel allocates for them."""
+    from megamoe.plan import plan
+
+    shape = LayerShape.of(FP8_CONFIG, world.size, 40)
+    p = plan(FP8_CONFIG, world.size, 40, num_sms=4, comm_sms=1, minibatch=64, ring_rows=256, tile_m=32, tile_n=32,
+             precision=precision)
+    k = MegaKernel(world, shape, p.config, precision=precision)
+    size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
+    local = k.sym.local
+    allocated = {
+        "symmetric x [N, D] (bf16)": size(local("x")),
+        "symmetric combine slots [N*k, D]": size(local("combine")),
+        "ring rows [ring, D]": size(k.ring_x, k.ring_scale),
+        "ring pre-activation h [ring, 2I] (backward)": size(k.h),
+        "ring activation [ring, I]": size(k.act, k.act_scale),
+        "ring expert outputs y [ring, D]": size(k.y),
+        "shared expert h, act, y [N, 3*Is + D]": size(k.shared_h, k.shared_act, k.shared_y),
+    }
+    if precision != "bf16":
+        allocated["symmetric quantised x [N, D] + scales (FP8)"] = size(local("x_q"), local("x_scale"))
+    return {name: (p.memory.get(name), got) for name, got in allocated.items()}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-block", "mxfp8"])
+def test_plan_memory_is_what_the_kernel_allocates(precision):
+    """`megamoe plan`'s memory report names the forward's buffers with the bytes the kernel allocates."""
+    for name, (planned, allocated) in launch(_plan_and_buffers, 1, precision)[0].items():
+        assert planned == allocated, (name, planned, allocated)
+
+
 # --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
 
 GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,), swiglu_limit=None)

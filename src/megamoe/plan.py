@@ -184,7 +184,8 @@ def plan(
     d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
     act_bytes = ELEMENT_BYTES[precision]
     memory = {
-        "symmetric x [N, D]": int(tokens * d * act_bytes),
+        "symmetric x [N, D] (bf16)": tokens * d * 2,
+        **({"symmetric quantised x [N, D] + scales (FP8)": int(tokens * d * act_bytes)} if act_bytes < 2 else {}),
         "symmetric combine slots [N*k, D]": tokens * k * d * 2,
         "symmetric d_out [N, D] (backward)": tokens * d * 2,
         "symmetric d_x slots [N*k, D] (backward)": tokens * k * d * 2,
@@ -193,7 +194,8 @@ def plan(
         "ring rows [ring, D]": int(ring_rows * d * act_bytes),
         "ring pre-activation h [ring, 2I] (backward)": ring_rows * 2 * i * 2,
         "ring activation [ring, I]": int(ring_rows * i * act_bytes),
-        "minibatch output rows [2 * minibatch, D]": 2 * minibatch * d * 2,
+        "ring expert outputs y [ring, D]": ring_rows * d * 2,
+        **({"shared expert h, act, y [N, 3*Is + D]": tokens * (3 * sum(cfg.shared) + d) * 2} if cfg.shared else {}),
     }
     why.append(f"memory per rank {sum(memory.values()) / 2**30:.2f} GiB besides the weights")
     return Plan(config, memory, why)

@@ -56,7 +56,9 @@ class QuantizedExperts:
 
 def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str) -> QuantizedExperts:
     """Quantise the routed experts' weights (`[L, 2I, D]`, `[L, D, I]`, BF16) for ``precision``: one launch
-    per tensor, bit for bit what the megakernel would quantise in its pass."""
+    per tensor, bit for bit what the megakernel would quantise in its pass. The pack holds half the BF16
+    weights' bytes (plus ~1-3 % of scales) until it is dropped; quantising again before dropping the old
+    pack needs room for both."""
     if precision not in QUANTIZED_PRECISIONS:
         raise ValueError(f"precision must be one of {QUANTIZED_PRECISIONS}, got {precision!r}")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):

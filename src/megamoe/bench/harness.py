@@ -166,6 +166,7 @@ class _MegamoeRunner(_ForwardOnlyRunner):
         if experts != "bf16":
             quantize = partial(quantize_experts, self.leaves["w_gate_up"], self.leaves["w_down"], experts)
             for _ in range(2):
+                self.experts_q = None  # freed first: the second call reuses its memory, as a training step would
                 self.weights_quantize_ms, self.experts_q = timed_pass(world, quantize)
 
     def _pass(self, check: bool):
