@@ -506,8 +506,9 @@ def megamoe_forward(
             once while staging them, weights as ``experts_q`` says; the shared expert stays BF16).
         max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
         experts_q: FP8 precisions: ``quantize_experts(w_gate_up, w_down, precision)``, made once per optimizer
-            step and passed to every forward until then (ValueError if the weights changed since); None
-            quantises the weights inside every pass (a pass over all of them).
+            step and passed to every forward until then (ValueError if the weights changed in place since,
+            as their version counter tells: writes through ``.data`` are not seen); None quantises the
+            weights inside every pass (a pass over all of them).
         check: validate the expert ids and read the kernel's error word after the pass (host syncs).
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
 

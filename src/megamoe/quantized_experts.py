@@ -6,7 +6,8 @@ change only at an optimizer step. ``quantize_experts`` runs that pass once;
 every forward until the next step takes the result (``experts_q=``). The pack
 remembers which tensors it came from and at which version, so a forward given
 weights that were modified in place since (an optimizer step) refuses the stale
-pack instead of computing with old weights.
+pack instead of computing with old weights. Writes through ``w.data`` bypass the
+version counter and are not seen: quantise again after them.
 """
 
 from __future__ import annotations
