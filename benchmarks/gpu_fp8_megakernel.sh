@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # FP8 routed experts in the forward megakernel, kimi-k2 EP 2, 8192 tokens/GPU, on nvidia-h200-x2. Usage (repo root):
-#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|presets|ep1|grid OUTDIR
+#   MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_fp8_megakernel.sh bench|presets|ep1|qwen|grid OUTDIR
 # bench: the megakernel's GPU tests; `megamoe bench` with bf16, fp8-block and mxfp8 experts (weights quantised
 #        once) beside nccl-torch.
 # presets: the same for deepseek-v4-pro and qwen3.5-397b (bf16 and fp8-block).
 # ep1:   kimi-k2 at EP 1 on GPU 0 (bf16 and fp8-block beside nccl-torch), and comm_sms sweeps there.
+# qwen:  qwen3.5-397b at EP 2: traces (bf16, fp8-block) and comm_sms sweeps (is its pass copy-bound?).
 # grid:  (minibatch x comm_sms) grids of bf16 and fp8-block, and a trace of one pass of each (where the
 #        compute workers wait); OUTDIR/sweeps.json holds every point.
 # The comparison of FP8 rows quantised on arrival with rows quantised by their owners that made the second the
 # only way: benchmarks/results/2026-11-30-fp8-experts (commits 390f669, fc40094).
 set -u
-part=${1:?bench, presets, ep1 or grid}
+part=${1:?bench, presets, ep1, qwen or grid}
 out=${2:?output folder}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -32,11 +33,17 @@ sweep() {  # name, extra args: one sweep, its points kept in $out/sweeps/name.js
   local name=$1; shift
   mkdir -p "$out/run-$name" "$out/sweeps"
   timeout 150 python3 benchmarks/megakernel_sweep.py --impl megamoe --preset kimi-k2 --tokens 8192 --iters 10 \
-      --warmup 2 --out "$out/run-$name" "$@" > "$out/run-$name/sweep.log" 2>&1
+      --warmup 2 --out "$out/run-$name" "$@" > "$out/run-$name/sweep.log" 2>&1  # a later --preset wins
   echo "== $name" >> "$out/summary.txt"; tail -4 "$out/run-$name/sweep.log" | tee -a "$out/summary.txt"
   mv "$out/run-$name/sweep.json" "$out/sweeps/$name.json" 2>/dev/null; rm -rf "$out/run-$name"
 }
-if [ "$part" = ep1 ]; then
+if [ "$part" = qwen ]; then
+  q="--preset qwen3.5-397b"
+  timeout 100 python3 benchmarks/megakernel_trace.py $q --out "$out/trace-qwen-bf16.json" 2>&1 | tail -2
+  timeout 100 python3 benchmarks/megakernel_trace.py $q --precision fp8-block --out "$out/trace-qwen-fp8-block.json" 2>&1 | tail -2
+  sweep qwen-bf16-comm $q --minibatch= --comm-sms=16,20,28,32
+  sweep qwen-fp8-block-comm $q --precision fp8-block --minibatch= --comm-sms=16,20,28,32
+elif [ "$part" = ep1 ]; then
   export CUDA_VISIBLE_DEVICES=0
   timeout 240 python3 -m megamoe bench --preset kimi-k2 --tokens 8192 --ep 1 --impl nccl-torch,megamoe,megamoe-graph \
       --experts bf16,fp8-block --passes fwd --iters 10 --json "$out/kimi-k2-ep1.json" --md "$out/kimi-k2-ep1.md" 2>&1 | tail -9
