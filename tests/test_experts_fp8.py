@@ -131,6 +131,8 @@ def test_store_h_false_and_tile_shapes_do_not_change_the_result():
         (lambda a: a.__setitem__(2, a[2][:-1]), "counts and offsets must be"),
         (lambda a: (a.__setitem__(4, a[4][:, :, :192]), a.__setitem__(6, a[6][:, :192])), "multiples of 128"),
         (lambda a: a.__setitem__(7, a[7].double()), "w_down_scale must be"),
+        (lambda a: a.__setitem__(2, a[2].float()), "counts must be int32/int64"),
+        (lambda a: a.__setitem__(3, a[3].tolist()), "every input must be a torch.Tensor"),
     ],
 )
 def test_bad_arguments_raise_value_error(mutate, message):

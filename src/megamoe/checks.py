@@ -101,6 +101,50 @@ def check_tensors(specs, device: torch.device) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
+def check_quantized_experts(fmt: str, x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q,
+                            w_down_scale) -> tuple[int, int, int]:
+    """The operands of the FP8 expert forward in ``fmt`` (``mxfp8``: E8M0 scales per 32 along each GEMM's
+    reduction axis; ``fp8-block``: fp32 scales, 1x128 on the rows, 128x128 on the weights); returns (L, I, D).
+    """
+    from megamoe.formats import FP8_BLOCK, MX_BLOCK
+
+    tensors = (x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError("every input must be a torch.Tensor")
+    if x_q.dim() != 2 or w_gate_up_q.dim() != 3 or w_down_q.dim() != 3:
+        raise ValueError("x_q must be [R, D], w_gate_up_q [L, 2I, D] and w_down_q [L, D, I]")
+    experts, two_i, d = w_gate_up_q.shape
+    i = two_i // 2
+    rows = x_q.shape[0]
+    if x_q.shape[1] != d or tuple(w_down_q.shape) != (experts, d, i) or two_i % 2:
+        raise ValueError(f"shapes disagree: x_q {tuple(x_q.shape)}, w_gate_up_q {tuple(w_gate_up_q.shape)}, "
+                         f"w_down_q {tuple(w_down_q.shape)}")
+    b = MX_BLOCK if fmt == "mxfp8" else FP8_BLOCK
+    # blocks along both reduction axes; that also makes every fp8 row a multiple of 16 bytes (TMA)
+    if d % b or i % b or d == 0 or i == 0:
+        raise ValueError(f"{fmt} needs D and I positive multiples of {b}, got D={d}, I={i}")
+    if tuple(counts.shape) != (experts,) or tuple(offsets.shape) != (experts,):
+        raise ValueError(f"counts and offsets must be [{experts}], got {tuple(counts.shape)}, {tuple(offsets.shape)}")
+    for name, t in (("counts", counts), ("offsets", offsets)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64, got {t.dtype}")
+        if t.device != x_q.device:
+            raise ValueError(f"{name} is on {t.device}, x_q on {x_q.device}")
+    fp8 = torch.float8_e4m3fn
+    if fmt == "mxfp8":  # E8M0 scales of 32 along D (x, gate/up) and I (down)
+        scales = (((rows, d // b), torch.uint8), ((experts, 2 * i, d // b), torch.uint8),
+                  ((experts, d, i // b), torch.uint8))
+    else:  # fp32 scales of 1x128 rows and 128x128 weight blocks
+        scales = (((rows, d // b), torch.float32), ((experts, 2 * i // b, d // b), torch.float32),
+                  ((experts, d // b, i // b), torch.float32))
+    check_tensors((
+        ("x_q", x_q, (rows, d), fp8), ("x_scale", x_scale, *scales[0]),
+        ("w_gate_up_q", w_gate_up_q, (experts, 2 * i, d), fp8), ("w_gate_up_scale", w_gate_up_scale, *scales[1]),
+        ("w_down_q", w_down_q, (experts, d, i), fp8), ("w_down_scale", w_down_scale, *scales[2]),
+    ), x_q.device)
+    return experts, i, d
+
+
 def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, *,
                      check_ids: bool = True) -> tuple[int, int, int, int, int]:
     """The arguments of a BF16 layer forward over ``world``; returns (N, D, k, L, I).

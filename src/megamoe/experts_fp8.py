@@ -49,30 +49,6 @@ def _check_tiles(kind: str, cfg: TileConfig) -> None:
         raise ValueError(f"down: block_n must divide or be a multiple of {FP8_BLOCK}, got {cfg.block_n}")
 
 
-def _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale):
-    if x_q.dim() != 2 or w_gate_up_q.dim() != 3 or w_down_q.dim() != 3:
-        raise ValueError("x_q must be [R, D], w_gate_up_q [L, 2I, D] and w_down_q [L, D, I]")
-    experts, two_i, d = w_gate_up_q.shape
-    i = two_i // 2
-    rows = x_q.shape[0]
-    if x_q.shape[1] != d or tuple(w_down_q.shape) != (experts, d, i) or two_i % 2:
-        raise ValueError(f"shapes disagree: x_q {tuple(x_q.shape)}, w_gate_up_q {tuple(w_gate_up_q.shape)}, "
-                         f"w_down_q {tuple(w_down_q.shape)}")
-    if d % FP8_BLOCK or i % FP8_BLOCK:
-        raise ValueError(f"fp8-block needs D and I multiples of {FP8_BLOCK}, got D={d}, I={i}")
-    if tuple(counts.shape) != (experts,) or tuple(offsets.shape) != (experts,):
-        raise ValueError(f"counts and offsets must be [{experts}], got {tuple(counts.shape)}, {tuple(offsets.shape)}")
-    b = FP8_BLOCK
-    checks.check_tensors((
-        ("x_q", x_q, (rows, d), FP8), ("x_scale", x_scale, (rows, d // b), torch.float32),
-        ("w_gate_up_q", w_gate_up_q, (experts, 2 * i, d), FP8),
-        ("w_gate_up_scale", w_gate_up_scale, (experts, 2 * i // b, d // b), torch.float32),
-        ("w_down_q", w_down_q, (experts, d, i), FP8),
-        ("w_down_scale", w_down_scale, (experts, d // b, i // b), torch.float32),
-    ), x_q.device)
-    return experts, i, d
-
-
 def expert_forward_fp8_block(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -102,7 +78,8 @@ def expert_forward_fp8_block(
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
         out: preallocated outputs to fill (rows outside regions are left alone).
     """
-    experts, i, d = _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale)
+    experts, i, d = checks.check_quantized_experts("fp8-block", x_q, x_scale, counts, offsets, w_gate_up_q,
+                                                   w_gate_up_scale, w_down_q, w_down_scale)
     rows = x_q.shape[0]
     device = x_q.device
     if out is None:

@@ -67,41 +67,6 @@ def _check_tiles(kind: str, variant: str, cfg: TileConfig) -> None:
         raise ValueError(f"gate_up: block_n must be >= {2 * MX_BLOCK} (two chunks of 32-blocks), got {cfg.block_n}")
 
 
-def _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale, variant):
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    tensors = (x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise ValueError("every input must be a torch.Tensor")
-    if x_q.dim() != 2 or w_gate_up_q.dim() != 3 or w_down_q.dim() != 3:
-        raise ValueError("x_q must be [R, D], w_gate_up_q [L, 2I, D] and w_down_q [L, D, I]")
-    experts, two_i, d = w_gate_up_q.shape
-    i = two_i // 2
-    rows = x_q.shape[0]
-    if x_q.shape[1] != d or tuple(w_down_q.shape) != (experts, d, i) or two_i % 2:
-        raise ValueError(f"shapes disagree: x_q {tuple(x_q.shape)}, w_gate_up_q {tuple(w_gate_up_q.shape)}, "
-                         f"w_down_q {tuple(w_down_q.shape)}")
-    # 32-blocks along both reduction axes; that also makes every fp8 row a multiple of 16 bytes (TMA).
-    if d % MX_BLOCK or i % MX_BLOCK or d == 0 or i == 0:
-        raise ValueError(f"mxfp8 needs D and I positive multiples of {MX_BLOCK}, got D={d}, I={i}")
-    if tuple(counts.shape) != (experts,) or tuple(offsets.shape) != (experts,):
-        raise ValueError(f"counts and offsets must be [{experts}], got {tuple(counts.shape)}, {tuple(offsets.shape)}")
-    if counts.dtype not in (torch.int32, torch.int64) or offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"counts and offsets must be int32/int64, got {counts.dtype}, {offsets.dtype}")
-    b = MX_BLOCK
-    checks.check_tensors((
-        ("x_q", x_q, (rows, d), FP8), ("x_scale", x_scale, (rows, d // b), torch.uint8),
-        ("w_gate_up_q", w_gate_up_q, (experts, 2 * i, d), FP8),
-        ("w_gate_up_scale", w_gate_up_scale, (experts, 2 * i, d // b), torch.uint8),
-        ("w_down_q", w_down_q, (experts, d, i), FP8),
-        ("w_down_scale", w_down_scale, (experts, d, i // b), torch.uint8),
-    ), x_q.device)
-    for name, t in (("counts", counts), ("offsets", offsets)):
-        if t.device != x_q.device:
-            raise ValueError(f"{name} is on {t.device}, x_q on {x_q.device}")
-    return experts, i, d
-
-
 def expert_forward_mxfp8(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -135,8 +100,10 @@ def expert_forward_mxfp8(
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
         out: preallocated outputs to fill (rows outside regions are left alone).
     """
-    experts, i, d = _check(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale,
-                           variant)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    experts, i, d = checks.check_quantized_experts("mxfp8", x_q, x_scale, counts, offsets, w_gate_up_q,
+                                                   w_gate_up_scale, w_down_q, w_down_scale)
     rows = x_q.shape[0]
     device = x_q.device
     if out is None:
