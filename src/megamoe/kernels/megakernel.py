@@ -465,10 +465,21 @@ def pass_barrier_kernel(flag_peer_ptrs, flags_ptr, epoch_ptr, my_rank, num_ranks
 
 
 @triton.jit
+def _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr, router_weights_ptr,
+              TOP_K: tl.constexpr):
+    route = rows.to(tl.int64) * TOP_K + j
+    valid = row_ok & (tl.load(top_experts_ptr + route, mask=row_ok, other=-1) >= 0)
+    w = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+    slot = tl.load(combine_ptr + route[:, None] * stride_combine + cols[None, :], mask=valid[:, None] & mask, other=0.0)
+    return acc + w[:, None] * bf16_to_f32(slot)
+
+
+@triton.jit
 def weighted_sum_kernel(
     combine_ptr, stride_combine, top_experts_ptr, router_weights_ptr, shared_y_ptr, stride_shared_y,
     out_ptr, stride_out, tokens, D,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNROLL: tl.constexpr = False,
 ):
     """out[i] = sum_j w[i, j] * combine[i*k + j] (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i]."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -476,13 +487,14 @@ def weighted_sum_kernel(
     row_ok = rows < tokens
     mask = row_ok[:, None] & (cols < D)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for j in range(TOP_K):
-        route = rows.to(tl.int64) * TOP_K + j
-        valid = row_ok & (tl.load(top_experts_ptr + route, mask=row_ok, other=-1) >= 0)
-        w = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
-        slot = tl.load(combine_ptr + route[:, None] * stride_combine + cols[None, :],
-                       mask=valid[:, None] & mask, other=0.0)
-        acc += w[:, None] * bf16_to_f32(slot)
+    if UNROLL:  # the k loads of a tile may all be in flight at once
+        for j in tl.static_range(TOP_K):
+            acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr,
+                            router_weights_ptr, TOP_K)
+    else:
+        for j in range(TOP_K):
+            acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr,
+                            router_weights_ptr, TOP_K)
     if HAS_SHARED:
         acc += bf16_to_f32(tl.load(shared_y_ptr + rows.to(tl.int64)[:, None] * stride_shared_y + cols[None, :],
                                         mask=mask, other=0.0))

@@ -1,0 +1,76 @@
+"""The megakernel's closing weighted sum (``weighted_sum_kernel``) across tiles, on one GPU.
+
+    PYTHONPATH=src python3 benchmarks/weighted_sum_bench.py [--out FILE.json]
+
+kimi-k2 (k 8, D 7168, a shared expert) and qwen3.5-397b (k 10, D 4096) at 8192 tokens: random combine slots,
+~5 % of the routes empty (-1). Each tile's output must equal the first tile's bit for bit (the k slots are
+summed in the same order whatever the tile). GB/s = (slots + shared + out bytes) / median time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from megamoe.kernels import megakernel as mk
+
+TILES = [  # (BLOCK_T, BLOCK_D, num_warps, UNROLL); the first is the launcher's default before this sweep
+    (32, 256, 4, False), (32, 256, 4, True), (16, 256, 4, True), (16, 512, 4, True), (8, 1024, 4, True),
+    (16, 512, 8, True), (8, 512, 4, True), (32, 512, 8, True), (16, 1024, 8, True), (16, 512, 4, False),
+]
+SHAPES = {"kimi-k2": (8192, 8, 7168, True), "qwen3.5-397b": (8192, 10, 4096, True)}
+
+
+def _time(fn, iters: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for name, (n, k, d, shared) in SHAPES.items():
+        combine = torch.randn(n * k, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        top = torch.randint(0, 64, (n, k), device="cuda", dtype=torch.int32, generator=gen)
+        top = torch.where(torch.rand(n, k, device="cuda", generator=gen) < 0.05, -1, top)
+        weights = torch.rand(n, k, device="cuda", generator=gen)
+        shared_y = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        nbytes = (n * k * d + 2 * n * d) * 2
+        first = None
+        for bt, bd, warps, unroll in TILES:
+            out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+            def run():
+                mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
+                    combine, combine.stride(0), top, weights, shared_y, shared_y.stride(0), out, out.stride(0), n, d,
+                    TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd, UNROLL=unroll, num_warps=warps)
+            ms = _time(run)
+            first = out.clone() if first is None else first
+            results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps, "unroll": unroll,
+                            "ms": ms, "gbps": nbytes / ms / 1e6, "same_bits": bool(torch.equal(out, first))})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
+    print("| shape | BLOCK_T x BLOCK_D | warps | unrolled | ms | GB/s | same bits |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | {r['block_t']} x {r['block_d']} | {r['num_warps']} | {r['unroll']} | {r['ms']:.3f} | "
+              f"{r['gbps']:.0f} | {r['same_bits']} |")
+
+
+if __name__ == "__main__":
+    main()
