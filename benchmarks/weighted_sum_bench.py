@@ -17,9 +17,8 @@ import triton
 
 from megamoe.kernels import megakernel as mk
 
-TILES = [  # (BLOCK_T, BLOCK_D, num_warps, UNROLL); the first is the launcher's default before this sweep
-    (32, 256, 4, False), (32, 256, 4, True), (16, 256, 4, True), (16, 512, 4, True), (8, 1024, 4, True),
-    (16, 512, 8, True), (8, 512, 4, True), (32, 512, 8, True), (16, 1024, 8, True), (16, 512, 4, False),
+TILES = [  # (BLOCK_T, BLOCK_D, num_warps); 16 x 512 with 8 warps is the launcher's (MegaKernel._weighted_sum)
+    (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 1024, 4), (16, 512, 8), (8, 512, 4), (32, 512, 8), (16, 1024, 8),
 ]
 SHAPES = {"kimi-k2": (8192, 8, 7168, True), "qwen3.5-397b": (8192, 10, 4096, True)}
 
@@ -51,24 +50,24 @@ def main() -> None:
         shared_y = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         nbytes = (n * k * d + 2 * n * d) * 2
         first = None
-        for bt, bd, warps, unroll in TILES:
+        for bt, bd, warps in TILES:
             out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
 
             def run():
                 mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
                     combine, combine.stride(0), top, weights, shared_y, shared_y.stride(0), out, out.stride(0), n, d,
-                    TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd, UNROLL=unroll, num_warps=warps)
+                    TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
             ms = _time(run)
             first = out.clone() if first is None else first
-            results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps, "unroll": unroll,
+            results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps,
                             "ms": ms, "gbps": nbytes / ms / 1e6, "same_bits": bool(torch.equal(out, first))})
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
-    print("| shape | BLOCK_T x BLOCK_D | warps | unrolled | ms | GB/s | same bits |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | BLOCK_T x BLOCK_D | warps | ms | GB/s | same bits |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['shape']} | {r['block_t']} x {r['block_d']} | {r['num_warps']} | {r['unroll']} | {r['ms']:.3f} | "
+        print(f"| {r['shape']} | {r['block_t']} x {r['block_d']} | {r['num_warps']} | {r['ms']:.3f} | "
               f"{r['gbps']:.0f} | {r['same_bits']} |")
 
 

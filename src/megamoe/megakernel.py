@@ -452,12 +452,14 @@ class MegaKernel:
     def _weighted_sum(self, out, top_experts, router_weights, has_shared: bool) -> None:
         n, D = out.shape
         combine = self.sym.local("combine")
-        block_t, block_d = (32, 256) if self.gpu else (16, 64)
+        # 16 x 512, 8 warps, the k slot loads unrolled: 0.29 ms for kimi-k2 (4.0 TB/s), 0.41 before
+        # (benchmarks/results/2026-11-30-fp8-experts, weighted_sum_bench.py)
+        block_t, block_d, warps = (16, 512, 8) if self.gpu else (16, 64, 4)
         shared_y = self.shared_y if has_shared else out
         mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
             combine, combine.stride(0), top_experts.contiguous(), router_weights.contiguous(), shared_y,
             shared_y.stride(0), out, out.stride(0), n, D,
-            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )
 
 

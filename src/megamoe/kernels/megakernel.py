@@ -479,7 +479,6 @@ def weighted_sum_kernel(
     combine_ptr, stride_combine, top_experts_ptr, router_weights_ptr, shared_y_ptr, stride_shared_y,
     out_ptr, stride_out, tokens, D,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    UNROLL: tl.constexpr = False,
 ):
     """out[i] = sum_j w[i, j] * combine[i*k + j] (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i]."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -487,14 +486,9 @@ def weighted_sum_kernel(
     row_ok = rows < tokens
     mask = row_ok[:, None] & (cols < D)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    if UNROLL:  # the k loads of a tile may all be in flight at once
-        for j in tl.static_range(TOP_K):
-            acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr,
-                            router_weights_ptr, TOP_K)
-    else:
-        for j in range(TOP_K):
-            acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr,
-                            router_weights_ptr, TOP_K)
+    for j in tl.static_range(TOP_K):  # unrolled: the k loads of a tile can all be in flight at once
+        acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr,
+                        router_weights_ptr, TOP_K)
     if HAS_SHARED:
         acc += bf16_to_f32(tl.load(shared_y_ptr + rows.to(tl.int64)[:, None] * stride_shared_y + cols[None, :],
                                         mask=mask, other=0.0))
