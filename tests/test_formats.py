@@ -572,3 +572,22 @@ def test_compiled_kernels_match_torch_on_gpu(soft):
     assert_same(quantize_weights(w, "fp8-block"), fp8_block_quantize(w, (128, 128)))
     for axis in (-1, -2):
         assert_same(quantize_weights(w, "mxfp8", axis=axis, rounding="rceil"), mxfp8_quantize(w, axis, "rceil"))
+
+
+@pytest.mark.parametrize("fmt, torch_twin", [("mxfp8", mxfp8_quantize), ("fp8-block", fp8_block_quantize)])
+def test_quantize_activations_into_out(fmt, torch_twin):
+    """``out=`` writes the same bits into the given (poisoned) tensors and returns them; bad outs are refused."""
+    x = special(32, 256, 32, seed=17, dtype=torch.bfloat16).to(DEVICE)
+    want = torch_twin(x.cpu())
+    data = torch.full(tuple(want[0].shape), float("nan"), device=DEVICE).to(torch.float8_e4m3fn)
+    scale = torch.full(tuple(want[1].shape), 255 if want[1].dtype == torch.uint8 else float("nan"),
+                       dtype=want[1].dtype, device=DEVICE)
+    got = quantize_activations(x, fmt, 1, out=(data, scale))
+    assert got[0].data_ptr() == data.data_ptr() and got[1].data_ptr() == scale.data_ptr()
+    assert_same((data, scale), want)
+    for bad, message in (((data[:, :128], scale), "out data"), ((data, scale.float() if fmt == "mxfp8" else
+                                                                scale.double()), "out scale")):
+        with pytest.raises(ValueError, match=message):
+            quantize_activations(x, fmt, 1, out=bad)
+    with pytest.raises(ValueError, match="transpose"):
+        quantize_activations(x, fmt, 1, transpose=True, out=(data, scale))

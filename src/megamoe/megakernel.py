@@ -292,10 +292,9 @@ class MegaKernel:
         me = world.rank
         # 1. stage x (FP8: quantised too, once per token) and the routing ids
         self.sym.local("x")[:n].copy_(x)
-        if self.quantized and n:
-            data, scale = quantize_activations(x, self.precision)
-            self.sym.local("x_q")[:n].copy_(data.view(torch.uint8))
-            self.sym.local("x_scale")[:n].copy_(scale)
+        if self.quantized and n:  # straight into the symmetric rows the comm workers pull
+            quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
+                                                        self.sym.local("x_scale")[:n]))
         routing = torch.full((max(s.max_tokens, 1), k), -1, dtype=torch.int32, device=x.device)
         routing[:n] = top_experts
         for r in range(world.size):

@@ -89,6 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megamoe.checks import check_tensors
 from megamoe.formats import (
     FORMATS,
     FP8_BLOCK,
@@ -409,11 +410,12 @@ def _prepare(
     rounding: str,
     transpose: bool,
     config: QuantConfig,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """Outputs and the ``_quantize_kernel`` launch ``(grid, args, kwargs)`` (None when empty) for
     quantising each ``[M, K]`` matrix of ``x_BMK``: ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
-    (their last two dims swapped, contiguous, when ``transpose``). Works on meta tensors too,
-    which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
+    (their last two dims swapped, contiguous, when ``transpose``), or ``out`` (not transposed) when given.
+    Works on meta tensors too, which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
     nb, m, k = x_BMK.shape
     br, bc = block
     for i, (size, b) in enumerate(((m, br), (k, bc))):
@@ -424,7 +426,10 @@ def _prepare(
         raise ValueError(f"at most 65535 matrices per launch, got {nb}")
     dev = x_BMK.device
     scale_dtype = torch.uint8 if mx else torch.float32
-    if transpose:
+    if out is not None:
+        data, scale = out
+        data_v, scale_v = data, scale
+    elif transpose:
         data = torch.empty(nb, k, m, dtype=torch.float8_e4m3fn, device=dev)
         scale = torch.empty(nb, k // bc, m // br, dtype=scale_dtype, device=dev)
         data_v, scale_v = data.transpose(1, 2), scale.transpose(1, 2)
@@ -467,9 +472,10 @@ def _launch(
     rounding: str,
     transpose: bool,
     config: QuantConfig,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each ``[M, K]`` matrix of ``x_BMK`` (see ``_prepare``)."""
-    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config)
+    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out)
     if launch is not None:
         grid, args, kwargs = launch
         _quantize_kernel[grid](*args, **kwargs)
@@ -484,6 +490,7 @@ def quantize_activations(
     rounding: str = "floor",
     transpose: bool = False,
     config: QuantConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 2-D activation ``x [M, K]`` with blocks along ``axis``.
 
@@ -501,9 +508,11 @@ def quantize_activations(
             and its scales) instead -- the K-major operand a GEMM reducing
             over M wants; the kernel writes them directly.
         config: tile shape and E4M3 path; None picks ``default_config``.
+        out: ``(data, scale)`` to write into instead of new tensors (contiguous, on x's device, the shapes
+            and dtypes returned otherwise; not with ``transpose``).
 
     Returns:
-        ``(data, scale)`` equal bit for bit to ``megamoe.formats``:
+        ``(data, scale)`` (``out`` when given) equal bit for bit to ``megamoe.formats``:
         ``mxfp8_quantize(x, dim=axis, rounding=rounding)`` or
         ``fp8_block_quantize(x, block=(1, 128) or (128, 1))``.
     """
@@ -519,7 +528,16 @@ def quantize_activations(
     if not isinstance(transpose, bool):
         raise ValueError(f"transpose must be a bool, got {transpose!r}")
     cfg = _check_config(config, block)
-    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg)
+    if out is not None:
+        if transpose:
+            raise ValueError("out is not supported with transpose=True")
+        (m, k), (br, bc) = x.shape, block
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ValueError("out must be a (data, scale) pair of tensors")
+        check_tensors((("out data", out[0], (m, k), torch.float8_e4m3fn),
+                       ("out scale", out[1], (m // br, k // bc), torch.uint8 if mx else torch.float32)), x.device)
+        out = (out[0].unsqueeze(0), out[1].unsqueeze(0))
+    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out)
     return data.squeeze(0), scale.squeeze(0)
 
 
