@@ -1,48 +1,97 @@
-"""Where a megamoe forward pass spends its GPU time: torch.profiler over a few passes, rank 0's kernels.
+"""Where a megamoe forward pass spends its GPU time: the kernels of one pass, on a timeline, eager and graphed.
 
     PYTHONPATH=src python3 benchmarks/megakernel_profile.py --preset kimi-k2 --tokens 8192 [--precision fp8-block] [--out DIR]
 
-One process per GPU; prints the kernels by total CUDA time (rank 0) and writes the table to DIR/profile.txt.
+One process per GPU. Passes run as `megamoe bench` runs them (max_tokens given, no host checks; FP8 weights
+quantised once before), eager and replayed from a CUDA graph, under torch.profiler. For the last pass of each
+mode every rank reports each kernel's start (µs after the pass's first kernel starts) and duration, the pass's
+span (first kernel start to last kernel end) and the host time of the eager call. Rank 0 prints them; DIR/
+profile.json holds every rank's timelines, DIR/profile.txt the printed tables.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import torch
 
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.megakernel import LayerShape, megamoe_forward
+from megamoe.quantized_experts import quantize_experts
 from megamoe.world import launch
 
 import megakernel_args  # benchmarks/, beside this script
+
+
+def _timeline(prof, passes: int) -> dict:
+    """The last pass's kernels (a pass = the kernels from a megakernel's predecessors to the next pass)."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per_pass = len(kernels) // passes
+    last = kernels[-per_pass:]
+    t0 = last[0].time_range.start
+    rows = [{"kernel": e.name[:60], "start_us": e.time_range.start - t0, "us": e.time_range.end - e.time_range.start}
+            for e in last]
+    return {"kernels": rows, "span_us": max(e.time_range.end for e in last) - t0, "kernels_per_pass": per_pass}
 
 
 def _profile(world, a):
     cfg = preset(a.preset)
     p = make_problem(cfg, world.rank, world.size, a.tokens, dtype=torch.bfloat16, device=world.device)
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
-    options = dict(config=megakernel_args.config_for(a, world, LayerShape.of(cfg, world.size, a.tokens)),
-                   precision=a.precision)
-    for _ in range(2):
+    experts_q = None if a.precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, a.precision)
+    config = megakernel_args.config_for(a, world, LayerShape.of(cfg, world.size, a.tokens))
+    options = dict(config=config, precision=a.precision, max_tokens=a.tokens, experts_q=experts_q)
+    megamoe_forward(*args, **options)  # compiles; checks the error word
+    options["check"] = False
+    host_ms = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.passes):
+            world.barrier()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            megamoe_forward(*args, **options)
+            host_ms.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+    eager = _timeline(prof, a.passes)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         megamoe_forward(*args, **options)
+    graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(a.passes):
-            megamoe_forward(*args, **options)
+            world.barrier()
+            torch.cuda.synchronize()
+            graph.replay()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) if world.rank == 0 else None
+    return {"rank": world.rank, "config": str(config), "host_ms_eager_call": sorted(host_ms)[len(host_ms) // 2],
+            "eager": eager, "graph": _timeline(prof, a.passes)}
+
+
+def _table(r: dict) -> str:
+    lines = [f"rank {r['rank']} · {r['config']} · eager call {r['host_ms_eager_call']:.2f} ms on the host"]
+    for mode in ("eager", "graph"):
+        t = r[mode]
+        lines.append(f"  {mode}: pass span {t['span_us'] / 1e3:.3f} ms, {t['kernels_per_pass']} kernels")
+        lines += [f"    {k['start_us']:9.1f} +{k['us']:9.1f} us  {k['kernel']}" for k in t["kernels"]]
+    return "\n".join(lines)
 
 
 def main() -> None:
     a = megakernel_args.parse(__doc__)
-    table = launch(_profile, torch.cuda.device_count(), a, device="cuda")[0]
-    print(table)
+    results = launch(_profile, torch.cuda.device_count(), a, device="cuda")
+    text = "\n".join(_table(r) for r in results)
+    print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "profile.txt"), "w") as f:
-            f.write(table)
+            f.write(text + "\n")
+        with open(os.path.join(a.out, "profile.json"), "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
