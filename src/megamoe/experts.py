@@ -162,11 +162,10 @@ def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch
     num_tiles = torch.zeros(1, dtype=torch.int32, device=device)
     minibatch_tiles = torch.zeros(batches + 1, dtype=torch.int32, device=device)
     if experts:
-        tiles_per_segment = -(-min(minibatch, max(capacity, 1)) // block_m) + 1
-        schedule_kernels.row_tiles_kernel[(batches * experts,)](
+        tiles_per_segment = -(-min(minibatch, max(capacity, 1)) // block_m)  # a region's rows in one minibatch
+        schedule_kernels.row_tiles_kernel[(batches,)](
             counts, offsets, tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, experts, batches,
-            minibatch, block_m, BLOCK_L=min(1024, triton.next_power_of_2(experts)),
-            BLOCK_U=min(64, triton.next_power_of_2(tiles_per_segment)))
+            minibatch, block_m, EXPERTS=triton.next_power_of_2(experts), MAX_TILES=tiles_per_segment)
     return RowTiles(tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, block_m)
 
 

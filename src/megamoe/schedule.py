@@ -59,6 +59,8 @@ from megamoe.kernels import schedule as schedule_kernels
 
 #: src_rank / src_index / offsets are int32: capacity must stay below this.
 MAX_CAPACITY = 2**31 - 1
+#: Routes per program of the schedule kernels (each program compares every pair of its routes).
+ROUTE_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -196,13 +198,19 @@ def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: i
 
     counts, tokens, offsets, num_rows = ints(L, R), ints(L), ints(L), ints()
     src_rank, src_index = ints(capacity), ints(capacity)
-    ranks = triton.next_power_of_2(R)
-    block = max(16, min(4096, triton.next_power_of_2(max(nk, 1))))
-    schedule_kernels.route_counts_kernel[(L * R,)](ids, counts, src_rank, src_index, nk, rank * L, R, capacity,
-                                                   BLOCK=block)
-    schedule_kernels.schedule_rows_kernel[(L * R,)](
-        ids, counts, tokens, offsets, num_rows, src_rank, src_index, nk, rank * L, L, R, align,
-        BLOCK=max(16, min(block, 8192 // ranks)), BLOCK_L=max(16, min(1024, 8192 // ranks)), RANKS=ranks)
+    block = ROUTE_BLOCK
+    blocks = max(1, -(-nk // block))
+    hist, prefix = ints(R, blocks, L), ints(R, blocks, L)
+    experts, ranks = triton.next_power_of_2(L), triton.next_power_of_2(R)
+    route_args = (nk, rank * L, L)
+    schedule_kernels.route_histogram_kernel[(R * blocks,)](ids, hist, src_rank, src_index, *route_args, blocks,
+                                                           capacity, BLOCK=block, BINS=triton.next_power_of_2(L + 1))
+    prefix_experts = min(32, experts)
+    schedule_kernels.route_prefix_kernel[(-(-L // prefix_experts),)](
+        hist, prefix, counts, L, R, blocks, BLOCK_B=min(128, triton.next_power_of_2(blocks)), BLOCK_L=prefix_experts)
+    schedule_kernels.place_routes_kernel[(R * blocks,)](
+        ids, prefix, counts, tokens, offsets, num_rows, src_rank, src_index, *route_args, R, blocks, align,
+        BLOCK=block, EXPERTS=experts, RANKS=ranks)
     return PullSchedule(tokens, counts, offsets, src_rank, src_index, num_rows, capacity, R, L, k, align)
 
 

@@ -1,18 +1,22 @@
-"""The pull schedule and its row tiles, built by three small kernels instead of ~40 torch ops.
+"""The pull schedule and its row tiles, built by four small kernels instead of ~40 torch ops.
 
 An eager pass spent ~3 ms of host time launching the torch version of these builders
 (benchmarks/results/2026-11-29-megakernel: schedule 2.0 ms, row tiles 0.9 ms); these kernels are
-three launches. They compute exactly what `megamoe.schedule` and `megamoe.experts` document
+four launches. They compute exactly what `megamoe.schedule` and `megamoe.experts` document
 (same rows, same order) with integer arithmetic only, so the result is deterministic.
 
-    route_counts_kernel    program (l, r): M[l, r], routes of rank r to local expert l; and
-                           its share of the -1 fill of src_rank / src_index
-    schedule_rows_kernel   program (l, r): offsets S[l], then every route of rank r to l
-                           goes to row S[l] + p (p from the schedule's formula)
-    row_tiles_kernel       program (j, l): the tiles of region l inside minibatch j
+Routes of rank r are cut into blocks of BLOCK routes (``i*k + j`` order); block b of rank r is
+program ``r * B + b`` of the route kernels. Every kernel reads each route once (the first version
+had program (l, r) scan all of rank r's routes for its one expert: L times the reads, 0.26 ms of a
+qwen3.5-397b pass):
 
-Routes of rank r are read in (i, j) order in blocks; a running count plus an exclusive cumsum
-gives each route its occurrence index o.
+    route_histogram_kernel program (r, b): H[r, b, l], its block's routes to each local expert l;
+                           and its share of the -1 fill of src_rank / src_index
+    route_prefix_kernel    program over a slice of experts: P[r, b, l] = sum of H[r, b', l] over
+                           b' < b (the routes to l before block b) and M[l, r] (all of them)
+    place_routes_kernel    program (r, b): S from M, then each route of the block to l goes to row
+                           S[l] + p, with o = P[r, b, l] + the block's earlier routes to l
+    row_tiles_kernel       program j: the tiles of every region inside minibatch j
 """
 
 from __future__ import annotations
@@ -22,76 +26,90 @@ import triton.language as tl
 
 
 @triton.jit
-def _routes_to(ids_ptr, rank, start, routes_per_rank, first_expert, local, BLOCK: tl.constexpr):
-    """(route, mine) of rank r's routes ``[start, start + BLOCK)`` (``i*k + j`` order): mine = 1 where the route
-    goes to local expert ``local`` of this rank (global id ``first_expert + local``)."""
-    route = start + tl.arange(0, BLOCK)
+def _block_experts(ids_ptr, pid, blocks, routes_per_rank, first_expert, num_experts, BLOCK: tl.constexpr):
+    """(rank r, block b, route index [BLOCK], local expert [BLOCK]) of program ``r * blocks + b``; routes of other
+    ranks' experts, -1 and the padding past ``routes_per_rank`` get the dump expert ``num_experts``."""
+    rank = pid // blocks
+    block = pid % blocks
+    route = block * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + rank.to(tl.int64) * routes_per_rank + route, mask=route < routes_per_rank, other=-1)
-    return route, (ids.to(tl.int64) - first_expert == local).to(tl.int32)
+    local = ids.to(tl.int64) - first_expert
+    mine = (local >= 0) & (local < num_experts)
+    return rank, block, route, tl.where(mine, local, num_experts).to(tl.int32)
 
 
 @triton.jit
-def _program_expert_rank(num_ranks):
-    """(pid, local expert l, source rank r) of program (l, r) of an L*R grid."""
+def route_histogram_kernel(ids_ptr, hist_ptr, src_rank_ptr, src_index_ptr, routes_per_rank, first_expert,
+                           num_experts, blocks, capacity, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """ids int `[R, N*k]` (global expert ids, -1 = none); hist int32 `[R, blocks, L]`; src_rank / src_index
+    int32 `[capacity]`, set to -1 here (place_routes_kernel writes the used rows). BINS > L (a power of two)."""
     pid = tl.program_id(0)
-    return pid, pid // num_ranks, pid % num_ranks
-
-
-@triton.jit
-def route_counts_kernel(ids_ptr, counts_ptr, src_rank_ptr, src_index_ptr, routes_per_rank, first_expert,
-                        num_ranks, capacity, BLOCK: tl.constexpr):
-    """ids int `[R, N*k]` (global expert ids, -1 = none); counts int32 `[L, R]`; src_rank / src_index
-    int32 `[capacity]`, set to -1 here (the next kernel writes the used rows)."""
-    pid, local, rank = _program_expert_rank(num_ranks)
-    offs = tl.arange(0, BLOCK)
-    total = tl.zeros((), dtype=tl.int32)
-    for start in range(0, routes_per_rank, BLOCK):
-        _, mine = _routes_to(ids_ptr, rank, start, routes_per_rank, first_expert, local, BLOCK)
-        total += tl.sum(mine, axis=0)
-    tl.store(counts_ptr + pid, total)
+    _, _, _, local = _block_experts(ids_ptr, pid, blocks, routes_per_rank, first_expert, num_experts, BLOCK)
+    hist = tl.histogram(local, BINS)
+    bins = tl.arange(0, BINS)
+    tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
     share = tl.cdiv(capacity, tl.num_programs(0))
     fill = tl.full((BLOCK,), -1, dtype=tl.int32)
     for start in range(pid * share, tl.minimum((pid + 1) * share, capacity), BLOCK):
-        row = start + offs
+        row = start + tl.arange(0, BLOCK)
         keep = (row < capacity) & (row < (pid + 1) * share)
         tl.store(src_rank_ptr + row, fill, mask=keep)
         tl.store(src_index_ptr + row, fill, mask=keep)
 
 
 @triton.jit
-def schedule_rows_kernel(ids_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_ptr, src_rank_ptr, src_index_ptr,
-                         routes_per_rank, first_expert, num_experts, num_ranks, align,
-                         BLOCK: tl.constexpr, BLOCK_L: tl.constexpr, RANKS: tl.constexpr):
-    """Program (l, r) places rank r's routes to local expert l. Route with occurrence index o goes to row
-    ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``; S[l] = sum over l' < l of T[l'] rounded
-    up to ``align``. Program (l, 0) also writes tokens_per_expert[l], offsets[l] and, for the last l, num_rows."""
-    pid, local, rank = _program_expert_rank(num_ranks)
+def route_prefix_kernel(hist_ptr, prefix_ptr, counts_ptr, num_experts, num_ranks, blocks,
+                        BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Program p, experts ``[p * BLOCK_L, ...)``: prefix int32 `[R, blocks, L]` (exclusive sums of hist along
+    the blocks) and counts int32 `[L, R]` (the totals)."""
+    experts = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    for rank in range(num_ranks):
+        carry = tl.zeros((BLOCK_L,), dtype=tl.int32)
+        for b0 in range(0, blocks, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            at = (rank * blocks + b.to(tl.int64))[:, None] * num_experts + experts[None, :]
+            keep = (b[:, None] < blocks) & (experts[None, :] < num_experts)
+            h = tl.load(hist_ptr + at, mask=keep, other=0)
+            tl.store(prefix_ptr + at, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=keep)
+            carry += tl.sum(h, axis=0)
+        tl.store(counts_ptr + experts * num_ranks + rank, carry, mask=experts < num_experts)
+
+
+@triton.jit
+def place_routes_kernel(ids_ptr, prefix_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_ptr, src_rank_ptr,
+                        src_index_ptr, routes_per_rank, first_expert, num_experts, num_ranks, blocks, align,
+                        BLOCK: tl.constexpr, EXPERTS: tl.constexpr, RANKS: tl.constexpr):
+    """Program (r, b) places its block's routes. The route with occurrence index o (rank r's earlier routes to
+    l) goes to row ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``; S[l] = sum over l' < l of
+    T[l] rounded up to ``align``. Program 0 also writes tokens_per_expert, offsets and num_rows.
+    EXPERTS >= L and RANKS >= R are powers of two."""
+    pid = tl.program_id(0)
+    rank, _, route, local = _block_experts(ids_ptr, pid, blocks, routes_per_rank, first_expert, num_experts, BLOCK)
+    # S and T of every expert (each program: L*R counts, less than its routes)
+    experts = tl.arange(0, EXPERTS)
     ranks = tl.arange(0, RANKS)
-    start_row = tl.zeros((), dtype=tl.int32)
-    for l0 in range(0, num_experts, BLOCK_L):
-        experts = l0 + tl.arange(0, BLOCK_L)
-        m = tl.load(counts_ptr + experts[:, None] * num_ranks + ranks[None, :],
-                    mask=(experts[:, None] < local) & (ranks[None, :] < num_ranks), other=0)
-        t = tl.sum(m, axis=1)
-        start_row += tl.sum((t + align - 1) // align * align, axis=0)
-    counts = tl.load(counts_ptr + local * num_ranks + ranks, mask=ranks < num_ranks, other=0)  # M[l, :]
-    tokens = tl.sum(counts, axis=0)
-    if rank == 0:
-        tl.store(tokens_ptr + local, tokens)
-        tl.store(offsets_ptr + local, start_row)
-        if local == num_experts - 1:
-            tl.store(num_rows_ptr, start_row + tokens)
-    earlier = ranks[None, :] < rank
-    seen = tl.zeros((), dtype=tl.int32)
-    for start in range(0, routes_per_rank, BLOCK):
-        route, mine = _routes_to(ids_ptr, rank, start, routes_per_rank, first_expert, local, BLOCK)
-        o = seen + tl.cumsum(mine, axis=0) - mine
-        seen += tl.sum(mine, axis=0)
-        below = tl.sum(tl.minimum(counts[None, :], o[:, None]), axis=1)
-        ahead = tl.sum(((counts[None, :] > o[:, None]) & earlier).to(tl.int32), axis=1)
-        row = start_row + below + ahead
-        tl.store(src_rank_ptr + row, tl.full((BLOCK,), 0, tl.int32) + rank, mask=mine != 0)
-        tl.store(src_index_ptr + row, route, mask=mine != 0)
+    m_all = tl.load(counts_ptr + experts[:, None] * num_ranks + ranks[None, :],
+                    mask=(experts[:, None] < num_experts) & (ranks[None, :] < num_ranks), other=0)
+    tokens = tl.sum(m_all, axis=1)
+    padded = (tokens + align - 1) // align * align
+    starts = tl.cumsum(padded, axis=0) - padded
+    if pid == 0:
+        tl.store(tokens_ptr + experts, tokens, mask=experts < num_experts)
+        tl.store(offsets_ptr + experts, starts, mask=experts < num_experts)
+        tl.store(num_rows_ptr, tl.sum(tl.where(experts == num_experts - 1, starts + tokens, 0), axis=0))
+    # o: routes of rank r to l before this block, plus those earlier in the block (a BLOCK x BLOCK compare)
+    position = tl.arange(0, BLOCK)
+    earlier = (local[None, :] == local[:, None]) & (position[None, :] < position[:, None])
+    mine = local < num_experts
+    l = tl.where(mine, local, 0)
+    o = tl.load(prefix_ptr + pid.to(tl.int64) * num_experts + l, mask=mine, other=0) + tl.sum(earlier.to(tl.int32), 1)
+    counts = tl.load(counts_ptr + l[:, None] * num_ranks + ranks[None, :], mask=mine[:, None] &
+                     (ranks[None, :] < num_ranks), other=0)  # M[l, :]
+    below = tl.sum(tl.minimum(counts, o[:, None]), axis=1)
+    ahead = tl.sum(((counts > o[:, None]) & (ranks[None, :] < rank)).to(tl.int32), axis=1)
+    row = tl.gather(starts, l, 0) + below + ahead
+    tl.store(src_rank_ptr + row, tl.full((BLOCK,), 0, tl.int32) + rank, mask=mine)
+    tl.store(src_index_ptr + row, route, mask=mine)
 
 
 @triton.jit
@@ -111,40 +129,30 @@ def _tiles_before(first, end, batch, minibatch, block_m):
 @triton.jit
 def row_tiles_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
                      minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m,
-                     BLOCK_L: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Program (j, l) writes the tiles of region l inside minibatch j; tiles go in (minibatch, expert, row)
-    order, so its first tile index is every tile of earlier minibatches plus minibatch j's in experts < l."""
-    pid = tl.program_id(0)
-    batch = (pid // num_experts).to(tl.int64)
-    local = pid % num_experts
+                     EXPERTS: tl.constexpr, MAX_TILES: tl.constexpr):
+    """Program j writes the tiles of every region inside minibatch j; tiles go in (minibatch, expert, row)
+    order, so region l's first tile index is every tile of earlier minibatches plus minibatch j's in experts
+    < l. EXPERTS >= L is a power of two; MAX_TILES bounds the tiles of one region in one minibatch."""
+    batch = tl.program_id(0).to(tl.int64)
     lo = batch * minibatch
     hi = lo + minibatch
-    before = tl.zeros((), dtype=tl.int64)
-    here = tl.zeros((), dtype=tl.int64)
-    for l0 in range(0, num_experts, BLOCK_L):
-        experts = l0 + tl.arange(0, BLOCK_L)
-        valid = experts < num_experts
-        first = tl.load(offsets_ptr + experts, mask=valid, other=0).to(tl.int64)
-        end = first + tl.load(counts_ptr + experts, mask=valid, other=0).to(tl.int64)
-        before += tl.sum(tl.where(valid, _tiles_before(first, end, batch, minibatch, block_m), 0), axis=0)
-        seg = tl.maximum(tl.minimum(end, hi) - tl.maximum(first, lo), 0)
-        here += tl.sum(tl.where(valid & (experts < local), (seg + block_m - 1) // block_m, 0), axis=0)
-    first = tl.load(offsets_ptr + local).to(tl.int64)
-    end = first + tl.load(counts_ptr + local).to(tl.int64)
+    local = tl.arange(0, EXPERTS)
+    valid = local < num_experts
+    first = tl.load(offsets_ptr + local, mask=valid, other=0).to(tl.int64)
+    end = first + tl.load(counts_ptr + local, mask=valid, other=0).to(tl.int64)
+    before = tl.sum(tl.where(valid, _tiles_before(first, end, batch, minibatch, block_m), 0), axis=0)
     seg_start = tl.maximum(first, lo)
     seg_end = tl.minimum(end, hi)
-    tiles = (tl.maximum(seg_end - seg_start, 0) + block_m - 1) // block_m
-    base = before + here
-    for u0 in range(0, tiles, BLOCK_U):
-        u = u0 + tl.arange(0, BLOCK_U)
+    tiles = tl.where(valid, (tl.maximum(seg_end - seg_start, 0) + block_m - 1) // block_m, 0)
+    base = before + tl.cumsum(tiles, axis=0) - tiles
+    for u in range(MAX_TILES):
         keep = u < tiles
         row0 = seg_start + u * block_m
-        tl.store(tile_expert_ptr + base + u, tl.full((BLOCK_U,), 0, tl.int32) + local, mask=keep)
+        tl.store(tile_expert_ptr + base + u, local, mask=keep)
         tl.store(tile_row0_ptr + base + u, row0.to(tl.int32), mask=keep)
         tl.store(tile_row_end_ptr + base + u, tl.minimum(row0 + block_m, seg_end).to(tl.int32), mask=keep)
-    if local == 0:
-        tl.store(minibatch_tiles_ptr + batch, before.to(tl.int32))
-    if local == num_experts - 1:
-        if batch == num_batches - 1:
-            tl.store(minibatch_tiles_ptr + num_batches, (base + tiles).to(tl.int32))
-            tl.store(num_tiles_ptr, (base + tiles).to(tl.int32))
+    tl.store(minibatch_tiles_ptr + batch, before.to(tl.int32))
+    if batch == num_batches - 1:
+        total = (before + tl.sum(tiles, axis=0)).to(tl.int32)
+        tl.store(minibatch_tiles_ptr + num_batches, total)
+        tl.store(num_tiles_ptr, total)
