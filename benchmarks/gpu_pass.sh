@@ -4,10 +4,12 @@
 #   tests:     the GPU tests (every -m gpu test).
 #   profile:   megakernel_profile.py (kernels of one pass on a timeline, eager and graphed) for qwen3.5-397b and
 #              kimi-k2, bf16 and fp8-block.
+#   host:      megakernel_host.py (host time of an eager pass, by stage and by function) for qwen3.5-397b, bf16
+#              and fp8-block.
 #   qwen-comm: comm_sms sweeps of qwen3.5-397b, bf16 and fp8-block, 8 to 16 (where its copies stop keeping up).
 #   bench:     `megamoe bench` of the three presets, bf16 and fp8-block, eager and graphed, beside nccl-torch.
 set -u
-part=${1:?tests, profile, qwen-comm or bench}
+part=${1:?tests, profile, host, qwen-comm or bench}
 out=${2:?output folder}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -21,6 +23,12 @@ profile)
           --out "$out/profile-$preset-$precision" > /dev/null 2>&1 || echo "profile $preset $precision failed"
       grep -E "rank|pass span" "$out/profile-$preset-$precision/profile.txt"
     done
+  done ;;
+host)
+  for precision in bf16 fp8-block; do
+    timeout 150 python3 benchmarks/megakernel_host.py --preset qwen3.5-397b --precision $precision \
+        > "$out/host-qwen-$precision.txt" 2>&1 || echo "host $precision failed"
+    tail -8 "$out/host-qwen-$precision.txt"
   done ;;
 qwen-comm)
   for precision in bf16 fp8-block; do

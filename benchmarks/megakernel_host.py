@@ -1,14 +1,18 @@
 """Host time of an eager megakernel pass, by stage (the GPU runs behind: nothing here syncs).
 
-    PYTHONPATH=src python3 benchmarks/megakernel_host.py --preset kimi-k2 --tokens 8192
+    PYTHONPATH=src python3 benchmarks/megakernel_host.py --preset kimi-k2 --tokens 8192 [--precision fp8-block]
 
 One process per GPU; rank 0 prints the mean host microseconds per pass of each stage of
-`MegaKernel.forward` (wrapped with perf_counter) and of the whole call.
+`MegaKernel.forward` (wrapped with perf_counter) and of the whole call, then the functions that take the
+host's time (cProfile of the same passes, by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from collections import defaultdict
 
@@ -17,14 +21,16 @@ import torch
 import megamoe.megakernel as mega
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
+from megamoe.quantized_experts import quantize_experts
 from megamoe.world import launch
 
 
-def _host(world, preset_name: str, tokens: int, passes: int):
+def _host(world, preset_name: str, tokens: int, passes: int, precision: str):
     cfg = preset(preset_name)
     p = make_problem(cfg, world.rank, world.size, tokens, dtype=torch.bfloat16, device=world.device)
     fused = mega.fuse_shared(p.shared)
-    kernel = mega.MegaKernel(world, mega.LayerShape.of(cfg, world.size, tokens))
+    kernel = mega.MegaKernel(world, mega.LayerShape.of(cfg, world.size, tokens), precision=precision)
+    experts_q = None if precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, precision)
     spent = defaultdict(float)
 
     def timed(name, fn):
@@ -40,20 +46,29 @@ def _host(world, preset_name: str, tokens: int, passes: int):
     for name in ("_barrier", "_launch", "_weighted_sum"):
         setattr(kernel, name, timed(name, getattr(kernel, name)))
     args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
-    kernel.forward(*args)
+    kernel.forward(*args, experts_q=experts_q)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")  # names any op of the pass that makes the host wait
-    kernel.forward(*args, check=False)
+    kernel.forward(*args, experts_q=experts_q, check=False)
     torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     spent.clear()
     t0 = time.perf_counter()
     for _ in range(passes):
-        kernel.forward(*args, check=False)
+        kernel.forward(*args, experts_q=experts_q, check=False)
     spent["forward (whole call)"] = time.perf_counter() - t0
     torch.cuda.synchronize()
     kernel.check_errors()
-    return {name: 1e6 * s / passes for name, s in spent.items()}
+    stages = {name: 1e6 * s / passes for name, s in spent.items()}
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(passes):
+        kernel.forward(*args, experts_q=experts_q, check=False)
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    return stages, text.getvalue()
 
 
 def main() -> None:
@@ -61,9 +76,12 @@ def main() -> None:
     parser.add_argument("--preset", default="kimi-k2")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--passes", type=int, default=10)
+    parser.add_argument("--precision", default="bf16", choices=mega.PRECISIONS)
     a = parser.parse_args()
-    result = launch(_host, torch.cuda.device_count(), a.preset, a.tokens, a.passes, device="cuda")[0]
-    for name, us in sorted(result.items(), key=lambda kv: -kv[1]):
+    stages, profile = launch(_host, torch.cuda.device_count(), a.preset, a.tokens, a.passes, a.precision,
+                             device="cuda")[0]
+    print(profile)
+    for name, us in sorted(stages.items(), key=lambda kv: -kv[1]):
         print(f"{name:28} {us:10.1f} us")
 
 
