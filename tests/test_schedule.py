@@ -115,6 +115,8 @@ CASES = {
     "eight-ranks-k1": ((9, 1, 4, 0, 7, 3, 8, 2), 1, 2, 1, 0.0, 5),
     "eight-ranks-align128": ((5, 6, 2, 7, 3, 4, 1, 6), 6, 3, 128, 0.25, 7),
     "many-no-routes": ((8, 8, 8), 4, 2, 4, 0.9, 0),
+    # several blocks of ROUTE_BLOCK routes per rank (and sub-blocks), experts in more than one slice of 64
+    "three-ranks-many-blocks": ((700, 300, 650), 4, 70, 8, 0.1, 1),
 }
 
 

@@ -159,8 +159,9 @@ def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch
     max_tiles = -(-capacity // block_m) + experts + batches
     tile_expert, tile_row0, tile_row_end = (torch.empty(max_tiles, dtype=torch.int32, device=device)
                                             for _ in range(3))
-    num_tiles = torch.zeros(1, dtype=torch.int32, device=device)
-    minibatch_tiles = torch.zeros(batches + 1, dtype=torch.int32, device=device)
+    new = torch.empty if experts else torch.zeros  # the kernel writes every entry of these two
+    num_tiles = new(1, dtype=torch.int32, device=device)
+    minibatch_tiles = new(batches + 1, dtype=torch.int32, device=device)
     if experts:
         tiles_per_segment = -(-min(minibatch, max(capacity, 1)) // block_m)  # a region's rows in one minibatch
         schedule_kernels.row_tiles_kernel[(batches,)](

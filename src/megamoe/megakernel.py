@@ -295,10 +295,11 @@ class MegaKernel:
         if self.quantized and n:  # straight into the symmetric rows the comm workers pull
             quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
                                                         self.sym.local("x_scale")[:n]))
-        routing = torch.full((max(s.max_tokens, 1), k), -1, dtype=torch.int32, device=x.device)
-        routing[:n] = top_experts
         for r in range(world.size):
-            self.sym.peer("routing", r)[me].copy_(routing)
+            row = self.sym.peer("routing", r)[me]
+            row[:n].copy_(top_experts)
+            if n < row.shape[0]:  # padding rows: no route
+                row[n:].fill_(-1)
         # 2. every rank staged
         self._barrier(0)
         # 3. the schedule and its minibatch row tiles

@@ -10,7 +10,7 @@ combine, and their mirrors in the backward.
 
 Entry points:
 
-    build_pull_schedule              on the input's device, no host sync: three Triton kernels
+    build_pull_schedule              on the input's device, no host sync: two Triton kernels
                                      (a GPU) or vectorised torch ops (the CPU)
     build_pull_schedule_loop         plain-Python transcription below: the oracle (slow)
     gather_routing                   pad [N, k] ids to max_tokens, all-gather to [R, max_tokens, k]
@@ -59,8 +59,10 @@ from megamoe.kernels import schedule as schedule_kernels
 
 #: src_rank / src_index / offsets are int32: capacity must stay below this.
 MAX_CAPACITY = 2**31 - 1
-#: Routes per program of the schedule kernels (each program compares every pair of its routes).
-ROUTE_BLOCK = 128
+#: Routes per program of the schedule kernels; the placing program takes them PLACE_SUB_BLOCK at a time and
+#: compares every pair of those.
+ROUTE_BLOCK = 1024
+PLACE_SUB_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ def build_pull_schedule(
         check_ids: also check every id is -1 or in ``[0, R*L)``; this reads the
             ids on the host (one sync). Unchecked ids outside that range are
             treated as no route.
-        backend: ``"triton"`` (three kernel launches, `megamoe.kernels.schedule`)
+        backend: ``"triton"`` (two kernel launches, `megamoe.kernels.schedule`)
             or ``"torch"`` (~35 vectorised torch ops, below); None picks triton
             on a GPU (host time ~0.1 ms instead of ~2 ms) and torch on the CPU
             (the interpreter runs the kernels' L*R programs one by one). Both
@@ -198,19 +200,18 @@ def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: i
 
     counts, tokens, offsets, num_rows = ints(L, R), ints(L), ints(L), ints()
     src_rank, src_index = ints(capacity), ints(capacity)
-    block = ROUTE_BLOCK
-    blocks = max(1, -(-nk // block))
+    blocks = max(1, -(-nk // ROUTE_BLOCK))
     hist, prefix = ints(R, blocks, L), ints(R, blocks, L)
-    experts, ranks = triton.next_power_of_2(L), triton.next_power_of_2(R)
-    route_args = (nk, rank * L, L)
-    schedule_kernels.route_histogram_kernel[(R * blocks,)](ids, hist, src_rank, src_index, *route_args, blocks,
-                                                           capacity, BLOCK=block, BINS=triton.next_power_of_2(L + 1))
-    prefix_experts = min(32, experts)
-    schedule_kernels.route_prefix_kernel[(-(-L // prefix_experts),)](
-        hist, prefix, counts, L, R, blocks, BLOCK_B=min(128, triton.next_power_of_2(blocks)), BLOCK_L=prefix_experts)
+    arrived = torch.zeros((), dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(L + 1)
+    route_args = (nk, rank * L, L, R, blocks)
+    schedule_kernels.route_histogram_kernel[(R * blocks,)](
+        ids, hist, prefix, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,
+        align, BLOCK=ROUTE_BLOCK, BINS=bins, BLOCK_B=min(64, triton.next_power_of_2(blocks)),
+        BLOCK_L=min(64, triton.next_power_of_2(L)))
     schedule_kernels.place_routes_kernel[(R * blocks,)](
-        ids, prefix, counts, tokens, offsets, num_rows, src_rank, src_index, *route_args, R, blocks, align,
-        BLOCK=block, EXPERTS=experts, RANKS=ranks)
+        ids, prefix, counts, offsets, src_rank, src_index, *route_args, BLOCK=ROUTE_BLOCK, SUB=PLACE_SUB_BLOCK,
+        BINS=bins, RANKS=triton.next_power_of_2(R))
     return PullSchedule(tokens, counts, offsets, src_rank, src_index, num_rows, capacity, R, L, k, align)
 
 

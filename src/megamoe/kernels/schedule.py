@@ -1,21 +1,20 @@
-"""The pull schedule and its row tiles, built by four small kernels instead of ~40 torch ops.
+"""The pull schedule and its row tiles, built by three small kernels instead of ~40 torch ops.
 
 An eager pass spent ~3 ms of host time launching the torch version of these builders
 (benchmarks/results/2026-11-29-megakernel: schedule 2.0 ms, row tiles 0.9 ms); these kernels are
-four launches. They compute exactly what `megamoe.schedule` and `megamoe.experts` document
+three launches. They compute exactly what `megamoe.schedule` and `megamoe.experts` document
 (same rows, same order) with integer arithmetic only, so the result is deterministic.
 
 Routes of rank r are cut into blocks of BLOCK routes (``i*k + j`` order); block b of rank r is
-program ``r * B + b`` of the route kernels. Every kernel reads each route once (the first version
-had program (l, r) scan all of rank r's routes for its one expert: L times the reads, 0.26 ms of a
+program ``r * B + b`` of the route kernels. Each route is read twice (the first version had
+program (l, r) scan all of rank r's routes for its one expert: L times the reads, 0.23 ms of a
 qwen3.5-397b pass):
 
-    route_histogram_kernel program (r, b): H[r, b, l], its block's routes to each local expert l;
-                           and its share of the -1 fill of src_rank / src_index
-    route_prefix_kernel    program over a slice of experts: P[r, b, l] = sum of H[r, b', l] over
-                           b' < b (the routes to l before block b) and M[l, r] (all of them)
-    place_routes_kernel    program (r, b): S from M, then each route of the block to l goes to row
-                           S[l] + p, with o = P[r, b, l] + the block's earlier routes to l
+    route_histogram_kernel program (r, b): H[r, b, l], its block's routes to each local expert l,
+                           and its share of the -1 fill of src_rank / src_index; the program that
+                           finishes last: P[r, b, l] = sum of H[r, b', l] over b' < b, M[l, r], T, S
+    place_routes_kernel    program (r, b): each route of the block to l goes to row S[l] + p, with
+                           o = P[r, b, l] + the block's earlier routes to l
     row_tiles_kernel       program j: the tiles of every region inside minibatch j
 """
 
@@ -26,25 +25,32 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_experts(ids_ptr, pid, blocks, routes_per_rank, first_expert, num_experts, BLOCK: tl.constexpr):
-    """(rank r, block b, route index [BLOCK], local expert [BLOCK]) of program ``r * blocks + b``; routes of other
-    ranks' experts, -1 and the padding past ``routes_per_rank`` get the dump expert ``num_experts``."""
-    rank = pid // blocks
-    block = pid % blocks
-    route = block * BLOCK + tl.arange(0, BLOCK)
+def _routes(ids_ptr, rank, start, routes_per_rank, first_expert, num_experts, SIZE: tl.constexpr):
+    """(route index [SIZE], local expert [SIZE]) of rank ``rank``'s routes ``[start, start + SIZE)``; routes of
+    other ranks' experts, -1 and the padding past ``routes_per_rank`` get the dump expert ``num_experts``."""
+    route = start + tl.arange(0, SIZE)
     ids = tl.load(ids_ptr + rank.to(tl.int64) * routes_per_rank + route, mask=route < routes_per_rank, other=-1)
     local = ids.to(tl.int64) - first_expert
     mine = (local >= 0) & (local < num_experts)
-    return rank, block, route, tl.where(mine, local, num_experts).to(tl.int32)
+    return route, tl.where(mine, local, num_experts).to(tl.int32)
 
 
 @triton.jit
-def route_histogram_kernel(ids_ptr, hist_ptr, src_rank_ptr, src_index_ptr, routes_per_rank, first_expert,
-                           num_experts, blocks, capacity, BLOCK: tl.constexpr, BINS: tl.constexpr):
-    """ids int `[R, N*k]` (global expert ids, -1 = none); hist int32 `[R, blocks, L]`; src_rank / src_index
-    int32 `[capacity]`, set to -1 here (place_routes_kernel writes the used rows). BINS > L (a power of two)."""
+def route_histogram_kernel(ids_ptr, hist_ptr, prefix_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_ptr,
+                           arrived_ptr, src_rank_ptr, src_index_ptr, routes_per_rank, first_expert, num_experts,
+                           num_ranks, blocks, capacity, align, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                           BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
+    """ids int `[R, N*k]` (global expert ids, -1 = none) -> hist int32 `[R, blocks, L]` (program r * blocks + b:
+    its block's routes to each local expert); src_rank / src_index int32 `[capacity]` set to -1 (each program
+    a share; place_routes_kernel writes the used rows). BINS > L is a power of two.
+
+    The program that finishes last (``arrived``, an int32 that starts at 0 and is left at 0) writes prefix
+    `[R, blocks, L]` (hist summed over the earlier blocks), counts M `[L, R]`, tokens T, offsets S and
+    num_rows: one program, as its work (R * blocks * L sums) is small next to the routes.
+    """
     pid = tl.program_id(0)
-    _, _, _, local = _block_experts(ids_ptr, pid, blocks, routes_per_rank, first_expert, num_experts, BLOCK)
+    _, local = _routes(ids_ptr, pid // blocks, pid % blocks * BLOCK, routes_per_rank, first_expert, num_experts,
+                       BLOCK)
     hist = tl.histogram(local, BINS)
     bins = tl.arange(0, BINS)
     tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
@@ -55,61 +61,62 @@ def route_histogram_kernel(ids_ptr, hist_ptr, src_rank_ptr, src_index_ptr, route
         keep = (row < capacity) & (row < (pid + 1) * share)
         tl.store(src_rank_ptr + row, fill, mask=keep)
         tl.store(src_index_ptr + row, fill, mask=keep)
+    tl.debug_barrier()  # every thread's hist store is issued before the arrival releases it
+    if tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        running = tl.zeros((), dtype=tl.int32)  # rows of the regions of earlier experts (padded)
+        for l0 in range(0, num_experts, BLOCK_L):
+            experts = l0 + tl.arange(0, BLOCK_L)
+            valid = experts < num_experts
+            tokens = tl.zeros((BLOCK_L,), dtype=tl.int32)
+            for rank in range(num_ranks):
+                carry = tl.zeros((BLOCK_L,), dtype=tl.int32)
+                for b0 in range(0, blocks, BLOCK_B):
+                    b = b0 + tl.arange(0, BLOCK_B)
+                    at = (rank * blocks + b.to(tl.int64))[:, None] * num_experts + experts[None, :]
+                    keep = (b[:, None] < blocks) & valid[None, :]
+                    h = tl.load(hist_ptr + at, mask=keep, other=0)
+                    tl.store(prefix_ptr + at, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=keep)
+                    carry += tl.sum(h, axis=0)
+                tl.store(counts_ptr + experts * num_ranks + rank, carry, mask=valid)
+                tokens += carry
+            padded = tl.where(valid, (tokens + align - 1) // align * align, 0)
+            starts = running + tl.cumsum(padded, axis=0) - padded
+            tl.store(tokens_ptr + experts, tokens, mask=valid)
+            tl.store(offsets_ptr + experts, starts, mask=valid)
+            tl.store(num_rows_ptr + experts * 0, starts + tokens, mask=experts == num_experts - 1)
+            running += tl.sum(padded, axis=0)
+        tl.atomic_xchg(arrived_ptr, 0)  # ready for the next build
 
 
 @triton.jit
-def route_prefix_kernel(hist_ptr, prefix_ptr, counts_ptr, num_experts, num_ranks, blocks,
-                        BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Program p, experts ``[p * BLOCK_L, ...)``: prefix int32 `[R, blocks, L]` (exclusive sums of hist along
-    the blocks) and counts int32 `[L, R]` (the totals)."""
-    experts = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    for rank in range(num_ranks):
-        carry = tl.zeros((BLOCK_L,), dtype=tl.int32)
-        for b0 in range(0, blocks, BLOCK_B):
-            b = b0 + tl.arange(0, BLOCK_B)
-            at = (rank * blocks + b.to(tl.int64))[:, None] * num_experts + experts[None, :]
-            keep = (b[:, None] < blocks) & (experts[None, :] < num_experts)
-            h = tl.load(hist_ptr + at, mask=keep, other=0)
-            tl.store(prefix_ptr + at, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=keep)
-            carry += tl.sum(h, axis=0)
-        tl.store(counts_ptr + experts * num_ranks + rank, carry, mask=experts < num_experts)
-
-
-@triton.jit
-def place_routes_kernel(ids_ptr, prefix_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_ptr, src_rank_ptr,
-                        src_index_ptr, routes_per_rank, first_expert, num_experts, num_ranks, blocks, align,
-                        BLOCK: tl.constexpr, EXPERTS: tl.constexpr, RANKS: tl.constexpr):
-    """Program (r, b) places its block's routes. The route with occurrence index o (rank r's earlier routes to
-    l) goes to row ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``; S[l] = sum over l' < l of
-    T[l] rounded up to ``align``. Program 0 also writes tokens_per_expert, offsets and num_rows.
-    EXPERTS >= L and RANKS >= R are powers of two."""
+def place_routes_kernel(ids_ptr, prefix_ptr, counts_ptr, offsets_ptr, src_rank_ptr, src_index_ptr,
+                        routes_per_rank, first_expert, num_experts, num_ranks, blocks,
+                        BLOCK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, RANKS: tl.constexpr):
+    """Program (r, b) places its block's routes, SUB at a time. The route with occurrence index o (rank r's
+    earlier routes to l: prefix[r, b, l], the earlier sub-blocks' and the sub-block's earlier ones, from a
+    SUB x SUB compare) goes to row ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``.
+    BINS > L and RANKS >= R are powers of two."""
     pid = tl.program_id(0)
-    rank, _, route, local = _block_experts(ids_ptr, pid, blocks, routes_per_rank, first_expert, num_experts, BLOCK)
-    # S and T of every expert (each program: L*R counts, less than its routes)
-    experts = tl.arange(0, EXPERTS)
+    rank = pid // blocks
+    bins = tl.arange(0, BINS)
     ranks = tl.arange(0, RANKS)
-    m_all = tl.load(counts_ptr + experts[:, None] * num_ranks + ranks[None, :],
-                    mask=(experts[:, None] < num_experts) & (ranks[None, :] < num_ranks), other=0)
-    tokens = tl.sum(m_all, axis=1)
-    padded = (tokens + align - 1) // align * align
-    starts = tl.cumsum(padded, axis=0) - padded
-    if pid == 0:
-        tl.store(tokens_ptr + experts, tokens, mask=experts < num_experts)
-        tl.store(offsets_ptr + experts, starts, mask=experts < num_experts)
-        tl.store(num_rows_ptr, tl.sum(tl.where(experts == num_experts - 1, starts + tokens, 0), axis=0))
-    # o: routes of rank r to l before this block, plus those earlier in the block (a BLOCK x BLOCK compare)
-    position = tl.arange(0, BLOCK)
-    earlier = (local[None, :] == local[:, None]) & (position[None, :] < position[:, None])
-    mine = local < num_experts
-    l = tl.where(mine, local, 0)
-    o = tl.load(prefix_ptr + pid.to(tl.int64) * num_experts + l, mask=mine, other=0) + tl.sum(earlier.to(tl.int32), 1)
-    counts = tl.load(counts_ptr + l[:, None] * num_ranks + ranks[None, :], mask=mine[:, None] &
-                     (ranks[None, :] < num_ranks), other=0)  # M[l, :]
-    below = tl.sum(tl.minimum(counts, o[:, None]), axis=1)
-    ahead = tl.sum(((counts > o[:, None]) & (ranks[None, :] < rank)).to(tl.int32), axis=1)
-    row = tl.gather(starts, l, 0) + below + ahead
-    tl.store(src_rank_ptr + row, tl.full((BLOCK,), 0, tl.int32) + rank, mask=mine)
-    tl.store(src_index_ptr + row, route, mask=mine)
+    seen = tl.load(prefix_ptr + pid.to(tl.int64) * num_experts + bins, mask=bins < num_experts, other=0)
+    position = tl.arange(0, SUB)
+    for start in range(pid % blocks * BLOCK, pid % blocks * BLOCK + BLOCK, SUB):
+        route, local = _routes(ids_ptr, rank, start, routes_per_rank, first_expert, num_experts, SUB)
+        earlier = (local[None, :] == local[:, None]) & (position[None, :] < position[:, None])
+        mine = local < num_experts
+        l = tl.where(mine, local, 0)
+        o = tl.gather(seen, l, 0) + tl.sum(earlier.to(tl.int32), 1)
+        counts = tl.load(counts_ptr + l[:, None] * num_ranks + ranks[None, :],
+                         mask=mine[:, None] & (ranks[None, :] < num_ranks), other=0)  # M[l, :]
+        below = tl.sum(tl.minimum(counts, o[:, None]), axis=1)
+        ahead = tl.sum(((counts > o[:, None]) & (ranks[None, :] < rank)).to(tl.int32), axis=1)
+        row = tl.load(offsets_ptr + l, mask=mine, other=0) + below + ahead
+        tl.store(src_rank_ptr + row, tl.full((SUB,), 0, tl.int32) + rank, mask=mine)
+        tl.store(src_index_ptr + row, route, mask=mine)
+        seen += tl.histogram(local, BINS)
 
 
 @triton.jit
