@@ -201,7 +201,7 @@ class BufferSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _layout(specs: Sequence[BufferSpec]) -> tuple[dict[str, int], int]:
@@ -237,6 +237,10 @@ class SymmetricWorkspace:
         else:
             self._bases = self._map_shared_files()
         self._ptrs = torch.tensor([b.data_ptr() for b in self._bases], dtype=torch.int64, device=world.device)
+        # views and address tables made once: a pass asks for them every time, and each costs host time
+        # (a peer_ptrs sum is a kernel launch)
+        self._views = {(name, r): self._view(name, r) for name in self.specs for r in range(world.size)}
+        self._peer_ptrs = {name: self._ptrs + self._offsets[name] for name in self.specs}
         world.barrier()
 
     def _map_cuda(self) -> list[torch.Tensor]:
@@ -271,23 +275,27 @@ class SymmetricWorkspace:
         except KeyError:
             raise ValueError(f"no buffer {name!r} in the workspace; it holds {sorted(self.specs)}") from None
 
+    def _view(self, name: str, rank: int) -> torch.Tensor:
+        spec = self.specs[name]
+        start = self._offsets[name]
+        return self._bases[rank][start : start + spec.nbytes].view(spec.dtype).view(spec.shape)
+
     def peer(self, name: str, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s copy of buffer ``name``, addressable from this rank."""
-        spec = self._spec(name)
+        """Rank ``rank``'s copy of buffer ``name``, addressable from this rank (the same view every call)."""
+        self._spec(name)
         if not 0 <= rank < self.world.size:
             raise ValueError(f"rank must be in [0, {self.world.size}), got {rank}")
-        start = self._offsets[name]
-        raw = self._bases[rank][start : start + spec.nbytes]
-        return raw.view(spec.dtype).view(spec.shape)
+        return self._views[name, rank]
 
     def local(self, name: str) -> torch.Tensor:
         """This rank's copy of buffer ``name``."""
         return self.peer(name, self.world.rank)
 
     def peer_ptrs(self, name: str) -> torch.Tensor:
-        """int64 ``[R]`` on the world's device: address of buffer ``name`` on each rank."""
+        """int64 ``[R]`` on the world's device: address of buffer ``name`` on each rank (one tensor, not to be
+        written)."""
         self._spec(name)
-        return self._ptrs + self._offsets[name]
+        return self._peer_ptrs[name]
 
     def free(self) -> None:
         """Release the memory (collective: after every rank's last use)."""
@@ -297,6 +305,7 @@ class SymmetricWorkspace:
         self._bases = None
         self._handle = None
         self._ptrs = None
+        self._views, self._peer_ptrs = {}, {}
 
 
 _WORKSPACES: dict[tuple, SymmetricWorkspace] = {}
