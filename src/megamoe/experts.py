@@ -163,10 +163,9 @@ def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch
     num_tiles = new(1, dtype=torch.int32, device=device)
     minibatch_tiles = new(batches + 1, dtype=torch.int32, device=device)
     if experts:
-        tiles_per_segment = -(-min(minibatch, max(capacity, 1)) // block_m)  # a region's rows in one minibatch
         schedule_kernels.row_tiles_kernel[(batches,)](
             counts, offsets, tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, experts, batches,
-            minibatch, block_m, EXPERTS=triton.next_power_of_2(experts), MAX_TILES=tiles_per_segment)
+            minibatch, block_m, EXPERTS=triton.next_power_of_2(experts))
     return RowTiles(tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, block_m)
 
 

@@ -135,11 +135,10 @@ def _tiles_before(first, end, batch, minibatch, block_m):
 
 @triton.jit
 def row_tiles_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
-                     minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m,
-                     EXPERTS: tl.constexpr, MAX_TILES: tl.constexpr):
+                     minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m, EXPERTS: tl.constexpr):
     """Program j writes the tiles of every region inside minibatch j; tiles go in (minibatch, expert, row)
     order, so region l's first tile index is every tile of earlier minibatches plus minibatch j's in experts
-    < l. EXPERTS >= L is a power of two; MAX_TILES bounds the tiles of one region in one minibatch."""
+    < l. EXPERTS >= L is a power of two."""
     batch = tl.program_id(0).to(tl.int64)
     lo = batch * minibatch
     hi = lo + minibatch
@@ -152,7 +151,7 @@ def row_tiles_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, ti
     seg_end = tl.minimum(end, hi)
     tiles = tl.where(valid, (tl.maximum(seg_end - seg_start, 0) + block_m - 1) // block_m, 0)
     base = before + tl.cumsum(tiles, axis=0) - tiles
-    for u in range(MAX_TILES):
+    for u in range(tl.max(tiles, axis=0)):  # the regions' tiles side by side, as many steps as the largest has
         keep = u < tiles
         row0 = seg_start + u * block_m
         tl.store(tile_expert_ptr + base + u, local, mask=keep)
