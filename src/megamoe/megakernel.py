@@ -290,8 +290,9 @@ class MegaKernel:
         world, s, c = self.world, self.shape, self.config
         n, k = x.shape[0], s.top_k
         me = world.rank
-        # 1. stage x (FP8: quantised too, once per token) and the routing ids
-        self.sym.local("x")[:n].copy_(x)
+        # 1. stage x (FP8: quantised, once per token; the BF16 rows only for the shared expert) and the routing ids
+        if not self.quantized or shared is not None:
+            self.sym.local("x")[:n].copy_(x)
         if self.quantized and n:  # straight into the symmetric rows the comm workers pull
             quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
                                                         self.sym.local("x_scale")[:n]))
