@@ -50,9 +50,10 @@ from megamoe.schedule import PullSchedule, build_pull_schedule
 from megamoe.world import BufferSpec, EPWorld, workspace
 
 #: Precisions of the routed experts (the shared expert stays BF16) -> (the kernel's FMT, elements per
-#: activation scale, scale dtype). The pulled rows are quantised on the way into the ring (1x32 / 1x128
-#: along D), the weights once per pass (mxfp8 1x32 along the reduction axis, fp8-block 128x128), act in
-#: the gate/up epilogue; MXFP8 runs dequantise-on-load tiles (megamoe.experts_mxfp8).
+#: activation scale, scale dtype). Each rank quantises its tokens while staging them (1x32 / 1x128 along
+#: D), the weights are quantised once per optimizer step (``quantize_experts``: mxfp8 1x32 along the
+#: reduction axis, fp8-block 128x128), act in the gate/up epilogue; MXFP8 runs dequantise-on-load tiles
+#: (megamoe.experts_mxfp8).
 FORMATS = {
     "bf16": (mk.FMT_BF16.value, 1, None),
     "mxfp8": (mk.FMT_MXFP8.value, MX_BLOCK, torch.uint8),
@@ -288,7 +289,7 @@ class MegaKernel:
                 raise ValueError("experts_q is for the FP8 precisions; this pass runs bf16 experts")
             experts_q.check_source(w_gate_up, w_down, self.precision)
         world, s, c = self.world, self.shape, self.config
-        n, k = x.shape[0], s.top_k
+        n = x.shape[0]
         me = world.rank
         # 1. stage x (FP8: quantised, once per token; the BF16 rows only for the shared expert) and the routing ids
         if not self.quantized or shared is not None:

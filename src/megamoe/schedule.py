@@ -173,7 +173,7 @@ def build_pull_schedule(
         backend: ``"triton"`` (two kernel launches, `megamoe.kernels.schedule`)
             or ``"torch"`` (~35 vectorised torch ops, below); None picks triton
             on a GPU (host time ~0.1 ms instead of ~2 ms) and torch on the CPU
-            (the interpreter runs the kernels' L*R programs one by one). Both
+            (the interpreter runs the kernels' programs one by one). Both
             give the same tensors.
 
     No host sync, no loop over routes, static shapes, deterministic; meant to
@@ -201,12 +201,12 @@ def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: i
     counts, tokens, offsets, num_rows = ints(L, R), ints(L), ints(L), ints()
     src_rank, src_index = ints(capacity), ints(capacity)
     blocks = max(1, -(-nk // ROUTE_BLOCK))
-    hist, prefix = ints(R, blocks, L), ints(R, blocks, L)
+    prefix = ints(R, blocks, L)  # each block's histogram, then (in place) the prefix sums over blocks
     arrived = torch.zeros((), dtype=torch.int32, device=device)
     bins = triton.next_power_of_2(L + 1)
     route_args = (nk, rank * L, L, R, blocks)
     schedule_kernels.route_histogram_kernel[(R * blocks,)](
-        ids, hist, prefix, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,
+        ids, prefix, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,
         align, BLOCK=ROUTE_BLOCK, BINS=bins, BLOCK_B=min(64, triton.next_power_of_2(blocks)),
         BLOCK_L=min(64, triton.next_power_of_2(L)))
     schedule_kernels.place_routes_kernel[(R * blocks,)](

@@ -12,7 +12,8 @@ qwen3.5-397b pass):
 
     route_histogram_kernel program (r, b): H[r, b, l], its block's routes to each local expert l,
                            and its share of the -1 fill of src_rank / src_index; the program that
-                           finishes last: P[r, b, l] = sum of H[r, b', l] over b' < b, M[l, r], T, S
+                           finishes last: P[r, b, l] = sum of H[r, b', l] over b' < b (in place of H),
+                           M[l, r], T, S
     place_routes_kernel    program (r, b): each route of the block to l goes to row S[l] + p, with
                            o = P[r, b, l] + the block's earlier routes to l
     row_tiles_kernel       program j: the tiles of every region inside minibatch j
@@ -36,17 +37,17 @@ def _routes(ids_ptr, rank, start, routes_per_rank, first_expert, num_experts, SI
 
 
 @triton.jit
-def route_histogram_kernel(ids_ptr, hist_ptr, prefix_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_ptr,
-                           arrived_ptr, src_rank_ptr, src_index_ptr, routes_per_rank, first_expert, num_experts,
-                           num_ranks, blocks, capacity, align, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                           BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
+def route_histogram_kernel(ids_ptr, hist_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_ptr, arrived_ptr,
+                           src_rank_ptr, src_index_ptr, routes_per_rank, first_expert, num_experts, num_ranks, blocks,
+                           capacity, align, BLOCK: tl.constexpr, BINS: tl.constexpr, BLOCK_B: tl.constexpr,
+                           BLOCK_L: tl.constexpr):
     """ids int `[R, N*k]` (global expert ids, -1 = none) -> hist int32 `[R, blocks, L]` (program r * blocks + b:
     its block's routes to each local expert); src_rank / src_index int32 `[capacity]` set to -1 (each program
     a share; place_routes_kernel writes the used rows). BINS > L is a power of two.
 
-    The program that finishes last (``arrived``, an int32 that starts at 0 and is left at 0) writes prefix
-    `[R, blocks, L]` (hist summed over the earlier blocks), counts M `[L, R]`, tokens T, offsets S and
-    num_rows: one program, as its work (R * blocks * L sums) is small next to the routes.
+    The program that finishes last (``arrived``: a zeroed int32) turns hist into its prefix sums in place
+    (``P[r, b, l]``: the routes to l in the blocks before b) and writes counts M `[L, R]`, tokens T, offsets S
+    and num_rows: one program, as its work (R * blocks * L sums) is small next to the routes.
     """
     pid = tl.program_id(0)
     _, local = _routes(ids_ptr, pid // blocks, pid % blocks * BLOCK, routes_per_rank, first_expert, num_experts,
@@ -76,7 +77,7 @@ def route_histogram_kernel(ids_ptr, hist_ptr, prefix_ptr, counts_ptr, tokens_ptr
                     at = (rank * blocks + b.to(tl.int64))[:, None] * num_experts + experts[None, :]
                     keep = (b[:, None] < blocks) & valid[None, :]
                     h = tl.load(hist_ptr + at, mask=keep, other=0)
-                    tl.store(prefix_ptr + at, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=keep)
+                    tl.store(hist_ptr + at, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=keep)
                     carry += tl.sum(h, axis=0)
                 tl.store(counts_ptr + experts * num_ranks + rank, carry, mask=valid)
                 tokens += carry
@@ -86,7 +87,6 @@ def route_histogram_kernel(ids_ptr, hist_ptr, prefix_ptr, counts_ptr, tokens_ptr
             tl.store(offsets_ptr + experts, starts, mask=valid)
             tl.store(num_rows_ptr + experts * 0, starts + tokens, mask=experts == num_experts - 1)
             running += tl.sum(padded, axis=0)
-        tl.atomic_xchg(arrived_ptr, 0)  # ready for the next build
 
 
 @triton.jit
