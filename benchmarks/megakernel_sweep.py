@@ -92,6 +92,10 @@ def run_rank(world, args, points) -> list[dict] | None:
             return megamoe_forward(*inputs, config=config, precision=args.precision, max_tokens=args.tokens,
                                    experts_q=experts_q, check=first)
         forward.calls = 0
+        if args.graph:
+            forward = graphed(forward, lambda config: megamoe_forward(
+                *inputs, config=config, precision=args.precision, max_tokens=args.tokens, experts_q=experts_q,
+                check=False))
     else:
         def forward(config):  # ignores config: runs the script end to end without the megakernel
             return unfused_moe_forward(*inputs)
@@ -129,6 +133,27 @@ def run_rank(world, args, points) -> list[dict] | None:
             "iters": len(times),
         })
     return results if world.rank == 0 else None
+
+
+def graphed(eager, capture):
+    """``forward(config)`` replaying a CUDA graph of ``capture(config)``: each new config first runs ``eager``
+    (compiles, builds the kernel, checks), then is captured once; the previous config's graph is dropped
+    first, since the megakernel cache keeps one config's buffers at a time."""
+    state = {"config": None, "graph": None, "out": None}
+
+    def forward(config):
+        if state["config"] == config:
+            state["graph"].replay()
+            return state["out"]
+        state.update(config=None, graph=None, out=None)
+        out = eager(config)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = capture(config)
+        state.update(config=config, graph=graph, out=captured)
+        return out
+
+    return forward
 
 
 def markdown(run: dict) -> str:
@@ -217,6 +242,8 @@ def main() -> int:
                         help="'' sweeps none: with --minibatch '' only the planner's point runs")
     parser.add_argument("--comm-chunks", type=int, default=0,
                         help="row chunks per comm copy step (default: the kernel's COMM_TUNING)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time passes replayed from a CUDA graph (megamoe on GPUs; each point captured once)")
     parser.add_argument("--grid", action="store_true", help="every (minibatch, comm_sms) pair, not two one-knob sweeps")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -230,6 +257,8 @@ def main() -> int:
         print(markdown(run))
         return 0
 
+    if args.graph and (not gpus or args.impl != "megamoe"):
+        parser.error("--graph times CUDA-graph replays of the megakernel: it needs --impl megamoe and a GPU")
     args.device = device = "cuda" if gpus else "cpu"
     args.sms = args.sms or (torch.cuda.get_device_properties(0).multi_processor_count if gpus else planner.H200_SMS)
     try:
@@ -243,7 +272,7 @@ def main() -> int:
     results = launch(run_rank, args.ep, args, points, device=device)[0]
     meta = run_metadata(device)
     run = {
-        "meta": {**meta, "impl": args.impl, "preset": args.preset, "ep": args.ep, "tokens_per_rank": args.tokens,
+        "meta": {**meta, "impl": args.impl + ("-graph" if args.graph else ""), "preset": args.preset, "ep": args.ep, "tokens_per_rank": args.tokens,
                  "precision": args.precision, "device": device,
                  "torch": torch.__version__,
                  "triton": triton.__version__, "command": " ".join(["python3", *sys.argv])},
