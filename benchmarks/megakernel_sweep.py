@@ -86,12 +86,12 @@ def run_rank(world, args, points) -> list[dict] | None:
         # FP8: the weights quantised once, as after an optimizer step (`megamoe bench` does the same)
         experts_q = None if args.precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, args.precision)
 
+        calls = [0]
+
         def forward(config):  # no host sync in the pass: N is the same on every rank; checks on the first
-            first = forward.calls == 0
-            forward.calls += 1
+            calls[0] += 1
             return megamoe_forward(*inputs, config=config, precision=args.precision, max_tokens=args.tokens,
-                                   experts_q=experts_q, check=first)
-        forward.calls = 0
+                                   experts_q=experts_q, check=calls[0] == 1)
         if args.graph:
             forward = graphed(forward, lambda config: megamoe_forward(
                 *inputs, config=config, precision=args.precision, max_tokens=args.tokens, experts_q=experts_q,
