@@ -8,13 +8,13 @@
 #              and fp8-block.
 #   qwen-comm: comm_sms sweeps of qwen3.5-397b, bf16 and fp8-block, 8 to 16 (where its copies stop keeping up).
 #   bench:     `megamoe bench` of the three presets, bf16 and fp8-block, eager and graphed, beside nccl-torch.
-#   qwen-graph: comm_sms sweeps of qwen3.5-397b replayed from CUDA graphs (no host launch time), bf16 and
-#              fp8-block, 14 to 20.
+#   graph-sweep: comm_sms sweeps replayed from CUDA graphs (no host launch time), bf16 and fp8-block, of
+#              PRESET (default qwen3.5-397b) at COMM_SMS (default 14,16,18,20).
 #   experts-qwen: the expert GEMM tiles alone on qwen3.5-397b's load (81,920 rows over 256 experts, one GPU),
 #              every candidate tile.
 #   ep1:       `megamoe bench` of kimi-k2 on one GPU (EP 1), bf16 and fp8-block, eager and graphed.
 set -u
-part=${1:?tests, profile, host, qwen-comm, bench, qwen-graph, experts-qwen or ep1}
+part=${1:?tests, profile, host, qwen-comm, bench, graph-sweep, experts-qwen or ep1}
 out=${2:?output folder}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -48,13 +48,14 @@ bench)
     timeout 270 python3 -m megamoe bench --preset $preset --tokens 8192 --ep 2 --impl nccl-torch,megamoe,megamoe-graph \
         --experts bf16,fp8-block --passes fwd --iters 10 --json "$out/$preset.json" --md "$out/$preset.md" 2>&1 | tail -8
   done ;;
-qwen-graph)
+graph-sweep)
+  preset=${PRESET:-qwen3.5-397b}
   for precision in bf16 fp8-block; do
-    mkdir -p "$out/qwen-graph-$precision"
-    timeout 240 python3 benchmarks/megakernel_sweep.py --impl megamoe --graph --preset qwen3.5-397b --tokens 8192 \
-        --iters 20 --warmup 2 --precision $precision --minibatch= --comm-sms=14,16,18,20 \
-        --out "$out/qwen-graph-$precision" > "$out/qwen-graph-$precision/sweep.log" 2>&1
-    tail -7 "$out/qwen-graph-$precision/sweep.log"
+    mkdir -p "$out/$preset-graph-$precision"
+    timeout 240 python3 benchmarks/megakernel_sweep.py --impl megamoe --graph --preset $preset --tokens 8192 \
+        --iters 20 --warmup 2 --precision $precision --minibatch= --comm-sms=${COMM_SMS:-14,16,18,20} \
+        --out "$out/$preset-graph-$precision" > "$out/$preset-graph-$precision/sweep.log" 2>&1
+    tail -8 "$out/$preset-graph-$precision/sweep.log"
   done ;;
 experts-qwen)
   timeout 300 python3 -m megamoe bench-experts --preset qwen3.5-397b --tokens 8192 --experts 256 --passes fwd \
