@@ -181,9 +181,10 @@ def store_home(acc, t0, t_end, n0, D, src_rank_ptr, src_index_ptr, combine_peer_
     rank = tl.load(src_rank_ptr + t, mask=ok, other=-1)
     ok = ok & (rank >= 0)
     slot = tl.load(src_index_ptr + t, mask=ok, other=0)
-    off = tl.multiple_of(peer_offset(rank, slot, ok, combine_peer_ptrs, combine_ptr, stride_combine), 8)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = ok[:, None] & (cols < D)[None, :]
+    # n0 inside the hinted offset: added to the columns instead, the hint is lost and the stores are 2-byte
+    off = tl.multiple_of(peer_offset(rank, slot, ok, combine_peer_ptrs, combine_ptr, stride_combine) + n0, 8)
+    cols = tl.arange(0, BLOCK_N)
+    mask = ok[:, None] & (n0 + cols < D)[None, :]
     tl.store(combine_ptr + off[:, None] + cols[None, :], acc.to(combine_ptr.dtype.element_ty), mask=mask)
 
 

@@ -60,8 +60,13 @@ def _cases():
     }
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 8, num_stages: int = 3):
-    """The compiled kernel for sm_90 (the interpreter must be off)."""
+def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 8, num_stages: int = 3,
+                 unaligned: tuple[str, ...] = ()):
+    """The compiled kernel for sm_90 (the interpreter must be off).
+
+    Specialised as a launch would specialise it: every pointer 16-byte aligned and every i32 a multiple of 16
+    (the kernels' sizes and strides are), except the names in ``unaligned`` and those the kernel does not
+    specialise."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,7 +75,10 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 8, 
     consts = {"DOT_FP32": False, "NUM_PROGRAMS": 132, "BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, "FLATTEN": False,
               **constexprs}
     consts = {name: value for name, value in consts.items() if name in signature}
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+    plain = {kernel.arg_names[p.num] for p in kernel.params if p.do_not_specialize} | set(unaligned)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+             if name not in plain and name not in consts and (kind.startswith("*") or kind == "i32")}
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -108,7 +116,7 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
     from megamoe.megakernel import COMM_TUNING, FORMATS, FP8_ROWS_TUNING
 
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
-    consts = dict(TOP_K=8, CHUNKS=7, BLOCK_D=1024, VROWS=16, ALIGN=8, HAS_SHARED=True, HAS_LIMIT=False,
+    consts = dict(TOP_K=8, HAS_SHARED=True, HAS_LIMIT=False,
                   DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
                   GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
                   SHARED_BK=64)
@@ -149,7 +157,8 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
 
 
 def megakernel_summary() -> dict:
-    """{format: {wgmma, wgmma_bf16, wgmma_fp8, tma, fence_proxy_async}} of the megakernel's sm_90 build."""
+    """{format: {wgmma, wgmma_bf16, wgmma_fp8, tma, fence_proxy_async, stores_b16, stores_v4}} of the
+    megakernel's sm_90 build."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
     from megamoe.kernels import megakernel as mk
@@ -164,6 +173,9 @@ def megakernel_summary() -> dict:
             "wgmma_fp8": ".e4m3.e4m3" in ptx,
             "tma": "cp.async.bulk.tensor" in ptx,
             "fence_proxy_async": "fence.proxy.async" in ptx,
+            # narrow stores of bf16 rows (the combine stores cross NVLink: 2-byte writes there cost ms)
+            "stores_b16": ptx.count("st.global.b16"),
+            "stores_v4": ptx.count("st.global.v4"),
         }
     return out
 
