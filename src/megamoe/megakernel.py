@@ -8,10 +8,9 @@ captured in a CUDA graph once ``check=False``):
 2. a device barrier across ranks (every x and routing row is in place);
 3. the pull schedule and its minibatch row tiles, built on the device;
 4. the megakernel (``megamoe.kernels.megakernel``): communication workers pull
-   minibatches into the ring, compute workers run the shared expert and the
-   routed gate/up + SwiGLU and down tiles, whose epilogues store the outputs
-   into their home ranks' combine slots; it ends with a barrier across ranks
-   (every combine store landed);
+   minibatches into the ring and push finished ones home, compute workers run
+   the shared expert and the routed gate/up + SwiGLU and down tiles; it ends
+   with a barrier across ranks (every push landed);
 5. the weighted sum of each token's k combine slots (router weights, fixed
    order) plus the shared output, rounded once to bf16.
 
@@ -204,10 +203,11 @@ class MegaKernel:
         block, scales = self.scale_block, dict(dtype=scale_dtype, device=dev)
         self.ring_scale = torch.zeros(c.ring_rows, D // block, **scales) if self.quantized else None
         self.act_scale = torch.zeros(c.ring_rows, I // block, **scales) if self.quantized else None
+        self.y = torch.empty(c.ring_rows, D, **bf16)
         self.shared_h = torch.empty(max(N, 1), 2 * Is, **bf16) if Is else None
         self.shared_act = torch.zeros(max(N, 1), Is, **bf16) if Is else None
         self.shared_y = torch.empty(max(N, 1), D, **bf16) if Is else None
-        # counters: rows_ready [M] | y_done [M] | tile_done [tiles] | shared_done [shared tiles] | pass_done [1]
+        # counters: rows_ready [M] | y_done [M] | tile_done [tiles] | shared_done [shared tiles] | comm_done [1]
         self.max_batches = max(1, -(-shape.capacity // c.minibatch))
         self.max_tiles = -(-shape.capacity // c.tile_m) + shape.experts_per_rank + self.max_batches
         shared_tiles = -(-max(N, 1) // c.tile_m)
@@ -343,9 +343,10 @@ class MegaKernel:
             self._shared_x_desc = desc(self.sym.local("x"), [bm, sbk])
             self._shared_act_desc = desc(self.shared_act, [bm, sbk])
         M, T = self.max_batches, self.max_tiles
-        # rows_ready, tile_done, y_done, shared_done, pass_done (the kernel's argument order)
+        # rows_ready, tile_done, y_done, shared_done, comm_done (the kernel's argument order)
         self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
                                self.counters[2 * M + T: -1], self.counters[-1:])
+        block_d, chunks, vrows, align = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
         if self.quantized:  # E4M3 rows and their scales
             x_q, x_scale = self.sym.local("x_q"), self.sym.local("x_scale")
             self._pulled_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),
@@ -355,11 +356,11 @@ class MegaKernel:
         else:  # BF16 rows; the scales are never read
             x_sym = self.sym.local("x")
             self._pulled_args = (self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.sym.peer_ptrs("x"), x_sym, 0)
-            rows_tile = scales_tile = _tile(s.hidden, 2, COMM_TUNING)
+            rows_tile = scales_tile = (block_d, chunks, vrows, align)
         pulled = dict(**dict(zip(("P_BLOCK_D", "P_CHUNKS", "P_VROWS", "P_ALIGN"), rows_tile)),
                       **dict(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), scales_tile)))
         self._consts = dict(
-            TOP_K=s.top_k, DOT_FP32=interpreting(),
+            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
             FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),
@@ -388,7 +389,7 @@ class MegaKernel:
                            self._shared_act_desc, desc(shared[1], [shared_down.block_n, sbk]),
                            self.shared_y, self.shared_y.stride(0))
         else:  # never read (HAS_SHARED=False)
-            shared_args = (self._ring_desc, w_gu_desc, self.h, self.act, 0, 0, self._act_desc, w_dn_desc, self.h, 0)
+            shared_args = (self._ring_desc, w_gu_desc, self.h, self.act, 0, 0, self._act_desc, w_dn_desc, self.y, 0)
         combine = self.sym.local("combine")
         bytes_view = (lambda t: t.view(torch.uint8)) if self.quantized else (lambda t: t)
         args = (
@@ -397,7 +398,7 @@ class MegaKernel:
             *self._pulled_args, bytes_view(self.ring_x), self.ring_x.stride(0),
             self.sym.peer_ptrs("combine"), combine, combine.stride(0),
             self._ring_desc, w_gu_desc, self.h, bytes_view(self.act), self.h.stride(0), self.act.stride(0),
-            self._act_desc, w_dn_desc,
+            self._act_desc, w_dn_desc, self.y, self.y.stride(0),
             *scale_args,
             *shared_args,
             *self._counter_views,
@@ -426,10 +427,16 @@ class MegaKernel:
             step(mk.PHASE_SHARED_GATE_UP.value, compute)
             step(mk.PHASE_SHARED_DOWN.value, compute)
         batches = -(-int(schedule.num_rows) // c.minibatch)  # the CPU: reading it costs nothing
-        for j in reversed(range(batches)):  # a ring slot is pulled into again only after the down step read it
+        slots = c.ring_rows // c.minibatch
+        for p in range(batches):
+            j = batches - 1 - p
+            if p >= slots:
+                step(mk.PHASE_PUSH.value, c.comm_sms, j + slots)
             step(mk.PHASE_PULL.value, c.comm_sms, j)
             step(mk.PHASE_GATE_UP.value, compute, j)
             step(mk.PHASE_DOWN.value, compute, j)
+        for p in range(max(batches - slots, 0), batches):
+            step(mk.PHASE_PUSH.value, c.comm_sms, batches - 1 - p)
 
     def _check_occupancy(self, args, consts) -> None:
         """Refuse a grid whose programs cannot all be resident at once (they would wait on each other forever)."""

@@ -9,10 +9,9 @@ minibatch at a time. The planner applies three rules and prints why:
    ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (DESIGN §4; MoK: 128x256
    tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
 2. Communication keeps up: the fewest comm SMs whose measured per-SM copy
-   rate pulls the routed rows (local rows too) in at most ``COMM_SLACK`` of
-   the time the compute SMs take over them (padded to whole row tiles per
-   expert) and the shared expert (the first pulls overlap it). The combine
-   is not theirs: the down tiles' epilogues store into the home ranks' slots.
+   rate moves the routed rows (dispatch + combine, local rows too) in at most
+   ``COMM_SLACK`` of the time the compute SMs take over them (padded to whole
+   row tiles per expert) and the shared expert (the first pulls overlap it).
 3. Ring: room for every row a rank expects under balanced routing (N·k), in
    whole minibatches, so a balanced backward replays nothing; skewed routing
    wraps the ring (never drops).
@@ -118,15 +117,15 @@ def copy_gbps_per_sm(hidden: int) -> float:
 
 def _comm_over_compute(cfg: MoEConfig, ep: int, tokens: int, comm_sms: int, num_sms: int, precision: str,
                        tile_m: int = 128) -> float:
-    """Time for the comm SMs to pull a routed row over the compute SMs' time per row.
+    """Time for the comm SMs to move a routed row (dispatch + combine) over the compute SMs' time per row.
 
-    Every row counts, local ones too: the comm workers copy local rows into the ring as well (megakernel
-    trace, kimi-k2 EP 2: 10 SMs planned on remote bytes alone fell 2.7 ms behind the compute SMs). The
-    combine costs them nothing: the down tiles store their rows into the home ranks' slots. The routed compute time counts the rows padding
+    Every row counts, local ones too: the comm workers copy local rows into the ring and back to the
+    combine slots as well (megakernel trace, kimi-k2 EP 2: 10 SMs planned on remote bytes alone
+    finished their pushes 2.7 ms after the compute SMs). The routed compute time counts the rows padding
     each expert's last tile (``tile_use``: kimi-k2 at EP 1 fills 67 %); it includes the shared expert's share
     (BF16, its tokens spread over their k routed rows under balanced routing): the pulls start under it.
     """
-    row_bytes = cfg.hidden * ELEMENT_BYTES[precision]  # the pull (E4M3 + scales with FP8)
+    row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0)  # pull (maybe FP8) + push back (BF16)
     comm_s = row_bytes / (comm_sms * copy_gbps_per_sm(cfg.hidden) * 1e9)
     share = (num_sms - comm_sms) / num_sms
     compute_s = (cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * tile_use(cfg, ep, tokens, tile_m))
@@ -165,7 +164,7 @@ def plan(
         comm_sms = fitting[0]
         ratio = _comm_over_compute(cfg, ep, tokens, comm_sms, num_sms, precision, tile_m)
         why.append(f"comm_sms {comm_sms}: at {copy_gbps_per_sm(cfg.hidden):.1f} GB/s per SM (D {cfg.hidden}), "
-                   f"pulling a row (local rows too: the comm workers copy them) takes {ratio:.0%} of computing it and its share "
+                   f"moving a row there and back (local rows too: the comm workers copy them) takes {ratio:.0%} of computing it and its share "
                    f"of the shared expert on the other {num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; "
                    f"{GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate on full tiles, "
                    f"{tile_use(cfg, ep, tokens, tile_m):.0%} of the tile rows filled)")
@@ -204,6 +203,7 @@ def plan(
         "ring rows [ring, D]": int(ring_rows * d * act_bytes),
         "ring pre-activation h [ring, 2I] (backward)": ring_rows * 2 * i * 2,
         "ring activation [ring, I]": int(ring_rows * i * act_bytes),
+        "ring expert outputs y [ring, D]": ring_rows * d * 2,
         **({"shared expert h, act, y [N, 3*Is + D]": tokens * (3 * sum(cfg.shared) + d) * 2} if cfg.shared else {}),
     }
     why.append(f"memory per rank {sum(memory.values()) / 2**30:.2f} GiB besides the weights")

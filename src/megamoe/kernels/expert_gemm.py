@@ -99,29 +99,18 @@ def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0,
 
 
 @triton.jit
-def down_acc(
-    act_desc, w_desc, row0, expert, n0, D, K,
-    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """The FP32 [BLOCK_M x BLOCK_N] product act[row0:] · w_down[expert][n0:]ᵀ (K = I): a down tile before
-    its store."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_row = expert * D + n0
-    for k in range(0, K, BLOCK_K):
-        a = act_desc.load([row0, k])
-        w = w_desc.load([w_row, k])
-        acc = tile_dot(a, w.T, acc, DOT_FP32)
-    return acc
-
-
-@triton.jit
 def down_tile(
     act_desc, w_desc, y_ptr, stride_y,
     row0, row_end, expert, n0, D, K,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M x BLOCK_N] tile of y = act · w_down[expert]ᵀ (K = I), rows < row_end."""
-    acc = down_acc(act_desc, w_desc, row0, expert, n0, D, K, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_row = expert * D + n0
+    for k in range(0, K, BLOCK_K):
+        a = act_desc.load([row0, k])
+        w = w_desc.load([w_row, k])
+        acc = tile_dot(a, w.T, acc, DOT_FP32)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = (rows < row_end)[:, None] & (cols < D)[None, :]

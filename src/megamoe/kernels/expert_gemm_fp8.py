@@ -104,11 +104,13 @@ def gate_up_fp8_tile(
 
 
 @triton.jit
-def down_fp8_acc(
-    act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws_n, row0, row_end, expert, n0, D, K,
+def down_fp8_tile(
+    act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
+    stride_as, stride_ws_n, stride_y,
+    row0, row_end, expert, n0, D, K,
     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The FP32 product of a down tile (``down_fp8_tile`` before its store); scales of rows >= row_end read 0."""
+    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I), rows < row_end."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_row = expert * D + n0
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -122,21 +124,6 @@ def down_fp8_acc(
         a_s = tl.load(as_rows + kb, mask=row_ok, other=0.0)
         s = _w_scales(ws_base, n0, kb, stride_ws_n, BLOCK_N)
         acc += _dot_block(a, w, DOT_FP32) * (a_s[:, None] * s)
-    return acc
-
-
-@triton.jit
-def down_fp8_tile(
-    act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
-    stride_as, stride_ws_n, stride_y,
-    row0, row_end, expert, n0, D, K,
-    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I), rows < row_end."""
-    acc = down_fp8_acc(act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws_n, row0, row_end, expert,
-                       n0, D, K, DOT_FP32, BLOCK_M, BLOCK_N)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < D)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)

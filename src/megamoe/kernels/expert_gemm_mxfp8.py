@@ -225,21 +225,6 @@ def gate_up_mxfp8_tile(
 
 
 @triton.jit
-def down_mxfp8_acc(
-    act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws, row0, row_end, expert, n0, D, W_ROWS, K,
-    RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """The FP32 product of a down tile (``down_mxfp8_tile`` before its store)."""
-    row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
-    acc, _unused = _mx_gemm_pair(
-        act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws,
-        row0, row_ok, expert * D + n0, 0, W_ROWS, K,
-        False, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-    return acc
-
-
-@triton.jit
 def down_mxfp8_tile(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
     row0, row_end, expert, n0, D, W_ROWS, K,
@@ -249,8 +234,10 @@ def down_mxfp8_tile(
     """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I), rows < row_end.
     W_ROWS: rows of the flattened [L*D, I] weight."""
     row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
-    acc = down_mxfp8_acc(act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws, row0, row_end, expert,
-                         n0, D, W_ROWS, K, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, _unused = _mx_gemm_pair(
+        act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws,
+        row0, row_ok, expert * D + n0, 0, W_ROWS, K,
+        False, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < D)[None, :]
     y_base = y_ptr + row0.to(tl.int64) * stride_y

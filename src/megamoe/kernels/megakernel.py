@@ -8,10 +8,9 @@ counters (zeroed before each pass):
 
     rows_ready[j]     comm workers that pulled their share of minibatch j   (target comm_sms)
     tile_done[t]      gate/up n-tiles finished of row tile t                (target cdiv(I, BN_GU))
-    y_done[j]         down tasks finished of minibatch j, counted only when the ring wraps
-                      (target tiles(j) * cdiv(D, BN_DN))
+    y_done[j]         down tasks finished of minibatch j                     (target tiles(j) * cdiv(D, BN_DN))
     shared_done[t]    gate/up n-tiles finished of shared row tile t
-    pass_done         programs finished (the last one opens the end-of-pass barrier across ranks)
+    comm_done         comm workers finished (the last one opens the end-of-pass barrier across ranks)
 
 Minibatch j holds routed rows ``[j*mb, min((j+1)*mb, num_rows))`` and lives in
 ring slot ``j mod slots`` (ring rows ``slot*mb ..``): row t sits at ring row
@@ -19,22 +18,17 @@ ring slot ``j mod slots`` (ring rows ``slot*mb ..``): row t sits at ring row
 the ring left after the pass holds the first ``slots`` minibatches.
 
 Communication worker c, for each visited minibatch j: if the slot was used
-(by j + slots), wait until that minibatch's down tasks are done (y_done);
-then pull its share of j's rows into the slot and release rows_ready[j].
+(by j + slots), push that minibatch's outputs home first (wait y_done); then
+pull its share of j's rows into the slot and release rows_ready[j]. After the
+last pull it pushes the minibatches still in the ring, in visit order.
 
 Compute worker: the shared expert's gate/up and down tiles over this rank's
 tokens (no wait on communication), then per visited minibatch: wait
 rows_ready[j], gate/up + SwiGLU tasks (release tile_done), down tasks (each
-waits for its row tile's gate/up) whose epilogue stores the rows straight
-into their home ranks' combine slots (the combine push, fused: no copy of
-the outputs through the comm workers). Tasks are dealt from one global list
-in that order, round robin over the compute workers; every wait targets an
-earlier task of the list, so the waits cannot cycle.
-
-Every program ends with an arrival (acq_rel, system scope) on pass_done; the
-last one tells every rank that this rank's combine stores landed and waits
-for theirs, so the weighted sum launched after the kernel reads complete
-slots.
+waits for its row tile's gate/up) into the ring's y rows (release y_done).
+Tasks are dealt from one global list in that order, round robin over the
+compute workers; every wait targets an earlier task of the list, so the
+waits cannot cycle.
 
 Waits poll with acquire atomics within a per-program budget of polls; on
 timeout the first failing wait writes ``[wait id, index, target, seen]`` to
@@ -52,12 +46,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, peer_offset, pull_tile, signal_and_wait
+from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, pull_tile, push_tile, signal_and_wait
 from triton.language.extra.cuda import globaltimer
 
-from megamoe.kernels.expert_gemm import down_acc, down_tile, gate_up_swiglu_tile, grouped_task
-from megamoe.kernels.expert_gemm_fp8 import down_fp8_acc, gate_up_fp8_tile
-from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_acc, gate_up_mxfp8_tile
+from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
+from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
+from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_tile, gate_up_mxfp8_tile
 
 #: Wait ids of the error word (megamoe.megakernel names them).
 WAIT_ROWS_READY = tl.constexpr(1)
@@ -74,6 +68,7 @@ PHASE_SHARED_DOWN = tl.constexpr(2)
 PHASE_PULL = tl.constexpr(3)
 PHASE_GATE_UP = tl.constexpr(4)
 PHASE_DOWN = tl.constexpr(5)
+PHASE_PUSH = tl.constexpr(6)
 
 #: FMT values: how the routed rows, act and weights are stored (the pull's QUANT codes).
 FMT_BF16 = tl.constexpr(0)
@@ -172,20 +167,24 @@ def comm_pull(
 
 
 @triton.jit
-def store_home(acc, t0, t_end, n0, D, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A down tile's rows (schedule rows ``t0 ..`` below t_end, columns n0..) into their combine slots:
-    row t to slot ``src_index[t]`` of rank ``src_rank[t]`` (16-byte stores through the peer table)."""
-    t = t0 + tl.arange(0, BLOCK_M)
-    ok = t < t_end
-    rank = tl.load(src_rank_ptr + t, mask=ok, other=-1)
-    ok = ok & (rank >= 0)
-    slot = tl.load(src_index_ptr + t, mask=ok, other=0)
-    # n0 inside the hinted offset: added to the columns instead, the hint is lost and the stores are 2-byte
-    off = tl.multiple_of(peer_offset(rank, slot, ok, combine_peer_ptrs, combine_ptr, stride_combine) + n0, 8)
-    cols = tl.arange(0, BLOCK_N)
-    mask = ok[:, None] & (n0 + cols < D)[None, :]
-    tl.store(combine_ptr + off[:, None] + cols[None, :], acc.to(combine_ptr.dtype.element_ty), mask=mask)
+def comm_push(
+    j, c, comm_sms, num_rows, minibatch, slots, budget,
+    y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+    y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, num_n_down,
+    CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, WAIT: tl.constexpr,
+    TRACE: tl.constexpr,
+):
+    """Once minibatch j's down tasks are done, worker c's share of its rows to their home combine slots."""
+    tiles = tl.load(minibatch_tiles_ptr + j + 1) - tl.load(minibatch_tiles_ptr + j)
+    budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_Y_DONE, WAIT,
+                          TRACE)
+    first_row = j.to(tl.int64) * minibatch
+    end_row = tl.minimum(first_row + minibatch, num_rows)
+    src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
+    for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
+        push_tile(v0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
+                  combine_ptr, stride_combine, 1, True, CHUNKS, BLOCK_D, VROWS, ALIGN)
+    return budget
 
 
 @triton.jit
@@ -241,20 +240,14 @@ def compute_gate_up(
 
 @triton.jit
 def compute_down(
-    j, c, workers, dealt, minibatch, slots, wraps, budget,
-    act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
-    src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+    j, c, workers, dealt, minibatch, slots, budget,
+    act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
     error_ptr, trace_ptr, experts, I, D,
     DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Worker c's down tasks of minibatch j (each after its row tile's gate/up), stored into the home ranks'
-    combine slots; returns (dealt, budget).
-
-    y_done counts the tasks only when the ring ``wraps`` (a pull waits for them before reusing the slot): its
-    release would also wait for this program's combine stores to reach the peers.
-    """
+    """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     num_n = tl.cdiv(D, BN_DN)
@@ -267,22 +260,19 @@ def compute_down(
                               WAIT_TILE_DONE, WAIT, TRACE)
         fence_async_proxy(FENCE)
         expert = tl.load(tile_expert_ptr + tile)
-        first_row = tl.load(tile_row0_ptr + tile)
-        end_row = tl.load(tile_row_end_ptr + tile)
-        row0, row_end = first_row + shift, end_row + shift
+        row0 = tl.load(tile_row0_ptr + tile) + shift
+        row_end = tl.load(tile_row_end_ptr + tile) + shift
         if FMT == FMT_FP8_BLOCK:
-            acc = down_fp8_acc(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-                               stride_wdn_scale, row0, row_end, expert, n * BN_DN, D, I, DOT_FP32, BLOCK_M, BN_DN)
+            down_fp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
+                          stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, I, DOT_FP32, BLOCK_M, BN_DN)
         elif FMT == FMT_MXFP8:
-            acc = down_mxfp8_acc(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-                                 stride_wdn_scale, row0, row_end, expert, n * BN_DN, D, experts * D, I,
-                                 False, False, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+            down_mxfp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
+                            stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, experts * D, I,
+                            False, False, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
         else:
-            acc = down_acc(act_desc, w_down_desc, row0, expert, n * BN_DN, D, I, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
-        store_home(acc, first_row, end_row, n * BN_DN, D, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
-                   combine_ptr, stride_combine, BLOCK_M, BN_DN)
-        if wraps:
-            release_add(y_done_ptr + j)
+            down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
+                      DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+        release_add(y_done_ptr + j)
     return dealt + tasks, budget
 
 
@@ -332,8 +322,8 @@ def megakernel(
     # ring's rows (and scales), symmetric combine slots (pushed)
     rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales, ring_ptr, stride_ring,
     combine_peer_ptrs, combine_ptr, stride_combine,
-    # routed experts over the ring (their down tiles store into the combine slots)
-    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc,
+    # routed experts over the ring
+    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc, y_ptr, stride_y,
     # FP8 scales of the ring rows, the gate/up and down weights and act (MXFP8: E8M0 1x32; FP8-block: fp32
     # 1x128, weights 128x128)
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, w_down_scale_ptr,
@@ -342,11 +332,12 @@ def megakernel(
     shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr, stride_shared_h, stride_shared_act,
     shared_act_desc, shared_w_down_desc, shared_y_ptr, stride_shared_y,
     # counters, flags, error word
-    rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, pass_done_ptr,
+    rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
     tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, phase_minibatch,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
+    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
@@ -365,15 +356,34 @@ def megakernel(
         if pid < comm_sms:
             for p in range(batches):
                 j = batches - 1 - p
-                if p >= slots:  # the slot still holds minibatch j + slots: wait until its down tasks read it
-                    tiles = tl.load(minibatch_tiles_ptr + j + slots + 1) - tl.load(minibatch_tiles_ptr + j + slots)
-                    budget = wait_counter(y_done_ptr + j + slots, tiles * tl.cdiv(D, BN_DN), budget, error_ptr,
-                                          j + slots, trace_ptr, WAIT_Y_DONE, WAIT, TRACE)
+                if p >= slots:  # the slot still holds minibatch j + slots: send it home first
+                    budget = comm_push(
+                        j + slots, pid, comm_sms, num_rows, minibatch, slots, budget,
+                        y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+                        y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                        CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
                           src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale,
                           rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_BLOCK_D, P_VROWS, P_ALIGN,
                           S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN)
+            for p in range(tl.maximum(batches - slots, 0), batches):
+                budget = comm_push(
+                    batches - 1 - p, pid, comm_sms, num_rows, minibatch, slots, budget,
+                    y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+                    y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                    CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
+            # End of pass: the last comm worker of this rank tells every rank its pushes landed and waits
+            # for theirs (system scope), so the epilogue launched after this kernel reads complete slots.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(comm_done_ptr, 1, sem="acq_rel", scope="sys")
+            if arrived == comm_sms - 1:
+                epoch = tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1  # once, not per thread
+                signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, tl.maximum(budget, 1),
+                                error_ptr, WAIT_PASS_END)
+            tl.debug_barrier()
+            if TRACE:
+                tl.store(trace_ptr + TRACE_END, globaltimer())
         else:
             c = pid - comm_sms
             workers = tl.num_programs(0) - comm_sms
@@ -399,23 +409,13 @@ def megakernel(
                     rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
                     HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
                 dealt, budget = compute_down(
-                    j, c, workers, dealt, minibatch, slots, batches > slots, budget,
-                    act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
-                    src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
-                    error_ptr, trace_ptr, experts, I, D,
+                    j, c, workers, dealt, minibatch, slots, budget,
+                    act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
+                    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                    tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                     DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
-        if TRACE:
-            tl.store(trace_ptr + TRACE_END, globaltimer())
-        # End of pass: the last program of this rank tells every rank that its combine stores landed and waits
-        # for theirs (system scope), so the weighted sum launched after this kernel reads complete slots.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(pass_done_ptr, 1, sem="acq_rel", scope="sys")
-        if arrived == tl.num_programs(0) - 1:
-            epoch = tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1  # once, not per thread
-            signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, tl.maximum(budget, 1),
-                            error_ptr, WAIT_PASS_END)
-        tl.debug_barrier()
+            if TRACE:
+                tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
         # One step for all workers of one role: program pid is worker pid of tl.num_programs(0).
         workers = tl.num_programs(0)
@@ -443,12 +443,16 @@ def megakernel(
                             HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
                             GROUP_GU)
         elif PHASE == PHASE_DOWN:
-            compute_down(j, pid, workers, 0, minibatch, slots, False, budget,
-                         act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
-                         src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                         tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr,
-                         y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+            compute_down(j, pid, workers, 0, minibatch, slots, budget,
+                         act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
+                         stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                         tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                          DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+        elif PHASE == PHASE_PUSH:
+            comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
+                      y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
+                      y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                      CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
 
 
 @triton.jit(do_not_specialize=["my_rank", "budget"])

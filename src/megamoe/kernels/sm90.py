@@ -116,7 +116,7 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
     from megamoe.megakernel import COMM_TUNING, FORMATS, FP8_ROWS_TUNING
 
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
-    consts = dict(TOP_K=8, HAS_SHARED=True, HAS_LIMIT=False,
+    consts = dict(TOP_K=8, CHUNKS=7, BLOCK_D=1024, VROWS=16, ALIGN=8, HAS_SHARED=True, HAS_LIMIT=False,
                   DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
                   GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
                   SHARED_BK=64)
