@@ -33,7 +33,8 @@ def _trace(world, a):
     p = make_problem(cfg, world.rank, world.size, a.tokens, dtype=torch.bfloat16, device=world.device)
     fused = fuse_shared(p.shared)
     shape = LayerShape.of(cfg, world.size, a.tokens)
-    kernel = MegaKernel(world, shape, megakernel_args.config_for(a, world, shape), precision=a.precision, trace=True)
+    kernel = MegaKernel(world, shape, megakernel_args.config_for(a, world, shape), precision=a.precision, trace=True,
+                        one_rank_megakernel=True)
     c = kernel.config
     summaries = []
     for _ in range(a.passes):

@@ -43,8 +43,8 @@ def main() -> None:
 
             def run():
                 mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
-                    combine, combine.stride(0), top, weights, shared_y, shared_y.stride(0), out, out.stride(0), n, d,
-                    TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
+                    combine, combine.stride(0), top, top, weights, shared_y, shared_y.stride(0), out, out.stride(0), n,
+                    d, TOP_K=k, HAS_SHARED=shared, GATHER=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
             ms = triton.testing.do_bench(run, return_mode="median")
             first = out.clone() if first is None else first
             results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps,

@@ -223,6 +223,33 @@ def test_experts_q_refuses_other_weights_precisions_and_stale_packs():
     assert "bfloat16" in errors[3] and "precision" in errors[4] and "changed since" in errors[5]
 
 
+def _one_rank(world, precision):
+    p = _problem(world, FP8_CONFIG, (41,), "uniform", 0.1, 7)
+    want = ep_reference_forward_backward(world, p, with_grads=False)[0]
+    shape, fused = LayerShape.of(FP8_CONFIG, 1, 41), fuse_shared(p.shared)
+    runs = {}
+    for megakernel in (False, True):
+        kernel = MegaKernel(world, shape, ROOMY, precision=precision, one_rank_megakernel=megakernel)
+        out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
+        rows = int(ctx.schedule.num_rows)
+        runs[megakernel] = (kernel.direct, out, ctx.ring_x[:rows].view(torch.uint8), ctx.act[:rows].view(torch.uint8),
+                            ctx.h[:rows], ctx.shared_act)
+        del kernel
+    (direct, *a), (fused_direct, *b) = runs[False], runs[True]
+    return {"paths": (direct, fused_direct), "same_bits": [torch.equal(u, v) for u, v in zip(a, b)],
+            "out": compare({"out": a[0].float()}, {"out": want.float()}, "bf16")}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-block", "mxfp8"])
+def test_one_rank_runs_the_expert_kernels_with_the_megakernels_bits(precision):
+    """At one rank a pass gathers the rows and runs the expert kernels on every SM instead of the megakernel: the
+    same output, ring rows, pre-activations and activations, bit for bit, as the megakernel on the same rank."""
+    r = launch(_one_rank, 1, precision)[0]
+    assert r["paths"] == (True, False), r
+    assert all(r["same_bits"]), r
+    assert r["out"]["rel_err"] < (1e-2 if precision == "bf16" else 6e-2), r
+
+
 def _plan_and_buffers(world, precision):
     """The planner's memory entries for the forward's buffers, and the bytes a MegaKernel allocates for them."""
     from megamoe.plan import plan
@@ -415,7 +442,7 @@ def _error_word(world):
 
     p = make_problem(CONFIG, world.rank, world.size, 8, dtype=torch.bfloat16)
     fused = fuse_shared(p.shared)
-    kernel = MegaKernel(world, LayerShape.of(CONFIG, 1, 8))
+    kernel = MegaKernel(world, LayerShape.of(CONFIG, 1, 8), one_rank_megakernel=True)
     kernel.error.copy_(torch.tensor([mk.WAIT_TILE_DONE.value, 7, 2, 1], dtype=torch.int32))
     return raised((kernel.check_errors,
                    lambda: kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)),

@@ -14,6 +14,11 @@ captured in a CUDA graph once ``check=False``):
 5. the weighted sum of each token's k combine slots (router weights, fixed
    order) plus the shared output, rounded once to bf16.
 
+One rank has no peers and so nothing to overlap: there (unless asked for the
+megakernel) steps 2 and 4 become a gather of the routed rows into the ring and
+the expert kernels on every SM (``megamoe.experts``: the same tile functions,
+the same bits), and the weighted sum reads each route's output row in place.
+
 On the CPU (the Triton interpreter runs programs one after another, so
 programs cannot wait for each other) step 4 runs in phases: the same kernel
 code, one step of one role per launch, sequenced by the host, with host
@@ -38,9 +43,10 @@ from megamoe import checks
 from megamoe.comm import DEFAULT_WAIT_BUDGET, DEFAULT_WAIT_BUDGET_INTERPRETED, _tile
 from megamoe.comm import CommTuning
 from megamoe.config import MoEConfig
-from megamoe.experts import RowTiles, TileConfig, build_row_tiles, interpreting, plan_tiles
-from megamoe.experts_fp8 import plan_tiles_fp8
-from megamoe.experts_mxfp8 import plan_tiles_mxfp8
+from megamoe.experts import (ExpertForward, ExpertForwardQuantized, RowTiles, TileConfig, build_row_tiles,
+                             expert_forward, interpreting, plan_tiles)
+from megamoe.experts_fp8 import expert_forward_fp8_block, plan_tiles_fp8
+from megamoe.experts_mxfp8 import expert_forward_mxfp8, plan_tiles_mxfp8
 from megamoe.formats import FP8_BLOCK, MX_BLOCK
 from megamoe.kernels import megakernel as mk
 from megamoe.kernels.quant import quantize_activations, soft_e4m3_default
@@ -170,7 +176,8 @@ class MegaKernel:
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
-                 precision: str = "bf16", wait_budget: int | None = None, trace: bool = False):
+                 precision: str = "bf16", wait_budget: int | None = None, trace: bool = False,
+                 one_rank_megakernel: bool = False):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
         self.world, self.shape, self.precision = world, shape, precision
@@ -220,6 +227,17 @@ class MegaKernel:
         self.budget = wait_budget or (DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
         self._prepare_launches()
+        # One rank: the expert kernels on every SM, unless the megakernel is asked for or the ring is too small
+        # to hold every routed row (kimi-k2 at EP 1: the megakernel's comm workers would only copy local rows,
+        # and it ran 0.95x of nccl-torch; benchmarks/results/2026-11-30-one-rank)
+        self.direct = R == 1 and not one_rank_megakernel and c.ring_rows >= shape.capacity
+        if self.direct:
+            ints = dict(dtype=torch.int32, device=dev)
+            self._schedule_rows = torch.arange(shape.capacity, **ints)
+            # the schedule's unused rows (src_index -1) scatter past the routes, each to its own entry
+            self._spare_routes = max(N, 1) * k + self._schedule_rows
+            self._route_rows = torch.empty(2 * shape.capacity, **ints)
+            self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
         self._broken: str | None = None
         self._checked_occupancy = False
 
@@ -303,16 +321,20 @@ class MegaKernel:
             if n < row.shape[0]:  # padding rows: no route
                 row[n:].fill_(-1)
         # 2. every rank staged
-        self._barrier(0)
+        if not self.direct:
+            self._barrier(0)
         # 3. the schedule and its minibatch row tiles
         schedule = build_pull_schedule(self.sym.local("routing")[:, : max(s.max_tokens, 1)], me, s.experts_per_rank)
         tiles = build_row_tiles(schedule.tokens_per_expert, schedule.offsets, schedule.capacity, c.tile_m,
                                 minibatch=c.minibatch)
-        self.counters.zero_()
-        if self.trace is not None:
-            self.trace.zero_()
-        # 4. the megakernel
-        self._launch(n, schedule, tiles, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+        # 4. the megakernel (one rank: the expert kernels)
+        if self.direct:
+            self._run_experts(x, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+        else:
+            self.counters.zero_()
+            if self.trace is not None:
+                self.trace.zero_()
+            self._launch(n, schedule, tiles, w_gate_up, w_down, experts_q, shared, swiglu_limit)
         # 5. the weighted sum
         out = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=x.device)
         if n:
@@ -451,17 +473,46 @@ class MegaKernel:
                              f"of shared memory per program: one program per SM does not fit")
         self._checked_occupancy = True
 
+    def _run_experts(self, x, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:
+        """One rank: the routed rows gathered into the ring, the expert kernels on every SM, and the map from
+        each route to its output row (the weighted sum reads the rows in place: no combine copy)."""
+        cap, n = schedule.capacity, x.shape[0]
+        rows = slice(0, cap)
+        # rows past num_rows (dropped routes, src_index -1) gather token 0: no tile reads them
+        token = (schedule.src_index.clamp(min=0) // self.shape.top_k).long()
+        counts, offsets = schedule.tokens_per_expert, schedule.offsets
+        if self.quantized:
+            q = experts_q or quantize_experts(w_gate_up, w_down, self.precision)
+            torch.index_select(self.sym.local("x_q"), 0, token, out=self.ring_x.view(torch.uint8)[rows])
+            torch.index_select(self.sym.local("x_scale"), 0, token, out=self.ring_scale[rows])
+            forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
+            forward(self.ring_x[rows], self.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
+                    q.w_down, q.w_down_scale, swiglu_limit=swiglu_limit,
+                    out=ExpertForwardQuantized(self.h[rows], self.act[rows], self.act_scale[rows], self.y[rows]))
+        else:
+            torch.index_select(self.sym.local("x"), 0, token, out=self.ring_x[rows])
+            expert_forward(self.ring_x[rows], counts, offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit,
+                           out=ExpertForward(self.h[rows], self.act[rows], self.y[rows]))
+        if shared is not None and n:
+            self._shared_rows.fill_(n)
+            expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],
+                           shared[1][None], swiglu_limit=swiglu_limit,
+                           out=ExpertForward(self.shared_h[:n], self.shared_act[:n], self.shared_y[:n]))
+        spare = torch.where(schedule.src_index >= 0, schedule.src_index, self._spare_routes)
+        self._route_rows.scatter_(0, spare.long(), self._schedule_rows)
+
     def _weighted_sum(self, out, top_experts, router_weights, has_shared: bool) -> None:
         n, D = out.shape
-        combine = self.sym.local("combine")
+        # one rank: route (i, j)'s output is row route_rows[i*k + j] of y; else its combine slot i*k + j
+        combine, route_rows = (self.y, self._route_rows) if self.direct else (self.sym.local("combine"), self.error)
         # 16 x 512, 8 warps, the k slot loads unrolled: 0.29 ms for kimi-k2 (4.0 TB/s), 0.41 before
         # (benchmarks/results/2026-11-30-fp8-experts, weighted_sum_bench.py)
         block_t, block_d, warps = (16, 512, 8) if self.gpu else (16, 64, 4)
         shared_y = self.shared_y if has_shared else out
         mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
-            combine, combine.stride(0), top_experts.contiguous(), router_weights.contiguous(), shared_y,
+            combine, combine.stride(0), route_rows, top_experts.contiguous(), router_weights.contiguous(), shared_y,
             shared_y.stride(0), out, out.stride(0), n, D,
-            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, GATHER=self.direct, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )
 
 

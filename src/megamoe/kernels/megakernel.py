@@ -465,30 +465,38 @@ def pass_barrier_kernel(flag_peer_ptrs, flags_ptr, epoch_ptr, my_rank, num_ranks
 
 
 @triton.jit
-def _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr, router_weights_ptr,
-              TOP_K: tl.constexpr):
+def _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, route_rows_ptr, top_experts_ptr,
+              router_weights_ptr, TOP_K: tl.constexpr, GATHER: tl.constexpr):
     route = rows.to(tl.int64) * TOP_K + j
     valid = row_ok & (tl.load(top_experts_ptr + route, mask=row_ok, other=-1) >= 0)
     w = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
-    slot = tl.load(combine_ptr + route[:, None] * stride_combine + cols[None, :], mask=valid[:, None] & mask, other=0.0)
+    if GATHER:
+        row = tl.load(route_rows_ptr + route, mask=valid, other=0).to(tl.int64)
+    else:
+        row = route
+    slot = tl.load(combine_ptr + row[:, None] * stride_combine + cols[None, :], mask=valid[:, None] & mask, other=0.0)
     return acc + w[:, None] * bf16_to_f32(slot)
 
 
 @triton.jit
 def weighted_sum_kernel(
-    combine_ptr, stride_combine, top_experts_ptr, router_weights_ptr, shared_y_ptr, stride_shared_y,
+    combine_ptr, stride_combine, route_rows_ptr, top_experts_ptr, router_weights_ptr, shared_y_ptr, stride_shared_y,
     out_ptr, stride_out, tokens, D,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, GATHER: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """out[i] = sum_j w[i, j] * combine[i*k + j] (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i]."""
+    """out[i] = sum_j w[i, j] * combine[i*k + j] (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i].
+
+    GATHER: route i*k + j's row is ``combine[route_rows[i*k + j]]`` instead (one rank: the expert outputs in
+    place)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < tokens
     mask = row_ok[:, None] & (cols < D)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # unrolled: the k loads of a tile can all be in flight at once
-        acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, top_experts_ptr,
-                        router_weights_ptr, TOP_K)
+        acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, route_rows_ptr,
+                        top_experts_ptr, router_weights_ptr, TOP_K, GATHER)
     if HAS_SHARED:
         acc += bf16_to_f32(tl.load(shared_y_ptr + rows.to(tl.int64)[:, None] * stride_shared_y + cols[None, :],
                                         mask=mask, other=0.0))
