@@ -43,9 +43,6 @@ Index arrays (int32): ``src_rank``/``src_index`` ``[capacity]`` of a
 at the device count of rows in use, so no launch reads device data on the
 host; ``row_limit`` caps it (the first minibatch).
 
-Rows are copied once: their loads and stores are marked evict-first, so the copies beside the
-megakernel's GEMMs do not push the GEMMs' weights and tiles out of L2.
-
 Persistent kernels, grid = (num_sms,): program p moves tiles p, p + num_sms,
 ... of the row table. ``_push_kernel`` with SIGNAL (push dispatch with a
 completion flag per peer): after its stores each program does
@@ -133,7 +130,7 @@ def pull_load(
     token = index // TOP_K
     src_off = tl.multiple_of(peer_offset(rank, token, valid, src_peer_ptrs, src_anchor_ptr, stride_src) + col0, ALIGN)
     cols = tl.arange(0, BLOCK_D)
-    x = tl.load(src_anchor_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None], eviction_policy="evict_first")
+    x = tl.load(src_anchor_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None])
     if SCALE:
         w_off = peer_offset(rank, index, valid, w_peer_ptrs, w_anchor_ptr, 1)
         w = tl.load(w_anchor_ptr + w_off, mask=valid, other=0.0)
@@ -159,7 +156,7 @@ def pull_store(
     cols = tl.arange(0, BLOCK_D)
     dst_off = t * stride_dst + col0
     if QUANT == 0:
-        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None], eviction_policy="evict_first")
+        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
     else:
         SBLOCK: tl.constexpr = 32 if QUANT == 1 else 128
         if QUANT == 1:
@@ -244,8 +241,7 @@ def push_load(
     else:
         s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    x = tl.load(src_ptr + (s * stride_src + col0)[:, None] + cols[None, :], mask=valid[:, None],
-                eviction_policy="evict_first")
+    x = tl.load(src_ptr + (s * stride_src + col0)[:, None] + cols[None, :], mask=valid[:, None])
     dst_off = tl.multiple_of(peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst) + col0, ALIGN)
     return x, dst_off, valid
 
@@ -254,7 +250,7 @@ def push_load(
 def push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D: tl.constexpr):
     """The store half of ``push_tile``."""
     cols = tl.arange(0, BLOCK_D)
-    tl.store(dst_anchor_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None], eviction_policy="evict_first")
+    tl.store(dst_anchor_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
 
 
 @triton.jit
