@@ -272,7 +272,8 @@ def main() -> int:
     results = launch(run_rank, args.ep, args, points, device=device)[0]
     meta = run_metadata(device)
     run = {
-        "meta": {**meta, "impl": args.impl + ("-graph" if args.graph else ""), "preset": args.preset, "ep": args.ep, "tokens_per_rank": args.tokens,
+        "meta": {**meta, "impl": args.impl + ("-graph" if args.graph else ""), "preset": args.preset, "ep": args.ep,
+                 "tokens_per_rank": args.tokens,
                  "precision": args.precision, "device": device,
                  "torch": torch.__version__,
                  "triton": triton.__version__, "command": " ".join(["python3", *sys.argv])},

@@ -172,7 +172,10 @@ class MegaKernel:
     """One rank's megakernel for one layer shape: symmetric workspace, ring buffers, counters.
 
     Collective to build (allocates symmetric memory). ``forward`` is a pass;
-    every rank makes the same sequence of passes.
+    every rank makes the same sequence of passes. On one rank a pass runs the
+    expert kernels on every SM instead of the megakernel (same bits) when the
+    ring holds every routed row; ``one_rank_megakernel=True`` keeps the
+    megakernel there (traces, tests).
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
@@ -512,7 +515,8 @@ class MegaKernel:
         mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
             combine, combine.stride(0), route_rows, top_experts.contiguous(), router_weights.contiguous(), shared_y,
             shared_y.stride(0), out, out.stride(0), n, D,
-            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, GATHER=self.direct, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, GATHER=self.direct, BLOCK_T=block_t, BLOCK_D=block_d,
+            num_warps=warps,
         )
 
 

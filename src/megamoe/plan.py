@@ -164,7 +164,8 @@ def plan(
         comm_sms = fitting[0]
         ratio = _comm_over_compute(cfg, ep, tokens, comm_sms, num_sms, precision, tile_m)
         why.append(f"comm_sms {comm_sms}: at {copy_gbps_per_sm(cfg.hidden):.1f} GB/s per SM (D {cfg.hidden}), "
-                   f"moving a row there and back (local rows too: the comm workers copy them) takes {ratio:.0%} of computing it and its share "
+                   f"moving a row there and back (local rows too: the comm workers copy them) takes {ratio:.0%} of "
+                   f"computing it and its share "
                    f"of the shared expert on the other {num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; "
                    f"{GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate on full tiles, "
                    f"{tile_use(cfg, ep, tokens, tile_m):.0%} of the tile rows filled)")
