@@ -257,7 +257,7 @@ def _plan_and_buffers(world, precision):
     shape = LayerShape.of(FP8_CONFIG, world.size, 40)
     p = plan(FP8_CONFIG, world.size, 40, num_sms=4, comm_sms=1, minibatch=64, ring_rows=256, tile_m=32, tile_n=32,
              precision=precision)
-    k = MegaKernel(world, shape, p.config, precision=precision)
+    k = MegaKernel(world, shape, p.config, precision=precision, one_rank_megakernel=True)  # the plan is the kernel's
     size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
     local = k.sym.local
     allocated = {

@@ -192,13 +192,18 @@ class MegaKernel:
         self._check_config()
         R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
         I, Is, c = shape.intermediate, shape.shared_intermediate, self.config
+        # One rank: the expert kernels on every SM, unless the megakernel is asked for or the ring is too small
+        # to hold every routed row (kimi-k2 at EP 1: the megakernel's comm workers would only copy local rows,
+        # and it ran 0.95x of nccl-torch; benchmarks/results/2026-11-30-one-rank). Its weighted sum reads the
+        # outputs in place: no combine slots.
+        self.direct = R == 1 and not one_rank_megakernel and c.ring_rows >= shape.capacity
         # FP8: each rank quantises its tokens once while staging them (not once per route on arrival: that
         # needed 19 comm SMs where copying E4M3 rows needs 12, benchmarks/results/2026-11-30-fp8-experts)
         quantized_rows = (BufferSpec("x_q", (max(N, 1), D), torch.uint8),
                           BufferSpec("x_scale", (max(N, 1), D // self.scale_block), scale_dtype))
         self.sym = workspace(world, (
             BufferSpec("x", (max(N, 1), D), torch.bfloat16),
-            BufferSpec("combine", (max(N * k, 1), D), torch.bfloat16),
+            BufferSpec("combine", (1 if self.direct else max(N * k, 1), D), torch.bfloat16),
             BufferSpec("routing", (R, max(N, 1), k), torch.int32),
             BufferSpec("flags", (2, R), torch.int32),
             # this rank's barrier epochs: with the flags, shared by every MegaKernel on this workspace
@@ -230,10 +235,6 @@ class MegaKernel:
         self.budget = wait_budget or (DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
         self._prepare_launches()
-        # One rank: the expert kernels on every SM, unless the megakernel is asked for or the ring is too small
-        # to hold every routed row (kimi-k2 at EP 1: the megakernel's comm workers would only copy local rows,
-        # and it ran 0.95x of nccl-torch; benchmarks/results/2026-11-30-one-rank)
-        self.direct = R == 1 and not one_rank_megakernel and c.ring_rows >= shape.capacity
         if self.direct:
             ints = dict(dtype=torch.int32, device=dev)
             self._schedule_rows = torch.arange(shape.capacity, **ints)

@@ -191,8 +191,9 @@ def plan(
         why.append(f"ring {ring_rows}: given")
 
     if ep == 1:
-        why.append("EP 1: no peers, nothing to overlap: megamoe_forward runs the expert kernels on every SM instead "
-                   "(MegaKernel(..., one_rank_megakernel=True) runs this config)")
+        why.append("EP 1: no peers, nothing to overlap: megamoe_forward runs the expert kernels on every SM instead, "
+                   "without the combine slots (MegaKernel(..., one_rank_megakernel=True) runs this config with the "
+                   "memory below)")
     config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n)
     d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
     act_bytes = ELEMENT_BYTES[precision]
