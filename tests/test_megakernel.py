@@ -232,20 +232,23 @@ def _one_rank(world, precision):
         kernel = MegaKernel(world, shape, ROOMY, precision=precision, one_rank_megakernel=megakernel)
         out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
         rows = int(ctx.schedule.num_rows)
-        runs[megakernel] = (kernel.direct, out, ctx.ring_x[:rows].view(torch.uint8), ctx.act[:rows].view(torch.uint8),
-                            ctx.h[:rows], ctx.shared_act)
+        runs[megakernel] = (kernel.direct, kernel.sym.local("combine").shape[0], out,
+                            ctx.ring_x[:rows].view(torch.uint8), ctx.act[:rows].view(torch.uint8), ctx.h[:rows],
+                            ctx.shared_act)
         del kernel
-    (direct, *a), (fused_direct, *b) = runs[False], runs[True]
-    return {"paths": (direct, fused_direct), "same_bits": [torch.equal(u, v) for u, v in zip(a, b)],
+    (direct, direct_slots, *a), (fused_direct, fused_slots, *b) = runs[False], runs[True]
+    return {"paths": (direct, fused_direct), "combine_rows": (direct_slots, fused_slots),
+            "same_bits": [torch.equal(u, v) for u, v in zip(a, b)],
             "out": compare({"out": a[0].float()}, {"out": want.float()}, "bf16")}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-block", "mxfp8"])
 def test_one_rank_runs_the_expert_kernels_with_the_megakernels_bits(precision):
     """At one rank a pass gathers the rows and runs the expert kernels on every SM instead of the megakernel: the
-    same output, ring rows, pre-activations and activations, bit for bit, as the megakernel on the same rank."""
+    same output, ring rows, pre-activations and activations, bit for bit, as the megakernel on the same rank, and
+    no combine slots (41 tokens x k 3 = 123 for the megakernel)."""
     r = launch(_one_rank, 1, precision)[0]
-    assert r["paths"] == (True, False), r
+    assert r["paths"] == (True, False) and r["combine_rows"] == (1, 123), r
     assert all(r["same_bits"]), r
     assert r["out"]["rel_err"] < (1e-2 if precision == "bf16" else 6e-2), r
 
