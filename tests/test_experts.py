@@ -113,6 +113,20 @@ def test_minibatch_tiles_never_straddle_a_minibatch_and_cover_each_row_once(back
     assert sorted(covered) == want
 
 
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_uncut_minibatch_tiles_are_the_regions_tiles_grouped_by_their_first_row(backend):
+    counts = torch.tensor([5, 0, 40, 33, 1, 17], device=DEVICE)
+    offsets = torch.tensor([0, 8, 8, 50, 90, 91], device=DEVICE)
+    whole = build_row_tiles(counts, offsets, capacity=110, block_m=16, backend=backend)
+    tiles = build_row_tiles(counts, offsets, capacity=110, block_m=16, minibatch=24, cut=False, backend=backend)
+    n = int(whole.num_tiles)
+    assert int(tiles.num_tiles) == n
+    for name in ("tile_expert", "tile_row0", "tile_row_end"):
+        assert torch.equal(getattr(tiles, name)[:n], getattr(whole, name)[:n]), name
+    row0 = whole.tile_row0[:n].tolist()  # 0, 8, 24, 40, 50, 66, 82, 90, 91, 107
+    assert tiles.minibatch_tiles.tolist() == [sum(r < j * 24 for r in row0) for j in range(6)] == [0, 2, 4, 6, 9, 10]
+
+
 def test_row_tile_builders_agree_on_random_layouts():
     gen = torch.Generator().manual_seed(0)
     for _ in range(25):
@@ -124,14 +138,30 @@ def test_row_tile_builders_agree_on_random_layouts():
         offsets = padded.cumsum(0) - padded
         capacity = int(padded.sum()) + int(torch.randint(0, 51, (), generator=gen))
         minibatch = (None, 8, 24, 64, 100)[int(torch.randint(5, (), generator=gen))]
+        cut = bool(torch.randint(2, (), generator=gen))
+        cut = torch.tensor([cut], device=DEVICE) if torch.randint(2, (), generator=gen) else cut  # read on device
         a, b = (build_row_tiles(counts.to(DEVICE), offsets.to(DEVICE), capacity, block_m, minibatch=minibatch,
-                                backend=backend) for backend in TILE_BACKENDS)
+                                cut=cut, backend=backend) for backend in TILE_BACKENDS)
         n = int(b.num_tiles)
         assert int(a.num_tiles) == n and torch.equal(a.minibatch_tiles, b.minibatch_tiles)
         for name in ("tile_expert", "tile_row0", "tile_row_end"):
-            assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n]), (name, counts, capacity, minibatch)
+            assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n]), (name, counts, capacity, minibatch, cut)
     with pytest.raises(ValueError, match="backend must be"):
         build_row_tiles(counts, offsets, capacity, 16, backend="numpy")
+
+
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_a_device_cut_flag_picks_either_layout(backend):
+    counts = torch.tensor([5, 0, 40, 33, 1, 17], device=DEVICE)
+    offsets = torch.tensor([0, 8, 8, 50, 90, 91], device=DEVICE)
+    for cut in (True, False):
+        want = build_row_tiles(counts, offsets, 110, 16, minibatch=24, cut=cut, backend=backend)
+        got = build_row_tiles(counts, offsets, 110, 16, minibatch=24, cut=torch.tensor([cut], device=DEVICE),
+                              backend=backend)
+        n = int(want.num_tiles)
+        assert int(got.num_tiles) == n and torch.equal(got.minibatch_tiles, want.minibatch_tiles)
+        for name in ("tile_expert", "tile_row0", "tile_row_end"):
+            assert torch.equal(getattr(got, name)[:n], getattr(want, name)[:n]), (cut, name)
 
 
 def test_forward_over_minibatch_tiles_gives_the_same_bits():

@@ -5,6 +5,7 @@ run of the same code is benchmarks/megakernel_sweep.py and `megamoe bench`.
 One launch per rank count runs a table of cases on one process group.
 """
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -221,6 +222,34 @@ def test_experts_q_refuses_other_weights_precisions_and_stale_packs():
     assert all(errors), errors
     assert "bf16" in errors[0] and "mxfp8" in errors[1] and "changed since" in errors[2]
     assert "bfloat16" in errors[3] and "precision" in errors[4] and "changed since" in errors[5]
+
+
+def _tile_cuts(world):
+    p = _problem(world, CONFIG, (40,), "uniform", 0.0, 3)
+    fused = fuse_shared(p.shared)
+    results = {}
+    for name, config in (("wraps", WRAPPING), ("roomy", replace(WRAPPING, ring_rows=1024))):
+        kernel = MegaKernel(world, LayerShape.of(CONFIG, 1, 40), config, one_rank_megakernel=True)
+        out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
+        t, mb = ctx.row_tiles, config.minibatch
+        n, bounds = int(t.num_tiles), t.minibatch_tiles.tolist()
+        row0, row_end = t.tile_row0[:n].tolist(), t.tile_row_end[:n].tolist()
+        results[name] = {
+            "straddles": any(r0 // mb != (r1 - 1) // mb for r0, r1 in zip(row0, row_end)),
+            "by_first_row": all(j * mb <= row0[i] < (j + 1) * mb
+                                for j in range(len(bounds) - 1) for i in range(bounds[j], bounds[j + 1])),
+            "out": out,
+        }
+    results["same_bits"] = torch.equal(results["wraps"].pop("out"), results["roomy"].pop("out"))
+    return results
+
+
+def test_tiles_are_cut_at_minibatches_only_when_the_ring_wraps():
+    """A wrapping ring cuts the row tiles at minibatch boundaries; a ring that holds every row does not (a
+    minibatch's tiles are those starting in it, the last may reach into the next); the same bits either way."""
+    r = launch(_tile_cuts, 1)[0]
+    assert not r["wraps"]["straddles"] and r["roomy"]["straddles"], r
+    assert r["wraps"]["by_first_row"] and r["roomy"]["by_first_row"] and r["same_bits"], r
 
 
 def _one_rank(world, precision):

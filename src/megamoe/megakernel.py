@@ -100,7 +100,8 @@ class ForwardContext:
 
     Attributes:
         schedule: the pull schedule of the pass.
-        row_tiles: its row tiles, cut at minibatch boundaries.
+        row_tiles: its row tiles by minibatch (cut at minibatch boundaries only when the ring wraps; else
+            a minibatch's tiles are those starting in it).
         config: the KernelConfig the pass ran with.
         ring_x, h, act: `[ring_rows, D]`, `[ring_rows, 2I]`, `[ring_rows, I]`; bf16, but ring_x and act are
             E4M3 with mxfp8 and fp8-block.
@@ -329,8 +330,10 @@ class MegaKernel:
             self._barrier(0)
         # 3. the schedule and its minibatch row tiles
         schedule = build_pull_schedule(self.sym.local("routing")[:, : max(s.max_tokens, 1)], me, s.experts_per_rank)
+        # tiles are cut at minibatch boundaries only when the ring wraps (decided on the device: the cuts cost
+        # the GEMMs ~6 % at 1920-row minibatches, benchmarks/results/2026-11-30-one-rank, section 8)
         tiles = build_row_tiles(schedule.tokens_per_expert, schedule.offsets, schedule.capacity, c.tile_m,
-                                minibatch=c.minibatch)
+                                minibatch=c.minibatch, cut=schedule.num_rows > c.ring_rows)
         # 4. the megakernel (one rank: the expert kernels)
         if self.direct:
             self._run_experts(x, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit)

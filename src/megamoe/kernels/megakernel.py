@@ -15,7 +15,13 @@ counters (zeroed before each pass):
 Minibatch j holds routed rows ``[j*mb, min((j+1)*mb, num_rows))`` and lives in
 ring slot ``j mod slots`` (ring rows ``slot*mb ..``): row t sits at ring row
 ``t + (slot - j) * mb``. Minibatches are visited in reverse (``M-1 .. 0``), so
-the ring left after the pass holds the first ``slots`` minibatches.
+the ring left after the pass holds the first ``slots`` minibatches. When the
+ring holds every row (it never wraps) the row tiles are not cut at minibatch
+boundaries: minibatch j's tiles are those starting in it, and the last may
+reach into j + 1, which was pulled before j (comm workers release
+rows_ready in visit order, so rows_ready[j] also covers j + 1's rows). Its
+push then covers its tiles' rows, from its first tile's start to its last
+tile's end.
 
 Communication worker c, for each visited minibatch j: if the slot was used
 (by j + slots), push that minibatch's outputs home first (wait y_done); then
@@ -168,18 +174,21 @@ def comm_pull(
 
 @triton.jit
 def comm_push(
-    j, c, comm_sms, num_rows, minibatch, slots, budget,
+    j, c, comm_sms, minibatch, slots, budget,
     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-    y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, num_n_down,
+    y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr, num_n_down,
     CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, WAIT: tl.constexpr,
     TRACE: tl.constexpr,
 ):
-    """Once minibatch j's down tasks are done, worker c's share of its rows to their home combine slots."""
-    tiles = tl.load(minibatch_tiles_ptr + j + 1) - tl.load(minibatch_tiles_ptr + j)
+    """Once minibatch j's down tasks are done, worker c's share of its tiles' rows to their home combine slots
+    (the rows of minibatch j, or, with uncut tiles, from its first tile's start to its last tile's end)."""
+    t0 = tl.load(minibatch_tiles_ptr + j)
+    tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_Y_DONE, WAIT,
                           TRACE)
-    first_row = j.to(tl.int64) * minibatch
-    end_row = tl.minimum(first_row + minibatch, num_rows)
+    has = tiles > 0
+    first_row = tl.load(tile_row0_ptr + t0, mask=has, other=0).to(tl.int64)
+    end_row = tl.load(tile_row_end_ptr + t0 + tiles - 1, mask=has, other=0).to(tl.int64)
     src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
     for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
         push_tile(v0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
@@ -358,9 +367,10 @@ def megakernel(
                 j = batches - 1 - p
                 if p >= slots:  # the slot still holds minibatch j + slots: send it home first
                     budget = comm_push(
-                        j + slots, pid, comm_sms, num_rows, minibatch, slots, budget,
+                        j + slots, pid, comm_sms, minibatch, slots, budget,
                         y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                        y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                        y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
+                        tl.cdiv(D, BN_DN),
                         CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
@@ -369,9 +379,10 @@ def megakernel(
                           S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
-                    batches - 1 - p, pid, comm_sms, num_rows, minibatch, slots, budget,
+                    batches - 1 - p, pid, comm_sms, minibatch, slots, budget,
                     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                    y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                    y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
+                    tl.cdiv(D, BN_DN),
                     CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
             # End of pass: the last comm worker of this rank tells every rank its pushes landed and waits
             # for theirs (system scope), so the epilogue launched after this kernel reads complete slots.
@@ -449,9 +460,10 @@ def megakernel(
                          tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                          DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
-            comm_push(j, pid, workers, num_rows, minibatch, slots, budget,
+            comm_push(j, pid, workers, minibatch, slots, budget,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                      y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, tl.cdiv(D, BN_DN),
+                      y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
+                      tl.cdiv(D, BN_DN),
                       CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
 
 

@@ -134,11 +134,40 @@ def _tiles_before(first, end, batch, minibatch, block_m):
 
 
 @triton.jit
-def row_tiles_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
-                     minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m, EXPERTS: tl.constexpr):
-    """Program j writes the tiles of every region inside minibatch j; tiles go in (minibatch, expert, row)
-    order, so region l's first tile index is every tile of earlier minibatches plus minibatch j's in experts
-    < l. EXPERTS >= L is a power of two."""
+def _uncut_tiles(first, end, lo, block_m):
+    """Tiles of the region rows ``[first, end)`` that start before row ``lo`` (the region's own tiles)."""
+    return (tl.maximum(tl.minimum(end, lo) - first, 0) + block_m - 1) // block_m
+
+
+@triton.jit
+def _cut_layout(first, end, valid, batch, lo, hi, minibatch, block_m):
+    """Minibatch j's tiles when tiles are cut at minibatch boundaries: (tiles before j, each region's first
+    row and end inside j, its tile count there, its first tile's index)."""
+    before = tl.sum(tl.where(valid, _tiles_before(first, end, batch, minibatch, block_m), 0), axis=0)
+    seg_start = tl.maximum(first, lo)
+    seg_end = tl.minimum(end, hi)
+    tiles = tl.where(valid, (tl.maximum(seg_end - seg_start, 0) + block_m - 1) // block_m, 0)
+    return before, seg_start, seg_end, tiles, before + tl.cumsum(tiles, axis=0) - tiles
+
+
+@triton.jit
+def _uncut_layout(first, end, valid, lo, hi, block_m):
+    """The same for the regions' own tiles: region l's tiles k0 .. k1-1 start in [lo, hi), and its tile k has
+    index (tiles of regions < l) + k."""
+    own = tl.where(valid, _uncut_tiles(first, end, end, block_m), 0)
+    k0 = tl.where(valid, _uncut_tiles(first, end, lo, block_m), 0)
+    tiles = tl.where(valid, _uncut_tiles(first, end, hi, block_m), 0) - k0
+    return tl.sum(k0, axis=0), first + k0 * block_m, end, tiles, tl.cumsum(own, axis=0) - own + k0
+
+
+@triton.jit
+def row_tiles_kernel(counts_ptr, offsets_ptr, cut_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                     num_tiles_ptr, minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m,
+                     EXPERTS: tl.constexpr, CUT: tl.constexpr):
+    """Program j writes the tiles of minibatch j. CUT 1: every region's tiles inside minibatch j, in
+    (minibatch, expert, row) order, so region l's first tile index is every tile of earlier minibatches plus
+    minibatch j's in experts < l. CUT 0: the regions' own tiles (expert, row order) that start in minibatch j.
+    CUT -1: as ``cut_ptr[0]`` (nonzero: cut) says. EXPERTS >= L is a power of two."""
     batch = tl.program_id(0).to(tl.int64)
     lo = batch * minibatch
     hi = lo + minibatch
@@ -146,11 +175,16 @@ def row_tiles_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row0_ptr, ti
     valid = local < num_experts
     first = tl.load(offsets_ptr + local, mask=valid, other=0).to(tl.int64)
     end = first + tl.load(counts_ptr + local, mask=valid, other=0).to(tl.int64)
-    before = tl.sum(tl.where(valid, _tiles_before(first, end, batch, minibatch, block_m), 0), axis=0)
-    seg_start = tl.maximum(first, lo)
-    seg_end = tl.minimum(end, hi)
-    tiles = tl.where(valid, (tl.maximum(seg_end - seg_start, 0) + block_m - 1) // block_m, 0)
-    base = before + tl.cumsum(tiles, axis=0) - tiles
+    if CUT == 1:
+        before, seg_start, seg_end, tiles, base = _cut_layout(first, end, valid, batch, lo, hi, minibatch, block_m)
+    elif CUT == 0:
+        before, seg_start, seg_end, tiles, base = _uncut_layout(first, end, valid, lo, hi, block_m)
+    else:
+        cut = tl.load(cut_ptr) != 0
+        c = _cut_layout(first, end, valid, batch, lo, hi, minibatch, block_m)
+        w = _uncut_layout(first, end, valid, lo, hi, block_m)
+        before, seg_start, seg_end = tl.where(cut, c[0], w[0]), tl.where(cut, c[1], w[1]), tl.where(cut, c[2], w[2])
+        tiles, base = tl.where(cut, c[3], w[3]), tl.where(cut, c[4], w[4])
     for u in range(tl.max(tiles, axis=0)):  # the regions' tiles side by side, as many steps as the largest has
         keep = u < tiles
         row0 = seg_start + u * block_m
