@@ -450,7 +450,7 @@ def test_gpu_graph_replay_and_bounded_wait():
 def test_megakernel_compiles_for_sm90_in_every_format():
     """Compiled on the CPU for Hopper: wgmma (FP8 for fp8-block; MXFP8 dequantises to BF16), TMA loads, the
     async-proxy fences between the comm workers' stores and the compute workers' TMA reads, and 16-byte stores
-    only (2-byte stores of rows that cross NVLink made a pass 1.7x slower: 2026-11-30-fused-combine)."""
+    only (2-byte stores of rows that cross NVLink made a pass 1.7x slower: 2026-11-30-one-rank, section 6)."""
     import json
     import os
     import subprocess

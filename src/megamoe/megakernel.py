@@ -239,8 +239,9 @@ class MegaKernel:
         if self.direct:
             ints = dict(dtype=torch.int32, device=dev)
             self._schedule_rows = torch.arange(shape.capacity, **ints)
-            # the schedule's unused rows (src_index -1) scatter past the routes, each to its own entry
-            self._spare_routes = max(N, 1) * k + self._schedule_rows
+            # routes are [0, capacity); the schedule's unused rows (src_index -1) scatter past them, each to its
+            # own entry
+            self._spare_routes = shape.capacity + self._schedule_rows
             self._route_rows = torch.empty(2 * shape.capacity, **ints)
             self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
         self._broken: str | None = None
