@@ -14,6 +14,11 @@ captured in a CUDA graph once ``check=False``):
 5. the weighted sum of each token's k combine slots (router weights, fixed
    order) plus the shared output, rounded once to bf16.
 
+On a GPU steps 2-4 read only the layer's own buffers and the weights, so from
+the second pass in a row with the same weights (addresses; values may change
+in place) and token count they replay from a CUDA graph (``megamoe.replay``):
+an eager pass then pays the host for steps 1 and 5 only.
+
 One rank has no peers and so nothing to overlap: there (unless asked for the
 megakernel) steps 2 and 4 become a gather of the routed rows into the ring and
 the expert kernels on every SM (``megamoe.experts``: the same tile functions,
@@ -35,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -52,6 +58,7 @@ from megamoe.kernels import megakernel as mk
 from megamoe.kernels.quant import quantize_activations, soft_e4m3_default
 from megamoe.plan import KernelConfig, plan
 from megamoe.quantized_experts import QuantizedExperts, quantize_experts
+from megamoe.replay import GraphReplay, layout_key
 from megamoe.schedule import PullSchedule, build_pull_schedule
 from megamoe.world import BufferSpec, EPWorld, workspace
 
@@ -176,12 +183,13 @@ class MegaKernel:
     every rank makes the same sequence of passes. On one rank a pass runs the
     expert kernels on every SM instead of the megakernel (same bits) when the
     ring holds every routed row; ``one_rank_megakernel=True`` keeps the
-    megakernel there (traces, tests).
+    megakernel there (traces, tests). ``replay=False`` launches every pass's device work from the host
+    instead of replaying its CUDA graph (same bits).
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
                  precision: str = "bf16", wait_budget: int | None = None, trace: bool = False,
-                 one_rank_megakernel: bool = False):
+                 one_rank_megakernel: bool = False, replay: bool = True):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
         self.world, self.shape, self.precision = world, shape, precision
@@ -246,6 +254,8 @@ class MegaKernel:
             self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
         self._broken: str | None = None
         self._checked_occupancy = False
+        # GPU: a pass's device work replays from a CUDA graph once its weights and token count repeat
+        self.replay = GraphReplay() if replay and self.gpu else None
 
     # ---- validation
 
@@ -326,6 +336,30 @@ class MegaKernel:
             row[:n].copy_(top_experts)
             if n < row.shape[0]:  # padding rows: no route
                 row[n:].fill_(-1)
+        if self.quantized and experts_q is None:  # quantised in this pass, before the device work (its graph)
+            experts_q = quantize_experts(w_gate_up, w_down, self.precision)
+        # 2-4: the device work, replayed from a graph when the weights and token count repeat
+        work = partial(self._device_work, n, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+        if self.replay is None:
+            schedule, tiles = work()
+        else:
+            q = () if experts_q is None else (experts_q.w_gate_up, experts_q.w_gate_up_scale, experts_q.w_down,
+                                              experts_q.w_down_scale)
+            key = (n, swiglu_limit, layout_key((w_gate_up, w_down, *q, *(shared or (None, None)))))
+            schedule, tiles = self.replay(key, work)
+        # 5. the weighted sum
+        out = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=x.device)
+        if n:
+            self._weighted_sum(out, top_experts, router_weights, shared is not None)
+        if check:
+            self.check_errors()
+        ctx = ForwardContext(schedule, tiles, c, self.ring_x, self.h, self.act, self.ring_scale, self.act_scale,
+                             self.shared_h, self.shared_act)
+        return out, ctx
+
+    def _device_work(self, n, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> tuple[PullSchedule, RowTiles]:
+        """Steps 2-4 of a pass (x and the routing ids staged): reads only this kernel's buffers and the weights."""
+        s, c, me = self.shape, self.config, self.world.rank
         # 2. every rank staged
         if not self.direct:
             self._barrier(0)
@@ -337,21 +371,13 @@ class MegaKernel:
                                 minibatch=c.minibatch, cut=schedule.num_rows > c.ring_rows)
         # 4. the megakernel (one rank: the expert kernels)
         if self.direct:
-            self._run_experts(x, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+            self._run_experts(n, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit)
         else:
             self.counters.zero_()
             if self.trace is not None:
                 self.trace.zero_()
             self._launch(n, schedule, tiles, w_gate_up, w_down, experts_q, shared, swiglu_limit)
-        # 5. the weighted sum
-        out = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=x.device)
-        if n:
-            self._weighted_sum(out, top_experts, router_weights, shared is not None)
-        if check:
-            self.check_errors()
-        ctx = ForwardContext(schedule, tiles, c, self.ring_x, self.h, self.act, self.ring_scale, self.act_scale,
-                             self.shared_h, self.shared_act)
-        return out, ctx
+        return schedule, tiles
 
     def _barrier(self, row: int) -> None:
         if not self.gpu:
@@ -405,7 +431,7 @@ class MegaKernel:
         bk, sbk = gate_up_tile.block_k, shared_gate_up.block_k
         desc = TensorDescriptor.from_tensor
         if self.quantized:  # quantised once per optimizer step by the caller (experts_q), else in this pass
-            q = experts_q or quantize_experts(w_gate_up, w_down, self.precision)
+            q = experts_q
             w_gate_up, w_gu_scale, w_down, w_dn_scale = q.w_gate_up, q.w_gate_up_scale, q.w_down, q.w_down_scale
             scale_args = (self.ring_scale, w_gu_scale, self.act_scale, w_dn_scale, self.ring_scale.stride(0),
                           w_gu_scale.stride(1), self.act_scale.stride(0), w_dn_scale.stride(1))
@@ -481,16 +507,16 @@ class MegaKernel:
                              f"of shared memory per program: one program per SM does not fit")
         self._checked_occupancy = True
 
-    def _run_experts(self, x, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:
+    def _run_experts(self, n, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:
         """One rank: the routed rows gathered into the ring, the expert kernels on every SM, and the map from
         each route to its output row (the weighted sum reads the rows in place: no combine copy)."""
-        cap, n = schedule.capacity, x.shape[0]
+        cap = schedule.capacity
         rows = slice(0, cap)
         # rows past num_rows (dropped routes, src_index -1) gather token 0: no tile reads them
         token = (schedule.src_index.clamp(min=0) // self.shape.top_k).long()
         counts, offsets = schedule.tokens_per_expert, schedule.offsets
         if self.quantized:
-            q = experts_q or quantize_experts(w_gate_up, w_down, self.precision)
+            q = experts_q
             torch.index_select(self.sym.local("x_q"), 0, token, out=self.ring_x.view(torch.uint8)[rows])
             torch.index_select(self.sym.local("x_scale"), 0, token, out=self.ring_scale[rows])
             forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
