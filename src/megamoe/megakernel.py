@@ -322,20 +322,9 @@ class MegaKernel:
             if not self.quantized:
                 raise ValueError("experts_q is for the FP8 precisions; this pass runs bf16 experts")
             experts_q.check_source(w_gate_up, w_down, self.precision)
-        world, s, c = self.world, self.shape, self.config
+        s, c = self.shape, self.config
         n = x.shape[0]
-        me = world.rank
-        # 1. stage x (FP8: quantised, once per token; the BF16 rows only for the shared expert) and the routing ids
-        if not self.quantized or shared is not None:
-            self.sym.local("x")[:n].copy_(x)
-        if self.quantized and n:  # straight into the symmetric rows the comm workers pull
-            quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
-                                                        self.sym.local("x_scale")[:n]))
-        for r in range(world.size):
-            row = self.sym.peer("routing", r)[me]
-            row[:n].copy_(top_experts)
-            if n < row.shape[0]:  # padding rows: no route
-                row[n:].fill_(-1)
+        self._stage(x, top_experts, shared is not None)
         if self.quantized and experts_q is None:  # quantised in this pass, before the device work (its graph)
             experts_q = quantize_experts(w_gate_up, w_down, self.precision)
         # 2-4: the device work, replayed from a graph when the weights and token count repeat
@@ -356,6 +345,21 @@ class MegaKernel:
         ctx = ForwardContext(schedule, tiles, c, self.ring_x, self.h, self.act, self.ring_scale, self.act_scale,
                              self.shared_h, self.shared_act)
         return out, ctx
+
+    def _stage(self, x: torch.Tensor, top_experts: torch.Tensor, has_shared: bool) -> None:
+        """Step 1: x into the symmetric rows (FP8: quantised, once per token; the BF16 rows only for the shared
+        expert) and the routing ids into row ``rank`` of every rank's routing buffer."""
+        n, me = x.shape[0], self.world.rank
+        if not self.quantized or has_shared:
+            self.sym.local("x")[:n].copy_(x)
+        if self.quantized and n:  # straight into the symmetric rows the comm workers pull
+            quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
+                                                        self.sym.local("x_scale")[:n]))
+        for r in range(self.world.size):
+            row = self.sym.peer("routing", r)[me]
+            row[:n].copy_(top_experts)
+            if n < row.shape[0]:  # padding rows: no route
+                row[n:].fill_(-1)
 
     def _device_work(self, n, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> tuple[PullSchedule, RowTiles]:
         """Steps 2-4 of a pass (x and the routing ids staged): reads only this kernel's buffers and the weights."""
