@@ -22,9 +22,13 @@ from megamoe.experts import (ExpertForward, TileConfig, down, expert_backward, e
                              plan_tiles)
 
 #: Tile candidates for --sweep (BM, BN, BK, warps, stages, group, flatten).
+#: 64-row tiles (one warpgroup) compute fewer padding rows when experts hold few rows (~171 at kimi-k2 EP 1:
+#: 192 rows in 64-row tiles, 256 in 128-row ones).
 SWEEP = {
-    "gate_up": [TileConfig(128, 128, 64, 8, s, g, f) for s in (3, 4) for g in (4, 16) for f in (False, True)],
-    "down": [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)],
+    "gate_up": [TileConfig(128, 128, 64, 8, s, g, f) for s in (3, 4) for g in (4, 16) for f in (False, True)]
+    + [TileConfig(64, 128, 64, 4, s, 8) for s in (3, 4)],
+    "down": [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)]
+    + [TileConfig(64, 256, 64, 4, s, 8, True) for s in (3, 4)],
 }
 #: Backward variants for --sweep: each changes one kernel's tiles from the planner's.
 BACKWARD_SWEEP = {
