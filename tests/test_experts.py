@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megamoe.experts import TileConfig, build_row_tiles, expert_forward, expert_forward_reference
+from megamoe.experts import TileConfig, build_row_tiles, expert_forward, expert_forward_reference, plan_tiles
 
 # On a GPU machine the same tests run compiled on the GPU; on the CPU under the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,6 +75,26 @@ def test_tile_shapes_and_grid_size_do_not_change_the_result():
         for o, c in zip(offsets.tolist(), counts.tolist()):
             inside[o : o + c] = True
         torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_few_row_tiles_give_the_same_bits():
+    """Experts with few rows get 64-row tiles from the planner: every region row written, the same bits as
+    the 128-row tiles, close to the reference."""
+    x, counts, offsets, wgu, wd = _problem([170, 0, 171, 3, 64, 65, 128, 129], 5, d=512, i=256)
+    few = {kind: plan_tiles(kind, DEVICE, rows_per_expert=100) for kind in ("gate_up", "down")}
+    assert few["gate_up"].block_m == few["down"].block_m == 64
+    assert plan_tiles("gate_up", DEVICE, rows_per_expert=300).block_m == 128
+    ref = expert_forward_reference(x, counts, offsets, wgu, wd)
+    wide = expert_forward(x, counts, offsets, wgu, wd, out=_poisoned_like(ref))
+    narrow = expert_forward(x, counts, offsets, wgu, wd, out=_poisoned_like(ref), tiles=few)
+    for name in ("h", "act", "y"):
+        a, b, want = getattr(wide, name), getattr(narrow, name), getattr(ref, name)
+        assert torch.equal(b.isnan(), want.isnan()), f"{name}: written rows differ from the expert regions"
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
+        inside = ~want.isnan()
+        assert (b.float()[inside] - want[inside]).abs().max() <= 2e-2 * max(1.0, float(want[inside].abs().max()))
 
 
 TILE_BACKENDS = ("triton", "torch")

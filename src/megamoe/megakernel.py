@@ -252,6 +252,8 @@ class MegaKernel:
             self._spare_routes = shape.capacity + self._schedule_rows
             self._route_rows = torch.empty(2 * shape.capacity, **ints)
             self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
+            per_expert = shape.capacity / shape.experts_per_rank
+            self._direct_tiles = {kind: plan_tiles(kind, dev, per_expert) for kind in ("gate_up", "down")}
         self._broken: str | None = None
         self._checked_occupancy = False
         # GPU: a pass's device work replays from a CUDA graph once its weights and token count repeat
@@ -530,7 +532,7 @@ class MegaKernel:
         else:
             torch.index_select(self.sym.local("x"), 0, token, out=self.ring_x[rows])
             expert_forward(self.ring_x[rows], counts, offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit,
-                           out=ExpertForward(self.h[rows], self.act[rows], self.y[rows]))
+                           out=ExpertForward(self.h[rows], self.act[rows], self.y[rows]), tiles=self._direct_tiles)
         if shared is not None and n:
             self._shared_rows.fill_(n)
             expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],

@@ -113,7 +113,7 @@ def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool) -> tuple[li
         "down": lambda cfg: down(out.act, counts, offsets, wd, out.y, tiles=cfg),
     }
     for stage, call in stages.items():
-        for cfg in SWEEP[stage] if sweep else [plan_tiles(stage, device)]:
+        for cfg in SWEEP[stage] if sweep else [plan_tiles(stage, device, rows / counts.numel())]:
             ms = median_ms(lambda: call(cfg), device)
             stage_flops = flops * (2 if stage == "gate_up" else 1) / 3
             records.append({"load": load, "impl": f"megamoe {stage}", "pass": "fwd", "ms": ms,
