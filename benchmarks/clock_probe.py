@@ -4,9 +4,9 @@
     (with `nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw --format=csv -lms 10` running beside it;
     benchmarks/clock_probe_summary.py joins the two)
 
-One process per GPU. Each rank runs megakernel passes (the planner's config, bf16) back to back for --seconds,
-idles 0.5 s, then the standalone expert kernels (`megamoe.experts.expert_forward`, every SM) on the same routed
-rows for --seconds. Prints one JSON line per rank: each phase's wall-clock start and end and its ms per pass.
+One process per GPU. Each rank runs megakernel passes (bf16; each of --configs) back to back for --seconds,
+idling 0.5 s after each, then the standalone expert kernels (`megamoe.experts.expert_forward`, every SM) on
+the same routed rows for --seconds. Prints one JSON line per rank: each phase's wall-clock start and end and its ms per pass.
 The question (benchmarks/results/2026-11-30-one-rank, section 8): do the GEMMs inside the megakernel lose ~12 %
 to the communication beside them through the SM clock (power) rather than memory?
 """
@@ -24,6 +24,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.experts import expert_forward
 from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared
+from megamoe.plan import KernelConfig
 from megamoe.world import launch
 
 
@@ -46,18 +47,22 @@ def _probe(world, a):
     cfg = preset(a.preset)
     p = make_problem(cfg, world.rank, world.size, a.tokens, dtype=torch.bfloat16, device=world.device)
     fused = fuse_shared(p.shared)
-    kernel = MegaKernel(world, LayerShape.of(cfg, world.size, a.tokens), one_rank_megakernel=True)
+    shape = LayerShape.of(cfg, world.size, a.tokens)
     args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
-    _, ctx = kernel.forward(*args)
+    phases = []
+    for config in a.configs:
+        knobs = None if config == "plan" else KernelConfig(*map(int, config.split(",")), 128, 256)
+        kernel = MegaKernel(world, shape, knobs, one_rank_megakernel=True)
+        _, ctx = kernel.forward(*args)
+        phases.append(_phase(world, f"megakernel {kernel.config.comm_sms} comm SMs, minibatch "
+                             f"{kernel.config.minibatch}", a.seconds, lambda: kernel.forward(*args, check=False)))
+        kernel.check_errors()
+        time.sleep(0.5)
     s = ctx.schedule
     rows = (kernel.ring_x, s.tokens_per_expert, s.offsets, p.w_gate_up, p.w_down)
     expert_forward(*rows)
-    phases = [_phase(world, "megakernel", a.seconds, lambda: kernel.forward(*args, check=False))]
-    time.sleep(0.5)
     phases.append(_phase(world, "standalone experts", a.seconds, lambda: expert_forward(*rows)))
-    kernel.check_errors()
-    return {"rank": world.rank, "device": torch.cuda.current_device(), "config": str(kernel.config),
-            "phases": phases}
+    return {"rank": world.rank, "device": torch.cuda.current_device(), "phases": phases}
 
 
 def main() -> None:
@@ -65,6 +70,10 @@ def main() -> None:
     parser.add_argument("--preset", default="kimi-k2")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--configs", type=lambda v: v.split(";"), default=["plan"],
+                        help="megakernel phases, ';'-separated: 'plan' (the planner's config) or num_sms,comm_sms,"
+                             "minibatch,ring_rows; the last one's ring must hold every routed row (the standalone "
+                             "kernels read it)")
     a = parser.parse_args()
     for r in launch(_probe, torch.cuda.device_count(), a, device="cuda"):
         print(json.dumps(r))
