@@ -99,7 +99,7 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
     out = comm.dispatch_pull(ws, sched, num_sms=2, out=sentinel.clone(), rows=5)
     want = torch.where((torch.arange(sched.capacity) < 5)[:, None] & valid[:, None], ref.cpu(), sentinel.cpu())
     check("dispatch_pull rows=5 into a filled out (padding untouched)", out, want)
-    for fmt in comm.QUANTIZE:
+    for fmt in formats.FORMATS:
         q = comm.dispatch_pull(ws, sched, num_sms=2, quantize=fmt)
         data, scale = comm._quantize_reference(ref, fmt)
         check(f"dispatch_pull quantize={fmt} data", q.data, data, valid)

@@ -41,14 +41,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from megamoe import formats
+from megamoe.formats import FORMATS
 from megamoe.config import HIDDEN_MULTIPLE, MoEConfig
 from megamoe.schedule import PullSchedule, build_pull_schedule
 from megamoe.world import EPWorld, BufferSpec, SymmetricWorkspace
 
 #: Row formats a workspace can hold x in: bf16, or E4M3 + scales (pulled as they are).
-ROW_FORMATS = ("bf16", "mxfp8", "fp8-block")
-#: What ``quantize=`` accepts: on-the-fly quantisation of pulled bf16 rows.
-QUANTIZE = ("mxfp8", "fp8-block")
+ROW_FORMATS = ("bf16", *FORMATS)
 
 #: Waits and their flag rows in the ``flags`` buffer (index = wait id - 1).
 WAITS = {1: "dispatch_ready", 2: "barrier"}
@@ -467,8 +466,8 @@ def dispatch_pull(
     """
     _check_launch(ws, schedule, num_sms)
     fmt = ws.shape.row_format
-    if quantize is not None and quantize not in QUANTIZE:
-        raise ValueError(f"quantize must be None or one of {QUANTIZE}, got {quantize!r}")
+    if quantize is not None and quantize not in FORMATS:  # on-the-fly quantisation of pulled bf16 rows
+        raise ValueError(f"quantize must be None or one of {FORMATS}, got {quantize!r}")
     if fmt != "bf16" and quantize not in (None, fmt):
         raise ValueError(f"the workspace holds {fmt} rows; quantize must be None or {fmt!r}, got {quantize!r}")
     quant = quantize if fmt == "bf16" else fmt
@@ -506,8 +505,8 @@ def reverse_combine_pull(
     :func:`dispatch_pull` (``quantize`` quantises the scaled rows).
     """
     _check_launch(ws, schedule, num_sms)
-    if quantize is not None and quantize not in QUANTIZE:
-        raise ValueError(f"quantize must be None or one of {QUANTIZE}, got {quantize!r}")
+    if quantize is not None and quantize not in FORMATS:  # on-the-fly quantisation of pulled bf16 rows
+        raise ValueError(f"quantize must be None or one of {FORMATS}, got {quantize!r}")
     limit = _row_limit(rows)
     out = _routed_out(ws, schedule, out, quantize)
     tuning = tuning or CommTuning()

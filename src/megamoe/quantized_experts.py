@@ -16,10 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe.formats import FORMATS
 from megamoe.kernels.quant import quantize_weights
-
-#: The FP8 formats of the routed experts (bf16 weights are used as they are).
-QUANTIZED_PRECISIONS = ("mxfp8", "fp8-block")
 
 
 def _stamp(w: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
@@ -60,8 +58,8 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: s
     per tensor, bit for bit what the megakernel would quantise in its pass. The pack holds half the BF16
     weights' bytes (plus ~1-3 % of scales) until it is dropped; quantising again before dropping the old
     pack needs room for both."""
-    if precision not in QUANTIZED_PRECISIONS:
-        raise ValueError(f"precision must be one of {QUANTIZED_PRECISIONS}, got {precision!r}")
+    if precision not in FORMATS:
+        raise ValueError(f"precision must be one of {FORMATS}, got {precision!r}")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be a bfloat16 [L, rows, cols] tensor, got "
