@@ -15,9 +15,10 @@ captured in a CUDA graph once ``check=False``):
    order) plus the shared output, rounded once to bf16.
 
 On a GPU steps 2-4 read only the layer's own buffers and the weights, so from
-the second pass in a row with the same weights (addresses; values may change
-in place) and token count they replay from a CUDA graph (``megamoe.replay``):
-an eager pass then pays the host for steps 1 and 5 only.
+the second pass with the same weights (addresses; values may change in place)
+and token count they replay from a CUDA graph (``megamoe.replay``; one per set
+of weights, so each MoE layer of a model sharing this kernel gets its own): an
+eager pass then pays the host for steps 1 and 5 only.
 
 One rank has no peers and so nothing to overlap: there (unless asked for the
 megakernel) steps 2 and 4 become a gather of the routed rows into the ring and

@@ -8,13 +8,21 @@ graph captured once replays every later pass with the same weights (same
 addresses; their values may change in place, as an optimizer step does) and
 the same token count. The caller keeps outside the graph what reads tensors
 that are new every pass (staging x, the weighted sum).
+
+A model's MoE layers share one kernel per shape and call it in turn, each with
+its own weights: one graph per layer, so the graphs are kept by key (least
+recently used first out).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 
 import torch
+
+#: Graphs kept per kernel: a model's MoE layers of one shape (61 in kimi-k2), with room.
+DEFAULT_MAX_GRAPHS = 128
 
 
 def layout_key(tensors: Iterable[torch.Tensor | None]) -> tuple:
@@ -23,37 +31,44 @@ def layout_key(tensors: Iterable[torch.Tensor | None]) -> tuple:
 
 
 class GraphReplay:
-    """One CUDA graph of a pass, captured the second time in a row a key is seen and replayed while it repeats.
+    """CUDA graphs of a pass's device work, one per key: captured the second time a key is seen, replayed after.
 
-    A key seen once runs eagerly (it also warms up compilation, which capture cannot do), so arguments that
-    change every call never pay for a capture; a new repeated key replaces the graph (one at a time: its
-    memory pool holds the pass's temporaries). Inside someone else's capture the work runs eagerly, to be
-    captured there.
+    A key seen once runs eagerly (which also compiles what capture cannot), so arguments that never repeat
+    never pay for a capture. At most ``max_graphs`` graphs are kept (each holds the pass's temporaries in its
+    memory pool, a few MB), and twice as many keys seen once; the least recently used go first. Inside
+    someone else's capture the work runs eagerly, to be captured there.
     """
 
-    def __init__(self) -> None:
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_key: Hashable = None
-        self._result: object = None
-        self._last_key: Hashable = None
-        #: passes served by a replay (tests and benchmarks read it)
+    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+        if not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = OrderedDict()
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()
+        #: passes served by a replay, and graphs captured (tests and benchmarks read them)
         self.replays = 0
+        self.captures = 0
 
     def __call__(self, key: Hashable, work: Callable[[], object]) -> object:
         if torch.cuda.is_current_stream_capturing():
             return work()
-        if self._graph is not None and key == self._graph_key:
-            self._graph.replay()
-            self.replays += 1
-            return self._result
-        if key != self._last_key:
-            self._last_key = key
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            graph, result = self._graphs[key]
+        elif key not in self._seen:
+            self._seen[key] = None
+            if len(self._seen) > 2 * self.max_graphs:
+                self._seen.popitem(last=False)
             return work()
-        self._graph = self._result = None  # the old graph's pool is freed before the new capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = work()
-        self._graph, self._graph_key, self._result = graph, key, result
+        else:
+            del self._seen[key]
+            if len(self._graphs) >= self.max_graphs:
+                self._graphs.popitem(last=False)  # its pool is freed before the new capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                result = work()
+            self._graphs[key] = graph, result
+            self.captures += 1
         graph.replay()
         self.replays += 1
         return result
