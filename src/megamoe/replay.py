@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
-#: Graphs kept per kernel: a model's MoE layers of one shape (61 in kimi-k2), with room.
+#: Graphs kept per kernel: a model's MoE layers of one shape (60 in kimi-k2), with room.
 DEFAULT_MAX_GRAPHS = 128
 
 
