@@ -95,6 +95,21 @@ def test_bench_experts_checks_and_records(tmp_path):
     assert fwd["all_written"] and fwd["rel_err_vs_torch"] < 1e-2 and fwd["load"] == "3x10"
 
 
+def test_bench_experts_sweep_times_every_candidate_and_checks_the_best(tmp_path):
+    from megamoe.bench.experts import SWEEP
+
+    out = tmp_path / "sweep.json"
+    result = CliRunner().invoke(app, ["bench-experts", "--tokens", "16", "--experts", "3", "--passes", "fwd",
+                                      "--sweep", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    for stage in ("gate_up", "down"):
+        timed = [r["tiles"] for r in records if r["impl"] == f"megamoe {stage}"]
+        assert len(timed) == len(SWEEP[stage]) and all(r["ms"] > 0 for r in records), stage
+    best = next(r for r in records if r["impl"] == "megamoe")
+    assert best["all_written"] and best["rel_err_vs_torch"] < 1e-2
+
+
 def test_bench_experts_rejects_bad_options():
     result = CliRunner().invoke(app, ["bench-experts", "--passes", "sideways"])
     assert result.exit_code == 2 and "passes must be" in result.output

@@ -610,8 +610,10 @@ def megamoe_forward(
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
 
     Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
-    The kernel state is cached per (group, shape), one config and precision at a time; for CUDA-graph
-    capture use :class:`MegaKernel` directly with ``check=False``.
+    The kernel state is cached per (group, shape), one config and precision at a time; on a GPU it replays
+    each pass's device work from a CUDA graph once the same weights and token count come back (one graph
+    per set of weights: each MoE layer of a model gets its own). For CUDA-graph capture of whole passes use
+    :class:`MegaKernel` directly with ``check=False``.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")

@@ -30,6 +30,8 @@ SWEEP = {
     "down": [TileConfig(128, 256, 64, 8, s, g, f) for s in (3, 4) for g in (8, 16) for f in (False, True)]
     + [TileConfig(64, 256, 64, 4, s, 8, True) for s in (3, 4)],
 }
+#: Rounds of a GPU sweep (every candidate once per round; each candidate's median over rounds).
+SWEEP_ROUNDS = 3
 #: Backward variants for --sweep: each changes one kernel's tiles from the planner's.
 BACKWARD_SWEEP = {
     "dact 3 stages": {"dact": TileConfig(128, 128, 64, 8, 3, 8)},
@@ -112,9 +114,17 @@ def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool) -> tuple[li
         "gate_up": lambda cfg: gate_up(x, counts, offsets, wgu, out.h, out.act, tiles=cfg),
         "down": lambda cfg: down(out.act, counts, offsets, wd, out.y, tiles=cfg),
     }
+    # a sweep times its candidates in interleaved rounds: timed one after another they drift as the GPU heats
+    # toward its power cap (benchmarks/results/2026-11-30-replay, section 2)
+    rounds = SWEEP_ROUNDS if sweep and device.type == "cuda" else 1
     for stage, call in stages.items():
-        for cfg in SWEEP[stage] if sweep else [plan_tiles(stage, device, rows / counts.numel())]:
-            ms = median_ms(lambda: call(cfg), device)
+        candidates = SWEEP[stage] if sweep else [plan_tiles(stage, device, rows / counts.numel())]
+        times = [[] for _ in candidates]
+        for _ in range(rounds):
+            for cfg, ts in zip(candidates, times):
+                ts.append(median_ms(lambda: call(cfg), device))
+        for cfg, ts in zip(candidates, times):
+            ms = statistics.median(ts)
             stage_flops = flops * (2 if stage == "gate_up" else 1) / 3
             records.append({"load": load, "impl": f"megamoe {stage}", "pass": "fwd", "ms": ms,
                             "tflops": stage_flops / ms / 1e9, "tiles": dataclasses.asdict(cfg)})
