@@ -27,17 +27,13 @@ from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared
 from megamoe.plan import KernelConfig
 from megamoe.world import launch
 
+from sustained import run_for  # benchmarks/, beside this script
+
 
 def _phase(world, name: str, seconds: float, fn) -> dict:
     torch.cuda.synchronize()
     world.barrier()
-    start, passes = time.time(), 0
-    while time.time() - start < seconds:
-        for _ in range(5):
-            fn()
-        passes += 5
-        torch.cuda.synchronize()
-    end = time.time()
+    start, end, passes = run_for(fn, seconds, group=5)
     # local time, as nvidia-smi stamps its samples
     local = [datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f") for t in (start, end)]
     return {"phase": name, "start": local[0], "end": local[1], "ms_per_pass": 1e3 * (end - start) / passes}

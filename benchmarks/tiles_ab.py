@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from megamoe.bench.experts import make_load
 from megamoe.config import preset
 from megamoe.experts import ExpertForward, TileConfig, expert_forward, plan_tiles
+
+from sustained import run_for  # benchmarks/, beside this script
 
 VARIANTS = {
     "128-row (planner)": None,
@@ -31,14 +32,8 @@ VARIANTS = {
 
 
 def _sustained_ms(fn, seconds: float) -> float:
-    torch.cuda.synchronize()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        for _ in range(4):
-            fn()
-        calls += 4
-        torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start) / calls
+    start, end, calls = run_for(fn, seconds, group=4)
+    return 1e3 * (end - start) / calls
 
 
 def main() -> None:
