@@ -60,7 +60,7 @@ from megamoe.world import launch
 
 SMS = (8, 16, 24, 32)
 #: Section 1's copy tiles (the last is the default).
-BASE = (CommTuning(1024, 16, 8), CommTuning(1024, 32, 16), CommTuning(1024, 64, 16))
+BASE = (CommTuning(4, 4), CommTuning(16, 16), CommTuning(8, 8))
 MINIBATCHES = (256, 1024, 4096, 8192)
 SIGNAL_SMS = (24,)
 IMBALANCE_SMS = (16, 24)

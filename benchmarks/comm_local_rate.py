@@ -23,8 +23,8 @@ from megamoe.config import preset
 from megamoe.world import launch
 
 SMS = (1, 4, 8, 16, 32, 132)
-#: the megakernel's copy tile (16 chunks of 1024, its 8 warps) and the standalone kernels' default (64 chunks, 16 warps)
-TUNINGS = (CommTuning(tile_chunks=16, num_warps=8), CommTuning())
+#: row tiles: 4 rows on 4 warps, 16 on 16, the default 8 on 8 (the megakernel's)
+TUNINGS = (CommTuning(4, 4), CommTuning(16, 16), CommTuning())
 
 
 def _median_ms(fn, iters: int = 10) -> float:

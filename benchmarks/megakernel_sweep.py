@@ -80,8 +80,8 @@ def run_rank(world, args, points) -> list[dict] | None:
         from megamoe.megakernel import megamoe_forward
         from megamoe.quantized_experts import quantize_experts
 
-        if args.comm_chunks:  # an experiment: the comm workers' copy tile
-            mega.COMM_TUNING = replace(mega.COMM_TUNING, tile_chunks=args.comm_chunks)
+        if args.comm_rows:  # an experiment: the comm workers' copy tile
+            mega.COMM_TUNING = replace(mega.COMM_TUNING, tile_rows=args.comm_rows)
 
         # FP8: the weights quantised once, as after an optimizer step (`megamoe bench` does the same)
         experts_q = None if args.precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, args.precision)
@@ -240,8 +240,8 @@ def main() -> int:
     parser.add_argument("--minibatch", type=_ints, default=list(MINIBATCHES))
     parser.add_argument("--comm-sms", type=_ints, default=list(COMM_SMS),
                         help="'' sweeps none: with --minibatch '' only the planner's point runs")
-    parser.add_argument("--comm-chunks", type=int, default=0,
-                        help="row chunks per comm copy step (default: the kernel's COMM_TUNING)")
+    parser.add_argument("--comm-rows", type=int, default=0,
+                        help="rows per comm copy step (default: the kernel's COMM_TUNING)")
     parser.add_argument("--graph", action="store_true",
                         help="time passes replayed from a CUDA graph (megamoe on GPUs; each point captured once)")
     parser.add_argument("--grid", action="store_true", help="every (minibatch, comm_sms) pair, not two one-knob sweeps")

@@ -55,9 +55,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 #: (num_sms, tuning): grids and tiles, each checked bit-exact against the reference.
 VARIANTS = (
-    (3, CommTuning(tile_chunks=2, num_warps=4)),
-    (4, CommTuning(tile_chunks=4, block_d=128)),
-    (2, CommTuning(tile_chunks=1)),
+    (3, CommTuning(tile_rows=2, num_warps=4)),
+    (4, CommTuning(tile_rows=4, num_warps=2)),
+    (2, CommTuning(tile_rows=1, num_warps=1)),
     (1, CommTuning()),
 )
 
@@ -90,7 +90,7 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
 
     # forward dispatch, pull: several grids and tiles give the same bits
     ref = comm.dispatch_reference(x_dev, sched)
-    for num_sms, tuning in ((1, CommTuning(tile_chunks=1)), (3, None), (64, CommTuning(tile_chunks=4))):
+    for num_sms, tuning in ((1, CommTuning(tile_rows=1)), (3, None), (64, CommTuning(tile_rows=4))):
         check(f"dispatch_pull num_sms={num_sms}", comm.dispatch_pull(ws, sched, num_sms=num_sms, tuning=tuning), ref)
     for num_sms, tuning in VARIANTS:  # other grids and tiles give the same bits
         check(f"dispatch_pull num_sms={num_sms} {tuning.label()}",
@@ -302,12 +302,15 @@ def test_shape_and_tuning_validation():
         CommShape(2, 8, 128, 2, row_format="fp4")
     with pytest.raises(ValueError, match="multiple of 128"):
         CommShape(2, 8, 192, 2, row_format="fp8-block")
-    with pytest.raises(ValueError, match="tile_chunks"):
-        CommTuning(tile_chunks=3)
-    with pytest.raises(ValueError, match="block_d"):
-        CommTuning(block_d=64)
+    with pytest.raises(ValueError, match="tile_rows"):
+        CommTuning(tile_rows=3)
+    with pytest.raises(ValueError, match="tile_rows"):
+        CommTuning(tile_rows=128)
     with pytest.raises(ValueError, match="num_warps"):
         CommTuning(num_warps=0)
     assert CommShape(2, 8, 128, 2, experts_per_rank=3, align=4).capacity == 2 * 8 * 2 + 3 * 3
-    assert comm._tile(7168, 2, CommTuning()) == (1024, 7, 64, 8)
-    assert comm._tile(224, 1, CommTuning()) == (32, 7, 512, 16)
+    # (CHUNKS, CP, W, ROWS, ALIGN): kimi-k2 bf16 rows, their E4M3 bytes and fp32 / E8M0 scale rows
+    assert comm._tile(7168, 2, CommTuning()) == (28, 32, 256, 8, 8)
+    assert comm._tile(7168, 1, CommTuning()) == (14, 16, 512, 8, 16)
+    assert comm._tile(56, 4, CommTuning()) == (7, 8, 8, 128, 4)
+    assert comm._tile(224, 1, CommTuning()) == (7, 8, 32, 128, 16)

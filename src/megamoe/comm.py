@@ -59,7 +59,7 @@ _WAIT_DISPATCH, _WAIT_BARRIER = 1, 2
 DEFAULT_WAIT_BUDGET = 1 << 24
 DEFAULT_WAIT_BUDGET_INTERPRETED = 1 << 20
 
-_NO_LIMIT = 2**62
+_NO_LIMIT = 2**31 - 1  # rows of a launch: int32 loop counters
 
 
 def _interpreting() -> bool:
@@ -190,32 +190,28 @@ class CommTuning:
     """Tile shape of the communication kernels (see ``megamoe.kernels.comm``).
 
     Attributes:
-        block_d: most columns per chunk; the chunk is the largest power of two
-            <= block_d dividing the row width (1024 for D = 7168: 14 KB rows
-            as 7 chunks of 2 KB, 16-byte vectors).
-        tile_chunks: VROWS, chunks moved per tile (loads in flight per
-            program: tile_chunks * block_d elements).
+        tile_rows: rows moved per tile (a 14 KB kimi-k2 row per warp at the
+            default: 112 KB of loads in flight per program).
         num_warps: warps per program (ignored by the interpreter).
 
-    The default, 64 x 1024 with 16 warps, is the fastest measured on 2 x H200
-    (benchmarks/results/2026-11-29-comm-tile). Register double buffering,
-    Triton's loop pipeliner and programs reserved for the local rows were
-    measured too and lost (2026-11-29-round2); they were removed.
+    A tile holds each row in one warp (``tile_rows == num_warps``), so a
+    thread works out a row's source and destination once for all of its
+    16-byte vectors: the chunked tiles before (64 x 1024 elements, 16 warps)
+    redid that arithmetic for every vector (benchmarks/results/2026-11-29-comm-tile).
     """
 
-    block_d: int = 1024
-    tile_chunks: int = 64
-    num_warps: int = 16
+    tile_rows: int = 8
+    num_warps: int = 8
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("block_d", 128, 8192), ("tile_chunks", 1, 512), ("num_warps", 1, 32)):
+        for name, lo, hi in (("tile_rows", 1, 64), ("num_warps", 1, 32)):
             value = getattr(self, name)
             if not _is_int(value) or not lo <= value <= hi or value & (value - 1):
                 raise ValueError(f"CommTuning.{name} must be a power of two in [{lo}, {hi}], got {value!r}")
 
     def label(self) -> str:
-        """A short name: ``64x1024 16w``."""
-        return f"{self.tile_chunks}x{self.block_d} {self.num_warps}w"
+        """A short name: ``8r 8w``."""
+        return f"{self.tile_rows}r {self.num_warps}w"
 
 
 @dataclass(frozen=True)
@@ -639,7 +635,7 @@ def push_dispatch(
     budget = _wait_budget(wait_budget)
     tuning = tuning or CommTuning()
     x, routed = ws.local("x"), ws.local("routed")
-    block, chunks, vrows, align = _tile(ws.shape.hidden, x.element_size(), tuning)
+    chunks, cp, w, rows_per_tile, align = _tile(ws.shape.hidden, x.element_size(), tuning)
     flag_ptrs, flags = ws._flag_ptrs(_WAIT_DISPATCH)
     epoch = arrive_target = 0
     if signal:
@@ -656,7 +652,7 @@ def push_dispatch(
         push_schedule.dst_rank, push_schedule.dst_row, ws.peer_ptrs("routed"), routed, routed.stride(0),
         flag_ptrs, flags, ws.local("counters"), arrive_target, epoch, ws.world.rank, ws.world.size, budget,
         ws.local("error"),
-        SRC_ROW_DIV=ws.shape.top_k, IDENTITY_SRC=False, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align,
+        SRC_ROW_DIV=ws.shape.top_k, IDENTITY_SRC=False, CHUNKS=chunks, CP=cp, W=w, ROWS=rows_per_tile, ALIGN=align,
         SIGNAL=signal, WAIT_ID=_WAIT_DISPATCH, num_warps=tuning.num_warps,
     )
     if signal and check:
@@ -712,14 +708,14 @@ def _launch_pull(
     src = ws.local(src_name)
     width = src.shape[1]
     min_block = formats.FP8_BLOCK if quant == "fp8-block" else formats.MX_BLOCK if quant else 1
-    block, chunks, vrows, align = _tile(width, src.element_size(), tuning, min_block=min_block)
+    chunks, cp, w, rows, align = _tile(width, src.element_size(), tuning, min_block=min_block)
     w_ptrs, w_anchor = (ws.peer_ptrs("router_weights"), ws.local("router_weights")) if scale else (
         ws.peer_ptrs(src_name), src)
     qscale = dst if qscale is None else qscale
     _pull_kernel[(num_sms,)](
         schedule.num_rows, limit, ws.peer_ptrs(src_name), src, src.stride(0), schedule.src_rank, schedule.src_index,
         dst, dst.stride(0), w_ptrs, w_anchor, qscale, qscale.stride(0),
-        TOP_K=ws.shape.top_k, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align, SCALE=scale,
+        TOP_K=ws.shape.top_k, CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align, SCALE=scale,
         QUANT={None: 0, "mxfp8": 1, "fp8-block": 2}[quant], SOFT_E4M3=quant_kernels.soft_e4m3_default(),
         num_warps=tuning.num_warps,
     )
@@ -741,7 +737,7 @@ def _push_rows(
                 exact_rows=schedule.capacity)
     tuning = tuning or CommTuning()
     dst = ws.local(dst_name)
-    block, chunks, vrows, align = _tile(ws.shape.hidden, dst.element_size(), tuning)
+    chunks, cp, w, rows_per_tile, align = _tile(ws.shape.hidden, dst.element_size(), tuning)
     if sync:
         _sync(ws)
     flag_ptrs, flags = ws._flag_ptrs(_WAIT_DISPATCH)  # unused without SIGNAL
@@ -749,27 +745,30 @@ def _push_rows(
         schedule.num_rows, _NO_LIMIT, rows, rows.stride(0), schedule.src_index,
         schedule.src_rank, schedule.src_index, ws.peer_ptrs(dst_name), dst, dst.stride(0),
         flag_ptrs, flags, ws.local("counters"), 0, 0, ws.world.rank, ws.world.size, 0, ws.local("error"),
-        SRC_ROW_DIV=1, IDENTITY_SRC=True, CHUNKS=chunks, BLOCK_D=block, VROWS=vrows, ALIGN=align,
+        SRC_ROW_DIV=1, IDENTITY_SRC=True, CHUNKS=chunks, CP=cp, W=w, ROWS=rows_per_tile, ALIGN=align,
         SIGNAL=False, WAIT_ID=0, num_warps=tuning.num_warps,
     )
     if sync:
         _sync(ws)
 
 
-def _tile(width: int, esize: int, tuning: CommTuning, *, min_block: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_D, CHUNKS, VROWS, ALIGN) for rows of ``width`` elements of ``esize`` bytes.
+def _tile(width: int, esize: int, tuning: CommTuning, *, min_block: int = 1) -> tuple[int, int, int, int, int]:
+    """(CHUNKS, CP, W, ROWS, ALIGN) of the row tiles of rows of ``width`` elements of ``esize`` bytes.
 
-    BLOCK_D: the largest power of two <= tuning.block_d dividing the width.
-    VROWS grows as the chunk shrinks below tuning.block_d so that a tile keeps
-    about the same elements in flight (narrow rows: fp8 scales). ALIGN: the
-    element alignment every row start shares (16 bytes when the row allows).
+    W: a warp's 16-byte vectors (512 bytes) or, for narrower rows, the largest
+    power of two dividing the width; a row is CHUNKS = width / W pieces of W,
+    CP the next power of two. ROWS grows as W shrinks below 512 bytes, so a
+    tile of narrow rows (fp8 scales) keeps about as many vectors in flight.
+    ALIGN: the element alignment every row start shares (16 bytes when the row allows).
     """
-    block = min(width & -width, tuning.block_d)
-    if block < min_block:
+    wide = 512 // esize
+    w = min(width & -width, wide)
+    if w < min_block:
         raise ValueError(f"rows of {width} elements cannot be split into blocks of {min_block}")
-    vrows = min(512, tuning.tile_chunks * max(1, tuning.block_d // block))
-    align = math.gcd(width, block, max(1, 16 // esize))
-    return block, width // block, vrows, align
+    chunks = width // w
+    rows = min(256, tuning.tile_rows * (wide // w))
+    align = math.gcd(width, w, max(1, 16 // esize))
+    return chunks, 1 << (chunks - 1).bit_length(), w, rows, align
 
 
 def _routed_out(
@@ -852,7 +851,7 @@ def _row_limit(rows: object) -> int:
         return _NO_LIMIT
     if not _is_int(rows) or rows < 0:
         raise ValueError(f"rows must be None or a non-negative int, got {rows!r}")
-    return rows
+    return min(rows, _NO_LIMIT)
 
 
 def _wait_budget(budget: object) -> int:

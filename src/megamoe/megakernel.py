@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -84,13 +84,9 @@ WAITS = {
     mk.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
 }
 
-#: The communication workers' copy tile (chunks of a row moved per loop step; the kernel's own 8 warps). 64
-#: chunks, twice as fast per SM in the standalone copy kernels, were no faster here
-#: (benchmarks/results/2026-11-29-comm-tile). Benchmarks may swap it.
-COMM_TUNING = CommTuning(tile_chunks=16)
-#: E4M3 rows: twice the chunks per tile keeps a tile's bytes, and so the bytes in flight of a latency-bound
-#: comm SM, those of a BF16 tile.
-FP8_ROWS_TUNING = replace(COMM_TUNING, tile_chunks=2 * COMM_TUNING.tile_chunks)
+#: The communication workers' copy tile: one row per warp of the kernel's 8 warps (E4M3 rows and the scales
+#: get the same rows per tile; narrower rows give more of them). Benchmarks may swap it.
+COMM_TUNING = CommTuning(tile_rows=8)
 
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
@@ -409,21 +405,22 @@ class MegaKernel:
         # rows_ready, tile_done, y_done, shared_done, comm_done (the kernel's argument order)
         self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
                                self.counters[2 * M + T: -1], self.counters[-1:])
-        block_d, chunks, vrows, align = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
+        routed_tile = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
         if self.quantized:  # E4M3 rows and their scales
             x_q, x_scale = self.sym.local("x_q"), self.sym.local("x_scale")
             self._pulled_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),
                                  self.sym.peer_ptrs("x_scale"), x_scale, x_scale.stride(0))
-            rows_tile = _tile(s.hidden, 1, FP8_ROWS_TUNING)
+            rows_tile = _tile(s.hidden, 1, COMM_TUNING)
             scales_tile = _tile(x_scale.shape[1], x_scale.element_size(), COMM_TUNING)
         else:  # BF16 rows; the scales are never read
             x_sym = self.sym.local("x")
             self._pulled_args = (self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.sym.peer_ptrs("x"), x_sym, 0)
-            rows_tile = scales_tile = (block_d, chunks, vrows, align)
-        pulled = dict(**dict(zip(("P_BLOCK_D", "P_CHUNKS", "P_VROWS", "P_ALIGN"), rows_tile)),
-                      **dict(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), scales_tile)))
+            rows_tile = scales_tile = routed_tile
+        tile_names = ("CHUNKS", "CP", "W", "ROWS", "ALIGN")
+        pulled = dict(**dict(zip(tile_names, routed_tile)), **dict(zip(["P_" + n for n in tile_names], rows_tile)),
+                      **dict(zip(["S_" + n for n in tile_names], scales_tile)))
         self._consts = dict(
-            TOP_K=s.top_k, CHUNKS=chunks, BLOCK_D=block_d, VROWS=vrows, ALIGN=align, DOT_FP32=interpreting(),
+            TOP_K=s.top_k, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=self.trace is not None and self.gpu,
             FMT=self.fmt, SOFT_E4M3=soft_e4m3_default(),

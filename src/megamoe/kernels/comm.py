@@ -102,76 +102,29 @@ def peer_offset(rank, row, valid, peer_ptrs, anchor_ptr, stride_row):
 
 
 @triton.jit
-def pull_load(
-    v0,
-    num_rows,
-    src_peer_ptrs,
-    src_anchor_ptr,
-    stride_src,
-    src_rank_ptr,
-    src_index_ptr,
-    w_peer_ptrs,
-    w_anchor_ptr,
-    TOP_K: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VROWS: tl.constexpr,
-    ALIGN: tl.constexpr,
-    SCALE: tl.constexpr,
-):
-    """The load half of ``pull_tile``: (x [VROWS, BLOCK_D], t, col0, valid) of chunks ``[v0, v0 + VROWS)``."""
-    v = v0 + tl.arange(0, VROWS)
-    t = v // CHUNKS
-    col0 = (v % CHUNKS) * BLOCK_D
-    in_range = t < num_rows
-    rank = tl.load(src_rank_ptr + t, mask=in_range, other=-1)
-    index = tl.load(src_index_ptr + t, mask=in_range, other=-1)
-    valid = rank >= 0
-    token = index // TOP_K
-    src_off = tl.multiple_of(peer_offset(rank, token, valid, src_peer_ptrs, src_anchor_ptr, stride_src) + col0, ALIGN)
-    cols = tl.arange(0, BLOCK_D)
-    x = tl.load(src_anchor_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None])
-    if SCALE:
-        w_off = peer_offset(rank, index, valid, w_peer_ptrs, w_anchor_ptr, 1)
-        w = tl.load(w_anchor_ptr + w_off, mask=valid, other=0.0)
-        x = f32_to_bf16(bf16_to_f32(x) * w[:, None])
-    return x, t, col0, valid
+def row_tile(t0, ROWS: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr):
+    """Rows ``t [ROWS]`` from ``t0``, column offsets ``cols [1, CP, W]`` and the chunk mask ``[1, CP, 1]``.
+
+    Chunk c of a row is its columns ``c*W + [0, W)``; chunks ``CHUNKS .. CP-1`` pad CP to a power of two and
+    are masked (a compile-time mask on the GPU: each thread holds all CP chunks of its row).
+    """
+    t = t0 + tl.arange(0, ROWS)
+    chunk = tl.arange(0, CP)
+    cols = (chunk * W)[None, :, None] + tl.arange(0, W)[None, None, :]
+    return t, cols, (chunk < CHUNKS)[None, :, None]
 
 
 @triton.jit
-def pull_store(
-    x,
-    t,
-    col0,
-    valid,
-    dst_ptr,
-    stride_dst,
-    qscale_ptr,
-    stride_qscale,
-    BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr,
-    SOFT_E4M3: tl.constexpr,
-):
-    """The store half of ``pull_tile``: rows ``t`` (where ``valid``) of ``dst`` (quantised with QUANT)."""
-    cols = tl.arange(0, BLOCK_D)
-    dst_off = t * stride_dst + col0
-    if QUANT == 0:
-        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
-    else:
-        SBLOCK: tl.constexpr = 32 if QUANT == 1 else 128
-        if QUANT == 1:
-            data, scale = mxfp8_quantize_tile(x, 1, False, SOFT_E4M3)
-        else:
-            data, scale = fp8_block_quantize_tile(x, 1, 128, SOFT_E4M3)
-        tl.store(dst_ptr + dst_off[:, None] + cols[None, :], data.to(tl.uint8, bitcast=True), mask=valid[:, None])
-        scols = tl.arange(0, BLOCK_D // SBLOCK)
-        s_off = t * stride_qscale + col0 // SBLOCK
-        tl.store(qscale_ptr + s_off[:, None] + scols[None, :], scale, mask=valid[:, None])
+def vector_offsets(row_off, cols, ALIGN: tl.constexpr, W: tl.constexpr):
+    """``row_off [ROWS]`` (element offsets of row starts, multiples of ALIGN) plus ``cols``, as 16-byte vectors.
+
+    The hints sit on the 3-D sum: put on ``row_off`` alone they are lost (2-byte loads of peer rows)."""
+    return tl.max_contiguous(tl.multiple_of(row_off[:, None, None] + cols, [1, 1, ALIGN]), [1, 1, W])
 
 
 @triton.jit
 def pull_tile(
-    v0,
+    t0,
     num_rows,
     src_peer_ptrs,
     src_anchor_ptr,
@@ -186,76 +139,56 @@ def pull_tile(
     stride_qscale,
     TOP_K: tl.constexpr,
     CHUNKS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VROWS: tl.constexpr,
+    CP: tl.constexpr,
+    W: tl.constexpr,
+    ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SCALE: tl.constexpr,
     QUANT: tl.constexpr,
     SOFT_E4M3: tl.constexpr,
 ):
-    """Pull chunks ``[v0, v0 + VROWS)`` of the schedule's rows ``t < num_rows`` into ``dst[t]``.
+    """Pull rows ``[t0, t0 + ROWS)`` of the schedule's rows ``t < num_rows`` into ``dst[t]``.
 
     ``src`` is ``[N, D]`` on every rank (row ``src_index // TOP_K``); ``dst``
     is local ``[capacity, D]``. SCALE: bf16 rows times the fp32 router weight
     ``w_{src_rank}[src_index]`` (``w`` is ``[N*k]`` on every rank), rounded to
     bf16. QUANT (0 none, 1 MXFP8, 2 FP8-block 1x128): store E4M3 bits (uint8 ``dst``) and per-block scales
-    (``qscale [capacity, D/32]`` uint8 or ``[capacity, D/128]`` fp32).
+    (``qscale [capacity, D/32]`` uint8 or ``[capacity, D/128]`` fp32; W a multiple of the block).
     Rows with ``src_rank == -1`` are not written.
     """
-    x, t, col0, valid = pull_load(
-        v0, num_rows, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, w_peer_ptrs,
-        w_anchor_ptr, TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE,
-    )
-    pull_store(x, t, col0, valid, dst_ptr, stride_dst, qscale_ptr, stride_qscale, BLOCK_D, QUANT, SOFT_E4M3)
-
-
-@triton.jit
-def push_load(
-    v0,
-    num_rows,
-    src_ptr,
-    stride_src,
-    src_row_ptr,
-    dst_rank_ptr,
-    dst_row_ptr,
-    dst_peer_ptrs,
-    dst_anchor_ptr,
-    stride_dst,
-    SRC_ROW_DIV: tl.constexpr,
-    IDENTITY_SRC: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VROWS: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    """The load half of ``push_tile``: (x [VROWS, BLOCK_D], destination offsets, valid)."""
-    v = v0 + tl.arange(0, VROWS)
-    t = v // CHUNKS
-    col0 = (v % CHUNKS) * BLOCK_D
+    t, cols, chunk_ok = row_tile(t0, ROWS, CHUNKS, CP, W)
     in_range = t < num_rows
-    rank = tl.load(dst_rank_ptr + t, mask=in_range, other=-1)
-    row = tl.load(dst_row_ptr + t, mask=in_range, other=-1)
+    rank = tl.load(src_rank_ptr + t, mask=in_range, other=-1)
+    index = tl.load(src_index_ptr + t, mask=in_range, other=-1)
     valid = rank >= 0
-    if IDENTITY_SRC:
-        s = t
+    mask = valid[:, None, None] & chunk_ok
+    src_off = peer_offset(rank, index // TOP_K, valid, src_peer_ptrs, src_anchor_ptr, stride_src)
+    x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
+    if SCALE:
+        w_off = peer_offset(rank, index, valid, w_peer_ptrs, w_anchor_ptr, 1)
+        w = tl.load(w_anchor_ptr + w_off, mask=valid, other=0.0)
+        x = f32_to_bf16(bf16_to_f32(x) * w[:, None, None])
+    dst_off = vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W)
+    if QUANT == 0:
+        tl.store(dst_ptr + dst_off, x, mask=mask)
     else:
-        s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    x = tl.load(src_ptr + (s * stride_src + col0)[:, None] + cols[None, :], mask=valid[:, None])
-    dst_off = tl.multiple_of(peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst) + col0, ALIGN)
-    return x, dst_off, valid
-
-
-@triton.jit
-def push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D: tl.constexpr):
-    """The store half of ``push_tile``."""
-    cols = tl.arange(0, BLOCK_D)
-    tl.store(dst_anchor_ptr + dst_off[:, None] + cols[None, :], x, mask=valid[:, None])
+        SBLOCK: tl.constexpr = 32 if QUANT == 1 else 128
+        flat = tl.reshape(x, (ROWS * CP, W))
+        if QUANT == 1:
+            data, scale = mxfp8_quantize_tile(flat, 1, False, SOFT_E4M3)
+        else:
+            data, scale = fp8_block_quantize_tile(flat, 1, 128, SOFT_E4M3)
+        data = tl.reshape(data.to(tl.uint8, bitcast=True), (ROWS, CP, W))
+        tl.store(dst_ptr + dst_off, data, mask=mask)
+        scale = tl.reshape(scale, (ROWS, CP, W // SBLOCK))
+        s_cols = (tl.arange(0, CP) * (W // SBLOCK))[None, :, None] + tl.arange(0, W // SBLOCK)[None, None, :]
+        s_off = (t.to(tl.int64) * stride_qscale)[:, None, None] + s_cols
+        tl.store(qscale_ptr + s_off, scale, mask=mask)
 
 
 @triton.jit
 def push_tile(
-    v0,
+    t0,
     num_rows,
     src_ptr,
     stride_src,
@@ -268,21 +201,30 @@ def push_tile(
     SRC_ROW_DIV: tl.constexpr,
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VROWS: tl.constexpr,
+    CP: tl.constexpr,
+    W: tl.constexpr,
+    ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """Push chunks ``[v0, v0 + VROWS)`` of entries ``t < num_rows``: ``dst_{dst_rank[t]}[dst_row[t]] = src[s]``.
+    """Push entries ``[t0, t0 + ROWS)`` of those ``t < num_rows``: ``dst_{dst_rank[t]}[dst_row[t]] = src[s]``.
 
     ``s = t`` (IDENTITY_SRC) or ``src_row[t] // SRC_ROW_DIV``; ``src`` is a
     local ``[*, D]`` buffer, ``dst`` exists on every rank. Entries with
     ``dst_rank == -1`` are skipped.
     """
-    x, dst_off, valid = push_load(
-        v0, num_rows, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
-        stride_dst, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN,
-    )
-    push_store(x, dst_off, valid, dst_anchor_ptr, BLOCK_D)
+    t, cols, chunk_ok = row_tile(t0, ROWS, CHUNKS, CP, W)
+    in_range = t < num_rows
+    rank = tl.load(dst_rank_ptr + t, mask=in_range, other=-1)
+    row = tl.load(dst_row_ptr + t, mask=in_range, other=-1)
+    valid = rank >= 0
+    mask = valid[:, None, None] & chunk_ok
+    if IDENTITY_SRC:
+        s = t.to(tl.int64)
+    else:
+        s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
+    x = tl.load(src_ptr + vector_offsets(s * stride_src, cols, ALIGN, W), mask=mask)
+    dst_off = peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst)
+    tl.store(dst_anchor_ptr + vector_offsets(dst_off, cols, ALIGN, W), x, mask=mask)
 
 
 @triton.jit
@@ -338,18 +280,19 @@ def _pull_kernel(
     stride_qscale,
     TOP_K: tl.constexpr,
     CHUNKS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VROWS: tl.constexpr,
+    CP: tl.constexpr,
+    W: tl.constexpr,
+    ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SCALE: tl.constexpr,
     QUANT: tl.constexpr,
     SOFT_E4M3: tl.constexpr,
 ):
-    n = tl.minimum(tl.load(num_rows_ptr).to(tl.int64), row_limit)
-    for v0 in range(tl.program_id(0).to(tl.int64) * VROWS, n * CHUNKS, tl.num_programs(0).to(tl.int64) * VROWS):
-        pull_tile(v0, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr, stride_dst,
+    n = tl.minimum(tl.load(num_rows_ptr), row_limit)
+    for t0 in range(tl.program_id(0) * ROWS, n, tl.num_programs(0) * ROWS):
+        pull_tile(t0, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr, stride_dst,
                   w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale,
-                  TOP_K, CHUNKS, BLOCK_D, VROWS, ALIGN, SCALE, QUANT, SOFT_E4M3)
+                  TOP_K, CHUNKS, CP, W, ROWS, ALIGN, SCALE, QUANT, SOFT_E4M3)
 
 
 @triton.jit(do_not_specialize=["row_limit", "arrive_target", "epoch", "my_rank", "budget"])
@@ -376,16 +319,17 @@ def _push_kernel(
     SRC_ROW_DIV: tl.constexpr,
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VROWS: tl.constexpr,
+    CP: tl.constexpr,
+    W: tl.constexpr,
+    ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     SIGNAL: tl.constexpr,
     WAIT_ID: tl.constexpr,
 ):
-    n = tl.minimum(tl.load(num_rows_ptr).to(tl.int64), row_limit)
-    for v0 in range(tl.program_id(0).to(tl.int64) * VROWS, n * CHUNKS, tl.num_programs(0).to(tl.int64) * VROWS):
-        push_tile(v0, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
-                  stride_dst, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, BLOCK_D, VROWS, ALIGN)
+    n = tl.minimum(tl.load(num_rows_ptr), row_limit)
+    for t0 in range(tl.program_id(0) * ROWS, n, tl.num_programs(0) * ROWS):
+        push_tile(t0, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
+                  stride_dst, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, CP, W, ROWS, ALIGN)
     if SIGNAL:
         tl.debug_barrier()  # every thread's stores are issued before the arrival below releases them
         arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")

@@ -147,8 +147,8 @@ def comm_pull(
     rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
     src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale, rows_ready_ptr,
     TOP_K: tl.constexpr, FMT: tl.constexpr,
-    P_CHUNKS: tl.constexpr, P_BLOCK_D: tl.constexpr, P_VROWS: tl.constexpr, P_ALIGN: tl.constexpr,
-    S_CHUNKS: tl.constexpr, S_BLOCK_D: tl.constexpr, S_VROWS: tl.constexpr, S_ALIGN: tl.constexpr,
+    P_CHUNKS: tl.constexpr, P_CP: tl.constexpr, P_W: tl.constexpr, P_ROWS: tl.constexpr, P_ALIGN: tl.constexpr,
+    S_CHUNKS: tl.constexpr, S_CP: tl.constexpr, S_W: tl.constexpr, S_ROWS: tl.constexpr, S_ALIGN: tl.constexpr,
 ):
     """Worker c's share of minibatch j's rows into its ring slot, then rows_ready[j] += 1.
 
@@ -160,15 +160,15 @@ def comm_pull(
     shift = ring_shift(j, minibatch, slots)
     dst = ring_ptr + shift * stride_ring
     dst_scale = ring_scale_ptr + shift * stride_ring_scale
-    for v0 in range(first_row * P_CHUNKS + c * P_VROWS, end_row * P_CHUNKS, comm_sms * P_VROWS):
-        pull_tile(v0, end_row, rows_peer_ptrs, rows_ptr, stride_rows, src_rank_ptr, src_index_ptr, dst, stride_ring,
+    for t0 in range(first_row + c * P_ROWS, end_row, comm_sms * P_ROWS):
+        pull_tile(t0, end_row, rows_peer_ptrs, rows_ptr, stride_rows, src_rank_ptr, src_index_ptr, dst, stride_ring,
                   rows_peer_ptrs, rows_ptr, dst_scale, stride_ring_scale,
-                  TOP_K, P_CHUNKS, P_BLOCK_D, P_VROWS, P_ALIGN, False, 0, False)
+                  TOP_K, P_CHUNKS, P_CP, P_W, P_ROWS, P_ALIGN, False, 0, False)
     if FMT != FMT_BF16:
-        for v0 in range(first_row * S_CHUNKS + c * S_VROWS, end_row * S_CHUNKS, comm_sms * S_VROWS):
-            pull_tile(v0, end_row, scales_peer_ptrs, scales_ptr, stride_scales, src_rank_ptr, src_index_ptr,
+        for t0 in range(first_row + c * S_ROWS, end_row, comm_sms * S_ROWS):
+            pull_tile(t0, end_row, scales_peer_ptrs, scales_ptr, stride_scales, src_rank_ptr, src_index_ptr,
                       dst_scale, stride_ring_scale, scales_peer_ptrs, scales_ptr, dst_scale, stride_ring_scale,
-                      TOP_K, S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN, False, 0, False)
+                      TOP_K, S_CHUNKS, S_CP, S_W, S_ROWS, S_ALIGN, False, 0, False)
     release_add(rows_ready_ptr + j)
 
 
@@ -177,8 +177,8 @@ def comm_push(
     j, c, comm_sms, minibatch, slots, budget,
     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
     y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr, num_n_down,
-    CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr, WAIT: tl.constexpr,
-    TRACE: tl.constexpr,
+    CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
+    WAIT: tl.constexpr, TRACE: tl.constexpr,
 ):
     """Once minibatch j's down tasks are done, worker c's share of its tiles' rows to their home combine slots
     (the rows of minibatch j, or, with uncut tiles, from its first tile's start to its last tile's end)."""
@@ -190,9 +190,9 @@ def comm_push(
     first_row = tl.load(tile_row0_ptr + t0, mask=has, other=0).to(tl.int64)
     end_row = tl.load(tile_row_end_ptr + t0 + tiles - 1, mask=has, other=0).to(tl.int64)
     src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
-    for v0 in range(first_row * CHUNKS + c * VROWS, end_row * CHUNKS, comm_sms * VROWS):
-        push_tile(v0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
-                  combine_ptr, stride_combine, 1, True, CHUNKS, BLOCK_D, VROWS, ALIGN)
+    for t0 in range(first_row + c * ROWS, end_row, comm_sms * ROWS):
+        push_tile(t0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
+                  combine_ptr, stride_combine, 1, True, CHUNKS, CP, W, ROWS, ALIGN)
     return budget
 
 
@@ -345,14 +345,14 @@ def megakernel(
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
     tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, phase_minibatch,
-    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_D: tl.constexpr, VROWS: tl.constexpr, ALIGN: tl.constexpr,
-    HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
+    TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     SHARED_BN_GU: tl.constexpr, SHARED_BN_DN: tl.constexpr, SHARED_BK: tl.constexpr,
-    P_CHUNKS: tl.constexpr, P_BLOCK_D: tl.constexpr, P_VROWS: tl.constexpr, P_ALIGN: tl.constexpr,
-    S_CHUNKS: tl.constexpr, S_BLOCK_D: tl.constexpr, S_VROWS: tl.constexpr, S_ALIGN: tl.constexpr,
+    P_CHUNKS: tl.constexpr, P_CP: tl.constexpr, P_W: tl.constexpr, P_ROWS: tl.constexpr, P_ALIGN: tl.constexpr,
+    S_CHUNKS: tl.constexpr, S_CP: tl.constexpr, S_W: tl.constexpr, S_ROWS: tl.constexpr, S_ALIGN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     trace_ptr = trace_base_ptr + pid * TRACE_FIELDS
@@ -371,19 +371,19 @@ def megakernel(
                         y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                         y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                         tl.cdiv(D, BN_DN),
-                        CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
+                        CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
                           src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale,
-                          rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_BLOCK_D, P_VROWS, P_ALIGN,
-                          S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN)
+                          rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_CP, P_W, P_ROWS, P_ALIGN,
+                          S_CHUNKS, S_CP, S_W, S_ROWS, S_ALIGN)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
                     batches - 1 - p, pid, comm_sms, minibatch, slots, budget,
                     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                     y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                     tl.cdiv(D, BN_DN),
-                    CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
+                    CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
             # End of pass: the last comm worker of this rank tells every rank its pushes landed and waits
             # for theirs (system scope), so the epilogue launched after this kernel reads complete slots.
             tl.debug_barrier()
@@ -443,8 +443,8 @@ def megakernel(
             comm_pull(j, pid, workers, num_rows, minibatch, slots,
                       rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
                       src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale,
-                      rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_BLOCK_D, P_VROWS, P_ALIGN,
-                      S_CHUNKS, S_BLOCK_D, S_VROWS, S_ALIGN)
+                      rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_CP, P_W, P_ROWS, P_ALIGN,
+                      S_CHUNKS, S_CP, S_W, S_ROWS, S_ALIGN)
         elif PHASE == PHASE_GATE_UP:
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
                             ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
@@ -464,7 +464,7 @@ def megakernel(
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                       y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                       tl.cdiv(D, BN_DN),
-                      CHUNKS, BLOCK_D, VROWS, ALIGN, WAIT, TRACE)
+                      CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
 
 
 @triton.jit(do_not_specialize=["my_rank", "budget"])

@@ -112,20 +112,22 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
     the owners' E4M3 rows and scales)."""
     from megamoe.comm import _tile
     from megamoe.kernels import megakernel as mk
-    from megamoe.megakernel import COMM_TUNING, FORMATS, FP8_ROWS_TUNING
+    from megamoe.megakernel import COMM_TUNING, FORMATS
 
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
-    consts = dict(TOP_K=8, CHUNKS=7, BLOCK_D=1024, VROWS=16, ALIGN=8, HAS_SHARED=True, HAS_LIMIT=False,
+    consts = dict(TOP_K=8, HAS_SHARED=True, HAS_LIMIT=False,
                   DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
                   GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
                   SHARED_BK=64)
     _, scale_block, scale_dtype = FORMATS[fmt]
     quantized = code != 0
     scale_bytes = 1 if scale_dtype is None else scale_dtype.itemsize
-    rows_tile = _tile(7168, 1, FP8_ROWS_TUNING) if quantized else _tile(7168, 2, COMM_TUNING)
+    routed_tile = _tile(7168, 2, COMM_TUNING)
+    rows_tile = _tile(7168, 1, COMM_TUNING) if quantized else routed_tile
     scales_tile = _tile(7168 // scale_block, scale_bytes, COMM_TUNING) if quantized else rows_tile
-    consts.update(zip(("P_BLOCK_D", "P_CHUNKS", "P_VROWS", "P_ALIGN"), rows_tile))
-    consts.update(zip(("S_BLOCK_D", "S_CHUNKS", "S_VROWS", "S_ALIGN"), scales_tile))
+    names = ("CHUNKS", "CP", "W", "ROWS", "ALIGN")
+    for prefix, tile in (("", routed_tile), ("P_", rows_tile), ("S_", scales_tile)):
+        consts.update(zip([prefix + n for n in names], tile))
     descs = {"ring_desc": (elem, 128, bk), "w_gate_up_desc": (elem, bn_gu, bk), "act_desc": (elem, 128, bk),
              "w_down_desc": (elem, bn_dn, bk), "shared_x_desc": ("bf16", 128, 64),
              "shared_w_gate_up_desc": ("bf16", 128, 64), "shared_act_desc": ("bf16", 128, 64),
