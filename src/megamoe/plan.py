@@ -33,12 +33,11 @@ from megamoe.config import MoEConfig
 #: 699 TFLOP/s, over the 89 % of tile rows its ~341 rows per expert fill); MXFP8 from its standalone forward
 #: (benchmarks/results/2026-11-29-fp8-mxfp8, the same load).
 GEMM_TFLOPS = {"bf16": 588.0, "fp8-block": 786.0, "mxfp8": 230.0}
-#: The comm workers' copy rate per SM in the same traces: 11.0 GB/s beside kimi-k2's GEMMs (D 7168; 12.6 with E4M3
-#: rows), 15.5 beside qwen3.5-397b's (D 4096; 16.6 with E4M3 rows; c5c4d76-qwen). The loop and its bytes in
-#: flight are the same for both: an empirical fit, ``copy_gbps_per_sm``, takes the rate as this at D 7168 times
-#: (7168 / D) ** COPY_RATE_EXPONENT.
-NVLINK_GBPS_PER_SM = 11.0
-COPY_RATE_EXPONENT = 0.6
+#: The comm workers' copy rate per SM beside the expert GEMMs, whole-row copy tiles (benchmarks/results/
+#: 2026-11-30-row-tiles: kimi-k2 EP 2 bf16 with 6 comm SMs, 1.89 GB of pulls and pushes per rank in 15.9 ms of
+#: comm time, 19.8 GB/s per SM; comm-bound graph sweeps 20-24 GB/s per SM at D 7168 and 4096 alike). The chunked
+#: tiles before moved 11 (D 7168) to 15.5 (D 4096): their cost was per 16 bytes, the row tiles' is per byte.
+NVLINK_GBPS_PER_SM = 20.0
 H200_SMS = 132
 #: Communication may take at most this share of the compute time. The (minibatch x comm_sms) grids of the same
 #: results are flat from 12 to 16 comm SMs and slower at 10, in bf16 and fp8-block; 0.95 lands on 13.
@@ -110,11 +109,6 @@ def tile_use(cfg: MoEConfig, ep: int, tokens: int, tile_m: int) -> float:
     return rows / (math.ceil(rows / tile_m) * tile_m)
 
 
-def copy_gbps_per_sm(hidden: int) -> float:
-    """The comm workers' copy rate per SM beside the expert GEMMs of a layer with hidden size ``hidden``."""
-    return NVLINK_GBPS_PER_SM * (7168 / hidden) ** COPY_RATE_EXPONENT
-
-
 def _comm_over_compute(cfg: MoEConfig, ep: int, tokens: int, comm_sms: int, num_sms: int, precision: str,
                        tile_m: int = 128) -> float:
     """Time for the comm SMs to move a routed row (dispatch + combine) over the compute SMs' time per row.
@@ -126,7 +120,7 @@ def _comm_over_compute(cfg: MoEConfig, ep: int, tokens: int, comm_sms: int, num_
     (BF16, its tokens spread over their k routed rows under balanced routing): the pulls start under it.
     """
     row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0)  # pull (maybe FP8) + push back (BF16)
-    comm_s = row_bytes / (comm_sms * copy_gbps_per_sm(cfg.hidden) * 1e9)
+    comm_s = row_bytes / (comm_sms * NVLINK_GBPS_PER_SM * 1e9)
     share = (num_sms - comm_sms) / num_sms
     compute_s = (cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * tile_use(cfg, ep, tokens, tile_m))
                  + cfg.shared_flops(1) / cfg.top_k / GEMM_TFLOPS["bf16"]) / (1e12 * share)
@@ -163,7 +157,7 @@ def plan(
                              f"give comm_sms")
         comm_sms = fitting[0]
         ratio = _comm_over_compute(cfg, ep, tokens, comm_sms, num_sms, precision, tile_m)
-        why.append(f"comm_sms {comm_sms}: at {copy_gbps_per_sm(cfg.hidden):.1f} GB/s per SM (D {cfg.hidden}), "
+        why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM:.0f} GB/s per SM, "
                    f"moving a row there and back (local rows too: the comm workers copy them) takes {ratio:.0%} of "
                    f"computing it and its share "
                    f"of the shared expert on the other {num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; "
