@@ -5,26 +5,30 @@ symmetric workspace); a kernel reaches rank r's copy of a buffer through an
 int64 ``[R]`` table of base addresses (``peer_ptrs``). The launch layer is
 ``megamoe.comm``; this module holds only jit code.
 
-Rows and chunks
----------------
-A row of D elements is moved as ``CHUNKS = D / BLOCK_D`` chunks of BLOCK_D
-contiguous elements (BLOCK_D a power of two dividing D, 1024 for D = 7168).
-Chunk ``v`` of a table is row ``t = v // CHUNKS``, columns
-``(v % CHUNKS) * BLOCK_D + [0, BLOCK_D)``. A tile is ``VROWS`` consecutive
-chunks, ``[VROWS, BLOCK_D]`` in registers: one masked load of VROWS x BLOCK_D
-elements whose rows may come from different ranks, then one store. That is
-the "bytes in flight" lever (BENCHMARKS.md): a bf16 tile of 64 x 1024 (the
-standalone kernels' default, 16 warps) keeps 128 KB of loads outstanding per
-program, as 16-byte vectors. Each thread repeats a chunk's row arithmetic
-(index loads, 64-bit offsets: ~40 instructions) for every chunk it holds, so
-small tiles are instruction-bound (~11 GB/s per SM for 16 x 1024 with 8 warps).
+Row tiles
+---------
+A tile is ``ROWS`` consecutive rows of a table, held as ``[ROWS, CP, W]``:
+row r's columns ``c*W + [0, W)`` for chunks ``c < CHUNKS = D / W`` (CP, the
+next power of two, pads; the padding is masked). W is one warp's 16-byte
+vectors across its 32 lanes (256 bf16, 512 E4M3 bytes, 128 fp32) or, for a
+narrower row, the largest power of two dividing it. With the chunk axis
+before the columns and ROWS = num_warps, Triton gives each warp one row and
+each thread all CP vectors of that row in registers, so a thread loads the
+row's schedule entries and works out its source and destination once, then
+issues CHUNKS 16-byte loads and stores (28 for a 14 KB kimi-k2 row: ~2.5
+instructions per vector in the sm_90 SASS). The chunked tiles before
+(``[VROWS, 1024]`` chunks, rows split across warps) redid ~40 instructions
+of row arithmetic for every vector, which bound a comm SM to ~11 GB/s
+(benchmarks/results/2026-11-29-comm-tile, 2026-11-30-row-tiles). A tile of
+8 rows on 8 warps keeps 112 KB of loads in flight per program.
 
 Peer addresses keep 16-byte vectors: a peer row is addressed as
 ``anchor + off`` where ``anchor`` is this rank's copy of the same buffer (a
 kernel argument, so the compiler knows it is 16-byte aligned) and
-``off = (peer_base - anchor) / esize + row * stride + chunk * BLOCK_D``
-carries a ``tl.multiple_of(off, ALIGN)`` hint. (Casting an int64 address to a
-pointer loses the alignment and gives 2-byte accesses.)
+``off = (peer_base - anchor) / esize + row * stride + cols``; the
+``tl.multiple_of`` / ``tl.max_contiguous`` hints go on the 3-D offsets
+(``vector_offsets``). (Casting an int64 address to a pointer, or hinting the
+1-D row offsets alone, loses the alignment and gives 2-byte accesses.)
 
 Tile functions (inlined by the standalone kernels below and, later, by the
 megakernel's communication workers):
@@ -32,7 +36,7 @@ megakernel's communication workers):
     pull_tile  rows t of a pull schedule: dst[t] = src_{src_rank[t]}[src_index[t] // TOP_K]
                optional: times the route's router weight (read from the source
                rank's weights at src_index[t]), on-the-fly MXFP8 / FP8-block
-               quantisation of the pulled rows
+               quantisation of the pulled rows (the tile viewed as [ROWS*CP, W])
     push_tile  entries t of a push table: dst_{dst_rank[t]}[dst_row[t]] = src[t]
                (or src[src_row[t] // SRC_ROW_DIV])
     wait_flags bounded spin until flags[r] >= target for every r < count
@@ -43,8 +47,8 @@ Index arrays (int32): ``src_rank``/``src_index`` ``[capacity]`` of a
 at the device count of rows in use, so no launch reads device data on the
 host; ``row_limit`` caps it (the first minibatch).
 
-Persistent kernels, grid = (num_sms,): program p moves tiles p, p + num_sms,
-... of the row table. ``_push_kernel`` with SIGNAL (push dispatch with a
+Persistent kernels, grid = (num_sms,): program p moves row tiles p, p + num_sms,
+... of the table. ``_push_kernel`` with SIGNAL (push dispatch with a
 completion flag per peer): after its stores each program does
 ``debug_barrier`` + an acq_rel arrival on a local counter; the program that
 arrives last (the counter reaches ``arrive_target``, a running total kept by
