@@ -709,6 +709,8 @@ def _launch_pull(
     width = src.shape[1]
     min_block = formats.FP8_BLOCK if quant == "fp8-block" else formats.MX_BLOCK if quant else 1
     chunks, cp, w, rows, align = _tile(width, src.element_size(), tuning, min_block=min_block)
+    if quant:  # one row per tile, its chunks spread over the warps: a thread holding a whole row in fp32 spills
+        rows = 1
     w_ptrs, w_anchor = (ws.peer_ptrs("router_weights"), ws.local("router_weights")) if scale else (
         ws.peer_ptrs(src_name), src)
     qscale = dst if qscale is None else qscale
