@@ -491,8 +491,9 @@ def test_gpu_replayed_passes_match_launched(ranks, precision):
 
 def test_megakernel_compiles_for_sm90_in_every_format():
     """Compiled on the CPU for Hopper: wgmma (FP8 for fp8-block; MXFP8 dequantises to BF16), TMA loads, the
-    async-proxy fences between the comm workers' stores and the compute workers' TMA reads, and 16-byte stores
-    only (2-byte stores of rows that cross NVLink made a pass 1.7x slower: 2026-11-30-one-rank, section 6)."""
+    async-proxy fences between the comm workers' stores and the compute workers' TMA reads, and 16-byte loads
+    and stores only (2-byte stores of rows that cross NVLink made a pass 1.7x slower: 2026-11-30-one-rank,
+    section 6)."""
     import json
     import os
     import subprocess
@@ -508,6 +509,7 @@ def test_megakernel_compiles_for_sm90_in_every_format():
     for fmt, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["tma"] and facts["fence_proxy_async"], (fmt, facts)
         assert facts["stores_b16"] == 0 and facts["stores_v4"] > 0, (fmt, facts)
+        assert facts["loads_b16"] == 0 and facts["loads_v4"] > 0, (fmt, facts)
         assert facts["wgmma_fp8"] == fmt.startswith("fp8-block") and facts["wgmma_bf16"], (fmt, facts)
 
 

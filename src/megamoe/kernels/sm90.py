@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 _COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "num_tiles_ptr": "*i32",
            "DOT_FP32": "constexpr", "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr",
@@ -158,8 +159,8 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
 
 
 def megakernel_summary() -> dict:
-    """{format: {wgmma, wgmma_bf16, wgmma_fp8, tma, fence_proxy_async, stores_b16, stores_v4}} of the
-    megakernel's sm_90 build."""
+    """{format: {wgmma, wgmma_bf16, wgmma_fp8, tma, fence_proxy_async, stores_b16, stores_v4, loads_b16,
+    loads_v4}} of the megakernel's sm_90 build."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
     from megamoe.kernels import megakernel as mk
@@ -177,6 +178,10 @@ def megakernel_summary() -> dict:
             # narrow stores of bf16 rows (the combine stores cross NVLink: 2-byte writes there cost ms)
             "stores_b16": ptx.count("st.global.b16"),
             "stores_v4": ptx.count("st.global.v4"),
+            # and narrow loads (the comm workers' peer rows: alignment hints placed on the 1-D row offsets
+            # alone compile to them)
+            "loads_b16": len(re.findall(r"ld\.global(?:\.\w+)*\.b16", ptx)),
+            "loads_v4": ptx.count("ld.global.v4"),
         }
     return out
 
