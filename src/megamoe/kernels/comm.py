@@ -106,16 +106,23 @@ def peer_offset(rank, row, valid, peer_ptrs, anchor_ptr, stride_row):
 
 
 @triton.jit
-def row_tile(t0, ROWS: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr):
-    """Rows ``t [ROWS]`` from ``t0``, column offsets ``cols [1, CP, W]`` and the chunk mask ``[1, CP, 1]``.
+def tile_entries(t0, num_rows, rank_ptr, index_ptr, ROWS: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
+                 W: tl.constexpr):
+    """Rows ``[t0, t0 + ROWS)`` of a table of (rank, index) entries: ``(t, cols, rank, index, valid, mask)``.
 
-    Chunk c of a row is its columns ``c*W + [0, W)``; chunks ``CHUNKS .. CP-1`` pad CP to a power of two and
-    are masked (a compile-time mask on the GPU: each thread holds all CP chunks of its row).
+    Entries at ``t >= num_rows`` read as rank -1; ``valid`` is ``rank >= 0``. ``cols [1, CP, W]``: chunk c of
+    a row is its columns ``c*W + [0, W)``; ``mask [ROWS, CP, 1]`` keeps the valid rows' chunks ``< CHUNKS``
+    (chunks CHUNKS .. CP-1 pad CP to a power of two: a compile-time mask on the GPU, as each thread holds
+    all CP chunks of its row).
     """
     t = t0 + tl.arange(0, ROWS)
+    in_range = t < num_rows
+    rank = tl.load(rank_ptr + t, mask=in_range, other=-1)
+    index = tl.load(index_ptr + t, mask=in_range, other=-1)
+    valid = rank >= 0
     chunk = tl.arange(0, CP)
     cols = (chunk * W)[None, :, None] + tl.arange(0, W)[None, None, :]
-    return t, cols, (chunk < CHUNKS)[None, :, None]
+    return t, cols, rank, index, valid, valid[:, None, None] & (chunk < CHUNKS)[None, :, None]
 
 
 @triton.jit
@@ -160,12 +167,7 @@ def pull_tile(
     (``qscale [capacity, D/32]`` uint8 or ``[capacity, D/128]`` fp32; W a multiple of the block).
     Rows with ``src_rank == -1`` are not written.
     """
-    t, cols, chunk_ok = row_tile(t0, ROWS, CHUNKS, CP, W)
-    in_range = t < num_rows
-    rank = tl.load(src_rank_ptr + t, mask=in_range, other=-1)
-    index = tl.load(src_index_ptr + t, mask=in_range, other=-1)
-    valid = rank >= 0
-    mask = valid[:, None, None] & chunk_ok
+    t, cols, rank, index, valid, mask = tile_entries(t0, num_rows, src_rank_ptr, src_index_ptr, ROWS, CHUNKS, CP, W)
     src_off = peer_offset(rank, index // TOP_K, valid, src_peer_ptrs, src_anchor_ptr, stride_src)
     x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
     if SCALE:
@@ -216,12 +218,7 @@ def push_tile(
     local ``[*, D]`` buffer, ``dst`` exists on every rank. Entries with
     ``dst_rank == -1`` are skipped.
     """
-    t, cols, chunk_ok = row_tile(t0, ROWS, CHUNKS, CP, W)
-    in_range = t < num_rows
-    rank = tl.load(dst_rank_ptr + t, mask=in_range, other=-1)
-    row = tl.load(dst_row_ptr + t, mask=in_range, other=-1)
-    valid = rank >= 0
-    mask = valid[:, None, None] & chunk_ok
+    t, cols, rank, row, valid, mask = tile_entries(t0, num_rows, dst_rank_ptr, dst_row_ptr, ROWS, CHUNKS, CP, W)
     if IDENTITY_SRC:
         s = t.to(tl.int64)
     else:
