@@ -194,10 +194,12 @@ class CommTuning:
             default: 112 KB of loads in flight per program).
         num_warps: warps per program (ignored by the interpreter).
 
-    A tile holds each row in one warp (``tile_rows == num_warps``), so a
-    thread works out a row's source and destination once for all of its
-    16-byte vectors: the chunked tiles before (64 x 1024 elements, 16 warps)
-    redid that arithmetic for every vector (benchmarks/results/2026-11-29-comm-tile).
+    With ``tile_rows == num_warps`` each warp holds one row, so a thread
+    works out the row's source and destination once for all of its 16-byte
+    vectors (fewer rows: warps share a row's chunks; more: each thread holds
+    several rows, in more registers). The chunked tiles before (64 x 1024
+    elements, 16 warps) redid that arithmetic for every vector: 2-3.6x
+    slower per program (benchmarks/results/2026-11-30-row-tiles).
     """
 
     tile_rows: int = 8
