@@ -10,7 +10,7 @@ k 8, E 384, 8192 tokens per rank, seeded routing):
 0. Checks: dispatch_pull, combine_push, reverse_combine_pull,
    reverse_dispatch_push, on-the-fly MXFP8 dispatch and push_dispatch (with
    flags) are bitwise equal to the torch references; peer ``copy_`` ceilings.
-1. Bandwidth against num_sms (8 .. 32) for dispatch (pull) and combine (push)
+1. Bandwidth against num_sms (--sms, default 8 .. 32) for dispatch (pull) and combine (push)
    with three copy tiles; NCCL all_to_all_single moving the same cross-rank
    rows (contiguous, no gather) in the same run. (Pipelined tiles and
    programs reserved for the local rows lost in 2026-11-29-round2 and were
@@ -306,7 +306,7 @@ class Bench:
         sched = p["sched"]
         out = torch.empty(sched.capacity, self.D, dtype=torch.bfloat16, device=self.dev)
         y = rows_for(self.me, sched.capacity, self.D, 2, self.dev)
-        for num_sms in SMS:
+        for num_sms in self.opts["sms"]:
             if not self.time_left():
                 self.notes.append(f"1 bandwidth: stopped before num_sms={num_sms}, past the deadline")
                 break
@@ -530,6 +530,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--sms", type=lambda v: tuple(int(s) for s in v.split(",")), default=SMS,
+                        help="section 1's num_sms, comma-separated (default 8,16,24,32)")
     args = parser.parse_args()
     os.environ.setdefault("MEGAMOE_DIST_TIMEOUT_S", "180")  # a rank out of step fails instead of waiting 10 min
     if args.device == "cpu":
