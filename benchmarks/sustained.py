@@ -1,4 +1,4 @@
-"""Back-to-back calls for a while: what the power-cap tools (clock_probe.py, tiles_ab.py) time."""
+"""Back-to-back calls for a while: what the power-cap tools (clock_probe.py and the A/B scripts) time."""
 
 from __future__ import annotations
 
@@ -18,3 +18,16 @@ def run_for(fn, seconds: float, group: int) -> tuple[float, float, int]:
         calls += group
         torch.cuda.synchronize()
     return start, time.time(), calls
+
+
+def interleaved_rounds(calls: dict, rounds: int, seconds: float, group: int = 4) -> dict[str, list[float]]:
+    """ms per call of each of ``calls`` ({name: fn}) in ``rounds`` rounds, every round running each for
+    ``seconds`` back to back, after a first round that only warms up: candidates timed one after another drift
+    as the GPU heats toward its power cap, interleaved ones drift together."""
+    times = {name: [] for name in calls}
+    for r in range(rounds + 1):
+        for name, fn in calls.items():
+            start, end, n = run_for(fn, seconds, group)
+            if r:
+                times[name].append(1e3 * (end - start) / n)
+    return times

@@ -22,7 +22,7 @@ import torch
 from megamoe.config import preset
 from megamoe.experts import ExpertForward, TileConfig, expert_forward
 
-from sustained import run_for  # benchmarks/, beside this script
+from sustained import interleaved_rounds  # benchmarks/, beside this script
 
 WIDE = {"gate_up": TileConfig(128, 128, 64, 8, 3, 4), "down": TileConfig(128, 256, 64, 8, 3, 8, True)}
 NARROW = {"gate_up": TileConfig(64, 128, 64, 4, 4, 8), "down": TileConfig(64, 256, 64, 4, 4, 8, True)}
@@ -74,12 +74,7 @@ def main() -> None:
         fn()
     first = outs["128-row"].y
     same = {name: bool(torch.equal(o.y, first)) for name, o in outs.items()}
-    times = {name: [] for name in calls}
-    for r in range(a.rounds + 1):
-        for name, fn in calls.items():
-            start, end, n = run_for(fn, a.seconds, group=4)
-            if r:  # round 0 warms up
-                times[name].append(1e3 * (end - start) / n)
+    times = interleaved_rounds(calls, a.rounds, a.seconds)
     flops = 6 * rows * d * i
     print(f"{a.preset} EP {a.ep}: {local} experts, {rows} rows (mean {rows / local:.0f}, min {int(counts.min())}, "
           f"max {int(counts.max())}), {a.rounds} rounds of {a.seconds} s")

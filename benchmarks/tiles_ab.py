@@ -21,7 +21,7 @@ from megamoe.bench.experts import make_load
 from megamoe.config import preset
 from megamoe.experts import ExpertForward, TileConfig, expert_forward, plan_tiles
 
-from sustained import run_for  # benchmarks/, beside this script
+from sustained import interleaved_rounds  # benchmarks/, beside this script
 
 VARIANTS = {
     "128-row (planner)": None,
@@ -29,11 +29,6 @@ VARIANTS = {
     "64-row down": {"down": TileConfig(64, 256, 64, 4, 4, 8, True)},
     "64-row both": {"gate_up": TileConfig(64, 128, 64, 4, 4, 8), "down": TileConfig(64, 256, 64, 4, 4, 8, True)},
 }
-
-
-def _sustained_ms(fn, seconds: float) -> float:
-    start, end, calls = run_for(fn, seconds, group=4)
-    return 1e3 * (end - start) / calls
 
 
 def main() -> None:
@@ -58,12 +53,7 @@ def main() -> None:
         outs[name] = out.y
     first = next(iter(outs.values()))
     same = {name: bool(torch.equal(y, first)) for name, y in outs.items()}
-    times = {name: [] for name in VARIANTS}
-    for r in range(a.rounds + 1):
-        for name, fn in calls.items():
-            ms = _sustained_ms(fn, a.seconds)
-            if r:
-                times[name].append(ms)
+    times = interleaved_rounds(calls, a.rounds, a.seconds)
     flops = 6 * rows * d * i
     print(f"{a.preset}, {a.experts} experts x ~{rows // a.experts} rows, {a.rounds} rounds of {a.seconds} s each")
     print("| variant | ms (median) | min-max | TFLOP/s | same bits as the planner's |")

@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from sustained import run_for  # benchmarks/, beside this script
+from sustained import interleaved_rounds  # benchmarks/, beside this script
 
 FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)
 
@@ -43,12 +43,8 @@ def main() -> None:
         x.view(-1, 128, a.k)[:, zero_from:] = 0
         inputs[f] = x
     out = torch.empty(a.rows, a.n, dtype=torch.bfloat16, device="cuda")
-    times = {f: [] for f in FRACTIONS}
-    for r in range(a.rounds + 1):
-        for f, x in inputs.items():
-            start, end, calls = run_for(lambda x=x: torch.mm(x, b, out=out), a.seconds, group=4)
-            if r:  # round 0 warms up
-                times[f].append(1e3 * (end - start) / calls)
+    times = interleaved_rounds({f: (lambda x=x: torch.mm(x, b, out=out)) for f, x in inputs.items()},
+                               a.rounds, a.seconds)
     flops = 2 * a.rows * a.k * a.n
     records = [{"zero_fraction": f, "ms": statistics.median(t), "ms_rounds": t,
                 "tflops": flops / statistics.median(t) / 1e9} for f, t in times.items()]
