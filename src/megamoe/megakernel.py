@@ -434,7 +434,7 @@ class MegaKernel:
         D, I, L = s.hidden, s.intermediate, s.experts_per_rank
         bk, sbk = gate_up_tile.block_k, shared_gate_up.block_k
         desc = TensorDescriptor.from_tensor
-        if self.quantized:  # quantised once per optimizer step by the caller (experts_q), else in this pass
+        if self.quantized:  # experts_q: from the caller (once per optimizer step) or from forward, before this
             q = experts_q
             w_gate_up, w_gu_scale, w_down, w_dn_scale = q.w_gate_up, q.w_gate_up_scale, q.w_down, q.w_down_scale
             scale_args = (self.ring_scale, w_gu_scale, self.act_scale, w_dn_scale, self.ring_scale.stride(0),
@@ -520,7 +520,7 @@ class MegaKernel:
         token = (schedule.src_index.clamp(min=0) // self.shape.top_k).long()
         counts, offsets = schedule.tokens_per_expert, schedule.offsets
         if self.quantized:
-            q = experts_q
+            q = experts_q  # never None here: forward quantises before the device work when the caller did not
             torch.index_select(self.sym.local("x_q"), 0, token, out=self.ring_x.view(torch.uint8)[rows])
             torch.index_select(self.sym.local("x_scale"), 0, token, out=self.ring_scale[rows])
             forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
