@@ -88,6 +88,19 @@ WAITS = {
 #: get the same rows per tile; narrower rows give more of them). Benchmarks may swap it.
 COMM_TUNING = CommTuning(tile_rows=8)
 
+
+def copy_tile_consts(hidden: int, scale_block: int, scale_rows: tuple[int, int] | None) -> dict[str, int]:
+    """The megakernel's copy-tile constexprs (``megamoe.comm._tile``): CHUNKS, CP, W, ROWS, ALIGN of the BF16
+    output rows it pushes, ``P_*`` of the rows it pulls (BF16, or E4M3 bytes) and ``S_*`` of their scales
+    (``scale_rows`` = (width, bytes per element) of the FP8 scale rows; None for BF16 rows)."""
+    names = ("CHUNKS", "CP", "W", "ROWS", "ALIGN")
+    routed = _tile(hidden, 2, COMM_TUNING, min_block=scale_block)
+    pulled = routed if scale_rows is None else _tile(hidden, 1, COMM_TUNING)
+    scales = pulled if scale_rows is None else _tile(*scale_rows, COMM_TUNING)
+    return {prefix + name: value for prefix, tile in (("", routed), ("P_", pulled), ("S_", scales))
+            for name, value in zip(names, tile)}
+
+
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
 
@@ -405,20 +418,16 @@ class MegaKernel:
         # rows_ready, tile_done, y_done, shared_done, comm_done (the kernel's argument order)
         self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
                                self.counters[2 * M + T: -1], self.counters[-1:])
-        routed_tile = _tile(s.hidden, 2, COMM_TUNING, min_block=self.scale_block)
         if self.quantized:  # E4M3 rows and their scales
             x_q, x_scale = self.sym.local("x_q"), self.sym.local("x_scale")
             self._pulled_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),
                                  self.sym.peer_ptrs("x_scale"), x_scale, x_scale.stride(0))
-            rows_tile = _tile(s.hidden, 1, COMM_TUNING)
-            scales_tile = _tile(x_scale.shape[1], x_scale.element_size(), COMM_TUNING)
+            scale_rows = (x_scale.shape[1], x_scale.element_size())
         else:  # BF16 rows; the scales are never read
             x_sym = self.sym.local("x")
             self._pulled_args = (self.sym.peer_ptrs("x"), x_sym, x_sym.stride(0), self.sym.peer_ptrs("x"), x_sym, 0)
-            rows_tile = scales_tile = routed_tile
-        tile_names = ("CHUNKS", "CP", "W", "ROWS", "ALIGN")
-        pulled = dict(**dict(zip(tile_names, routed_tile)), **dict(zip(["P_" + n for n in tile_names], rows_tile)),
-                      **dict(zip(["S_" + n for n in tile_names], scales_tile)))
+            scale_rows = None
+        pulled = copy_tile_consts(s.hidden, self.scale_block, scale_rows)
         self._consts = dict(
             TOP_K=s.top_k, DOT_FP32=interpreting(),
             FENCE=self.gpu, BLOCK_M=bm, BN_GU=gate_up.block_n, BN_DN=down.block_n, BLOCK_K=bk,

@@ -111,9 +111,8 @@ _MEGA_TILES = {  # format: (FMT, BN_GU, BN_DN, BLOCK_K, activation element type,
 def megakernel_case(fmt: str) -> tuple[dict, dict]:
     """(signature, constexprs) of the forward megakernel for routed format ``fmt`` (FP8: the comm workers copy
     the owners' E4M3 rows and scales)."""
-    from megamoe.comm import _tile
     from megamoe.kernels import megakernel as mk
-    from megamoe.megakernel import COMM_TUNING, FORMATS
+    from megamoe.megakernel import FORMATS, copy_tile_consts
 
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
     consts = dict(TOP_K=8, HAS_SHARED=True, HAS_LIMIT=False,
@@ -123,12 +122,7 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
     _, scale_block, scale_dtype = FORMATS[fmt]
     quantized = code != 0
     scale_bytes = 1 if scale_dtype is None else scale_dtype.itemsize
-    routed_tile = _tile(7168, 2, COMM_TUNING)
-    rows_tile = _tile(7168, 1, COMM_TUNING) if quantized else routed_tile
-    scales_tile = _tile(7168 // scale_block, scale_bytes, COMM_TUNING) if quantized else rows_tile
-    names = ("CHUNKS", "CP", "W", "ROWS", "ALIGN")
-    for prefix, tile in (("", routed_tile), ("P_", rows_tile), ("S_", scales_tile)):
-        consts.update(zip([prefix + n for n in names], tile))
+    consts.update(copy_tile_consts(7168, scale_block, (7168 // scale_block, scale_bytes) if quantized else None))
     descs = {"ring_desc": (elem, 128, bk), "w_gate_up_desc": (elem, bn_gu, bk), "act_desc": (elem, 128, bk),
              "w_down_desc": (elem, bn_dn, bk), "shared_x_desc": ("bf16", 128, 64),
              "shared_w_gate_up_desc": ("bf16", 128, 64), "shared_act_desc": ("bf16", 128, 64),
