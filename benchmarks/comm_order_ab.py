@@ -1,23 +1,18 @@
-"""Where the last points of NVLink copy rate go: tile order, cache hints and row order, pull and push.
+"""How the copy kernels hand out tiles: round-robin, by counter, or round-robin then by counter.
 
-    PYTHONPATH=src python3 benchmarks/comm_order_ab.py --out OUT [--sms 16,20,24]
+    PYTHONPATH=src python3 benchmarks/comm_order_ab.py --out OUT [--sms 16,20,22,24]
 
 On 2 GPUs (kimi-k2 rows, 8192 tokens per rank, uniform routing: comm_bench's problem), each variant
 times one copy kernel between CUDA events (comm_bench's timing: sleep, device barrier, kernel; median
-of the slowest rank) and reports cross GB/s. The variant kernels are experiments kept here, beside the
-library's `_pull_kernel` / `_push_kernel` (timed first, as the reference):
+of the slowest rank) and reports cross GB/s against the peer ``copy_`` ceilings of the same run. The
+library's kernels hand tile p, p + P, ... to program p of P: a program on a slower SM (two programs
+sharing a TPC, say) still gets its full share and the others wait for it. Here the first STATIC %
+of the tiles go round-robin and the rest to whichever program asks next (an atomic counter; the
+last program out zeroes it for the next launch): 100 is the library's order, 0 every tile by
+counter. Kinds: pull dispatch, push dispatch (the sender's push schedule) and push combine.
 
-- order: ``static`` (program p takes tiles p, p + P, ...: the library's) or ``dynamic`` (each program
-  takes the next tile from a counter, so a program held up by slower rows takes fewer; the last
-  program to finish zeroes the counter for the next launch);
-- load / store cache hints (``.cg``: L2 only; ``evict_first``; ``.cs`` streaming stores);
-- ``remote-only``: local rows skipped (a diagnostic: what the local rows cost the link);
-- row order: the schedule's (by expert: peer rows at random), by source (a token's ~4 reads of the
-  same peer row back to back), or sequential (distinct peer rows in address order).
-
-Bytes are the same in every variant (a permutation of the same rows); only the order differs. Not a
-correctness test (comm_bench and the tests check the library's kernels); the variants' pulls are
-compared with the library's on the first launch nonetheless.
+The first study of this script (commit 32da1d822042: cache hints, row orders) is recorded in
+benchmarks/results/2026-11-30-tile-order.
 """
 
 from __future__ import annotations
@@ -43,22 +38,34 @@ import comm_bench  # benchmarks/, beside this script
 
 
 @triton.jit
-def _next_tile(tile, tickets_ptr, DYNAMIC: tl.constexpr):
-    if DYNAMIC:
-        return tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
-    return tile + tl.num_programs(0)
-
-
-@triton.jit
-def _first_tile(tickets_ptr, DYNAMIC: tl.constexpr):
-    if DYNAMIC:
+def _first_tile(tickets_ptr, static_tiles, STATIC_PCT: tl.constexpr):
+    if STATIC_PCT == 0:
         return tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
     return tl.program_id(0)
 
 
 @triton.jit
-def _release_tickets(tickets_ptr, DYNAMIC: tl.constexpr):
-    if DYNAMIC:  # the last program out zeroes the counters: every program took its last ticket before
+def _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT: tl.constexpr):
+    """Tiles below ``static_tiles`` (a multiple of the grid) go round-robin; the rest from the counter."""
+    if STATIC_PCT == 100:
+        return tile + tl.num_programs(0)
+    if STATIC_PCT == 0:
+        return tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
+    nxt = tile + tl.num_programs(0)
+    if nxt >= static_tiles:
+        nxt = static_tiles + tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
+    return nxt
+
+
+@triton.jit
+def _static_tiles(n, ROWS: tl.constexpr, STATIC_PCT: tl.constexpr):
+    tiles = tl.cdiv(n, ROWS)
+    return tiles * STATIC_PCT // 100 // tl.num_programs(0) * tl.num_programs(0)
+
+
+@triton.jit
+def _release_tickets(tickets_ptr, STATIC_PCT: tl.constexpr):
+    if STATIC_PCT < 100:  # the last program out zeroes the counters: every program took its last ticket before
         done = tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:
             tl.atomic_xchg(tickets_ptr, 0, sem="relaxed", scope="gpu")
@@ -67,98 +74,78 @@ def _release_tickets(tickets_ptr, DYNAMIC: tl.constexpr):
 
 @triton.jit
 def _pull_ab(num_rows_ptr, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-             stride_dst, tickets_ptr, my_rank, TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
-             W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, DYNAMIC: tl.constexpr, LOAD_CM: tl.constexpr,
-             EVICT: tl.constexpr, STORE_CM: tl.constexpr, REMOTE_ONLY: tl.constexpr):
+             stride_dst, tickets_ptr, TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
+             W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr):
     n = tl.load(num_rows_ptr)
-    tile = _first_tile(tickets_ptr, DYNAMIC)
+    static_tiles = _static_tiles(n, ROWS, STATIC_PCT)
+    tile = _first_tile(tickets_ptr, static_tiles, STATIC_PCT)
     while tile * ROWS < n:
         t, cols, rank, index, valid, mask = tile_entries(tile * ROWS, n, src_rank_ptr, src_index_ptr, ROWS, CHUNKS,
                                                          CP, W)
-        if REMOTE_ONLY:
-            valid = valid & (rank != my_rank)
-            mask = mask & valid[:, None, None]
         src_off = peer_offset(rank, index // TOP_K, valid, src_peer_ptrs, src_anchor_ptr, stride_src)
-        x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask, cache_modifier=LOAD_CM,
-                    eviction_policy=EVICT)
-        tile = _next_tile(tile, tickets_ptr, DYNAMIC)  # taken while the loads are in flight
-        tl.store(dst_ptr + vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W), x, mask=mask,
-                 cache_modifier=STORE_CM)
-    _release_tickets(tickets_ptr, DYNAMIC)
+        x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
+        tile = _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT)  # taken while the loads are in flight
+        tl.store(dst_ptr + vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W), x, mask=mask)
+    _release_tickets(tickets_ptr, STATIC_PCT)
 
 
 @triton.jit
-def _push_ab(num_rows_ptr, src_ptr, stride_src, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr, stride_dst,
-             tickets_ptr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
-             ALIGN: tl.constexpr, DYNAMIC: tl.constexpr, STORE_CM: tl.constexpr):
+def _push_ab(num_rows_ptr, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
+             stride_dst, tickets_ptr, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
+             W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr):
+    """SRC_ROW_DIV 0: source row t (combine); else ``src_row[t] // SRC_ROW_DIV`` (push dispatch)."""
     n = tl.load(num_rows_ptr)
-    tile = _first_tile(tickets_ptr, DYNAMIC)
+    static_tiles = _static_tiles(n, ROWS, STATIC_PCT)
+    tile = _first_tile(tickets_ptr, static_tiles, STATIC_PCT)
     while tile * ROWS < n:
         t, cols, rank, row, valid, mask = tile_entries(tile * ROWS, n, dst_rank_ptr, dst_row_ptr, ROWS, CHUNKS, CP, W)
-        x = tl.load(src_ptr + vector_offsets(t.to(tl.int64) * stride_src, cols, ALIGN, W), mask=mask)
-        tile = _next_tile(tile, tickets_ptr, DYNAMIC)
+        if SRC_ROW_DIV == 0:
+            s = t.to(tl.int64)
+        else:
+            s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
+        x = tl.load(src_ptr + vector_offsets(s * stride_src, cols, ALIGN, W), mask=mask)
+        tile = _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT)
         dst_off = peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst)
-        tl.store(dst_anchor_ptr + vector_offsets(dst_off, cols, ALIGN, W), x, mask=mask, cache_modifier=STORE_CM)
-    _release_tickets(tickets_ptr, DYNAMIC)
+        tl.store(dst_anchor_ptr + vector_offsets(dst_off, cols, ALIGN, W), x, mask=mask)
+    _release_tickets(tickets_ptr, STATIC_PCT)
 
 
-PULLS = {  # name: (DYNAMIC, LOAD_CM, EVICT, STORE_CM, REMOTE_ONLY)
-    "static": (False, "", "", "", False),
-    "dynamic": (True, "", "", "", False),
-    "static .cg": (False, ".cg", "", "", False),
-    "static evict_first": (False, "", "evict_first", "", False),
-    "static .cs stores": (False, "", "", ".cs", False),
-    "dynamic .cg": (True, ".cg", "", "", False),
-    "static remote-only": (False, "", "", "", True),
-}
-PUSHES = {"static": (False, ""), "dynamic": (True, ""), "static .cs": (False, ".cs"), "static .cg": (False, ".cg"),
-          "dynamic .cs": (True, ".cs")}
-
-
-def orders(rank: torch.Tensor, index: torch.Tensor, n_tokens: int, k: int) -> dict:
-    """The schedule's (rank, index) arrays in three row orders (same rows, permuted)."""
-    valid = rank >= 0
-    key = torch.where(valid, rank.long() * (1 << 40) + index.long(), torch.full_like(rank, 1 << 62, dtype=torch.long))
-    perm = torch.argsort(key, stable=True)
-    by_src = (rank[perm].contiguous(), index[perm].contiguous())
-    # sequential: distinct rows of each peer in address order (token i mod N), same rows per rank
-    r_sorted = by_src[0]
-    pos = torch.arange(r_sorted.numel(), device=rank.device)
-    first = torch.zeros_like(pos)
-    starts = torch.ones_like(r_sorted, dtype=torch.bool)
-    starts[1:] = r_sorted[1:] != r_sorted[:-1]
-    first = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), 0).values
-    seq_index = torch.where(r_sorted >= 0, ((pos - first) % n_tokens) * k, by_src[1].long()).to(index.dtype)
-    return {"schedule": (rank, index), "by source": by_src, "sequential": (r_sorted, seq_index.contiguous())}
+#: % of the tiles handed out round-robin before the rest go by counter (100: the library's order).
+STATIC_PCTS = (100, 90, 75, 50, 0)
 
 
 def run(world, opts: dict):
     b = comm_bench.Bench(world, opts)
     p = b.setup("uniform")
-    ws, sched, me = b.ws, p["sched"], world.rank
-    D, k = b.D, b.k
-    dev = b.dev
+    ws, sched, push, me = b.ws, p["sched"], p["push"], world.rank
+    D, k, dev = b.D, b.k, b.dev
     tickets = torch.zeros(2, dtype=torch.int32, device=dev)
     out = torch.empty(sched.capacity, D, dtype=torch.bfloat16, device=dev)
     y = comm_bench.rows_for(me, sched.capacity, D, 2, dev)
-    src = ws.local("x")
-    results = []
+    x, routed, combine = ws.local("x"), ws.local("routed"), ws.local("combine")
     tuning = CommTuning(opts["tile_rows"], opts["num_warps"])
     chunks, cp, w, rows, align = _tile(D, 2, tuning)
     consts = dict(CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align, num_warps=tuning.num_warps)
     ref = comm.dispatch_reference(p["xs"], sched)
     valid = p["valid"]
-    exact = True
-    for order, (rank, index) in orders(sched.src_rank, sched.src_index, b.N, k).items():
+    results, exact = [], True
+    # push dispatch moves the same cross rows (the receivers' pull schedules, seen from the sender)
+    kinds = {
+        "pull dispatch": lambda sms, pct: _pull_ab[(sms,)](
+            sched.num_rows, ws.peer_ptrs("x"), x, x.stride(0), sched.src_rank, sched.src_index, out, out.stride(0),
+            tickets, TOP_K=k, STATIC_PCT=pct, **consts),
+        "push combine": lambda sms, pct: _push_ab[(sms,)](
+            sched.num_rows, y, y.stride(0), sched.src_index, sched.src_rank, sched.src_index, ws.peer_ptrs("combine"),
+            combine, combine.stride(0), tickets, SRC_ROW_DIV=0, STATIC_PCT=pct, **consts),
+        "push dispatch": lambda sms, pct: _push_ab[(sms,)](
+            push.num_entries, x, x.stride(0), push.route, push.dst_rank, push.dst_row, ws.peer_ptrs("routed"),
+            routed, routed.stride(0), tickets, SRC_ROW_DIV=k, STATIC_PCT=pct, **consts),
+    }
+    for kind, launch_kind in kinds.items():
         for sms in opts["sms"]:
-            variants = {"library": lambda: comm.dispatch_pull(ws, sched, num_sms=sms, out=out, sync=False,
-                                                               tuning=tuning)} if order == "schedule" else {}
-            for name, (dyn, lcm, ev, scm, remote) in PULLS.items():
-                variants[name] = (lambda dyn=dyn, lcm=lcm, ev=ev, scm=scm, remote=remote: _pull_ab[(sms,)](
-                    sched.num_rows, ws.peer_ptrs("x"), src, src.stride(0), rank, index, out, out.stride(0), tickets,
-                    me, TOP_K=k, DYNAMIC=dyn, LOAD_CM=lcm, EVICT=ev, STORE_CM=scm, REMOTE_ONLY=remote, **consts))
-            for name, fn in variants.items():
-                if order == "schedule" and sms == opts["sms"][0] and "remote" not in name:
+            for pct in STATIC_PCTS:
+                fn = lambda: launch_kind(sms, pct)
+                if kind == "pull dispatch" and sms == opts["sms"][0]:
                     out.fill_(float("nan"))
                     comm.device_barrier(ws)
                     fn()
@@ -166,22 +153,10 @@ def run(world, opts: dict):
                         torch.cuda.synchronize()
                     exact &= comm_bench.same(out[valid], ref[valid])
                 stats = b.timeit(fn)
-                results.append(dict(kind="pull", order=order, num_sms=sms, variant=name,
+                results.append(dict(kind=kind, num_sms=sms, static_pct=pct,
                                     **b.rates(p["cross"], p["total"], stats)))
-        for sms in opts["sms"]:
-            variants = {"library": lambda: comm.combine_push(ws, sched, y, num_sms=sms, sync=False, tuning=tuning)} \
-                if order == "schedule" else {}
-            for name, (dyn, scm) in PUSHES.items():
-                variants[name] = (lambda dyn=dyn, scm=scm: _push_ab[(sms,)](
-                    sched.num_rows, y, y.stride(0), rank, index, ws.peer_ptrs("combine"), ws.local("combine"),
-                    ws.local("combine").stride(0), tickets, DYNAMIC=dyn, STORE_CM=scm, **consts))
-            for name, fn in variants.items():
-                stats = b.timeit(fn)
-                results.append(dict(kind="push", order=order, num_sms=sms, variant=name,
-                                    **b.rates(p["cross"], p["total"], stats)))
-    # the ceilings of comm_bench, in the same run
     other = (me + 1) % b.R
-    local = torch.empty_like(ws.local("combine"))
+    local = torch.empty_like(combine)
     nbytes = local.numel() * 2
     for name, fn in (("peer copy_ pull", lambda: local.copy_(ws.peer("combine", other))),
                      ("peer copy_ push", lambda: ws.peer("d_x", other).copy_(local))):
@@ -199,22 +174,19 @@ def table(res: dict) -> str:
     lines = [f"# comm_order_ab: {meta['machine']} x{meta['ranks']}, {meta['preset']}, {meta['tokens']} tokens/rank, "
              f"commit {meta['commit']}, {meta['date']}", f"command: `{meta['command']}`", "",
              "ceilings: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in ceil.items()),
-             f"variant pulls bit-equal to the library's (schedule order): {res['exact']}", ""]
-    for kind, c in (("pull", ceil.get("peer copy_ pull")), ("push", ceil.get("peer copy_ push"))):
-        lines += [f"{kind}: cross GB/s (% of the {kind} copy_ ceiling)", "",
-                  "| order | variant | " + " | ".join(f"{s} SMs" for s in sms) + " |", "|---|---|" + "---|" * len(sms)]
-        seen = []
-        for r in rows:
-            if r["kind"] == kind and (r["order"], r["variant"]) not in seen:
-                seen.append((r["order"], r["variant"]))
-        for order, variant in seen:
+             f"every variant's pull bit-equal to the reference: {res['exact']}", "",
+             "cross GB/s (% of the pull / push copy_ ceiling); static % = tiles handed out round-robin, the rest "
+             "by counter", "", "| kind | static % | " + " | ".join(f"{s} SMs" for s in sms) + " |",
+             "|---|---|" + "---|" * len(sms)]
+    for kind in ("pull dispatch", "push dispatch", "push combine"):
+        c = ceil.get("peer copy_ pull" if kind.startswith("pull") else "peer copy_ push")
+        for pct in STATIC_PCTS:
             cells = []
             for s in sms:
-                g = [r["cross_GBps"] for r in rows if r["kind"] == kind and r["order"] == order
-                     and r["variant"] == variant and r["num_sms"] == s]
+                g = [r["cross_GBps"] for r in rows if r["kind"] == kind and r["static_pct"] == pct
+                     and r["num_sms"] == s]
                 cells.append(f"{g[0]:.0f} ({100 * g[0] / c:.0f}%)" if g and c else "-")
-            lines.append(f"| {order} | {variant} | " + " | ".join(cells) + " |")
-        lines.append("")
+            lines.append(f"| {kind} | {pct} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -225,7 +197,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sms", type=lambda v: tuple(int(s) for s in v.split(",")), default=(16, 20, 24))
+    parser.add_argument("--sms", type=lambda v: tuple(int(s) for s in v.split(",")), default=(16, 20, 22, 24))
     parser.add_argument("--tile-rows", type=int, default=8)
     parser.add_argument("--num-warps", type=int, default=8)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (--preset tiny)")
