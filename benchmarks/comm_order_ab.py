@@ -32,6 +32,7 @@ import triton.language as tl
 from megamoe import comm
 from megamoe.comm import CommTuning, _tile
 from megamoe.kernels.comm import peer_offset, tile_entries, vector_offsets
+from triton.language.extra.cuda import globaltimer, smid
 from megamoe.world import launch
 
 import comm_bench  # benchmarks/, beside this script
@@ -73,9 +74,28 @@ def _release_tickets(tickets_ptr, STATIC_PCT: tl.constexpr):
 
 
 @triton.jit
+def _now(TRACE: tl.constexpr):
+    if TRACE:
+        return globaltimer()
+    return tl.full((), 0, tl.int64)
+
+
+@triton.jit
+def _trace(trace_ptr, start, tiles, TRACE: tl.constexpr):
+    if TRACE:  # per program: start, end (globaltimer ns), SM id, tiles moved
+        row = trace_ptr + tl.program_id(0) * 4
+        tl.store(row, start)
+        tl.store(row + 1, globaltimer())
+        tl.store(row + 2, smid().to(tl.int64))
+        tl.store(row + 3, tiles.to(tl.int64))
+
+
+@triton.jit
 def _pull_ab(num_rows_ptr, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-             stride_dst, tickets_ptr, TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
-             W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr):
+             stride_dst, tickets_ptr, trace_ptr, TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
+             W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr, TRACE: tl.constexpr):
+    start = _now(TRACE)
+    done = 0
     n = tl.load(num_rows_ptr)
     static_tiles = _static_tiles(n, ROWS, STATIC_PCT)
     tile = _first_tile(tickets_ptr, static_tiles, STATIC_PCT)
@@ -86,14 +106,19 @@ def _pull_ab(num_rows_ptr, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_p
         x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
         tile = _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT)  # taken while the loads are in flight
         tl.store(dst_ptr + vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W), x, mask=mask)
+        done += 1
     _release_tickets(tickets_ptr, STATIC_PCT)
+    _trace(trace_ptr, start, done, TRACE)
 
 
 @triton.jit
 def _push_ab(num_rows_ptr, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
-             stride_dst, tickets_ptr, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
-             W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr):
+             stride_dst, tickets_ptr, trace_ptr, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr,
+             CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr,
+             TRACE: tl.constexpr):
     """SRC_ROW_DIV 0: source row t (combine); else ``src_row[t] // SRC_ROW_DIV`` (push dispatch)."""
+    start = _now(TRACE)
+    done = 0
     n = tl.load(num_rows_ptr)
     static_tiles = _static_tiles(n, ROWS, STATIC_PCT)
     tile = _first_tile(tickets_ptr, static_tiles, STATIC_PCT)
@@ -107,9 +132,13 @@ def _push_ab(num_rows_ptr, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_r
         tile = _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT)
         dst_off = peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst)
         tl.store(dst_anchor_ptr + vector_offsets(dst_off, cols, ALIGN, W), x, mask=mask)
+        done += 1
     _release_tickets(tickets_ptr, STATIC_PCT)
+    _trace(trace_ptr, start, done, TRACE)
 
 
+#: grids whose per-program spans ``--trace`` records
+TRACE_SMS = (16, 20, 24)
 #: % of the tiles handed out round-robin before the rest go by counter (100: the library's order).
 STATIC_PCTS = (100, 90, 75, 50, 0)
 
@@ -130,17 +159,36 @@ def run(world, opts: dict):
     valid = p["valid"]
     results, exact = [], True
     # push dispatch moves the same cross rows (the receivers' pull schedules, seen from the sender)
+    trace = torch.zeros(max(opts["sms"] + TRACE_SMS), 4, dtype=torch.int64, device=dev)
     kinds = {
-        "pull dispatch": lambda sms, pct: _pull_ab[(sms,)](
+        "pull dispatch": lambda sms, pct, tr=False: _pull_ab[(sms,)](
             sched.num_rows, ws.peer_ptrs("x"), x, x.stride(0), sched.src_rank, sched.src_index, out, out.stride(0),
-            tickets, TOP_K=k, STATIC_PCT=pct, **consts),
-        "push combine": lambda sms, pct: _push_ab[(sms,)](
+            tickets, trace, TOP_K=k, STATIC_PCT=pct, TRACE=tr, **consts),
+        "push combine": lambda sms, pct, tr=False: _push_ab[(sms,)](
             sched.num_rows, y, y.stride(0), sched.src_index, sched.src_rank, sched.src_index, ws.peer_ptrs("combine"),
-            combine, combine.stride(0), tickets, SRC_ROW_DIV=0, STATIC_PCT=pct, **consts),
-        "push dispatch": lambda sms, pct: _push_ab[(sms,)](
+            combine, combine.stride(0), tickets, trace, SRC_ROW_DIV=0, STATIC_PCT=pct, TRACE=tr, **consts),
+        "push dispatch": lambda sms, pct, tr=False: _push_ab[(sms,)](
             push.num_entries, x, x.stride(0), push.route, push.dst_rank, push.dst_row, ws.peer_ptrs("routed"),
-            routed, routed.stride(0), tickets, SRC_ROW_DIV=k, STATIC_PCT=pct, **consts),
+            routed, routed.stride(0), tickets, trace, SRC_ROW_DIV=k, STATIC_PCT=pct, TRACE=tr, **consts),
     }
+    traces = []
+    if b.cuda and opts["trace"]:  # per-program spans of one launch (after two untraced), rank 0's view
+        for kind in ("push combine", "pull dispatch"):
+            for sms in TRACE_SMS:
+                for pct in (100, 0):
+                    for _ in range(2):
+                        comm.device_barrier(ws)
+                        kinds[kind](sms, pct)
+                    trace.zero_()
+                    comm.device_barrier(ws)
+                    kinds[kind](sms, pct, True)
+                    torch.cuda.synchronize()
+                    t = trace[:sms].cpu()
+                    t0 = int(t[:, 0].min())
+                    traces.append(dict(kind=kind, num_sms=sms, static_pct=pct,
+                                       start_us=[(int(v) - t0) / 1e3 for v in t[:, 0]],
+                                       end_us=[(int(v) - t0) / 1e3 for v in t[:, 1]],
+                                       sm=[int(v) for v in t[:, 2]], tiles=[int(v) for v in t[:, 3]]))
     for kind, launch_kind in kinds.items():
         for sms in opts["sms"]:
             for pct in STATIC_PCTS:
@@ -164,7 +212,7 @@ def run(world, opts: dict):
         results.append(dict(kind="ceiling", variant=name, **b.rates([nbytes] * b.R, [nbytes] * b.R, stats)))
     exact = b.agree(exact)
     ws.free()
-    return dict(meta=b.meta, exact=exact, results=results) if me == 0 else None
+    return dict(meta=b.meta, exact=exact, results=results, traces=traces) if me == 0 else None
 
 
 def table(res: dict) -> str:
@@ -187,6 +235,16 @@ def table(res: dict) -> str:
                      and r["num_sms"] == s]
                 cells.append(f"{g[0]:.0f} ({100 * g[0] / c:.0f}%)" if g and c else "-")
             lines.append(f"| {kind} | {pct} | " + " | ".join(cells) + " |")
+    if res.get("traces"):
+        lines += ["", "per-program spans of one launch (rank 0): µs from the first start; SMs of the 3 last to end",
+                  "", "| kind | SMs | static % | last end | ends: min / median | tiles min-max | last 3 (SM: end) |",
+                  "|---|---|---|---|---|---|---|"]
+        for tr in res["traces"]:
+            ends = sorted(tr["end_us"])
+            last = sorted(range(len(ends)), key=lambda i: -tr["end_us"][i])[:3]
+            lines.append(f"| {tr['kind']} | {tr['num_sms']} | {tr['static_pct']} | {ends[-1]:.0f} | {ends[0]:.0f} / "
+                         f"{ends[len(ends) // 2]:.0f} | {min(tr['tiles'])}-{max(tr['tiles'])} | "
+                         + ", ".join(f"{tr['sm'][i]}: {tr['end_us'][i]:.0f}" for i in last) + " |")
     return "\n".join(lines)
 
 
@@ -200,6 +258,7 @@ def main() -> None:
     parser.add_argument("--sms", type=lambda v: tuple(int(s) for s in v.split(",")), default=(16, 20, 22, 24))
     parser.add_argument("--tile-rows", type=int, default=8)
     parser.add_argument("--num-warps", type=int, default=8)
+    parser.add_argument("--trace", action="store_true", help="also record per-program spans (start, end, SM)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (--preset tiny)")
     args = parser.parse_args()
     os.environ.setdefault("MEGAMOE_DIST_TIMEOUT_S", "180")
