@@ -1,17 +1,24 @@
-"""How the copy kernels hand out tiles: round-robin, by counter, or round-robin then by counter.
+"""How the copy kernels hand out tiles and where their programs run, on 2 GPUs.
 
     PYTHONPATH=src python3 benchmarks/comm_order_ab.py --out OUT [--sms 16,20,22,24]
 
-On 2 GPUs (kimi-k2 rows, 8192 tokens per rank, uniform routing: comm_bench's problem), each variant
-times one copy kernel between CUDA events (comm_bench's timing: sleep, device barrier, kernel; median
-of the slowest rank) and reports cross GB/s against the peer ``copy_`` ceilings of the same run. The
-library's kernels hand tile p, p + P, ... to program p of P: a program on a slower SM (two programs
-sharing a TPC, say) still gets its full share and the others wait for it. Here the first STATIC %
-of the tiles go round-robin and the rest to whichever program asks next (an atomic counter; the
-last program out zeroes it for the next launch): 100 is the library's order, 0 every tile by
-counter. Kinds: pull dispatch, push dispatch (the sender's push schedule) and push combine.
+kimi-k2 rows, 8192 tokens per rank, uniform routing (comm_bench's problem); each variant is timed as
+comm_bench times a kernel (sleep, device barrier, kernel between CUDA events; median of the slowest
+rank) and reported as cross GB/s against the peer ``copy_`` ceilings of the same run.
 
-The first study of this script (commit 32da1d822042: cache hints, row orders) is recorded in
+1. Hand-out. The library's kernels give tile p, p + P, ... to program p of P. A program on an SM
+   that gets less of the NVLink bandwidth (a trace of this script at 115d15327f6e: the programs on
+   SMs 124-131, where the first 8 programs of a launch land, pushed at ~60 % of the others' rate
+   from 18 SMs on) still gets its full share and the others wait. ``guided``: programs claim
+   ``max(1, left / 2P)`` tiles at a time from a counter, so a slower program claims fewer (about
+   2P ln(tiles / 2P) + 2P claims in all; the last program out zeroes the counter for the next launch).
+   Kinds: pull dispatch, push dispatch (the senders' push schedule), push combine.
+2. Placement (pull dispatch, push combine): 8 or 16 round-robin workers on chosen SMs (the first
+   program to start on a chosen SM takes its role, the others exit), against the first programs of a
+   launch; a traced launch checks that every tile moved and records the SMs that worked.
+
+Earlier studies with this script (commits 32da1d822042: cache hints and row orders; a15fd51650b5:
+round-robin then counter; 115d15327f6e: per-program spans) are recorded in
 benchmarks/results/2026-11-30-tile-order.
 """
 
@@ -39,45 +46,38 @@ import comm_bench  # benchmarks/, beside this script
 
 
 @triton.jit
-def _first_tile(tickets_ptr, static_tiles, STATIC_PCT: tl.constexpr):
-    if STATIC_PCT == 0:
-        return tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
-    return tl.program_id(0)
-
-
-@triton.jit
-def _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT: tl.constexpr):
-    """Tiles below ``static_tiles`` (a multiple of the grid) go round-robin; the rest from the counter."""
-    if STATIC_PCT == 100:
-        return tile + tl.num_programs(0)
-    if STATIC_PCT == 0:
-        return tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
-    nxt = tile + tl.num_programs(0)
-    if nxt >= static_tiles:
-        nxt = static_tiles + tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
-    return nxt
-
-
-@triton.jit
-def _static_tiles(n, ROWS: tl.constexpr, STATIC_PCT: tl.constexpr):
-    tiles = tl.cdiv(n, ROWS)
-    return tiles * STATIC_PCT // 100 // tl.num_programs(0) * tl.num_programs(0)
-
-
-@triton.jit
-def _release_tickets(tickets_ptr, STATIC_PCT: tl.constexpr):
-    if STATIC_PCT < 100:  # the last program out zeroes the counters: every program took its last ticket before
-        done = tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.atomic_xchg(tickets_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(tickets_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _now(TRACE: tl.constexpr):
     if TRACE:
         return globaltimer()
     return tl.full((), 0, tl.int64)
+
+
+@triton.jit
+def _worker(tickets_ptr, roles_ptr, num_workers, PLACED: tl.constexpr):
+    """(worker index or -1, workers). PLACED: the first program on SM s is worker ``roles[s]`` (-1: none)."""
+    if PLACED:
+        s = smid()
+        first = tl.atomic_cas(tickets_ptr + FLAGS + s, 0, 1, sem="relaxed", scope="gpu")
+        role = tl.load(roles_ptr + s)
+        return tl.where(first == 0, role, -1), num_workers
+    return tl.program_id(0), tl.num_programs(0)
+
+
+@triton.jit
+def _claim(tickets_ptr, tiles, workers):
+    """Guided hand-out: the next ``max(1, left / (2 workers))`` tiles from the counter, as [lo, hi)."""
+    seen = tl.load(tickets_ptr, volatile=True)
+    size = tl.maximum((tiles - seen) // (2 * workers), 1)
+    lo = tl.atomic_add(tickets_ptr, size, sem="relaxed", scope="gpu")
+    return lo, tl.minimum(lo + size, tiles)
+
+
+@triton.jit
+def _release(tickets_ptr, NSM: tl.constexpr, GUIDED: tl.constexpr, PLACED: tl.constexpr):
+    if GUIDED or PLACED:  # the last program out zeroes the counters for the next launch
+        out = tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if out == tl.num_programs(0) - 1:
+            tl.store(tickets_ptr + tl.arange(0, NSM), tl.zeros([NSM], tl.int32))
 
 
 @triton.jit
@@ -91,56 +91,71 @@ def _trace(trace_ptr, start, tiles, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _pull_ab(num_rows_ptr, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-             stride_dst, tickets_ptr, trace_ptr, TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr,
-             W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr, TRACE: tl.constexpr):
-    start = _now(TRACE)
-    done = 0
-    n = tl.load(num_rows_ptr)
-    static_tiles = _static_tiles(n, ROWS, STATIC_PCT)
-    tile = _first_tile(tickets_ptr, static_tiles, STATIC_PCT)
-    while tile * ROWS < n:
-        t, cols, rank, index, valid, mask = tile_entries(tile * ROWS, n, src_rank_ptr, src_index_ptr, ROWS, CHUNKS,
-                                                         CP, W)
-        src_off = peer_offset(rank, index // TOP_K, valid, src_peer_ptrs, src_anchor_ptr, stride_src)
-        x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
-        tile = _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT)  # taken while the loads are in flight
-        tl.store(dst_ptr + vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W), x, mask=mask)
-        done += 1
-    _release_tickets(tickets_ptr, STATIC_PCT)
-    _trace(trace_ptr, start, done, TRACE)
+def _pull_rows(t0, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr, stride_dst,
+               TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
+               ALIGN: tl.constexpr):
+    t, cols, rank, index, valid, mask = tile_entries(t0, n, src_rank_ptr, src_index_ptr, ROWS, CHUNKS, CP, W)
+    src_off = peer_offset(rank, index // TOP_K, valid, src_peer_ptrs, src_anchor_ptr, stride_src)
+    x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
+    tl.store(dst_ptr + vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W), x, mask=mask)
 
 
 @triton.jit
-def _push_ab(num_rows_ptr, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
-             stride_dst, tickets_ptr, trace_ptr, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr,
-             CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr, STATIC_PCT: tl.constexpr,
-             TRACE: tl.constexpr):
+def _push_rows(t0, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
+               stride_dst, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr,
+               ROWS: tl.constexpr, ALIGN: tl.constexpr):
     """SRC_ROW_DIV 0: source row t (combine); else ``src_row[t] // SRC_ROW_DIV`` (push dispatch)."""
+    t, cols, rank, row, valid, mask = tile_entries(t0, n, dst_rank_ptr, dst_row_ptr, ROWS, CHUNKS, CP, W)
+    if SRC_ROW_DIV == 0:
+        s = t.to(tl.int64)
+    else:
+        s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
+    x = tl.load(src_ptr + vector_offsets(s * stride_src, cols, ALIGN, W), mask=mask)
+    dst_off = peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst)
+    tl.store(dst_anchor_ptr + vector_offsets(dst_off, cols, ALIGN, W), x, mask=mask)
+
+
+@triton.jit
+def _copy_ab(num_rows_ptr, src_peer_ptrs, src_ptr, stride_src, src_row_ptr, rank_ptr, index_ptr, dst_peer_ptrs,
+             dst_ptr, stride_dst, tickets_ptr, roles_ptr, num_workers, trace_ptr, PULL: tl.constexpr,
+             TOP_K: tl.constexpr, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr,
+             ROWS: tl.constexpr, ALIGN: tl.constexpr, GUIDED: tl.constexpr, PLACED: tl.constexpr,
+             NSM: tl.constexpr, TRACE: tl.constexpr):
+    """PULL: ``dst[t] = src_{rank[t]}[index[t] // TOP_K]``; else ``dst_{rank[t]}[index[t]] = src[...]`` (push)."""
     start = _now(TRACE)
-    done = 0
     n = tl.load(num_rows_ptr)
-    static_tiles = _static_tiles(n, ROWS, STATIC_PCT)
-    tile = _first_tile(tickets_ptr, static_tiles, STATIC_PCT)
-    while tile * ROWS < n:
-        t, cols, rank, row, valid, mask = tile_entries(tile * ROWS, n, dst_rank_ptr, dst_row_ptr, ROWS, CHUNKS, CP, W)
-        if SRC_ROW_DIV == 0:
-            s = t.to(tl.int64)
-        else:
-            s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
-        x = tl.load(src_ptr + vector_offsets(s * stride_src, cols, ALIGN, W), mask=mask)
-        tile = _next_tile(tile, tickets_ptr, static_tiles, STATIC_PCT)
-        dst_off = peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst)
-        tl.store(dst_anchor_ptr + vector_offsets(dst_off, cols, ALIGN, W), x, mask=mask)
-        done += 1
-    _release_tickets(tickets_ptr, STATIC_PCT)
+    tiles = tl.cdiv(n, ROWS)
+    c, workers = _worker(tickets_ptr, roles_ptr, num_workers, PLACED)
+    done = 0
+    if c >= 0:
+        lo, hi, step = c, tiles, workers
+        if GUIDED:
+            lo, hi = _claim(tickets_ptr, tiles, workers)
+            step = 1
+        while lo < tiles:
+            for tile in range(lo, hi, step):
+                if PULL:
+                    _pull_rows(tile * ROWS, n, src_peer_ptrs, src_ptr, stride_src, rank_ptr, index_ptr, dst_ptr,
+                               stride_dst, TOP_K, CHUNKS, CP, W, ROWS, ALIGN)
+                else:
+                    _push_rows(tile * ROWS, n, src_ptr, stride_src, src_row_ptr, rank_ptr, index_ptr, dst_peer_ptrs,
+                               dst_ptr, stride_dst, SRC_ROW_DIV, CHUNKS, CP, W, ROWS, ALIGN)
+                done += 1
+            if GUIDED:
+                lo, hi = _claim(tickets_ptr, tiles, workers)
+            else:
+                lo = tiles
+    _release(tickets_ptr, NSM, GUIDED, PLACED)
     _trace(trace_ptr, start, done, TRACE)
 
 
-#: grids whose per-program spans ``--trace`` records
-TRACE_SMS = (16, 20, 24)
-#: % of the tiles handed out round-robin before the rest go by counter (100: the library's order).
-STATIC_PCTS = (100, 90, 75, 50, 0)
+#: tickets layout: [0] the guided counter, [1] programs out, [FLAGS + s] SM s taken (PLACED)
+FLAGS = tl.constexpr(2)
+#: (name, SMs) of the placement runs: 8 or 16 workers on chosen SMs (the first program on each)
+PLACEMENTS = (("programs 0-7 (launch order)", None), ("SMs 0-7", tuple(range(8))), ("SMs 0-14 even", tuple(range(0, 16, 2))),
+              ("SMs 0, 16, .., 112", tuple(range(0, 128, 16))), ("SMs 124-131", tuple(range(124, 132))),
+              ("programs 0-15 (launch order)", None), ("SMs 0, 8, .., 120", tuple(range(0, 128, 8))),
+              ("SMs 0-15", tuple(range(16))))
 
 
 def run(world, opts: dict):
@@ -148,103 +163,136 @@ def run(world, opts: dict):
     p = b.setup("uniform")
     ws, sched, push, me = b.ws, p["sched"], p["push"], world.rank
     D, k, dev = b.D, b.k, b.dev
-    tickets = torch.zeros(2, dtype=torch.int32, device=dev)
+    nsm = torch.cuda.get_device_properties(dev).multi_processor_count if b.cuda else 4
+    slots = 1 << (FLAGS.value + nsm - 1).bit_length()
+    tickets = torch.zeros(slots, dtype=torch.int32, device=dev)
+    grid_placed = 2 * nsm  # every SM gets a program (one fits per SM: registers); the rest exit
+    trace = torch.zeros(max(grid_placed, *opts["sms"]), 4, dtype=torch.int64, device=dev)
     out = torch.empty(sched.capacity, D, dtype=torch.bfloat16, device=dev)
     y = comm_bench.rows_for(me, sched.capacity, D, 2, dev)
     x, routed, combine = ws.local("x"), ws.local("routed"), ws.local("combine")
     tuning = CommTuning(opts["tile_rows"], opts["num_warps"])
     chunks, cp, w, rows, align = _tile(D, 2, tuning)
-    consts = dict(CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align, num_warps=tuning.num_warps)
+    consts = dict(CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align, NSM=slots, num_warps=tuning.num_warps)
+    args = {  # (num_rows, src_peer_ptrs, src, src_row, rank, index, dst_peer_ptrs, dst, PULL, SRC_ROW_DIV)
+        "pull dispatch": (sched.num_rows, ws.peer_ptrs("x"), x, sched.src_index, sched.src_rank, sched.src_index,
+                          ws.peer_ptrs("x"), out, True, 0),
+        "push dispatch": (push.num_entries, ws.peer_ptrs("x"), x, push.route, push.dst_rank, push.dst_row,
+                          ws.peer_ptrs("routed"), routed, False, k),
+        "push combine": (sched.num_rows, ws.peer_ptrs("x"), y, sched.src_index, sched.src_rank, sched.src_index,
+                         ws.peer_ptrs("combine"), combine, False, 0),
+    }
+
+    def launcher(kind, grid, guided=False, roles=None, workers=0, traced=False):
+        num_rows, src_peers, src, src_row, rank, index, dst_peers, dst, pull, div = args[kind]
+        placed = roles is not None
+        return lambda: _copy_ab[(grid,)](
+            num_rows, src_peers, src, src.stride(0), src_row, rank, index, dst_peers, dst, dst.stride(0), tickets,
+            roles if placed else tickets, workers, trace, PULL=pull, TOP_K=k, SRC_ROW_DIV=div, GUIDED=guided,
+            PLACED=placed, TRACE=traced, **consts)
+
     ref = comm.dispatch_reference(p["xs"], sched)
     valid = p["valid"]
-    results, exact = [], True
-    # push dispatch moves the same cross rows (the receivers' pull schedules, seen from the sender)
-    trace = torch.zeros(max(opts["sms"] + TRACE_SMS), 4, dtype=torch.int64, device=dev)
-    kinds = {
-        "pull dispatch": lambda sms, pct, tr=False: _pull_ab[(sms,)](
-            sched.num_rows, ws.peer_ptrs("x"), x, x.stride(0), sched.src_rank, sched.src_index, out, out.stride(0),
-            tickets, trace, TOP_K=k, STATIC_PCT=pct, TRACE=tr, **consts),
-        "push combine": lambda sms, pct, tr=False: _push_ab[(sms,)](
-            sched.num_rows, y, y.stride(0), sched.src_index, sched.src_rank, sched.src_index, ws.peer_ptrs("combine"),
-            combine, combine.stride(0), tickets, trace, SRC_ROW_DIV=0, STATIC_PCT=pct, TRACE=tr, **consts),
-        "push dispatch": lambda sms, pct, tr=False: _push_ab[(sms,)](
-            push.num_entries, x, x.stride(0), push.route, push.dst_rank, push.dst_row, ws.peer_ptrs("routed"),
-            routed, routed.stride(0), tickets, trace, SRC_ROW_DIV=k, STATIC_PCT=pct, TRACE=tr, **consts),
-    }
-    traces = []
-    if b.cuda and opts["trace"]:  # per-program spans of one launch (after two untraced), rank 0's view
-        for kind in ("push combine", "pull dispatch"):
-            for sms in TRACE_SMS:
-                for pct in (100, 0):
-                    for _ in range(2):
-                        comm.device_barrier(ws)
-                        kinds[kind](sms, pct)
-                    trace.zero_()
-                    comm.device_barrier(ws)
-                    kinds[kind](sms, pct, True)
-                    torch.cuda.synchronize()
-                    t = trace[:sms].cpu()
-                    t0 = int(t[:, 0].min())
-                    traces.append(dict(kind=kind, num_sms=sms, static_pct=pct,
-                                       start_us=[(int(v) - t0) / 1e3 for v in t[:, 0]],
-                                       end_us=[(int(v) - t0) / 1e3 for v in t[:, 1]],
-                                       sm=[int(v) for v in t[:, 2]], tiles=[int(v) for v in t[:, 3]]))
-    for kind, launch_kind in kinds.items():
+    results, checks = [], {}
+    tiles_total = {kind: -(-int(a[0]) // rows) for kind, a in args.items()}
+
+    def traced_run(kind, grid, **kw):
+        """One traced launch: the SMs that worked and whether every tile was moved exactly once in all."""
+        trace.zero_()
+        comm.device_barrier(ws)
+        launcher(kind, grid, traced=True, **kw)()
+        if b.cuda:
+            torch.cuda.synchronize()
+        t = trace[:grid].cpu()
+        worked = t[:, 3] > 0
+        return dict(sms=sorted(int(v) for v in t[worked, 2]), tiles=int(t[:, 3].sum()),
+                    complete=int(t[:, 3].sum()) == tiles_total[kind])
+
+    def check_pull(name, fn):
+        out.fill_(float("nan"))
+        comm.device_barrier(ws)
+        fn()
+        if b.cuda:
+            torch.cuda.synchronize()
+        checks[name] = comm_bench.same(out[valid], ref[valid])
+
+    # 1. hand-out: round-robin (the library's) against guided claims from a counter
+    for kind in args:
         for sms in opts["sms"]:
-            for pct in STATIC_PCTS:
-                fn = lambda: launch_kind(sms, pct)
+            variants = {"round-robin": launcher(kind, sms), "guided": launcher(kind, sms, guided=True)}
+            if kind == "pull dispatch":
+                variants["library"] = lambda: comm.dispatch_pull(ws, sched, num_sms=sms, out=out, sync=False,
+                                                                 tuning=tuning)
+            if kind == "push combine":
+                variants["library"] = lambda: comm.combine_push(ws, sched, y, num_sms=sms, sync=False,
+                                                                tuning=tuning)
+            for name, fn in variants.items():
                 if kind == "pull dispatch" and sms == opts["sms"][0]:
-                    out.fill_(float("nan"))
-                    comm.device_barrier(ws)
-                    fn()
-                    if b.cuda:
-                        torch.cuda.synchronize()
-                    exact &= comm_bench.same(out[valid], ref[valid])
+                    check_pull(f"pull {name}", fn)
                 stats = b.timeit(fn)
-                results.append(dict(kind=kind, num_sms=sms, static_pct=pct,
+                results.append(dict(study="hand-out", kind=kind, num_sms=sms, variant=name,
                                     **b.rates(p["cross"], p["total"], stats)))
+    # 2. placement: the same workers on chosen SMs
+    if b.cuda:
+        for kind in ("pull dispatch", "push combine"):
+            for name, chosen in PLACEMENTS:
+                if chosen is None:
+                    workers = int(name.split("-")[1].split(" ")[0]) + 1
+                    kw, grid = {}, workers
+                else:
+                    workers = len(chosen)
+                    roles = torch.full((nsm,), -1, dtype=torch.int32, device=dev)
+                    roles[list(chosen)] = torch.arange(workers, dtype=torch.int32, device=dev)
+                    kw, grid = dict(roles=roles, workers=workers), grid_placed
+                fn = launcher(kind, grid, **kw)
+                if kind == "pull dispatch":
+                    check_pull(f"pull placed {name}", fn)
+                stats = b.timeit(fn)
+                results.append(dict(study="placement", kind=kind, placement=name, workers=workers,
+                                    **traced_run(kind, grid, **kw), **b.rates(p["cross"], p["total"], stats)))
     other = (me + 1) % b.R
     local = torch.empty_like(combine)
     nbytes = local.numel() * 2
     for name, fn in (("peer copy_ pull", lambda: local.copy_(ws.peer("combine", other))),
                      ("peer copy_ push", lambda: ws.peer("d_x", other).copy_(local))):
         stats = b.timeit(fn, iters=max(5, b.iters // 2))
-        results.append(dict(kind="ceiling", variant=name, **b.rates([nbytes] * b.R, [nbytes] * b.R, stats)))
-    exact = b.agree(exact)
+        results.append(dict(study="ceiling", variant=name, **b.rates([nbytes] * b.R, [nbytes] * b.R, stats)))
+    checks = {name: b.agree(ok) for name, ok in checks.items()}
     ws.free()
-    return dict(meta=b.meta, exact=exact, results=results, traces=traces) if me == 0 else None
+    return dict(meta=b.meta, checks=checks, results=results) if me == 0 else None
 
 
 def table(res: dict) -> str:
     meta, rows = res["meta"], res["results"]
-    ceil = {r["variant"]: r["cross_GBps"] for r in rows if r["kind"] == "ceiling"}
-    sms = sorted({r["num_sms"] for r in rows if "num_sms" in r})
+    ceil = {r["variant"]: r["cross_GBps"] for r in rows if r["study"] == "ceiling"}
+    pct = lambda g, kind: g / ceil["peer copy_ pull" if kind.startswith("pull") else "peer copy_ push"] * 100 \
+        if ceil else 0.0
+    bad = [name for name, ok in res["checks"].items() if not ok]
     lines = [f"# comm_order_ab: {meta['machine']} x{meta['ranks']}, {meta['preset']}, {meta['tokens']} tokens/rank, "
              f"commit {meta['commit']}, {meta['date']}", f"command: `{meta['command']}`", "",
              "ceilings: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in ceil.items()),
-             f"every variant's pull bit-equal to the reference: {res['exact']}", "",
-             "cross GB/s (% of the pull / push copy_ ceiling); static % = tiles handed out round-robin, the rest "
-             "by counter", "", "| kind | static % | " + " | ".join(f"{s} SMs" for s in sms) + " |",
-             "|---|---|" + "---|" * len(sms)]
-    for kind in ("pull dispatch", "push dispatch", "push combine"):
-        c = ceil.get("peer copy_ pull" if kind.startswith("pull") else "peer copy_ push")
-        for pct in STATIC_PCTS:
-            cells = []
-            for s in sms:
-                g = [r["cross_GBps"] for r in rows if r["kind"] == kind and r["static_pct"] == pct
-                     and r["num_sms"] == s]
-                cells.append(f"{g[0]:.0f} ({100 * g[0] / c:.0f}%)" if g and c else "-")
-            lines.append(f"| {kind} | {pct} | " + " | ".join(cells) + " |")
-    if res.get("traces"):
-        lines += ["", "per-program spans of one launch (rank 0): µs from the first start; SMs of the 3 last to end",
-                  "", "| kind | SMs | static % | last end | ends: min / median | tiles min-max | last 3 (SM: end) |",
-                  "|---|---|---|---|---|---|---|"]
-        for tr in res["traces"]:
-            ends = sorted(tr["end_us"])
-            last = sorted(range(len(ends)), key=lambda i: -tr["end_us"][i])[:3]
-            lines.append(f"| {tr['kind']} | {tr['num_sms']} | {tr['static_pct']} | {ends[-1]:.0f} | {ends[0]:.0f} / "
-                         f"{ends[len(ends) // 2]:.0f} | {min(tr['tiles'])}-{max(tr['tiles'])} | "
-                         + ", ".join(f"{tr['sm'][i]}: {tr['end_us'][i]:.0f}" for i in last) + " |")
+             f"pulls bit-equal to the reference: {'all' if not bad else 'FAIL ' + ', '.join(bad)} "
+             f"({len(res['checks'])} checked)", ""]
+    hand = [r for r in rows if r["study"] == "hand-out"]
+    sms = sorted({r["num_sms"] for r in hand})
+    if hand:
+        lines += ["1. tile hand-out: cross GB/s (% of the pull / push copy_ ceiling)", "",
+                  "| kind | hand-out | " + " | ".join(f"{s} SMs" for s in sms) + " |", "|---|---|" + "---|" * len(sms)]
+        for kind in ("pull dispatch", "push dispatch", "push combine"):
+            for variant in ("library", "round-robin", "guided"):
+                cells = [next((f"{r['cross_GBps']:.0f} ({pct(r['cross_GBps'], kind):.0f}%)" for r in hand
+                               if r["kind"] == kind and r["variant"] == variant and r["num_sms"] == s), None)
+                         for s in sms]
+                if any(cells):
+                    lines.append(f"| {kind} | {variant} | " + " | ".join(c or "-" for c in cells) + " |")
+        lines.append("")
+    placed = [r for r in rows if r["study"] == "placement"]
+    if placed:
+        lines += ["2. placement: the same round-robin workers on chosen SMs (cross GB/s, per worker)", "",
+                  "| kind | workers on | GB/s | per worker | every tile moved | SMs that worked |", "|---|---|---|---|---|---|"]
+        for r in placed:
+            lines.append(f"| {r['kind']} | {r['placement']} | {r['cross_GBps']:.0f} | {r['cross_GBps'] / r['workers']:.1f} "
+                         f"| {r['complete']} | {','.join(map(str, r['sms']))} |")
     return "\n".join(lines)
 
 
@@ -258,7 +306,6 @@ def main() -> None:
     parser.add_argument("--sms", type=lambda v: tuple(int(s) for s in v.split(",")), default=(16, 20, 22, 24))
     parser.add_argument("--tile-rows", type=int, default=8)
     parser.add_argument("--num-warps", type=int, default=8)
-    parser.add_argument("--trace", action="store_true", help="also record per-program spans (start, end, SM)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (--preset tiny)")
     args = parser.parse_args()
     os.environ.setdefault("MEGAMOE_DIST_TIMEOUT_S", "180")
