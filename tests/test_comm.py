@@ -164,6 +164,8 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
         check(f"dispatch_pull row_format={fmt} data", got.data, data, valid)
         check(f"dispatch_pull row_format={fmt} scale", got.scale, scale, valid)
         qws.free()
+    if ws.claims.cpu().tolist() != [0, 0]:  # the last program out of every launch zeroes the tile claims
+        failures.append(f"{name} rank {me}: tile claims left at {ws.claims.cpu().tolist()} after the launches")
     ws.free()
 
 

@@ -296,6 +296,9 @@ class CommWorkspace:
         self._ptrs: dict[str, torch.Tensor] = {}
         self._epochs = {wait: 0 for wait in WAITS}
         self._arrivals = 0
+        # the copy kernels' tile claims: [next tile, programs out]; zero between launches (the last
+        # program out of each launch zeroes it), so one workspace's copies run one at a time (one stream)
+        self.claims = torch.zeros(2, dtype=torch.int32, device=world.device)
         self._broken: str | None = None
 
     # ---- buffers
@@ -650,7 +653,7 @@ def push_dispatch(
     from megamoe.kernels.comm import _push_kernel
 
     _push_kernel[(num_sms,)](
-        push_schedule.num_entries, _NO_LIMIT, x, x.stride(0), push_schedule.route,
+        push_schedule.num_entries, _NO_LIMIT, ws.claims, x, x.stride(0), push_schedule.route,
         push_schedule.dst_rank, push_schedule.dst_row, ws.peer_ptrs("routed"), routed, routed.stride(0),
         flag_ptrs, flags, ws.local("counters"), arrive_target, epoch, ws.world.rank, ws.world.size, budget,
         ws.local("error"),
@@ -717,8 +720,8 @@ def _launch_pull(
         ws.peer_ptrs(src_name), src)
     qscale = dst if qscale is None else qscale
     _pull_kernel[(num_sms,)](
-        schedule.num_rows, limit, ws.peer_ptrs(src_name), src, src.stride(0), schedule.src_rank, schedule.src_index,
-        dst, dst.stride(0), w_ptrs, w_anchor, qscale, qscale.stride(0),
+        schedule.num_rows, limit, ws.claims, ws.peer_ptrs(src_name), src, src.stride(0), schedule.src_rank,
+        schedule.src_index, dst, dst.stride(0), w_ptrs, w_anchor, qscale, qscale.stride(0),
         TOP_K=ws.shape.top_k, CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align, SCALE=scale,
         QUANT={None: 0, "mxfp8": 1, "fp8-block": 2}[quant], SOFT_E4M3=quant_kernels.soft_e4m3_default(),
         num_warps=tuning.num_warps,
@@ -746,7 +749,7 @@ def _push_rows(
         _sync(ws)
     flag_ptrs, flags = ws._flag_ptrs(_WAIT_DISPATCH)  # unused without SIGNAL
     _push_kernel[(num_sms,)](
-        schedule.num_rows, _NO_LIMIT, rows, rows.stride(0), schedule.src_index,
+        schedule.num_rows, _NO_LIMIT, ws.claims, rows, rows.stride(0), schedule.src_index,
         schedule.src_rank, schedule.src_index, ws.peer_ptrs(dst_name), dst, dst.stride(0),
         flag_ptrs, flags, ws.local("counters"), 0, 0, ws.world.rank, ws.world.size, 0, ws.local("error"),
         SRC_ROW_DIV=1, IDENTITY_SRC=True, CHUNKS=chunks, CP=cp, W=w, ROWS=rows_per_tile, ALIGN=align,
