@@ -36,6 +36,7 @@ def main() -> None:
         top = torch.where(torch.rand(n, k, device="cuda", generator=gen) < 0.05, -1, top)
         weights = torch.rand(n, k, device="cuda", generator=gen)
         shared_y = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        from_slots = torch.full((n * k,), -1, device="cuda", dtype=torch.int32)  # every route's row in its slot
         nbytes = (n * k * d + 2 * n * d) * 2
         first = None
         for bt, bd, warps in TILES:
@@ -43,8 +44,9 @@ def main() -> None:
 
             def run():
                 mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
-                    combine, combine.stride(0), top, top, weights, shared_y, shared_y.stride(0), out, out.stride(0), n,
-                    d, TOP_K=k, HAS_SHARED=shared, GATHER=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=warps)
+                    combine, combine.stride(0), combine, combine.stride(0), from_slots, top, weights, shared_y,
+                    shared_y.stride(0), out, out.stride(0), n, d, TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd,
+                    num_warps=warps)
             ms = triton.testing.do_bench(run, return_mode="median")
             first = out.clone() if first is None else first
             results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps,

@@ -224,6 +224,39 @@ def test_experts_q_refuses_other_weights_precisions_and_stale_packs():
     assert "bfloat16" in errors[3] and "precision" in errors[4] and "changed since" in errors[5]
 
 
+def _own_routes_stay(world):
+    """Per config: which of this rank's combine slots a pass wrote (NaN-filled before), by the routes'
+    expert rank, and the output."""
+    p = _problem(world, CONFIG, (40, 33), "uniform", 0.0, 11)
+    fused = fuse_shared(p.shared)
+    L = CONFIG.num_experts // world.size
+    routed = p.top_experts.reshape(-1) >= 0
+    own = routed & (p.top_experts.reshape(-1) // L == world.rank)
+    results = {}
+    for name, config in (("roomy", replace(WRAPPING, ring_rows=1024)), ("wraps", WRAPPING)):
+        kernel = MegaKernel(world, LayerShape.of(CONFIG, world.size, 40), config)
+        kernel.sym.local("combine").fill_(float("nan"))
+        world.barrier()
+        out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
+        written = ~kernel.sym.local("combine")[: own.numel()].isnan().any(dim=1)
+        results[name] = {"wraps": int(ctx.schedule.num_rows) > config.ring_rows,
+                         "own written": int((written & own).sum()), "own": int(own.sum()),
+                         "others written": bool(written[routed & ~own].all()), "out": out}
+    results["same_bits"] = torch.equal(results["roomy"].pop("out"), results["wraps"].pop("out"))
+    return results
+
+
+def test_own_routes_stay_in_the_ring_unless_it_wraps():
+    """With a ring that holds every row, a rank's own routes are not pushed into its combine slots (the weighted
+    sum reads them in the ring); a wrapping ring pushes every route; the same bits either way."""
+    for r in launch(_own_routes_stay, 2):
+        roomy, wraps = r["roomy"], r["wraps"]
+        assert not roomy["wraps"] and wraps["wraps"], r
+        assert roomy["own"] > 0 and roomy["own written"] == 0 and roomy["others written"], r
+        assert wraps["own written"] == wraps["own"] and wraps["others written"], r
+        assert r["same_bits"], r
+
+
 def _tile_cuts(world):
     p = _problem(world, CONFIG, (40,), "uniform", 0.0, 3)
     fused = fuse_shared(p.shared)

@@ -254,13 +254,15 @@ class MegaKernel:
         self.budget = wait_budget or (DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
         self._prepare_launches()
+        # route_rows[i*k + j]: the row of y holding route (i, j)'s output when it stays in place (a route of
+        # this rank's own experts: on one rank every route; at EP >= 2 when the ring holds every row, as the
+        # kernel then pushes only the other ranks' rows home), else -1: its combine slot (weighted sum)
+        ints = dict(dtype=torch.int32, device=dev)
+        self._schedule_rows = torch.arange(shape.capacity, **ints)
+        # routes are [0, N*k); schedule rows that do not stay (remote, unused) scatter past them, each to its own
+        self._spare_routes = N * k + self._schedule_rows
+        self.route_rows = torch.empty(N * k + shape.capacity, **ints)
         if self.direct:
-            ints = dict(dtype=torch.int32, device=dev)
-            self._schedule_rows = torch.arange(shape.capacity, **ints)
-            # routes are [0, capacity); the schedule's unused rows (src_index -1) scatter past them, each to its
-            # own entry
-            self._spare_routes = shape.capacity + self._schedule_rows
-            self._route_rows = torch.empty(2 * shape.capacity, **ints)
             self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
             per_expert = shape.capacity / shape.experts_per_rank
             self._direct_tiles = {kind: plan_tiles(kind, dev, per_expert) for kind in ("gate_up", "down")}
@@ -385,6 +387,13 @@ class MegaKernel:
         # the GEMMs ~6 % at 1920-row minibatches, benchmarks/results/2026-11-30-one-rank, section 8)
         tiles = build_row_tiles(schedule.tokens_per_expert, schedule.offsets, schedule.capacity, c.tile_m,
                                 minibatch=c.minibatch, cut=schedule.num_rows > c.ring_rows)
+        # which routes' outputs stay in y (route_rows); the ring holds every row iff it does not wrap
+        stays = schedule.src_rank == me
+        if not self.direct:
+            stays &= schedule.num_rows <= c.ring_rows
+        self.route_rows.fill_(-1)
+        self.route_rows.scatter_(0, torch.where(stays, schedule.src_index, self._spare_routes).long(),
+                                 torch.where(stays, self._schedule_rows, -1))
         # 4. the megakernel (one rank: the expert kernels)
         if self.direct:
             self._run_experts(n, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit)
@@ -545,22 +554,18 @@ class MegaKernel:
             expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],
                            shared[1][None], swiglu_limit=swiglu_limit,
                            out=ExpertForward(self.shared_h[:n], self.shared_act[:n], self.shared_y[:n]))
-        spare = torch.where(schedule.src_index >= 0, schedule.src_index, self._spare_routes)
-        self._route_rows.scatter_(0, spare.long(), self._schedule_rows)
 
     def _weighted_sum(self, out, top_experts, router_weights, has_shared: bool) -> None:
         n, D = out.shape
-        # one rank: route (i, j)'s output is row route_rows[i*k + j] of y; else its combine slot i*k + j
-        combine, route_rows = (self.y, self._route_rows) if self.direct else (self.sym.local("combine"), self.error)
+        combine = self.sym.local("combine")
         # 16 x 512, 8 warps, the k slot loads unrolled: 0.29 ms for kimi-k2 (4.0 TB/s), 0.41 before
         # (benchmarks/results/2026-11-30-fp8-experts, weighted_sum_bench.py)
         block_t, block_d, warps = (16, 512, 8) if self.gpu else (16, 64, 4)
         shared_y = self.shared_y if has_shared else out
         mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
-            combine, combine.stride(0), route_rows, top_experts.contiguous(), router_weights.contiguous(), shared_y,
-            shared_y.stride(0), out, out.stride(0), n, D,
-            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, GATHER=self.direct, BLOCK_T=block_t, BLOCK_D=block_d,
-            num_warps=warps,
+            self.y, self.y.stride(0), combine, combine.stride(0), self.route_rows, top_experts.contiguous(),
+            router_weights.contiguous(), shared_y, shared_y.stride(0), out, out.stride(0), n, D,
+            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )
 
 

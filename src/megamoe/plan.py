@@ -9,12 +9,15 @@ minibatch at a time. The planner applies three rules and prints why:
    ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (DESIGN §4; MoK: 128x256
    tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
 2. Communication keeps up: the fewest comm SMs whose measured per-SM copy
-   rate moves the routed rows (dispatch + combine, local rows too) in at most
+   rate moves the routed rows (dispatch of every row, local ones too; combine
+   of the other ranks' rows: the ring keeps a rank's own outputs) in at most
    ``COMM_SLACK`` of the time the compute SMs take over them (padded to whole
    row tiles per expert) and the shared expert (the first pulls overlap it).
-3. Ring: room for every row a rank expects under balanced routing (N·k), in
-   whole minibatches, so a balanced backward replays nothing; skewed routing
-   wraps the ring (never drops).
+3. Ring: room for every row a rank expects under balanced routing (N·k) plus
+   four standard deviations of uniform random routing's spread (sqrt(N·k)
+   each), in whole minibatches, so a balanced backward replays nothing and
+   the rank's own outputs stay in the ring (rule 2); skewed routing wraps the
+   ring (never drops).
 
 Measured inputs (benchmarks/results/2026-11-30-fp8-experts, the megakernel's trace): the expert GEMM
 rates and the comm SMs' copy rate inside the megakernel.
@@ -113,13 +116,15 @@ def _comm_over_compute(cfg: MoEConfig, ep: int, tokens: int, comm_sms: int, num_
                        tile_m: int = 128) -> float:
     """Time for the comm SMs to move a routed row (dispatch + combine) over the compute SMs' time per row.
 
-    Every row counts, local ones too: the comm workers copy local rows into the ring and back to the
-    combine slots as well (megakernel trace, kimi-k2 EP 2: 10 SMs planned on remote bytes alone
-    finished their pushes 2.7 ms after the compute SMs). The routed compute time counts the rows padding
+    The dispatch counts every row, local ones too: the comm workers copy local rows into the ring as well
+    (megakernel trace, kimi-k2 EP 2: 10 SMs planned on remote bytes alone finished their pushes 2.7 ms after
+    the compute SMs). The combine counts the (ep - 1) / ep of the rows other ranks own: the outputs of a
+    rank's own routes stay in the ring, where the weighted sum reads them (the planned ring holds every row
+    of balanced routing; a wrapping ring pushes them too). The routed compute time counts the rows padding
     each expert's last tile (``tile_use``: kimi-k2 at EP 1 fills 67 %); it includes the shared expert's share
     (BF16, its tokens spread over their k routed rows under balanced routing): the pulls start under it.
     """
-    row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0)  # pull (maybe FP8) + push back (BF16)
+    row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0 * (ep - 1) / ep)  # pull (FP8?) + push home (BF16)
     comm_s = row_bytes / (comm_sms * NVLINK_GBPS_PER_SM * 1e9)
     share = (num_sms - comm_sms) / num_sms
     compute_s = (cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * tile_use(cfg, ep, tokens, tile_m))
@@ -158,7 +163,8 @@ def plan(
         comm_sms = fitting[0]
         ratio = _comm_over_compute(cfg, ep, tokens, comm_sms, num_sms, precision, tile_m)
         why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM:.0f} GB/s per SM, "
-                   f"moving a row there and back (local rows too: the comm workers copy them) takes {ratio:.0%} of "
+                   f"moving a row there (local rows too: the comm workers copy them) and, owned by another rank, "
+                   f"back takes {ratio:.0%} of "
                    f"computing it and its share "
                    f"of the shared expert on the other {num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; "
                    f"{GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate on full tiles, "
@@ -178,9 +184,11 @@ def plan(
         why.append(f"minibatch {minibatch}: given")
 
     if ring_rows is None:
-        ring_rows = max(1, math.ceil(tokens * cfg.top_k / minibatch)) * minibatch
+        expected = tokens * cfg.top_k
+        ring_rows = max(1, math.ceil((expected + 4 * math.sqrt(expected)) / minibatch)) * minibatch
         why.append(f"ring {ring_rows} rows = {ring_rows // minibatch} minibatches: every row of balanced routing "
-                   f"fits, so the backward replays nothing; skewed routing wraps the ring")
+                   f"({expected}) and 4 standard deviations of random routing's spread fit, so the backward replays "
+                   f"nothing and a rank's own outputs stay in the ring; skewed routing wraps the ring")
     else:
         why.append(f"ring {ring_rows}: given")
 

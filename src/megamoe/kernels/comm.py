@@ -38,7 +38,7 @@ megakernel's communication workers):
                rank's weights at src_index[t]), on-the-fly MXFP8 / FP8-block
                quantisation of the pulled rows (the tile viewed as [ROWS*CP, W])
     push_tile  entries t of a push table: dst_{dst_rank[t]}[dst_row[t]] = src[t]
-               (or src[src_row[t] // SRC_ROW_DIV])
+               (or src[src_row[t] // SRC_ROW_DIV]); entries for one rank may be skipped
     wait_flags bounded spin until flags[r] >= target for every r < count
 
 Index arrays (int32): ``src_rank``/``src_index`` ``[capacity]`` of a
@@ -207,6 +207,7 @@ def push_tile(
     dst_peer_ptrs,
     dst_anchor_ptr,
     stride_dst,
+    skip_rank,
     SRC_ROW_DIV: tl.constexpr,
     IDENTITY_SRC: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -219,9 +220,12 @@ def push_tile(
 
     ``s = t`` (IDENTITY_SRC) or ``src_row[t] // SRC_ROW_DIV``; ``src`` is a
     local ``[*, D]`` buffer, ``dst`` exists on every rank. Entries with
-    ``dst_rank == -1`` are skipped.
+    ``dst_rank == -1`` or ``dst_rank == skip_rank`` are skipped (-1: none).
     """
     t, cols, rank, row, valid, mask = tile_entries(t0, num_rows, dst_rank_ptr, dst_row_ptr, ROWS, CHUNKS, CP, W)
+    keep = rank != skip_rank
+    valid = valid & keep
+    mask = mask & keep[:, None, None]
     if IDENTITY_SRC:
         s = t.to(tl.int64)
     else:
@@ -368,7 +372,7 @@ def _push_kernel(
     while lo < tiles:
         for tile in range(lo, hi):
             push_tile(tile * ROWS, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs,
-                      dst_anchor_ptr, stride_dst, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, CP, W, ROWS, ALIGN)
+                      dst_anchor_ptr, stride_dst, -1, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, CP, W, ROWS, ALIGN)
         lo, hi = claim_tiles(claims_ptr, tiles, tl.num_programs(0))
     release_claims(claims_ptr)
     if SIGNAL:

@@ -174,14 +174,15 @@ def comm_pull(
 
 @triton.jit
 def comm_push(
-    j, c, comm_sms, minibatch, slots, budget,
+    j, c, comm_sms, minibatch, slots, budget, skip_rank,
     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
     y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr, num_n_down,
     CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
     WAIT: tl.constexpr, TRACE: tl.constexpr,
 ):
     """Once minibatch j's down tasks are done, worker c's share of its tiles' rows to their home combine slots
-    (the rows of minibatch j, or, with uncut tiles, from its first tile's start to its last tile's end)."""
+    (the rows of minibatch j, or, with uncut tiles, from its first tile's start to its last tile's end).
+    Rows whose home is ``skip_rank`` stay in the ring (-1: push every row)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_Y_DONE, WAIT,
@@ -192,7 +193,7 @@ def comm_push(
     src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
     for t0 in range(first_row + c * ROWS, end_row, comm_sms * ROWS):
         push_tile(t0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
-                  combine_ptr, stride_combine, 1, True, CHUNKS, CP, W, ROWS, ALIGN)
+                  combine_ptr, stride_combine, skip_rank, 1, True, CHUNKS, CP, W, ROWS, ALIGN)
     return budget
 
 
@@ -360,6 +361,9 @@ def megakernel(
         tl.store(trace_ptr + TRACE_START, globaltimer())
     num_rows = tl.load(num_rows_ptr).to(tl.int64)
     batches = tl.cdiv(num_rows, minibatch).to(tl.int32)
+    # When the ring holds every row, the outputs of this rank's own routes stay in y, where the weighted sum
+    # reads them (MegaKernel.route_rows): only the other ranks' rows are pushed home.
+    skip_rank = tl.where(batches <= slots, my_rank, -1)
     WAIT: tl.constexpr = PHASE == PHASE_ALL
     if PHASE == PHASE_ALL:
         if pid < comm_sms:
@@ -367,7 +371,7 @@ def megakernel(
                 j = batches - 1 - p
                 if p >= slots:  # the slot still holds minibatch j + slots: send it home first
                     budget = comm_push(
-                        j + slots, pid, comm_sms, minibatch, slots, budget,
+                        j + slots, pid, comm_sms, minibatch, slots, budget, skip_rank,
                         y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                         y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                         tl.cdiv(D, BN_DN),
@@ -379,7 +383,7 @@ def megakernel(
                           S_CHUNKS, S_CP, S_W, S_ROWS, S_ALIGN)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
-                    batches - 1 - p, pid, comm_sms, minibatch, slots, budget,
+                    batches - 1 - p, pid, comm_sms, minibatch, slots, budget, skip_rank,
                     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                     y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                     tl.cdiv(D, BN_DN),
@@ -460,7 +464,7 @@ def megakernel(
                          tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                          DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
-            comm_push(j, pid, workers, minibatch, slots, budget,
+            comm_push(j, pid, workers, minibatch, slots, budget, skip_rank,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
                       y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                       tl.cdiv(D, BN_DN),
@@ -477,38 +481,38 @@ def pass_barrier_kernel(flag_peer_ptrs, flags_ptr, epoch_ptr, my_rank, num_ranks
 
 
 @triton.jit
-def _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, route_rows_ptr, top_experts_ptr,
-              router_weights_ptr, TOP_K: tl.constexpr, GATHER: tl.constexpr):
+def _add_slot(acc, j, rows, cols, row_ok, mask, y_ptr, stride_y, combine_ptr, stride_combine, route_rows_ptr,
+              top_experts_ptr, router_weights_ptr, TOP_K: tl.constexpr):
     route = rows.to(tl.int64) * TOP_K + j
     valid = row_ok & (tl.load(top_experts_ptr + route, mask=row_ok, other=-1) >= 0)
     w = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
-    if GATHER:
-        row = tl.load(route_rows_ptr + route, mask=valid, other=0).to(tl.int64)
-    else:
-        row = route
-    slot = tl.load(combine_ptr + row[:, None] * stride_combine + cols[None, :], mask=valid[:, None] & mask, other=0.0)
-    return acc + w[:, None] * bf16_to_f32(slot)
+    row = tl.load(route_rows_ptr + route, mask=valid, other=-1).to(tl.int64)
+    in_y = valid & (row >= 0)
+    from_y = tl.load(y_ptr + row[:, None] * stride_y + cols[None, :], mask=in_y[:, None] & mask, other=0.0)
+    from_slot = tl.load(combine_ptr + route[:, None] * stride_combine + cols[None, :],
+                        mask=(valid & (row < 0))[:, None] & mask, other=0.0)
+    return acc + w[:, None] * bf16_to_f32(tl.where(in_y[:, None], from_y, from_slot))
 
 
 @triton.jit
 def weighted_sum_kernel(
-    combine_ptr, stride_combine, route_rows_ptr, top_experts_ptr, router_weights_ptr, shared_y_ptr, stride_shared_y,
-    out_ptr, stride_out, tokens, D,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, GATHER: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    y_ptr, stride_y, combine_ptr, stride_combine, route_rows_ptr, top_experts_ptr, router_weights_ptr, shared_y_ptr,
+    stride_shared_y, out_ptr, stride_out, tokens, D,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """out[i] = sum_j w[i, j] * combine[i*k + j] (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i].
+    """out[i] = sum_j w[i, j] * y_route(i*k + j) (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i].
 
-    GATHER: route i*k + j's row is ``combine[route_rows[i*k + j]]`` instead (one rank: the expert outputs in
-    place)."""
+    Route r's output row is ``y[route_rows[r]]`` where that is >= 0 (this rank's own routes, left in place:
+    every route on one rank; at EP >= 2 when the ring held every row), else its combine slot ``combine[r]``
+    (pushed home by the rank that ran the expert)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < tokens
     mask = row_ok[:, None] & (cols < D)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # unrolled: the k loads of a tile can all be in flight at once
-        acc = _add_slot(acc, j, rows, cols, row_ok, mask, combine_ptr, stride_combine, route_rows_ptr,
-                        top_experts_ptr, router_weights_ptr, TOP_K, GATHER)
+        acc = _add_slot(acc, j, rows, cols, row_ok, mask, y_ptr, stride_y, combine_ptr, stride_combine,
+                        route_rows_ptr, top_experts_ptr, router_weights_ptr, TOP_K)
     if HAS_SHARED:
         acc += bf16_to_f32(tl.load(shared_y_ptr + rows.to(tl.int64)[:, None] * stride_shared_y + cols[None, :],
                                         mask=mask, other=0.0))
