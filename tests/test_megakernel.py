@@ -233,8 +233,9 @@ def _own_routes_stay(world):
     routed = p.top_experts.reshape(-1) >= 0
     own = routed & (p.top_experts.reshape(-1) // L == world.rank)
     results = {}
-    for name, config in (("roomy", replace(WRAPPING, ring_rows=1024)), ("wraps", WRAPPING)):
-        kernel = MegaKernel(world, LayerShape.of(CONFIG, world.size, 40), config)
+    roomy = replace(WRAPPING, ring_rows=1024)
+    for name, config, keep in (("roomy", roomy, True), ("wraps", WRAPPING, True), ("pushed", roomy, False)):
+        kernel = MegaKernel(world, LayerShape.of(CONFIG, world.size, 40), config, keep_own_outputs=keep)
         kernel.sym.local("combine").fill_(float("nan"))
         world.barrier()
         out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
@@ -242,18 +243,21 @@ def _own_routes_stay(world):
         results[name] = {"wraps": int(ctx.schedule.num_rows) > config.ring_rows,
                          "own written": int((written & own).sum()), "own": int(own.sum()),
                          "others written": bool(written[routed & ~own].all()), "out": out}
-    results["same_bits"] = torch.equal(results["roomy"].pop("out"), results["wraps"].pop("out"))
+    out = results["roomy"].pop("out")
+    results["same_bits"] = all(torch.equal(out, results[name].pop("out")) for name in ("wraps", "pushed"))
     return results
 
 
 def test_own_routes_stay_in_the_ring_unless_it_wraps():
     """With a ring that holds every row, a rank's own routes are not pushed into its combine slots (the weighted
-    sum reads them in the ring); a wrapping ring pushes every route; the same bits either way."""
+    sum reads them in the ring); a wrapping ring, or keep_own_outputs=False, pushes every route; the same bits
+    every way."""
     for r in launch(_own_routes_stay, 2):
-        roomy, wraps = r["roomy"], r["wraps"]
-        assert not roomy["wraps"] and wraps["wraps"], r
+        roomy, wraps, pushed = r["roomy"], r["wraps"], r["pushed"]
+        assert not roomy["wraps"] and wraps["wraps"] and not pushed["wraps"], r
         assert roomy["own"] > 0 and roomy["own written"] == 0 and roomy["others written"], r
-        assert wraps["own written"] == wraps["own"] and wraps["others written"], r
+        for every in (wraps, pushed):
+            assert every["own written"] == every["own"] and every["others written"], r
         assert r["same_bits"], r
 
 

@@ -194,15 +194,18 @@ class MegaKernel:
     expert kernels on every SM instead of the megakernel (same bits) when the
     ring holds every routed row; ``one_rank_megakernel=True`` keeps the
     megakernel there (traces, tests). ``replay=False`` launches every pass's device work from the host
-    instead of replaying its CUDA graph (same bits).
+    instead of replaying its CUDA graph (same bits). ``keep_own_outputs=False`` pushes the outputs of a
+    rank's own routes into its combine slots too, as the other ranks' are (same bits; the layout before
+    24c8091, kept for A/B measurements): by default they stay in the ring when it holds every row.
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
                  precision: str = "bf16", wait_budget: int | None = None, trace: bool = False,
-                 one_rank_megakernel: bool = False, replay: bool = True):
+                 one_rank_megakernel: bool = False, replay: bool = True, keep_own_outputs: bool = True):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
         self.world, self.shape, self.precision = world, shape, precision
+        self.keep_own_outputs = bool(keep_own_outputs)
         self.requested = (config, precision)
         self.fmt, self.scale_block, scale_dtype = FORMATS[precision]
         self.quantized = precision != "bf16"
@@ -390,7 +393,7 @@ class MegaKernel:
         # which routes' outputs stay in y (route_rows); the ring holds every row iff it does not wrap
         stays = schedule.src_rank == me
         if not self.direct:
-            stays &= schedule.num_rows <= c.ring_rows
+            stays &= (schedule.num_rows <= c.ring_rows) & self.keep_own_outputs
         self.route_rows.fill_(-1)
         self.route_rows.scatter_(0, torch.where(stays, schedule.src_index, self._spare_routes).long(),
                                  torch.where(stays, self._schedule_rows, -1))
@@ -483,7 +486,7 @@ class MegaKernel:
             self.flag_ptrs[1], self.sym.local("flags")[1], self.epochs[1:], self.error,
             self.error if self.trace is None else self.trace,
             n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, c.ring_rows // c.minibatch, L, I, D,
-            s.shared_intermediate, float(swiglu_limit or 0.0), self.budget,
+            s.shared_intermediate, float(swiglu_limit or 0.0), self.budget, int(self.keep_own_outputs),
         )
         consts = dict(self._consts, HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None)
         if self.gpu:

@@ -323,7 +323,8 @@ def shared_down(
     return dealt + tiles * num_n, budget
 
 
-@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "phase_minibatch", "limit"])
+@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "keep_own", "phase_minibatch",
+                               "limit"])
 def megakernel(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr,
@@ -345,7 +346,8 @@ def megakernel(
     rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
-    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, phase_minibatch,
+    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, keep_own,
+    phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -361,9 +363,9 @@ def megakernel(
         tl.store(trace_ptr + TRACE_START, globaltimer())
     num_rows = tl.load(num_rows_ptr).to(tl.int64)
     batches = tl.cdiv(num_rows, minibatch).to(tl.int32)
-    # When the ring holds every row, the outputs of this rank's own routes stay in y, where the weighted sum
-    # reads them (MegaKernel.route_rows): only the other ranks' rows are pushed home.
-    skip_rank = tl.where(batches <= slots, my_rank, -1)
+    # When the ring holds every row (and keep_own), the outputs of this rank's own routes stay in y, where the
+    # weighted sum reads them (MegaKernel.route_rows): only the other ranks' rows are pushed home.
+    skip_rank = tl.where((batches <= slots) & (keep_own != 0), my_rank, -1)
     WAIT: tl.constexpr = PHASE == PHASE_ALL
     if PHASE == PHASE_ALL:
         if pid < comm_sms:
