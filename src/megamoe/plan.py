@@ -12,7 +12,8 @@ minibatch at a time. The planner applies three rules and prints why:
    rate moves the routed rows (dispatch of every row, local ones too; combine
    of the other ranks' rows: the ring keeps a rank's own outputs) in at most
    ``COMM_SLACK`` of the time the compute SMs take over them (padded to whole
-   row tiles per expert) and the shared expert (the first pulls overlap it).
+   row tiles per expert) and the shared expert (the first pulls overlap it),
+   rounded up to an even count (odd counts measured slower).
 3. Ring: room for every row a rank expects under balanced routing (N·k) plus
    four standard deviations of uniform random routing's spread (sqrt(N·k)
    each), in whole minibatches, so a balanced backward replays nothing and
@@ -42,9 +43,12 @@ GEMM_TFLOPS = {"bf16": 588.0, "fp8-block": 786.0, "mxfp8": 230.0}
 #: tiles before moved 11 (D 7168) to 15.5 (D 4096): their cost was per 16 bytes, the row tiles' is per byte.
 NVLINK_GBPS_PER_SM = 20.0
 H200_SMS = 132
-#: Communication may take at most this share of the compute time. The (minibatch x comm_sms) grids of the same
-#: results are flat from 12 to 16 comm SMs and slower at 10, in bf16 and fp8-block; 0.95 lands on 13.
-COMM_SLACK = 0.95
+#: Communication may take at most this share of the compute time, and comm_sms is rounded up to even. Interleaved
+#: A/B rounds of whole passes (benchmarks/results/2026-11-30-own-outputs, EP 2 bf16, ms): kimi-k2 6 / 7 / 8 / 10
+#: comm SMs 16.42 / 17.39 / 16.13 / 16.76, qwen3.5-397b 11 / 12 / 13 / 14 7.02 / 6.81 / 7.20 / 6.89,
+#: deepseek-v4-pro 4 / 5 / 6 20.32 / 21.15 / 20.99: odd counts lose 3-8 % to both even neighbours; 0.85 lands on
+#: 7 -> 8, 12 and 5 -> 6.
+COMM_SLACK = 0.85
 ELEMENT_BYTES = {"bf16": 2.0, "fp8-block": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
 
 
@@ -160,7 +164,7 @@ def plan(
         if not fitting:
             raise ValueError(f"no comm_sms < {num_sms} keeps communication within {COMM_SLACK:.0%} of compute; "
                              f"give comm_sms")
-        comm_sms = fitting[0]
+        comm_sms = min(fitting[0] + fitting[0] % 2, num_sms - 1)  # even: odd counts measured 3-8 % slower
         ratio = _comm_over_compute(cfg, ep, tokens, comm_sms, num_sms, precision, tile_m)
         why.append(f"comm_sms {comm_sms}: at {NVLINK_GBPS_PER_SM:.0f} GB/s per SM, "
                    f"moving a row there (local rows too: the comm workers copy them) and, owned by another rank, "
@@ -168,7 +172,9 @@ def plan(
                    f"computing it and its share "
                    f"of the shared expert on the other {num_sms - comm_sms} SMs (<= {COMM_SLACK:.0%} needed; "
                    f"{GEMM_TFLOPS[precision]:.0f} TFLOP/s measured GEMM rate on full tiles, "
-                   f"{tile_use(cfg, ep, tokens, tile_m):.0%} of the tile rows filled)")
+                   f"{tile_use(cfg, ep, tokens, tile_m):.0%} of the tile rows filled)"
+                   + (f"; {fitting[0]} would do, rounded up to even (odd counts measured 3-8 % slower)"
+                      if comm_sms != fitting[0] else ""))
     else:
         why.append(f"comm_sms {comm_sms}: given")
     compute = num_sms - comm_sms
