@@ -39,7 +39,7 @@ import triton.language as tl
 from megamoe import comm
 from megamoe.comm import CommTuning, _tile
 from megamoe.schedule import build_pull_schedule
-from megamoe.kernels.comm import peer_offset, tile_entries, vector_offsets
+from megamoe.kernels.comm import claim_tiles, pull_tile, push_tile
 from triton.language.extra.cuda import globaltimer, smid
 from megamoe.world import launch
 
@@ -65,18 +65,6 @@ def _worker(tickets_ptr, roles_ptr, num_workers, PLACED: tl.constexpr):
 
 
 @triton.jit
-def _claim(tickets_ptr, tiles, workers):
-    """Guided hand-out: the next ``max(1, left / (2 workers))`` tiles from the counter, as [lo, hi).
-
-    ``seen`` comes from an atomic, not a load: a scalar atomic's result is the same in every thread (a
-    load's is not, when the counter moves meanwhile: threads then disagree on the range)."""
-    seen = tl.atomic_add(tickets_ptr, 0, sem="relaxed", scope="gpu")
-    size = tl.maximum((tiles - seen) // (2 * workers), 1)
-    lo = tl.atomic_add(tickets_ptr, size, sem="relaxed", scope="gpu")
-    return lo, tl.minimum(lo + size, tiles)
-
-
-@triton.jit
 def _release(tickets_ptr, NSM: tl.constexpr, GUIDED: tl.constexpr, PLACED: tl.constexpr):
     if GUIDED or PLACED:  # the last program out zeroes the counters for the next launch
         out = tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel", scope="gpu")
@@ -95,34 +83,10 @@ def _trace(trace_ptr, start, tiles, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _pull_rows(t0, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr, stride_dst,
-               TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
-               ALIGN: tl.constexpr):
-    t, cols, rank, index, valid, mask = tile_entries(t0, n, src_rank_ptr, src_index_ptr, ROWS, CHUNKS, CP, W)
-    src_off = peer_offset(rank, index // TOP_K, valid, src_peer_ptrs, src_anchor_ptr, stride_src)
-    x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
-    tl.store(dst_ptr + vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W), x, mask=mask)
-
-
-@triton.jit
-def _push_rows(t0, n, src_ptr, stride_src, src_row_ptr, dst_rank_ptr, dst_row_ptr, dst_peer_ptrs, dst_anchor_ptr,
-               stride_dst, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr,
-               ROWS: tl.constexpr, ALIGN: tl.constexpr):
-    """SRC_ROW_DIV 0: source row t (combine); else ``src_row[t] // SRC_ROW_DIV`` (push dispatch)."""
-    t, cols, rank, row, valid, mask = tile_entries(t0, n, dst_rank_ptr, dst_row_ptr, ROWS, CHUNKS, CP, W)
-    if SRC_ROW_DIV == 0:
-        s = t.to(tl.int64)
-    else:
-        s = (tl.load(src_row_ptr + t, mask=valid, other=0) // SRC_ROW_DIV).to(tl.int64)
-    x = tl.load(src_ptr + vector_offsets(s * stride_src, cols, ALIGN, W), mask=mask)
-    dst_off = peer_offset(rank, row, valid, dst_peer_ptrs, dst_anchor_ptr, stride_dst)
-    tl.store(dst_anchor_ptr + vector_offsets(dst_off, cols, ALIGN, W), x, mask=mask)
-
-
-@triton.jit
 def _copy_ab(num_rows_ptr, src_peer_ptrs, src_ptr, stride_src, src_row_ptr, rank_ptr, index_ptr, dst_peer_ptrs,
              dst_ptr, stride_dst, tickets_ptr, roles_ptr, num_workers, trace_ptr, PULL: tl.constexpr,
-             TOP_K: tl.constexpr, SRC_ROW_DIV: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr,
+             TOP_K: tl.constexpr, SRC_ROW_DIV: tl.constexpr, IDENTITY_SRC: tl.constexpr, CHUNKS: tl.constexpr,
+             CP: tl.constexpr, W: tl.constexpr,
              ROWS: tl.constexpr, ALIGN: tl.constexpr, GUIDED: tl.constexpr, PLACED: tl.constexpr,
              NSM: tl.constexpr, TRACE: tl.constexpr):
     """PULL: ``dst[t] = src_{rank[t]}[index[t] // TOP_K]``; else ``dst_{rank[t]}[index[t]] = src[...]`` (push)."""
@@ -134,19 +98,20 @@ def _copy_ab(num_rows_ptr, src_peer_ptrs, src_ptr, stride_src, src_row_ptr, rank
     if c >= 0:
         lo, hi, step = c, tiles, workers
         if GUIDED:
-            lo, hi = _claim(tickets_ptr, tiles, workers)
+            lo, hi = claim_tiles(tickets_ptr, tiles, workers)
             step = 1
         while lo < tiles:
             for tile in range(lo, hi, step):
                 if PULL:
-                    _pull_rows(tile * ROWS, n, src_peer_ptrs, src_ptr, stride_src, rank_ptr, index_ptr, dst_ptr,
-                               stride_dst, TOP_K, CHUNKS, CP, W, ROWS, ALIGN)
+                    pull_tile(tile * ROWS, n, src_peer_ptrs, src_ptr, stride_src, rank_ptr, index_ptr, dst_ptr,
+                              stride_dst, src_peer_ptrs, src_ptr, dst_ptr, stride_dst, TOP_K, CHUNKS, CP, W, ROWS,
+                              ALIGN, False, 0, False)
                 else:
-                    _push_rows(tile * ROWS, n, src_ptr, stride_src, src_row_ptr, rank_ptr, index_ptr, dst_peer_ptrs,
-                               dst_ptr, stride_dst, SRC_ROW_DIV, CHUNKS, CP, W, ROWS, ALIGN)
+                    push_tile(tile * ROWS, n, src_ptr, stride_src, src_row_ptr, rank_ptr, index_ptr, dst_peer_ptrs,
+                              dst_ptr, stride_dst, -1, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, CP, W, ROWS, ALIGN)
                 done += 1
             if GUIDED:
-                lo, hi = _claim(tickets_ptr, tiles, workers)
+                lo, hi = claim_tiles(tickets_ptr, tiles, workers)
             else:
                 lo = tiles
     _release(tickets_ptr, NSM, GUIDED, PLACED)
@@ -156,8 +121,8 @@ def _copy_ab(num_rows_ptr, src_peer_ptrs, src_ptr, stride_src, src_row_ptr, rank
 #: tickets layout: [0] the guided counter, [1] programs out, [FLAGS + s] SM s taken (PLACED)
 FLAGS = tl.constexpr(2)
 #: (name, SMs) of the placement runs: 8 or 16 workers on chosen SMs (the first program on each)
-PLACEMENTS = (("programs 0-7 (launch order)", None), ("SMs 0-7", tuple(range(8))), ("SMs 0-14 even", tuple(range(0, 16, 2))),
-              ("SMs 0, 16, .., 112", tuple(range(0, 128, 16))), ("SMs 124-131", tuple(range(124, 132))),
+PLACEMENTS = (("programs 0-7 (launch order)", None), ("SMs 0-7", tuple(range(8))),
+              ("SMs 0-14 even", tuple(range(0, 16, 2))), ("SMs 0, 16, .., 112", tuple(range(0, 128, 16))), ("SMs 124-131", tuple(range(124, 132))),
               ("programs 0-15 (launch order)", None), ("SMs 0, 8, .., 120", tuple(range(0, 128, 8))),
               ("SMs 0-15", tuple(range(16))))
 
@@ -192,7 +157,8 @@ def run(world, opts: dict):
         placed = roles is not None
         return lambda: _copy_ab[(grid,)](
             num_rows, src_peers, src, src.stride(0), src_row, rank, index, dst_peers, dst, dst.stride(0), tickets,
-            roles if placed else tickets, workers, trace, PULL=pull, TOP_K=k, SRC_ROW_DIV=div, GUIDED=guided,
+            roles if placed else tickets, workers, trace, PULL=pull, TOP_K=k, SRC_ROW_DIV=max(div, 1),
+            IDENTITY_SRC=div == 0, GUIDED=guided,
             PLACED=placed, TRACE=traced, **consts)
 
     ref = comm.dispatch_reference(p["xs"], sched)

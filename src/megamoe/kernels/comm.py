@@ -51,8 +51,8 @@ Persistent kernels, grid = (num_sms,): programs claim row tiles from a counter
 (``claim_tiles``: guided, ``max(1, left / 2P)`` tiles a claim; a fixed
 round-robin share let programs on SMs that get less NVLink bandwidth finish
 up to 1.7x late, pushes lost 15-25 % from 18 programs on); the last program
-out zeroes the counter (``release_claims``). ``_push_kernel`` with SIGNAL (push dispatch with a
-completion flag per peer): after its stores each program does
+out zeroes the counter (``release_claims``). ``_push_kernel`` with SIGNAL
+(push dispatch with a completion flag per peer): after its stores each program does
 ``debug_barrier`` + an acq_rel arrival on a local counter; the program that
 arrives last (the counter reaches ``arrive_target``, a running total kept by
 the launcher, so nothing is reset between calls) writes ``epoch`` into
