@@ -8,11 +8,14 @@ captured in a CUDA graph once ``check=False``):
 2. a device barrier across ranks (every x and routing row is in place);
 3. the pull schedule and its minibatch row tiles, built on the device;
 4. the megakernel (``megamoe.kernels.megakernel``): communication workers pull
-   minibatches into the ring and push finished ones home, compute workers run
-   the shared expert and the routed gate/up + SwiGLU and down tiles; it ends
-   with a barrier across ranks (every push landed);
-5. the weighted sum of each token's k combine slots (router weights, fixed
-   order) plus the shared output, rounded once to bf16.
+   minibatches into the ring and push finished ones home (when the ring holds
+   every row, only the rows other ranks own: a rank's own outputs stay in the
+   ring), compute workers run the shared expert and the routed gate/up +
+   SwiGLU and down tiles; it ends with a barrier across ranks (every push
+   landed);
+5. the weighted sum of each token's k outputs (its combine slots, or the ring
+   rows of its own routes; router weights, fixed order) plus the shared
+   output, rounded once to bf16.
 
 On a GPU steps 2-4 read only the layer's own buffers and the weights, so from
 the second pass with the same weights (addresses; values may change in place)

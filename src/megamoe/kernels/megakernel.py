@@ -26,7 +26,9 @@ tile's end.
 Communication worker c, for each visited minibatch j: if the slot was used
 (by j + slots), push that minibatch's outputs home first (wait y_done); then
 pull its share of j's rows into the slot and release rows_ready[j]. After the
-last pull it pushes the minibatches still in the ring, in visit order.
+last pull it pushes the minibatches still in the ring, in visit order. When
+the ring holds every row, the rows this rank owns are not pushed: their
+outputs stay in y, where the weighted sum reads them (``keep_own``).
 
 Compute worker: the shared expert's gate/up and down tiles over this rank's
 tokens (no wait on communication), then per visited minibatch: wait
