@@ -56,6 +56,12 @@ def _trace(world, a):
             "compute_waits_mean": float(t[compute, mk.TRACE_WAITS.value].float().mean()),
             "shared_end_ms_mean": _ms((t[compute, mk.TRACE_SHARED_END.value] - start_at).float().mean()),
         })
+    # where the comm workers ran, and how many share a TPC (SMs 2i, 2i + 1) with a compute worker (odd comm_sms
+    # counts ran 3-8 % slower: benchmarks/results/2026-11-30-own-outputs)
+    sms = t[:, mk.TRACE_SM.value].tolist()
+    comm_sms_on, compute_on = sms[: c.comm_sms], set(sms[c.comm_sms:])
+    placement = {"comm_worker_sms": comm_sms_on,
+                 "comm_workers_sharing_a_tpc_with_compute": sum(sm ^ 1 in compute_on for sm in comm_sms_on)}
     rows = int(ctx.schedule.num_rows)
     standalone = None
     if rows <= c.ring_rows and a.precision == "bf16":  # the ring holds every routed row: time the standalone kernels
@@ -72,7 +78,7 @@ def _trace(world, a):
             times.append(a.elapsed_time(b))
         standalone = sorted(times)[1]
     return {"rank": world.rank, "config": str(c), "routed_rows": rows, "passes": summaries,
-            "standalone_expert_forward_ms": standalone}
+            "standalone_expert_forward_ms": standalone, **placement}
 
 
 def main() -> None:
@@ -86,6 +92,8 @@ def main() -> None:
         last = r["passes"][-1]
         print(f"rank {r['rank']} rows {r['routed_rows']} standalone experts {r['standalone_expert_forward_ms']} ms | "
               + " ".join(f"{k}={v:.3f}" for k, v in last.items()))
+        print(f"rank {r['rank']} comm workers on SMs {r['comm_worker_sms']}; sharing a TPC with a compute worker: "
+              f"{r['comm_workers_sharing_a_tpc_with_compute']}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, pull_tile, push_tile, signal_and_wait
-from triton.language.extra.cuda import globaltimer
+from triton.language.extra.cuda import globaltimer, smid
 
 from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
 from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
@@ -89,6 +89,7 @@ TRACE_END = tl.constexpr(1)
 TRACE_WAIT_NS = tl.constexpr(2)
 TRACE_WAITS = tl.constexpr(3)
 TRACE_SHARED_END = tl.constexpr(4)
+TRACE_SM = tl.constexpr(5)  # the SM the program ran on
 TRACE_FIELDS = tl.constexpr(8)
 
 
@@ -363,6 +364,7 @@ def megakernel(
     trace_ptr = trace_base_ptr + pid * TRACE_FIELDS
     if TRACE:
         tl.store(trace_ptr + TRACE_START, globaltimer())
+        tl.store(trace_ptr + TRACE_SM, smid().to(tl.int64))
     num_rows = tl.load(num_rows_ptr).to(tl.int64)
     batches = tl.cdiv(num_rows, minibatch).to(tl.int32)
     # When the ring holds every row (and keep_own), the outputs of this rank's own routes stay in y, where the
