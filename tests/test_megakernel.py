@@ -568,3 +568,26 @@ def test_a_timed_out_wait_names_its_counter_and_breaks_the_kernel():
     first, later = launch(_error_word, 1)[0]
     assert first is not None and "gate/up done of row tile 7" in first and "wanted >= 2, saw 1" in first
     assert later == first
+
+
+def test_megakernel_ab_runs_on_cpu_ranks(tmp_path):
+    """benchmarks/megakernel_ab.py (variants in interleaved rounds) on 2 CPU ranks: every variant, own outputs
+    pushed and another minibatch included, gives the first's bits, and the configs are the ones asked for."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), *sys.path])}
+    out = tmp_path / "ab.json"
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "megakernel_ab.py"), "--device", "cpu", "--preset", "tiny",
+         "--tokens", "32", "--variants", "1,1:push,2/64", "--rounds", "1", "--passes", "1", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["bitwise_equal"] == {"1": True, "1:push": True, "2/64": True}, result
+    assert "comm_sms=1," in result["configs"]["1:push"] and "comm_sms=2, minibatch=64," in result["configs"]["2/64"]
+    assert all(len(v) == 1 and v[0] > 0 for v in result["rounds_ms"].values()), result
