@@ -23,10 +23,11 @@ N = 8192
 GROUP = 5
 
 
-def sample_smi(path: str) -> subprocess.Popen:
+def sample_smi(log) -> subprocess.Popen:
+    """nvidia-smi writing the SM clock and power every 50 ms into the open file ``log``."""
     return subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
                              "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], "-lms", "50"],
-                            stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.DEVNULL)
 
 
 def main() -> None:
@@ -42,7 +43,8 @@ def main() -> None:
         torch.mm(a, b, out=c)
     torch.cuda.synchronize()
     smi_path = os.path.join(args.out or "/tmp", "gemm_ceiling_smi.csv")
-    smi = sample_smi(smi_path)
+    smi_log = open(smi_path, "w")
+    smi = sample_smi(smi_log)
     time.sleep(3.0)  # idle: start cold, as a timed burst does
     groups = []
     start = time.time()
@@ -58,6 +60,8 @@ def main() -> None:
     torch.cuda.synchronize()
     time.sleep(0.2)
     smi.terminate()
+    smi.wait()
+    smi_log.close()
     flop = 2 * N**3 * GROUP
     ms = [g[0].elapsed_time(g[1]) for g in groups]
     t_gpu, rows = 0.0, []
