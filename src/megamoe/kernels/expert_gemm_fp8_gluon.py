@@ -1,0 +1,121 @@
+"""FP8-block down projection in Gluon: the per-128-K promotion runs under the next step's wgmma.
+
+Same task, operands and arithmetic as `megamoe.kernels.expert_gemm_fp8.down_fp8_kernel`
+(persistent programs over device-built (row tile, n-tile) tasks; every K step of 128 runs the FP8
+product into a fresh fp32 tile and folds it into the accumulator with the step's scales,
+``acc += p * (a_scale[:, kb] * w_scale[nb, kb])``). What Triton 3.6 cannot express, Gluon can: the
+step's product is issued asynchronously and the wait keeps one wgmma group in flight
+(``warpgroup_mma_wait(1)``), so the promotion of step k-1 runs while the tensor cores compute step k.
+Triton waits for every group right after the dot, and the tensor cores idle through each promotion.
+
+    act_q [R, I] e4m3 (TMA, [BLOCK_M, 128] boxes), act_scale [R, I/128] fp32
+    w_down_q [L*D, I] e4m3 (TMA, [BLOCK_N = 128, 128] boxes), scale [L, D/128, I/128] fp32
+    y [R, D] bf16, rows < row_end of each tile
+
+Pipeline: STAGES shared-memory slots per operand, one mbarrier each; a slot is refilled once the
+wgmma that read it has completed in both warpgroups (a CTA barrier after the wait). Loads are
+numbered across the program's tiles, so slots and barrier phases run on without a reset.
+GPU only (Gluon has no interpreter): the CPU tests compile it for sm_90; the GPU tests compare it
+bitwise with the Triton kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from megamoe.kernels.expert_gemm import grouped_task
+
+SCALE_BLOCK = gl.constexpr(128)
+
+
+@gluon.jit
+def _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g, row0, w_row, k, pred, STAGES: gl.constexpr):
+    """TMA loads of global step g (act rows row0.., W rows w_row.., columns k..k+128) into slot g % STAGES."""
+    s = g % STAGES
+    bar = bars.index(s)
+    mbarrier.expect(bar, act_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(act_desc, [row0, k], bar, a_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_smem.index(s), pred=pred)
+
+
+@gluon.jit
+def down_fp8_gluon_kernel(
+    act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
+    stride_as, stride_ws_n, stride_y,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    D, K,
+    NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Persistent FP8-block down projection over every (row tile, n-tile) task (K % 128 == 0)."""
+    BLOCK_M: gl.constexpr = act_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_N == SCALE_BLOCK, "one weight scale per K step: BLOCK_N = 128")
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+    a_smem = gl.allocate_shared_memory(act_desc.dtype, [STAGES] + act_desc.block_type.shape, act_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(bars.index(slot), count=1)
+
+    num_n = gl.cdiv(D, BLOCK_N)
+    num_tiles = gl.load(num_tiles_ptr)
+    num_k = K // SCALE_BLOCK
+    zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+    done = 0  # tiles this program has finished: its loads are numbered done * num_k + step
+    for task in range(gl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
+        tile, n = grouped_task(task, num_n, num_tiles, GROUP_M)
+        expert = gl.load(tile_expert_ptr + tile)
+        row0 = gl.load(tile_row0_ptr + tile)
+        row_end = gl.load(tile_row_end_ptr + tile)
+        w_row = expert * D + n * BLOCK_N
+        g0 = done * num_k
+        for j in gl.static_range(STAGES):
+            _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g0 + j, row0, w_row, j * SCALE_BLOCK, j < num_k,
+                        STAGES)
+
+        rows = row0 + gl.arange(0, BLOCK_M, layout=rows_layout)
+        as_rows = act_scale_ptr + rows.to(gl.int64) * stride_as
+        row_ok = rows < row_end
+        ws = w_scale_ptr + (expert.to(gl.int64) * num_n + n) * stride_ws_n
+
+        acc = zero
+        mbarrier.wait(bars.index(g0 % STAGES), (g0 // STAGES) & 1)
+        s0 = g0 % STAGES
+        prev = warpgroup_mma(a_smem.index(s0), w_smem.index(s0).permute((1, 0)), zero, use_acc=False,
+                             is_async=True)
+        for k in range(1, num_k):
+            g = g0 + k
+            s = g % STAGES
+            mbarrier.wait(bars.index(s), (g // STAGES) & 1)
+            cur = warpgroup_mma(a_smem.index(s), w_smem.index(s).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            a_s = gl.load(as_rows + (k - 1), mask=row_ok, other=0.0)
+            w_s = gl.load(ws + (k - 1))
+            p = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+            acc = acc + p * gl.expand_dims(a_s * w_s, 1)
+            gl.thread_barrier()  # both warpgroups are past step k-1's wgmma: its slot may be refilled
+            _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g - 1 + STAGES, row0, w_row,
+                        (k - 1 + STAGES) * SCALE_BLOCK, k - 1 + STAGES < num_k, STAGES)
+            prev = cur
+        a_s = gl.load(as_rows + (num_k - 1), mask=row_ok, other=0.0)
+        w_s = gl.load(ws + (num_k - 1))
+        p = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+        acc = acc + p * gl.expand_dims(a_s * w_s, 1)
+        gl.thread_barrier()  # every slot is free for the next tile's first loads
+        done += 1
+
+        out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout)
+        out_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+        cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+        mask = gl.expand_dims(out_rows < row_end, 1) & gl.expand_dims(cols < D, 0)
+        ptrs = y_ptr + gl.expand_dims(out_rows.to(gl.int64) * stride_y, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, out, mask=mask)
+
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(slot))
