@@ -33,10 +33,11 @@ def variants(sms: int) -> list:
         ("triton default", lambda a, y: down_fp8(*a, y)),
         ("triton 64x128 x2", lambda a, y: down_fp8(*a, y, tiles=TileConfig(64, 128, 128, 4, 3, 8),
                                                    num_programs=2 * sms)),
-        ("gluon 4 slots g8", gluon(4, 8)),
-        ("gluon 3 slots g8", gluon(3, 8)),
-        ("gluon 5 slots g8", gluon(5, 8)),
-        ("gluon 4 slots g4", gluon(4, 4)),
+        ("gluon 4 slots", gluon(4, 8)),
+        ("gluon 3 slots", gluon(3, 8)),
+        ("gluon 64x128 4 slots x2", gluon(4, 8, 64, 4, 2 * sms)),
+        ("gluon 64x128 3 slots x2", gluon(3, 8, 64, 4, 2 * sms)),
+        ("gluon 64x128 4 slots", gluon(4, 8, 64, 4)),
     ]
 
 
@@ -94,12 +95,12 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"machine": torch.cuda.get_device_name(), "sms": sms, "rounds": args.rounds,
                    "seconds": time.time() - t_start, "records": records}, f, indent=1)
-    print(f"\n{'load':8} {'variant':18} {'ms':>7} {'TFLOP/s':>7} bits")
+    print(f"\n{'load':8} {'variant':24} {'ms':>7} {'TFLOP/s':>7} bits")
     for r in records:
         if "error" in r:
-            print(f"{r['load']:8} {r['variant']:18} ERROR {r['error'][:80]}")
+            print(f"{r['load']:8} {r['variant']:24} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['load']:8} {r['variant']:18} {r['ms']:7.3f} {r['tflops']:7.0f} {r['bitwise_equal_triton']}")
+            print(f"{r['load']:8} {r['variant']:24} {r['ms']:7.3f} {r['tflops']:7.0f} {r['bitwise_equal_triton']}")
     print(f"total {time.time() - t_start:.0f} s")
 
 

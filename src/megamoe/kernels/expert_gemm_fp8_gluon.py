@@ -41,6 +41,24 @@ def _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g, row0, w_row, k, pred,
 
 
 @gluon.jit
+def _task_coords(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, D,
+                 BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Task -> (expert, first row, row end, n-tile, first W row)."""
+    tile, n = grouped_task(task, num_n, num_tiles, GROUP_M)
+    expert = gl.load(tile_expert_ptr + tile)
+    return expert, gl.load(tile_row0_ptr + tile), gl.load(tile_row_end_ptr + tile), n, expert * D + n * BLOCK_N
+
+
+@gluon.jit
+def _issue_first_loads(act_desc, w_desc, a_smem, w_smem, bars, g0, row0, w_row, num_k, pred,
+                       STAGES: gl.constexpr):
+    """The first min(STAGES, num_k) K steps of a task (global steps g0..), every slot being free."""
+    for j in gl.static_range(STAGES):
+        _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g0 + j, row0, w_row, j * SCALE_BLOCK,
+                    pred & (j < num_k), STAGES)
+
+
+@gluon.jit
 def down_fp8_gluon_kernel(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
     stride_as, stride_ws_n, stride_y,
@@ -48,7 +66,10 @@ def down_fp8_gluon_kernel(
     D, K,
     NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Persistent FP8-block down projection over every (row tile, n-tile) task (K % 128 == 0)."""
+    """Persistent FP8-block down projection over every (row tile, n-tile) task (K % 128 == 0).
+
+    A task's first loads are issued before the previous task's epilogue, and each step's scales one
+    step before its promotion (their latency under a wgmma)."""
     BLOCK_M: gl.constexpr = act_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     gl.static_assert(BLOCK_N == SCALE_BLOCK, "one weight scale per K step: BLOCK_N = 128")
@@ -65,50 +86,53 @@ def down_fp8_gluon_kernel(
 
     num_n = gl.cdiv(D, BLOCK_N)
     num_tiles = gl.load(num_tiles_ptr)
+    num_tasks = num_tiles * num_n
     num_k = K // SCALE_BLOCK
     zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-    done = 0  # tiles this program has finished: its loads are numbered done * num_k + step
-    for task in range(gl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
-        tile, n = grouped_task(task, num_n, num_tiles, GROUP_M)
-        expert = gl.load(tile_expert_ptr + tile)
-        row0 = gl.load(tile_row0_ptr + tile)
-        row_end = gl.load(tile_row_end_ptr + tile)
-        w_row = expert * D + n * BLOCK_N
+    first = gl.program_id(0)
+    if first < num_tasks:
+        _, row0, _, _, w_row = _task_coords(first, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr,
+                                            tile_row_end_ptr, D, BLOCK_N, GROUP_M)
+        _issue_first_loads(act_desc, w_desc, a_smem, w_smem, bars, 0, row0, w_row, num_k, True, STAGES)
+    done = 0  # tasks this program has finished: its loads are numbered done * num_k + step
+    for task in range(first, num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n, w_row = _task_coords(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr,
+                                                       tile_row_end_ptr, D, BLOCK_N, GROUP_M)
         g0 = done * num_k
-        for j in gl.static_range(STAGES):
-            _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g0 + j, row0, w_row, j * SCALE_BLOCK, j < num_k,
-                        STAGES)
-
         rows = row0 + gl.arange(0, BLOCK_M, layout=rows_layout)
         as_rows = act_scale_ptr + rows.to(gl.int64) * stride_as
         row_ok = rows < row_end
         ws = w_scale_ptr + (expert.to(gl.int64) * num_n + n) * stride_ws_n
 
         acc = zero
-        mbarrier.wait(bars.index(g0 % STAGES), (g0 // STAGES) & 1)
         s0 = g0 % STAGES
+        mbarrier.wait(bars.index(s0), (g0 // STAGES) & 1)
         prev = warpgroup_mma(a_smem.index(s0), w_smem.index(s0).permute((1, 0)), zero, use_acc=False,
                              is_async=True)
+        prev_scale = gl.load(as_rows, mask=row_ok, other=0.0) * gl.load(ws)
         for k in range(1, num_k):
             g = g0 + k
             s = g % STAGES
             mbarrier.wait(bars.index(s), (g // STAGES) & 1)
             cur = warpgroup_mma(a_smem.index(s), w_smem.index(s).permute((1, 0)), zero, use_acc=False,
                                 is_async=True)
-            a_s = gl.load(as_rows + (k - 1), mask=row_ok, other=0.0)
-            w_s = gl.load(ws + (k - 1))
+            cur_scale = gl.load(as_rows + k, mask=row_ok, other=0.0) * gl.load(ws + k)
             p = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            acc = acc + p * gl.expand_dims(a_s * w_s, 1)
+            acc = acc + p * gl.expand_dims(prev_scale, 1)
             gl.thread_barrier()  # both warpgroups are past step k-1's wgmma: its slot may be refilled
             _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g - 1 + STAGES, row0, w_row,
                         (k - 1 + STAGES) * SCALE_BLOCK, k - 1 + STAGES < num_k, STAGES)
-            prev = cur
-        a_s = gl.load(as_rows + (num_k - 1), mask=row_ok, other=0.0)
-        w_s = gl.load(ws + (num_k - 1))
+            prev, prev_scale = cur, cur_scale
         p = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-        acc = acc + p * gl.expand_dims(a_s * w_s, 1)
-        gl.thread_barrier()  # every slot is free for the next tile's first loads
+        acc = acc + p * gl.expand_dims(prev_scale, 1)
+        gl.thread_barrier()  # every slot is free: the next task's first loads go now, under this epilogue
         done += 1
+        following = task + NUM_PROGRAMS
+        if following < num_tasks:
+            _, next_row0, _, _, next_w_row = _task_coords(following, num_n, num_tiles, tile_expert_ptr,
+                                                          tile_row0_ptr, tile_row_end_ptr, D, BLOCK_N, GROUP_M)
+            _issue_first_loads(act_desc, w_desc, a_smem, w_smem, bars, done * num_k, next_row0, next_w_row,
+                               num_k, True, STAGES)
 
         out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout)
         out_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
