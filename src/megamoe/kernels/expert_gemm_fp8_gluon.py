@@ -59,6 +59,27 @@ def _issue_first_loads(act_desc, w_desc, a_smem, w_smem, bars, g0, row0, w_row, 
 
 
 @gluon.jit
+def _issue_step(act_desc, a_smem, w_smem, bars, g, zero, STAGES: gl.constexpr):
+    """Wait for global step g's operands and issue its product into a fresh fp32 tile (async)."""
+    s = g % STAGES
+    mbarrier.wait(bars.index(s), (g // STAGES) & 1)
+    return warpgroup_mma(a_smem.index(s), w_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _retire_step(acc, product, scale, act_desc, w_desc, a_smem, w_smem, bars, g0, j, row0, w_row, num_k,
+                 IN_FLIGHT: gl.constexpr, STAGES: gl.constexpr):
+    """Promote step j's product once at most IN_FLIGHT products are pending, then refill its slot with
+    step j + STAGES (after both warpgroups are past step j's wgmma)."""
+    p = warpgroup_mma_wait(num_outstanding=IN_FLIGHT, deps=(product,))
+    acc = acc + p * gl.expand_dims(scale, 1)
+    gl.thread_barrier()
+    _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g0 + j + STAGES, row0, w_row, (j + STAGES) * SCALE_BLOCK,
+                j + STAGES < num_k, STAGES)
+    return acc
+
+
+@gluon.jit
 def down_fp8_gluon_kernel(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
     stride_as, stride_ws_n, stride_y,
@@ -104,28 +125,32 @@ def down_fp8_gluon_kernel(
         row_ok = rows < row_end
         ws = w_scale_ptr + (expert.to(gl.int64) * num_n + n) * stride_ws_n
 
+        # Two product tiles alternate (a, b): one is promoted while the other's wgmma runs. Unrolled by
+        # two so that neither is copied while its wgmma is in flight (ptxas would serialise them).
         acc = zero
-        s0 = g0 % STAGES
-        mbarrier.wait(bars.index(s0), (g0 // STAGES) & 1)
-        prev = warpgroup_mma(a_smem.index(s0), w_smem.index(s0).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)
-        prev_scale = gl.load(as_rows, mask=row_ok, other=0.0) * gl.load(ws)
-        for k in range(1, num_k):
-            g = g0 + k
-            s = g % STAGES
-            mbarrier.wait(bars.index(s), (g // STAGES) & 1)
-            cur = warpgroup_mma(a_smem.index(s), w_smem.index(s).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
-            cur_scale = gl.load(as_rows + k, mask=row_ok, other=0.0) * gl.load(ws + k)
-            p = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            acc = acc + p * gl.expand_dims(prev_scale, 1)
-            gl.thread_barrier()  # both warpgroups are past step k-1's wgmma: its slot may be refilled
-            _issue_load(act_desc, w_desc, a_smem, w_smem, bars, g - 1 + STAGES, row0, w_row,
-                        (k - 1 + STAGES) * SCALE_BLOCK, k - 1 + STAGES < num_k, STAGES)
-            prev, prev_scale = cur, cur_scale
-        p = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-        acc = acc + p * gl.expand_dims(prev_scale, 1)
-        gl.thread_barrier()  # every slot is free: the next task's first loads go now, under this epilogue
+        prod_a = _issue_step(act_desc, a_smem, w_smem, bars, g0, zero, STAGES)
+        scale_a = gl.load(as_rows, mask=row_ok, other=0.0) * gl.load(ws)
+        for k in range(1, num_k - 1, 2):
+            prod_b = _issue_step(act_desc, a_smem, w_smem, bars, g0 + k, zero, STAGES)
+            scale_b = gl.load(as_rows + k, mask=row_ok, other=0.0) * gl.load(ws + k)
+            acc = _retire_step(acc, prod_a, scale_a, act_desc, w_desc, a_smem, w_smem, bars, g0, k - 1, row0, w_row,
+                               num_k, 1, STAGES)
+            prod_a = _issue_step(act_desc, a_smem, w_smem, bars, g0 + k + 1, zero, STAGES)
+            scale_a = gl.load(as_rows + (k + 1), mask=row_ok, other=0.0) * gl.load(ws + (k + 1))
+            acc = _retire_step(acc, prod_b, scale_b, act_desc, w_desc, a_smem, w_smem, bars, g0, k, row0, w_row,
+                               num_k, 1, STAGES)
+        if num_k % 2 == 0:  # the last step, num_k - 1, is left
+            last = num_k - 1
+            prod_b = _issue_step(act_desc, a_smem, w_smem, bars, g0 + last, zero, STAGES)
+            scale_b = gl.load(as_rows + last, mask=row_ok, other=0.0) * gl.load(ws + last)
+            acc = _retire_step(acc, prod_a, scale_a, act_desc, w_desc, a_smem, w_smem, bars, g0, last - 1, row0,
+                               w_row, num_k, 1, STAGES)
+            acc = _retire_step(acc, prod_b, scale_b, act_desc, w_desc, a_smem, w_smem, bars, g0, last, row0,
+                               w_row, num_k, 0, STAGES)
+        else:
+            acc = _retire_step(acc, prod_a, scale_a, act_desc, w_desc, a_smem, w_smem, bars, g0, num_k - 1, row0,
+                               w_row, num_k, 0, STAGES)
+        # every slot is free (the last retire's barrier): the next task's first loads go now, under this epilogue
         done += 1
         following = task + NUM_PROGRAMS
         if following < num_tasks:
