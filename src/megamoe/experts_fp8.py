@@ -143,7 +143,7 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
 
 
 def down_fp8_gluon(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
-                   tiles: TileConfig | None = None) -> None:
+                   tiles: TileConfig | None = None, ordered: bool = True) -> None:
     """`down_fp8` by the warp-specialised Gluon kernel (`megamoe.kernels.expert_gemm_fp8_gluon`: one warpgroup's
     promotion under the other's wgmma); same bits. GPU only. ``tiles``: 128x128x128, 4 warps (the first
     consumer warpgroup; the kernel adds 4 + 1), num_stages = TMA slots, group_m."""
@@ -167,7 +167,7 @@ def down_fp8_gluon(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y,
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(descriptor(act_q, [c.block_m, FP8_BLOCK]), descriptor(w_down_q.view(experts * d, i), [FP8_BLOCK, FP8_BLOCK]),
               act_scale, w_down_scale, y, act_scale.stride(0), w_down_scale.stride(1), y.stride(0)),
-        tail=(d, i), STAGES=c.num_stages,
+        tail=(d, i), STAGES=c.num_stages, ORDERED=ordered,
     )
 
 

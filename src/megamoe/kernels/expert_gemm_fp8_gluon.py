@@ -64,10 +64,14 @@ def _producer(act_desc, w_desc, a_smem, w_smem, full, empty,
 
 
 @gluon.jit
-def _consumer(a_smem, w_smem, full, empty, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
+def _consumer(a_smem, w_smem, full, empty, my_turn, next_turn, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
               tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr, D, K,
-              HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Rows HALF*64 .. HALF*64+63 of every task's [128 x 128] output tile (one warpgroup)."""
+              HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              ORDERED: gl.constexpr):
+    """Rows HALF*64 .. HALF*64+63 of every task's [128 x 128] output tile (one warpgroup).
+
+    ORDERED: the two warpgroups take turns issuing each step's wgmma (``my_turn`` / ``next_turn``), so
+    the first's completes first and its promotion runs under the second's wgmma, and the reverse."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, SCALE_BLOCK, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
@@ -90,7 +94,11 @@ def _consumer(a_smem, w_smem, full, empty, act_scale_ptr, w_scale_ptr, y_ptr, st
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
             a = a_smem.index(s).slice(HALF * HALF_M, HALF_M, dim=0)
+            if ORDERED:  # the first warpgroup issues step g first; the second, after it
+                mbarrier.wait(my_turn, (g & 1) ^ (1 - HALF))
             p = warpgroup_mma(a, w_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            if ORDERED:
+                mbarrier.arrive(next_turn, count=1)
             more = k + 1 < num_k  # the next step's scales load under this step's wgmma
             next_scale = (gl.load(as_rows + (k + 1), mask=row_ok & more, other=0.0)
                           * gl.load(ws + (k + 1), mask=more, other=0.0))
@@ -111,7 +119,7 @@ def down_fp8_gluon_kernel(
     stride_as, stride_ws_n, stride_y,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
     D, K,
-    NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ORDERED: gl.constexpr,
 ):
     """Persistent FP8-block down projection over every (row tile, n-tile) task (K % 128 == 0); 4 warps
     here (the first consumer), 4 + 1 in the worker partitions."""
@@ -124,17 +132,22 @@ def down_fp8_gluon_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.init(full.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=2)  # one arrive per consumer warpgroup
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
     # constexprs reach the partitions only wrapped, in tuples written out (joined tuples unwrap them)
     gl.warp_specialize(
-        [(_consumer, (a_smem, w_smem, full, empty, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
+        [(_consumer, (a_smem, w_smem, full, empty, turns.index(0), turns.index(1), act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr, D, K, gl.constexpr(0),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
-         (_consumer, (a_smem, w_smem, full, empty, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(ORDERED))),
+         (_consumer, (a_smem, w_smem, full, empty, turns.index(1), turns.index(0), act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr, D, K, gl.constexpr(1),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(ORDERED))),
          (_producer, (act_desc, w_desc, a_smem, w_smem, full, empty, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       num_tiles_ptr, D, K, gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
         [4, 1], [232, 40])
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(slot))
         mbarrier.invalidate(empty.index(slot))
+    mbarrier.invalidate(turns.index(0))
+    mbarrier.invalidate(turns.index(1))
