@@ -26,16 +26,16 @@ from megamoe.kernels.quant import quantize_activations, quantize_weights
 
 def variants(sms: int) -> list:
     """[(label, call(args, y))]: the first is the reference for the bits."""
-    def gluon(stages, group, ordered=True):
-        cfg = TileConfig(128, 128, 128, 4, stages, group)
-        return lambda a, y: down_fp8_gluon(*a, y, tiles=cfg, ordered=ordered)
+    def gluon(block_n, stages, group=8):
+        cfg = TileConfig(128, block_n, 128, 4, stages, group)
+        return lambda a, y: down_fp8_gluon(*a, y, tiles=cfg)
     return [
         ("triton default", lambda a, y: down_fp8(*a, y)),
-        ("gluon ws 4 slots", gluon(4, 8, False)),
-        ("gluon ws 6 slots", gluon(6, 8, False)),
-        ("gluon ws ordered 4 slots", gluon(4, 8)),
-        ("gluon ws ordered 6 slots", gluon(6, 8)),
-        ("gluon ws ordered 3 slots", gluon(3, 8)),
+        ("gluon ws 128 4 slots", gluon(128, 4)),
+        ("gluon ws 256 4 slots", gluon(256, 4)),
+        ("gluon ws 256 3 slots", gluon(256, 3)),
+        ("gluon ws 256 4 slots g4", gluon(256, 4, 4)),
+        ("gluon ws 256 4 slots g16", gluon(256, 4, 16)),
     ]
 
 

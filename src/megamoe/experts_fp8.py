@@ -143,10 +143,10 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
 
 
 def down_fp8_gluon(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
-                   tiles: TileConfig | None = None, ordered: bool = True) -> None:
+                   tiles: TileConfig | None = None) -> None:
     """`down_fp8` by the warp-specialised Gluon kernel (`megamoe.kernels.expert_gemm_fp8_gluon`: one warpgroup's
     promotion under the other's wgmma); same bits. GPU only. ``tiles``: 128x128x128, 4 warps (the first
-    consumer warpgroup; the kernel adds 4 + 1), num_stages = TMA slots, group_m."""
+    consumer warpgroup; the kernel adds 4 + 1) or 128x256x128, num_stages = TMA slots, group_m."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -154,8 +154,9 @@ def down_fp8_gluon(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y,
     rows = act_q.shape[0]
     c = tiles or TileConfig(128, 128, 128, num_warps=4, num_stages=4, group_m=8)
     _check_tiles("down", c)
-    if (c.block_m, c.block_n, c.num_warps) != (128, FP8_BLOCK, 4) or act_q.device.type != "cuda" or interpreting():
-        raise ValueError("down_fp8_gluon runs on a GPU with 128x128 tiles and num_warps 4")
+    if (c.block_m, c.num_warps) != (128, 4) or c.block_n not in (128, 256) or act_q.device.type != "cuda" \
+            or interpreting():
+        raise ValueError("down_fp8_gluon runs on a GPU with 128-row tiles, block_n 128 or 256 and num_warps 4")
     if rows == 0 or experts == 0:
         return
 
@@ -165,9 +166,9 @@ def down_fp8_gluon(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y,
     launch_row_tasks(
         expert_gemm_fp8_gluon.down_fp8_gluon_kernel, c, _num_programs(act_q.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
-        head=(descriptor(act_q, [c.block_m, FP8_BLOCK]), descriptor(w_down_q.view(experts * d, i), [FP8_BLOCK, FP8_BLOCK]),
+        head=(descriptor(act_q, [c.block_m, FP8_BLOCK]), descriptor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
               act_scale, w_down_scale, y, act_scale.stride(0), w_down_scale.stride(1), y.stride(0)),
-        tail=(d, i), STAGES=c.num_stages, ORDERED=ordered,
+        tail=(d, i), STAGES=c.num_stages,
     )
 
 
