@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megamoe import checks
 from megamoe.experts import ExpertForwardQuantized, TileConfig, _num_programs, interpreting, launch_row_tasks
 from megamoe.formats import FP8_BLOCK, fp8_block_quantize
-from megamoe.kernels import expert_gemm_fp8, expert_gemm_fp8_gluon
+from megamoe.kernels import expert_gemm_fp8
 from megamoe.kernels.quant import soft_e4m3_default
 
 FP8 = torch.float8_e4m3fn
@@ -139,36 +139,6 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
               act_scale, w_down_scale, y, act_scale.stride(0), w_down_scale.stride(1), y.stride(0)),
         tail=(d, i),
-    )
-
-
-def down_fp8_gluon(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
-                   tiles: TileConfig | None = None) -> None:
-    """`down_fp8` by the warp-specialised Gluon kernel (`megamoe.kernels.expert_gemm_fp8_gluon`: one warpgroup's
-    promotion under the other's wgmma); same bits. GPU only. ``tiles``: 128x128x128, 4 warps (the first
-    consumer warpgroup; the kernel adds 4 + 1) or 128x256x128, num_stages = TMA slots, group_m."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    experts, d, i = w_down_q.shape
-    rows = act_q.shape[0]
-    c = tiles or TileConfig(128, 128, 128, num_warps=4, num_stages=4, group_m=8)
-    _check_tiles("down", c)
-    if (c.block_m, c.num_warps) != (128, 4) or c.block_n not in (128, 256) or act_q.device.type != "cuda" \
-            or interpreting():
-        raise ValueError("down_fp8_gluon runs on a GPU with 128-row tiles, block_n 128 or 256 and num_warps 4")
-    if rows == 0 or experts == 0:
-        return
-
-    def descriptor(t, block):
-        return GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
-
-    launch_row_tasks(
-        expert_gemm_fp8_gluon.down_fp8_gluon_kernel, c, _num_programs(act_q.device, num_programs),
-        counts.to(torch.int32), offsets.to(torch.int32), rows,
-        head=(descriptor(act_q, [c.block_m, FP8_BLOCK]), descriptor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
-              act_scale, w_down_scale, y, act_scale.stride(0), w_down_scale.stride(1), y.stride(0)),
-        tail=(d, i), STAGES=c.num_stages,
     )
 
 
