@@ -113,3 +113,33 @@ def test_bench_experts_sweep_times_every_candidate_and_checks_the_best(tmp_path)
 def test_bench_experts_rejects_bad_options():
     result = CliRunner().invoke(app, ["bench-experts", "--passes", "sideways"])
     assert result.exit_code == 2 and "passes must be" in result.output
+    result = CliRunner().invoke(app, ["bench-experts", "--formats", "fp4"])
+    assert result.exit_code == 2 and "formats must be among" in result.output
+    from megamoe.bench.experts import run
+    from megamoe.config import MoEConfig
+
+    with pytest.raises(ValueError, match="multiples of 128"):  # before any tensor is made
+        run(MoEConfig(hidden=192, intermediate=128, num_experts=4, top_k=2), 8, (2,), torch.device("cpu"),
+            formats=("fp8-block",))
+
+
+def test_bench_experts_times_the_fp8_formats_beside_bf16(tmp_path):
+    out = tmp_path / "formats.json"
+    result = CliRunner().invoke(app, ["bench-experts", "--tokens", "16", "--experts", "3", "--passes", "fwd",
+                                      "--formats", "bf16,fp8-block,mxfp8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    records = {r["impl"]: r for r in json.loads(out.read_text())}
+    for fmt in ("fp8-block", "mxfp8"):
+        r = records[f"megamoe {fmt}"]
+        assert r["all_written"] and r["pass"] == "fwd" and r["ms"] > 0 and r["vs_bf16"] > 0, r
+        # the kernels against their fp32 twin (tight) and against the BF16 torch path (FP8 rounding)
+        assert r["rel_err_vs_twin"] < 2e-2 and 1e-3 < r["rel_err_vs_torch"] < 1e-1, r
+
+
+def test_bench_experts_fails_a_quantized_record_off_its_twin():
+    from megamoe.bench.experts import failures
+
+    good = {"pass": "fwd", "rel_err_vs_torch": 0.05, "rel_err_vs_twin": 1e-3, "all_written": True}
+    assert failures([good]) == []
+    assert failures([{**good, "rel_err_vs_twin": 0.03}]) and failures([{**good, "rel_err_vs_torch": 0.2}])
+    assert failures([{**good, "all_written": False}])

@@ -94,6 +94,8 @@ def bench_experts(
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
     sweep: bool = typer.Option(False, help="Time every candidate tile shape (forward) and tile variant (backward)."),
     profile: bool = typer.Option(False, help="Per-kernel backward times from the torch profiler (GPU)."),
+    formats: str = typer.Option("bf16", help="Comma-separated expert formats: bf16, fp8-block, mxfp8 (the "
+                                             "quantised ones forward only, next to the BF16 kernels)."),
     json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
 ) -> None:
     """Expert GEMMs alone on one device (no communication) against torch._grouped_mm + SwiGLU."""
@@ -113,7 +115,7 @@ def bench_experts(
         if not set(chosen) <= {"fwd", "bwd"}:
             raise ValueError(f"passes must be fwd and/or bwd, got {passes!r}")
         records = bench_module.run(cfg, routes, counts, torch.device("cuda" if gpu else "cpu"), sweep=sweep,
-                                   passes=chosen, profile=profile)
+                                   passes=chosen, profile=profile, formats=tuple(_csv(formats)))
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

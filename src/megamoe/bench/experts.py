@@ -2,10 +2,13 @@
 
 One GPU, no communication: ``tokens x k`` routed rows spread evenly over each
 requested expert count (kimi-k2 at 8192 tokens: 65,536 rows over 192 experts,
-~341 rows each, and over 16, 4096 each). Forward and backward. Every variant is
-checked against the torch path before it is timed, and the forward's outputs
-start poisoned (NaN) so every row must be written. On the CPU (interpreter)
-the same checks run on small shapes; times there mean nothing.
+~341 rows each, and over 16, 4096 each). Forward and backward in BF16; the
+forward also in FP8-block and MXFP8 (``formats``: operands quantised once, not
+timed; checked against the torch path with the FP8 tolerance and against the
+kernels' fp32 twin on the first and last experts). Every variant is checked
+before it is timed, and the forward's outputs start poisoned (NaN) so every row
+must be written. On the CPU (interpreter) the same checks run on small shapes;
+times there mean nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.config import MoEConfig
-from megamoe.experts import (ExpertForward, TileConfig, down, expert_backward, expert_forward, gate_up,
-                             plan_tiles)
+from megamoe.experts import (ExpertForward, ExpertForwardQuantized, TileConfig, down, expert_backward,
+                             expert_forward, gate_up, plan_tiles)
+from megamoe.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_block_reference
+from megamoe.experts_mxfp8 import expert_forward_mxfp8, expert_forward_mxfp8_reference
+from megamoe.kernels.quant import quantize_activations, quantize_weights
 
 #: Tile candidates for --sweep (BM, BN, BK, warps, stages, group, flatten).
 #: 64-row tiles (one warpgroup) compute fewer padding rows when experts hold few rows (~171 at kimi-k2 EP 1:
@@ -96,7 +102,8 @@ def kernel_times(fn, iters: int = 3) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool) -> tuple[list[dict], ExpertForward]:
+def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool,
+                     formats: tuple[str, ...] = ()) -> tuple[list[dict], ExpertForward]:
     rows, d = x.shape
     i = wd.shape[2]
     device = x.device
@@ -137,7 +144,51 @@ def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool) -> tuple[li
     records.append({"load": load, "impl": "megamoe", "pass": "fwd", "ms": ms, "tflops": flops / ms / 1e9,
                     "rel_err_vs_torch": err, "all_written": all_written,
                     "tiles": {k: dataclasses.asdict(v) for k, v in tiles.items()}})
+    for fmt in formats:
+        if fmt != "bf16":
+            records.append(_quantized_forward_record(load, fmt, x, counts, offsets, wgu, wd, ref_y, ms))
     return records, out
+
+
+#: Quantised expert formats: (the kernels' forward, its fp32 twin).
+QUANTIZED_FORWARD = {
+    "fp8-block": (expert_forward_fp8_block, expert_forward_fp8_block_reference),
+    "mxfp8": (expert_forward_mxfp8, expert_forward_mxfp8_reference),
+}
+FORMATS = ("bf16", *QUANTIZED_FORWARD)
+
+
+def _quantized_forward_record(load, fmt, x, counts, offsets, wgu, wd, ref_y, bf16_ms) -> dict:
+    """One forward record of ``fmt``: time, speed-up over the BF16 kernels, errors, every row written."""
+    forward, twin = QUANTIZED_FORWARD[fmt]
+    rows, d = x.shape
+    i = wd.shape[2]
+    device = x.device
+    flops = 6 * rows * d * i
+    x_q, x_s = quantize_activations(x, fmt)
+    args = (x_q, x_s, counts, offsets, *quantize_weights(wgu, fmt), *quantize_weights(wd, fmt))
+    act_s = torch.full((rows, i // (128 if fmt == "fp8-block" else 32)), float("nan"), device=device)
+    out = ExpertForwardQuantized(  # poisoned: NaN floats, 0xFF bytes (an E4M3 / E8M0 NaN no kernel writes)
+        h=torch.full((rows, 2 * i), float("nan"), dtype=torch.bfloat16, device=device),
+        act_q=torch.full((rows, i), 0xFF, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
+        act_scale=act_s if fmt == "fp8-block" else act_s.to(torch.uint8).fill_(0xFF),
+        y=torch.full((rows, d), float("nan"), dtype=torch.bfloat16, device=device))
+    forward(*args, out=out)
+    scale_bits = out.act_scale.view(torch.uint8) if fmt == "mxfp8" else None
+    all_written = not (bool(out.h.isnan().any()) or bool(out.y.isnan().any())
+                       or bool((out.act_q.view(torch.uint8) == 0xFF).any())
+                       or (bool((scale_bits == 0xFF).any()) if scale_bits is not None
+                           else bool(out.act_scale.isnan().any())))
+    experts = sorted({0, counts.numel() - 1})
+    ref = twin(*args, experts=experts)
+    mask = torch.zeros(rows, dtype=torch.bool, device=device)
+    for e in experts:
+        mask[int(offsets[e]): int(offsets[e]) + int(counts[e])] = True
+    err_twin = rel(out.y[mask], ref.y[mask])
+    ms = median_ms(lambda: forward(*args, out=out), device)
+    return {"load": load, "impl": f"megamoe {fmt}", "pass": "fwd", "ms": ms, "tflops": flops / ms / 1e9,
+            "vs_bf16": bf16_ms / ms, "rel_err_vs_torch": rel(out.y, ref_y), "rel_err_vs_twin": err_twin,
+            "all_written": all_written}
 
 
 def _backward_records(load, x, counts, offsets, wgu, wd, h, profile: bool, sweep: bool) -> list[dict]:
@@ -200,15 +251,26 @@ def _backward_ms(out: torch.Tensor, grad: torch.Tensor) -> float:
 
 
 def run(cfg: MoEConfig, routes: int, expert_counts: tuple[int, ...], device: torch.device, *,
-        sweep: bool = False, passes: tuple[str, ...] = ("fwd", "bwd"), profile: bool = False) -> list[dict]:
-    """Records for every load (expert count) and pass; see the module docstring."""
+        sweep: bool = False, passes: tuple[str, ...] = ("fwd", "bwd"), profile: bool = False,
+        formats: tuple[str, ...] = ("bf16",)) -> list[dict]:
+    """Records for every load (expert count) and pass; see the module docstring. ``formats`` beyond bf16
+    add their forward (the BF16 kernels always run: they are what the others are compared with)."""
+    unknown = set(formats) - set(FORMATS)
+    if unknown:
+        raise ValueError(f"formats must be among {FORMATS}, got {sorted(unknown)}")
+    quantized = [f for f in formats if f != "bf16"]
+    block = max([128 if f == "fp8-block" else 32 for f in quantized], default=1)
+    if cfg.hidden % block or cfg.intermediate % block:
+        raise ValueError(f"{', '.join(quantized)} need hidden and intermediate multiples of {block}, "
+                         f"got {cfg.hidden} and {cfg.intermediate}")
     records = []
     for experts in expert_counts:
         if experts < 1 or routes < experts:
             raise ValueError(f"each load needs 1 <= experts <= routes, got {experts} experts for {routes} routes")
         load = f"{experts}x{routes // experts}"
         x, counts, offsets, wgu, wd = make_load(experts, routes, cfg.hidden, cfg.intermediate, device)
-        fwd, out = _forward_records(load, x, counts, offsets, wgu, wd, sweep and "fwd" in passes)
+        fwd, out = _forward_records(load, x, counts, offsets, wgu, wd, sweep and "fwd" in passes,
+                                    tuple(formats) if "fwd" in passes else ())
         records += fwd if "fwd" in passes else []
         if "bwd" in passes:
             records += _backward_records(load, x, counts, offsets, wgu, wd, out.h, profile, sweep)
@@ -218,20 +280,27 @@ def run(cfg: MoEConfig, routes: int, expert_counts: tuple[int, ...], device: tor
     return records
 
 
-#: rel L1 against the torch path: both sides are BF16 computations, so their errors add (backward: more roundings).
+#: rel L1 against the torch path: both sides are BF16 computations, so their errors add (backward: more roundings);
+#: FP8 operands: ../shared/BENCHMARKS.md's FP8 tolerance, and the kernels against their own fp32 twin.
 TOLERANCE = {"fwd": 1e-2, "bwd": 2e-2}
+QUANTIZED_TOLERANCE = {"rel_err_vs_torch": 1e-1, "rel_err_vs_twin": 2e-2}
 
 
 def failures(records: list[dict]) -> list[dict]:
-    """Records whose result disagrees with the torch path or left rows unwritten."""
-    return [r for r in records
-            if r.get("rel_err_vs_torch", 0.0) > TOLERANCE[r["pass"]] or r.get("all_written") is False]
+    """Records whose result disagrees with the torch path (or the fp32 twin) or left rows unwritten."""
+    def bad(r):
+        if "rel_err_vs_twin" in r:
+            return any(r[k] > tol for k, tol in QUANTIZED_TOLERANCE.items())
+        return r.get("rel_err_vs_torch", 0.0) > TOLERANCE[r["pass"]]
+    return [r for r in records if bad(r) or r.get("all_written") is False]
 
 
 def format_table(records: list[dict]) -> str:
     lines = [f"{'load':10} {'pass':4} {'impl':26} {'ms':>9} {'TFLOP/s':>8}  note"]
     for r in records:
         note = f"rel err {r['rel_err_vs_torch']:.2e}" if "rel_err_vs_torch" in r else ""
+        if "rel_err_vs_twin" in r:
+            note += f" (vs fp32 twin {r['rel_err_vs_twin']:.2e}), x{r['vs_bf16']:.2f} of bf16"
         if "all_written" in r:
             note += f", every row written: {r['all_written']}"
         if "tiles" in r and "block_m" in r["tiles"]:
