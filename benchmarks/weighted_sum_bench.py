@@ -3,8 +3,10 @@
     PYTHONPATH=src python3 benchmarks/weighted_sum_bench.py [--out FILE.json]
 
 kimi-k2 (k 8, D 7168, a shared expert) and qwen3.5-397b (k 10, D 4096) at 8192 tokens: random combine slots,
-~5 % of the routes empty (-1). Each tile's output must equal the first tile's bit for bit (the k slots are
-summed in the same order whatever the tile). GB/s = (slots + shared + out bytes) / median time
+~5 % of the routes empty (-1); with "own" routes, half of them (even experts: this rank's at EP 2) read their
+row from y instead, where the megakernel leaves it: the ring, in expert order (a gather), as in a pass since
+24c8091. Each tile's output must equal the first tile's bit for bit (the k slots are summed in the same order
+whatever the tile). GB/s = (slots + shared + out bytes) / median time
 (triton.testing.do_bench; the run recorded at e6b9ad6 took the median of 20 CUDA-event timings instead).
 """
 
@@ -19,9 +21,26 @@ import triton
 from megamoe.kernels import megakernel as mk
 
 TILES = [  # (BLOCK_T, BLOCK_D, num_warps); 16 x 512 with 8 warps is the launcher's (MegaKernel._weighted_sum)
-    (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 1024, 4), (16, 512, 8), (8, 512, 4), (32, 512, 8), (16, 1024, 8),
+    (16, 512, 8), (32, 256, 4), (16, 256, 4), (8, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 4096, 8),
 ]
 SHAPES = {"kimi-k2": (8192, 8, 7168, True), "qwen3.5-397b": (8192, 10, 4096, True)}
+
+
+def _time_tiles(name, n, k, d, shared, y, combine, route_rows, top, weights, shared_y, nbytes) -> list[dict]:
+    results, first = [], None
+    for bt, bd, warps in TILES:
+        out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+        def run():
+            mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
+                y, y.stride(0), combine, combine.stride(0), route_rows, top, weights, shared_y,
+                shared_y.stride(0), out, out.stride(0), n, d, TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd,
+                num_warps=warps)
+        ms = triton.testing.do_bench(run, return_mode="median")
+        first = out.clone() if first is None else first
+        results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps,
+                        "ms": ms, "gbps": nbytes / ms / 1e6, "same_bits": bool(torch.equal(out, first))})
+    return results
 
 
 def main() -> None:
@@ -36,21 +55,18 @@ def main() -> None:
         top = torch.where(torch.rand(n, k, device="cuda", generator=gen) < 0.05, -1, top)
         weights = torch.rand(n, k, device="cuda", generator=gen)
         shared_y = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        from_slots = torch.full((n * k,), -1, device="cuda", dtype=torch.int32)  # every route's row in its slot
         nbytes = (n * k * d + 2 * n * d) * 2
-        first = None
-        for bt, bd, warps in TILES:
-            out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-
-            def run():
-                mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
-                    combine, combine.stride(0), combine, combine.stride(0), from_slots, top, weights, shared_y,
-                    shared_y.stride(0), out, out.stride(0), n, d, TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd,
-                    num_warps=warps)
-            ms = triton.testing.do_bench(run, return_mode="median")
-            first = out.clone() if first is None else first
-            results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps,
-                            "ms": ms, "gbps": nbytes / ms / 1e6, "same_bits": bool(torch.equal(out, first))})
+        # own routes: rows of y in expert order (the ring), the rest in their combine slots (-1)
+        flat = top.flatten().long()
+        order = torch.argsort(torch.where(flat >= 0, flat, 1 << 20), stable=True)
+        ring_row = torch.empty_like(order)
+        ring_row[order] = torch.arange(n * k, device="cuda")
+        own_rows = torch.where((flat >= 0) & (flat % 2 == 0), ring_row, -1).to(torch.int32)
+        y = torch.randn(n * k, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for own in (False, True):
+            route_rows = own_rows if own else torch.full((n * k,), -1, device="cuda", dtype=torch.int32)
+            results += _time_tiles(f"{name}{' own' if own else ''}", n, k, d, shared, y, combine, route_rows, top,
+                                   weights, shared_y, nbytes)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
