@@ -493,11 +493,10 @@ def _add_slot(acc, j, rows, cols, row_ok, mask, y_ptr, stride_y, combine_ptr, st
     valid = row_ok & (tl.load(top_experts_ptr + route, mask=row_ok, other=-1) >= 0)
     w = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
     row = tl.load(route_rows_ptr + route, mask=valid, other=-1).to(tl.int64)
-    in_y = valid & (row >= 0)
-    from_y = tl.load(y_ptr + row[:, None] * stride_y + cols[None, :], mask=in_y[:, None] & mask, other=0.0)
-    from_slot = tl.load(combine_ptr + route[:, None] * stride_combine + cols[None, :],
-                        mask=(valid & (row < 0))[:, None] & mask, other=0.0)
-    return acc + w[:, None] * bf16_to_f32(tl.where(in_y[:, None], from_y, from_slot))
+    # one load per slot from a row pointer into y or the combine buffer (two masked loads cost 2x the time)
+    src = tl.where(row >= 0, y_ptr + row * stride_y, combine_ptr + route * stride_combine)
+    return acc + w[:, None] * bf16_to_f32(tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & mask,
+                                                  other=0.0))
 
 
 @triton.jit
