@@ -564,8 +564,8 @@ class MegaKernel:
     def _weighted_sum(self, out, top_experts, router_weights, has_shared: bool) -> None:
         n, D = out.shape
         combine = self.sym.local("combine")
-        # 16 x 512, 8 warps, the k slot loads unrolled: 0.29 ms for kimi-k2 (4.0 TB/s), 0.41 before
-        # (benchmarks/results/2026-11-30-fp8-experts, weighted_sum_bench.py)
+        # 16 x 512, 8 warps, the k slot loads unrolled, one load per slot: kimi-k2 0.32 ms (3.7 TB/s), qwen3.5-397b
+        # 0.22 (benchmarks/results/2026-11-30-qwen-pass, weighted_sum_bench.py)
         block_t, block_d, warps = (16, 512, 8) if self.gpu else (16, 64, 4)
         shared_y = self.shared_y if has_shared else out
         mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
