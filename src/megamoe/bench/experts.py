@@ -167,18 +167,18 @@ def _quantized_forward_record(load, fmt, x, counts, offsets, wgu, wd, ref_y, bf1
     flops = 6 * rows * d * i
     x_q, x_s = quantize_activations(x, fmt)
     args = (x_q, x_s, counts, offsets, *quantize_weights(wgu, fmt), *quantize_weights(wd, fmt))
-    act_s = torch.full((rows, i // (128 if fmt == "fp8-block" else 32)), float("nan"), device=device)
-    out = ExpertForwardQuantized(  # poisoned: NaN floats, 0xFF bytes (an E4M3 / E8M0 NaN no kernel writes)
+    # poisoned: NaN floats, 0xFF bytes (an E4M3 / E8M0 NaN, which no kernel writes)
+    act_scale = (torch.full((rows, i // 128), float("nan"), device=device) if fmt == "fp8-block"
+                 else torch.full((rows, i // 32), 0xFF, dtype=torch.uint8, device=device))
+    out = ExpertForwardQuantized(
         h=torch.full((rows, 2 * i), float("nan"), dtype=torch.bfloat16, device=device),
         act_q=torch.full((rows, i), 0xFF, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
-        act_scale=act_s if fmt == "fp8-block" else act_s.to(torch.uint8).fill_(0xFF),
+        act_scale=act_scale,
         y=torch.full((rows, d), float("nan"), dtype=torch.bfloat16, device=device))
     forward(*args, out=out)
-    scale_bits = out.act_scale.view(torch.uint8) if fmt == "mxfp8" else None
+    scale_unwritten = out.act_scale.isnan() if fmt == "fp8-block" else out.act_scale == 0xFF
     all_written = not (bool(out.h.isnan().any()) or bool(out.y.isnan().any())
-                       or bool((out.act_q.view(torch.uint8) == 0xFF).any())
-                       or (bool((scale_bits == 0xFF).any()) if scale_bits is not None
-                           else bool(out.act_scale.isnan().any())))
+                       or bool((out.act_q.view(torch.uint8) == 0xFF).any()) or bool(scale_unwritten.any()))
     experts = sorted({0, counts.numel() - 1})
     ref = twin(*args, experts=experts)
     mask = torch.zeros(rows, dtype=torch.bool, device=device)
