@@ -530,7 +530,7 @@ def test_megakernel_compiles_for_sm90_in_every_format():
     """Compiled on the CPU for Hopper: wgmma (FP8 for fp8-block; MXFP8 dequantises to BF16), TMA loads, the
     async-proxy fences between the comm workers' stores and the compute workers' TMA reads, and 16-byte loads
     and stores only (2-byte stores of rows that cross NVLink made a pass 1.7x slower: 2026-11-30-one-rank,
-    section 6)."""
+    section 6); the weighted sum, one 16-byte load per slot vector."""
     import json
     import os
     import subprocess
@@ -542,7 +542,13 @@ def test_megakernel_compiles_for_sm90_in_every_format():
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
+    weighted_sum = summary.pop("weighted_sum")
     assert set(summary) == {"bf16", "mxfp8", "fp8-block"}
+    # the weighted sum loads each slot's rows once (16 bytes per thread and vector): a masked pair of loads per
+    # slot compiled to twice as many and took twice the time (2026-11-30-qwen-pass)
+    w = weighted_sum
+    vectors = w["block_t"] * w["block_d"] * 2 // (16 * 32 * w["num_warps"])
+    assert w["loads_v4"] == (w["top_k"] + w["has_shared"]) * vectors, w
     for fmt, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["tma"] and facts["fence_proxy_async"], (fmt, facts)
         assert facts["stores_b16"] == 0 and facts["stores_v4"] > 0, (fmt, facts)

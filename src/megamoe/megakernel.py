@@ -106,6 +106,10 @@ def copy_tile_consts(hidden: int, scale_block: int, scale_rows: tuple[int, int] 
 
 #: Interpreter launches: this many programs (the CPU default KernelConfig's grid).
 CPU_SMS = 4
+#: The weighted sum's tile on a GPU (BLOCK_T tokens x BLOCK_D columns, warps), k slot loads unrolled, one load
+#: per slot: kimi-k2 0.32 ms (3.7 TB/s), qwen3.5-397b 0.22 (benchmarks/results/2026-11-30-qwen-pass,
+#: weighted_sum_bench.py). The sm_90 build test counts its 16-byte loads.
+WEIGHTED_SUM_TILE = (16, 512, 8)
 
 
 @dataclass(frozen=True)
@@ -564,9 +568,7 @@ class MegaKernel:
     def _weighted_sum(self, out, top_experts, router_weights, has_shared: bool) -> None:
         n, D = out.shape
         combine = self.sym.local("combine")
-        # 16 x 512, 8 warps, the k slot loads unrolled, one load per slot: kimi-k2 0.32 ms (3.7 TB/s), qwen3.5-397b
-        # 0.22 (benchmarks/results/2026-11-30-qwen-pass, weighted_sum_bench.py)
-        block_t, block_d, warps = (16, 512, 8) if self.gpu else (16, 64, 4)
+        block_t, block_d, warps = WEIGHTED_SUM_TILE if self.gpu else (16, 64, 4)
         shared_y = self.shared_y if has_shared else out
         mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
             self.y, self.y.stride(0), combine, combine.stride(0), self.route_rows, top_experts.contiguous(),

@@ -154,12 +154,25 @@ def megakernel_case(fmt: str) -> tuple[dict, dict]:
 
 def megakernel_summary() -> dict:
     """{format: {wgmma, wgmma_bf16, wgmma_fp8, tma, fence_proxy_async, stores_b16, stores_v4, loads_b16,
-    loads_v4}} of the megakernel's sm_90 build."""
+    loads_v4}} of the megakernel's sm_90 build, and {"weighted_sum": {loads_v4, its launch}}."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
     from megamoe.kernels import megakernel as mk
 
+    from megamoe.megakernel import WEIGHTED_SUM_TILE
+
     out = {}
+    block_t, block_d, warps = WEIGHTED_SUM_TILE
+    signature = {name: "*bf16" for name in ("y_ptr", "combine_ptr", "shared_y_ptr", "out_ptr")}
+    signature.update(route_rows_ptr="*i32", top_experts_ptr="*i32", router_weights_ptr="*fp32")
+    consts = dict(TOP_K=8, HAS_SHARED=True, BLOCK_T=block_t, BLOCK_D=block_d)
+    signature.update({name: "constexpr" for name in consts})
+    signature.update({name: "i32" for name in mk.weighted_sum_kernel.arg_names if name not in signature})
+    ptx = compile_sm90(mk.weighted_sum_kernel, signature, consts, num_warps=warps).asm["ptx"]
+    # one 16-byte load per thread and vector of each slot's rows (and of the shared output): two per slot, as
+    # a masked pair, took twice the time (2026-11-30-qwen-pass)
+    out["weighted_sum"] = {"loads_v4": ptx.count("ld.global.v4"), "top_k": 8, "has_shared": True,
+                           "block_t": block_t, "block_d": block_d, "num_warps": warps}
     for fmt in _MEGA_TILES:
         signature, consts = megakernel_case(fmt)
         ptx = compile_sm90(mk.megakernel, signature, consts).asm["ptx"]
