@@ -2,11 +2,11 @@
 
 With one 128-row program per SM, the FP8-block kernels' per-K-step promotion (wait for the wgmma,
 scale, add) and every kernel's epilogue leave the tensor cores idle: the program's two warpgroups
-move in step. Two co-resident 64-row programs (4 warps each) let one program's tensor-core work run under the other's serial
-part, at the price of twice the weight-tile traffic per FLOP. Two fit when a program needs at most
-32K registers (4 warps x 255) and ~113 KB of shared memory. This script measures it in
-interleaved rounds (GPU clocks drift over a sequential sweep) on kimi-k2 shapes, both loads, and
-checks each variant's output bitwise against the default tiles' output.
+move in step. Two co-resident 64-row programs (4 warps each) let one program's tensor-core work run
+under the other's serial part, at the price of twice the weight-tile traffic per FLOP. Two fit when
+a program needs at most 32K registers (4 warps x 255) and ~113 KB of shared memory. This script
+measures it in interleaved rounds (GPU clocks drift over a sequential sweep) on kimi-k2 shapes, both
+loads, and checks each variant's output bitwise against the default tiles' output.
 
 Run on the GPU machine from the repo root:
     PYTHONPATH=src python3 benchmarks/co_resident_ab.py --out $OUT/co_resident.json

@@ -27,6 +27,13 @@ from megamoe.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_blo
 from megamoe.experts_mxfp8 import expert_forward_mxfp8, expert_forward_mxfp8_reference
 from megamoe.kernels.quant import quantize_activations, quantize_weights
 
+#: Quantised expert formats: (the kernels' forward, its fp32 twin).
+QUANTIZED_FORWARD = {
+    "fp8-block": (expert_forward_fp8_block, expert_forward_fp8_block_reference),
+    "mxfp8": (expert_forward_mxfp8, expert_forward_mxfp8_reference),
+}
+FORMATS = ("bf16", *QUANTIZED_FORWARD)
+
 #: Tile candidates for --sweep (BM, BN, BK, warps, stages, group, flatten).
 #: 64-row tiles (one warpgroup) compute fewer padding rows when experts hold few rows (~171 at kimi-k2 EP 1:
 #: 192 rows in 64-row tiles, 256 in 128-row ones).
@@ -148,14 +155,6 @@ def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool,
         if fmt != "bf16":
             records.append(_quantized_forward_record(load, fmt, x, counts, offsets, wgu, wd, ref_y, ms))
     return records, out
-
-
-#: Quantised expert formats: (the kernels' forward, its fp32 twin).
-QUANTIZED_FORWARD = {
-    "fp8-block": (expert_forward_fp8_block, expert_forward_fp8_block_reference),
-    "mxfp8": (expert_forward_mxfp8, expert_forward_mxfp8_reference),
-}
-FORMATS = ("bf16", *QUANTIZED_FORWARD)
 
 
 def _quantized_forward_record(load, fmt, x, counts, offsets, wgu, wd, ref_y, bf16_ms) -> dict:
