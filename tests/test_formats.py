@@ -591,3 +591,19 @@ def test_quantize_activations_into_out(fmt, torch_twin):
             quantize_activations(x, fmt, 1, out=bad)
     with pytest.raises(ValueError, match="transpose"):
         quantize_activations(x, fmt, 1, transpose=True, out=(data, scale))
+
+
+@pytest.mark.parametrize("fmt, torch_twin", [("mxfp8", mxfp8_quantize), ("fp8-block", fp8_block_quantize)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_activations_copies_x(fmt, torch_twin, dtype):
+    """``copy=`` receives x bit for bit (into a NaN-poisoned tensor) and the quantised outputs do not change; a
+    copy of another shape, dtype or layout is refused."""
+    x = special(48, 256, 32, seed=23, dtype=dtype).to(DEVICE)
+    want = torch_twin(x.cpu())
+    copy = torch.full((48, 256), float("nan"), dtype=dtype, device=DEVICE)
+    assert_same(quantize_activations(x, fmt, 1, copy=copy), want)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(copy.view(bits).cpu(), x.view(bits).cpu())
+    for bad in (copy[:40], copy.to(torch.float16), torch.empty(256, 48, dtype=dtype, device=DEVICE).T):
+        with pytest.raises(ValueError, match="copy"):
+            quantize_activations(x, fmt, 1, copy=bad)

@@ -41,6 +41,9 @@ def assert_same(a: PullSchedule, b: PullSchedule) -> None:
     for name in TENSOR_FIELDS:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: {x} != {y}"
+    assert (a.own_rows is None) == (b.own_rows is None)
+    if a.own_rows is not None:
+        assert a.own_rows.dtype == b.own_rows.dtype and torch.equal(a.own_rows, b.own_rows), "own_rows"
     for name in INT_FIELDS:
         assert getattr(a, name) == getattr(b, name), name
 
@@ -95,12 +98,31 @@ def check_invariants(s: PullSchedule, top: torch.Tensor, rank: int) -> None:
 BACKENDS = ("triton", "torch")
 
 
+def check_own_rows(s: PullSchedule, top: torch.Tensor, rank: int, within: int) -> None:
+    """own_rows against the routing: each of ``rank``'s routes to its own experts maps to the row holding it
+    when the schedule fits in ``within`` rows; everything else is -1."""
+    R, N, k = top.shape
+    L = s.experts_per_rank
+    fits = int(s.num_rows) <= within
+    rows = {(r, q): t for t, (r, q) in enumerate(zip(s.src_rank.tolist(), s.src_index.tolist())) if r >= 0}
+    ids = top[rank].reshape(-1).tolist()
+    want = [rows[(rank, q)] if fits and rank * L <= e < (rank + 1) * L else -1 for q, e in enumerate(ids)]
+    assert s.own_rows.dtype == torch.int32 and s.own_rows.tolist() == want
+
+
 def check_all(top, rank, L, align=1):
-    """Both builders equal the loop twin; the invariants hold. Returns the Triton builder's schedule."""
+    """Both builders equal the loop twin; the invariants hold, own_rows with the schedule fitting and not.
+    Returns the Triton builder's schedule."""
     loop = build_pull_schedule_loop(top, rank, L, align=align)
-    for backend in BACKENDS:
-        assert_same(build_pull_schedule(top, rank, L, align=align, check_ids=True, backend=backend), loop)
     check_invariants(loop, top, rank)
+    for within in (None, loop.capacity, int(loop.num_rows) - 1):
+        want = loop if within is None else build_pull_schedule_loop(top, rank, L, align=align, own_rows_within=within)
+        if within is not None:
+            check_own_rows(want, top, rank, within)
+        for backend in BACKENDS:
+            got = build_pull_schedule(top, rank, L, align=align, check_ids=True, backend=backend,
+                                      own_rows_within=within)
+            assert_same(got, want)
     return build_pull_schedule(top, rank, L, align=align, backend="triton")
 
 
@@ -125,6 +147,18 @@ def test_matches_loop_on_random_routings(case):
     tokens, k, L, align, p_none, rank = CASES[case]
     for seed in range(3):
         check_all(routing(seed, tokens, k, L * len(tokens), p_none=p_none), rank, L, align)
+
+
+@pytest.mark.parametrize("route_block, sub_block, prefix_blocks", [(128, 32, 1), (256, 64, 4)])
+def test_kernel_blocking_does_not_change_the_schedule(monkeypatch, route_block, sub_block, prefix_blocks):
+    """Smaller route blocks (up to 22 per rank) summed a few earlier blocks at a time: the same schedule."""
+    import megamoe.schedule as schedule_module
+
+    monkeypatch.setattr(schedule_module, "ROUTE_BLOCK", route_block)
+    monkeypatch.setattr(schedule_module, "PLACE_SUB_BLOCK", sub_block)
+    monkeypatch.setattr(schedule_module, "PREFIX_BLOCKS", prefix_blocks)
+    tokens, k, L, align, p_none, rank = CASES["three-ranks-many-blocks"]
+    check_all(routing(7, tokens, k, L * len(tokens), p_none=p_none), rank, L, align)
 
 
 @settings(max_examples=30, deadline=None)
@@ -246,6 +280,7 @@ def test_unchecked_out_of_range_ids_are_ignored(backend):
         ((torch.zeros(2, 4, 2, dtype=torch.int64), 0, 2), {"align": 0}, "align must be a positive int, got 0"),
         ((torch.full((2, 4, 2), 4), 0, 2), {"check_ids": True}, r"ids in \[4, 4\]; allowed: -1 \(no route\) or 0..3"),
         ((torch.full((2, 4, 2), -2), 0, 2), {"check_ids": True}, r"ids in \[-2, -2\]"),
+        ((torch.zeros(2, 4, 2, dtype=torch.int64), 0, 2), {"own_rows_within": 1.5}, "own_rows_within must be an int"),
     ],
 )
 @pytest.mark.parametrize("builder", [build_pull_schedule, build_pull_schedule_loop])
@@ -265,6 +300,8 @@ def test_schedule_checks_shapes_on_construction():
         ("num_rows", s.num_rows.view(1), "num_rows must have shape"),
         ("capacity", s.capacity + 1, "capacity must be R\\*N\\*k"),
         ("align", 0, "align must be a positive int"),
+        ("own_rows", s.src_index[:5], r"own_rows must have shape \(8,\)"),
+        ("own_rows", torch.zeros(8, dtype=torch.int64), "own_rows must be torch.int32"),
     ]:
         with pytest.raises(ValueError, match=match):
             PullSchedule(**{**fields, name: value})

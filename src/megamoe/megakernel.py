@@ -264,14 +264,12 @@ class MegaKernel:
         self.budget = wait_budget or (DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
         self._prepare_launches()
-        # route_rows[i*k + j]: the row of y holding route (i, j)'s output when it stays in place (a route of
-        # this rank's own experts: on one rank every route; at EP >= 2 when the ring holds every row, as the
-        # kernel then pushes only the other ranks' rows home), else -1: its combine slot (weighted sum)
+        # A route's output stays in y (the schedule's own_rows; else the weighted sum reads its combine slot):
+        # on one rank every route; at EP >= 2 this rank's own routes when the ring holds every row (the kernel
+        # then pushes only the other ranks' rows home), unless keep_own_outputs is off.
+        self._own_rows_within = (shape.capacity if self.direct else
+                                 c.ring_rows if self.keep_own_outputs else -1)
         ints = dict(dtype=torch.int32, device=dev)
-        self._schedule_rows = torch.arange(shape.capacity, **ints)
-        # routes are [0, N*k); schedule rows that do not stay (remote, unused) scatter past them, each to its own
-        self._spare_routes = N * k + self._schedule_rows
-        self.route_rows = torch.empty(N * k + shape.capacity, **ints)
         if self.direct:
             self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
             per_expert = shape.capacity / shape.experts_per_rank
@@ -363,7 +361,7 @@ class MegaKernel:
         # 5. the weighted sum
         out = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=x.device)
         if n:
-            self._weighted_sum(out, top_experts, router_weights, shared is not None)
+            self._weighted_sum(out, schedule.own_rows, top_experts, router_weights, shared is not None)
         if check:
             self.check_errors()
         ctx = ForwardContext(schedule, tiles, c, self.ring_x, self.h, self.act, self.ring_scale, self.act_scale,
@@ -372,13 +370,15 @@ class MegaKernel:
 
     def _stage(self, x: torch.Tensor, top_experts: torch.Tensor, has_shared: bool) -> None:
         """Step 1: x into the symmetric rows (FP8: quantised, once per token; the BF16 rows only for the shared
-        expert) and the routing ids into row ``rank`` of every rank's routing buffer."""
+        expert, from the same read of x) and the routing ids into row ``rank`` of every rank's routing buffer."""
         n, me = x.shape[0], self.world.rank
-        if not self.quantized or has_shared:
-            self.sym.local("x")[:n].copy_(x)
-        if self.quantized and n:  # straight into the symmetric rows the comm workers pull
+        x_sym = self.sym.local("x")[:n]
+        if not self.quantized:
+            x_sym.copy_(x)
+        elif n:  # straight into the symmetric rows the comm workers pull
             quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
-                                                        self.sym.local("x_scale")[:n]))
+                                                        self.sym.local("x_scale")[:n]),
+                                 copy=x_sym if has_shared else None)
         for r in range(self.world.size):
             row = self.sym.peer("routing", r)[me]
             row[:n].copy_(top_experts)
@@ -392,18 +392,12 @@ class MegaKernel:
         if not self.direct:
             self._barrier(0)
         # 3. the schedule and its minibatch row tiles
-        schedule = build_pull_schedule(self.sym.local("routing")[:, : max(s.max_tokens, 1)], me, s.experts_per_rank)
+        schedule = build_pull_schedule(self.sym.local("routing")[:, : max(s.max_tokens, 1)], me, s.experts_per_rank,
+                                       own_rows_within=self._own_rows_within)
         # tiles are cut at minibatch boundaries only when the ring wraps (decided on the device: the cuts cost
         # the GEMMs ~6 % at 1920-row minibatches, benchmarks/results/2026-11-30-one-rank, section 8)
         tiles = build_row_tiles(schedule.tokens_per_expert, schedule.offsets, schedule.capacity, c.tile_m,
                                 minibatch=c.minibatch, cut=schedule.num_rows > c.ring_rows)
-        # which routes' outputs stay in y (route_rows); the ring holds every row iff it does not wrap
-        stays = schedule.src_rank == me
-        if not self.direct:
-            stays &= (schedule.num_rows <= c.ring_rows) & self.keep_own_outputs
-        self.route_rows.fill_(-1)
-        self.route_rows.scatter_(0, torch.where(stays, schedule.src_index, self._spare_routes).long(),
-                                 torch.where(stays, self._schedule_rows, -1))
         # 4. the megakernel (one rank: the expert kernels)
         if self.direct:
             self._run_experts(n, schedule, w_gate_up, w_down, experts_q, shared, swiglu_limit)
@@ -565,13 +559,13 @@ class MegaKernel:
                            shared[1][None], swiglu_limit=swiglu_limit,
                            out=ExpertForward(self.shared_h[:n], self.shared_act[:n], self.shared_y[:n]))
 
-    def _weighted_sum(self, out, top_experts, router_weights, has_shared: bool) -> None:
+    def _weighted_sum(self, out, own_rows, top_experts, router_weights, has_shared: bool) -> None:
         n, D = out.shape
         combine = self.sym.local("combine")
         block_t, block_d, warps = WEIGHTED_SUM_TILE if self.gpu else (16, 64, 4)
         shared_y = self.shared_y if has_shared else out
         mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
-            self.y, self.y.stride(0), combine, combine.stride(0), self.route_rows, top_experts.contiguous(),
+            self.y, self.y.stride(0), combine, combine.stride(0), own_rows, top_experts.contiguous(),
             router_weights.contiguous(), shared_y, shared_y.stride(0), out, out.stride(0), n, D,
             TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )

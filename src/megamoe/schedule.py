@@ -28,9 +28,9 @@ The algorithm, which both builders follow exactly (l = e - rank*L):
 So within region l the routes are ordered by (o, r): occurrence level first,
 then source rank, and each rank's routes keep their (i, j) order.
 
-The kernels (`megamoe.kernels.schedule`) follow it literally: program (l, r)
-counts M[l, r], then walks rank r's routes in blocks, o from a running count
-and a cumsum. The torch ops get there with no loop over routes and no
+The kernels (`megamoe.kernels.schedule`) follow it literally: program (r, b)
+counts its block of rank r's routes per expert (M by integer atomics), then
+places them, o from the earlier blocks' counts and a running count. The torch ops get there with no loop over routes and no
 data-dependent shapes (Q = R*N*k routes):
 
 1. Stable sort of the local expert id (other ranks' routes get the dump id L):
@@ -63,6 +63,9 @@ MAX_CAPACITY = 2**31 - 1
 #: compares every pair of those.
 ROUTE_BLOCK = 1024
 PLACE_SUB_BLOCK = 128
+#: Earlier blocks' histograms a placing program sums per step; warps of both kernels.
+PREFIX_BLOCKS = 16
+SCHEDULE_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,10 @@ class PullSchedule:
         experts_per_rank: L.
         top_k: k.
         align: every region starts at a multiple of it.
+        own_rows: int32 `[N*k]` or None (built only when asked, ``own_rows_within``): for each of this rank's
+            routes ``i*k + j``, the row t holding it when it is routed to one of this rank's experts and the
+            schedule fits (``num_rows <= own_rows_within``), else -1. The megakernel's weighted sum reads a
+            rank's own outputs in place through it.
     """
 
     tokens_per_expert: torch.Tensor
@@ -107,6 +114,7 @@ class PullSchedule:
     experts_per_rank: int
     top_k: int
     align: int
+    own_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "experts_per_rank", "top_k", "align"):
@@ -125,6 +133,8 @@ class PullSchedule:
             "src_index": (cap,),
             "num_rows": (),
         }
+        if self.own_rows is not None:
+            shapes["own_rows"] = ((cap - L * pad) // R,)
         device = self.src_rank.device if isinstance(self.src_rank, torch.Tensor) else None
         for name, shape in shapes.items():
             t = getattr(self, name)
@@ -157,6 +167,7 @@ def build_pull_schedule(
     align: int = 1,
     check_ids: bool = False,
     backend: str | None = None,
+    own_rows_within: int | None = None,
 ) -> PullSchedule:
     """The pull schedule of ``rank``, on ``top_experts_all``'s device.
 
@@ -175,21 +186,24 @@ def build_pull_schedule(
             on a GPU (host time ~0.1 ms instead of ~2 ms) and torch on the CPU
             (the interpreter runs the kernels' programs one by one). Both
             give the same tensors.
+        own_rows_within: also build ``own_rows`` (None: not built); its entries are all -1 unless
+            ``num_rows`` is at most this (an int; negative: always -1).
 
     No host sync, no loop over routes, static shapes, deterministic; meant to
     be capturable in a CUDA graph.
     """
-    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids)
+    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids, own_rows_within)
     if backend is None:
         backend = "triton" if top_experts_all.is_cuda else "torch"
     if backend == "triton":
-        return _build_by_kernels(top_experts_all, rank, experts_per_rank, align)
+        return _build_by_kernels(top_experts_all, rank, experts_per_rank, align, own_rows_within)
     if backend != "torch":
         raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
-    return _build_by_torch_ops(top_experts_all, rank, experts_per_rank, align)
+    return _build_by_torch_ops(top_experts_all, rank, experts_per_rank, align, own_rows_within)
 
 
-def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: int) -> PullSchedule:
+def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: int,
+                      own_rows_within: int | None) -> PullSchedule:
     R, N, k = top_experts_all.shape
     device, nk = top_experts_all.device, N * k
     capacity = R * nk + L * (align - 1)
@@ -198,24 +212,29 @@ def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: i
     def ints(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.int32, device=device)
 
-    counts, tokens, offsets, num_rows = ints(L, R), ints(L), ints(L), ints()
+    zeroed = torch.zeros(L * R + 1, dtype=torch.int32, device=device)  # counts (atomic sums), arrivals: one fill
+    counts, arrived = zeroed[:-1].view(L, R), zeroed[-1]
+    tokens, offsets, num_rows = ints(L), ints(L), ints()
     src_rank, src_index = ints(capacity), ints(capacity)
     blocks = max(1, -(-nk // ROUTE_BLOCK))
-    prefix = ints(R, blocks, L)  # each block's histogram, then (in place) the prefix sums over blocks
-    arrived = torch.zeros((), dtype=torch.int32, device=device)
+    hist = ints(R, blocks, L)  # each block's routes to each local expert
+    own_rows = None if own_rows_within is None else ints(nk)
     bins = triton.next_power_of_2(L + 1)
     route_args = (nk, rank * L, L, R, blocks)
     schedule_kernels.route_histogram_kernel[(R * blocks,)](
-        ids, prefix, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,
-        align, BLOCK=ROUTE_BLOCK, BINS=bins, BLOCK_B=min(64, triton.next_power_of_2(blocks)),
-        BLOCK_L=min(64, triton.next_power_of_2(L)))
+        ids, hist, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,
+        align, BLOCK=ROUTE_BLOCK, BINS=bins, BLOCK_L=min(64, triton.next_power_of_2(L)), num_warps=SCHEDULE_WARPS)
     schedule_kernels.place_routes_kernel[(R * blocks,)](
-        ids, prefix, counts, offsets, src_rank, src_index, *route_args, BLOCK=ROUTE_BLOCK, SUB=PLACE_SUB_BLOCK,
-        BINS=bins, RANKS=triton.next_power_of_2(R))
-    return PullSchedule(tokens, counts, offsets, src_rank, src_index, num_rows, capacity, R, L, k, align)
+        ids, hist, counts, offsets, src_rank, src_index, num_rows, src_rank if own_rows is None else own_rows,
+        *route_args, rank, -1 if own_rows_within is None else own_rows_within, BLOCK=ROUTE_BLOCK,
+        SUB=PLACE_SUB_BLOCK, BINS=bins, RANKS=triton.next_power_of_2(R),
+        BLOCK_B=max(1, min(PREFIX_BLOCKS, triton.next_power_of_2(blocks))), OWN=own_rows is not None,
+        num_warps=SCHEDULE_WARPS)
+    return PullSchedule(tokens, counts, offsets, src_rank, src_index, num_rows, capacity, R, L, k, align, own_rows)
 
 
-def _build_by_torch_ops(top_experts_all: torch.Tensor, rank: int, L: int, align: int) -> PullSchedule:
+def _build_by_torch_ops(top_experts_all: torch.Tensor, rank: int, L: int, align: int,
+                        own_rows_within: int | None) -> PullSchedule:
     """The builder as torch ops; temporary memory about a dozen `[R*N*k]` int64s (the module docstring)."""
     R, N, k = top_experts_all.shape
     device = top_experts_all.device
@@ -260,18 +279,27 @@ def _build_by_torch_ops(top_experts_all: torch.Tensor, rank: int, L: int, align:
     src_index = torch.full((capacity + 1,), -1, dtype=torch.int32, device=device)
     src_rank.scatter_(0, row, r_sorted.int())
     src_index.scatter_(0, row, (perm - r_sorted * nk).int())
+    num_rows = (offsets_L[-1] + tokens_L[-1]).int()
+    own_rows = None
+    if own_rows_within is not None:  # this rank's routes to its own experts; the others land in dump slot nk
+        stays = (src_rank[:capacity] == rank) & (num_rows <= own_rows_within)
+        at = torch.where(stays, src_index[:capacity], nk).long()
+        own_rows = torch.full((nk + 1,), -1, dtype=torch.int32, device=device)
+        own_rows.scatter_(0, at, torch.where(stays, torch.arange(capacity, device=device, dtype=torch.int32), -1))
+        own_rows = own_rows[:nk]
     return PullSchedule(
         tokens_per_expert=tokens_L.int(),
         counts=counts_LR.int(),
         offsets=offsets_L.int(),
         src_rank=src_rank[:capacity],
         src_index=src_index[:capacity],
-        num_rows=(offsets_L[-1] + tokens_L[-1]).int(),
+        num_rows=num_rows,
         capacity=capacity,
         num_ranks=R,
         experts_per_rank=L,
         top_k=k,
         align=align,
+        own_rows=own_rows,
     )
 
 
@@ -282,12 +310,13 @@ def build_pull_schedule_loop(
     *,
     align: int = 1,
     check_ids: bool = False,
+    own_rows_within: int | None = None,
 ) -> PullSchedule:
     """``build_pull_schedule`` as a literal Python loop over the algorithm: the oracle.
 
     Slow (Python over R*N*k routes, times R) and syncs the host: for tests only.
     """
-    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids)
+    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids, own_rows_within)
     L = experts_per_rank
     ids = top_experts_all.tolist()
 
@@ -320,6 +349,13 @@ def build_pull_schedule_loop(
                 src_rank[S[l] + p] = r
                 src_index[S[l] + p] = i * k + j
                 C[l][r] += 1
+    num_rows = S[L - 1] + T[L - 1]
+    own_rows = None
+    if own_rows_within is not None:
+        own_rows = [-1] * (N * k)
+        for t in range(capacity):
+            if src_rank[t] == rank and num_rows <= own_rows_within:
+                own_rows[src_index[t]] = t
 
     def as_int32(values: object) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=top_experts_all.device)
@@ -330,12 +366,13 @@ def build_pull_schedule_loop(
         offsets=as_int32(S),
         src_rank=as_int32(src_rank),
         src_index=as_int32(src_index),
-        num_rows=as_int32(S[L - 1] + T[L - 1]),
+        num_rows=as_int32(num_rows),
         capacity=capacity,
         num_ranks=R,
         experts_per_rank=L,
         top_k=k,
         align=align,
+        own_rows=None if own_rows is None else as_int32(own_rows),
     )
 
 
@@ -393,7 +430,8 @@ def build_pull_schedule_distributed(
 
 
 def _check_inputs(
-    top_experts_all: torch.Tensor, rank: int, experts_per_rank: int, align: int, check_ids: bool
+    top_experts_all: torch.Tensor, rank: int, experts_per_rank: int, align: int, check_ids: bool,
+    own_rows_within: int | None = None,
 ) -> tuple[int, int, int]:
     """Validates the builders' arguments; returns (R, N, k). Reads the host only with check_ids."""
     if not isinstance(top_experts_all, torch.Tensor) or top_experts_all.dim() != 3:
@@ -412,6 +450,8 @@ def _check_inputs(
         raise ValueError(
             f"capacity R*N*k + L*(align-1) = {capacity} exceeds the int32 row index limit {MAX_CAPACITY}"
         )
+    if own_rows_within is not None and not _is_int(own_rows_within):
+        raise ValueError(f"own_rows_within must be an int or None, got {own_rows_within!r}")
     if check_ids:
         checks.check_expert_ids(top_experts_all, R * experts_per_rank)
     return R, N, k

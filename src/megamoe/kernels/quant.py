@@ -249,6 +249,7 @@ def _quantize_kernel(
     x_ptr,
     data_ptr,
     scale_ptr,
+    copy_ptr,
     M,
     K,
     stride_x_b,
@@ -260,6 +261,10 @@ def _quantize_kernel(
     stride_s_b,
     stride_s_m,
     stride_s_k,
+    stride_c_b,
+    stride_c_m,
+    stride_c_k,
+    COPY: tl.constexpr,
     MX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -279,6 +284,9 @@ def _quantize_kernel(
 
     x_tile = x_ptr + (b * stride_x_b + m0.to(tl.int64) * stride_x_m + k0.to(tl.int64) * stride_x_k)
     x = tl.load(x_tile + rm[:, None] * stride_x_m + rk[None, :] * stride_x_k, mask=mask, other=0.0)
+    if COPY:  # x unchanged too (a staging copy fused into the one read of x)
+        c_tile = copy_ptr + (b * stride_c_b + m0.to(tl.int64) * stride_c_m + k0.to(tl.int64) * stride_c_k)
+        tl.store(c_tile + rm[:, None] * stride_c_m + rk[None, :] * stride_c_k, x, mask=mask)
     if MX:
         data, scale = mxfp8_quantize_tile(x, 0 if BLOCK_R == 32 else 1, RCEIL, SOFT_E4M3)
     else:
@@ -411,10 +419,12 @@ def _prepare(
     transpose: bool,
     config: QuantConfig,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """Outputs and the ``_quantize_kernel`` launch ``(grid, args, kwargs)`` (None when empty) for
     quantising each ``[M, K]`` matrix of ``x_BMK``: ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
-    (their last two dims swapped, contiguous, when ``transpose``), or ``out`` (not transposed) when given.
+    (their last two dims swapped, contiguous, when ``transpose``), or ``out`` (not transposed) when given;
+    ``copy`` (like ``x_BMK``) also receives x unchanged.
     Works on meta tensors too, which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
     nb, m, k = x_BMK.shape
     br, bc = block
@@ -440,19 +450,21 @@ def _prepare(
     if data.numel() == 0:
         return data, scale, None
     bm, bk = config.block_m, config.block_k
-    for name, t in (("x", x_BMK), ("data", data_v)):
+    copy_v = x_BMK if copy is None else copy
+    for name, t in (("x", x_BMK), ("data", data_v), ("copy", copy_v)):
         if bm * abs(t.stride(1)) + bk * abs(t.stride(2)) >= 2**31:
             raise ValueError(f"{name} strides {t.stride()} overflow int32 tile offsets for tile [{bm}, {bk}]")
     data_u8 = data_v.view(torch.uint8)
     grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk), nb)
     # NOTE: with one matrix its batch strides are passed as 0: Triton then knows they are
     # multiples of 16, which the 16-byte vectorisation of every tile offset depends on.
-    strides = [list(t.stride()) for t in (x_BMK, data_u8, scale_v)]
+    strides = [list(t.stride()) for t in (x_BMK, data_u8, scale_v, copy_v)]
     if nb == 1:
         for st in strides:
             st[0] = 0
-    args = (x_BMK, data_u8, scale_v, m, k, *strides[0], *strides[1], *strides[2])
+    args = (x_BMK, data_u8, scale_v, copy_v, m, k, *strides[0], *strides[1], *strides[2], *strides[3])
     kwargs = dict(
+        COPY=copy is not None,
         MX=mx,
         BLOCK_R=br,
         BLOCK_C=bc,
@@ -473,9 +485,10 @@ def _launch(
     transpose: bool,
     config: QuantConfig,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each ``[M, K]`` matrix of ``x_BMK`` (see ``_prepare``)."""
-    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out)
+    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out, copy)
     if launch is not None:
         grid, args, kwargs = launch
         _quantize_kernel[grid](*args, **kwargs)
@@ -491,6 +504,7 @@ def quantize_activations(
     transpose: bool = False,
     config: QuantConfig | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 2-D activation ``x [M, K]`` with blocks along ``axis``.
 
@@ -510,6 +524,8 @@ def quantize_activations(
         config: tile shape and E4M3 path; None picks ``default_config``.
         out: ``(data, scale)`` to write into instead of new tensors (contiguous, on x's device, the shapes
             and dtypes returned otherwise; not with ``transpose``).
+        copy: a contiguous tensor like x (shape, dtype, device) that also receives x unchanged, from the
+            same read of x (a staging copy for free); must not overlap x.
 
     Returns:
         ``(data, scale)`` (``out`` when given) equal bit for bit to ``megamoe.formats``:
@@ -537,7 +553,10 @@ def quantize_activations(
         check_tensors((("out data", out[0], (m, k), torch.float8_e4m3fn),
                        ("out scale", out[1], (m // br, k // bc), torch.uint8 if mx else torch.float32)), x.device)
         out = (out[0].unsqueeze(0), out[1].unsqueeze(0))
-    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out)
+    if copy is not None:
+        check_tensors((("copy", copy, tuple(x.shape), x.dtype),), x.device)
+        copy = copy.unsqueeze(0)
+    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out, copy)
     return data.squeeze(0), scale.squeeze(0)
 
 

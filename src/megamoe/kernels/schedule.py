@@ -10,12 +10,12 @@ program ``r * B + b`` of the route kernels. Each route is read twice (the first 
 program (l, r) scan all of rank r's routes for its one expert: L times the reads, 0.18 ms of a
 qwen3.5-397b pass):
 
-    route_histogram_kernel program (r, b): H[r, b, l], its block's routes to each local expert l,
-                           and its share of the -1 fill of src_rank / src_index; the program that
-                           finishes last: P[r, b, l] = sum of H[r, b', l] over b' < b (in place of H),
-                           M[l, r], T, S
+    route_histogram_kernel program (r, b): H[r, b, l], its block's routes to each local expert l, added
+                           into M[l, r] (integer atomics), and its share of the -1 fill of src_rank /
+                           src_index; the program that finishes last: T, S
     place_routes_kernel    program (r, b): each route of the block to l goes to row S[l] + p, with
-                           o = P[r, b, l] + the block's earlier routes to l
+                           o = sum of H[r, b', l] over b' < b + the block's earlier routes to l; this
+                           rank's programs also map each of its routes to its row (own_rows, when asked)
     row_tiles_kernel       program j: the tiles of every region inside minibatch j
 """
 
@@ -39,22 +39,21 @@ def _routes(ids_ptr, rank, start, routes_per_rank, first_expert, num_experts, SI
 @triton.jit
 def route_histogram_kernel(ids_ptr, hist_ptr, counts_ptr, tokens_ptr, offsets_ptr, num_rows_ptr, arrived_ptr,
                            src_rank_ptr, src_index_ptr, routes_per_rank, first_expert, num_experts, num_ranks, blocks,
-                           capacity, align, BLOCK: tl.constexpr, BINS: tl.constexpr, BLOCK_B: tl.constexpr,
-                           BLOCK_L: tl.constexpr):
+                           capacity, align, BLOCK: tl.constexpr, BINS: tl.constexpr, BLOCK_L: tl.constexpr):
     """ids int `[R, N*k]` (global expert ids, -1 = none) -> hist int32 `[R, blocks, L]` (program r * blocks + b:
-    its block's routes to each local expert); src_rank / src_index int32 `[capacity]` set to -1 (each program
-    a share; place_routes_kernel writes the used rows). BINS > L is a power of two.
+    its block's routes to each local expert), added into counts M `[L, R]` (zeroed; integer atomics, so the
+    order does not matter); src_rank / src_index int32 `[capacity]` set to -1 (each program a share;
+    place_routes_kernel writes the used rows). BINS > L is a power of two.
 
-    The program that finishes last (``arrived``: a zeroed int32) turns hist into its prefix sums in place
-    (``P[r, b, l]``: the routes to l in the blocks before b) and writes counts M `[L, R]`, tokens T, offsets S
-    and num_rows: one program, as its work (R * blocks * L sums) is small next to the routes.
+    The program that finishes last (``arrived``: a zeroed int32) writes tokens T, offsets S and num_rows from M.
     """
     pid = tl.program_id(0)
-    _, local = _routes(ids_ptr, pid // blocks, pid % blocks * BLOCK, routes_per_rank, first_expert, num_experts,
-                       BLOCK)
+    rank = pid // blocks
+    _, local = _routes(ids_ptr, rank, pid % blocks * BLOCK, routes_per_rank, first_expert, num_experts, BLOCK)
     hist = tl.histogram(local, BINS)
     bins = tl.arange(0, BINS)
     tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
+    tl.atomic_add(counts_ptr + bins * num_ranks + rank, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
     share = tl.cdiv(capacity, tl.num_programs(0))
     fill = tl.full((BLOCK,), -1, dtype=tl.int32)
     for start in range(pid * share, tl.minimum((pid + 1) * share, capacity), BLOCK):
@@ -62,7 +61,7 @@ def route_histogram_kernel(ids_ptr, hist_ptr, counts_ptr, tokens_ptr, offsets_pt
         keep = (row < capacity) & (row < (pid + 1) * share)
         tl.store(src_rank_ptr + row, fill, mask=keep)
         tl.store(src_index_ptr + row, fill, mask=keep)
-    tl.debug_barrier()  # every thread's hist store is issued before the arrival releases it
+    tl.debug_barrier()  # every thread's counts additions are issued before the arrival releases them
     if tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         tl.debug_barrier()
         running = tl.zeros((), dtype=tl.int32)  # rows of the regions of earlier experts (padded)
@@ -70,17 +69,8 @@ def route_histogram_kernel(ids_ptr, hist_ptr, counts_ptr, tokens_ptr, offsets_pt
             experts = l0 + tl.arange(0, BLOCK_L)
             valid = experts < num_experts
             tokens = tl.zeros((BLOCK_L,), dtype=tl.int32)
-            for rank in range(num_ranks):
-                carry = tl.zeros((BLOCK_L,), dtype=tl.int32)
-                for b0 in range(0, blocks, BLOCK_B):
-                    b = b0 + tl.arange(0, BLOCK_B)
-                    at = (rank * blocks + b.to(tl.int64))[:, None] * num_experts + experts[None, :]
-                    keep = (b[:, None] < blocks) & valid[None, :]
-                    h = tl.load(hist_ptr + at, mask=keep, other=0)
-                    tl.store(hist_ptr + at, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=keep)
-                    carry += tl.sum(h, axis=0)
-                tl.store(counts_ptr + experts * num_ranks + rank, carry, mask=valid)
-                tokens += carry
+            for r in range(num_ranks):
+                tokens += tl.load(counts_ptr + experts * num_ranks + r, mask=valid, other=0)
             padded = tl.where(valid, (tokens + align - 1) // align * align, 0)
             starts = running + tl.cumsum(padded, axis=0) - padded
             tl.store(tokens_ptr + experts, tokens, mask=valid)
@@ -90,18 +80,27 @@ def route_histogram_kernel(ids_ptr, hist_ptr, counts_ptr, tokens_ptr, offsets_pt
 
 
 @triton.jit
-def place_routes_kernel(ids_ptr, prefix_ptr, counts_ptr, offsets_ptr, src_rank_ptr, src_index_ptr,
-                        routes_per_rank, first_expert, num_experts, num_ranks, blocks,
-                        BLOCK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr, RANKS: tl.constexpr):
+def place_routes_kernel(ids_ptr, hist_ptr, counts_ptr, offsets_ptr, src_rank_ptr, src_index_ptr, num_rows_ptr,
+                        own_rows_ptr, routes_per_rank, first_expert, num_experts, num_ranks, blocks, my_rank,
+                        own_rows_within, BLOCK: tl.constexpr, SUB: tl.constexpr, BINS: tl.constexpr,
+                        RANKS: tl.constexpr, BLOCK_B: tl.constexpr, OWN: tl.constexpr):
     """Program (r, b) places its block's routes, SUB at a time. The route with occurrence index o (rank r's
-    earlier routes to l: prefix[r, b, l], the earlier sub-blocks' and the sub-block's earlier ones, from a
-    SUB x SUB compare) goes to row ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``.
+    earlier routes to l: those of blocks b' < b, summed from hist, the earlier sub-blocks' and the sub-block's
+    earlier ones, from a SUB x SUB compare) goes to row ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``.
+    OWN: the programs of rank ``my_rank`` also write own_rows int32 `[routes_per_rank]`, each route's row if it
+    is placed and ``num_rows <= own_rows_within``, else -1 (every entry: their blocks cover every route).
     BINS > L and RANKS >= R are powers of two."""
     pid = tl.program_id(0)
     rank = pid // blocks
+    fits = tl.load(num_rows_ptr) <= own_rows_within
     bins = tl.arange(0, BINS)
     ranks = tl.arange(0, RANKS)
-    seen = tl.load(prefix_ptr + pid.to(tl.int64) * num_experts + bins, mask=bins < num_experts, other=0)
+    seen = tl.zeros((BINS,), dtype=tl.int32)
+    for b0 in range(0, pid % blocks, BLOCK_B):  # the routes to each expert in this rank's earlier blocks
+        b = b0 + tl.arange(0, BLOCK_B)
+        at = (rank * blocks + b.to(tl.int64))[:, None] * num_experts + bins[None, :]
+        keep = (b[:, None] < pid % blocks) & (bins[None, :] < num_experts)
+        seen += tl.sum(tl.load(hist_ptr + at, mask=keep, other=0), axis=0)
     position = tl.arange(0, SUB)
     for start in range(pid % blocks * BLOCK, pid % blocks * BLOCK + BLOCK, SUB):
         route, local = _routes(ids_ptr, rank, start, routes_per_rank, first_expert, num_experts, SUB)
@@ -116,6 +115,9 @@ def place_routes_kernel(ids_ptr, prefix_ptr, counts_ptr, offsets_ptr, src_rank_p
         row = tl.load(offsets_ptr + l, mask=mine, other=0) + below + ahead
         tl.store(src_rank_ptr + row, tl.full((SUB,), 0, tl.int32) + rank, mask=mine)
         tl.store(src_index_ptr + row, route, mask=mine)
+        if OWN:
+            if rank == my_rank:
+                tl.store(own_rows_ptr + route, tl.where(mine & fits, row, -1), mask=route < routes_per_rank)
         seen += tl.histogram(local, BINS)
 
 

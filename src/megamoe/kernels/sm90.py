@@ -164,7 +164,7 @@ def megakernel_summary() -> dict:
     out = {}
     block_t, block_d, warps = WEIGHTED_SUM_TILE
     signature = {name: "*bf16" for name in ("y_ptr", "combine_ptr", "shared_y_ptr", "out_ptr")}
-    signature.update(route_rows_ptr="*i32", top_experts_ptr="*i32", router_weights_ptr="*fp32")
+    signature.update(own_rows_ptr="*i32", top_experts_ptr="*i32", router_weights_ptr="*fp32")
     consts = dict(TOP_K=8, HAS_SHARED=True, BLOCK_T=block_t, BLOCK_D=block_d)
     signature.update({name: "constexpr" for name in consts})
     signature.update({name: "i32" for name in mk.weighted_sum_kernel.arg_names if name not in signature})
