@@ -25,8 +25,7 @@ PRESETS = ("kimi-k2", "qwen3.5-397b", "deepseek-v4-pro")
 KNOBS = ("ROUTE_BLOCK", "PLACE_SUB_BLOCK", "PREFIX_BLOCKS", "SCHEDULE_WARPS")
 VARIANTS = [
     (sched.ROUTE_BLOCK, sched.PLACE_SUB_BLOCK, sched.PREFIX_BLOCKS, sched.SCHEDULE_WARPS),
-    (1024, 64, 16, 4), (1024, 128, 16, 8), (512, 128, 16, 4), (512, 64, 16, 4), (256, 64, 16, 4),
-    (256, 128, 32, 4), (2048, 128, 16, 8),
+    (1024, 128, 16, 4), (1024, 64, 16, 4), (512, 32, 16, 4), (256, 32, 16, 4), (512, 64, 8, 4), (512, 64, 16, 8),
 ]
 FIELDS = ("tokens_per_expert", "counts", "offsets", "src_rank", "src_index", "num_rows", "own_rows")
 

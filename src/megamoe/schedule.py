@@ -61,8 +61,8 @@ from megamoe.kernels import schedule as schedule_kernels
 MAX_CAPACITY = 2**31 - 1
 #: Routes per program of the schedule kernels; the placing program takes them PLACE_SUB_BLOCK at a time and
 #: compares every pair of those.
-ROUTE_BLOCK = 1024
-PLACE_SUB_BLOCK = 128
+ROUTE_BLOCK = 512
+PLACE_SUB_BLOCK = 64
 #: Earlier blocks' histograms a placing program sums per step; warps of both kernels.
 PREFIX_BLOCKS = 16
 SCHEDULE_WARPS = 4
@@ -219,7 +219,7 @@ def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: i
     blocks = max(1, -(-nk // ROUTE_BLOCK))
     hist = ints(R, blocks, L)  # each block's routes to each local expert
     own_rows = None if own_rows_within is None else ints(nk)
-    bins = triton.next_power_of_2(L + 1)
+    bins = triton.next_power_of_2(L)
     route_args = (nk, rank * L, L, R, blocks)
     schedule_kernels.route_histogram_kernel[(R * blocks,)](
         ids, hist, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,

@@ -43,14 +43,14 @@ def route_histogram_kernel(ids_ptr, hist_ptr, counts_ptr, tokens_ptr, offsets_pt
     """ids int `[R, N*k]` (global expert ids, -1 = none) -> hist int32 `[R, blocks, L]` (program r * blocks + b:
     its block's routes to each local expert), added into counts M `[L, R]` (zeroed; integer atomics, so the
     order does not matter); src_rank / src_index int32 `[capacity]` set to -1 (each program a share;
-    place_routes_kernel writes the used rows). BINS > L is a power of two.
+    place_routes_kernel writes the used rows). BINS >= L is a power of two.
 
     The program that finishes last (``arrived``: a zeroed int32) writes tokens T, offsets S and num_rows from M.
     """
     pid = tl.program_id(0)
     rank = pid // blocks
     _, local = _routes(ids_ptr, rank, pid % blocks * BLOCK, routes_per_rank, first_expert, num_experts, BLOCK)
-    hist = tl.histogram(local, BINS)
+    hist = tl.histogram(local, BINS, mask=local < num_experts)  # the dump expert is not counted
     bins = tl.arange(0, BINS)
     tl.store(hist_ptr + pid.to(tl.int64) * num_experts + bins, hist, mask=bins < num_experts)
     tl.atomic_add(counts_ptr + bins * num_ranks + rank, hist, mask=(bins < num_experts) & (hist > 0), sem="relaxed")
@@ -89,7 +89,7 @@ def place_routes_kernel(ids_ptr, hist_ptr, counts_ptr, offsets_ptr, src_rank_ptr
     earlier ones, from a SUB x SUB compare) goes to row ``S[l] + sum_r' min(M[l, r'], o) + |{r' < r : M[l, r'] > o}|``.
     OWN: the programs of rank ``my_rank`` also write own_rows int32 `[routes_per_rank]`, each route's row if it
     is placed and ``num_rows <= own_rows_within``, else -1 (every entry: their blocks cover every route).
-    BINS > L and RANKS >= R are powers of two."""
+    BINS >= L and RANKS >= R are powers of two."""
     pid = tl.program_id(0)
     rank = pid // blocks
     fits = tl.load(num_rows_ptr) <= own_rows_within
@@ -118,7 +118,7 @@ def place_routes_kernel(ids_ptr, hist_ptr, counts_ptr, offsets_ptr, src_rank_ptr
         if OWN:
             if rank == my_rank:
                 tl.store(own_rows_ptr + route, tl.where(mine & fits, row, -1), mask=route < routes_per_rank)
-        seen += tl.histogram(local, BINS)
+        seen += tl.histogram(local, BINS, mask=mine)
 
 
 @triton.jit

@@ -1,0 +1,16 @@
+# The minibatch question across presets (two-wave rule vs larger minibatches), after the prologue changes,
+# plus the schedule kernels again. nvidia-h200-x2. MEGAMOE_COMMIT must be set.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src
+: "${MEGAMOE_COMMIT:?set it to the commit}"
+timeout 100 python3 benchmarks/schedule_bench.py --out $OUT/schedule_bench.json > $OUT/schedule_bench.txt 2>&1
+ab() {  # preset precision variants
+    timeout 150 python3 benchmarks/megakernel_ab.py --preset $1 --precision $2 --variants $3 --rounds 5 \
+        --out $OUT/ab-$1-$2.json > $OUT/ab-$1-$2.txt 2>&1
+    echo "== $1 $2"; tail -6 $OUT/ab-$1-$2.txt
+}
+ab qwen3.5-397b fp8-block 12,12/7680,12/5760
+ab qwen3.5-397b bf16 12,12/7680,12/5760,14/7680
+ab deepseek-v4-pro fp8-block 6,6/2816
+ab deepseek-v4-pro bf16 6,6/2816
+ab kimi-k2 bf16 8,8/4096
+tail -22 $OUT/schedule_bench.txt
