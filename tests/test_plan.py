@@ -1,21 +1,23 @@
-"""The planner: the two-wave rule, the comm/compute split, the ring, and bad knobs."""
+"""The planner: the wave rule, the comm/compute split, the ring, and bad knobs."""
 
 import pytest
 from typer.testing import CliRunner
 
 from megamoe.cli import app
 from megamoe.config import MoEConfig, preset
-from megamoe.plan import COMM_SLACK, KernelConfig, _comm_over_compute, plan, tile_use, two_wave_rows
+from megamoe.plan import COMM_SLACK, MINIBATCH_WAVES, KernelConfig, _comm_over_compute, plan, tile_use, wave_rows
 
 
-def test_two_wave_rule_reproduces_the_published_example():
+def test_wave_rule_reproduces_the_published_example():
     # MoK: 128x256 tiles, 148 compute SMs, Kimi D 7168, I 2048 -> 2368 rows (already whole 128-row tiles: 18.5 -> 19)
     kimi = preset("kimi-k2")
-    assert two_wave_rows(kimi, 148, 128, 256) == 19 * 128
+    assert wave_rows(kimi, 148, 128, 256, waves=2) == 19 * 128
     assert 2 * 148 * 128 * 256 / min(2 * 2048, 7168) == 2368
     # D smaller than 2I: D is the divisor
     narrow = MoEConfig(hidden=1024, intermediate=2048, num_experts=8, top_k=2)
-    assert two_wave_rows(narrow, 100, 128, 256) == -(-2 * 100 * 128 * 256 // 1024 // 128) * 128
+    assert wave_rows(narrow, 100, 128, 256, waves=2) == -(-2 * 100 * 128 * 256 // 1024 // 128) * 128
+    # the planner's three waves: 3 * 124 * 128 * 256 / 4096 = 2976 -> 24 tiles of 128
+    assert MINIBATCH_WAVES == 3 and wave_rows(kimi, 124, 128, 256) == 24 * 128
 
 
 def test_plan_picks_the_fewest_even_comm_sms_that_keep_up():
@@ -26,9 +28,9 @@ def test_plan_picks_the_fewest_even_comm_sms_that_keep_up():
     assert _comm_over_compute(kimi, 2, 8192, c.comm_sms, 132, "bf16") <= COMM_SLACK
     assert _comm_over_compute(kimi, 2, 8192, c.comm_sms - 2, 132, "bf16") > COMM_SLACK
     assert any("rounded up to even" in line for line in p.reasoning)  # 7 keeps up here
-    assert c.minibatch == two_wave_rows(kimi, c.compute_sms, 128, 256)
+    assert c.minibatch == wave_rows(kimi, c.compute_sms, 128, 256)
     assert c.ring_rows % c.minibatch == 0 and c.ring_rows >= 8192 * 8
-    assert p.memory_total > 0 and any("two waves" in line for line in p.reasoning)
+    assert p.memory_total > 0 and any("3 waves" in line for line in p.reasoning)
     # more ranks: more rows cross NVLink, so more comm SMs
     assert plan(kimi, 8, 8192).config.comm_sms >= c.comm_sms
     # EP 1: ~171 rows per expert fill 2 tiles of 128 to 67 %, so the compute is slower per row and needs
@@ -68,6 +70,6 @@ def test_pinned_knobs_are_kept_and_checked():
 def test_plan_command_prints_the_config_and_why():
     result = CliRunner().invoke(app, ["plan", "--preset", "kimi-k2", "--ep", "2", "--tokens", "8192"])
     assert result.exit_code == 0, result.output
-    assert "KernelConfig(num_sms=132" in result.output and "two waves" in result.output and "total" in result.output
+    assert "KernelConfig(num_sms=132" in result.output and "3 waves" in result.output and "total" in result.output
     bad = CliRunner().invoke(app, ["plan", "--comm-sms", "200"])
     assert bad.exit_code == 2 and "must be < num_sms" in bad.output

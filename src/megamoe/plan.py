@@ -4,10 +4,16 @@ The megakernel splits the SMs into ``comm_sms`` communication workers and
 ``C = num_sms - comm_sms`` compute workers, and hands the experts their rows a
 minibatch at a time. The planner applies three rules and prints why:
 
-1. Two waves: each grouped GEMM of a minibatch needs at least two full waves
+1. Waves: each grouped GEMM of a minibatch needs at least two full waves
    of output tiles over the compute SMs,
    ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (DESIGN §4; MoK: 128x256
    tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
+   The planner takes ``MINIBATCH_WAVES`` = 3: in interleaved rounds on H200 at
+   EP 2 three waves beat two by 1-4 % on five of six preset/format pairs
+   (qwen3.5-397b fp8-block 4.3 %) and four waves were no better than three
+   (benchmarks/results/2026-11-30-pass-prologue): per-minibatch costs (the
+   rows_ready wait, the gate/up -> down hand-over, a push per minibatch) weigh
+   more than the longer first pull and last push.
 2. Communication keeps up: the fewest comm SMs whose measured per-SM copy
    rate moves the routed rows (dispatch of every row, local ones too; combine
    of the other ranks' rows: the ring keeps a rank's own outputs) in at most
@@ -50,6 +56,11 @@ H200_SMS = 132
 #: 7 -> 8, 12 and 5 -> 6.
 COMM_SLACK = 0.85
 ELEMENT_BYTES = {"bf16": 2.0, "fp8-block": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
+#: Waves of gate/up tiles per minibatch (rule 1). Interleaved A/B rounds, EP 2, ms per pass (benchmarks/results/
+#: 2026-11-30-pass-prologue), two / three / four waves: qwen3.5-397b bf16 6.20 / 6.14 / 6.24, fp8-block 5.10 /
+#: 4.88 / 4.92; kimi-k2 bf16 15.31 / 15.42 / 15.96, fp8-block 11.57 / 11.41 / 11.73; deepseek-v4-pro bf16 19.53 /
+#: 19.14 / 19.41, fp8-block 14.04 / 14.00 / 13.80.
+MINIBATCH_WAVES = 3
 
 
 @dataclass(frozen=True)
@@ -103,9 +114,9 @@ class Plan:
         return sum(self.memory.values())
 
 
-def two_wave_rows(cfg: MoEConfig, compute_sms: int, tile_m: int, tile_n: int) -> int:
-    """Rule 1, exact: 2 · C · tile_m · tile_n / min(2I, D), rounded up to whole row tiles."""
-    rows = 2 * compute_sms * tile_m * tile_n / min(2 * cfg.intermediate, cfg.hidden)
+def wave_rows(cfg: MoEConfig, compute_sms: int, tile_m: int, tile_n: int, waves: int = MINIBATCH_WAVES) -> int:
+    """Rule 1, exact: waves · C · tile_m · tile_n / min(2I, D), rounded up to whole row tiles."""
+    rows = waves * compute_sms * tile_m * tile_n / min(2 * cfg.intermediate, cfg.hidden)
     return math.ceil(rows / tile_m) * tile_m
 
 
@@ -182,10 +193,11 @@ def plan(
         raise ValueError(f"comm_sms ({comm_sms}) must be < num_sms ({num_sms})")
 
     if minibatch is None:
-        minibatch = two_wave_rows(cfg, compute, tile_m, tile_n)
-        why.append(f"minibatch {minibatch} rows: two waves of {tile_m}x{tile_n} tiles over {compute} compute SMs "
-                   f"= 2*{compute}*{tile_m}*{tile_n}/min(2I={2 * cfg.intermediate}, D={cfg.hidden}), "
-                   f"rounded up to whole {tile_m}-row tiles")
+        minibatch = wave_rows(cfg, compute, tile_m, tile_n)
+        why.append(f"minibatch {minibatch} rows: {MINIBATCH_WAVES} waves of {tile_m}x{tile_n} tiles over {compute} "
+                   f"compute SMs = {MINIBATCH_WAVES}*{compute}*{tile_m}*{tile_n}/min(2I={2 * cfg.intermediate}, "
+                   f"D={cfg.hidden}), rounded up to whole {tile_m}-row tiles (two is the least; three measured "
+                   f"fastest on H200)")
     else:
         why.append(f"minibatch {minibatch}: given")
 
