@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -86,7 +87,8 @@ def main() -> None:
             setattr(sched, knob, value)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(0), "commit": os.environ.get("MEGAMOE_COMMIT"),
+                       "results": results}, f, indent=1)
     print("\npreset            block sub prefix warps  build_us  same")
     for r in results:
         print(f"{r['preset']:17s} {r['ROUTE_BLOCK']:5d} {r['PLACE_SUB_BLOCK']:3d} {r['PREFIX_BLOCKS']:6d} "
