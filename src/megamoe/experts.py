@@ -231,6 +231,23 @@ class ExpertForwardQuantized:
     act_scale: torch.Tensor
     y: torch.Tensor
 
+    @classmethod
+    def given_or_empty(cls, out: ExpertForwardQuantized | None, rows: int, intermediate: int, hidden: int,
+                       scale_block: int, scale_dtype: torch.dtype, device: torch.device,
+                       store_h: bool) -> ExpertForwardQuantized:
+        """``out``, or new uninitialised outputs for ``rows`` rows (h only with ``store_h``); ValueError when
+        ``store_h`` and ``out`` has no h."""
+        if out is None:
+            out = cls(
+                h=torch.empty(rows, 2 * intermediate, dtype=torch.bfloat16, device=device) if store_h else None,
+                act_q=torch.empty(rows, intermediate, dtype=torch.float8_e4m3fn, device=device),
+                act_scale=torch.empty(rows, intermediate // scale_block, dtype=scale_dtype, device=device),
+                y=torch.empty(rows, hidden, dtype=torch.bfloat16, device=device),
+            )
+        if store_h and out.h is None:
+            raise ValueError("store_h=True needs out.h")
+        return out
+
 
 def _check(x_rows, counts, offsets, w_gate_up, w_down) -> tuple[int, int, int]:
     if x_rows.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:

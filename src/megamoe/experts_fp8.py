@@ -80,17 +80,7 @@ def expert_forward_fp8_block(
     """
     experts, i, d = checks.check_quantized_experts("fp8-block", x_q, x_scale, counts, offsets, w_gate_up_q,
                                                    w_gate_up_scale, w_down_q, w_down_scale)
-    rows = x_q.shape[0]
-    device = x_q.device
-    if out is None:
-        out = ExpertForwardQuantized(
-            h=torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device) if store_h else None,
-            act_q=torch.empty(rows, i, dtype=FP8, device=device),
-            act_scale=torch.empty(rows, i // FP8_BLOCK, dtype=torch.float32, device=device),
-            y=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
-        )
-    if store_h and out.h is None:
-        raise ValueError("store_h=True needs out.h")
+    out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, FP8_BLOCK, torch.float32, x_q.device, store_h)
     tiles = tiles or {}
     gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, swiglu_limit=swiglu_limit,
                 num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h)
