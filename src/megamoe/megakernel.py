@@ -85,7 +85,6 @@ WAITS = {
     mk.WAIT_SHARED_DONE.value: "shared gate/up done of row tile",
     mk.WAIT_PASS_END.value: "end-of-pass barrier flag of rank",
     mk.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
-    mk.WAIT_TILE_Y_DONE.value: "y done of row tile",
 }
 
 #: The communication workers' copy tile: one row per warp of the kernel's 8 warps (E4M3 rows and the scales
@@ -252,12 +251,11 @@ class MegaKernel:
         self.shared_h = torch.empty(max(N, 1), 2 * Is, **bf16) if Is else None
         self.shared_act = torch.zeros(max(N, 1), Is, **bf16) if Is else None
         self.shared_y = torch.empty(max(N, 1), D, **bf16) if Is else None
-        # counters: rows_ready [M] | y_done [M] | tile_done [tiles] | tile_y_done [tiles] | shared_done [shared tiles]
-        # | comm_done [1]
+        # counters: rows_ready [M] | y_done [M] | tile_done [tiles] | shared_done [shared tiles] | comm_done [1]
         self.max_batches = max(1, -(-shape.capacity // c.minibatch))
         self.max_tiles = -(-shape.capacity // c.tile_m) + shape.experts_per_rank + self.max_batches
         shared_tiles = -(-max(N, 1) // c.tile_m)
-        self.counters = torch.zeros(2 * self.max_batches + 2 * self.max_tiles + shared_tiles + 1, dtype=torch.int32,
+        self.counters = torch.zeros(2 * self.max_batches + self.max_tiles + shared_tiles + 1, dtype=torch.int32,
                                     device=dev)
         self.epochs = self.sym.local("epochs")
         self.error = torch.zeros(4, dtype=torch.int32, device=dev)
@@ -430,10 +428,9 @@ class MegaKernel:
             self._shared_x_desc = desc(self.sym.local("x"), [bm, sbk])
             self._shared_act_desc = desc(self.shared_act, [bm, sbk])
         M, T = self.max_batches, self.max_tiles
-        # rows_ready, tile_done, y_done, tile_y_done, shared_done, comm_done (the kernel's argument order)
+        # rows_ready, tile_done, y_done, shared_done, comm_done (the kernel's argument order)
         self._counter_views = (self.counters[:M], self.counters[2 * M: 2 * M + T], self.counters[M: 2 * M],
-                               self.counters[2 * M + T: 2 * M + 2 * T], self.counters[2 * M + 2 * T: -1],
-                               self.counters[-1:])
+                               self.counters[2 * M + T: -1], self.counters[-1:])
         if self.quantized:  # E4M3 rows and their scales
             x_q, x_scale = self.sym.local("x_q"), self.sym.local("x_scale")
             self._pulled_args = (self.sym.peer_ptrs("x_q"), x_q, x_q.stride(0),

@@ -9,7 +9,6 @@ counters (zeroed before each pass):
     rows_ready[j]     comm workers that pulled their share of minibatch j   (target comm_sms)
     tile_done[t]      gate/up n-tiles finished of row tile t                (target cdiv(I, BN_GU))
     y_done[j]         down tasks finished of minibatch j                     (target tiles(j) * cdiv(D, BN_DN))
-    tile_y_done[t]    down tasks finished of row tile t                     (target cdiv(D, BN_DN))
     shared_done[t]    gate/up n-tiles finished of shared row tile t
     comm_done         comm workers finished (the last one opens the end-of-pass barrier across ranks)
 
@@ -25,21 +24,16 @@ push then covers its tiles' rows, from its first tile's start to its last
 tile's end.
 
 Communication worker c, for each visited minibatch j: if the slot was used
-(by j + slots), push that minibatch's outputs home first and wait until its
-every down task is done (y_done: the pull overwrites rows its gate/up tiles
-read); then pull its share of j's rows into the slot and release
-rows_ready[j]. After the last pull it pushes the minibatches still in the
-ring, in visit order. A minibatch's push is dealt by row tile (tile t of it
-to worker t mod comm_sms), each tile pushed once its own down tasks are done
-(tile_y_done): the pass ends a tile's push after its last tile, not a
-minibatch's. When the ring holds every row, the rows this rank owns are not
-pushed: their outputs stay in y, where the weighted sum reads them
-(``keep_own``).
+(by j + slots), push that minibatch's outputs home first (wait y_done); then
+pull its share of j's rows into the slot and release rows_ready[j]. After the
+last pull it pushes the minibatches still in the ring, in visit order. When
+the ring holds every row, the rows this rank owns are not pushed: their
+outputs stay in y, where the weighted sum reads them (``keep_own``).
 
 Compute worker: the shared expert's gate/up and down tiles over this rank's
 tokens (no wait on communication), then per visited minibatch: wait
 rows_ready[j], gate/up + SwiGLU tasks (release tile_done), down tasks (each
-waits for its row tile's gate/up) into the ring's y rows (release tile_y_done and y_done).
+waits for its row tile's gate/up) into the ring's y rows (release y_done).
 Tasks are dealt from one global list in that order, round robin over the
 compute workers; every wait targets an earlier task of the list, so the
 waits cannot cycle.
@@ -74,7 +68,6 @@ WAIT_Y_DONE = tl.constexpr(3)
 WAIT_SHARED_DONE = tl.constexpr(4)
 WAIT_PASS_END = tl.constexpr(5)
 WAIT_PASS_START = tl.constexpr(6)
-WAIT_TILE_Y_DONE = tl.constexpr(7)
 
 #: PHASE values: 0 the whole pass; the others one step (CPU mode).
 PHASE_ALL = tl.constexpr(0)
@@ -186,33 +179,25 @@ def comm_pull(
 def comm_push(
     j, c, comm_sms, minibatch, slots, budget, skip_rank,
     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-    tile_y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr, num_n_down,
+    y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr, num_n_down,
     CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
     WAIT: tl.constexpr, TRACE: tl.constexpr,
 ):
-    """Worker c's row tiles of minibatch j (its tiles c, c + comm_sms, ..), each once its down tasks are done, to
-    their rows' home combine slots. Rows whose home is ``skip_rank`` stay in the ring (-1: push every row)."""
+    """Once minibatch j's down tasks are done, worker c's share of its tiles' rows to their home combine slots
+    (the rows of minibatch j, or, with uncut tiles, from its first tile's start to its last tile's end).
+    Rows whose home is ``skip_rank`` stay in the ring (-1: push every row)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
+    budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_Y_DONE, WAIT,
+                          TRACE)
+    has = tiles > 0
+    first_row = tl.load(tile_row0_ptr + t0, mask=has, other=0).to(tl.int64)
+    end_row = tl.load(tile_row_end_ptr + t0 + tiles - 1, mask=has, other=0).to(tl.int64)
     src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
-    for tile in range(t0 + c, t0 + tiles, comm_sms):
-        budget = wait_counter(tile_y_done_ptr + tile, num_n_down, budget, error_ptr, tile, trace_ptr,
-                              WAIT_TILE_Y_DONE, WAIT, TRACE)
-        row0 = tl.load(tile_row0_ptr + tile).to(tl.int64)
-        row_end = tl.load(tile_row_end_ptr + tile).to(tl.int64)
-        for r0 in range(row0, row_end, ROWS):
-            push_tile(r0, row_end, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
-                      combine_ptr, stride_combine, skip_rank, 1, True, CHUNKS, CP, W, ROWS, ALIGN)
+    for t0 in range(first_row + c * ROWS, end_row, comm_sms * ROWS):
+        push_tile(t0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
+                  combine_ptr, stride_combine, skip_rank, 1, True, CHUNKS, CP, W, ROWS, ALIGN)
     return budget
-
-
-@triton.jit
-def wait_minibatch_done(j, budget, y_done_ptr, minibatch_tiles_ptr, error_ptr, trace_ptr, num_n_down,
-                        WAIT: tl.constexpr, TRACE: tl.constexpr):
-    """Wait until every down task of minibatch j is done (before its ring slot is pulled into again)."""
-    tiles = tl.load(minibatch_tiles_ptr + j + 1) - tl.load(minibatch_tiles_ptr + j)
-    return wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_Y_DONE, WAIT,
-                        TRACE)
 
 
 @triton.jit
@@ -271,7 +256,7 @@ def compute_down(
     j, c, workers, dealt, minibatch, slots, budget,
     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
-    tile_y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+    error_ptr, trace_ptr, experts, I, D,
     DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -300,7 +285,6 @@ def compute_down(
         else:
             down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
                       DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
-        release_add(tile_y_done_ptr + tile)
         release_add(y_done_ptr + j)
     return dealt + tasks, budget
 
@@ -362,7 +346,7 @@ def megakernel(
     shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr, stride_shared_h, stride_shared_act,
     shared_act_desc, shared_w_down_desc, shared_y_ptr, stride_shared_y,
     # counters, flags, error word
-    rows_ready_ptr, tile_done_ptr, y_done_ptr, tile_y_done_ptr, shared_done_ptr, comm_done_ptr,
+    rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
     tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, keep_own,
@@ -395,11 +379,9 @@ def megakernel(
                     budget = comm_push(
                         j + slots, pid, comm_sms, minibatch, slots, budget, skip_rank,
                         y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                        tile_y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
+                        y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                         tl.cdiv(D, BN_DN),
                         CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
-                    budget = wait_minibatch_done(j + slots, budget, y_done_ptr, minibatch_tiles_ptr, error_ptr,
-                                                 trace_ptr, tl.cdiv(D, BN_DN), WAIT, TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
                           src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale,
@@ -409,7 +391,7 @@ def megakernel(
                 budget = comm_push(
                     batches - 1 - p, pid, comm_sms, minibatch, slots, budget, skip_rank,
                     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                    tile_y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
+                    y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                     tl.cdiv(D, BN_DN),
                     CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
             # End of pass: the last comm worker of this rank tells every rank its pushes landed and waits
@@ -451,7 +433,7 @@ def megakernel(
                     j, c, workers, dealt, minibatch, slots, budget,
                     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                     stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                    tile_done_ptr, y_done_ptr, tile_y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                    tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                     DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
@@ -485,12 +467,12 @@ def megakernel(
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
                          act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                          stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                         tile_done_ptr, y_done_ptr, tile_y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                         tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                          DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, minibatch, slots, budget, skip_rank,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
-                      tile_y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
+                      y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                       tl.cdiv(D, BN_DN),
                       CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
 
