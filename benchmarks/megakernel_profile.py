@@ -5,7 +5,8 @@
 One process per GPU. Passes run as `megamoe bench` runs them (max_tokens given, no host checks; FP8 weights
 quantised once before), eager and replayed from a CUDA graph, under torch.profiler. For the last pass of each
 mode every rank reports each kernel's start (µs after the pass's first kernel starts) and duration, the pass's
-span (first kernel start to last kernel end) and the host time of the eager call. Rank 0 prints them; DIR/
+span (first kernel start to last kernel end; the tool's barrier between passes, an NCCL all-reduce, is listed
+before it and not counted) and the host time of the eager call. Rank 0 prints them; DIR/
 profile.json holds every rank's timelines, DIR/profile.txt the printed tables.
 """
 
@@ -27,15 +28,19 @@ import megakernel_args  # benchmarks/, beside this script
 
 
 def _timeline(prof, passes: int) -> dict:
-    """The last pass's kernels (a pass = the kernels from a megakernel's predecessors to the next pass)."""
+    """The last pass's kernels (a pass = the kernels from a megakernel's predecessors to the next pass). The
+    span runs from the first kernel after this tool's barrier between passes (an NCCL all-reduce, listed with
+    negative starts) to the last kernel's end."""
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     per_pass = len(kernels) // passes
     last = kernels[-per_pass:]
-    t0 = last[0].time_range.start
+    barrier = max((i for i, e in enumerate(last) if "nccl" in e.name.lower()), default=-1)
+    own = last[barrier + 1:]
+    t0 = own[0].time_range.start
     rows = [{"kernel": e.name[:60], "start_us": e.time_range.start - t0, "us": e.time_range.end - e.time_range.start}
             for e in last]
-    return {"kernels": rows, "span_us": max(e.time_range.end for e in last) - t0, "kernels_per_pass": per_pass}
+    return {"kernels": rows, "span_us": max(e.time_range.end for e in own) - t0, "kernels_per_pass": len(own)}
 
 
 def _profile(world, a):
