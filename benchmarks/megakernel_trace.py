@@ -53,6 +53,10 @@ def _trace(world, a):
             "compute_end_ms_max": _ms(end[compute].max()),
             "compute_wait_ms_mean": _ms(waited[compute].float().mean()),
             "compute_wait_ms_max": _ms(waited[compute].max()),
+            # of the compute workers' waits: on rows_ready (communication behind), on tile_done (a down task
+            # before its row tile's gate/up is done); the rest on the shared expert's gate/up
+            "compute_wait_rows_ms_mean": _ms(t[compute, mk.TRACE_WAIT_ROWS_NS.value].float().mean()),
+            "compute_wait_tile_ms_mean": _ms(t[compute, mk.TRACE_WAIT_TILE_NS.value].float().mean()),
             "compute_waits_mean": float(t[compute, mk.TRACE_WAITS.value].float().mean()),
             "shared_end_ms_mean": _ms((t[compute, mk.TRACE_SHARED_END.value] - start_at).float().mean()),
         })

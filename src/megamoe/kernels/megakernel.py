@@ -90,6 +90,8 @@ TRACE_WAIT_NS = tl.constexpr(2)
 TRACE_WAITS = tl.constexpr(3)
 TRACE_SHARED_END = tl.constexpr(4)
 TRACE_SM = tl.constexpr(5)  # the SM the program ran on
+TRACE_WAIT_ROWS_NS = tl.constexpr(6)  # the part of TRACE_WAIT_NS spent on rows_ready
+TRACE_WAIT_TILE_NS = tl.constexpr(7)  # ... and on tile_done (a down task waiting for its row tile's gate/up)
 TRACE_FIELDS = tl.constexpr(8)
 
 
@@ -107,7 +109,8 @@ def wait_counter(ptr, target, budget, error_ptr, index, trace_ptr, WAIT_ID: tl.c
     """Spin (acquire, GPU scope) until ``*ptr >= target``; returns the program's remaining poll budget.
 
     A timeout records ``[WAIT_ID, index, target, seen]`` (first failure only) and returns 0. TRACE adds
-    the nanoseconds spent here to ``trace_ptr[TRACE_WAIT_NS]`` and counts the wait.
+    the nanoseconds spent here to ``trace_ptr[TRACE_WAIT_NS]`` (and to its rows_ready or tile_done share) and
+    counts the wait.
     """
     if WAIT:
         if TRACE:
@@ -126,7 +129,12 @@ def wait_counter(ptr, target, budget, error_ptr, index, trace_ptr, WAIT_ID: tl.c
         else:
             budget = budget - polls
         if TRACE:
-            tl.atomic_add(trace_ptr + TRACE_WAIT_NS, globaltimer() - t0, sem="relaxed")
+            waited = globaltimer() - t0
+            tl.atomic_add(trace_ptr + TRACE_WAIT_NS, waited, sem="relaxed")
+            if WAIT_ID == WAIT_ROWS_READY:
+                tl.atomic_add(trace_ptr + TRACE_WAIT_ROWS_NS, waited, sem="relaxed")
+            if WAIT_ID == WAIT_TILE_DONE:
+                tl.atomic_add(trace_ptr + TRACE_WAIT_TILE_NS, waited, sem="relaxed")
             tl.atomic_add(trace_ptr + TRACE_WAITS, 1, sem="relaxed")
     return budget
 
