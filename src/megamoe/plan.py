@@ -12,8 +12,8 @@ minibatch at a time. The planner applies three rules and prints why:
    EP 2 three waves beat two by 1-4 % on five of six preset/format pairs
    (qwen3.5-397b fp8-block 4.3 %) and four waves were no better than three
    (benchmarks/results/2026-11-30-pass-prologue): per-minibatch costs (the
-   rows_ready wait, the gate/up -> down hand-over, a push per minibatch) weigh
-   more than the longer first pull and last push.
+   gate/up -> down hand-over, where the compute workers' waits are, and a push
+   per minibatch) weigh more than the longer first pull and last push.
 2. Communication keeps up: the fewest comm SMs whose measured per-SM copy
    rate moves the routed rows (dispatch of every row, local ones too; combine
    of the other ranks' rows: the ring keeps a rank's own outputs) in at most
