@@ -249,8 +249,11 @@ def test_gpu_a_peer_that_never_signals_raises_instead_of_hanging():
 
 
 @pytest.mark.gpu
-def test_gpu_exact_against_reference():
-    failures = launch(_suite, 2, CASES[2], device="cuda")
+@pytest.mark.parametrize("ranks", sorted(CASES))
+def test_gpu_exact_against_reference(ranks):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs")
+    failures = launch(_suite, ranks, CASES[ranks], device="cuda")
     assert all(f == [] for f in failures), failures
 
 

@@ -360,12 +360,17 @@ def _gpu_configs(sms: int):
             for comm, minibatch, ring in ((16, 1024, 8192), (4, 256, 512), (32, 512, 16384), (1, 128, 256))]
 
 
+#: Tokens per rank for the GPU tests, cut to the group's size (uneven; one rank with a single token, one with none).
+UNEVEN_TOKENS = (1000, 700, 1, 999, 0, 640, 333, 900)
+
+
 def _gpu_suite(world):
     results = []
     sms = torch.cuda.get_device_properties(world.device).multi_processor_count
-    for name, tokens, routing, drop in (("uneven", (1000, 700), "uniform", 0.1),
-                                        ("one-rank", (900, 0), "one-rank", 0.0),
-                                        ("zipf", (2048, 2048), "zipf", 0.05)):
+    ranks = world.size
+    for name, tokens, routing, drop in (("uneven", UNEVEN_TOKENS[:ranks], "uniform", 0.1),
+                                        ("one-rank", (900,) + (0,) * (ranks - 1), "one-rank", 0.0),
+                                        ("zipf", (2048,) * ranks, "zipf", 0.05)):
         p = _problem(world, GPU_CONFIG, tokens, routing, drop, 11)
         want = ep_reference_forward_backward(world, p, with_grads=False)[0]
         args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
@@ -379,8 +384,9 @@ def _gpu_suite(world):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_two_ranks_correct_and_bitwise_stable():
-    for rank, per_case in enumerate(launch(_gpu_suite, 2, device="cuda")):
+def test_gpu_every_gpu_correct_and_bitwise_stable():
+    """One rank per visible GPU: EP 2 on two GPUs, EP 4 on four."""
+    for rank, per_case in enumerate(launch(_gpu_suite, torch.cuda.device_count(), device="cuda")):
         for r in per_case:
             assert r["correct"] and r["rel_err"] < 1e-2 and all(r["same_bits"]), (rank, r)
 
@@ -388,7 +394,7 @@ def test_gpu_two_ranks_correct_and_bitwise_stable():
 def _fp8_gpus(world):
     """FP8 on GPUs: within FP8 error of the oracle, bitwise the same across configs (planner's, a wrapping
     ring with few comm SMs) and with the weights quantised before the pass or in it."""
-    p = _problem(world, GPU_CONFIG, (1000, 700), "uniform", 0.1, 17)
+    p = _problem(world, GPU_CONFIG, UNEVEN_TOKENS[:world.size], "uniform", 0.1, 17)
     want = ep_reference_forward_backward(world, p, with_grads=False)[0]
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
     sms = torch.cuda.get_device_properties(world.device).multi_processor_count
@@ -407,7 +413,7 @@ def _fp8_gpus(world):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_fp8_correct_and_same_bits_across_configs_and_prequantized_weights():
-    for rank, results in enumerate(launch(_fp8_gpus, 2, device="cuda")):
+    for rank, results in enumerate(launch(_fp8_gpus, torch.cuda.device_count(), device="cuda")):
         for precision, r in results.items():
             assert 1e-3 < r["rel_err"] < 6e-2 and all(r["same_bits"]), (rank, precision, r)
 

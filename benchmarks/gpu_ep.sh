@@ -1,0 +1,14 @@
+# Steady-state forward passes of the three presets beside nccl-torch at EP=$EP (one rank per GPU), TOKENS per rank,
+# BF16 and fp8-block routed experts. nvidia-h200-x4 for EP 4. MEGAMOE_COMMIT must be set.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src
+: "${MEGAMOE_COMMIT:?set it to the commit}" "${EP:?set EP}" "${TOKENS:?set TOKENS}"
+for p in ${PRESETS:-qwen3.5-397b kimi-k2 deepseek-v4-pro}; do
+    name=ep$EP-$TOKENS-$p
+    start=$SECONDS
+    timeout ${BENCH_TIMEOUT:-180} python3 -m megamoe bench --preset $p --tokens $TOKENS --ep $EP \
+        --impl nccl-torch,megamoe,megamoe-graph --experts bf16,fp8-block --passes fwd --iters 10 --warmup 60 \
+        --json $OUT/$name.json --md $OUT/$name.md > /dev/null 2>$OUT/$name.err || tail -5 $OUT/$name.err
+    echo "# $name ($((SECONDS - start)) s): impl | ms (median) | x vs nccl-torch | rel | correct"
+    sed -n '8,12p' $OUT/$name.md | cut -d'|' -f2,4,6,10,11
+    [ -s $OUT/$name.err ] || rm -f $OUT/$name.err
+done
