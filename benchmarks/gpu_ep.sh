@@ -7,8 +7,8 @@ for p in ${PRESETS:-qwen3.5-397b kimi-k2 deepseek-v4-pro}; do
     start=$SECONDS
     timeout ${BENCH_TIMEOUT:-180} python3 -m megamoe bench --preset $p --tokens $TOKENS --ep $EP \
         --impl nccl-torch,megamoe,megamoe-graph --experts bf16,fp8-block --passes fwd --iters 10 --warmup 60 \
-        --json $OUT/$name.json --md $OUT/$name.md > /dev/null 2>$OUT/$name.err || tail -5 $OUT/$name.err
+        --json $OUT/$name.json --md $OUT/$name.md > /dev/null 2>$OUT/$name.err && rm $OUT/$name.err \
+        || tail -5 $OUT/$name.err
     echo "# $name ($((SECONDS - start)) s): impl | ms (median) | x vs nccl-torch | rel | correct"
     sed -n '8,12p' $OUT/$name.md | cut -d'|' -f2,4,6,10,11
-    [ -s $OUT/$name.err ] || rm -f $OUT/$name.err
 done
