@@ -1,13 +1,12 @@
-"""MegaKernel variants in interleaved rounds: comm SMs, minibatch, own outputs kept or pushed, task order.
+"""MegaKernel variants in interleaved rounds: comm SMs, minibatch, own outputs kept or pushed.
 
     PYTHONPATH=src python3 benchmarks/megakernel_ab.py --preset kimi-k2 --variants 8:push,8,6,8/1024 [--rounds 5]
         [--precision fp8-block]
 
 On every GPU (one rank each), `megamoe bench`'s problem (seed 0, uniform routing, 8192 tokens per rank). A variant
-is ``COMM_SMS[/MINIBATCH][:push|:serial]``: `megamoe plan`'s config at that comm SM count (and minibatch, the ring
-rounded up to whole minibatches), with ``:push`` for ``MegaKernel(keep_own_outputs=False)`` (every output pushed to
-its combine slot, local ones too: the layout before 24c8091) and ``:serial`` for ``pipelined_tasks=False`` (each
-minibatch's down tasks right after its gate/up tasks). Each variant's MegaKernel is built once and kept; a round
+is ``COMM_SMS[/MINIBATCH][:push]``: `megamoe plan`'s config at that comm SM count (and minibatch, the ring rounded up
+to whole minibatches), with ``:push`` for ``MegaKernel(keep_own_outputs=False)`` (every output pushed to its
+combine slot, local ones too: the layout before 24c8091). Each variant's MegaKernel is built once and kept; a round
 runs --passes eager passes of each (device work replayed from the kernel's own CUDA graph, as `megamoe bench`
 times them), one variant after another, after a warm-up round: variants drift together as the GPUs heat toward
 the power cap, where sweeps that time one point after another drift apart (up to 8 %,
@@ -39,17 +38,16 @@ from megamoe.quantized_experts import quantize_experts
 from megamoe.world import launch
 
 
-def variants(text: str) -> list[tuple[str, int, int | None, dict]]:
-    """``8:push,6/1024:serial`` -> [("8:push", 8, None, {"keep_own_outputs": False}), ("6/1024:serial", 6, 1024,
-    {"pipelined_tasks": False})]: (name, comm_sms, minibatch or None for the planner's, MegaKernel options)."""
-    modes = {"": {}, "push": {"keep_own_outputs": False}, "serial": {"pipelined_tasks": False}}
+def variants(text: str) -> list[tuple[str, int, int | None, bool]]:
+    """``8:push,6/1024`` -> [("8:push", 8, None, False), ("6/1024", 6, 1024, True)]:
+    (name, comm_sms, minibatch or None for the planner's, keep_own_outputs)."""
     out = []
     for item in text.split(","):
         knobs, _, mode = item.partition(":")
         sms, _, minibatch = knobs.partition("/")
-        if mode not in modes or not sms.isdigit() or (minibatch and not minibatch.isdigit()):
-            raise ValueError(f"a variant is COMM_SMS[/MINIBATCH][:push|:serial], got {item!r}")
-        out.append((item, int(sms), int(minibatch) if minibatch else None, modes[mode]))
+        if mode not in ("", "push") or not sms.isdigit() or (minibatch and not minibatch.isdigit()):
+            raise ValueError(f"a variant is COMM_SMS[/MINIBATCH][:push], got {item!r}")
+        out.append((item, int(sms), int(minibatch) if minibatch else None, mode != "push"))
     return out
 
 
@@ -66,12 +64,12 @@ def run_rank(world, opts: dict):
     # the expert GEMMs' tile (128x256 on Hopper, 32x32 under the interpreter): the kernel accepts no other
     tile = plan_tiles("down", world.device if world.is_cuda else torch.device("cpu"))
     num_sms = torch.cuda.get_device_properties(world.device).multi_processor_count if world.is_cuda else CPU_SMS
-    for name, sms, minibatch, options in opts["variants"]:
+    for name, sms, minibatch, keep in opts["variants"]:
         config = plan(cfg, world.size, opts["tokens"], num_sms=num_sms, precision=precision, comm_sms=sms,
                       tile_m=tile.block_m, tile_n=tile.block_n).config
         if minibatch:
             config = replace(config, minibatch=minibatch, ring_rows=-(-config.ring_rows // minibatch) * minibatch)
-        kernels[name] = (MegaKernel(world, shape, config, precision=precision, **options), config)
+        kernels[name] = (MegaKernel(world, shape, config, precision=precision, keep_own_outputs=keep), config)
 
     def forward(kernel, check=False):
         return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused,

@@ -204,20 +204,15 @@ class MegaKernel:
     instead of replaying its CUDA graph (same bits). ``keep_own_outputs=False`` pushes the outputs of a
     rank's own routes into its combine slots too, as the other ranks' are (same bits; the layout before
     24c8091, kept for A/B measurements): by default they stay in the ring when it holds every row.
-    ``pipelined_tasks=False`` deals each minibatch's down tasks right after its gate/up tasks (same bits; the
-    order before this option, for A/B measurements): by default they follow the next minibatch's gate/up
-    tasks, when the ring has two slots or more.
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
                  precision: str = "bf16", wait_budget: int | None = None, trace: bool = False,
-                 one_rank_megakernel: bool = False, replay: bool = True, keep_own_outputs: bool = True,
-                 pipelined_tasks: bool = True):
+                 one_rank_megakernel: bool = False, replay: bool = True, keep_own_outputs: bool = True):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} for the megakernel, got {precision!r}")
         self.world, self.shape, self.precision = world, shape, precision
         self.keep_own_outputs = bool(keep_own_outputs)
-        self.pipelined_tasks = bool(pipelined_tasks)
         self.requested = (config, precision)
         self.fmt, self.scale_block, scale_dtype = FORMATS[precision]
         self.quantized = precision != "bf16"
@@ -493,8 +488,6 @@ class MegaKernel:
             self.error if self.trace is None else self.trace,
             n, self.world.rank, self.world.size, c.comm_sms, c.minibatch, c.ring_rows // c.minibatch, L, I, D,
             s.shared_intermediate, float(swiglu_limit or 0.0), self.budget, int(self.keep_own_outputs),
-            # down tasks one minibatch behind the gate/up tasks: the waits cannot cycle with two slots or more
-            int(self.pipelined_tasks and c.ring_rows // c.minibatch >= 2),
         )
         consts = dict(self._consts, HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None)
         if self.gpu:

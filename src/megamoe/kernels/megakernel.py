@@ -35,12 +35,8 @@ tokens (no wait on communication), then per visited minibatch: wait
 rows_ready[j], gate/up + SwiGLU tasks (release tile_done), down tasks (each
 waits for its row tile's gate/up) into the ring's y rows (release y_done).
 Tasks are dealt from one global list in that order, round robin over the
-compute workers; with ``lag`` 1 a minibatch's down tasks come after the next
-visited minibatch's gate/up tasks (GU(M-1), GU(M-2), DN(M-1), GU(M-3), ..),
-so a down task finds its row tile's gate/up long done. Every wait targets an
-earlier task of the list, so the waits cannot cycle: with lag 1 that needs
-two ring slots or more (the launcher passes lag 0 otherwise), since the pull
-of j waits for minibatch j + slots' down tasks.
+compute workers; every wait targets an earlier task of the list, so the
+waits cannot cycle.
 
 Waits poll with acquire atomics within a per-program budget of polls; on
 timeout the first failing wait writes ``[wait id, index, target, seen]`` to
@@ -338,8 +334,8 @@ def shared_down(
     return dealt + tiles * num_n, budget
 
 
-@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "keep_own", "lag",
-                               "phase_minibatch", "limit"])
+@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "keep_own", "phase_minibatch",
+                               "limit"])
 def megakernel(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr,
@@ -362,7 +358,7 @@ def megakernel(
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
     tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, keep_own,
-    lag, phase_minibatch,
+    phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -432,22 +428,21 @@ def megakernel(
                                             SHARED_BN_DN, SHARED_BK, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_SHARED_END, globaltimer())
-            for p in range(batches + lag):  # step p: gate/up of visit p, then the down tasks of visit p - lag
-                if p < batches:
-                    dealt, budget = compute_gate_up(
-                        batches - 1 - p, c, workers, dealt, minibatch, slots, budget,
-                        ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
-                        ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
-                        stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                        rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
-                        HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
-                if p >= lag:
-                    dealt, budget = compute_down(
-                        batches - 1 - (p - lag), c, workers, dealt, minibatch, slots, budget,
-                        act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-                        stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                        tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
-                        DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+            for p in range(batches):
+                j = batches - 1 - p
+                dealt, budget = compute_gate_up(
+                    j, c, workers, dealt, minibatch, slots, budget,
+                    ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
+                    ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
+                    stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                    rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                dealt, budget = compute_down(
+                    j, c, workers, dealt, minibatch, slots, budget,
+                    act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
+                    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+                    tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                    DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
