@@ -143,3 +143,42 @@ def test_bench_experts_fails_a_quantized_record_off_its_twin():
     assert failures([good]) == []
     assert failures([{**good, "rel_err_vs_twin": 0.03}]) and failures([{**good, "rel_err_vs_torch": 0.2}])
     assert failures([{**good, "all_written": False}])
+
+
+def test_ep_scaling_tables_the_speedups_by_ep(tmp_path):
+    """benchmarks/ep_scaling.py: bench records of several runs in, one row per (preset, tokens, EP) with each
+    megamoe row's time over nccl-torch's, the backward and foreign JSON ignored; no records is an error."""
+    from pathlib import Path
+
+    def record(impl, ep, ms, correct=True, pass_="fwd"):
+        return {"impl": impl, "preset": "tiny", "pass": pass_, "ep": ep, "tokens_per_rank": 64, "time_ms": ms,
+                "correct": correct, "commit": f"c{ep}"}
+
+    runs = tmp_path / "runs"
+    (runs / "a").mkdir(parents=True)
+    (runs / "a" / "ep1.json").write_text(json.dumps([record("nccl-torch", 1, 9.0), record("megamoe", 1, 3.0),
+                                                     record("megamoe", 1, 1.0, pass_="bwd")]))
+    (runs / "ep2.json").write_text(json.dumps([record("nccl-torch", 2, 8.0), record("megamoe-graph", 2, 5.0),
+                                               record("megamoe (fp8-block experts)", 2, 2.0, correct=False)]))
+    (runs / "other.json").write_text(json.dumps({"not": "records"}))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ep_scaling.py"
+    done = subprocess.run([sys.executable, str(script), str(runs)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| tiny")]
+    assert [[c.strip() for c in r] for r in rows] == [
+        ["tiny", "64", "1", "9.00", "3.00 (3.00x)", "-", "-", "-", "c1", "True"],
+        ["tiny", "64", "2", "8.00", "-", "5.00 (1.60x)", "2.00 (4.00x)", "-", "c2", "False"],
+    ]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "no forward bench records" in done.stderr
+    try:
+        import matplotlib  # noqa: F401  (the bench extra; CI installs the test extra only)
+    except ImportError:
+        return
+    png = tmp_path / "scaling.png"
+    done = subprocess.run([sys.executable, str(script), str(runs), "--png", str(png)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
