@@ -65,16 +65,18 @@ def plot(runs: dict[tuple[str, int, int], dict[str, dict]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     presets = sorted({k[0] for k in runs})
+    token_counts = sorted({k[1] for k in runs}, reverse=True)
+    graphs = {fmt: name for (impl, fmt), name in MEGAMOE_ROWS.items() if impl == "megamoe-graph"}
+    colors = {"bf16": "tab:blue", "fp8-block": "tab:red"}
     fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), sharey=True, squeeze=False)
     for ax, preset in zip(axes[0], presets):
-        for tokens, style in ((8192, "-"), (2048, "--")):
-            for name, color in (("megamoe-graph", "tab:blue"), ("megamoe-graph (fp8-block experts)", "tab:red")):
+        for tokens, style in zip(token_counts, ("-", "--", ":", "-.") * len(token_counts)):
+            for fmt, name in graphs.items():
                 points = sorted((ep, rows["nccl-torch"]["time_ms"] / rows[name]["time_ms"])
                                 for (p, t, ep), rows in runs.items()
                                 if p == preset and t == tokens and name in rows and "nccl-torch" in rows)
                 if points:
-                    label = f"{'fp8-block' if 'fp8' in name else 'bf16'}, {tokens} tokens"
-                    ax.plot(*zip(*points), style, marker="o", color=color, label=label)
+                    ax.plot(*zip(*points), style, marker="o", color=colors[fmt], label=f"{fmt}, {tokens} tokens")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_title(preset)
         ax.set_xlabel("EP (GPUs)")
