@@ -26,14 +26,14 @@ TILES = [  # (BLOCK_T, BLOCK_D, num_warps); 16 x 512 with 8 warps is the launche
 SHAPES = {"kimi-k2": (8192, 8, 7168, True), "qwen3.5-397b": (8192, 10, 4096, True)}
 
 
-def _time_tiles(name, n, k, d, shared, y, combine, route_rows, top, weights, shared_y, nbytes) -> list[dict]:
+def _time_tiles(name, n, k, d, shared, y, combine, own_rows, top, weights, shared_y, nbytes) -> list[dict]:
     results, first = [], None
     for bt, bd, warps in TILES:
         out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run():
             mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
-                y, y.stride(0), combine, combine.stride(0), route_rows, top, weights, shared_y,
+                y, y.stride(0), combine, combine.stride(0), own_rows, top, weights, shared_y,
                 shared_y.stride(0), out, out.stride(0), n, d, TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd,
                 num_warps=warps)
         ms = triton.testing.do_bench(run, return_mode="median")
@@ -64,8 +64,8 @@ def main() -> None:
         own_rows = torch.where((flat >= 0) & (flat % 2 == 0), ring_row, -1).to(torch.int32)
         y = torch.randn(n * k, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         for own in (False, True):
-            route_rows = own_rows if own else torch.full((n * k,), -1, device="cuda", dtype=torch.int32)
-            results += _time_tiles(f"{name}{' own' if own else ''}", n, k, d, shared, y, combine, route_rows, top,
+            rows_in_y = own_rows if own else torch.full((n * k,), -1, device="cuda", dtype=torch.int32)
+            results += _time_tiles(f"{name}{' own' if own else ''}", n, k, d, shared, y, combine, rows_in_y, top,
                                    weights, shared_y, nbytes)
     if args.out:
         with open(args.out, "w") as f:

@@ -31,7 +31,8 @@ then source rank, and each rank's routes keep their (i, j) order.
 The kernels (`megamoe.kernels.schedule`) follow it literally: program (r, b)
 counts its block of rank r's routes per expert (M by integer atomics), then
 places them, o from the earlier blocks' counts and a running count. The
-torch ops get there with no loop over routes and no data-dependent shapes (Q = R*N*k routes):
+torch ops get there with no loop over routes and no data-dependent shapes
+(Q = R*N*k routes):
 
 1. Stable sort of the local expert id (other ranks' routes get the dump id L):
    the flat order is r-major, so routes come out grouped by (l, r) in (i, j)
@@ -227,6 +228,7 @@ def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: i
         ids, hist, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,
         align, BLOCK=ROUTE_BLOCK, BINS=bins, BLOCK_L=min(64, triton.next_power_of_2(L)), num_warps=SCHEDULE_WARPS)
     schedule_kernels.place_routes_kernel[(R * blocks,)](
+        # without own_rows (OWN off) the kernel never writes its pointer: src_rank only fills the argument
         ids, hist, counts, offsets, src_rank, src_index, num_rows, src_rank if own_rows is None else own_rows,
         *route_args, rank, -1 if own_rows_within is None else own_rows_within, BLOCK=ROUTE_BLOCK,
         SUB=PLACE_SUB_BLOCK, BINS=bins, RANKS=triton.next_power_of_2(R),
