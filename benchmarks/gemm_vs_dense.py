@@ -1,0 +1,158 @@
+"""The expert GEMM tiles against cuBLAS on dense shapes of the same N and K, at the power cap (one GPU).
+
+    PYTHONPATH=src python3 benchmarks/gemm_vs_dense.py [--preset kimi-k2] [--experts 192,16] [--rounds 5]
+                                                       [--seconds 0.5] [--out DIR]
+
+For each load (``tokens x k`` rows spread evenly over each expert count; kimi-k2 at 8192 tokens: 192 x 341
+and 16 x 4096) every kernel of the layer's expert compute runs beside its dense peer, all of them in
+interleaved rounds (``sustained.interleaved_rounds``: each round runs every call back to back for
+--seconds, after a warm-up round, so all of them see the 700 W steady state):
+
+| kernel | ours | dense peer (cuBLAS, same M = all rows, N, K) |
+|---|---|---|
+| gate/up + SwiGLU | ``experts.gate_up`` | ``x [M, D] @ W [D, 2I]`` |
+| down | ``experts.down`` | ``act [M, I] @ W [I, D]`` |
+| backward (dact + SwiGLU', dx, both wgrads) | ``experts.expert_backward`` | the four dense GEMMs in sequence |
+| fp8-block gate/up, down | ``experts_fp8.gate_up_fp8`` / ``down_fp8`` | ``torch._scaled_mm`` row/column scales |
+
+``torch._grouped_mm`` on the same grouped problem runs beside them (what torch users get). The backward's
+kernels are split afterwards with the torch profiler (still at the cap: it runs right after the rounds).
+Prints one table (ms, TFLOP/s, % of the dense peer); writes DIR/gemm_vs_dense.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+
+import torch
+
+from megamoe.bench.experts import kernel_times, make_load
+from megamoe.config import preset
+from megamoe.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, gate_up
+from megamoe.experts_fp8 import down_fp8, gate_up_fp8
+from megamoe.kernels.quant import quantize_activations, quantize_weights
+
+from sustained import interleaved_rounds  # benchmarks/, beside this script
+
+
+def load_calls(experts: int, routes: int, d: int, i: int, dev) -> tuple[dict, dict, dict]:
+    """{name: fn}, {name: FLOPs}, {name: peer name} of one load."""
+    x, counts, offsets, wgu, wd = make_load(experts, routes, d, i, dev)
+    rows = x.shape[0]
+    ends = counts.cumsum(0).to(torch.int32)
+    out = ExpertForward(torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=dev),
+                        torch.empty(rows, i, dtype=torch.bfloat16, device=dev),
+                        torch.empty(rows, d, dtype=torch.bfloat16, device=dev))
+    gate_up(x, counts, offsets, wgu, out.h, out.act)
+    g = torch.Generator(device=dev).manual_seed(7)
+    dy = torch.randn(rows, d, generator=g, device=dev).bfloat16()
+    row_w = torch.rand(rows, generator=g, device=dev)
+    # dense operands: one expert's weights stand for all (the dense GEMM has one B)
+    w_gu, w_dn = wgu[0].T.contiguous(), wd[0].T.contiguous()  # [D, 2I], [I, D]
+    d_h = torch.randn(rows, 2 * i, generator=g, device=dev).bfloat16()
+    c_gu, c_dn = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=dev), torch.empty_like(x)
+    c_dact, c_wd = torch.empty(rows, i, dtype=torch.bfloat16, device=dev), torch.empty(d, i, dtype=torch.bfloat16,
+                                                                                         device=dev)
+    c_wgu = torch.empty(2 * i, d, dtype=torch.bfloat16, device=dev)
+
+    def dense_backward():
+        torch.mm(dy, wd[0], out=c_dact)            # d_act [M, I]: K = D
+        torch.mm(d_h, wgu[0], out=c_dn)            # d_x [M, D]: K = 2I
+        torch.mm(dy.T, out.act, out=c_wd)          # dW_down [D, I]: K = M
+        torch.mm(d_h.T, x, out=c_wgu)              # dW_gate_up [2I, D]: K = M
+
+    fwd = 2 * rows * d * i
+    calls = {
+        "gate_up": lambda: gate_up(x, counts, offsets, wgu, out.h, out.act),
+        "gate_up dense": lambda: torch.mm(x, w_gu, out=c_gu),
+        "gate_up grouped_mm": lambda: torch._grouped_mm(x, wgu.transpose(-2, -1), offs=ends),
+        "down": lambda: down(out.act, counts, offsets, wd, out.y),
+        "down dense": lambda: torch.mm(out.act, w_dn, out=c_dn),
+        "down grouped_mm": lambda: torch._grouped_mm(out.act, wd.transpose(-2, -1), offs=ends),
+        "backward": lambda: expert_backward(dy, row_w, x, out.h, counts, offsets, wgu, wd),
+        "backward dense": dense_backward,
+    }
+    flops = {"gate_up": 2 * fwd, "down": fwd, "backward": 6 * fwd}  # dact 1, dx 2, wgrads 1 + 2
+    # fp8-block: operands quantised once, untimed
+    x_q, x_s = quantize_activations(x, "fp8-block")
+    wgu_q, wgu_s = quantize_weights(wgu, "fp8-block")
+    wd_q, wd_s = quantize_weights(wd, "fp8-block")
+    q_out = ExpertForwardQuantized(torch.empty_like(out.h), torch.empty(rows, i, dtype=torch.float8_e4m3fn, device=dev),
+                                   torch.empty(rows, i // 128, device=dev), torch.empty_like(x))
+    gate_up_fp8(x_q, x_s, counts, offsets, wgu_q, wgu_s, q_out)
+    a_gu, a_dn = x_q, q_out.act_q
+    b_gu = wgu_q[0].T  # [D, 2I] column-major, as cuBLAS takes B
+    b_dn = wd_q[0].T   # [I, D]
+    r_gu, r_dn = torch.rand(rows, 1, device=dev) + 0.5, torch.rand(rows, 1, device=dev) + 0.5
+    s_gu, s_dn = torch.rand(1, 2 * i, device=dev) + 0.5, torch.rand(1, d, device=dev) + 0.5
+    calls.update({
+        "fp8 gate_up": lambda: gate_up_fp8(x_q, x_s, counts, offsets, wgu_q, wgu_s, q_out),
+        "fp8 gate_up dense": lambda: torch._scaled_mm(a_gu, b_gu, r_gu, s_gu, out_dtype=torch.bfloat16),
+        "fp8 down": lambda: down_fp8(q_out.act_q, q_out.act_scale, counts, offsets, wd_q, wd_s, q_out.y),
+        "fp8 down dense": lambda: torch._scaled_mm(a_dn, b_dn, r_dn, s_dn, out_dtype=torch.bfloat16),
+    })
+    flops.update({"fp8 gate_up": 2 * fwd, "fp8 down": fwd})
+    for name in list(calls):  # every name's FLOPs are its kernel's
+        base = name.removesuffix(" dense").removesuffix(" grouped_mm")
+        flops[name] = flops[base]
+    backward = lambda: expert_backward(dy, row_w, x, out.h, counts, offsets, wgu, wd)  # noqa: E731
+    return calls, flops, {"backward": backward}
+
+
+def machine() -> dict:
+    query = "name,driver_version,power.limit,clocks.max.sm"
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        line = "unknown"
+    return {"nvidia_smi": line, "torch": torch.__version__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="kimi-k2")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--experts", default="192,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.5)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = parser.parse_args()
+    cfg = preset(a.preset)
+    dev = torch.device("cuda")
+    records, lines = [], []
+    for experts in (int(e) for e in a.experts.split(",")):
+        load = f"{experts}x{a.tokens * cfg.top_k // experts}"
+        calls, flops, split = load_calls(experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, dev)
+        times = interleaved_rounds(calls, a.rounds, a.seconds)
+        kernels = kernel_times(split["backward"])
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            base = name.removesuffix(" dense").removesuffix(" grouped_mm")
+            records.append({"load": load, "call": name, "ms": ms, "ms_rounds": ts, "tflops": flops[name] / ms / 1e9})
+        records.append({"load": load, "call": "backward kernels", "kernels_ms": kernels})
+        by = {r["call"]: r for r in records if r["load"] == load and "ms" in r}
+        for name, r in by.items():
+            base = name.removesuffix(" dense").removesuffix(" grouped_mm")
+            share = f"{100 * by[base + ' dense']['ms'] / r['ms']:.0f} %" if name == base else ""
+            lines.append(f"| {load} | {name} | {r['ms']:.3f} | {min(r['ms_rounds']):.3f}-{max(r['ms_rounds']):.3f} "
+                         f"| {r['tflops']:.0f} | {share} |")
+        lines.append(f"| {load} | backward kernels | " + ", ".join(f"{k[:28]} {v:.2f}" for k, v in
+                                                                 list(kernels.items())[:6]) + " | | | |")
+        del calls, split
+        torch.cuda.empty_cache()
+    with open(os.path.join(a.out, "gemm_vs_dense.json"), "w") as f:
+        json.dump({"machine": machine(), "preset": a.preset, "tokens": a.tokens, "rounds": a.rounds,
+                   "seconds": a.seconds, "records": records}, f, indent=1)
+    print(f"{a.preset}, {a.rounds} interleaved rounds of {a.seconds} s per call (steady state)")
+    print("| load | call | ms (median) | min-max | TFLOP/s | % of dense |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
