@@ -22,10 +22,11 @@ import torch
 
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
-from megamoe.experts import expert_forward
-from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared
+from megamoe.ops.experts import expert_forward
+from megamoe.plan import LayerShape
+from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.plan import KernelConfig
-from megamoe.world import launch
+from megamoe.dist.world import launch
 
 from sustained import run_for  # benchmarks/, beside this script
 

@@ -22,9 +22,10 @@ import torch
 import triton
 
 from experts_fp8_bench import D, I, LOADS, ROUTES, make_load
-from megamoe.experts import ExpertForward, TileConfig, down, gate_up, plan_tiles
-from megamoe.experts_fp8 import ExpertForwardQuantized, down_fp8, gate_up_fp8, plan_tiles_fp8
-from megamoe.kernels.quant import quantize_activations, quantize_weights
+from megamoe.ops.experts import ExpertForward, down, gate_up
+from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.ops.experts_fp8 import ExpertForwardQuantized, down_fp8, gate_up_fp8, plan_tiles_fp8
+from megamoe.ops.quant import quantize_activations, quantize_weights
 
 
 def variants(sms: int) -> dict:

@@ -52,11 +52,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from megamoe import comm, formats
-from megamoe.comm import CommShape, CommTuning
+from megamoe.ops import comm
+from megamoe.reference import formats
+from megamoe.ops.comm import CommShape, CommTuning
 from megamoe.config import preset
-from megamoe.schedule import build_pull_schedule
-from megamoe.world import launch
+from megamoe.routing.schedule import build_pull_schedule
+from megamoe.dist.world import launch
 
 SMS = (8, 16, 24, 32)
 #: Section 1's copy tiles (the last is the default).

@@ -17,10 +17,10 @@ import json
 
 import torch
 
-from megamoe import comm
-from megamoe.comm import CommTuning
+from megamoe.ops import comm
+from megamoe.ops.comm import CommTuning
 from megamoe.config import preset
-from megamoe.world import launch
+from megamoe.dist.world import launch
 
 SMS = (1, 4, 8, 16, 32, 132)
 #: row tiles: 4 rows on 4 warps, 16 on 16, the default 8 on 8 (the megakernel's)

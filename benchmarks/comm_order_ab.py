@@ -36,12 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe import comm
-from megamoe.comm import CommTuning, _tile
-from megamoe.schedule import build_pull_schedule
+from megamoe.ops import comm
+from megamoe.ops.comm import CommTuning, copy_tile
+from megamoe.routing.schedule import build_pull_schedule
 from megamoe.kernels.comm import claim_tiles, pull_tile, push_tile
 from triton.language.extra.cuda import globaltimer, smid
-from megamoe.world import launch
+from megamoe.dist.world import launch
 
 import comm_bench  # benchmarks/, beside this script
 

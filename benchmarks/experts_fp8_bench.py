@@ -19,16 +19,10 @@ import time
 import torch
 import triton
 
-from megamoe.experts import TileConfig, expert_forward
-from megamoe.experts_fp8 import (
-    ExpertForwardQuantized,
-    down_fp8,
-    expert_forward_fp8_block,
-    expert_forward_fp8_block_reference,
-    gate_up_fp8,
-    plan_tiles_fp8,
-)
-from megamoe.kernels.quant import quantize_activations, quantize_weights
+from megamoe.ops.tiles import TileConfig
+from megamoe.ops.experts import expert_forward
+from megamoe.ops.experts_fp8 import (ExpertForwardQuantized, down_fp8, expert_forward_fp8_block, expert_forward_fp8_block_reference, gate_up_fp8, plan_tiles_fp8)
+from megamoe.ops.quant import quantize_activations, quantize_weights
 
 D, I, ROUTES = 7168, 2048, 65536
 LOADS = {"192x341": 192, "16x4096": 16}

@@ -20,7 +20,9 @@ import torch
 
 from megamoe.bench.experts import make_load, median_ms
 from megamoe.config import preset
-from megamoe.experts import build_row_tiles, expert_forward, plan_tiles
+from megamoe.routing.row_tiles import build_row_tiles
+from megamoe.ops.experts import expert_forward
+from megamoe.ops.tiles import plan_tiles
 
 
 def main() -> None:

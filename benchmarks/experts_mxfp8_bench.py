@@ -18,16 +18,9 @@ import time
 import torch
 import triton
 
-from megamoe.experts import expert_forward
-from megamoe.experts_mxfp8 import (
-    ExpertForwardQuantized,
-    down_mxfp8,
-    expert_forward_mxfp8,
-    expert_forward_mxfp8_reference,
-    gate_up_mxfp8,
-    plan_tiles_mxfp8,
-)
-from megamoe.kernels.quant import quantize_activations, quantize_weights
+from megamoe.ops.experts import expert_forward
+from megamoe.ops.experts_mxfp8 import (ExpertForwardQuantized, down_mxfp8, expert_forward_mxfp8, expert_forward_mxfp8_reference, gate_up_mxfp8, plan_tiles_mxfp8)
+from megamoe.ops.quant import quantize_activations, quantize_weights
 
 D, I, ROUTES = 7168, 2048, 65536
 LOADS = {"192x341": 192, "16x4096": 16}

@@ -32,9 +32,9 @@ import torch
 
 from megamoe.bench.experts import kernel_times, make_load
 from megamoe.config import preset
-from megamoe.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, gate_up
-from megamoe.experts_fp8 import down_fp8, gate_up_fp8
-from megamoe.kernels.quant import quantize_activations, quantize_weights
+from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, gate_up
+from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
+from megamoe.ops.quant import quantize_activations, quantize_weights
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 

@@ -30,12 +30,14 @@ import torch
 
 from megamoe.bench.harness import timed_pass
 from megamoe.bench.problem import make_problem
-from megamoe.experts import plan_tiles
+from megamoe.ops.tiles import plan_tiles
 from megamoe.config import preset
-from megamoe.megakernel import CPU_SMS, LayerShape, MegaKernel, fuse_shared
+from megamoe.megakernel import MegaKernel, fuse_shared
+from megamoe.runtime import INTERPRETER_PROGRAMS
+from megamoe.plan import LayerShape
 from megamoe.plan import plan
-from megamoe.quantized_experts import quantize_experts
-from megamoe.world import launch
+from megamoe.ops.quant import quantize_experts
+from megamoe.dist.world import launch
 
 
 def variants(text: str) -> list[tuple[str, int, int | None, bool]]:
@@ -63,7 +65,7 @@ def run_rank(world, opts: dict):
     kernels = {}
     # the expert GEMMs' tile (128x256 on Hopper, 32x32 under the interpreter): the kernel accepts no other
     tile = plan_tiles("down", world.device if world.is_cuda else torch.device("cpu"))
-    num_sms = torch.cuda.get_device_properties(world.device).multi_processor_count if world.is_cuda else CPU_SMS
+    num_sms = torch.cuda.get_device_properties(world.device).multi_processor_count if world.is_cuda else INTERPRETER_PROGRAMS
     for name, sms, minibatch, keep in opts["variants"]:
         config = plan(cfg, world.size, opts["tokens"], num_sms=num_sms, precision=precision, comm_sms=sms,
                       tile_m=tile.block_m, tile_n=tile.block_n).config

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from megamoe.megakernel import LayerShape, default_config
+from megamoe.plan import LayerShape
+from megamoe.megakernel import default_config
 from megamoe.plan import KernelConfig
 
 

@@ -22,8 +22,8 @@ import torch
 import megamoe.megakernel as mega
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
-from megamoe.quantized_experts import quantize_experts
-from megamoe.world import launch
+from megamoe.ops.quant import quantize_experts
+from megamoe.dist.world import launch
 
 
 def _host(world, preset_name: str, tokens: int, passes: int, precision: str):

@@ -20,9 +20,10 @@ import torch
 
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
-from megamoe.megakernel import LayerShape, megamoe_forward
-from megamoe.quantized_experts import quantize_experts
-from megamoe.world import launch
+from megamoe.plan import LayerShape
+from megamoe.megakernel import megamoe_forward
+from megamoe.ops.quant import quantize_experts
+from megamoe.dist.world import launch
 
 import megakernel_args  # benchmarks/, beside this script
 

@@ -29,14 +29,14 @@ import triton
 if not torch.cuda.is_available():  # CPU ranks run Triton kernels under the interpreter: set before any import of them
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from megamoe import plan as planner  # noqa: E402
+from megamoe import plan as planner# noqa: E402
 from megamoe.bench.harness import TOLERANCES, compare, error_stats, pass_work, percentile, timed_pass  # noqa: E402
 from megamoe.bench.problem import make_problem  # noqa: E402
 from megamoe.bench.report import run_metadata  # noqa: E402
 from megamoe.config import preset  # noqa: E402
-from megamoe.experts import plan_tiles  # noqa: E402
-from megamoe.unfused import unfused_moe_forward  # noqa: E402
-from megamoe.world import launch  # noqa: E402
+from megamoe.ops.tiles import plan_tiles# noqa: E402
+from megamoe.baselines.unfused import unfused_moe_forward# noqa: E402
+from megamoe.dist.world import launch# noqa: E402
 
 MINIBATCHES = (256, 512, 1024, 2048, 4096, 8192)
 COMM_SMS = (8, 12, 16, 20, 24, 32, 48)
@@ -78,7 +78,7 @@ def run_rank(world, args, points) -> list[dict] | None:
     if args.impl == "megamoe":
         import megamoe.megakernel as mega
         from megamoe.megakernel import megamoe_forward
-        from megamoe.quantized_experts import quantize_experts
+        from megamoe.ops.quant import quantize_experts
 
         if args.comm_rows:  # an experiment: the comm workers' copy tile
             mega.COMM_TUNING = replace(mega.COMM_TUNING, tile_rows=args.comm_rows)

@@ -16,10 +16,11 @@ import torch
 
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
-from megamoe.experts import expert_forward
+from megamoe.ops.experts import expert_forward
 from megamoe.kernels import megakernel as mk
-from megamoe.megakernel import LayerShape, MegaKernel, fuse_shared
-from megamoe.world import launch
+from megamoe.plan import LayerShape
+from megamoe.megakernel import MegaKernel, fuse_shared
+from megamoe.dist.world import launch
 
 import megakernel_args  # benchmarks/, beside this script
 

@@ -36,8 +36,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from megamoe.formats import fp8_block_quantize, mxfp8_quantize
-from megamoe.kernels.quant import QuantConfig, default_config, quantize_activations, quantize_weights
+from megamoe.reference.formats import fp8_block_quantize, mxfp8_quantize
+from megamoe.ops.quant import QuantConfig, default_config, quantize_activations, quantize_weights
 
 DEVICE = "cuda"
 COPY_CEILING_GBPS = 4252.0  # HBM copy, read + write, BENCHMARKS.md

@@ -19,7 +19,7 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import megamoe.schedule as sched
+import megamoe.routing.schedule as sched
 from megamoe.config import preset
 
 PRESETS = ("kimi-k2", "qwen3.5-397b", "deepseek-v4-pro")

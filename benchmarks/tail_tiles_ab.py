@@ -20,7 +20,8 @@ import statistics
 import torch
 
 from megamoe.config import preset
-from megamoe.experts import ExpertForward, TileConfig, expert_forward
+from megamoe.ops.experts import ExpertForward, expert_forward
+from megamoe.ops.tiles import TileConfig
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 

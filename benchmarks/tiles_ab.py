@@ -19,7 +19,8 @@ import torch
 
 from megamoe.bench.experts import make_load
 from megamoe.config import preset
-from megamoe.experts import ExpertForward, TileConfig, expert_forward, plan_tiles
+from megamoe.ops.experts import ExpertForward, expert_forward
+from megamoe.ops.tiles import TileConfig, plan_tiles
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 

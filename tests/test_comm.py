@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe import comm, formats
-from megamoe.comm import CommShape, CommTuning
-from megamoe.schedule import build_pull_schedule
-from megamoe.world import launch
+from megamoe.ops import comm
+from megamoe.ops.comm import CommShape, CommTuning
+from megamoe.precision import FORMATS
+from megamoe.reference import formats
+from megamoe.routing.schedule import build_pull_schedule
+from megamoe.dist.world import launch
 
 from raised import raised  # tests/raised.py
 
@@ -99,9 +101,9 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
     out = comm.dispatch_pull(ws, sched, num_sms=2, out=sentinel.clone(), rows=5)
     want = torch.where((torch.arange(sched.capacity) < 5)[:, None] & valid[:, None], ref.cpu(), sentinel.cpu())
     check("dispatch_pull rows=5 into a filled out (padding untouched)", out, want)
-    for fmt in formats.FORMATS:
+    for fmt in FORMATS:
         q = comm.dispatch_pull(ws, sched, num_sms=2, quantize=fmt)
-        data, scale = comm._quantize_reference(ref, fmt)
+        data, scale = comm.quantize_rows_reference(ref, fmt)
         check(f"dispatch_pull quantize={fmt} data", q.data, data, valid)
         check(f"dispatch_pull quantize={fmt} scale", q.scale, scale, valid)
 
@@ -160,7 +162,7 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
         qws = comm.comm_workspace(world, CommShape(R, max(tokens), D, k, L, align, row_format=fmt))
         qws.stage(x=xs[me].to(device))
         got = comm.dispatch_pull(qws, sched, num_sms=2)
-        data, scale = comm._quantize_reference(ref, fmt)
+        data, scale = comm.quantize_rows_reference(ref, fmt)
         check(f"dispatch_pull row_format={fmt} data", got.data, data, valid)
         check(f"dispatch_pull row_format={fmt} scale", got.scale, scale, valid)
         qws.free()
@@ -285,7 +287,7 @@ def _bad_arguments(world):
     ws.free()
     fresh = comm.comm_workspace(world, shape)
     errors.append(None if fresh is ws else "a freed workspace is replaced")
-    comm.free_comm_workspaces()
+    world.close()
     return errors
 
 
@@ -315,10 +317,10 @@ def test_shape_and_tuning_validation():
         CommTuning(num_warps=0)
     assert CommShape(2, 8, 128, 2, experts_per_rank=3, align=4).capacity == 2 * 8 * 2 + 3 * 3
     # (CHUNKS, CP, W, ROWS, ALIGN): kimi-k2 bf16 rows, their E4M3 bytes and fp32 / E8M0 scale rows
-    assert comm._tile(7168, 2, CommTuning()) == (28, 32, 256, 8, 8)
-    assert comm._tile(7168, 1, CommTuning()) == (14, 16, 512, 8, 16)
-    assert comm._tile(56, 4, CommTuning()) == (7, 8, 8, 128, 4)
-    assert comm._tile(224, 1, CommTuning()) == (7, 8, 32, 128, 16)
+    assert comm.copy_tile(7168, 2, CommTuning()) == (28, 32, 256, 8, 8)
+    assert comm.copy_tile(7168, 1, CommTuning()) == (14, 16, 512, 8, 16)
+    assert comm.copy_tile(56, 4, CommTuning()) == (7, 8, 8, 128, 4)
+    assert comm.copy_tile(224, 1, CommTuning()) == (7, 8, 32, 128, 16)
 
 
 def test_comm_bench_runs_on_cpu_ranks(tmp_path):

@@ -1,14 +1,12 @@
 """Grouped expert GEMM tiles (gate/up + SwiGLU, down) against the torch twin."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from megamoe.experts import TileConfig, build_row_tiles, expert_forward, expert_forward_reference, plan_tiles
+from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.routing.row_tiles import build_row_tiles
+from megamoe.ops.experts import expert_forward, expert_forward_reference
+from sm90 import sm90_report  # tests/sm90.py
 
 # On a GPU machine the same tests run compiled on the GPU; on the CPU under the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,7 +36,7 @@ def _problem(counts, gap, d=128, i=96, seed=0):
 
 
 def _poisoned_like(ref):
-    from megamoe.experts import ExpertForward
+    from megamoe.ops.experts import ExpertForward
 
     return ExpertForward(*(torch.full_like(getattr(ref, n), float("nan"), dtype=torch.bfloat16) for n in ("h", "act", "y")))
 
@@ -213,7 +211,7 @@ def test_bad_arguments_raise_value_error(mutate, message):
 
 
 def test_backward_bad_arguments_raise_value_error():
-    from megamoe.experts import expert_backward
+    from megamoe.ops.experts import expert_backward
 
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"])
     dy, w = torch.randn_like(x), torch.rand(x.shape[0], device=DEVICE)
@@ -227,7 +225,7 @@ def test_backward_bad_arguments_raise_value_error():
 
 
 def test_backward_with_no_rows_gives_zero_weight_gradients():
-    from megamoe.experts import expert_backward
+    from megamoe.ops.experts import expert_backward
 
     _, counts, offsets, wgu, wd = _problem([0, 0], 0)
     x = torch.empty(0, wgu.shape[2], dtype=torch.bfloat16, device=DEVICE)
@@ -239,12 +237,7 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.sm90"], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = sm90_report("gemm")
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel", "wgrad_kernel"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
@@ -259,7 +252,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("limit", [None, 0.6])
 def test_backward_tiles_match_reference(load, limit, shape):
-    from megamoe.experts import expert_backward, expert_backward_reference
+    from megamoe.ops.experts import expert_backward, expert_backward_reference
 
     x, counts, offsets, wgu, wd = _problem(*LOADS[load], *SHAPES[shape], seed=5)
     g = torch.Generator().manual_seed(6)
@@ -287,7 +280,7 @@ def test_backward_tiles_match_reference(load, limit, shape):
 
 
 def test_backward_is_bitwise_deterministic_across_grid_sizes():
-    from megamoe.experts import expert_backward
+    from megamoe.ops.experts import expert_backward
 
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=8)
     dy, row_weights = torch.randn(x.shape, device=DEVICE).bfloat16(), torch.rand(x.shape[0], device=DEVICE)

@@ -1,20 +1,12 @@
 """FP8-block grouped expert GEMM tiles (gate/up + SwiGLU + act quantisation, down) against the torch twin."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from megamoe.experts import TileConfig
-from megamoe.experts_fp8 import (
-    ExpertForwardQuantized,
-    expert_forward_fp8_block,
-    expert_forward_fp8_block_reference,
-)
-from megamoe.formats import fp8_block_quantize
+from megamoe.ops.tiles import TileConfig
+from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block, expert_forward_fp8_block_reference
+from megamoe.reference.formats import fp8_block_quantize
+from sm90 import sm90_report  # tests/sm90.py
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
@@ -155,12 +147,7 @@ def test_bad_tiles_raise_value_error():
 def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: FP8 (e4m3 x e4m3) wgmma and TMA bulk copies in the PTX; down does not
     spill (gate/up does, ~0.9 KB, a known Triton 3.6 register limit: see expert_gemm_fp8.summary)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.expert_gemm_fp8"], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = sm90_report("fp8")
     assert set(summary) == {"gate_up_fp8_kernel", "down_fp8_kernel"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_fp8"] and facts["tma"], (name, facts)

@@ -1,20 +1,12 @@
 """MXFP8 grouped expert GEMMs (dequantise-on-load and per-32 rescale) against the fp32 torch twin."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from megamoe.experts import TileConfig
-from megamoe.experts_mxfp8 import (
-    ExpertForwardQuantized,
-    expert_forward_mxfp8,
-    expert_forward_mxfp8_reference,
-)
-from megamoe.formats import mxfp8_dequantize, mxfp8_quantize
+from megamoe.ops.tiles import TileConfig
+from megamoe.ops.experts_mxfp8 import ExpertForwardQuantized, expert_forward_mxfp8, expert_forward_mxfp8_reference
+from megamoe.reference.formats import mxfp8_dequantize, mxfp8_quantize
+from sm90 import sm90_report  # tests/sm90.py
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
@@ -106,7 +98,7 @@ def test_forward_matches_twin_and_writes_only_its_rows(variant, load, limit):
 
 
 def test_variants_agree_and_tiles_store_h_int_exp_do_not_change_the_result():
-    from megamoe.experts_mxfp8 import down_mxfp8, gate_up_mxfp8
+    from megamoe.ops.experts_mxfp8 import down_mxfp8, gate_up_mxfp8
 
     args = _problem(*LOADS["mixed"], seed=3)
     rows, d = args[0].shape
@@ -185,12 +177,7 @@ def test_mxfp8_kernels_compile_for_sm90_with_registers_and_spills():
     """Compiled on the CPU for Hopper at the planner's GPU tiles: dequant uses bf16 wgmma, rescale e4m3 wgmma,
     all with TMA. Registers and ptxas spill bytes are printed (pytest -s); the dequant kernels and the rescale
     down kernel do not spill; rescale gate/up spills a little (see plan_tiles_mxfp8)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.expert_gemm_mxfp8"], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = sm90_report("mxfp8")
     for name, facts in summary.items():
         print(f"{name}: registers {facts['registers']}, spill (stack) bytes {facts['stack_bytes']}, "
               f"shared {facts['shared_bytes']}")

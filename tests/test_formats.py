@@ -13,30 +13,17 @@ E4M3), values at and just past +-448 after scaling, and the rceil boundary
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from megamoe.formats import (
-    E4M3_MAX,
-    FP8_BLOCK_AMAX_FLOOR,
-    fp8_block_dequantize,
-    fp8_block_quantize,
-    mxfp8_dequantize,
-    mxfp8_quantize,
-)
-from megamoe.kernels.quant import (
-    QuantConfig,
-    _interpreting,
-    default_config,
-    quantize_activations,
-    quantize_weights,
-)
+from megamoe.precision import E4M3_MAX, FP8_BLOCK_AMAX_FLOOR
+from megamoe.reference.formats import fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize, mxfp8_quantize
+from megamoe.ops.quant import QuantConfig, default_config, quantize_activations, quantize_weights
+from megamoe.runtime import interpreting
+
+from sm90 import sm90_report  # tests/sm90.py
 
 DTYPES = (torch.float32, torch.bfloat16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -431,12 +418,7 @@ def test_sm90_builds_are_sane():
     H200 failure of the GPU test (0xFC, byte 1 of the stack pointer, in ~20% of the data). Also:
     no local memory, and the data leaves in 16-byte stores.
     """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.quant"], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = list(sm90_report("quant").values())
     assert len(report) >= 30
     bad = [r for r in report if r["suspect"] or r["local_memory"] or r["data_stores_16b"] == 0]
     assert not bad, bad
@@ -537,7 +519,7 @@ def test_kernel_wrappers_reject_bad_arguments(call):
         call(x)
 
 
-@pytest.mark.skipif(not _interpreting(), reason="only the interpreter refuses the hardware E4M3 path")
+@pytest.mark.skipif(not interpreting(), reason="only the interpreter refuses the hardware E4M3 path")
 def test_interpreter_refuses_hardware_e4m3():
     with pytest.raises(ValueError, match="interpreter"):
         quantize_activations(torch.zeros(32, 64), "mxfp8", 1, config=QuantConfig(32, 64, soft_e4m3=False))

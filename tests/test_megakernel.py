@@ -13,14 +13,16 @@ import torch
 from megamoe.bench.harness import compare
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
-from megamoe.ep_reference import ep_reference_forward_backward
-from megamoe.megakernel import LayerShape, MegaKernel, default_config, fuse_shared, megamoe_forward
+from megamoe.reference.ep import ep_reference_forward_backward
+from megamoe.plan import LayerShape
+from megamoe.megakernel import MegaKernel, default_config, fuse_shared, megamoe_forward
 from megamoe.plan import KernelConfig
-from megamoe.quantized_experts import quantize_experts
+from megamoe.ops.quant import quantize_experts
 from megamoe.reference import moe_forward
-from megamoe.world import launch
+from megamoe.dist.world import launch
 
 from raised import raised  # tests/raised.py
+from sm90 import sm90_report  # tests/sm90.py
 
 CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
 EMPTY_EXPERT = 5
@@ -103,7 +105,7 @@ def _ring_wraps(world):
     resident = ctx.resident_minibatches() * WRAPPING.minibatch
     # rows of the first minibatches still in the ring are the pulled x rows
     expect = _pulled_rows(world, p.x, 40, ctx.schedule, resident)
-    return rows, resident, torch.equal(ctx.ring_x[:resident], expect)
+    return rows, resident, torch.equal(ctx.buffers.ring_x[:resident], expect)
 
 
 def test_ring_wraps_and_keeps_first_minibatches():
@@ -152,10 +154,10 @@ ROOMY = KernelConfig(num_sms=4, comm_sms=1, minibatch=64, ring_rows=1024, tile_m
 
 
 def _quantized(world, precision):
-    from megamoe.experts_fp8 import expert_forward_fp8_block_reference
-    from megamoe.experts_mxfp8 import expert_forward_mxfp8_reference
-    from megamoe.formats import fp8_block_quantize, mxfp8_quantize
-    from megamoe.kernels.quant import quantize_weights
+    from megamoe.ops.experts_fp8 import expert_forward_fp8_block_reference
+    from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8_reference
+    from megamoe.reference.formats import fp8_block_quantize, mxfp8_quantize
+    from megamoe.ops.quant import quantize_weights
 
     quantize = {"mxfp8": mxfp8_quantize, "fp8-block": fp8_block_quantize}[precision]
     twin = {"mxfp8": expert_forward_mxfp8_reference, "fp8-block": expert_forward_fp8_block_reference}[precision]
@@ -170,14 +172,14 @@ def _quantized(world, precision):
     shape = LayerShape.of(FP8_CONFIG, world.size, 41)
     kernel = MegaKernel(world, shape, ROOMY, precision=precision)
     _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
-    rows, s = int(ctx.schedule.num_rows), ctx.schedule
+    rows, s, b = int(ctx.schedule.num_rows), ctx.schedule, ctx.buffers
     # 1. the ring's rows are the pulled x rows quantised, bit for bit (by their owners, copied as they are)
     data, scale = quantize(_pulled_rows(world, p.x, 41, s, rows))
-    ring_exact = (torch.equal(ctx.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
-                  and torch.equal(ctx.ring_scale[:rows], scale))
+    ring_exact = (torch.equal(b.ring_x[:rows].view(torch.uint8), data.view(torch.uint8))
+                  and torch.equal(b.ring_scale[:rows], scale))
     # 2. the expert outputs are the twin's on those rows and the same quantised weights
     (wgu, wgu_s), (wdn, wdn_s) = (quantize_weights(w, precision) for w in (p.w_gate_up, p.w_down))
-    ref = twin(ctx.ring_x[:rows], ctx.ring_scale[:rows], s.tokens_per_expert, s.offsets, wgu, wgu_s, wdn, wdn_s)
+    ref = twin(b.ring_x[:rows], b.ring_scale[:rows], s.tokens_per_expert, s.offsets, wgu, wgu_s, wdn, wdn_s)
     return {
         "out": compare({"out": out.float()}, {"out": want.float()}, "bf16"),
         "bf16": compare({"out": bf16.float()}, {"out": want.float()}, "bf16"),
@@ -297,10 +299,10 @@ def _one_rank(world, precision):
     for megakernel in (False, True):
         kernel = MegaKernel(world, shape, ROOMY, precision=precision, one_rank_megakernel=megakernel)
         out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
-        rows = int(ctx.schedule.num_rows)
+        rows, b = int(ctx.schedule.num_rows), ctx.buffers
         runs[megakernel] = (kernel.direct, kernel.sym.local("combine").shape[0], out,
-                            ctx.ring_x[:rows].view(torch.uint8), ctx.act[:rows].view(torch.uint8), ctx.h[:rows],
-                            ctx.shared_act)
+                            b.ring_x[:rows].view(torch.uint8), b.act[:rows].view(torch.uint8), b.h[:rows],
+                            b.shared_act)
         del kernel
     (direct, direct_slots, *a), (fused_direct, fused_slots, *b) = runs[False], runs[True]
     return {"paths": (direct, fused_direct), "combine_rows": (direct_slots, fused_slots),
@@ -328,15 +330,15 @@ def _plan_and_buffers(world, precision):
              precision=precision)
     k = MegaKernel(world, shape, p.config, precision=precision, one_rank_megakernel=True)  # the plan is the kernel's
     size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
-    local = k.sym.local
+    local, b = k.sym.local, k.new_buffers()
     allocated = {
         "symmetric x [N, D] (bf16)": size(local("x")),
         "symmetric combine slots [N*k, D]": size(local("combine")),
-        "ring rows [ring, D]": size(k.ring_x, k.ring_scale),
-        "ring pre-activation h [ring, 2I] (backward)": size(k.h),
-        "ring activation [ring, I]": size(k.act, k.act_scale),
+        "ring rows [ring, D]": size(b.ring_x, b.ring_scale),
+        "ring pre-activation h [ring, 2I] (backward)": size(b.h),
+        "ring activation [ring, I]": size(b.act, b.act_scale),
         "ring expert outputs y [ring, D]": size(k.y),
-        "shared expert h, act, y [N, 3*Is + D]": size(k.shared_h, k.shared_act, k.shared_y),
+        "shared expert h, act, y [N, 3*Is + D]": size(b.shared_h, b.shared_act, k.shared_y),
     }
     if precision != "bf16":
         allocated["symmetric quantised x [N, D] + scales (FP8)"] = size(local("x_q"), local("x_scale"))
@@ -537,17 +539,7 @@ def test_megakernel_compiles_for_sm90_in_every_format():
     async-proxy fences between the comm workers' stores and the compute workers' TMA reads, and 16-byte loads
     and stores only (2-byte stores of rows that cross NVLink made a pass 1.7x slower: 2026-11-30-one-rank,
     section 6); the weighted sum, one 16-byte load per slot vector."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    done = subprocess.run([sys.executable, "-m", "megamoe.kernels.sm90", "megakernel"], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = sm90_report("megakernel")
     weighted_sum = summary.pop("weighted_sum")
     assert set(summary) == {"bf16", "mxfp8", "fp8-block"}
     # the weighted sum loads each slot's rows once (16 bytes per thread and vector): a masked pair of loads per

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megamoe.replay import GraphReplay, layout_key
+from megamoe.megakernel.replay import GraphReplay, layout_key
 
 
 class _FakeGraph:

@@ -10,14 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamoe.schedule import (
-    PullSchedule,
-    build_pull_schedule,
-    build_pull_schedule_distributed,
-    build_pull_schedule_loop,
-    gather_routing,
-)
-from megamoe.world import launch
+from megamoe.routing.schedule import PullSchedule, build_pull_schedule, build_pull_schedule_distributed, gather_routing
+from megamoe.routing.schedule_loop import build_pull_schedule_loop
+from megamoe.dist.world import launch
 
 TENSOR_FIELDS = ("tokens_per_expert", "counts", "offsets", "src_rank", "src_index", "num_rows")
 INT_FIELDS = ("capacity", "num_ranks", "experts_per_rank", "top_k", "align")
@@ -152,7 +147,7 @@ def test_matches_loop_on_random_routings(case):
 @pytest.mark.parametrize("route_block, sub_block, prefix_blocks", [(128, 32, 1), (256, 64, 4)])
 def test_kernel_blocking_does_not_change_the_schedule(monkeypatch, route_block, sub_block, prefix_blocks):
     """Smaller route blocks (up to 22 per rank) summed a few earlier blocks at a time: the same schedule."""
-    import megamoe.schedule as schedule_module
+    import megamoe.routing.schedule as schedule_module
 
     monkeypatch.setattr(schedule_module, "ROUTE_BLOCK", route_block)
     monkeypatch.setattr(schedule_module, "PLACE_SUB_BLOCK", sub_block)

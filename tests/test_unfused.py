@@ -10,9 +10,9 @@ import torch
 from megamoe.bench.harness import compare
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
-from megamoe.ep_reference import ep_reference_forward_backward
-from megamoe.unfused import unfused_moe_forward
-from megamoe.world import launch
+from megamoe.reference.ep import ep_reference_forward_backward
+from megamoe.baselines.unfused import unfused_moe_forward
+from megamoe.dist.world import launch
 
 from raised import raised  # tests/raised.py
 

@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.world import BufferSpec, SymmetricWorkspace, launch, workspace
+from megamoe.dist.symmetric import BufferSpec, SymmetricWorkspace, workspace
+from megamoe.dist.world import launch
 
 
 @triton.jit

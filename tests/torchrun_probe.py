@@ -3,7 +3,8 @@
 import torch
 import torch.distributed as dist
 
-from megamoe.world import BufferSpec, init_world, workspace
+from megamoe.dist.symmetric import BufferSpec, workspace
+from megamoe.dist.world import init_world
 
 world = init_world("cpu")
 ws = workspace(world, [BufferSpec("v", (1,), torch.int64)])

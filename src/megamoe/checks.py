@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from megamoe.config import HIDDEN_MULTIPLE
+from megamoe.precision import FP8_BLOCK, MX_BLOCK
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -33,7 +34,7 @@ def check_tokens(x_ND: torch.Tensor, name: str = "x") -> tuple[int, int]:
 def check_routing(top_experts_Nk: torch.Tensor, router_weights_Nk: torch.Tensor, n: int) -> int:
     """Routing ids (integer [N, k]) and weights (float32 [N, k]); returns k."""
     if not isinstance(top_experts_Nk, torch.Tensor) or top_experts_Nk.dim() != 2:
-        raise ValueError(f"top_experts must be a 2-D tensor [N, k], got {_describe(top_experts_Nk)}")
+        raise ValueError(f"top_experts must be a 2-D tensor [N, k], got {describe(top_experts_Nk)}")
     if top_experts_Nk.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"top_experts must be int32 or int64, got {top_experts_Nk.dtype}")
     if top_experts_Nk.shape[0] != n:
@@ -43,7 +44,7 @@ def check_routing(top_experts_Nk: torch.Tensor, router_weights_Nk: torch.Tensor,
         raise ValueError("top_experts must have k >= 1 columns")
     if not isinstance(router_weights_Nk, torch.Tensor) or tuple(router_weights_Nk.shape) != (n, k):
         raise ValueError(
-            f"router_weights must have shape ({n}, {k}) like top_experts, got {_describe(router_weights_Nk)}"
+            f"router_weights must have shape ({n}, {k}) like top_experts, got {describe(router_weights_Nk)}"
         )
     if router_weights_Nk.dtype != torch.float32:
         raise ValueError(f"router_weights must be float32, got {router_weights_Nk.dtype}")
@@ -64,13 +65,13 @@ def check_expert_ids(top_experts: torch.Tensor, num_experts: int) -> None:
 def check_expert_weights(w_gate_up_L2ID: torch.Tensor, w_down_LDI: torch.Tensor, d: int) -> tuple[int, int]:
     """Stacked expert weights ``[L, 2I, D]`` and ``[L, D, I]``; returns (L, I)."""
     if not isinstance(w_gate_up_L2ID, torch.Tensor) or w_gate_up_L2ID.dim() != 3:
-        raise ValueError(f"w_gate_up must be 3-D [E, 2I, D], got {_describe(w_gate_up_L2ID)}")
+        raise ValueError(f"w_gate_up must be 3-D [E, 2I, D], got {describe(w_gate_up_L2ID)}")
     experts, two_i, wd = w_gate_up_L2ID.shape
     if two_i % 2 or wd != d:
         raise ValueError(f"w_gate_up must be [E, 2I, D={d}], got shape {tuple(w_gate_up_L2ID.shape)}")
     i = two_i // 2
     if not isinstance(w_down_LDI, torch.Tensor) or tuple(w_down_LDI.shape) != (experts, d, i):
-        raise ValueError(f"w_down must have shape ({experts}, {d}, {i}), got {_describe(w_down_LDI)}")
+        raise ValueError(f"w_down must have shape ({experts}, {d}, {i}), got {describe(w_down_LDI)}")
     for name, w in (("w_gate_up", w_gate_up_L2ID), ("w_down", w_down_LDI)):
         if w.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be a float tensor, got {w.dtype}")
@@ -84,17 +85,17 @@ def check_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]], d: int) ->
             raise ValueError(f"shared[{s}] must be a pair (w_gate_up [2Is, D], w_down [D, Is])")
         gate_up, down = pair
         if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2 or gate_up.shape[1] != d or gate_up.shape[0] % 2:
-            raise ValueError(f"shared[{s}] w_gate_up must be [2Is, D={d}], got {_describe(gate_up)}")
+            raise ValueError(f"shared[{s}] w_gate_up must be [2Is, D={d}], got {describe(gate_up)}")
         size = gate_up.shape[0] // 2
         if not isinstance(down, torch.Tensor) or tuple(down.shape) != (d, size):
-            raise ValueError(f"shared[{s}] w_down must have shape ({d}, {size}), got {_describe(down)}")
+            raise ValueError(f"shared[{s}] w_down must have shape ({d}, {size}), got {describe(down)}")
 
 
 def check_tensors(specs, device: torch.device) -> None:
     """Each ``(name, tensor, shape, dtype)`` has that shape and dtype, lives on ``device`` and is contiguous."""
     for name, t, shape, dtype in specs:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} {tuple(shape)}, got {_describe(t)}")
+            raise ValueError(f"{name} must be {dtype} {tuple(shape)}, got {describe(t)}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device}")
         if not t.is_contiguous():
@@ -106,8 +107,6 @@ def check_quantized_experts(fmt: str, x_q, x_scale, counts, offsets, w_gate_up_q
     """The operands of the FP8 expert forward in ``fmt`` (``mxfp8``: E8M0 scales per 32 along each GEMM's
     reduction axis; ``fp8-block``: fp32 scales, 1x128 on the rows, 128x128 on the weights); returns (L, I, D).
     """
-    from megamoe.formats import FP8_BLOCK, MX_BLOCK
-
     tensors = (x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         raise ValueError("every input must be a torch.Tensor")
@@ -171,7 +170,19 @@ def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, s
     return n, d, k, experts_local, inter
 
 
-def _describe(t: object) -> str:
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """ValueError unless ``value`` is an int >= 1."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def describe(t: object) -> str:
+    """What an argument is, for an error message: a tensor's shape, dtype and device, else its type."""
     if isinstance(t, torch.Tensor):
-        return f"shape {tuple(t.shape)} {t.dtype}"
+        return f"shape {tuple(t.shape)} {t.dtype} on {t.device}"
     return type(t).__name__

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megamoe import checks
-from megamoe.reference import expert_ffn, swiglu
-from megamoe.world import EPWorld
+from megamoe.dist.world import EPWorld
 
 
 class _AllToAll(torch.autograd.Function):
@@ -124,15 +124,24 @@ def nccl_torch_moe(
     dest, ends, padded_rows = _grouped_destinations(recv_counts.view(ranks, experts_local), recv_host, group_align)
     x_grouped = x_recv.new_zeros(padded_rows, d).index_copy(0, dest, x_recv)
     h = _grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
-    y_grouped = _grouped_mm(swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
+    y_grouped = _grouped_mm(_swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
     y_back = _AllToAll.apply(y_grouped[dest], input_splits, output_splits, world.group)
 
     y_routes = y_back.new_zeros(n * k, d).index_copy(0, routed, y_back)
     weights = router_weights.to(x.dtype).unsqueeze(1)  # [N, 1, k]
     out = torch.bmm(weights, y_routes.view(n, k, d)).squeeze(1)
     for gate_up, down in shared:
-        out = out + expert_ffn(x, gate_up, down, swiglu_limit)
+        out = out + _swiglu(x @ gate_up.T, swiglu_limit) @ down.T
     return out
+
+
+def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """SwiGLU as torchtitan's experts write it, ``F.silu(gate) * up`` (the baseline's own: in BF16 it rounds
+    fewer times than the kernels' ``gate * sigmoid(gate) * up`` twin would)."""
+    gate, up = h.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
 
 def _grouped_mm(a_MK: torch.Tensor, b_GKN: torch.Tensor, ends_G: torch.Tensor) -> torch.Tensor:

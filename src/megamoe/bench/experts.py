@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.config import MoEConfig
-from megamoe.experts import (ExpertForward, ExpertForwardQuantized, TileConfig, down, expert_backward,
-                             expert_forward, gate_up, plan_tiles)
-from megamoe.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_block_reference
-from megamoe.experts_mxfp8 import expert_forward_mxfp8, expert_forward_mxfp8_reference
-from megamoe.kernels.quant import quantize_activations, quantize_weights
+from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, expert_forward, gate_up
+from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.ops.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_block_reference
+from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, expert_forward_mxfp8_reference
+from megamoe.ops.quant import quantize_activations, quantize_weights
 
 #: Quantised expert formats: (the kernels' forward, its fp32 twin).
 QUANTIZED_FORWARD = {

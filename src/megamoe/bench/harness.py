@@ -18,11 +18,11 @@ import torch
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.bench.problem import RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
-from megamoe.ep_reference import ep_reference_forward_backward
+from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.megakernel import megamoe_forward
-from megamoe.quantized_experts import quantize_experts
-from megamoe.unfused import unfused_moe_forward
-from megamoe.world import EPWorld
+from megamoe.ops.quant import quantize_experts
+from megamoe.baselines.unfused import unfused_moe_forward
+from megamoe.dist.world import EPWorld
 
 PASSES = ("fwd", "bwd")
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}

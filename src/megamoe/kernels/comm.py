@@ -51,7 +51,7 @@ Persistent kernels, grid = (num_sms,): programs claim row tiles from a counter
 (``claim_tiles``: guided, ``max(1, left / 2P)`` tiles a claim; a fixed
 round-robin share let programs on SMs that get less NVLink bandwidth finish
 up to 1.7x late, pushes lost 15-25 % from 18 programs on); the last program
-out zeroes the counter (``release_claims``). ``_push_kernel`` with SIGNAL
+out zeroes the counter (``release_claims``). ``push_kernel`` with SIGNAL
 (push dispatch with a completion flag per peer): after its stores each program does
 ``debug_barrier`` + an acq_rel arrival on a local counter; the program that
 arrives last (the counter reaches ``arrive_target``, a running total kept by
@@ -59,7 +59,7 @@ the launcher, so nothing is reset between calls) writes ``epoch`` into
 ``flags[my_rank]`` of every rank (release, system scope) and then waits,
 bounded, for ``flags[r] >= epoch`` from every rank r. Only that one program
 waits, so the grid need not be co-resident and the interpreter, which runs
-programs one after another, cannot deadlock. ``_barrier_kernel`` is the same
+programs one after another, cannot deadlock. ``barrier_kernel`` is the same
 exchange with one program: a device-side barrier across ranks.
 
 Bounded waits: a wait polls with ``atomic_add(ptr, 0, sem="acquire",
@@ -297,7 +297,7 @@ def release_claims(claims_ptr):
 # Per-call scalars are not specialised on (value 1, multiples of 16): a new
 # epoch or row limit must not trigger a recompile inside a timed loop.
 @triton.jit(do_not_specialize=["row_limit"])
-def _pull_kernel(
+def pull_kernel(
     num_rows_ptr,
     row_limit,
     claims_ptr,
@@ -335,7 +335,7 @@ def _pull_kernel(
 
 
 @triton.jit(do_not_specialize=["row_limit", "arrive_target", "epoch", "my_rank", "budget"])
-def _push_kernel(
+def push_kernel(
     num_rows_ptr,
     row_limit,
     claims_ptr,
@@ -384,7 +384,7 @@ def _push_kernel(
 
 
 @triton.jit(do_not_specialize=["my_rank", "epoch", "budget"])
-def _barrier_kernel(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_ID: tl.constexpr):
+def barrier_kernel(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_ID: tl.constexpr):
     tl.debug_barrier()
     signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_ID)
     tl.debug_barrier()

@@ -34,8 +34,6 @@ import triton.language as tl
 from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile
 from megamoe.kernels.quant import fp8_block_quantize_tile
 
-SCALE_BLOCK = 128
-
 
 @triton.jit
 def _dot_block(a, w, DOT_FP32: tl.constexpr):
@@ -174,91 +172,3 @@ def down_fp8_kernel(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         down_fp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
                       row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N)
-
-
-# ------------------------------------------------------------ sm_90 build check (no GPU needed)
-
-_COMMON = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "num_tiles_ptr": "*i32",
-           "DOT_FP32": "constexpr", "NUM_PROGRAMS": "constexpr", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "GROUP_M": "constexpr", "FLATTEN": "constexpr"}
-
-
-def sm90_cases(block_m: int = 128, down_block_n: int = 128, num_stages: int = 3) -> dict:
-    """{name: (kernel, signature, constexprs, num_stages)} of the launches the GPU bench makes."""
-    gate_up = {"x_desc": f"tensordesc<fp8e4nv[{block_m},128]>", "w_desc": "tensordesc<fp8e4nv[128,128]>",
-               "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "h_ptr": "*bf16", "act_q_ptr": "*u8",
-               "act_scale_ptr": "*fp32", "stride_xs": "i32", "stride_ws_n": "i32", "stride_h": "i32",
-               "stride_act": "i32", "stride_as": "i32", **_COMMON, "I": "i32", "K": "i32", "limit": "fp32",
-               "HAS_LIMIT": "constexpr", "STORE_H": "constexpr", "SOFT_E4M3": "constexpr"}
-    down = {"act_desc": f"tensordesc<fp8e4nv[{block_m},128]>", "w_desc": f"tensordesc<fp8e4nv[{down_block_n},128]>",
-            "act_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "y_ptr": "*bf16", "stride_as": "i32",
-            "stride_ws_n": "i32", "stride_y": "i32", **_COMMON, "D": "i32", "K": "i32"}
-    base = {"DOT_FP32": False, "NUM_PROGRAMS": 132, "BLOCK_M": block_m, "GROUP_M": 8, "FLATTEN": False}
-    return {
-        "gate_up_fp8_kernel": (gate_up_fp8_kernel, gate_up, {**base, "BLOCK_N": 128, "HAS_LIMIT": True,
-                                                            "STORE_H": True, "SOFT_E4M3": False}, num_stages),
-        "down_fp8_kernel": (down_fp8_kernel, down, {**base, "BLOCK_N": down_block_n}, num_stages),
-    }
-
-
-def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 8, num_stages: int = 3):
-    """The compiled kernel for sm_90 (the interpreter must be off)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {name: signature[name] for name in kernel.arg_names}
-    consts = {name: value for name, value in constexprs.items() if name in signature}
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
-
-
-def _resource_usage(cubin: bytes) -> dict:
-    """{"registers", "stack_bytes"} from cuobjdump (Triton's bundled one); ptxas spills show as stack bytes."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        try:
-            text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        except OSError:
-            return {"registers": None, "stack_bytes": None}
-    reg, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
-    return {"registers": int(reg.group(1)) if reg else None, "stack_bytes": int(stack.group(1)) if stack else None}
-
-
-def summary(**kwargs) -> dict:
-    """{kernel: {wgmma, wgmma_fp8, tma, shared_bytes, local_memory, registers, stack_bytes}} for sm_90.
-
-    Known (Triton 3.6): gate/up at 128x(128+128) with 8 warps hits 255 registers and ptxas spills
-    ~0.9 KB/thread (two fp32 accumulators + the fresh per-K-step product tiles); down 128x128 does not."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
-    out = {}
-    for name, (kernel, signature, consts, stages) in sm90_cases(**kwargs).items():
-        compiled = compile_sm90(kernel, signature, consts, num_stages=stages)
-        ptx = compiled.asm["ptx"]
-        sass = compiled.asm.get("sass", "") or ""
-        out[name] = {
-            "wgmma": ptx.count("wgmma.mma_async"),
-            "wgmma_fp8": "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx,
-            "tma": "cp.async.bulk.tensor" in ptx,
-            "shared_bytes": compiled.metadata.shared,
-            "local_memory": "ld.local" in ptx or "st.local" in ptx or "STL" in sass,
-            **_resource_usage(compiled.asm["cubin"]),
-        }
-    return out
-
-
-if __name__ == "__main__":  # python -m megamoe.kernels.expert_gemm_fp8: the Hopper build check, one JSON line
-    import json
-    import sys
-
-    kw = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
-    print(json.dumps(summary(**kw)))

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megamoe.bench.problem import RankProblem
-from megamoe.reference import compute_dtype, moe_forward_backward
-from megamoe.world import EPWorld
+from megamoe.dist.world import EPWorld
+from megamoe.reference.layer import compute_dtype, moe_forward_backward
 
 
 def _gather_rows(world: EPWorld, t: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
@@ -33,8 +32,11 @@ def _sum_home(world: EPWorld, partial: torch.Tensor, rows: int, mine: int) -> to
     return arrived.view((world.size, rows) + tuple(partial.shape[1:])).sum(0)[:mine]
 
 
-def ep_reference_forward_backward(world: EPWorld, p: RankProblem, *, with_grads: bool = True) -> tuple[torch.Tensor, dict]:
+def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True) -> tuple[torch.Tensor, dict]:
     """Output and gradients of the layer for rank ``world.rank``'s tokens and experts.
+
+    ``p`` is this rank's problem: anything with the fields of ``megamoe.bench.problem.RankProblem`` (config,
+    x, top_experts, router_weights, w_gate_up, w_down, shared, d_out, tokens, first_expert).
 
     Returns ``(out [N, D] in the compute dtype, grads)`` (grads empty without ``with_grads``); grads as in
     :func:`moe_forward_backward`: ``x`` and ``router_weights`` for this

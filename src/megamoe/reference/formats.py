@@ -2,7 +2,7 @@
 
 These functions are the oracle for the Triton kernels of
 ``megamoe.kernels.quant`` (which match them bit for bit) and the CPU
-fallback. They use exact torch ops only: block maxima and exponents are read
+fallback. The constants live in :mod:`megamoe.precision`. They use exact torch ops only: block maxima and exponents are read
 from float32 bit patterns, powers of two are built from bits, and the one
 rounding step is torch's round-to-nearest-even cast to ``float8_e4m3fn``,
 applied to values already clamped to [-448, 448].
@@ -58,14 +58,10 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.checks import describe
+from megamoe.precision import E4M3_MAX, FP8_BLOCK, FP8_BLOCK_AMAX_FLOOR, FP8_BLOCKS, MX_BLOCK, MX_ROUNDINGS
+
 __all__ = [
-    "E4M3_MAX",
-    "FORMATS",
-    "FP8_BLOCK",
-    "FP8_BLOCK_AMAX_FLOOR",
-    "FP8_BLOCKS",
-    "MX_BLOCK",
-    "MX_ROUNDINGS",
     "QUANT_INPUT_DTYPES",
     "e8m0_to_float32",
     "fp8_block_dequantize",
@@ -74,20 +70,6 @@ __all__ = [
     "mxfp8_quantize",
 ]
 
-#: Largest finite E4M3 (float8_e4m3fn) magnitude; elements saturate to it.
-E4M3_MAX = 448.0
-#: Elements sharing one E8M0 scale in MXFP8.
-MX_BLOCK = 32
-#: Edge of an FP8-block tile.
-FP8_BLOCK = 128
-#: The block shapes ``(rows, cols)`` fp8-block supports.
-FP8_BLOCKS = ((1, FP8_BLOCK), (FP8_BLOCK, 1), (FP8_BLOCK, FP8_BLOCK))
-#: amax is clamped to at least this (448 * 2**-126) so the scale >= 2**-126.
-FP8_BLOCK_AMAX_FLOOR = E4M3_MAX * 2.0**-126
-#: Exponent rules of ``mxfp8_quantize``.
-MX_ROUNDINGS = ("floor", "rceil")
-#: The quantisation formats, by the names DESIGN.md uses for precisions.
-FORMATS = ("mxfp8", "fp8-block")
 #: Input dtypes the quantisers accept (each converts exactly to float32).
 QUANT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -209,9 +191,9 @@ def mxfp8_dequantize(
         dtype: the output dtype (one rounding from the exact float32 product).
     """
     if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"data must be a float8_e4m3fn tensor, got {_describe(data)}")
+        raise ValueError(f"data must be a float8_e4m3fn tensor, got {describe(data)}")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8:
-        raise ValueError(f"scale must be a uint8 (E8M0) tensor, got {_describe(scale)}")
+        raise ValueError(f"scale must be a uint8 (E8M0) tensor, got {describe(scale)}")
     _check_out_dtype(dtype)
     d = normalize_dim(dim, data.dim())
     _check_divisible(data.shape, d, MX_BLOCK, "mxfp8_dequantize")
@@ -298,9 +280,9 @@ def fp8_block_dequantize(
         dtype: the output dtype.
     """
     if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"data must be a float8_e4m3fn tensor, got {_describe(data)}")
+        raise ValueError(f"data must be a float8_e4m3fn tensor, got {describe(data)}")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise ValueError(f"scale must be a float32 tensor, got {_describe(scale)}")
+        raise ValueError(f"scale must be a float32 tensor, got {describe(scale)}")
     _check_out_dtype(dtype)
     blk = check_fp8_block(block)
     _check_fp8_block_shape(data.shape, blk, "fp8_block_dequantize")
@@ -309,9 +291,3 @@ def fp8_block_dequantize(
         raise ValueError(f"scale must have shape {want} for data {tuple(data.shape)}, got {tuple(scale.shape)}")
     v = _blocked(data.float(), blk) * scale[..., :, None, :, None]
     return v.flatten(-2).flatten(-3, -2).to(dtype).contiguous()
-
-
-def _describe(t: object) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"shape {tuple(t.shape)} {t.dtype}"
-    return type(t).__name__

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from megamoe.config import MoEConfig
+from megamoe.plan.kernel_config import KernelConfig, LayerShape, check_kernel_config
 
 #: H200 measurements the rules use. Routed expert GEMM rates on full 128-row tiles, scaled to all 132 SMs, from
 #: the megakernel's trace of kimi-k2 EP 2 (benchmarks/results/2026-11-30-fp8-experts: 5.81 TFLOP of routed
@@ -61,44 +62,6 @@ ELEMENT_BYTES = {"bf16": 2.0, "fp8-block": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
 #: 4.88 / 4.92; kimi-k2 bf16 15.31 / 15.42 / 15.96, fp8-block 11.57 / 11.41 / 11.73; deepseek-v4-pro bf16 19.53 /
 #: 19.14 / 19.41, fp8-block 14.04 / 14.00 / 13.80.
 MINIBATCH_WAVES = 3
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Knobs of the persistent kernel (validated against ``num_sms`` on construction).
-
-    Attributes:
-        num_sms: programs in the grid (one per SM, co-resident).
-        comm_sms: programs 0..comm_sms-1 communicate; the rest compute.
-        minibatch: rows handed to the experts per round (a multiple of tile_m).
-        ring_rows: rows of the ring token buffer (a multiple of minibatch).
-        tile_m, tile_n: output tile of the expert GEMMs.
-    """
-
-    num_sms: int
-    comm_sms: int
-    minibatch: int
-    ring_rows: int
-    tile_m: int = 128
-    tile_n: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        if self.comm_sms >= self.num_sms:
-            raise ValueError(f"comm_sms ({self.comm_sms}) must leave compute SMs: it must be < num_sms ({self.num_sms})")
-        if self.minibatch % self.tile_m:
-            raise ValueError(f"minibatch ({self.minibatch}) must be a multiple of tile_m ({self.tile_m})")
-        if self.minibatch > self.ring_rows:
-            raise ValueError(f"minibatch ({self.minibatch}) is larger than the ring ({self.ring_rows} rows)")
-        if self.ring_rows % self.minibatch:
-            raise ValueError(f"ring_rows ({self.ring_rows}) must be a multiple of minibatch ({self.minibatch})")
-
-    @property
-    def compute_sms(self) -> int:
-        return self.num_sms - self.comm_sms
 
 
 @dataclass(frozen=True)
@@ -215,6 +178,7 @@ def plan(
                    "without the combine slots (MegaKernel(..., one_rank_megakernel=True) runs this config with the "
                    "memory below)")
     config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n)
+    check_kernel_config(config, LayerShape.of(cfg, ep, tokens), precision, tile_m=tile_m, available_sms=num_sms)
     d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
     act_bytes = ELEMENT_BYTES[precision]
     memory = {

@@ -34,11 +34,12 @@ from collections.abc import Sequence
 import torch
 
 from megamoe import checks
-from megamoe.comm import CommShape, comm_shape, comm_workspace, combine_push, dispatch_pull
+from megamoe.ops.comm import CommShape, comm_shape, comm_workspace, combine_push, dispatch_pull
 from megamoe.config import MoEConfig
-from megamoe.experts import expert_forward, interpreting
+from megamoe.ops.experts import expert_forward
+from megamoe.runtime import interpreting
 from megamoe.reference import expert_ffn
-from megamoe.world import EPWorld
+from megamoe.dist.world import EPWorld
 
 
 def _default_num_sms(world: EPWorld) -> int:

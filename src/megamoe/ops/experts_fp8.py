@@ -1,11 +1,11 @@
 """FP8-block (DeepSeek-V3 recipe) expert forward over schedule-grouped rows: launches and the torch twin.
 
 :func:`expert_forward_fp8_block` takes routed rows quantised 1x128 along D and
-expert weights quantised in 128x128 blocks (``megamoe.kernels.quant``'s
+expert weights quantised in 128x128 blocks (``megamoe.ops.quant``'s
 ``quantize_activations(x, "fp8-block")`` / ``quantize_weights(w, "fp8-block")``)
 and runs gate/up + SwiGLU (act quantised 1x128 along I in the epilogue) and
 down with the persistent FP8 kernels of `megamoe.kernels.expert_gemm_fp8`.
-Row tiles, grid size and the interpreter switch come from `megamoe.experts`.
+Row tiles and the launch come from `megamoe.ops.launch`, the grid size from `megamoe.runtime`.
 :func:`expert_forward_fp8_block_reference` is the plain-PyTorch twin.
 """
 
@@ -16,10 +16,14 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
-from megamoe.experts import ExpertForwardQuantized, TileConfig, _num_programs, interpreting, launch_row_tasks
-from megamoe.formats import FP8_BLOCK, fp8_block_quantize
+from megamoe import runtime
+from megamoe.ops.experts import ExpertForwardQuantized
+from megamoe.ops.launch import launch_row_tasks
+from megamoe.ops.tiles import TileConfig
+from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8
-from megamoe.kernels.quant import soft_e4m3_default
+from megamoe.ops.quant import soft_e4m3_default
+from megamoe.reference import swiglu
 
 FP8 = torch.float8_e4m3fn
 
@@ -33,7 +37,7 @@ def plan_tiles_fp8(kind: str, device: torch.device) -> TileConfig:
     """
     if kind not in ("gate_up", "down"):
         raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
-    if device.type != "cuda" or interpreting():
+    if not runtime.compiled_gpu(device):
         return TileConfig(32, 128, 128, num_warps=4, num_stages=1)
     if kind == "gate_up":
         return TileConfig(128, 128, 128, num_warps=8, num_stages=3, group_m=4)
@@ -101,7 +105,7 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
         return
     h = out.h if store_h else out.act_scale  # any pointer: never touched without STORE_H
     launch_row_tasks(
-        expert_gemm_fp8.gate_up_fp8_kernel, c, _num_programs(x_q.device, num_programs),
+        expert_gemm_fp8.gate_up_fp8_kernel, c, runtime.num_programs(x_q.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(TensorDescriptor.from_tensor(x_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, FP8_BLOCK]),
@@ -123,7 +127,7 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
     if rows == 0 or experts == 0:
         return
     launch_row_tasks(
-        expert_gemm_fp8.down_fp8_kernel, c, _num_programs(act_q.device, num_programs),
+        expert_gemm_fp8.down_fp8_kernel, c, runtime.num_programs(act_q.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
@@ -168,19 +172,10 @@ def expert_forward_fp8_block_reference(
             continue
         sl = slice(start, start + count)
         h = _promoted_matmul(x_q[sl], x_scale[sl], w_gate_up_q[l], w_gate_up_scale[l])
-        act_q, act_s = fp8_block_quantize(_swiglu(h, swiglu_limit))
+        act_q, act_s = fp8_block_quantize(swiglu(h, swiglu_limit))
         out.h[sl], out.act_q[sl], out.act_scale[sl] = h, act_q, act_s
         out.y[sl] = _promoted_matmul(act_q, act_s, w_down_q[l], w_down_scale[l])
     return out
-
-
-def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """`megamoe.reference.swiglu` in the kernels' form, ``gate * sigmoid(gate) * up`` (F.silu rounds
-    differently in ~20 % of the elements, which moves act scales by an ulp)."""
-    gate, up = h.chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return gate * torch.sigmoid(gate) * up
 
 
 def _promoted_matmul(a_q, a_scale, w_q, w_scale):

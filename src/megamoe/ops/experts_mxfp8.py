@@ -9,7 +9,7 @@ in one of two exact formulations (Hopper has no block-scaled MMA; see that modul
 * ``variant="dequant"``: dequantise-on-load to bf16 (exact) and bf16 wgmma;
 * ``variant="rescale"``: e4m3 wgmma per 32-K block, each block's product scaled by 2**(sa+sw-254).
 
-Row tiles, grid size and the interpreter switch come from `megamoe.experts`.
+Row tiles and the launch come from `megamoe.ops.launch`, the grid size from `megamoe.runtime`.
 :func:`expert_forward_mxfp8_reference` is the plain-PyTorch twin (fp32 on the dequantised operands).
 """
 
@@ -20,10 +20,14 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
-from megamoe.experts import ExpertForwardQuantized, TileConfig, _num_programs, interpreting, launch_row_tasks
-from megamoe.formats import MX_BLOCK, mxfp8_dequantize, mxfp8_quantize
+from megamoe import runtime
+from megamoe.ops.experts import ExpertForwardQuantized
+from megamoe.ops.launch import launch_row_tasks
+from megamoe.ops.tiles import TileConfig
+from megamoe.reference.formats import MX_BLOCK, mxfp8_dequantize, mxfp8_quantize
 from megamoe.kernels import expert_gemm_mxfp8
-from megamoe.kernels.quant import soft_e4m3_default
+from megamoe.ops.quant import soft_e4m3_default
+from megamoe.reference import swiglu
 
 FP8 = torch.float8_e4m3fn
 VARIANTS = ("dequant", "rescale")
@@ -47,7 +51,7 @@ def plan_tiles_mxfp8(kind: str, variant: str, device: torch.device, *, compiled:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     bk = 32 if variant == "rescale" else 64
-    if not compiled and (device.type != "cuda" or interpreting()):
+    if not compiled and not runtime.compiled_gpu(device):
         return TileConfig(32, 64, bk, num_warps=4, num_stages=1)
     if variant == "dequant":
         if kind == "gate_up":
@@ -127,7 +131,7 @@ def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, o
         return
     h = out.h if store_h else out.y  # any pointer: never touched without STORE_H
     launch_row_tasks(
-        expert_gemm_mxfp8.gate_up_mxfp8_kernel, c, _num_programs(x_q.device, num_programs),
+        expert_gemm_mxfp8.gate_up_mxfp8_kernel, c, runtime.num_programs(x_q.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(TensorDescriptor.from_tensor(x_q, [c.block_m, c.block_k]),
               TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, c.block_k]),
@@ -150,7 +154,7 @@ def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, 
     if rows == 0 or experts == 0:
         return
     launch_row_tasks(
-        expert_gemm_mxfp8.down_mxfp8_kernel, c, _num_programs(act_q.device, num_programs),
+        expert_gemm_mxfp8.down_mxfp8_kernel, c, runtime.num_programs(act_q.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(TensorDescriptor.from_tensor(act_q, [c.block_m, c.block_k]),
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, c.block_k]),
@@ -196,15 +200,7 @@ def expert_forward_mxfp8_reference(
         sl = slice(start, start + count)
         x = mxfp8_dequantize(x_q[sl], x_scale[sl])
         h = x @ mxfp8_dequantize(w_gate_up_q[l], w_gate_up_scale[l]).T
-        act_q, act_s = mxfp8_quantize(_swiglu(h, swiglu_limit))
+        act_q, act_s = mxfp8_quantize(swiglu(h, swiglu_limit))
         out.h[sl], out.act_q[sl], out.act_scale[sl] = h, act_q, act_s
         out.y[sl] = mxfp8_dequantize(act_q, act_s) @ mxfp8_dequantize(w_down_q[l], w_down_scale[l]).T
     return out
-
-
-def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """`megamoe.reference.swiglu` in the kernels' form, ``gate * sigmoid(gate) * up``."""
-    gate, up = h.chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return gate * torch.sigmoid(gate) * up

@@ -1,210 +1,35 @@
-"""Expert FFNs over schedule-grouped rows: tile planning, launches and the torch twin.
+"""BF16 expert FFNs over schedule-grouped rows: the launches and their torch twins.
 
 The routed buffer holds rows grouped by local expert, as the pull schedule
 lays them out: expert l owns rows ``[offsets[l], offsets[l] + counts[l])``.
 :func:`expert_forward` runs gate/up + SwiGLU and down on every region with
 persistent Triton kernels (`megamoe.kernels.expert_gemm`); the task list is
 built on the device, so empty experts cost nothing and nothing syncs the
-host. :func:`expert_forward_reference` is the plain-PyTorch twin.
+host. :func:`expert_forward_reference` is the plain-PyTorch twin;
+:func:`expert_backward` and :func:`expert_backward_reference` the same for the
+backward. Tile shapes: :mod:`megamoe.ops.tiles`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
-import triton
-from triton.runtime import _allocation
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
 from megamoe.kernels import expert_gemm, expert_gemm_bwd
-from megamoe.kernels import schedule as schedule_kernels
+from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
+from megamoe.ops.tiles import TileConfig, plan_tiles
 from megamoe.reference import expert_ffn, swiglu
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile shape and launch shape of one GEMM kind."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 8
-    num_stages: int = 3
-    group_m: int = 8
-    flatten: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {value}")
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run under the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from megamoe import runtime
+from megamoe.runtime import interpreting
 
 
 # Partial tiles read rows past an expert region (their results are masked at the store); under the
 # interpreter numpy warns about whatever values those rows hold. The warning says nothing about results.
 warnings.filterwarnings("ignore", message="(overflow|invalid value) encountered", category=RuntimeWarning,
                         module="triton.runtime.interpreter")
-
-
-#: The GEMMs of the expert FFN: forward gate/up and down; backward dact, dx and wgrad.
-GEMM_KINDS = ("gate_up", "down", "dact", "dx", "wgrad")
-
-
-#: Forward tiles of 64 rows (one warpgroup, 4 stages) when experts hold at most this many rows on average:
-#: ~170-row experts (kimi-k2 at EP 1) ran 4 % faster than with 128-row tiles, ~256-row ones 9 % slower
-#: (benchmarks/results/2026-11-30-replay, tiles_ab.py; 128-row tiles compute 256 rows of a 170-row expert,
-#: 64-row ones 192).
-FEW_ROWS_PER_EXPERT = 192
-
-
-def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = None) -> TileConfig:
-    """The tile shape for ``kind`` (one of :data:`GEMM_KINDS`) on ``device``.
-
-    GPU (H200, benchmarks/results/2026-11-29-expert-gemm-forward): 128-row
-    tiles with 8 warps; gate/up computes a 128x128 gate and a 128x128 up tile
-    (a 128x256 tile of h) so SwiGLU fits in the epilogue, 3 stages, groups of
-    4 row tiles; down 128x256, 3 stages, groups of 8, and the flattened task
-    loop (+2-5 %; it costs gate/up 15-20 %). 64-row tiles lost 25-35 % there
-    (341- and 4096-row experts); the forward takes them when ``rows_per_expert``
-    (the load's mean) is at most :data:`FEW_ROWS_PER_EXPERT`. The
-    interpreter gets small tiles: it runs one program at a time.
-    """
-    if kind not in GEMM_KINDS:
-        raise ValueError(f"kind must be one of {GEMM_KINDS}, got {kind!r}")
-    if device.type != "cuda" or interpreting():
-        return TileConfig(32, 32, 32, num_warps=4, num_stages=1)
-    few = rows_per_expert is not None and rows_per_expert <= FEW_ROWS_PER_EXPERT
-    if kind == "gate_up" and few:
-        return TileConfig(64, 128, 64, num_warps=4, num_stages=4, group_m=8)
-    if kind == "down" and few:
-        return TileConfig(64, 256, 64, num_warps=4, num_stages=4, group_m=8, flatten=True)
-    if kind == "gate_up":
-        return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=4)
-    if kind in ("down", "dx"):
-        return TileConfig(128, 256, 64, num_warps=8, num_stages=3, group_m=8, flatten=kind == "down")
-    if kind == "wgrad":
-        # K runs over an expert's rows: 128x256 blocks halve the fills and stores per FLOP of 128x128
-        # (-22 %), BK 32 pads a 341-row expert to 352 rows instead of 384, and the flattened loop
-        # overlaps a block's store with the next block's loads (2026-11-30-wgrad).
-        return TileConfig(128, 256, 32, num_warps=8, num_stages=5, group_m=8, flatten=True)
-    # dact: a heavy epilogue (loads h, writes d_h and act_w); 4 stages measured 11-18 % faster than 3.
-    return TileConfig(128, 128, 64, num_warps=8, num_stages=4, group_m=8)
-
-
-@dataclass(frozen=True)
-class RowTiles:
-    """Row tiles of every expert region, built on the device (no host sync: sizes are static).
-
-    A tile is at most ``block_m`` consecutive rows of one expert region and, with a minibatch
-    that cuts, of one minibatch ``[j * minibatch, (j + 1) * minibatch)`` of the routed rows.
-    Tiles are ordered by minibatch, then expert, then row. Uncut, tiles are the regions' alone
-    and minibatch j's tiles are those whose first row lies in it (a tile may reach into j + 1).
-
-    Attributes:
-        tile_expert: int32 `[max_tiles]` local expert of tile t (valid for t < num_tiles).
-        tile_row0: int32 `[max_tiles]` first row of tile t.
-        tile_row_end: int32 `[max_tiles]` one past its last row (region end, row0 + block_m or, cut, minibatch end).
-        num_tiles: int32 `[1]` tiles in use.
-        minibatch_tiles: int32 `[num_minibatches + 1]` tiles of minibatch j are
-            ``[minibatch_tiles[j], minibatch_tiles[j + 1])``.
-        block_m: rows per tile.
-    """
-
-    tile_expert: torch.Tensor
-    tile_row0: torch.Tensor
-    tile_row_end: torch.Tensor
-    num_tiles: torch.Tensor
-    minibatch_tiles: torch.Tensor
-    block_m: int
-
-
-def build_row_tiles(
-    counts: torch.Tensor, offsets: torch.Tensor, capacity: int, block_m: int, *, minibatch: int | None = None,
-    cut: bool | torch.Tensor = True, backend: str | None = None,
-) -> RowTiles:
-    """Tiles of ``block_m`` rows per expert region (and per minibatch of rows, when given and ``cut``).
-
-    ``cut=False``: the regions' tiles alone, minibatch j holding those that start in it; ``cut`` may be a
-    one-element device tensor (nonzero: cut), read on the device (the megakernel cuts only when its ring
-    wraps). ``backend``: ``"triton"`` (one launch, `megamoe.kernels.schedule.row_tiles_kernel`) or
-    ``"torch"`` (~15 torch ops); None picks triton on a GPU and torch on the CPU. Both give the same tiles;
-    entries past ``num_tiles`` are unspecified.
-    """
-    if backend is None:
-        backend = "triton" if counts.is_cuda else "torch"
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
-    minibatch = minibatch or max(capacity, 1)
-    batches = max(1, -(-capacity // minibatch))
-    if backend == "triton":
-        return _row_tiles_by_kernel(counts, offsets, capacity, block_m, minibatch, batches, cut)
-    if not isinstance(cut, torch.Tensor):
-        return _row_tiles_by_torch(counts, offsets, capacity, block_m, minibatch, batches, cut)
-    a, b = (_row_tiles_by_torch(counts, offsets, capacity, block_m, minibatch, batches, c) for c in (True, False))
-    flag = cut.reshape(1) != 0
-    return RowTiles(*(torch.where(flag, x, y) for x, y in zip(
-        (a.tile_expert, a.tile_row0, a.tile_row_end, a.num_tiles, a.minibatch_tiles),
-        (b.tile_expert, b.tile_row0, b.tile_row_end, b.num_tiles, b.minibatch_tiles))), block_m)
-
-
-def _row_tiles_by_torch(counts, offsets, capacity: int, block_m: int, minibatch: int, batches: int,
-                        cut: bool) -> RowTiles:
-    device = counts.device
-    experts = counts.numel()
-    # segment (j, l) = region l ∩ minibatch j, in minibatch-major order (uncut: one span of every row)
-    span = minibatch if cut else max(capacity, 1)
-    spans = batches if cut else 1
-    start = offsets.long()
-    end = start + counts.long()
-    batch_start = torch.arange(spans, device=device)[:, None] * span
-    seg_start = torch.maximum(start[None, :], batch_start)
-    seg_end = torch.minimum(end[None, :], batch_start + span)
-    seg_tiles = ((seg_end - seg_start).clamp_min(0) + block_m - 1) // block_m  # [spans, L]
-    ends = seg_tiles.reshape(-1).cumsum(0)
-    max_tiles = -(-capacity // block_m) + experts + batches
-    tile = torch.arange(max_tiles, device=device)
-    segment = torch.searchsorted(ends, tile, right=True).clamp_max(max(spans * experts - 1, 0))
-    first = ends - seg_tiles.reshape(-1)
-    row0 = seg_start.reshape(-1)[segment] + (tile - first[segment]) * block_m if experts else tile * 0
-    row_end = torch.minimum(row0 + block_m, seg_end.reshape(-1)[segment]) if experts else tile * 0
-    if cut:
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        minibatch_tiles = torch.cat([zero, seg_tiles.sum(1).cumsum(0)]).to(torch.int32)
-    else:  # tiles before minibatch j: those of each region starting before j * minibatch
-        lo = torch.arange(batches + 1, device=device)[:, None] * minibatch
-        before = ((torch.minimum(end[None, :], lo) - start[None, :]).clamp_min(0) + block_m - 1) // block_m
-        minibatch_tiles = before.sum(1).to(torch.int32)
-    num_tiles = minibatch_tiles[-1:].clone()
-    return RowTiles((segment % max(experts, 1)).to(torch.int32), row0.to(torch.int32), row_end.to(torch.int32),
-                    num_tiles, minibatch_tiles, block_m)
-
-
-def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch: int, batches: int,
-                         cut: bool | torch.Tensor) -> RowTiles:
-    experts, device = counts.numel(), counts.device
-    max_tiles = -(-capacity // block_m) + experts + batches
-    tile_expert, tile_row0, tile_row_end = (torch.empty(max_tiles, dtype=torch.int32, device=device)
-                                            for _ in range(3))
-    new = torch.empty if experts else torch.zeros  # the kernel writes every entry of these two
-    num_tiles = new(1, dtype=torch.int32, device=device)
-    minibatch_tiles = new(batches + 1, dtype=torch.int32, device=device)
-    if experts:
-        flag = cut if isinstance(cut, torch.Tensor) else counts  # never read with a constant CUT
-        schedule_kernels.row_tiles_kernel[(batches,)](
-            counts, offsets, flag, tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, experts,
-            batches, minibatch, block_m, EXPERTS=triton.next_power_of_2(experts),
-            CUT=-1 if isinstance(cut, torch.Tensor) else int(cut))
-    return RowTiles(tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, block_m)
 
 
 @dataclass
@@ -271,56 +96,6 @@ def _check(x_rows, counts, offsets, w_gate_up, w_down) -> tuple[int, int, int]:
     return experts, i, d
 
 
-@contextlib.contextmanager
-def scratch_allocator():
-    """Within the block, Triton launches that need global scratch (descriptors made in the kernel) get it from torch.
-
-    The caller's allocator (a context variable) comes back on exit.
-    """
-    token = _allocation._allocator.set(_torch_scratch)
-    try:
-        yield
-    finally:
-        _allocation._allocator.reset(token)
-
-
-def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # torch's caching allocator aligns to 512 bytes, beyond what TMA descriptors need (128)
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block)
-
-
-def _num_programs(device: torch.device, requested: int | None) -> int:
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"num_programs must be >= 1, got {requested}")
-        return requested
-    if device.type == "cuda" and not interpreting():
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def launch_row_tasks(kernel, cfg: TileConfig, programs: int, counts: torch.Tensor, offsets: torch.Tensor,
-                     rows: int, head: tuple, tail: tuple, *, minibatch: int | None = None, **constexprs) -> None:
-    """Launch a persistent row-tile kernel: ``kernel(*head, <tile map>, offsets, counts, *tail, ...)``.
-
-    Every row-tile kernel takes the device-built tile map (see :func:`build_row_tiles`) between its
-    tensor arguments (``head``) and its sizes (``tail``), and the tile constexprs it declares
-    (FP8-block kernels fix BLOCK_K at 128 and do not take it).
-    """
-    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m, minibatch=minibatch)
-    tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
-    kernel[(programs,)](
-        *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.tile_row_end, row_tiles.num_tiles, *tail,
-        **{name: value for name, value in tile.items() if name in kernel.arg_names},
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
-    )
-
-
 def expert_forward(
     x_rows: torch.Tensor,
     counts: torch.Tensor,
@@ -384,10 +159,10 @@ def gate_up(
         return
     cfg = tiles or plan_tiles("gate_up", x_rows.device)
     launch_row_tasks(
-        expert_gemm.gate_up_kernel, cfg, _num_programs(x_rows.device, num_programs),
+        expert_gemm.gate_up_kernel, cfg, runtime.num_programs(x_rows.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
-        head=(_descriptor(x_rows, [cfg.block_m, cfg.block_k]),
-              _descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
+        head=(descriptor(x_rows, [cfg.block_m, cfg.block_k]),
+              descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
               h, act, h.stride(0), act.stride(0)),
         tail=(i, d, float(swiglu_limit or 0.0)),
         minibatch=minibatch,
@@ -413,10 +188,10 @@ def down(
         return
     cfg = tiles or plan_tiles("down", act.device)
     launch_row_tasks(
-        expert_gemm.down_kernel, cfg, _num_programs(act.device, num_programs),
+        expert_gemm.down_kernel, cfg, runtime.num_programs(act.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
-        head=(_descriptor(act, [cfg.block_m, cfg.block_k]),
-              _descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]), y, y.stride(0)),
+        head=(descriptor(act, [cfg.block_m, cfg.block_k]),
+              descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]), y, y.stride(0)),
         tail=(d, i),
         minibatch=minibatch,
     )
@@ -497,7 +272,7 @@ def expert_backward(
     )
     if experts == 0:
         return grads
-    programs = _num_programs(device, num_programs)
+    programs = runtime.num_programs(device, num_programs)
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
@@ -507,8 +282,8 @@ def expert_backward(
         partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
         launch_row_tasks(
             expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
-            head=(_descriptor(dy_rows, [c.block_m, c.block_k]),
-                  _descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
+            head=(descriptor(dy_rows, [c.block_m, c.block_k]),
+                  descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
                   h, row_weights, d_h, act_w, partial,
                   h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
             tail=(d, i, float(swiglu_limit or 0.0)),
@@ -518,8 +293,8 @@ def expert_backward(
         c = cfg["dx"]
         launch_row_tasks(
             expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, rows,
-            head=(_descriptor(d_h, [c.block_m, c.block_k]),
-                  _descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
+            head=(descriptor(d_h, [c.block_m, c.block_k]),
+                  descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
                   grads.d_x, grads.d_x.stride(0)),
             tail=(d, i),
         )

@@ -1,17 +1,10 @@
-"""The expert-parallel world: ranks, their process group, and symmetric memory.
+"""The expert-parallel world: ranks and their process group.
 
 An :class:`EPWorld` is one rank's view of an expert-parallel group of R ranks
-over ``torch.distributed``. A :class:`SymmetricWorkspace` is a set of named
-buffers that exist on every rank with the same layout; a kernel on any rank
-addresses any peer's copy through a device table of peer base addresses
-(``peer_ptrs``), exactly as on GPUs:
-
-- CUDA: torch symmetric memory (``symm_mem.empty`` + ``rendezvous``; no
-  multicast). Peer buffers are mapped into this process by the driver.
-- CPU: one process per rank (gloo). Each rank's workspace is a file in
-  /dev/shm that every rank maps, so a peer's buffer is read and written
-  directly, and Triton kernels under TRITON_INTERPRET=1 load and store
-  through the same kind of raw peer addresses.
+over ``torch.distributed`` (gloo on CPU ranks, NCCL on GPUs). It owns the
+collective objects built on it for reuse (symmetric workspaces, layer
+kernels: :class:`WorldResources`), freed together by :meth:`EPWorld.close`.
+Symmetric memory itself is :mod:`megamoe.dist.symmetric`.
 
 :func:`launch` starts R local ranks (CPU processes, or one per visible GPU)
 and :func:`init_world` joins a group started by torchrun.
@@ -19,14 +12,12 @@ and :func:`init_world` joins a group started by torchrun.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
 import traceback
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -34,11 +25,44 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-#: Every buffer in a workspace starts on this boundary (TMA and 16-byte vector access).
-BUFFER_ALIGN = 256
-
 #: NVLink multicast can take shared GPUs down: it stays off wherever we start processes.
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class WorldResources:
+    """Collective objects kept for reuse on one world, by key (what sizes them): symmetric workspaces, the
+    kernels of a layer shape. Building one is collective, so every rank asks for the same keys in the same
+    order. :meth:`free` (collective) releases every object that has a ``free`` method, newest first."""
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, tuple[object, Hashable]] = {}
+
+    def get(self, key: Hashable, make: Callable[[], Any], version: Hashable = None) -> Any:
+        """The object kept under ``key``, made by ``make()`` on first use; one kept with another ``version``
+        is dropped first (its memory goes before the new one is made)."""
+        kept = self._items.get(key)
+        if kept is not None and kept[1] == version and getattr(kept[0], "usable", True):
+            return kept[0]
+        self._items.pop(key, None)
+        obj = make()
+        self._items[key] = (obj, version)
+        return obj
+
+    def discard(self, obj: object) -> None:
+        """Forget ``obj`` (it was freed by its owner)."""
+        for key in [key for key, (kept, _) in self._items.items() if kept is obj]:
+            del self._items[key]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def free(self) -> None:
+        """Free every kept object (collective: after every rank's last use)."""
+        while self._items:
+            _, (obj, _) = self._items.popitem()
+            free = getattr(obj, "free", None)
+            if free is not None:
+                free()
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,7 @@ class EPWorld:
             ranks than GPUs were started: correctness runs only). A persistent
             kernel takes at most its share of the SMs, or the ranks' grids could
             not all be resident at once.
+        resources: the collective objects kept on this world (:class:`WorldResources`).
     """
 
     rank: int
@@ -62,6 +87,11 @@ class EPWorld:
     group: Any
     device: torch.device
     ranks_per_device: int = 1
+    resources: WorldResources = field(default_factory=WorldResources, compare=False, repr=False)
+
+    def close(self) -> None:
+        """Free what was built on this world (collective); the process group stays."""
+        self.resources.free()
 
     @property
     def is_cuda(self) -> bool:
@@ -136,7 +166,7 @@ def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable,
         try:
             result = fn(world, *args)
         finally:
-            free_workspaces()
+            world.close()
             dist.destroy_process_group()
         torch.save({"ok": True, "result": result}, path)
     except BaseException as exc:  # report it to the launcher instead of dying silently
@@ -195,140 +225,3 @@ def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device
         return results
 
 
-# --------------------------------------------------------------------------- symmetric memory
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """A named buffer of a workspace: the same shape and dtype on every rank."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _layout(specs: Sequence[BufferSpec]) -> tuple[dict[str, int], int]:
-    offsets: dict[str, int] = {}
-    cursor = 0
-    for spec in specs:
-        if spec.name in offsets:
-            raise ValueError(f"buffer name {spec.name!r} appears twice in the workspace")
-        if any((not isinstance(s, int)) or s < 0 for s in spec.shape):
-            raise ValueError(f"buffer {spec.name!r} has a bad shape {spec.shape}")
-        offsets[spec.name] = cursor
-        cursor += -(-spec.nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
-    return offsets, max(cursor, BUFFER_ALIGN)
-
-
-class SymmetricWorkspace:
-    """Named buffers present on every rank of ``world`` with one layout.
-
-    ``local(name)`` is this rank's buffer, ``peer(name, r)`` rank r's buffer
-    as a tensor usable from this rank, ``peer_ptrs(name)`` an int64 ``[R]``
-    device tensor of every rank's buffer address (in this process) for
-    kernels. Buffers start zeroed. Collective: every rank constructs it with
-    the same specs, and every rank calls :meth:`free`.
-    """
-
-    def __init__(self, world: EPWorld, specs: Sequence[BufferSpec]):
-        self.world = world
-        self.specs = {spec.name: spec for spec in specs}
-        self._offsets, self.nbytes = _layout(specs)
-        self._handle = None
-        if world.is_cuda:
-            self._bases = self._map_cuda()
-        else:
-            self._bases = self._map_shared_files()
-        self._ptrs = torch.tensor([b.data_ptr() for b in self._bases], dtype=torch.int64, device=world.device)
-        # views and address tables made once: a pass asks for them every time, and each costs host time
-        # (a peer_ptrs sum is a kernel launch)
-        self._views = {(name, r): self._view(name, r) for name in self.specs for r in range(world.size)}
-        self._peer_ptrs = {name: self._ptrs + self._offsets[name] for name in self.specs}
-        world.barrier()
-
-    def _map_cuda(self) -> list[torch.Tensor]:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.world.device)
-        local.zero_()
-        self._handle = symm_mem.rendezvous(local, self.world.group)
-        return [
-            local if r == self.world.rank else self._handle.get_buffer(r, (self.nbytes,), torch.uint8)
-            for r in range(self.world.size)
-        ]
-
-    def _map_shared_files(self) -> list[torch.Tensor]:
-        token = self.world.all_gather_object(uuid.uuid4().hex)[0]
-        paths = [f"/dev/shm/megamoe-{token}-{r}" for r in range(self.world.size)]
-        # A fresh file reads as zeros; every rank maps every file, then each
-        # owner unlinks its own: the mappings outlive the names, nothing leaks.
-        local = torch.from_file(paths[self.world.rank], shared=True, size=self.nbytes, dtype=torch.uint8)
-        self.world.barrier()
-        bases = [local if r == self.world.rank else torch.from_file(p, shared=True, size=self.nbytes, dtype=torch.uint8)
-                 for r, p in enumerate(paths)]
-        self.world.barrier()
-        os.unlink(paths[self.world.rank])
-        return bases
-
-    def _spec(self, name: str) -> BufferSpec:
-        if self._bases is None:
-            raise RuntimeError("this workspace has been freed")
-        try:
-            return self.specs[name]
-        except KeyError:
-            raise ValueError(f"no buffer {name!r} in the workspace; it holds {sorted(self.specs)}") from None
-
-    def _view(self, name: str, rank: int) -> torch.Tensor:
-        spec = self.specs[name]
-        start = self._offsets[name]
-        return self._bases[rank][start : start + spec.nbytes].view(spec.dtype).view(spec.shape)
-
-    def peer(self, name: str, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s copy of buffer ``name``, addressable from this rank (the same view every call)."""
-        self._spec(name)
-        if not 0 <= rank < self.world.size:
-            raise ValueError(f"rank must be in [0, {self.world.size}), got {rank}")
-        return self._views[name, rank]
-
-    def local(self, name: str) -> torch.Tensor:
-        """This rank's copy of buffer ``name``."""
-        return self.peer(name, self.world.rank)
-
-    def peer_ptrs(self, name: str) -> torch.Tensor:
-        """int64 ``[R]`` on the world's device: address of buffer ``name`` on each rank (one tensor, not to be
-        written)."""
-        self._spec(name)
-        return self._peer_ptrs[name]
-
-    def free(self) -> None:
-        """Release the memory (collective: after every rank's last use)."""
-        if self._bases is None:
-            return
-        self.world.barrier()
-        self._bases = None
-        self._handle = None
-        self._ptrs = None
-        self._views, self._peer_ptrs = {}, {}
-
-
-_WORKSPACES: dict[tuple, SymmetricWorkspace] = {}
-
-
-def workspace(world: EPWorld, specs: Sequence[BufferSpec]) -> SymmetricWorkspace:
-    """The cached workspace for (group, specs), allocated on first use (collective)."""
-    key = (id(world.group), world.device, tuple(specs))
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = _WORKSPACES[key] = SymmetricWorkspace(world, specs)
-    return ws
-
-
-def free_workspaces() -> None:
-    """Free every cached workspace of this process (collective)."""
-    while _WORKSPACES:
-        _, ws = _WORKSPACES.popitem()
-        ws.free()

@@ -12,7 +12,7 @@ Entry points:
 
     build_pull_schedule              on the input's device, no host sync: two Triton kernels
                                      (a GPU) or vectorised torch ops (the CPU)
-    build_pull_schedule_loop         plain-Python transcription below: the oracle (slow)
+    build_pull_schedule_loop         plain-Python transcription (megamoe.routing.schedule_loop): the oracle
     gather_routing                   pad [N, k] ids to max_tokens, all-gather to [R, max_tokens, k]
     build_pull_schedule_distributed  gather_routing + build_pull_schedule for this rank
 
@@ -121,10 +121,10 @@ class PullSchedule:
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "experts_per_rank", "top_k", "align"):
-            _check_positive_int(f"PullSchedule.{name}", getattr(self, name))
+            checks.check_positive_int(f"PullSchedule.{name}", getattr(self, name))
         R, L, k, pad = self.num_ranks, self.experts_per_rank, self.top_k, self.align - 1
         cap = self.capacity
-        if not _is_int(cap) or cap < L * pad or (cap - L * pad) % (R * k):
+        if not checks.is_int(cap) or cap < L * pad or (cap - L * pad) % (R * k):
             raise ValueError(
                 f"PullSchedule.capacity must be R*N*k + L*(align-1) = {R}*N*{k} + {L * pad}, got {cap!r}"
             )
@@ -142,7 +142,7 @@ class PullSchedule:
         for name, shape in shapes.items():
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                raise ValueError(f"PullSchedule.{name} must have shape {shape}, got {_describe(t)}")
+                raise ValueError(f"PullSchedule.{name} must have shape {shape}, got {checks.describe(t)}")
             allowed = (torch.int32, torch.int64) if name == "num_rows" else (torch.int32,)
             if t.dtype not in allowed:
                 raise ValueError(f"PullSchedule.{name} must be {' or '.join(map(str, allowed))}, got {t.dtype}")
@@ -156,7 +156,7 @@ class PullSchedule:
 
     def expert_rows(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(src_rank, src_index)`` of local expert l's rows. Syncs the host: tests, debugging."""
-        if not _is_int(l) or not 0 <= l < self.experts_per_rank:
+        if not checks.is_int(l) or not 0 <= l < self.experts_per_rank:
             raise ValueError(f"local expert l must be in [0, {self.experts_per_rank}), got {l!r}")
         start, count = int(self.offsets[l]), int(self.tokens_per_expert[l])
         return self.src_rank[start : start + count], self.src_index[start : start + count]
@@ -195,7 +195,7 @@ def build_pull_schedule(
     No host sync, no loop over routes, static shapes, deterministic; meant to
     be capturable in a CUDA graph.
     """
-    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids, own_rows_within)
+    R, N, k = check_schedule_inputs(top_experts_all, rank, experts_per_rank, align, check_ids, own_rows_within)
     if backend is None:
         backend = "triton" if top_experts_all.is_cuda else "torch"
     if backend == "triton":
@@ -307,79 +307,6 @@ def _build_by_torch_ops(top_experts_all: torch.Tensor, rank: int, L: int, align:
     )
 
 
-def build_pull_schedule_loop(
-    top_experts_all: torch.Tensor,
-    rank: int,
-    experts_per_rank: int,
-    *,
-    align: int = 1,
-    check_ids: bool = False,
-    own_rows_within: int | None = None,
-) -> PullSchedule:
-    """``build_pull_schedule`` as a literal Python loop over the algorithm: the oracle.
-
-    Slow (Python over R*N*k routes, times R) and syncs the host: for tests only.
-    """
-    R, N, k = _check_inputs(top_experts_all, rank, experts_per_rank, align, check_ids, own_rows_within)
-    L = experts_per_rank
-    ids = top_experts_all.tolist()
-
-    def local_expert(e: int) -> int | None:
-        return e - rank * L if rank * L <= e < (rank + 1) * L else None
-
-    M = [[0] * R for _ in range(L)]
-    for r in range(R):
-        for i in range(N):
-            for j in range(k):
-                l = local_expert(ids[r][i][j])
-                if l is not None:
-                    M[l][r] += 1
-    T = [sum(M[l]) for l in range(L)]
-    S = [0] * L
-    for l in range(1, L):
-        S[l] = -(-(S[l - 1] + T[l - 1]) // align) * align
-    capacity = R * N * k + L * (align - 1)
-    src_rank = [-1] * capacity
-    src_index = [-1] * capacity
-    C = [[0] * R for _ in range(L)]
-    for r in range(R):
-        for i in range(N):
-            for j in range(k):
-                l = local_expert(ids[r][i][j])
-                if l is None:
-                    continue
-                o = C[l][r]
-                p = sum(min(M[l][q], o) for q in range(R)) + sum(1 for q in range(r) if M[l][q] > o)
-                src_rank[S[l] + p] = r
-                src_index[S[l] + p] = i * k + j
-                C[l][r] += 1
-    num_rows = S[L - 1] + T[L - 1]
-    own_rows = None
-    if own_rows_within is not None:
-        own_rows = [-1] * (N * k)
-        for t in range(capacity):
-            if src_rank[t] == rank and num_rows <= own_rows_within:
-                own_rows[src_index[t]] = t
-
-    def as_int32(values: object) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=top_experts_all.device)
-
-    return PullSchedule(
-        tokens_per_expert=as_int32(T),
-        counts=as_int32(M),
-        offsets=as_int32(S),
-        src_rank=as_int32(src_rank),
-        src_index=as_int32(src_index),
-        num_rows=as_int32(num_rows),
-        capacity=capacity,
-        num_ranks=R,
-        experts_per_rank=L,
-        top_k=k,
-        align=align,
-        own_rows=None if own_rows is None else as_int32(own_rows),
-    )
-
-
 def gather_routing(
     top_experts_Nk: torch.Tensor, group: dist.ProcessGroup | None, *, max_tokens: int | None = None
 ) -> torch.Tensor:
@@ -391,7 +318,7 @@ def gather_routing(
     largest N, found by an all_reduce MAX: a host sync; pass it to avoid that.
     """
     if not isinstance(top_experts_Nk, torch.Tensor) or top_experts_Nk.dim() != 2:
-        raise ValueError(f"top_experts must be a 2-D tensor [N, k], got {_describe(top_experts_Nk)}")
+        raise ValueError(f"top_experts must be a 2-D tensor [N, k], got {checks.describe(top_experts_Nk)}")
     if top_experts_Nk.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"top_experts must be int32 or int64, got {top_experts_Nk.dtype}")
     n, k = top_experts_Nk.shape
@@ -402,7 +329,7 @@ def gather_routing(
         largest = torch.tensor([n], dtype=torch.int64, device=top_experts_Nk.device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
         max_tokens = int(largest.item())
-    if not _is_int(max_tokens) or max_tokens < 0:
+    if not checks.is_int(max_tokens) or max_tokens < 0:
         raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
     if n > max_tokens:
         raise ValueError(f"this rank has N={n} tokens, more than max_tokens={max_tokens}")
@@ -433,42 +360,29 @@ def build_pull_schedule_distributed(
     )
 
 
-def _check_inputs(
+def check_schedule_inputs(
     top_experts_all: torch.Tensor, rank: int, experts_per_rank: int, align: int, check_ids: bool,
     own_rows_within: int | None = None,
 ) -> tuple[int, int, int]:
     """Validates the builders' arguments; returns (R, N, k). Reads the host only with check_ids."""
     if not isinstance(top_experts_all, torch.Tensor) or top_experts_all.dim() != 3:
-        raise ValueError(f"top_experts_all must be a 3-D tensor [R, N, k], got {_describe(top_experts_all)}")
+        raise ValueError(f"top_experts_all must be a 3-D tensor [R, N, k], got {checks.describe(top_experts_all)}")
     if top_experts_all.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"top_experts_all must be int32 or int64, got {top_experts_all.dtype}")
     R, N, k = top_experts_all.shape
     if R < 1 or k < 1:
         raise ValueError(f"top_experts_all [R, N, k] needs R >= 1 and k >= 1, got shape {(R, N, k)}")
-    _check_positive_int("experts_per_rank", experts_per_rank)
-    _check_positive_int("align", align)
-    if not _is_int(rank) or not 0 <= rank < R:
+    checks.check_positive_int("experts_per_rank", experts_per_rank)
+    checks.check_positive_int("align", align)
+    if not checks.is_int(rank) or not 0 <= rank < R:
         raise ValueError(f"rank must be in [0, R={R}), got {rank!r}")
     capacity = R * N * k + experts_per_rank * (align - 1)
     if capacity > MAX_CAPACITY:
         raise ValueError(
             f"capacity R*N*k + L*(align-1) = {capacity} exceeds the int32 row index limit {MAX_CAPACITY}"
         )
-    if own_rows_within is not None and not _is_int(own_rows_within):
+    if own_rows_within is not None and not checks.is_int(own_rows_within):
         raise ValueError(f"own_rows_within must be an int or None, got {own_rows_within!r}")
     if check_ids:
         checks.check_expert_ids(top_experts_all, R * experts_per_rank)
     return R, N, k
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _describe(t: object) -> str:
-    return f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__

@@ -1,0 +1,100 @@
+"""`impl=megamoe`: the MoE layer's forward over an expert-parallel world, one megakernel pass per call.
+
+:func:`megamoe_forward` validates the layer's arguments, keeps one
+:class:`~megamoe.megakernel.kernel.MegaKernel` per layer shape on the world and
+runs its pass; several shared experts run as one (:func:`fuse_shared`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megamoe import checks
+from megamoe.dist.world import EPWorld
+from megamoe.megakernel.kernel import MegaKernel
+from megamoe.ops.quant import QuantizedExperts
+from megamoe.plan import KernelConfig, LayerShape
+from megamoe.precision import check_precision
+
+
+def fuse_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One (w_gate_up [2*sum Is, D], w_down [D, sum Is]) FFN equal to the sum of the shared experts."""
+    if not shared:
+        return None
+    if len(shared) == 1:
+        return shared[0][0].contiguous(), shared[0][1].contiguous()
+    gates = [gu[: gu.shape[0] // 2] for gu, _ in shared]
+    ups = [gu[gu.shape[0] // 2:] for gu, _ in shared]
+    return torch.cat(gates + ups).contiguous(), torch.cat([dn for _, dn in shared], dim=1).contiguous()
+
+
+@torch.no_grad()
+def megamoe_forward(
+    world: EPWorld,
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    swiglu_limit: float | None = None,
+    *,
+    config: KernelConfig | None = None,
+    precision: str = "bf16",
+    max_tokens: int | None = None,
+    experts_q: QuantizedExperts | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """The MoE layer's forward over ``world`` as one megakernel per pass (no autograd yet).
+
+    Args:
+        world: the EP group (R ranks); collective: every rank calls it.
+        x: bf16 `[N, D]` this rank's tokens (N may differ between ranks, 0 included).
+        top_experts: int `[N, k]` global expert ids, -1 = no route.
+        router_weights: float32 `[N, k]`, applied after the experts.
+        w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; I a multiple of 8.
+        w_down: bf16 `[L, D, I]`.
+        shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
+        swiglu_limit: optional SwiGLU clamp.
+
+    Args:
+        config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
+        precision: ``bf16``, ``mxfp8`` or ``fp8-block`` (routed experts; each rank quantises its tokens
+            once while staging them, weights as ``experts_q`` says; the shared expert stays BF16).
+        max_tokens: the group's largest token count (default: found with an all-reduce MAX, a host sync).
+        experts_q: FP8 precisions: ``quantize_experts(w_gate_up, w_down, precision)``, made once per optimizer
+            step and passed to every forward until then (ValueError if the weights changed in place since,
+            as their version counter tells: writes through ``.data`` are not seen); None quantises the
+            weights inside every pass (a pass over all of them).
+        check: validate the expert ids and read the kernel's error word after the pass (host syncs).
+            With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
+
+    Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
+    The kernel of each shape is kept on the world (``world.resources``; ``world.close()`` frees it), one
+    config and precision at a time. Nothing of a pass is kept for a backward (its layer buffers are the
+    kernel's scratch set, rewritten by the next call): training goes through ``MegaKernel.forward`` with a
+    layer's own buffers. On a GPU each pass's device work replays from a CUDA graph once the same weights and
+    token count come back (one graph per set of weights: each MoE layer of a model gets its own). For
+    CUDA-graph capture of whole passes use :class:`MegaKernel` directly with ``check=False``.
+    """
+    check_precision(precision)
+    n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
+                                                      shared, check_ids=check)
+    if max_tokens is None:
+        max_tokens = world.largest(n)  # NOTE: host sync
+    if not isinstance(max_tokens, int) or max_tokens < n:
+        raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
+    fused = fuse_shared([(gu.detach(), dn.detach()) for gu, dn in shared])
+    if fused is not None and fused[0].dtype != torch.bfloat16:
+        raise ValueError(f"shared expert weights must be bfloat16, got {fused[0].dtype}")
+    shape = LayerShape(world.size, max_tokens, d, inter, experts, k, 0 if fused is None else fused[1].shape[1])
+    # One MegaKernel per shape on the world: another config or precision replaces it (its buffers go first).
+    kernel = world.resources.get(("megakernel", shape), lambda: MegaKernel(world, shape, config, precision=precision),
+                                 version=(config, precision))
+    # experts_q stands for the weights (never read then): keep the tensors it was made from, for its check
+    weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (w_gate_up, w_down)]
+    out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(), *weights,
+                            fused, swiglu_limit, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check)
+    return out

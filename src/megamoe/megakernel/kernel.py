@@ -1,0 +1,364 @@
+"""The megakernel of one layer shape: its pass, step by step.
+
+A pass, all queued on the current stream with no host sync (so it can be
+captured in a CUDA graph once ``check=False``):
+
+1. stage: this rank's x into the symmetric ``x``; its routing ids into row
+   ``rank`` of every rank's ``routing`` buffer;
+2. a device barrier across ranks (every x and routing row is in place);
+3. the pull schedule and its minibatch row tiles, built on the device;
+4. the megakernel (``megamoe.kernels.megakernel``): communication workers pull
+   minibatches into the ring and push finished ones home (when the ring holds
+   every row, only the rows other ranks own: a rank's own outputs stay in the
+   ring), compute workers run the shared expert and the routed gate/up +
+   SwiGLU and down tiles; it ends with a barrier across ranks (every push
+   landed);
+5. the weighted sum of each token's k outputs (its combine slots, or the ring
+   rows of its own routes; router weights, fixed order) plus the shared
+   output, rounded once to bf16.
+
+On a GPU steps 2-4 read only the kernel's and the layer's buffers and the
+weights, so from the second pass with the same weights and layer buffers
+(addresses; values may change in place) and token count they replay from a
+CUDA graph (:mod:`megamoe.megakernel.replay`; one per key, so each MoE layer
+of a model sharing this kernel gets its own): an eager pass then pays the host
+for steps 1 and 5 only.
+
+What the backward reads belongs to the layer, not to this kernel: each pass
+writes the :class:`~megamoe.megakernel.buffers.LayerBuffers` it is given (new
+ones when none are) and returns them in its
+:class:`~megamoe.megakernel.buffers.ForwardContext`. The kernel's own buffers
+(staging, combine slots, expert outputs, counters) live only within a pass and
+are shared by every layer of its shape.
+
+One rank has no peers and so nothing to overlap: there (unless asked for the
+megakernel) steps 2 and 4 become a gather of the routed rows into the ring and
+the expert kernels on every SM (``megamoe.ops.experts``: the same tile functions,
+the same bits), and the weighted sum reads each route's output row in place.
+
+On the CPU (the Triton interpreter runs programs one after another, so
+programs cannot wait for each other) step 4 runs in phases
+(:mod:`megamoe.megakernel.launch`), with host barriers across the simulated
+ranks. Each tile is computed by the same code
+on the same rows either way: outputs are bitwise equal across runs and across
+``comm_sms``, ``minibatch`` and ``ring_rows``.
+
+Several shared experts run as one: SwiGLU FFNs with intermediate sizes Is_1..
+Is_S sum to one FFN whose gate, up and down weights are their concatenations.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+
+from megamoe.dist.symmetric import BufferSpec, workspace
+from megamoe.dist.world import EPWorld
+from megamoe.kernels import megakernel as mk
+from megamoe.megakernel.buffers import ForwardContext, LayerBuffers, scale_dtype
+from megamoe.megakernel.launch import Launcher
+from megamoe.megakernel.replay import GraphReplay, layout_key
+from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, expert_forward
+from megamoe.ops.experts_fp8 import expert_forward_fp8_block, plan_tiles_fp8
+from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, plan_tiles_mxfp8
+from megamoe.ops.quant import QuantizedExperts, quantize_activations, quantize_experts
+from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.plan import KernelConfig, LayerShape, check_kernel_config, plan
+from megamoe.precision import SCALE_BLOCK, check_precision
+from megamoe.routing.row_tiles import RowTiles, build_row_tiles
+from megamoe.routing.schedule import PullSchedule, build_pull_schedule
+from megamoe.runtime import INTERPRETER_PROGRAMS, compiled_gpu, resolve_wait_budget
+
+#: The kernel's FMT code of each precision of the routed experts (the shared expert stays BF16). Each rank
+#: quantises its tokens while staging them (1x32 / 1x128 along D), the weights are quantised once per optimizer
+#: step (``quantize_experts``: mxfp8 1x32 along the reduction axis, fp8-block 128x128), act in the gate/up
+#: epilogue; MXFP8 runs dequantise-on-load tiles (megamoe.ops.experts_mxfp8).
+FMT = {"bf16": mk.FMT_BF16.value, "mxfp8": mk.FMT_MXFP8.value, "fp8-block": mk.FMT_FP8_BLOCK.value}
+
+WAITS = {
+    mk.WAIT_ROWS_READY.value: "rows_ready of minibatch",
+    mk.WAIT_TILE_DONE.value: "gate/up done of row tile",
+    mk.WAIT_Y_DONE.value: "y done of minibatch",
+    mk.WAIT_SHARED_DONE.value: "shared gate/up done of row tile",
+    mk.WAIT_PASS_END.value: "end-of-pass barrier flag of rank",
+    mk.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
+}
+
+#: The weighted sum's tile on a GPU (BLOCK_T tokens x BLOCK_D columns, warps), k slot loads unrolled, one load
+#: per slot: kimi-k2 0.32 ms (3.7 TB/s), qwen3.5-397b 0.22 (benchmarks/results/2026-11-30-qwen-pass,
+#: weighted_sum_bench.py). The sm_90 build test counts its 16-byte loads.
+WEIGHTED_SUM_TILE = (16, 512, 8)
+
+
+def default_config(world: EPWorld, shape: LayerShape, precision: str = "bf16") -> KernelConfig:
+    """The planner's KernelConfig for this shape and precision on this device (GPU), or a small one for the
+    interpreter."""
+    tokens = max(shape.max_tokens, 1)
+    if compiled_gpu(world.device):
+        tile = plan_tiles("down", world.device)
+        return plan(shape.config(), world.size, tokens, num_sms=available_sms(world), precision=precision,
+                    tile_m=tile.block_m, tile_n=tile.block_n).config
+    tile = plan_tiles("down", torch.device("cpu"))
+    # Interpreter: small minibatches so even tiny shapes cross a few minibatches.
+    minibatch = 2 * tile.block_m
+    ring = max(1, math.ceil(tokens * shape.top_k / minibatch)) * minibatch
+    return KernelConfig(INTERPRETER_PROGRAMS, 1, minibatch, ring, tile.block_m, tile.block_n)
+
+
+def available_sms(world: EPWorld) -> int:
+    """SMs one rank's grid may take: ranks sharing a GPU (correctness runs) split its SMs, since every rank's grid
+    must be resident at once."""
+    return torch.cuda.get_device_properties(world.device).multi_processor_count // world.ranks_per_device
+
+
+class MegaKernel:
+    """One rank's megakernel for one layer shape: symmetric workspace, pass buffers, counters, launches.
+
+    Collective to build (allocates symmetric memory). ``forward`` is a pass;
+    every rank makes the same sequence of passes. Layers of one shape may share a MegaKernel: each pass
+    writes the layer's own :class:`LayerBuffers`. On one rank a pass runs the
+    expert kernels on every SM instead of the megakernel (same bits) when the
+    ring holds every routed row; ``one_rank_megakernel=True`` keeps the
+    megakernel there (traces, tests). ``replay=False`` launches every pass's device work from the host
+    instead of replaying its CUDA graph (same bits). ``keep_own_outputs=False`` pushes the outputs of a
+    rank's own routes into its combine slots too, as the other ranks' are (same bits; the layout before
+    24c8091, kept for A/B measurements): by default they stay in the ring when it holds every row.
+    """
+
+    def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
+                 precision: str = "bf16", wait_budget: int | None = None, trace: bool = False,
+                 one_rank_megakernel: bool = False, replay: bool = True, keep_own_outputs: bool = True):
+        check_precision(precision)
+        self.world, self.shape, self.precision = world, shape, precision
+        self.keep_own_outputs = bool(keep_own_outputs)
+        self.fmt, self.scale_block = FMT[precision], SCALE_BLOCK[precision]
+        self.quantized = precision != "bf16"
+        self.gpu = compiled_gpu(world.device)
+        self.config = config or default_config(world, shape, precision)
+        check_kernel_config(self.config, shape, precision, tile_m=self.tiles()[0].block_m,
+                            available_sms=available_sms(world) if self.gpu else None,
+                            where="this GPU" if self.gpu else "the interpreter")
+        R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
+        Is, c = shape.shared_intermediate, self.config
+        # One rank: the expert kernels on every SM, unless the megakernel is asked for or the ring is too small
+        # to hold every routed row (kimi-k2 at EP 1: the megakernel's comm workers would only copy local rows,
+        # and it ran 0.95x of nccl-torch; benchmarks/results/2026-11-30-one-rank). Its weighted sum reads the
+        # outputs in place: no combine slots.
+        self.direct = R == 1 and not one_rank_megakernel and c.ring_rows >= shape.capacity
+        # FP8: each rank quantises its tokens once while staging them (not once per route on arrival: that
+        # needed 19 comm SMs where copying E4M3 rows needs 12, benchmarks/results/2026-11-30-fp8-experts)
+        quantized_rows = (BufferSpec("x_q", (max(N, 1), D), torch.uint8),
+                          BufferSpec("x_scale", (max(N, 1), D // self.scale_block), scale_dtype(precision)))
+        self.sym = workspace(world, (
+            BufferSpec("x", (max(N, 1), D), torch.bfloat16),
+            BufferSpec("combine", (1 if self.direct else max(N * k, 1), D), torch.bfloat16),
+            BufferSpec("routing", (R, max(N, 1), k), torch.int32),
+            BufferSpec("flags", (2, R), torch.int32),
+            # this rank's barrier epochs: with the flags, shared by every MegaKernel on this workspace
+            BufferSpec("epochs", (2,), torch.int32),
+        ) + (quantized_rows if self.quantized else ()))
+        dev = world.device
+        # the pass's own buffers (shared by the layers using this kernel; read within a pass only)
+        self.y = torch.empty(c.ring_rows, D, dtype=torch.bfloat16, device=dev)
+        self.shared_y = torch.empty(max(N, 1), D, dtype=torch.bfloat16, device=dev) if Is else None
+        # counters: rows_ready [M] | y_done [M] | tile_done [tiles] | shared_done [shared tiles] | comm_done [1]
+        self.max_batches = max(1, -(-shape.capacity // c.minibatch))
+        self.max_tiles = -(-shape.capacity // c.tile_m) + shape.experts_per_rank + self.max_batches
+        shared_tiles = -(-max(N, 1) // c.tile_m)
+        self.counters = torch.zeros(2 * self.max_batches + self.max_tiles + shared_tiles + 1, dtype=torch.int32,
+                                    device=dev)
+        self.epochs = self.sym.local("epochs")
+        self.error = torch.zeros(4, dtype=torch.int32, device=dev)
+        # trace (GPU only): per program [start, end, ns waiting, waits, shared done] globaltimer stamps
+        self.trace = torch.zeros(c.num_sms, mk.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
+        self.budget = resolve_wait_budget(wait_budget)
+        self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
+        self.launcher = Launcher(self)
+        # A route's output stays in y (the schedule's own_rows; else the weighted sum reads its combine slot):
+        # on one rank every route; at EP >= 2 this rank's own routes when the ring holds every row (the kernel
+        # then pushes only the other ranks' rows home), unless keep_own_outputs is off.
+        self._own_rows_within = (shape.capacity if self.direct else
+                                 c.ring_rows if self.keep_own_outputs else -1)
+        ints = dict(dtype=torch.int32, device=dev)
+        if self.direct:
+            self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
+            per_expert = shape.capacity / shape.experts_per_rank
+            self._direct_tiles = {kind: plan_tiles(kind, dev, per_expert) for kind in ("gate_up", "down")}
+        self._broken: str | None = None
+        self._scratch: LayerBuffers | None = None
+        # GPU: a pass's device work replays from a CUDA graph once its weights, buffers and token count repeat
+        self.replay = GraphReplay() if replay and self.gpu else None
+
+    def tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
+        """(gate/up, down) tiles of the routed experts (``routed``) or of the shared expert (always BF16)."""
+        device = self.world.device if self.gpu else torch.device("cpu")
+        if routed and self.precision == "fp8-block":
+            return plan_tiles_fp8("gate_up", device), plan_tiles_fp8("down", device)
+        if routed and self.precision == "mxfp8":
+            return plan_tiles_mxfp8("gate_up", "dequant", device), plan_tiles_mxfp8("down", "dequant", device)
+        return plan_tiles("gate_up", device), plan_tiles("down", device)
+
+    def new_buffers(self) -> LayerBuffers:
+        """A layer's buffers for this kernel's shape, config and precision (what one context keeps)."""
+        return LayerBuffers.allocate(self.shape, self.config, self.precision, self.world.device)
+
+    def scratch_buffers(self) -> LayerBuffers:
+        """Buffers of this kernel for passes whose context nobody keeps (forward only): reused by each such pass."""
+        if self._scratch is None:
+            self._scratch = self.new_buffers()
+        return self._scratch
+
+    def check_errors(self) -> None:
+        """Raise RuntimeError if a wait of an earlier pass timed out (reads the error word: a host sync)."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        code, index, target, seen = self.error.tolist()
+        if code:
+            what = WAITS.get(code, f"wait #{code}")
+            self._broken = (f"rank {self.world.rank}: the megakernel timed out waiting for {what} {index} "
+                            f"(wanted >= {target}, saw {seen}); this MegaKernel's counters are out of step now")
+            raise RuntimeError(self._broken)
+
+    # ---- a pass
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        top_experts: torch.Tensor,
+        router_weights: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+        swiglu_limit: float | None = None,
+        *,
+        experts_q: QuantizedExperts | None = None,
+        buffers: LayerBuffers | None = None,
+        check: bool = True,
+    ) -> tuple[torch.Tensor, ForwardContext]:
+        """One forward pass (collective). Inputs as :func:`~megamoe.megakernel.forward.megamoe_forward`
+        (validated there), ``shared`` one (gate_up, down) pair or None. ``buffers``: the layer's buffers to
+        write (:meth:`new_buffers`; None allocates new ones); the returned context owns them until it is
+        dropped, so pass only buffers no live context holds. ``check`` reads the error word after the pass (a
+        host sync)."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        if experts_q is not None:
+            if not self.quantized:
+                raise ValueError("experts_q is for the FP8 precisions; this pass runs bf16 experts")
+            experts_q.check_source(w_gate_up, w_down, self.precision)
+        buffers = self.new_buffers() if buffers is None else buffers
+        s = self.shape
+        n = x.shape[0]
+        self._stage(x, top_experts, shared is not None)
+        if self.quantized and experts_q is None:  # quantised in this pass, before the device work (its graph)
+            experts_q = quantize_experts(w_gate_up, w_down, self.precision)
+        # 2-4: the device work, replayed from a graph when the weights, buffers and token count repeat
+        work = partial(self._device_work, n, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+        if self.replay is None:
+            schedule, tiles = work()
+        else:
+            q = () if experts_q is None else (experts_q.w_gate_up, experts_q.w_gate_up_scale, experts_q.w_down,
+                                              experts_q.w_down_scale)
+            key = (n, swiglu_limit, layout_key((w_gate_up, w_down, *q, *(shared or (None, None)),
+                                                *buffers.tensors())))
+            schedule, tiles = self.replay(key, work)
+        # 5. the weighted sum
+        out = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=x.device)
+        if n:
+            self._weighted_sum(out, schedule.own_rows, top_experts, router_weights, shared is not None)
+        if check:
+            self.check_errors()
+        return out, ForwardContext(schedule, tiles, self.config, buffers)
+
+    def _stage(self, x: torch.Tensor, top_experts: torch.Tensor, has_shared: bool) -> None:
+        """Step 1: x into the symmetric rows (FP8: quantised, once per token; the BF16 rows only for the shared
+        expert, from the same read of x) and the routing ids into row ``rank`` of every rank's routing buffer."""
+        n, me = x.shape[0], self.world.rank
+        x_sym = self.sym.local("x")[:n]
+        if not self.quantized:
+            x_sym.copy_(x)
+        elif n:  # straight into the symmetric rows the comm workers pull
+            quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
+                                                        self.sym.local("x_scale")[:n]),
+                                 copy=x_sym if has_shared else None)
+        for r in range(self.world.size):
+            row = self.sym.peer("routing", r)[me]
+            row[:n].copy_(top_experts)
+            if n < row.shape[0]:  # padding rows: no route
+                row[n:].fill_(-1)
+
+    def _device_work(self, n, buffers, w_gate_up, w_down, experts_q, shared,
+                     swiglu_limit) -> tuple[PullSchedule, RowTiles]:
+        """Steps 2-4 of a pass (x and the routing ids staged): reads only this kernel's and the layer's buffers
+        and the weights."""
+        s, c, me = self.shape, self.config, self.world.rank
+        # 2. every rank staged
+        if not self.direct:
+            self._barrier(0)
+        # 3. the schedule and its minibatch row tiles
+        schedule = build_pull_schedule(self.sym.local("routing")[:, : max(s.max_tokens, 1)], me, s.experts_per_rank,
+                                       own_rows_within=self._own_rows_within)
+        # tiles are cut at minibatch boundaries only when the ring wraps (decided on the device: the cuts cost
+        # the GEMMs ~6 % at 1920-row minibatches, benchmarks/results/2026-11-30-one-rank, section 8)
+        tiles = build_row_tiles(schedule.tokens_per_expert, schedule.offsets, schedule.capacity, c.tile_m,
+                                minibatch=c.minibatch, cut=schedule.num_rows > c.ring_rows)
+        # 4. the megakernel (one rank: the expert kernels)
+        if self.direct:
+            self._run_experts(n, schedule, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+        else:
+            self.counters.zero_()
+            if self.trace is not None:
+                self.trace.zero_()
+            args, consts = self.launcher.arguments(n, schedule, tiles, buffers, w_gate_up, w_down, experts_q, shared,
+                                                   swiglu_limit)
+            self.launcher.run(schedule, args, consts)
+            if not self.gpu:
+                self.world.barrier()  # every rank's pushes landed
+        return schedule, tiles
+
+    def _barrier(self, row: int) -> None:
+        if not self.gpu:
+            self.world.barrier()
+            return
+        mk.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("flags")[row], self.epochs[row:],
+                                     self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
+
+    def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:
+        """One rank: the routed rows gathered into the ring, the expert kernels on every SM, and the map from
+        each route to its output row (the weighted sum reads the rows in place: no combine copy)."""
+        cap = schedule.capacity
+        rows = slice(0, cap)
+        b = buffers
+        # rows past num_rows (dropped routes, src_index -1) gather token 0: no tile reads them
+        token = (schedule.src_index.clamp(min=0) // self.shape.top_k).long()
+        counts, offsets = schedule.tokens_per_expert, schedule.offsets
+        if self.quantized:
+            q = experts_q  # never None here: forward quantises before the device work when the caller did not
+            torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
+            torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
+            forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
+            forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
+                    q.w_down, q.w_down_scale, swiglu_limit=swiglu_limit,
+                    out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]))
+        else:
+            torch.index_select(self.sym.local("x"), 0, token, out=b.ring_x[rows])
+            expert_forward(b.ring_x[rows], counts, offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit,
+                           out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]), tiles=self._direct_tiles)
+        if shared is not None and n:
+            self._shared_rows.fill_(n)
+            expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],
+                           shared[1][None], swiglu_limit=swiglu_limit,
+                           out=ExpertForward(b.shared_h[:n], b.shared_act[:n], self.shared_y[:n]))
+
+    def _weighted_sum(self, out, own_rows, top_experts, router_weights, has_shared: bool) -> None:
+        n, D = out.shape
+        combine = self.sym.local("combine")
+        block_t, block_d, warps = WEIGHTED_SUM_TILE if self.gpu else (16, 64, 4)
+        shared_y = self.shared_y if has_shared else out
+        mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
+            self.y, self.y.stride(0), combine, combine.stride(0), own_rows, top_experts.contiguous(),
+            router_weights.contiguous(), shared_y, shared_y.stride(0), out, out.stride(0), n, D,
+            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+        )

@@ -1,0 +1,404 @@
+"""MXFP8 and FP8-block quantisation launches, and the routed experts' weights quantised once per step.
+
+:func:`quantize_activations` and :func:`quantize_weights` launch
+``megamoe.kernels.quant.quantize_kernel`` (bit for bit the definitions of
+:mod:`megamoe.reference.formats`, which are their torch twins), one program
+per tile; :class:`QuantConfig` pins a tile.
+
+Quantising the routed weights costs a pass over all of them (kimi-k2 at EP 2: 17 GB of
+BF16 read, 8.5 GB of E4M3 written per rank, several milliseconds), while they
+change only at an optimizer step. :func:`quantize_experts` runs that pass once;
+every forward until the next step takes the result (``experts_q=``). The pack
+remembers which tensors it came from and at which version, so a forward given
+weights that were modified in place since (an optimizer step) refuses the stale
+pack instead of computing with old weights. Writes through ``w.data`` bypass the
+version counter and are not seen: quantise again after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from megamoe.checks import check_tensors
+from megamoe.kernels.quant import quantize_kernel
+from megamoe.precision import FORMATS, FP8_BLOCK, MX_BLOCK, check_precision
+from megamoe.reference.formats import check_quant_input, check_rounding, normalize_dim
+from megamoe.runtime import interpreting
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Tile shape and code path of one quantisation launch.
+
+    Attributes:
+        block_m: BLOCK_M, tile rows per program; a power of two, a multiple
+            of the block's rows.
+        block_k: BLOCK_K, tile columns per program; a power of two, a
+            multiple of the block's columns.
+        num_warps: warps per program (ignored by the interpreter).
+        soft_e4m3: None picks the hardware E4M3 conversion when compiled and
+            the software rounding under TRITON_INTERPRET=1; True pins the
+            software rounding; False the hardware one (refused under the
+            interpreter, whose fp8 cast is not round-to-nearest-even).
+    """
+
+    block_m: int
+    block_k: int
+    num_warps: int = 8
+    soft_e4m3: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+                raise ValueError(f"QuantConfig.{name} must be a power of two, got {value!r}")
+        if self.soft_e4m3 not in (None, True, False):
+            raise ValueError(f"QuantConfig.soft_e4m3 must be None, True or False, got {self.soft_e4m3!r}")
+
+
+def default_config(block: tuple[int, int]) -> QuantConfig:
+    """The tile for ``block`` (rows, cols).
+
+    The fastest tile of the H200 sweep (benchmarks/quant_bench.py; bf16 [16384, 7168] activations,
+    [32, 4096, 7168] weights, % of the 4252 GB/s copy ceiling). Rowwise blocks: 16 x 512, 4 warps
+    (each warp owns whole rows: the block max is in-thread plus two shuffles). Columnwise blocks
+    run across rows, and a tile whose warps split a block (every tile here with > 1 warp) reduces
+    through shared memory (4-6 CTA barriers, ``BLOCK_K x warps`` partials): fewer warps per block
+    was faster on the GPU (32 x 128 w2 71 % vs 32 x 256 w4 48 %, w8 29 %). One-warp tiles (the
+    block max in-thread plus shuffles, no barrier) win for 32-row blocks; each columnwise default
+    is the tile best for both output layouts (row-major and transposed), 2026-11-29 sweep in
+    benchmarks/results/2026-11-29-quant-defaults.
+    """
+    br, bc = block
+    if (br, bc) == (1, MX_BLOCK):
+        return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 93 % (32 x 512 w8: 91.5 %)
+    if (br, bc) == (MX_BLOCK, 1):
+        return QuantConfig(block_m=64, block_k=64, num_warps=1)  # 80 %, transposed 71.5 % (32 x 128 w2: 71 / 66 %)
+    if (br, bc) == (1, FP8_BLOCK):
+        return QuantConfig(block_m=16, block_k=512, num_warps=4)  # 83 %
+    if (br, bc) == (FP8_BLOCK, 1):
+        return QuantConfig(block_m=128, block_k=64, num_warps=2)  # 65 %, transposed 82 % (w4: 63 / 61 %)
+    return QuantConfig(block_m=128, block_k=128, num_warps=8)  # 128x128 weights: 90 %
+
+
+def soft_e4m3_default() -> bool:
+    """The ``SOFT_E4M3`` a launcher passes: True under TRITON_INTERPRET=1, False compiled."""
+    return interpreting()
+
+
+def _resolve_soft(config: QuantConfig) -> bool:
+    if config.soft_e4m3 is None:
+        return soft_e4m3_default()
+    if not config.soft_e4m3 and interpreting():
+        raise ValueError(
+            "QuantConfig(soft_e4m3=False) asks for the hardware E4M3 conversion, which the "
+            "Triton interpreter does not round to nearest even; use None or True under TRITON_INTERPRET=1"
+        )
+    return config.soft_e4m3
+
+
+def _check_config(config: object, block: tuple[int, int]) -> QuantConfig:
+    if config is None:
+        return default_config(block)
+    if not isinstance(config, QuantConfig):
+        raise ValueError(f"config must be a QuantConfig or None, got {type(config).__name__}")
+    br, bc = block
+    if config.block_m % br or config.block_k % bc:
+        raise ValueError(
+            f"config tile [{config.block_m}, {config.block_k}] must hold whole {br}x{bc} blocks"
+        )
+    return config
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1 on the CPU), got {t.device}")
+
+
+def _fmt_block(fmt: object, axis: int, weights: bool) -> tuple[bool, tuple[int, int]]:
+    """(is mxfp8, block rows x cols) for a format and the axis (0 rows, 1 cols) blocks run along."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "mxfp8":
+        return True, ((MX_BLOCK, 1) if axis == 0 else (1, MX_BLOCK))
+    if weights:
+        return False, (FP8_BLOCK, FP8_BLOCK)
+    return False, ((FP8_BLOCK, 1) if axis == 0 else (1, FP8_BLOCK))
+
+
+def _prepare(
+    x_BMK: torch.Tensor,
+    mx: bool,
+    block: tuple[int, int],
+    rounding: str,
+    transpose: bool,
+    config: QuantConfig,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """Outputs and the ``quantize_kernel`` launch ``(grid, args, kwargs)`` (None when empty) for
+    quantising each ``[M, K]`` matrix of ``x_BMK``: ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
+    (their last two dims swapped, contiguous, when ``transpose``), or ``out`` (not transposed) when given;
+    ``copy`` (like ``x_BMK``) also receives x unchanged.
+    Works on meta tensors too, which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
+    nb, m, k = x_BMK.shape
+    br, bc = block
+    for i, (size, b) in enumerate(((m, br), (k, bc))):
+        if size % b:
+            side = "rows" if i == 0 else "cols"
+            raise ValueError(f"{side}={size} of shape {tuple(x_BMK.shape)} is not a multiple of the block {block}")
+    if nb > 65535:
+        raise ValueError(f"at most 65535 matrices per launch, got {nb}")
+    dev = x_BMK.device
+    scale_dtype = torch.uint8 if mx else torch.float32
+    if out is not None:
+        data, scale = out
+        data_v, scale_v = data, scale
+    elif transpose:
+        data = torch.empty(nb, k, m, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.empty(nb, k // bc, m // br, dtype=scale_dtype, device=dev)
+        data_v, scale_v = data.transpose(1, 2), scale.transpose(1, 2)
+    else:
+        data = torch.empty(nb, m, k, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.empty(nb, m // br, k // bc, dtype=scale_dtype, device=dev)
+        data_v, scale_v = data, scale
+    if data.numel() == 0:
+        return data, scale, None
+    bm, bk = config.block_m, config.block_k
+    copy_v = x_BMK if copy is None else copy
+    for name, t in (("x", x_BMK), ("data", data_v), ("copy", copy_v)):
+        if bm * abs(t.stride(1)) + bk * abs(t.stride(2)) >= 2**31:
+            raise ValueError(f"{name} strides {t.stride()} overflow int32 tile offsets for tile [{bm}, {bk}]")
+    data_u8 = data_v.view(torch.uint8)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk), nb)
+    # NOTE: with one matrix its batch strides are passed as 0: Triton then knows they are
+    # multiples of 16, which the 16-byte vectorisation of every tile offset depends on.
+    strides = [list(t.stride()) for t in (x_BMK, data_u8, scale_v, copy_v)]
+    if nb == 1:
+        for st in strides:
+            st[0] = 0
+    args = (x_BMK, data_u8, scale_v, copy_v, m, k, *strides[0], *strides[1], *strides[2], *strides[3])
+    kwargs = dict(
+        COPY=copy is not None,
+        MX=mx,
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        RCEIL=rounding == "rceil",
+        SOFT_E4M3=_resolve_soft(config),
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        num_warps=config.num_warps,
+    )
+    return data, scale, (grid, args, kwargs)
+
+
+def _launch(
+    x_BMK: torch.Tensor,
+    mx: bool,
+    block: tuple[int, int],
+    rounding: str,
+    transpose: bool,
+    config: QuantConfig,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise each ``[M, K]`` matrix of ``x_BMK`` (see ``_prepare``)."""
+    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out, copy)
+    if launch is not None:
+        grid, args, kwargs = launch
+        quantize_kernel[grid](*args, **kwargs)
+    return data, scale
+
+
+def quantize_activations(
+    x: torch.Tensor,
+    fmt: str,
+    axis: int = 1,
+    *,
+    rounding: str = "floor",
+    transpose: bool = False,
+    config: QuantConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    copy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a 2-D activation ``x [M, K]`` with blocks along ``axis``.
+
+    Args:
+        x: float32/bfloat16/float16 ``[M, K]``, any strides; CUDA (or CPU
+            under TRITON_INTERPRET=1).
+        fmt: ``"mxfp8"`` (32-blocks, E8M0 scales) or ``"fp8-block"``
+            (128-blocks, float32 scales).
+        axis: the axis the blocks run along, the GEMM's reduction axis: 1
+            (or -1) rowwise, 0 (or -2) columnwise; that dim must be a
+            multiple of the block (32 or 128).
+        rounding: mxfp8's exponent rule, ``"floor"`` or ``"rceil"``;
+            fp8-block accepts only the default.
+        transpose: return ``data.T`` and ``scale.T`` (contiguous ``[K, M]``
+            and its scales) instead -- the K-major operand a GEMM reducing
+            over M wants; the kernel writes them directly.
+        config: tile shape and E4M3 path; None picks ``default_config``.
+        out: ``(data, scale)`` to write into instead of new tensors (contiguous, on x's device, the shapes
+            and dtypes returned otherwise; not with ``transpose``).
+        copy: a contiguous tensor like x (shape, dtype, device) that also receives x unchanged, from the
+            same read of x (a staging copy for free); must not overlap x.
+
+    Returns:
+        ``(data, scale)`` (``out`` when given) equal bit for bit to ``megamoe.formats``:
+        ``mxfp8_quantize(x, dim=axis, rounding=rounding)`` or
+        ``fp8_block_quantize(x, block=(1, 128) or (128, 1))``.
+    """
+    check_quant_input(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    _check_device(x, "x")
+    ax = normalize_dim(axis, 2, "axis")
+    check_rounding(rounding)
+    mx, block = _fmt_block(fmt, ax, weights=False)
+    if not mx and rounding != "floor":
+        raise ValueError(f"rounding={rounding!r} applies to mxfp8 only; fp8-block scales are amax / 448")
+    if not isinstance(transpose, bool):
+        raise ValueError(f"transpose must be a bool, got {transpose!r}")
+    cfg = _check_config(config, block)
+    if out is not None:
+        if transpose:
+            raise ValueError("out is not supported with transpose=True")
+        (m, k), (br, bc) = x.shape, block
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ValueError("out must be a (data, scale) pair of tensors")
+        check_tensors((("out data", out[0], (m, k), torch.float8_e4m3fn),
+                       ("out scale", out[1], (m // br, k // bc), torch.uint8 if mx else torch.float32)), x.device)
+        out = (out[0].unsqueeze(0), out[1].unsqueeze(0))
+    if copy is not None:
+        check_tensors((("copy", copy, tuple(x.shape), x.dtype),), x.device)
+        copy = copy.unsqueeze(0)
+    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out, copy)
+    return data.squeeze(0), scale.squeeze(0)
+
+
+def quantize_weights(
+    w: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    rounding: str = "floor",
+    config: QuantConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a weight matrix ``[rows, cols]`` or all experts of a stack ``[E, rows, cols]`` in one launch.
+
+    Args:
+        w: float32/bfloat16/float16, 2-D or 3-D, any strides; CUDA (or CPU
+            under TRITON_INTERPRET=1).
+        fmt: ``"mxfp8"`` or ``"fp8-block"``.
+        axis: mxfp8 only: the dim the 32-blocks run along, -1 (cols, e.g. D of
+            ``w_gate_up [E, 2I, D]`` for the forward GEMM) or -2 (rows, for
+            dgrad). fp8-block uses 128x128 blocks, which serve both GEMMs;
+            ``axis`` must still name one of the last two dims.
+        rounding: mxfp8's exponent rule (``"floor"`` or ``"rceil"``).
+        config: tile shape and E4M3 path; None picks ``default_config``.
+
+    Returns:
+        ``(data, scale)`` equal bit for bit to
+        ``mxfp8_quantize(w, dim=axis, rounding=rounding)`` or
+        ``fp8_block_quantize(w, block=(128, 128))``.
+    """
+    check_quant_input(w, "w")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [rows, cols] or [E, rows, cols], got shape {tuple(w.shape)}")
+    _check_device(w, "w")
+    ax = normalize_dim(axis, w.dim(), "axis")
+    if ax < w.dim() - 2:
+        raise ValueError(f"axis={axis} must name rows or cols (-2 or -1) of w with shape {tuple(w.shape)}")
+    check_rounding(rounding)
+    mx, block = _fmt_block(fmt, ax - (w.dim() - 2), weights=True)
+    if not mx and rounding != "floor":
+        raise ValueError(f"rounding={rounding!r} applies to mxfp8 only; fp8-block scales are amax / 448")
+    cfg = _check_config(config, block)
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    data, scale = _launch(w3, mx, block, rounding, False, cfg)
+    if w.dim() == 2:
+        return data.squeeze(0), scale.squeeze(0)
+    return data, scale
+
+
+# ------------------------------------------------------------ the routed experts' weights, once per step
+
+
+def _stamp(w: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """What identifies a weight tensor's current values: storage address, in-place version, shape."""
+    return w.data_ptr(), w._version, tuple(w.shape)
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """E4M3 routed-expert weights and their scales, as the megakernel reads them.
+
+    Attributes:
+        precision: ``mxfp8`` (E8M0 scales per 32 along each GEMM's reduction axis) or ``fp8-block`` (fp32
+            scales per 128x128 block).
+        w_gate_up, w_gate_up_scale: E4M3 `[L, 2I, D]` and its scales.
+        w_down, w_down_scale: E4M3 `[L, D, I]` and its scales.
+        source: the stamps of the BF16 weights they were made from (see ``check_source``).
+    """
+
+    precision: str
+    w_gate_up: torch.Tensor
+    w_gate_up_scale: torch.Tensor
+    w_down: torch.Tensor
+    w_down_scale: torch.Tensor
+    source: tuple
+
+    def check_source(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str) -> None:
+        """ValueError unless this pack was made from these very tensors, unchanged since, in ``precision``."""
+        if self.precision != precision:
+            raise ValueError(f"experts_q holds {self.precision} weights but the pass runs {precision}")
+        if self.source != (_stamp(w_gate_up), _stamp(w_down)):
+            raise ValueError("experts_q was not made from these w_gate_up / w_down, or they changed since "
+                             "(an optimizer step): quantize_experts them again")
+
+
+def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str) -> QuantizedExperts:
+    """Quantise the routed experts' weights (`[L, 2I, D]`, `[L, D, I]`, BF16) for ``precision``: one launch
+    per tensor, bit for bit what the megakernel would quantise in its pass. The pack holds half the BF16
+    weights' bytes (plus ~1-3 % of scales) until it is dropped; quantising again before dropping the old
+    pack needs room for both."""
+    check_precision(precision, FORMATS)
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be a bfloat16 [L, rows, cols] tensor, got "
+                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    with torch.no_grad():
+        gate_up, gate_up_scale = quantize_weights(w_gate_up.detach(), precision)
+        down, down_scale = quantize_weights(w_down.detach(), precision)
+    return QuantizedExperts(precision, gate_up, gate_up_scale, down, down_scale,
+                            (_stamp(w_gate_up), _stamp(w_down)))
+
+
+def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool = False, transpose: bool = False,
+                   rounding: str = "floor", config: QuantConfig | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> tuple[tuple, dict, int]:
+    """``(args, kwargs, num_warps)`` of the ``quantize_kernel`` launch that ``quantize_weights`` (``weights``)
+    or ``quantize_activations`` makes for a tensor of ``shape``, built on meta tensors (no memory, no GPU):
+    what the sm_90 build check (``megamoe.tools.sm90``) compiles."""
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    if weights:
+        ax = normalize_dim(axis, x.dim(), "axis")
+        mx, block = _fmt_block(fmt, ax - (x.dim() - 2), weights=True)
+        x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    else:
+        mx, block = _fmt_block(fmt, normalize_dim(axis, 2, "axis"), weights=False)
+        x3 = x.unsqueeze(0)
+    cfg = _check_config(config, block)
+    _, _, launch = _prepare(x3, mx, block, rounding, transpose, cfg)
+    if launch is None:
+        raise ValueError(f"an empty tensor {shape} launches nothing")
+    _, args, kwargs = launch
+    return args, kwargs, cfg.num_warps
+
+
+def block_of(fmt: str, axis: int, weights: bool = False) -> tuple[int, int]:
+    """The scale block ``(rows, cols)`` of ``fmt`` quantised along ``axis`` (of the last two dims)."""
+    return _fmt_block(fmt, axis, weights)[1]
+

@@ -1,0 +1,53 @@
+"""Where the kernels run: compiled on a GPU, or under Triton's CPU interpreter.
+
+``TRITON_INTERPRET=1`` (set by the tests and by CPU ranks) makes every Triton
+launch run its programs one after another on the CPU. The interpreter cannot
+let programs wait for each other, run inline assembly or multiply bf16 tiles
+correctly, so code that launches kernels asks :func:`interpreting` and takes
+its CPU path (phased megakernel, fp32 dots, software E4M3 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+#: Default poll budgets of an in-kernel wait. A poll is one acquire load of a local flag or counter: about a
+#: microsecond compiled (2**24 polls: seconds), far slower under the interpreter, where a peer process may also
+#: take seconds to arrive.
+DEFAULT_WAIT_BUDGET = 1 << 24
+DEFAULT_WAIT_BUDGET_INTERPRETED = 1 << 20
+
+#: Programs of a persistent launch under the interpreter (it runs them one by one: a few cover every role).
+INTERPRETER_PROGRAMS = 4
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter: ``TRITON_INTERPRET`` read by Triton's own rule
+    (1, true, on, yes), so this agrees with what a launch does."""
+    return bool(knobs.runtime.interpret)
+
+
+def compiled_gpu(device: torch.device) -> bool:
+    """True when kernels on ``device`` run compiled on a CUDA GPU (not the interpreter)."""
+    return device.type == "cuda" and not interpreting()
+
+
+def num_programs(device: torch.device, requested: int | None = None) -> int:
+    """Programs of a persistent launch: ``requested``, else the GPU's SM count (4 under the interpreter)."""
+    if requested is not None:
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+            raise ValueError(f"num_programs must be a positive int, got {requested!r}")
+        return requested
+    if compiled_gpu(device):
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_PROGRAMS
+
+
+def resolve_wait_budget(budget: object = None) -> int:
+    """An in-kernel wait's poll budget: ``budget`` (an int in [1, 2**31)), or the default for where kernels run."""
+    if budget is None:
+        return DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget < 2**31:
+        raise ValueError(f"wait_budget must be an int in [1, 2**31), got {budget!r}")
+    return budget

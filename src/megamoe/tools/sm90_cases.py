@@ -1,0 +1,261 @@
+"""The launches the sm_90 build check compiles (``megamoe.tools.sm90``): one :class:`Case` per kernel and tile.
+
+Groups:
+
+- ``gemm``: the BF16 expert kernels (forward gate/up + SwiGLU, down; backward dact + SwiGLU', dx, wgrad) at
+  the planner's GPU tiles;
+- ``fp8``: the FP8-block forward kernels at theirs;
+- ``mxfp8``: the MXFP8 forward kernels, dequantise-on-load and per-32 rescale;
+- ``quant``: the quantiser at every tile the GPU test and the defaults use, hardware and software E4M3
+  rounding (built from the launch's own arguments on meta tensors);
+- ``megakernel``: the forward megakernel in each routed format (kimi-k2 rows) and its weighted sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megamoe.precision import FORMATS
+
+#: The SM count the persistent grids are compiled for (H200).
+SMS = 132
+_TILES = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "num_tiles_ptr": "*i32"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launch to compile: kernel, argument types, constexprs, launch options (``attrs`` None: the
+    16-divisibility hints of a launch with our sizes; else the JIT's own specialisation)."""
+
+    kernel: object
+    signature: dict
+    constexprs: dict
+    num_warps: int = 8
+    num_stages: int = 3
+    attrs: dict | None = None
+    stack_pointer: bool = False  # add the quantiser's stack-pointer facts
+    notes: dict = field(default_factory=dict)
+
+
+def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
+    """(signature entries, values) of the tile constexprs a row-task kernel declares, for TileConfig ``tile``."""
+    values = dict(DOT_FP32=False, NUM_PROGRAMS=SMS, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                  BLOCK_K=tile.block_k, GROUP_M=tile.group_m, FLATTEN=tile.flatten, **more)
+    values = {name: value for name, value in values.items() if name in kernel.arg_names}
+    return {name: "constexpr" for name in values}, values
+
+
+def gemm_cases() -> dict[str, Case]:
+    from megamoe.kernels import expert_gemm, expert_gemm_bwd
+    from megamoe.ops.tiles import plan_tiles
+
+    gpu = torch.device("cuda")
+    cases = {}
+    t = plan_tiles("gate_up", gpu)
+    kinds, values = _row_task_consts(expert_gemm.gate_up_kernel, t, HAS_LIMIT=True)
+    cases["gate_up_kernel"] = Case(expert_gemm.gate_up_kernel, {
+        "x_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>", "w_desc": f"tensordesc<bf16[{t.block_n},{t.block_k}]>",
+        "h_ptr": "*bf16", "act_ptr": "*bf16", "stride_h": "i32", "stride_act": "i32", **_TILES, **kinds,
+        "I": "i32", "K": "i32", "limit": "fp32"}, values, t.num_warps, t.num_stages)
+    t = plan_tiles("down", gpu)
+    kinds, values = _row_task_consts(expert_gemm.down_kernel, t)
+    cases["down_kernel"] = Case(expert_gemm.down_kernel, {
+        "act_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>", "w_desc": f"tensordesc<bf16[{t.block_n},{t.block_k}]>",
+        "y_ptr": "*bf16", "stride_y": "i32", **_TILES, **kinds, "D": "i32", "K": "i32"}, values, t.num_warps,
+        t.num_stages)
+    t = plan_tiles("dact", gpu)
+    kinds, values = _row_task_consts(expert_gemm_bwd.dact_swiglu_bwd_kernel, t, HAS_LIMIT=True)
+    cases["dact_swiglu_bwd_kernel"] = Case(expert_gemm_bwd.dact_swiglu_bwd_kernel, {
+        "dy_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
+        "w_down_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "h_ptr": "*bf16", "row_w_ptr": "*fp32",
+        "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_h": "i32",
+        "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
+        "limit": "fp32"}, values, t.num_warps, t.num_stages)
+    t = plan_tiles("dx", gpu)
+    kinds, values = _row_task_consts(expert_gemm_bwd.dx_kernel, t)
+    cases["dx_kernel"] = Case(expert_gemm_bwd.dx_kernel, {
+        "d_h_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
+        "w_gate_up_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "d_x_ptr": "*bf16", "stride_d_x": "i32",
+        **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps, t.num_stages)
+    t = plan_tiles("wgrad", gpu)
+    kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, t)
+    cases["wgrad_kernel"] = Case(expert_gemm_bwd.wgrad_kernel, {
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+        "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **kinds}, values, t.num_warps, t.num_stages)
+    return cases
+
+
+def fp8_cases() -> dict[str, Case]:
+    from megamoe.kernels import expert_gemm_fp8 as k
+    from megamoe.ops.experts_fp8 import plan_tiles_fp8
+
+    gpu = torch.device("cuda")
+    t = plan_tiles_fp8("gate_up", gpu)
+    kinds, values = _row_task_consts(k.gate_up_fp8_kernel, t, HAS_LIMIT=True, STORE_H=True, SOFT_E4M3=False)
+    gate_up = Case(k.gate_up_fp8_kernel, {
+        "x_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
+        "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "h_ptr": "*bf16", "act_q_ptr": "*u8",
+        "act_scale_ptr": "*fp32", "stride_xs": "i32", "stride_ws_n": "i32", "stride_h": "i32",
+        "stride_act": "i32", "stride_as": "i32", **_TILES, **kinds, "I": "i32", "K": "i32", "limit": "fp32"},
+        values, t.num_warps, t.num_stages)
+    t = plan_tiles_fp8("down", gpu)
+    kinds, values = _row_task_consts(k.down_fp8_kernel, t)
+    down = Case(k.down_fp8_kernel, {
+        "act_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
+        "act_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "y_ptr": "*bf16", "stride_as": "i32",
+        "stride_ws_n": "i32", "stride_y": "i32", **_TILES, **kinds, "D": "i32", "K": "i32"},
+        values, t.num_warps, t.num_stages)
+    return {"gate_up_fp8_kernel": gate_up, "down_fp8_kernel": down}
+
+
+def mxfp8_cases() -> dict[str, Case]:
+    from megamoe.kernels import expert_gemm_mxfp8 as k
+    from megamoe.ops.experts_mxfp8 import plan_tiles_mxfp8
+
+    cases = {}
+    for variant in ("dequant", "rescale"):
+        for kind in ("gate_up", "down"):
+            t = plan_tiles_mxfp8(kind, variant, torch.device("cuda"), compiled=True)
+            a = f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>"
+            w = f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>"
+            for int_exp in (False, True) if variant == "rescale" else (False,):
+                flags = dict(RESCALE=variant == "rescale", INT_EXP=int_exp)
+                if kind == "gate_up":
+                    kernel = k.gate_up_mxfp8_kernel
+                    kinds, values = _row_task_consts(kernel, t, **flags, HAS_LIMIT=True, STORE_H=True,
+                                                     SOFT_E4M3=False)
+                    signature = {"x_desc": a, "w_desc": w, "x_scale_ptr": "*u8", "w_scale_ptr": "*u8",
+                                 "h_ptr": "*bf16", "act_q_ptr": "*u8", "act_scale_ptr": "*u8", "stride_xs": "i32",
+                                 "stride_ws": "i32", "stride_h": "i32", "stride_act": "i32", "stride_as": "i32",
+                                 **_TILES, **kinds, "I": "i32", "W_ROWS": "i32", "K": "i32", "limit": "fp32"}
+                else:
+                    kernel = k.down_mxfp8_kernel
+                    kinds, values = _row_task_consts(kernel, t, **flags)
+                    signature = {"act_desc": a, "w_desc": w, "act_scale_ptr": "*u8", "w_scale_ptr": "*u8",
+                                 "y_ptr": "*bf16", "stride_as": "i32", "stride_ws": "i32", "stride_y": "i32",
+                                 **_TILES, **kinds, "D": "i32", "W_ROWS": "i32", "K": "i32"}
+                name = f"{kind}_{variant}" + ("_int_exp" if int_exp else "")
+                cases[name] = Case(kernel, signature, values, t.num_warps, t.num_stages)
+    return cases
+
+
+def quant_cases() -> dict[str, Case]:
+    """The launches of tests/test_formats.py::test_compiled_kernels_match_torch_on_gpu (its explicit tile and
+    every default tile), with the hardware and with the software E4M3 rounding, from the launch's own
+    arguments. (benchmarks/quant_bench.py checks its sweep tiles on the GPU.)"""
+    from megamoe.kernels.quant import quantize_kernel
+    from megamoe.ops.quant import QuantConfig, block_of, default_config, planned_launch
+    from megamoe.tools.sm90 import bound_launch
+
+    launches = []
+    for fmt in FORMATS:
+        for axis in (1, 0):
+            for transpose in (False, True):
+                d = default_config(block_of(fmt, axis))
+                gpu_test_tile = (128, 128 if axis == 0 and fmt == "fp8-block" else 256, 8)
+                for bm, bk, nw in sorted({(d.block_m, d.block_k, d.num_warps), gpu_test_tile}):
+                    for soft in (False, True):
+                        launches.append(dict(shape=(4096, 7168), fmt=fmt, axis=axis, transpose=transpose,
+                                             config=QuantConfig(bm, bk, nw, soft_e4m3=soft)))
+    for fmt, axis in (("mxfp8", -1), ("mxfp8", -2), ("fp8-block", -1)):
+        for soft in (False, True):
+            d = default_config(block_of(fmt, axis + 2, weights=True))
+            launches.append(dict(shape=(4, 1024, 2048), fmt=fmt, axis=axis, weights=True,
+                                 config=QuantConfig(d.block_m, d.block_k, d.num_warps, soft_e4m3=soft)))
+    cases = {}
+    for launch in launches:
+        args, kwargs, warps = planned_launch(**launch)
+        signature, constexprs, attrs = bound_launch(quantize_kernel, args, kwargs, warps)
+        c = launch["config"]
+        name = (f"{'w' if launch.get('weights') else 'act'} {launch['fmt']} axis={launch['axis']}"
+                f"{' ->T' if launch.get('transpose') else ''} tile {c.block_m}x{c.block_k} w{c.num_warps}"
+                f"{' soft' if c.soft_e4m3 else ''}")
+        cases[name] = Case(quantize_kernel, signature, constexprs, warps, 1, attrs, stack_pointer=True)
+    return cases
+
+
+#: The megakernel's launch on an H200 (kimi-k2 rows: D = 7168, k = 8), by format:
+#: (FMT, BN_GU, BN_DN, BLOCK_K, activation element type, scale type).
+_MEGA_TILES = {
+    "bf16": (0, 128, 256, 64, "bf16", "fp32"),
+    "mxfp8": (1, 64, 128, 64, "fp8e4nv", "u8"),
+    "fp8-block": (2, 128, 128, 128, "fp8e4nv", "fp32"),
+}
+
+
+def megakernel_case(fmt: str) -> Case:
+    """The forward megakernel for routed format ``fmt`` (FP8: the comm workers copy the owners' E4M3 rows and
+    scales)."""
+    from megamoe.kernels import megakernel as mk
+    from megamoe.megakernel.launch_args import copy_tile_consts
+    from megamoe.precision import SCALE_BLOCK
+
+    code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
+    consts = dict(TOP_K=8, HAS_SHARED=True, HAS_LIMIT=False,
+                  DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
+                  GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
+                  SHARED_BK=64)
+    quantized = code != 0
+    block = SCALE_BLOCK[fmt]
+    scale_bytes = 1 if fmt == "mxfp8" else 4
+    consts.update(copy_tile_consts(7168, block, (7168 // block, scale_bytes) if quantized else None))
+    descs = {"ring_desc": (elem, 128, bk), "w_gate_up_desc": (elem, bn_gu, bk), "act_desc": (elem, 128, bk),
+             "w_down_desc": (elem, bn_dn, bk), "shared_x_desc": ("bf16", 128, 64),
+             "shared_w_gate_up_desc": ("bf16", 128, 64), "shared_act_desc": ("bf16", 128, 64),
+             "shared_w_down_desc": ("bf16", 256, 64)}
+    signature = {}
+    for name in mk.megakernel.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in descs:
+            e, rows, cols = descs[name]
+            signature[name] = f"tensordesc<{e}[{rows},{cols}]>"
+        elif name in ("rows_peer_ptrs", "scales_peer_ptrs", "combine_peer_ptrs", "flag_peer_ptrs",
+                      "trace_base_ptr"):
+            signature[name] = "*i64"
+        elif name in ("rows_ptr", "ring_ptr", "act_ptr"):
+            signature[name] = "*u8" if quantized else "*bf16"
+        elif name in ("ring_scale_ptr", "w_gate_up_scale_ptr", "act_scale_ptr", "w_down_scale_ptr"):
+            signature[name] = f"*{scale}"
+        elif name == "scales_ptr":
+            signature[name] = f"*{scale}" if quantized else "*bf16"
+        elif name in ("combine_ptr", "h_ptr", "y_ptr", "shared_h_ptr", "shared_act_ptr", "shared_y_ptr"):
+            signature[name] = "*bf16"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32"
+        else:
+            signature[name] = "fp32" if name == "limit" else "i32"
+    return Case(mk.megakernel, signature, consts)
+
+
+def weighted_sum_case() -> Case:
+    from megamoe.kernels import megakernel as mk
+    from megamoe.megakernel.kernel import WEIGHTED_SUM_TILE
+
+    block_t, block_d, warps = WEIGHTED_SUM_TILE
+    signature = {name: "*bf16" for name in ("y_ptr", "combine_ptr", "shared_y_ptr", "out_ptr")}
+    signature.update(own_rows_ptr="*i32", top_experts_ptr="*i32", router_weights_ptr="*fp32")
+    consts = dict(TOP_K=8, HAS_SHARED=True, BLOCK_T=block_t, BLOCK_D=block_d)
+    signature.update({name: "constexpr" for name in consts})
+    signature.update({name: "i32" for name in mk.weighted_sum_kernel.arg_names if name not in signature})
+    # one 16-byte load per thread and vector of each slot's rows (and of the shared output): two per slot, as
+    # a masked pair, took twice the time (2026-11-30-qwen-pass)
+    return Case(mk.weighted_sum_kernel, signature, consts, warps,
+                notes={"top_k": 8, "has_shared": True, "block_t": block_t, "block_d": block_d, "num_warps": warps})
+
+
+def cases(group: str) -> dict[str, Case]:
+    """The cases of one group (see the module docstring)."""
+    if group == "gemm":
+        return gemm_cases()
+    if group == "fp8":
+        return fp8_cases()
+    if group == "mxfp8":
+        return mxfp8_cases()
+    if group == "quant":
+        return quant_cases()
+    if group == "megakernel":
+        return {"weighted_sum": weighted_sum_case(), **{fmt: megakernel_case(fmt) for fmt in _MEGA_TILES}}
+    raise ValueError(f"unknown group {group!r}")
