@@ -26,7 +26,7 @@ from megamoe.ops.experts import expert_forward
 from megamoe.plan import LayerShape
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.plan import KernelConfig
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 from sustained import run_for  # benchmarks/, beside this script
 

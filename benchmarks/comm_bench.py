@@ -57,7 +57,7 @@ from megamoe.reference import formats
 from megamoe.ops.comm import CommShape, CommTuning
 from megamoe.config import preset
 from megamoe.routing.schedule import build_pull_schedule
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 SMS = (8, 16, 24, 32)
 #: Section 1's copy tiles (the last is the default).

@@ -20,7 +20,7 @@ import torch
 from megamoe.ops import comm
 from megamoe.ops.comm import CommTuning
 from megamoe.config import preset
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 SMS = (1, 4, 8, 16, 32, 132)
 #: row tiles: 4 rows on 4 warps, 16 on 16, the default 8 on 8 (the megakernel's)

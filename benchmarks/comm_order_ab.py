@@ -41,7 +41,7 @@ from megamoe.ops.comm import CommTuning, copy_tile
 from megamoe.routing.schedule import build_pull_schedule
 from megamoe.kernels.comm import claim_tiles, pull_tile, push_tile
 from triton.language.extra.cuda import globaltimer, smid
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 import comm_bench  # benchmarks/, beside this script
 

@@ -37,7 +37,7 @@ from megamoe.runtime import INTERPRETER_PROGRAMS
 from megamoe.plan import LayerShape
 from megamoe.plan import plan
 from megamoe.ops.quant import quantize_experts
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 
 def variants(text: str) -> list[tuple[str, int, int | None, bool]]:

@@ -23,7 +23,7 @@ import megamoe.megakernel as mega
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.ops.quant import quantize_experts
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 
 def _host(world, preset_name: str, tokens: int, passes: int, precision: str):

@@ -23,7 +23,7 @@ from megamoe.config import preset
 from megamoe.plan import LayerShape
 from megamoe.megakernel import megamoe_forward
 from megamoe.ops.quant import quantize_experts
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 import megakernel_args  # benchmarks/, beside this script
 

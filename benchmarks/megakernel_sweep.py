@@ -36,7 +36,7 @@ from megamoe.bench.report import run_metadata  # noqa: E402
 from megamoe.config import preset  # noqa: E402
 from megamoe.ops.tiles import plan_tiles# noqa: E402
 from megamoe.baselines.unfused import unfused_moe_forward# noqa: E402
-from megamoe.dist.world import launch# noqa: E402
+from megamoe.parallel.world import launch# noqa: E402
 
 MINIBATCHES = (256, 512, 1024, 2048, 4096, 8192)
 COMM_SMS = (8, 12, 16, 20, 24, 32, 48)

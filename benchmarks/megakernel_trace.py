@@ -20,7 +20,7 @@ from megamoe.ops.experts import expert_forward
 from megamoe.kernels import megakernel as mk
 from megamoe.plan import LayerShape
 from megamoe.megakernel import MegaKernel, fuse_shared
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 import megakernel_args  # benchmarks/, beside this script
 

@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4", help="rank counts of the megakernel test cases")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    launch = _first("megamoe.dist.world:launch", "megamoe.world:launch")
+    launch = _first("megamoe.parallel.world:launch", "megamoe.world:launch")
     import test_megakernel as t
 
     every = {}

@@ -15,7 +15,7 @@ from megamoe.ops.comm import CommShape, CommTuning
 from megamoe.precision import FORMATS
 from megamoe.reference import formats
 from megamoe.routing.schedule import build_pull_schedule
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 from raised import raised  # tests/raised.py
 

@@ -19,7 +19,7 @@ from megamoe.megakernel import MegaKernel, default_config, fuse_shared, megamoe_
 from megamoe.plan import KernelConfig
 from megamoe.ops.quant import quantize_experts
 from megamoe.reference import moe_forward
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 from raised import raised  # tests/raised.py
 from sm90 import sm90_report  # tests/sm90.py
@@ -111,6 +111,47 @@ def _ring_wraps(world):
 def test_ring_wraps_and_keeps_first_minibatches():
     for rows, resident, same in launch(_ring_wraps, 2):
         assert rows > resident and same
+
+
+def _two_layers(world):
+    """Two layers of one shape on one kernel, forward then forward: the first context is untouched by the second."""
+    tokens = (24, 19)
+    shape = LayerShape.of(CONFIG, world.size, max(tokens))
+    kernel = MegaKernel(world, shape, WRAPPING)
+    layers = [_problem(world, CONFIG, tokens, "uniform", 0.1, seed) for seed in (11, 12)]
+    fused = [fuse_shared(p.shared) for p in layers]
+    first = layers[0]
+    out1, ctx1 = kernel.forward(first.x, first.top_experts, first.router_weights, first.w_gate_up, first.w_down,
+                                fused[0])
+    s = ctx1.schedule
+    kept = [t.clone() for t in (*ctx1.buffers.tensors(), s.src_rank, s.src_index, s.num_rows,
+                                ctx1.row_tiles.tile_row0, ctx1.row_tiles.minibatch_tiles) if t is not None]
+    second = layers[1]
+    out2, ctx2 = kernel.forward(second.x, second.top_experts, second.router_weights, second.w_gate_up,
+                                second.w_down, fused[1])
+    s = ctx1.schedule
+    now = [t for t in (*ctx1.buffers.tensors(), s.src_rank, s.src_index, s.num_rows,
+                       ctx1.row_tiles.tile_row0, ctx1.row_tiles.minibatch_tiles) if t is not None]
+    rows = int(s.num_rows)
+    resident = min(rows, ctx1.resident_minibatches() * WRAPPING.minibatch)
+    return {
+        # bytes, not values: rows no tile writes (h's padding) may hold NaN, which never equals itself
+        "intact": all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                      for a, b in zip(kept, now)),
+        "own_buffers": all(a.data_ptr() != b.data_ptr() for a, b in zip(ctx1.buffers.tensors(),
+                                                                          ctx2.buffers.tensors()) if a is not None),
+        # what the first context keeps is the first layer's: its ring rows are the first layer's pulled x rows
+        "first_rows": torch.equal(ctx1.buffers.ring_x[:resident],
+                                  _pulled_rows(world, first.x, max(tokens), s, resident)),
+        "outputs_differ": not torch.equal(out1, out2[: out1.shape[0]]) if out1.numel() else True,
+    }
+
+
+def test_two_layers_keep_their_own_contexts():
+    """A model runs every layer's forward before any backward: the first layer's context (ring rows, h, act,
+    shared activations, schedule, row tiles) must survive the second layer's forward on the same kernel."""
+    for result in launch(_two_layers, 2):
+        assert all(result.values()), result
 
 
 def _bad(world):
@@ -335,14 +376,16 @@ def _plan_and_buffers(world, precision):
         "symmetric x [N, D] (bf16)": size(local("x")),
         "symmetric combine slots [N*k, D]": size(local("combine")),
         "ring rows [ring, D]": size(b.ring_x, b.ring_scale),
-        "ring pre-activation h [ring, 2I] (backward)": size(b.h),
+        "ring pre-activation h [ring, 2I]": size(b.h),
         "ring activation [ring, I]": size(b.act, b.act_scale),
         "ring expert outputs y [ring, D]": size(k.y),
-        "shared expert h, act, y [N, 3*Is + D]": size(b.shared_h, b.shared_act, k.shared_y),
+        "shared expert h, act [N, 3*Is]": size(b.shared_h, b.shared_act),
+        "shared expert y [N, D]": size(k.shared_y),
     }
     if precision != "bf16":
         allocated["symmetric quantised x [N, D] + scales (FP8)"] = size(local("x_q"), local("x_scale"))
-    return {name: (p.memory.get(name), got) for name, got in allocated.items()}
+    planned = {**p.memory, **p.kept}
+    return {name: (planned.get(name), got) for name, got in allocated.items()}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-block", "mxfp8"])

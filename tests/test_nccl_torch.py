@@ -8,7 +8,7 @@ from megamoe.bench.harness import _AutogradRunner, _flatten, compare
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.reference.ep import ep_reference_forward_backward
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
 EMPTY_EXPERT = 5

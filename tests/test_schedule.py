@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from megamoe.routing.schedule import PullSchedule, build_pull_schedule, build_pull_schedule_distributed, gather_routing
 from megamoe.routing.schedule_loop import build_pull_schedule_loop
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 TENSOR_FIELDS = ("tokens_per_expert", "counts", "offsets", "src_rank", "src_index", "num_rows")
 INT_FIELDS = ("capacity", "num_ranks", "experts_per_rank", "top_k", "align")

@@ -12,7 +12,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.baselines.unfused import unfused_moe_forward
-from megamoe.dist.world import launch
+from megamoe.parallel.world import launch
 
 from raised import raised  # tests/raised.py
 

@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.dist.symmetric import BufferSpec, SymmetricWorkspace, workspace
-from megamoe.dist.world import launch
+from megamoe.parallel.symmetric import BufferSpec, SymmetricWorkspace, workspace
+from megamoe.parallel.world import launch
 
 
 @triton.jit

@@ -3,8 +3,8 @@
 import torch
 import torch.distributed as dist
 
-from megamoe.dist.symmetric import BufferSpec, workspace
-from megamoe.dist.world import init_world
+from megamoe.parallel.symmetric import BufferSpec, workspace
+from megamoe.parallel.world import init_world
 
 world = init_world("cpu")
 ws = workspace(world, [BufferSpec("v", (1,), torch.int64)])

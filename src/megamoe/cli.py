@@ -46,7 +46,7 @@ def bench(
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from megamoe.bench.harness import BenchOptions, run_rank
     from megamoe.bench.report import print_table, run_metadata, write_json, write_markdown
-    from megamoe.dist.world import launch
+    from megamoe.parallel.world import launch
 
     console = Console()
     gpu = device == "cuda"

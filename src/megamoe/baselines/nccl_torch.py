@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megamoe import checks
-from megamoe.dist.world import EPWorld
+from megamoe.parallel.world import EPWorld
 
 
 class _AllToAll(torch.autograd.Function):

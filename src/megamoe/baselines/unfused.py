@@ -39,7 +39,7 @@ from megamoe.config import MoEConfig
 from megamoe.ops.experts import expert_forward
 from megamoe.runtime import interpreting
 from megamoe.reference import expert_ffn
-from megamoe.dist.world import EPWorld
+from megamoe.parallel.world import EPWorld
 
 
 def _default_num_sms(world: EPWorld) -> int:

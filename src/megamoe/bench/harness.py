@@ -22,7 +22,7 @@ from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.megakernel import megamoe_forward
 from megamoe.ops.quant import quantize_experts
 from megamoe.baselines.unfused import unfused_moe_forward
-from megamoe.dist.world import EPWorld
+from megamoe.parallel.world import EPWorld
 
 PASSES = ("fwd", "bwd")
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -1,5 +1,6 @@
-"""Triton kernels: jit device functions (tiles) and their launch wrappers.
+"""Triton kernels and the device functions (tiles) they inline: jit code only.
 
-Import the submodules directly (``from megamoe.kernels import quant``); this
-package imports nothing itself so that CPU-only code never pulls in Triton.
+Nothing here launches or imports above it (launches live in ``megamoe.ops`` and
+``megamoe.megakernel``). Import the submodules directly (``from megamoe.kernels
+import quant``); this package imports nothing itself.
 """

@@ -1,6 +1,6 @@
 """MXFP8 and FP8-block quantisation in Triton: fusable tile functions and standalone kernels.
 
-Every result matches the pure-PyTorch definitions of :mod:`megamoe.formats`
+Every result matches the pure-PyTorch definitions of :mod:`megamoe.reference.formats`
 bit for bit (data bytes, scale bytes, NaN payloads); read that module for the
 formats' rules. Here is how the kernels compute them.
 
@@ -55,15 +55,15 @@ taken through its bits, which also keeps the compiler from contracting
 see ``_e4m3_bits``). Kernels that inline the tile functions pass
 ``SOFT_E4M3=soft_e4m3_default()``.
 
-Hopper build check. ``compile_sm90`` compiles, on a machine without a GPU,
-the exact kernel a launch would run (same arguments and JIT specialisation)
-for sm_90, and ``sm90_facts`` reads its PTX and SASS: stack-pointer reads (the
-signature of that ptxas miscompile), local memory, 16-byte data stores, CTA
-barriers. ``python -m megamoe.kernels.quant`` runs it over every tile the GPU
-test and the defaults use (tests/test_formats.py::test_sm90_builds_are_sane).
+Hopper build check. ``python -m megamoe.tools.sm90 quant`` compiles, on a
+machine without a GPU, the exact kernel each launch would run (built from the
+launch's own arguments) for sm_90 and reads its PTX and SASS: stack-pointer
+reads (the signature of that ptxas miscompile), local memory, 16-byte data
+stores, CTA barriers (tests/test_formats.py::test_sm90_builds_are_sane).
 
-Standalone kernel ``quantize_kernel`` (launched by ``quantize_activations``
-and ``quantize_weights``), one program per ``[BLOCK_M, BLOCK_K]`` tile:
+Standalone kernel ``quantize_kernel`` (launched by ``megamoe.ops.quant``'s
+``quantize_activations`` and ``quantize_weights``), one program per
+``[BLOCK_M, BLOCK_K]`` tile:
 
     x      [B, M, K] float32/bfloat16/float16, any strides;
            B = experts of a weight stack, 1 for activations

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from megamoe import checks
-from megamoe.dist.world import EPWorld
+from megamoe.parallel.world import EPWorld
 from megamoe.megakernel.kernel import MegaKernel
 from megamoe.ops.quant import QuantizedExperts
 from megamoe.plan import KernelConfig, LayerShape

@@ -54,8 +54,8 @@ from functools import partial
 
 import torch
 
-from megamoe.dist.symmetric import BufferSpec, workspace
-from megamoe.dist.world import EPWorld
+from megamoe.parallel.symmetric import BufferSpec, workspace
+from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers, scale_dtype
 from megamoe.megakernel.launch import Launcher

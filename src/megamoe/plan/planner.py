@@ -66,15 +66,30 @@ MINIBATCH_WAVES = 3
 
 @dataclass(frozen=True)
 class Plan:
-    """A planned :class:`KernelConfig`, its per-rank memory (bytes by buffer) and the reasoning."""
+    """A planned :class:`KernelConfig`, its per-rank memory and the reasoning.
+
+    Memory (bytes by buffer, per rank, besides the weights): ``memory`` holds the pass's buffers, which the
+    layers of one shape share (staging, combine and gradient slots, the expert outputs); ``kept`` what one
+    layer keeps from its forward for its backward (ring rows, h, act, the shared expert's h and act, the
+    schedule), once per layer of the model.
+    """
 
     config: KernelConfig
     memory: dict[str, int]
+    kept: dict[str, int] = field(default_factory=dict)
     reasoning: list[str] = field(default_factory=list)
 
     @property
     def memory_total(self) -> int:
-        return sum(self.memory.values())
+        """The pass's buffers and one layer's kept buffers."""
+        return self.memory_for(1)
+
+    def memory_for(self, layers: int) -> int:
+        """Bytes per rank for a model of ``layers`` MoE layers of this shape: the pass's buffers once, the kept
+        buffers once per layer (a model runs every layer's forward before any backward)."""
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise ValueError(f"layers must be a positive int, got {layers!r}")
+        return sum(self.memory.values()) + layers * sum(self.kept.values())
 
 
 def wave_rows(cfg: MoEConfig, compute_sms: int, tile_m: int, tile_n: int, waves: int = MINIBATCH_WAVES) -> int:
@@ -181,6 +196,7 @@ def plan(
     check_kernel_config(config, LayerShape.of(cfg, ep, tokens), precision, tile_m=tile_m, available_sms=num_sms)
     d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
     act_bytes = ELEMENT_BYTES[precision]
+    shared = sum(cfg.shared)
     memory = {
         "symmetric x [N, D] (bf16)": tokens * d * 2,
         **({"symmetric quantised x [N, D] + scales (FP8)": int(tokens * d * act_bytes)} if act_bytes < 2 else {}),
@@ -188,23 +204,32 @@ def plan(
         "symmetric d_out [N, D] (backward)": tokens * d * 2,
         "symmetric d_x slots [N*k, D] (backward)": tokens * k * d * 2,
         "routing all-gather [R, N, k]": ep * tokens * k * 4,
-        "pull schedule (worst case R*N*k rows)": ep * tokens * k * 8,
-        "ring rows [ring, D]": int(ring_rows * d * act_bytes),
-        "ring pre-activation h [ring, 2I] (backward)": ring_rows * 2 * i * 2,
-        "ring activation [ring, I]": int(ring_rows * i * act_bytes),
         "ring expert outputs y [ring, D]": ring_rows * d * 2,
-        **({"shared expert h, act, y [N, 3*Is + D]": tokens * (3 * sum(cfg.shared) + d) * 2} if cfg.shared else {}),
+        **({"shared expert y [N, D]": tokens * d * 2} if shared else {}),
     }
-    why.append(f"memory per rank {sum(memory.values()) / 2**30:.2f} GiB besides the weights")
-    return Plan(config, memory, why)
+    kept = {
+        "ring rows [ring, D]": int(ring_rows * d * act_bytes),
+        "ring pre-activation h [ring, 2I]": ring_rows * 2 * i * 2,
+        "ring activation [ring, I]": int(ring_rows * i * act_bytes),
+        **({"shared expert h, act [N, 3*Is]": tokens * 3 * shared * 2} if shared else {}),
+        "pull schedule (worst case R*N*k rows)": ep * tokens * k * 8,
+    }
+    why.append(f"memory per rank besides the weights: {sum(memory.values()) / 2**30:.2f} GiB for the pass (shared "
+               f"by the layers of this shape), {sum(kept.values()) / 2**30:.2f} GiB kept per layer for its backward")
+    return Plan(config, memory, kept, why)
 
 
-def format_plan(p: Plan) -> str:
+def format_plan(p: Plan, layers: int = 1) -> str:
+    """The plan as text: the config, the reasoning, the memory per rank for ``layers`` MoE layers."""
     c = p.config
     lines = [f"KernelConfig(num_sms={c.num_sms}, comm_sms={c.comm_sms}, minibatch={c.minibatch}, "
              f"ring_rows={c.ring_rows}, tile_m={c.tile_m}, tile_n={c.tile_n})", "", "why:"]
     lines += [f"  - {line}" for line in p.reasoning]
-    lines += ["", "memory per rank:"]
+    lines += ["", "memory per rank, the pass (shared by the layers of this shape):"]
     lines += [f"  {name:48} {size / 2**20:10.1f} MiB" for name, size in p.memory.items()]
-    lines.append(f"  {'total':48} {p.memory_total / 2**20:10.1f} MiB")
+    lines += ["", "memory per rank, kept by each layer for its backward:"]
+    lines += [f"  {name:48} {size / 2**20:10.1f} MiB" for name, size in p.kept.items()]
+    lines.append(f"  {'total per layer':48} {sum(p.kept.values()) / 2**20:10.1f} MiB")
+    lines += ["", f"  {f'total for {layers} layer' + ('s' if layers != 1 else ''):48} "
+                  f"{p.memory_for(layers) / 2**20:10.1f} MiB"]
     return "\n".join(lines)

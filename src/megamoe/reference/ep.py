@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megamoe.dist.world import EPWorld
+from megamoe.parallel.world import EPWorld
 from megamoe.reference.layer import compute_dtype, moe_forward_backward
 
 

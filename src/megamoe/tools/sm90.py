@@ -56,23 +56,6 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, *, num_warps: int = 
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def bound_launch(kernel, args: tuple, kwargs: dict, num_warps: int) -> tuple[dict, dict, dict]:
-    """``(signature, constexprs, attrs)`` that the JIT derives from a launch's own arguments (meta tensors
-    will do): for kernels whose launches have odd strides, where the hints of :func:`compile_sm90` would
-    not be what runs."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    _, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": num_warps}, bound, specialization,
-                                                        options)
-    constexprs = {kernel.arg_names[path[0]]: value for path, value in constexprs.items()}  # by name, as the cases
-    return signature, constexprs, attrs
-
-
 def resource_usage(cubin: bytes) -> dict:
     """{"registers", "stack_bytes"} from cuobjdump (Triton's bundled one); ptxas spills show as stack bytes."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

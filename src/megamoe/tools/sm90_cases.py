@@ -39,6 +39,23 @@ class Case:
     notes: dict = field(default_factory=dict)
 
 
+def bound_launch(kernel, args: tuple, kwargs: dict, num_warps: int) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` that the JIT derives from a launch's own arguments (meta tensors
+    will do): for kernels whose launches have odd strides, where the hints of :func:`compile_sm90` would
+    not be what runs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    _, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": num_warps}, bound, specialization,
+                                                        options)
+    constexprs = {kernel.arg_names[path[0]]: value for path, value in constexprs.items()}  # by name, as the cases
+    return signature, constexprs, attrs
+
+
 def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
     """(signature entries, values) of the tile constexprs a row-task kernel declares, for TileConfig ``tile``."""
     values = dict(DOT_FP32=False, NUM_PROGRAMS=SMS, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
@@ -147,7 +164,6 @@ def quant_cases() -> dict[str, Case]:
     arguments. (benchmarks/quant_bench.py checks its sweep tiles on the GPU.)"""
     from megamoe.kernels.quant import quantize_kernel
     from megamoe.ops.quant import QuantConfig, block_of, default_config, planned_launch
-    from megamoe.tools.sm90 import bound_launch
 
     launches = []
     for fmt in FORMATS:

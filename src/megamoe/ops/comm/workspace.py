@@ -8,8 +8,8 @@ import torch
 
 from megamoe.checks import describe, is_int
 from megamoe.config import HIDDEN_MULTIPLE, MoEConfig
-from megamoe.dist.symmetric import BufferSpec, SymmetricWorkspace
-from megamoe.dist.world import EPWorld
+from megamoe.parallel.symmetric import BufferSpec, SymmetricWorkspace
+from megamoe.parallel.world import EPWorld
 from megamoe.precision import FORMATS, FP8_BLOCK
 from megamoe.reference.formats import fp8_block_quantize, mxfp8_quantize
 from megamoe.routing.schedule import PullSchedule, build_pull_schedule

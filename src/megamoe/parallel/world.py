@@ -4,7 +4,7 @@ An :class:`EPWorld` is one rank's view of an expert-parallel group of R ranks
 over ``torch.distributed`` (gloo on CPU ranks, NCCL on GPUs). It owns the
 collective objects built on it for reuse (symmetric workspaces, layer
 kernels: :class:`WorldResources`), freed together by :meth:`EPWorld.close`.
-Symmetric memory itself is :mod:`megamoe.dist.symmetric`.
+Symmetric memory itself is :mod:`megamoe.parallel.symmetric`.
 
 :func:`launch` starts R local ranks (CPU processes, or one per visible GPU)
 and :func:`init_world` joins a group started by torchrun.

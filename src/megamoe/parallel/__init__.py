@@ -1,0 +1,1 @@
+"""The expert-parallel world (ranks, process group, launch) and symmetric memory."""
