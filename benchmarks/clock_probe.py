@@ -23,9 +23,9 @@ import torch
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.ops.experts import expert_forward
-from megamoe.plan import LayerShape
+from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, fuse_shared
-from megamoe.plan import KernelConfig
+from megamoe.planner import KernelConfig
 from megamoe.parallel.world import launch
 
 from sustained import run_for  # benchmarks/, beside this script

@@ -34,8 +34,8 @@ from megamoe.ops.tiles import plan_tiles
 from megamoe.config import preset
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.runtime import INTERPRETER_PROGRAMS
-from megamoe.plan import LayerShape
-from megamoe.plan import plan
+from megamoe.planner import LayerShape
+from megamoe.planner import plan
 from megamoe.ops.quant import quantize_experts
 from megamoe.parallel.world import launch
 

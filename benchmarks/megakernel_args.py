@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from megamoe.plan import LayerShape
+from megamoe.planner import LayerShape
 from megamoe.megakernel import default_config
-from megamoe.plan import KernelConfig
+from megamoe.planner import KernelConfig
 
 
 def parse(doc: str) -> argparse.Namespace:

@@ -20,7 +20,7 @@ import torch
 
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
-from megamoe.plan import LayerShape
+from megamoe.planner import LayerShape
 from megamoe.megakernel import megamoe_forward
 from megamoe.ops.quant import quantize_experts
 from megamoe.parallel.world import launch

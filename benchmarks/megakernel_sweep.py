@@ -265,7 +265,7 @@ def main() -> int:
         plan, points = sweep_points(args)
     except ValueError as exc:  # a bad knob value: say which before starting any rank
         parser.error(str(exc))
-    except StopIteration:  # megamoe.plan's search for comm_sms came up empty (small layers on few SMs)
+    except StopIteration:  # megamoe.planner's search for comm_sms came up empty (small layers on few SMs)
         parser.error(f"megamoe plan finds no comm_sms that keeps up on {args.sms} SMs; give more --sms")
     print(f"megakernel sweep: {args.impl}, {args.preset}, EP {args.ep} on {device}, {len(points)} points, "
           f"{args.warmup}+{args.iters} iterations each")

@@ -18,7 +18,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.ops.experts import expert_forward
 from megamoe.kernels import megakernel as mk
-from megamoe.plan import LayerShape
+from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.parallel.world import launch
 

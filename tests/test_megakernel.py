@@ -14,9 +14,9 @@ from megamoe.bench.harness import compare
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.reference.ep import ep_reference_forward_backward
-from megamoe.plan import LayerShape
+from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, default_config, fuse_shared, megamoe_forward
-from megamoe.plan import KernelConfig
+from megamoe.planner import KernelConfig
 from megamoe.ops.quant import quantize_experts
 from megamoe.reference import moe_forward
 from megamoe.parallel.world import launch
@@ -364,7 +364,7 @@ def test_one_rank_runs_the_expert_kernels_with_the_megakernels_bits(precision):
 
 def _plan_and_buffers(world, precision):
     """The planner's memory entries for the forward's buffers, and the bytes a MegaKernel allocates for them."""
-    from megamoe.plan import plan
+    from megamoe.planner import plan
 
     shape = LayerShape.of(FP8_CONFIG, world.size, 40)
     p = plan(FP8_CONFIG, world.size, 40, num_sms=4, comm_sms=1, minibatch=64, ring_rows=256, tile_m=32, tile_n=32,

@@ -5,8 +5,8 @@ from typer.testing import CliRunner
 
 from megamoe.cli import app
 from megamoe.config import MoEConfig, preset
-from megamoe.plan.planner import COMM_SLACK, MINIBATCH_WAVES, _comm_over_compute, tile_use, wave_rows
-from megamoe.plan import KernelConfig, plan
+from megamoe.planner.rules import COMM_SLACK, MINIBATCH_WAVES, _comm_over_compute, tile_use, wave_rows
+from megamoe.planner import KernelConfig, plan
 
 
 def test_wave_rule_reproduces_the_published_example():

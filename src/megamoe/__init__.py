@@ -1,12 +1,39 @@
-"""megamoe: an expert-parallel Mixture-of-Experts layer for training.
+"""megamoe: an expert-parallel Mixture-of-Experts layer for training, one persistent GPU kernel per pass.
 
-The whole layer (scheduling, cross-GPU dispatch, expert FFNs, combine and the
-weighted sum) is meant to run as one persistent Triton kernel per pass; this
-package also holds the pure-PyTorch oracle, the pull schedule, the
-expert-parallel world and the NCCL + PyTorch baseline it is measured against.
+What a user calls (loaded on first use, so that ``TRITON_INTERPRET`` can still be set before any kernel is):
+
+    init_world, launch, EPWorld     the expert-parallel world (megamoe.parallel.world)
+    MoEConfig, PRESETS, preset      a layer's shape (megamoe.config)
+    KernelConfig, plan              the megakernel's knobs and the planner (megamoe.planner)
+    megamoe_forward                 the layer's forward pass (megamoe.megakernel)
 """
 
-from megamoe.config import PRESETS, MoEConfig, preset
+from __future__ import annotations
 
-__all__ = ["MoEConfig", "PRESETS", "preset"]
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "EPWorld": "megamoe.parallel.world",
+    "init_world": "megamoe.parallel.world",
+    "launch": "megamoe.parallel.world",
+    "MoEConfig": "megamoe.config",
+    "PRESETS": "megamoe.config",
+    "preset": "megamoe.config",
+    "KernelConfig": "megamoe.planner",
+    "plan": "megamoe.planner",
+    "megamoe_forward": "megamoe.megakernel",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megamoe' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -143,8 +143,8 @@ def plan(
 ) -> None:
     """The megakernel's minibatch, comm/compute SM split, ring size and memory, with the reasoning."""
     from megamoe.config import preset as get_preset
-    from megamoe.plan import format_plan
-    from megamoe.plan import plan as make_plan
+    from megamoe.planner import format_plan
+    from megamoe.planner import plan as make_plan
 
     try:
         result = make_plan(get_preset(preset), ep, tokens, num_sms=sms, precision=precision, comm_sms=comm_sms,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe.plan import KernelConfig, LayerShape
+from megamoe.planner import KernelConfig, LayerShape
 from megamoe.precision import SCALE_BLOCK
 from megamoe.routing.row_tiles import RowTiles
 from megamoe.routing.schedule import PullSchedule

@@ -15,7 +15,7 @@ from megamoe import checks
 from megamoe.parallel.world import EPWorld
 from megamoe.megakernel.kernel import MegaKernel
 from megamoe.ops.quant import QuantizedExperts
-from megamoe.plan import KernelConfig, LayerShape
+from megamoe.planner import KernelConfig, LayerShape
 from megamoe.precision import check_precision
 
 

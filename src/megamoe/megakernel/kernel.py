@@ -65,7 +65,7 @@ from megamoe.ops.experts_fp8 import expert_forward_fp8_block, plan_tiles_fp8
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, plan_tiles_mxfp8
 from megamoe.ops.quant import QuantizedExperts, quantize_activations, quantize_experts
 from megamoe.ops.tiles import TileConfig, plan_tiles
-from megamoe.plan import KernelConfig, LayerShape, check_kernel_config, plan
+from megamoe.planner import KernelConfig, LayerShape, check_kernel_config, plan
 from megamoe.precision import SCALE_BLOCK, check_precision
 from megamoe.routing.row_tiles import RowTiles, build_row_tiles
 from megamoe.routing.schedule import PullSchedule, build_pull_schedule

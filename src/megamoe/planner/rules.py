@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from megamoe.config import MoEConfig
-from megamoe.plan.kernel_config import KernelConfig, LayerShape, check_kernel_config
+from megamoe.planner.kernel_config import KernelConfig, LayerShape, check_kernel_config
 
 #: H200 measurements the rules use. Routed expert GEMM rates on full 128-row tiles, scaled to all 132 SMs, from
 #: the megakernel's trace of kimi-k2 EP 2 (benchmarks/results/2026-11-30-fp8-experts: 5.81 TFLOP of routed
