@@ -77,7 +77,7 @@ class MoEConfig:
         return sum(2 * tokens * self.hidden * size * 3 for size in self.shared)
 
 
-#: The shapes of ../shared/BENCHMARKS.md.
+#: The shapes of the models the layer is measured on (docs/performance.md).
 PRESETS: dict[str, MoEConfig] = {
     "kimi-k2": MoEConfig(hidden=7168, intermediate=2048, num_experts=384, top_k=8, shared=(2048,)),
     "glm-5": MoEConfig(hidden=6144, intermediate=2048, num_experts=256, top_k=8, shared=(2048,)),

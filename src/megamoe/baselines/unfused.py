@@ -1,22 +1,22 @@
 """The `unfused` MoE layer: the project's standalone kernels launched one after another.
 
-Forward only (DESIGN.md §2-§3 stages, each its own launch):
+Forward only (the megakernel's stages, each its own launch):
 
 1. the pull schedule, built on the device from every rank's routing
    (gathered through the communication workspace);
 2. pull-dispatch: each rank pulls the x rows its experts need from the peers'
-   symmetric ``x`` buffers (:func:`megamoe.comm.dispatch_pull`);
+   symmetric ``x`` buffers (:func:`megamoe.ops.comm.dispatch_pull`);
 3. expert FFN on the expert-grouped rows: gate/up + SwiGLU, then down
-   (:func:`megamoe.experts.expert_forward`, BF16);
+   (:func:`megamoe.ops.experts.expert_forward`, BF16);
 4. push-combine: each expert output row is stored into its home rank's
-   ``[N*k, D]`` combine slots (:func:`megamoe.comm.combine_push`);
+   ``[N*k, D]`` combine slots (:func:`megamoe.ops.comm.combine_push`);
 5. at home, the weighted sum over the k slots of each token with the router
    weights (fixed order j = 0..k-1, FP32 accumulation) plus the dense shared
    experts (:func:`megamoe.reference.expert_ffn` in x's dtype), rounded once
    to x's dtype.
 
 The communication workspace is cached per (group, shape)
-(:func:`megamoe.comm.comm_workspace`); its size follows the largest token
+(:func:`megamoe.ops.comm.comm_workspace`); its size follows the largest token
 count of the group, found with an all-reduce MAX (NOTE: a host sync, accepted
 here; the launches also synchronise with ``sync=True`` barriers). Slots of -1
 routes are never pushed: this rank's slots are zeroed before the barrier that

@@ -1,9 +1,9 @@
 """NVLink row movement in Triton: pull and push tile functions, persistent kernels, bounded waits.
 
-DESIGN.md §3. Every rank holds the same named buffers (``megamoe.world``
+docs/design.md. Every rank holds the same named buffers (``megamoe.parallel.symmetric``
 symmetric workspace); a kernel reaches rank r's copy of a buffer through an
 int64 ``[R]`` table of base addresses (``peer_ptrs``). The launch layer is
-``megamoe.comm``; this module holds only jit code.
+``megamoe.ops.comm``; this module holds only jit code.
 
 Row tiles
 ---------

@@ -5,7 +5,7 @@ Index arrays (all on the device, built from the pull schedule without a host syn
     rows of local expert l:  [offsets[l], offsets[l] + counts[l])  of x_rows / h / act / y
     tile_expert[t], tile_row0[t],  expert, first row and end row of row-tile t (at most
     tile_row_end[t]                BLOCK_M rows), for t < num_tiles[0]; tiles never straddle
-                                   experts (nor minibatches, see megamoe.experts.build_row_tiles)
+                                   experts (nor minibatches, see megamoe.routing.row_tiles.build_row_tiles)
     task = tile * num_n_tiles + n  (expert -> m-tile -> n-tile order: the A tile is
                                    reused from L2 across n, the weights across m)
 

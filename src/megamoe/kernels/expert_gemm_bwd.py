@@ -164,7 +164,7 @@ def wgrad_kernel(
     masked register path) and every K step streams from shared memory to the
     tensor cores; the output descriptor ends at the expert's block, so the
     TMA store clips partial tiles. An expert with no rows gets zeros.
-    Launch with a scratch allocator for the descriptors (`megamoe.experts.scratch_allocator`).
+    Launch with a scratch allocator for the descriptors (`megamoe.ops.launch.scratch_allocator`).
     """
     num_n = tl.cdiv(OUT_N, BLOCK_N)
     per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n

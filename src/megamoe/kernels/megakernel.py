@@ -1,6 +1,6 @@
 """The forward megakernel: one persistent launch moves, computes and returns every routed row.
 
-DESIGN.md §4, docs/megakernel.md. Grid = one program per SM, co-resident
+docs/design.md, docs/megakernel.md. Grid = one program per SM, co-resident
 (the launcher refuses a grid the GPU cannot hold at once, since programs
 wait for each other). Programs ``0 .. comm_sms-1`` are communication
 workers, the others compute workers; they meet only through GPU-local int32
@@ -41,7 +41,9 @@ waits cannot cycle.
 Waits poll with acquire atomics within a per-program budget of polls; on
 timeout the first failing wait writes ``[wait id, index, target, seen]`` to
 the error word, the program's budget drops to 0 (later waits fail at once,
-so the grid drains) and the host raises after the pass.
+so the grid drains) and the host raises after the pass
+(:mod:`megamoe.kernels.sync`). The weighted sum after the pass is
+:mod:`megamoe.kernels.weighted_sum`.
 
 PHASE > 0 runs one step of one role for all its workers (grid = those
 workers), with waits compiled out: the interpreter runs programs one after
@@ -54,20 +56,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16, pull_tile, push_tile, signal_and_wait
 from triton.language.extra.cuda import globaltimer, smid
 
+from megamoe.kernels.comm import pull_tile, push_tile, signal_and_wait
 from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
 from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
 from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_tile, gate_up_mxfp8_tile
-
-#: Wait ids of the error word (megamoe.megakernel names them).
-WAIT_ROWS_READY = tl.constexpr(1)
-WAIT_TILE_DONE = tl.constexpr(2)
-WAIT_Y_DONE = tl.constexpr(3)
-WAIT_SHARED_DONE = tl.constexpr(4)
-WAIT_PASS_END = tl.constexpr(5)
-WAIT_PASS_START = tl.constexpr(6)
+from megamoe.kernels.sync import (TRACE_END, TRACE_FIELDS, TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END,
+                                  WAIT_ROWS_READY, WAIT_SHARED_DONE, WAIT_TILE_DONE, WAIT_Y_DONE, fence_async_proxy,
+                                  release_add, wait_counter)
 
 #: PHASE values: 0 the whole pass; the others one step (CPU mode).
 PHASE_ALL = tl.constexpr(0)
@@ -82,68 +79,6 @@ PHASE_PUSH = tl.constexpr(6)
 FMT_BF16 = tl.constexpr(0)
 FMT_MXFP8 = tl.constexpr(1)
 FMT_FP8_BLOCK = tl.constexpr(2)
-
-#: TRACE: int64 [programs, TRACE_FIELDS] of globaltimer stamps and wait totals (profiling only).
-TRACE_START = tl.constexpr(0)
-TRACE_END = tl.constexpr(1)
-TRACE_WAIT_NS = tl.constexpr(2)
-TRACE_WAITS = tl.constexpr(3)
-TRACE_SHARED_END = tl.constexpr(4)
-TRACE_SM = tl.constexpr(5)  # the SM the program ran on
-TRACE_WAIT_ROWS_NS = tl.constexpr(6)  # the part of TRACE_WAIT_NS spent on rows_ready
-TRACE_WAIT_TILE_NS = tl.constexpr(7)  # ... and on tile_done (a down task waiting for its row tile's gate/up)
-TRACE_FIELDS = tl.constexpr(8)
-
-
-@triton.jit
-def fence_async_proxy(FENCE: tl.constexpr):
-    """Order generic-proxy writes seen through an acquire before this thread's TMA (async-proxy) reads."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def wait_counter(ptr, target, budget, error_ptr, index, trace_ptr, WAIT_ID: tl.constexpr, WAIT: tl.constexpr,
-                 TRACE: tl.constexpr):
-    """Spin (acquire, GPU scope) until ``*ptr >= target``; returns the program's remaining poll budget.
-
-    A timeout records ``[WAIT_ID, index, target, seen]`` (first failure only) and returns 0. TRACE adds
-    the nanoseconds spent here to ``trace_ptr[TRACE_WAIT_NS]`` (and to its rows_ready or tile_done share) and
-    counts the wait.
-    """
-    if WAIT:
-        if TRACE:
-            t0 = globaltimer()
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-        polls = 0
-        while (seen < target) & (polls < budget):
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-            polls += 1
-        if seen < target:
-            if tl.atomic_cas(error_ptr, 0, WAIT_ID) == 0:
-                tl.store(error_ptr + 1, index)
-                tl.store(error_ptr + 2, target)
-                tl.store(error_ptr + 3, seen)
-            budget = 0
-        else:
-            budget = budget - polls
-        if TRACE:
-            waited = globaltimer() - t0
-            tl.atomic_add(trace_ptr + TRACE_WAIT_NS, waited, sem="relaxed")
-            if WAIT_ID == WAIT_ROWS_READY:
-                tl.atomic_add(trace_ptr + TRACE_WAIT_ROWS_NS, waited, sem="relaxed")
-            if WAIT_ID == WAIT_TILE_DONE:
-                tl.atomic_add(trace_ptr + TRACE_WAIT_TILE_NS, waited, sem="relaxed")
-            tl.atomic_add(trace_ptr + TRACE_WAITS, 1, sem="relaxed")
-    return budget
-
-
-@triton.jit
-def release_add(ptr):
-    """Publish this program's earlier stores: every thread's stores, then one release increment."""
-    tl.debug_barrier()
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -483,51 +418,3 @@ def megakernel(
                       y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                       tl.cdiv(D, BN_DN),
                       CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
-
-
-@triton.jit(do_not_specialize=["my_rank", "budget"])
-def pass_barrier_kernel(flag_peer_ptrs, flags_ptr, epoch_ptr, my_rank, num_ranks, budget, error_ptr):
-    """A barrier across ranks whose epoch lives on the device (a captured graph replays it unchanged)."""
-    tl.debug_barrier()
-    epoch = tl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu") + 1
-    signal_and_wait(flag_peer_ptrs, flags_ptr, my_rank, num_ranks, epoch, budget, error_ptr, WAIT_PASS_START)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _add_slot(acc, j, rows, cols, row_ok, mask, y_ptr, stride_y, combine_ptr, stride_combine, own_rows_ptr,
-              top_experts_ptr, router_weights_ptr, TOP_K: tl.constexpr):
-    route = rows.to(tl.int64) * TOP_K + j
-    valid = row_ok & (tl.load(top_experts_ptr + route, mask=row_ok, other=-1) >= 0)
-    w = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
-    row = tl.load(own_rows_ptr + route, mask=valid, other=-1).to(tl.int64)
-    # one load per slot from a row pointer into y or the combine buffer (two masked loads cost 2x the time)
-    src = tl.where(row >= 0, y_ptr + row * stride_y, combine_ptr + route * stride_combine)
-    return acc + w[:, None] * bf16_to_f32(tl.load(src[:, None] + cols[None, :], mask=valid[:, None] & mask,
-                                                  other=0.0))
-
-
-@triton.jit
-def weighted_sum_kernel(
-    y_ptr, stride_y, combine_ptr, stride_combine, own_rows_ptr, top_experts_ptr, router_weights_ptr, shared_y_ptr,
-    stride_shared_y, out_ptr, stride_out, tokens, D,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """out[i] = sum_j w[i, j] * y_route(i*k + j) (j = 0..k-1 in order, FP32; -1 routes skipped) + shared_y[i].
-
-    Route r's output row is ``y[own_rows[r]]`` where that is >= 0 (this rank's own routes, left in place:
-    every route on one rank; at EP >= 2 when the ring held every row), else its combine slot ``combine[r]``
-    (pushed home by the rank that ran the expert)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    row_ok = rows < tokens
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # unrolled: the k loads of a tile can all be in flight at once
-        acc = _add_slot(acc, j, rows, cols, row_ok, mask, y_ptr, stride_y, combine_ptr, stride_combine,
-                        own_rows_ptr, top_experts_ptr, router_weights_ptr, TOP_K)
-    if HAS_SHARED:
-        acc += bf16_to_f32(tl.load(shared_y_ptr + rows.to(tl.int64)[:, None] * stride_shared_y + cols[None, :],
-                                        mask=mask, other=0.0))
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], f32_to_bf16(acc), mask=mask)
-

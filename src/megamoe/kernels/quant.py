@@ -177,7 +177,7 @@ def mxfp8_quantize_tile(x, AXIS: tl.constexpr, RCEIL: tl.constexpr = False, SOFT
 
     Returns ``data`` float8e4nv ``[BM, BK]`` and ``scale`` uint8 E8M0
     (``[BM, BK/32]`` for AXIS=1, ``[BM/32, BK]`` for AXIS=0), as
-    ``megamoe.formats.mxfp8_quantize`` (``rounding="rceil"`` when RCEIL).
+    ``megamoe.reference.formats.mxfp8_quantize`` (``rounding="rceil"`` when RCEIL).
     """
     tl.static_assert(AXIS == 0 or AXIS == 1, "AXIS must be 0 (columnwise) or 1 (rowwise)")
     BLOCK_R: tl.constexpr = 32 if AXIS == 0 else 1
@@ -200,7 +200,7 @@ def fp8_block_quantize_tile(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SOF
     """FP8-block of a register tile ``x [BM, BK]`` with ``BLOCK_R x BLOCK_C`` blocks.
 
     Returns ``data`` float8e4nv ``[BM, BK]`` and ``scale`` float32
-    ``[BM/BLOCK_R, BK/BLOCK_C]``, as ``megamoe.formats.fp8_block_quantize``.
+    ``[BM/BLOCK_R, BK/BLOCK_C]``, as ``megamoe.reference.formats.fp8_block_quantize``.
     """
     xf = _to_float32(x)
     amax_bits = _block_max(xf.to(tl.int32, bitcast=True) & _ABS_MASK, BLOCK_R, BLOCK_C)

@@ -2,7 +2,7 @@
 
 An eager pass spent ~3 ms of host time launching the torch version of these builders
 (benchmarks/results/2026-11-29-megakernel: schedule 2.0 ms, row tiles 0.9 ms); these kernels are
-three launches. They compute exactly what `megamoe.schedule` and `megamoe.experts` document
+three launches. They compute exactly what `megamoe.routing.schedule` and `megamoe.routing.row_tiles` document
 (same rows, same order) with integer arithmetic only, so the result is deterministic.
 
 Routes of rank r are cut into blocks of BLOCK routes (``i*k + j`` order); block b of rank r is

@@ -57,6 +57,8 @@ import torch
 from megamoe.parallel.symmetric import BufferSpec, workspace
 from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
+from megamoe.kernels import sync
+from megamoe.kernels.weighted_sum import weighted_sum_kernel
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers, scale_dtype
 from megamoe.megakernel.launch import Launcher
 from megamoe.megakernel.replay import GraphReplay, layout_key
@@ -78,12 +80,12 @@ from megamoe.runtime import INTERPRETER_PROGRAMS, compiled_gpu, resolve_wait_bud
 FMT = {"bf16": mk.FMT_BF16.value, "mxfp8": mk.FMT_MXFP8.value, "fp8-block": mk.FMT_FP8_BLOCK.value}
 
 WAITS = {
-    mk.WAIT_ROWS_READY.value: "rows_ready of minibatch",
-    mk.WAIT_TILE_DONE.value: "gate/up done of row tile",
-    mk.WAIT_Y_DONE.value: "y done of minibatch",
-    mk.WAIT_SHARED_DONE.value: "shared gate/up done of row tile",
-    mk.WAIT_PASS_END.value: "end-of-pass barrier flag of rank",
-    mk.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
+    sync.WAIT_ROWS_READY.value: "rows_ready of minibatch",
+    sync.WAIT_TILE_DONE.value: "gate/up done of row tile",
+    sync.WAIT_Y_DONE.value: "y done of minibatch",
+    sync.WAIT_SHARED_DONE.value: "shared gate/up done of row tile",
+    sync.WAIT_PASS_END.value: "end-of-pass barrier flag of rank",
+    sync.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
 }
 
 #: The weighted sum's tile on a GPU (BLOCK_T tokens x BLOCK_D columns, warps), k slot loads unrolled, one load
@@ -172,7 +174,7 @@ class MegaKernel:
         self.epochs = self.sym.local("epochs")
         self.error = torch.zeros(4, dtype=torch.int32, device=dev)
         # trace (GPU only): per program [start, end, ns waiting, waits, shared done] globaltimer stamps
-        self.trace = torch.zeros(c.num_sms, mk.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
+        self.trace = torch.zeros(c.num_sms, sync.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
         self.budget = resolve_wait_budget(wait_budget)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
         self.launcher = Launcher(self)
@@ -322,7 +324,7 @@ class MegaKernel:
         if not self.gpu:
             self.world.barrier()
             return
-        mk.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("flags")[row], self.epochs[row:],
+        sync.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("flags")[row], self.epochs[row:],
                                      self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
 
     def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:
@@ -357,7 +359,7 @@ class MegaKernel:
         combine = self.sym.local("combine")
         block_t, block_d, warps = WEIGHTED_SUM_TILE if self.gpu else (16, 64, 4)
         shared_y = self.shared_y if has_shared else out
-        mk.weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
+        weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
             self.y, self.y.stride(0), combine, combine.stride(0), own_rows, top_experts.contiguous(),
             router_weights.contiguous(), shared_y, shared_y.stride(0), out, out.stride(0), n, D,
             TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,

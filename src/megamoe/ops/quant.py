@@ -246,7 +246,7 @@ def quantize_activations(
             same read of x (a staging copy for free); must not overlap x.
 
     Returns:
-        ``(data, scale)`` (``out`` when given) equal bit for bit to ``megamoe.formats``:
+        ``(data, scale)`` (``out`` when given) equal bit for bit to ``megamoe.reference.formats``:
         ``mxfp8_quantize(x, dim=axis, rounding=rounding)`` or
         ``fp8_block_quantize(x, block=(1, 128) or (128, 1))``.
     """

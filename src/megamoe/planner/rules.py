@@ -6,7 +6,7 @@ minibatch at a time. The planner applies three rules and prints why:
 
 1. Waves: each grouped GEMM of a minibatch needs at least two full waves
    of output tiles over the compute SMs,
-   ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (DESIGN §4; MoK: 128x256
+   ``T_mb >= 2 · C · tile_m · tile_n / min(2I, D)`` (docs/design.md; MoK: 128x256
    tiles, C 148, D 7168, I 2048 -> 2368 rows), rounded up to whole row tiles.
    The planner takes ``MINIBATCH_WAVES`` = 3: in interleaved rounds on H200 at
    EP 2 three waves beat two by 1-4 % on five of six preset/format pairs

@@ -1,6 +1,6 @@
 """The pull schedule: which token rows a rank fetches, grouped by local expert.
 
-DESIGN.md §2. Every rank all-gathers the routing ids of its expert-parallel
+docs/design.md, the schedule. Every rank all-gathers the routing ids of its expert-parallel
 group (`[R, N, k]`) and builds, on device and without a host sync, the table
 ``Phi = (src_rank, src_index)`` of the rows its L local experts need. Rows land
 grouped by local expert (GEMM-ready); inside one expert's region consecutive

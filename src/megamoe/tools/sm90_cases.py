@@ -247,7 +247,7 @@ def megakernel_case(fmt: str) -> Case:
 
 
 def weighted_sum_case() -> Case:
-    from megamoe.kernels import megakernel as mk
+    from megamoe.kernels.weighted_sum import weighted_sum_kernel
     from megamoe.megakernel.kernel import WEIGHTED_SUM_TILE
 
     block_t, block_d, warps = WEIGHTED_SUM_TILE
@@ -255,10 +255,10 @@ def weighted_sum_case() -> Case:
     signature.update(own_rows_ptr="*i32", top_experts_ptr="*i32", router_weights_ptr="*fp32")
     consts = dict(TOP_K=8, HAS_SHARED=True, BLOCK_T=block_t, BLOCK_D=block_d)
     signature.update({name: "constexpr" for name in consts})
-    signature.update({name: "i32" for name in mk.weighted_sum_kernel.arg_names if name not in signature})
+    signature.update({name: "i32" for name in weighted_sum_kernel.arg_names if name not in signature})
     # one 16-byte load per thread and vector of each slot's rows (and of the shared output): two per slot, as
     # a masked pair, took twice the time (2026-11-30-qwen-pass)
-    return Case(mk.weighted_sum_kernel, signature, consts, warps,
+    return Case(weighted_sum_kernel, signature, consts, warps,
                 notes={"top_k": 8, "has_shared": True, "block_t": block_t, "block_d": block_d, "num_warps": warps})
 
 

@@ -1,4 +1,4 @@
-"""Push dispatch: the signalling experiment's twin of the pull dispatch (DESIGN §3: pull won).
+"""Push dispatch: the signalling experiment's twin of the pull dispatch (pull won: docs/design.md).
 
 The owner of a token stores its rows into the receivers' symmetric ``routed``
 buffers, where the receivers' pull schedules would have placed them; with

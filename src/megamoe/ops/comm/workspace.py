@@ -133,7 +133,7 @@ def comm_shape(
 @dataclass(frozen=True)
 class QuantRows:
     """Quantised rows: ``data`` float8_e4m3fn `[rows, D]`, ``scale`` uint8 E8M0 `[rows, D/32]`
-    (mxfp8) or float32 `[rows, D/128]` (fp8-block), as ``megamoe.formats`` defines them."""
+    (mxfp8) or float32 `[rows, D/128]` (fp8-block), as ``megamoe.reference.formats`` defines them."""
 
     data: torch.Tensor
     scale: torch.Tensor
