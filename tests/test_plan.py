@@ -74,3 +74,37 @@ def test_plan_command_prints_the_config_and_why():
     assert "KernelConfig(num_sms=132" in result.output and "3 waves" in result.output and "total" in result.output
     bad = CliRunner().invoke(app, ["plan", "--comm-sms", "200"])
     assert bad.exit_code == 2 and "must be < num_sms" in bad.output
+
+
+def test_one_validity_check_for_a_config_a_shape_and_a_device():
+    """check_kernel_config is what the planner, the MegaKernel and these tests share."""
+    from megamoe.planner import LayerShape, check_kernel_config
+
+    kimi = preset("kimi-k2")
+    shape = LayerShape.of(kimi, 2, 8192)
+    good = plan(kimi, 2, 8192).config
+    check_kernel_config(good, shape, "bf16", tile_m=128, available_sms=132)  # the planner's own config passes
+    cases = {
+        "tile_m": lambda: check_kernel_config(good, shape, "bf16", tile_m=64, available_sms=132),
+        "exceeds": lambda: check_kernel_config(good, shape, "bf16", tile_m=128, available_sms=66),
+        "multiples of 128": lambda: check_kernel_config(
+            good, LayerShape(2, 8192, 7168, 2000, 192, 8, 0), "fp8-block", tile_m=128),
+        "multiple of 64": lambda: check_kernel_config(good, LayerShape(2, 64, 96, 64, 4, 2, 0), "bf16", tile_m=128),
+        "precision": lambda: check_kernel_config(good, shape, "fp4", tile_m=128),
+        "KernelConfig": lambda: check_kernel_config(object(), shape, "bf16", tile_m=128),
+    }
+    for text, call in cases.items():
+        with pytest.raises(ValueError, match=text):
+            call()
+    # without a device limit (the interpreter) the SM count is not checked
+    check_kernel_config(good, shape, "bf16", tile_m=128)
+
+
+def test_memory_splits_the_pass_from_what_each_layer_keeps():
+    p = plan(preset("kimi-k2"), 2, 8192)
+    assert "ring rows [ring, D]" in p.kept and "ring expert outputs y [ring, D]" in p.memory
+    per_layer, shared = sum(p.kept.values()), sum(p.memory.values())
+    assert p.memory_for(1) == shared + per_layer == p.memory_total
+    assert p.memory_for(60) == shared + 60 * per_layer
+    with pytest.raises(ValueError, match="layers"):
+        p.memory_for(0)
