@@ -181,3 +181,91 @@ def test_ep_scaling_tables_the_speedups_by_ep(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _one_line_error(result, *needles: str) -> str:
+    """The command failed on a bad option: exit code 2, one line starting with "error:", no traceback."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.output
+    for needle in needles:
+        assert needle in lines[0], result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--ep", "0"], ["ep must be a positive int, got 0"]),  # was: EP 4
+    (["--ep", "-2"], ["ep must be a positive int, got -2"]),
+    (["--routing", "foo"], ["routing must be one of uniform, zipf, one-rank", "'foo'"]),
+    (["--routing", "one-rank", "--ep", "8"], ["routing one-rank", "k <= experts per rank"]),
+    (["--tokens", "-5"], ["tokens must be >= 0", "one per rank", "-5"]),
+    (["--ep", "2", "--tokens", "3,-5"], ["tokens must be >= 0"]),
+    (["--tokens", "abc"], ["tokens must be integers >= 0", "'abc'"]),
+    (["--preset", "nope"], ["unknown preset 'nope'", "tiny"]),
+])
+def test_bench_bad_options_are_one_line_errors(args, needles):
+    _one_line_error(CliRunner().invoke(app, ["bench", "--device", "cpu", "--preset", "tiny", *args]), *needles)
+
+
+def test_bench_unknown_device_is_a_one_line_error():
+    _one_line_error(CliRunner().invoke(app, ["bench", "--device", "tpu"]), "device must be one of cpu, cuda", "'tpu'")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs no visible GPU")
+def test_bench_on_cuda_without_a_gpu_says_so():
+    _one_line_error(CliRunner().invoke(app, ["bench", "--device", "cuda"]), "no CUDA GPU is visible")
+
+
+def test_bench_on_cpu_says_its_timings_are_not_gpu_timings_and_shows_progress(tmp_path, capfd):
+    out = tmp_path / "records.json"
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--preset", "tiny", "--tokens", "8", "--ep", "1",
+                                      "--iters", "1", "--impl", "reference", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "not GPU timings" in result.output
+    # the ranks are processes of their own: their stderr is the test process's file descriptor 2
+    err = capfd.readouterr().err
+    assert "[impl 1/1] reference fwd ..." in err and "[impl 1/1] reference bwd ..." in err, err
+    assert err.index("reference fwd") < err.index("reference bwd")
+    assert [(r["impl"], r["pass"]) for r in json.loads(out.read_text())] == [("reference", "fwd"), ("reference", "bwd")]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--experts", "0"], ["experts must be counts between 1 and the routes"]),
+    (["--experts", "4,999"], ["experts must be counts between 1 and the routes"]),  # before the first load runs
+    (["--experts", "abc"], ["experts must be comma-separated counts", "'abc'"]),
+    (["--tokens", "0"], ["tokens must be >= 1, got 0"]),  # was: the default 64 tokens
+    (["--tokens", "-3"], ["tokens must be >= 1, got -3"]),
+    (["--formats", "foo"], ["formats must be among", "'foo'"]),
+    (["--preset", "nope"], ["unknown preset 'nope'", "tiny"]),  # was wrapped over two lines at 80 columns
+])
+def test_bench_experts_bad_options_are_one_line_errors(args, needles):
+    _one_line_error(CliRunner().invoke(app, ["bench-experts", *args]), *needles)
+
+
+def test_plan_prints_the_memory_for_its_layers():
+    from megamoe.config import preset
+    from megamoe.planner import plan
+
+    want = plan(preset("kimi-k2"), 2, 8192)
+    one = CliRunner().invoke(app, ["plan", "--preset", "kimi-k2", "--ep", "2", "--tokens", "8192"])
+    assert one.exit_code == 0, one.output
+    assert "1 MoE layer" in one.output and f"total for 1 layer " in one.output
+    assert f"{want.memory_for(1) / 2**20:10.1f} MiB" in one.output
+    four = CliRunner().invoke(app, ["plan", "--preset", "kimi-k2", "--ep", "2", "--tokens", "8192", "--layers", "4"])
+    assert four.exit_code == 0, four.output
+    assert "4 MoE layers" in four.output and "total for 4 layers" in four.output
+    assert f"{want.memory_for(4) / 2**20:10.1f} MiB" in four.output
+    assert want.memory_for(4) > want.memory_for(1)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--layers", "0"], ["layers must be >= 1, got 0"]),
+    (["--layers", "-1"], ["layers must be >= 1, got -1"]),
+    (["--preset", "nope"], ["unknown preset 'nope'", "tiny"]),  # was wrapped over two lines at 80 columns
+    (["--preset", "tiny", "--ep", "3"], ["num_experts (8) is not divisible by ep (3)"]),
+    (["--ep", "0"], ["ep must be a positive int, got 0"]),
+    (["--minibatch", "0"], ["minibatch must be >= 1, got 0"]),  # was: ZeroDivisionError
+    (["--sms", "0"], ["sms must be >= 1, got 0"]),
+])
+def test_plan_bad_options_are_one_line_errors(args, needles):
+    _one_line_error(CliRunner().invoke(app, ["plan", *args]), *needles)

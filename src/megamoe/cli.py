@@ -4,16 +4,38 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 import torch
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="megamoe: an expert-parallel MoE layer.")
 
 
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    """Comma-separated integers; a part that is not one is a ValueError naming ``what``."""
+    values = []
+    for part in _csv(text):
+        try:
+            values.append(int(part))
+        except ValueError:
+            raise ValueError(f"{what}, got {part!r}") from None
+    return tuple(values)
+
+
+def _fail(message: str) -> NoReturn:
+    """A bad option: one line on stderr (not wrapped, whatever the terminal's width), exit code 2."""
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(str(message))}")
+    raise typer.Exit(2)
+
+
+DEVICES = ("cpu", "cuda")
 
 
 @app.command()
@@ -41,6 +63,11 @@ def bench(
     md_path: str = typer.Option(None, "--md", help="Write a Markdown table (with machine, commit, command) here."),
 ) -> None:
     """Check every implementation against the reference and time it, side by side."""
+    if device is not None and device not in DEVICES:
+        _fail(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        needs = f" (ep={ep} needs {ep} GPUs, 0 visible)" if ep is not None else ""
+        _fail(f"--device cuda: no CUDA GPU is visible{needs}; use --device cpu")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":  # Triton kernels run under the interpreter on the CPU (set before they are imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -53,8 +80,9 @@ def bench(
     try:
         opts = BenchOptions(
             preset=preset or ("kimi-k2" if gpu else "tiny"),
-            tokens=tuple(int(t) for t in _csv(tokens or ("8192" if gpu else "256"))),
-            ep=ep or (torch.cuda.device_count() if gpu else 4),
+            tokens=_ints(tokens or ("8192" if gpu else "256"),
+                         "tokens must be integers >= 0 (one count, or one per rank comma-separated)"),
+            ep=ep if ep is not None else (torch.cuda.device_count() if gpu else 4),
             device=device,
             precision=precision,
             impls=_csv(impl or ("nccl-torch,unfused,megamoe" if gpu else "reference,nccl-torch,unfused,megamoe")),
@@ -64,10 +92,10 @@ def bench(
             warmup=warmup if warmup is not None else (3 if gpu else 0),
             seed=seed,
             routing=routing,
+            progress=True,
         )
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        _fail(str(exc))
     console.print(f"[bold]megamoe bench[/bold]: {opts.preset} on {opts.ep} {device} rank(s), "
                   f"impls {', '.join(opts.impls)}, passes {', '.join(opts.passes)}, {opts.iters} iters")
     records = launch(run_rank, opts.ep, opts, device=device)[0]
@@ -75,6 +103,9 @@ def bench(
     for record in records:
         record.update(meta)
     print_table(records, console)
+    if not gpu:
+        console.print("note: CPU run: the Triton kernels ran under the interpreter, so these timings are not GPU "
+                      "timings", soft_wrap=True)
     if json_path:
         write_json(records, json_path)
         console.print(f"records written to {json_path}")
@@ -109,16 +140,21 @@ def bench_experts(
     console = Console()
     try:
         cfg = get_preset(preset or ("kimi-k2" if gpu else "tiny"))
-        routes = (tokens or (8192 if gpu else 64)) * cfg.top_k
-        counts = tuple(int(e) for e in _csv(experts or ("192,16" if gpu else "4")))
+        tokens = tokens if tokens is not None else (8192 if gpu else 64)
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        routes = tokens * cfg.top_k
+        counts = _ints(experts or ("192,16" if gpu else "4"), "experts must be comma-separated counts >= 1")
+        if not counts or any(not 1 <= e <= routes for e in counts):  # all checked before the first load runs
+            raise ValueError(f"experts must be counts between 1 and the routes ({tokens} tokens x k={cfg.top_k} = "
+                             f"{routes}), got {experts!r}")
         chosen = _csv(passes)
         if not set(chosen) <= {"fwd", "bwd"}:
             raise ValueError(f"passes must be fwd and/or bwd, got {passes!r}")
         records = bench_module.run(cfg, routes, counts, torch.device("cuda" if gpu else "cpu"), sweep=sweep,
                                    passes=chosen, profile=profile, formats=tuple(_csv(formats)))
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        _fail(str(exc))
     meta = run_metadata("cuda" if gpu else "cpu")
     for record in records:
         record.update(meta, preset=preset or ("kimi-k2" if gpu else "tiny"))
@@ -140,6 +176,7 @@ def plan(
     comm_sms: int = typer.Option(None, help="Pin the communication SMs."),
     minibatch: int = typer.Option(None, help="Pin the minibatch (rows)."),
     ring_rows: int = typer.Option(None, help="Pin the ring size (rows)."),
+    layers: int = typer.Option(1, help="MoE layers of this shape in the model: the memory per rank for all of them."),
 ) -> None:
     """The megakernel's minibatch, comm/compute SM split, ring size and memory, with the reasoning."""
     from megamoe.config import preset as get_preset
@@ -147,13 +184,19 @@ def plan(
     from megamoe.planner import plan as make_plan
 
     try:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        for name, value in (("sms", sms), ("minibatch", minibatch)):  # the planner divides by them
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         result = make_plan(get_preset(preset), ep, tokens, num_sms=sms, precision=precision, comm_sms=comm_sms,
                            minibatch=minibatch, ring_rows=ring_rows)
+        text = format_plan(result, layers)
     except ValueError as exc:
-        Console().print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    print(f"megamoe plan: {preset}, EP {ep}, {tokens} tokens per rank, {precision}, {sms} SMs")
-    print(format_plan(result))
+        _fail(str(exc))
+    print(f"megamoe plan: {preset}, EP {ep}, {tokens} tokens per rank, {precision}, {sms} SMs, "
+          f"{layers} MoE layer{'s' if layers != 1 else ''}")
+    print(text)
 
 
 @app.command()

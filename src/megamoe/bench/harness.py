@@ -9,6 +9,8 @@ barriers on the CPU. Records follow ../shared/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -16,7 +18,7 @@ from functools import partial
 import torch
 
 from megamoe.baselines.nccl_torch import nccl_torch_moe
-from megamoe.bench.problem import RankProblem, make_problem
+from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
 from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.megakernel import megamoe_forward
@@ -35,6 +37,7 @@ TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3),
               "fp8": (6e-2, 3e-1, 2.0)}
 #: Routed-expert formats of the megamoe implementations (the others are BF16 throughout).
 EXPERT_FORMATS = ("bf16", "fp8-block", "mxfp8")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,21 @@ class BenchOptions:
     seed: int = 0
     routing: str = "uniform"
     config: MoEConfig | None = field(default=None)
+    progress: bool = False  # rank 0 prints a line on stderr as each (impl, pass) starts
 
     def __post_init__(self) -> None:
         cfg = self.config or preset(self.preset)
         object.__setattr__(self, "config", cfg)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and torch.cuda.device_count() == 0:
+            raise ValueError(f"device cuda: no CUDA GPU is visible (ep={self.ep} needs {self.ep} GPUs, 0 visible)")
         cfg.experts_per_rank(self.ep)
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.routing == "one-rank" and cfg.top_k > cfg.num_experts // self.ep:
+            raise ValueError(f"routing one-rank sends each token's k={cfg.top_k} routes to one rank's experts: it "
+                             f"needs k <= experts per rank ({cfg.num_experts // self.ep} at ep={self.ep})")
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"precision {self.precision!r} is not available yet for these implementations; "
@@ -77,7 +90,10 @@ class BenchOptions:
         for name in self.passes:
             if name not in PASSES:
                 raise ValueError(f"unknown pass {name!r}; known: {', '.join(PASSES)}")
-        if len(self.tokens) not in (1, self.ep) or any(t < 0 for t in self.tokens):
+        if any(t < 0 for t in self.tokens):
+            raise ValueError(f"tokens must be >= 0 (one count, or one per rank), got "
+                             f"{', '.join(str(t) for t in self.tokens)}")
+        if len(self.tokens) not in (1, self.ep):
             raise ValueError(f"tokens must be one count or one per rank (ep={self.ep}), got {self.tokens}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"iters must be >= 1 and warmup >= 0, got {self.iters}, {self.warmup}")
@@ -297,8 +313,17 @@ def timed_pass(world: EPWorld, fn) -> tuple[float, object]:
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by linear interpolation between the closest ranks, as
+    ``numpy.percentile``'s default: the median of an even count is the mean of the two middle samples."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], got {q}")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def pass_work(world: EPWorld, p: RankProblem, name: str) -> tuple[float, float]:
@@ -324,13 +349,16 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     records = []
     runs = [(impl, fmt) for impl in opts.impls
             for fmt in (opts.experts if impl in TAKES_EXPERT_FORMAT else ("bf16",))]
-    for impl, fmt in runs:
+    for run, (impl, fmt) in enumerate(runs, 1):
         quantized = fmt != "bf16"
+        label = f"{impl} ({fmt} experts)" if quantized else impl
         runner = RUNNERS[impl](world, p, fmt) if quantized else RUNNERS[impl](world, p)
         tolerance = "fp8" if quantized else opts.precision
         for name in opts.passes:
             if name not in getattr(runner, "passes", PASSES):
                 continue
+            if opts.progress and world.rank == 0:
+                print(f"  [impl {run}/{len(runs)}] {label} {name} ...", file=sys.stderr, flush=True)
             times, check = [], None
             for it in range(opts.warmup + opts.iters):
                 if name == "fwd":
@@ -345,7 +373,6 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
                 if it >= opts.warmup:
                     times.append(ms)
                 del out, got
-            label = f"{impl} ({fmt} experts)" if quantized else impl
             records.append(_gather_record(world, opts, label, name, times, check, work[name],
                                           getattr(runner, "weights_quantize_ms", None)))
         if impl == "reference" and "fwd" in opts.passes and "bwd" in opts.passes:

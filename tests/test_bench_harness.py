@@ -1,0 +1,62 @@
+"""megamoe.bench.harness without launching ranks: the percentiles of the timings and the options' checks."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megamoe.bench.harness import BenchOptions, percentile
+
+
+@pytest.mark.parametrize("values, q, want", [
+    ([3.0], 0.5, 3.0),
+    ([3.0], 0.1, 3.0),
+    ([1.0, 2.0], 0.5, 1.5),  # the mean of the two middle samples (was: the lower one)
+    ([2.0, 1.0], 0.1, 1.1),
+    ([2.0, 1.0], 0.9, 1.9),
+    ([4.0, 1.0, 3.0, 2.0], 0.5, 2.5),
+    ([4.0, 1.0, 3.0, 2.0], 0.1, 1.3),
+    ([4.0, 1.0, 3.0, 2.0], 0.9, 3.7),
+    ([5.0, 1.0, 3.0], 0.5, 3.0),
+    ([5.0, 1.0, 3.0], 0.1, 1.4),
+    ([5.0, 1.0, 3.0], 0.9, 4.6),
+    ([10.0, 20.0, 30.0, 40.0, 50.0], 0.0, 10.0),
+    ([10.0, 20.0, 30.0, 40.0, 50.0], 1.0, 50.0),
+])
+def test_percentile_of_known_lists(values, q, want):
+    assert percentile(values, q) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_percentile_is_numpys_linear_default():
+    rng = random.Random(0)
+    for n in range(1, 12):
+        values = [rng.uniform(0, 100) for _ in range(n)]
+        for q in (0.0, 0.1, 0.25, 0.5, 0.9, 1.0):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, 100 * q)), rel=1e-12)
+
+
+def test_percentile_refuses_no_values_and_q_out_of_range():
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 0.5)
+    with pytest.raises(ValueError, match="q must be in"):
+        percentile([1.0], 1.5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"ep": 0}, "ep must be a positive int"),
+    ({"routing": "foo"}, "routing must be one of uniform, zipf, one-rank"),
+    ({"routing": "one-rank", "ep": 8}, "k <= experts per rank"),
+    ({"device": "tpu"}, "device must be one of cpu, cuda"),
+    ({"tokens": (-5,)}, r"tokens must be >= 0"),
+    ({"tokens": (1, 2, 3)}, r"tokens must be one count or one per rank \(ep=2\)"),
+])
+def test_bench_options_refuse_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BenchOptions(**{"preset": "tiny", "tokens": (8,), "ep": 2, "device": "cpu", **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs no visible GPU")
+def test_bench_options_on_cuda_without_a_gpu():
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        BenchOptions(preset="tiny", tokens=(8,), ep=1, device="cuda")
