@@ -122,8 +122,8 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
         slots = torch.full((shape.max_tokens * k, D), -3.0, dtype=torch.bfloat16)
         check(f"combine_push num_sms={num_sms} {tuning.label()}", got, comm.combine_reference(ys, scheds, me, slots))
 
-    # backward reverse-combine, pull scaled by the source rank's router weights
-    ref_b = comm.reverse_combine_reference([d.to(device) for d in d_outs], [w.to(device) for w in weights], sched)
+    # backward reverse-combine, pull: each route's upstream gradient row, unscaled (the expert backward applies w)
+    ref_b = comm.dispatch_reference([d.to(device) for d in d_outs], sched)
     check("reverse_combine_pull", comm.reverse_combine_pull(ws, sched, num_sms=2), ref_b)
     q = comm.reverse_combine_pull(ws, sched, num_sms=2, quantize="mxfp8")
     data, scale = formats.mxfp8_quantize(ref_b.cpu(), dim=-1)

@@ -147,8 +147,6 @@ def pull_tile(
     src_index_ptr,
     dst_ptr,
     stride_dst,
-    w_peer_ptrs,
-    w_anchor_ptr,
     qscale_ptr,
     stride_qscale,
     TOP_K: tl.constexpr,
@@ -157,26 +155,19 @@ def pull_tile(
     W: tl.constexpr,
     ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
-    SCALE: tl.constexpr,
     QUANT: tl.constexpr,
     SOFT_E4M3: tl.constexpr,
 ):
     """Pull rows ``[t0, t0 + ROWS)`` of the schedule's rows ``t < num_rows`` into ``dst[t]``.
 
     ``src`` is ``[N, D]`` on every rank (row ``src_index // TOP_K``); ``dst``
-    is local ``[capacity, D]``. SCALE: bf16 rows times the fp32 router weight
-    ``w_{src_rank}[src_index]`` (``w`` is ``[N*k]`` on every rank), rounded to
-    bf16. QUANT (0 none, 1 MXFP8, 2 FP8-block 1x128): store E4M3 bits (uint8 ``dst``) and per-block scales
+    is local ``[capacity, D]``, rows copied as they are. QUANT (0 none, 1 MXFP8, 2 FP8-block 1x128): store E4M3 bits (uint8 ``dst``) and per-block scales
     (``qscale [capacity, D/32]`` uint8 or ``[capacity, D/128]`` fp32; W a multiple of the block).
     Rows with ``src_rank == -1`` are not written.
     """
     t, cols, rank, index, valid, mask = tile_entries(t0, num_rows, src_rank_ptr, src_index_ptr, ROWS, CHUNKS, CP, W)
     src_off = peer_offset(rank, index // TOP_K, valid, src_peer_ptrs, src_anchor_ptr, stride_src)
     x = tl.load(src_anchor_ptr + vector_offsets(src_off, cols, ALIGN, W), mask=mask)
-    if SCALE:
-        w_off = peer_offset(rank, index, valid, w_peer_ptrs, w_anchor_ptr, 1)
-        w = tl.load(w_anchor_ptr + w_off, mask=valid, other=0.0)
-        x = f32_to_bf16(bf16_to_f32(x) * w[:, None, None])
     dst_off = vector_offsets(t.to(tl.int64) * stride_dst, cols, ALIGN, W)
     if QUANT == 0:
         tl.store(dst_ptr + dst_off, x, mask=mask)
@@ -308,8 +299,6 @@ def pull_kernel(
     src_index_ptr,
     dst_ptr,
     stride_dst,
-    w_peer_ptrs,
-    w_anchor_ptr,
     qscale_ptr,
     stride_qscale,
     TOP_K: tl.constexpr,
@@ -318,7 +307,6 @@ def pull_kernel(
     W: tl.constexpr,
     ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
-    SCALE: tl.constexpr,
     QUANT: tl.constexpr,
     SOFT_E4M3: tl.constexpr,
 ):
@@ -328,8 +316,7 @@ def pull_kernel(
     while lo < tiles:
         for tile in range(lo, hi):
             pull_tile(tile * ROWS, n, src_peer_ptrs, src_anchor_ptr, stride_src, src_rank_ptr, src_index_ptr, dst_ptr,
-                      stride_dst, w_peer_ptrs, w_anchor_ptr, qscale_ptr, stride_qscale,
-                      TOP_K, CHUNKS, CP, W, ROWS, ALIGN, SCALE, QUANT, SOFT_E4M3)
+                      stride_dst, qscale_ptr, stride_qscale, TOP_K, CHUNKS, CP, W, ROWS, ALIGN, QUANT, SOFT_E4M3)
         lo, hi = claim_tiles(claims_ptr, tiles, tl.num_programs(0))
     release_claims(claims_ptr)
 

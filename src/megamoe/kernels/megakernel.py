@@ -108,13 +108,12 @@ def comm_pull(
     dst_scale = ring_scale_ptr + shift * stride_ring_scale
     for t0 in range(first_row + c * P_ROWS, end_row, comm_sms * P_ROWS):
         pull_tile(t0, end_row, rows_peer_ptrs, rows_ptr, stride_rows, src_rank_ptr, src_index_ptr, dst, stride_ring,
-                  rows_peer_ptrs, rows_ptr, dst_scale, stride_ring_scale,
-                  TOP_K, P_CHUNKS, P_CP, P_W, P_ROWS, P_ALIGN, False, 0, False)
+                  dst_scale, stride_ring_scale, TOP_K, P_CHUNKS, P_CP, P_W, P_ROWS, P_ALIGN, 0, False)
     if FMT != FMT_BF16:
         for t0 in range(first_row + c * S_ROWS, end_row, comm_sms * S_ROWS):
             pull_tile(t0, end_row, scales_peer_ptrs, scales_ptr, stride_scales, src_rank_ptr, src_index_ptr,
-                      dst_scale, stride_ring_scale, scales_peer_ptrs, scales_ptr, dst_scale, stride_ring_scale,
-                      TOP_K, S_CHUNKS, S_CP, S_W, S_ROWS, S_ALIGN, False, 0, False)
+                      dst_scale, stride_ring_scale, dst_scale, stride_ring_scale,
+                      TOP_K, S_CHUNKS, S_CP, S_W, S_ROWS, S_ALIGN, 0, False)
     release_add(rows_ready_ptr + j)
 
 

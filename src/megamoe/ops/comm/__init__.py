@@ -6,7 +6,7 @@ between them with the Triton kernels of :mod:`megamoe.kernels.comm`:
 
     dispatch_pull         routed[t]  = x_{src_rank[t]}[src_index[t] // k]            (forward, pull)
     combine_push          combine_{src_rank[t]}[src_index[t]] = y[t]                  (forward, push)
-    reverse_combine_pull  routed[t]  = w_{src_rank[t]}[src_index[t]] * d_out_{src_rank[t]}[src_index[t] // k]
+    reverse_combine_pull  routed[t]  = d_out_{src_rank[t]}[src_index[t] // k]        (backward, pull)
     reverse_dispatch_push d_x_{src_rank[t]}[src_index[t]] = dx[t]                     (backward, push)
     push_dispatch         the push twin of dispatch_pull (the signalling experiment)
     device_barrier        an in-kernel barrier across ranks (flags, bounded wait)
@@ -27,7 +27,8 @@ Every in-kernel wait is bounded: a peer that never writes its flag makes the
 launch raise RuntimeError naming the flag and the peer (after ``check``), and
 the workspace refuses further use (its flags are out of step; free it).
 
-Each entry point has a pure-PyTorch twin (``*_reference``): plain indexing over
+Each entry point has a pure-PyTorch twin (``*_reference``; reverse-combine's is ``dispatch_reference`` over
+the d_out rows, reverse-dispatch's ``combine_reference``): plain indexing over
 the per-rank tensors, the oracle of the tests.
 
 Files: ``workspace`` (the buffers and their shape), ``tile`` (the copy tile),
@@ -38,7 +39,7 @@ Files: ``workspace`` (the buffers and their shape), ``tile`` (the copy tile),
 from megamoe.ops.comm.launches import (combine_push, device_barrier, dispatch_pull, reverse_combine_pull,
                                       reverse_dispatch_push)
 from megamoe.ops.comm.push import PushSchedule, build_push_schedule, push_dispatch
-from megamoe.ops.comm.reference import combine_reference, dispatch_reference, reverse_combine_reference
+from megamoe.ops.comm.reference import combine_reference, dispatch_reference
 from megamoe.ops.comm.tile import CommTuning, copy_tile
 from megamoe.ops.comm.workspace import (ROW_FORMATS, WAITS, CommShape, CommWorkspace, QuantRows, comm_shape,
                                         comm_workspace, quantize_rows_reference)
@@ -47,5 +48,5 @@ __all__ = [
     "ROW_FORMATS", "WAITS", "CommShape", "CommTuning", "CommWorkspace", "PushSchedule", "QuantRows",
     "build_push_schedule", "combine_push", "combine_reference", "comm_shape", "comm_workspace", "copy_tile",
     "device_barrier", "dispatch_pull", "dispatch_reference", "push_dispatch", "quantize_rows_reference",
-    "reverse_combine_pull", "reverse_combine_reference", "reverse_dispatch_push",
+    "reverse_combine_pull", "reverse_dispatch_push",
 ]

@@ -81,11 +81,12 @@ def reverse_combine_pull(
     sync: bool = True,
     tuning: CommTuning | None = None,
 ) -> torch.Tensor | QuantRows:
-    """Backward reverse-combine, pull: ``routed[t] = bf16(w * d_out_r[i])`` for ``(r, i*k + j) = Phi[t]``.
+    """Backward reverse-combine, pull: ``routed[t] = d_out_r[i]`` for ``(r, i*k + j) = Phi[t]``.
 
-    ``w = router_weights_r[i, j]`` is read from rank r's ``router_weights``
-    buffer (fp32 product, rounded to nearest even bf16). Arguments as
-    :func:`dispatch_pull` (``quantize`` quantises the scaled rows).
+    The upstream gradient of each route's token, unscaled: the expert backward applies the router weight
+    (``d_h = w · SwiGLU'(h) ⊙ d_act``) and takes the router weight's own gradient from the unscaled rows, so a
+    weight of exactly 0 still gets its true gradient. Arguments as :func:`dispatch_pull` (the rows come from
+    every rank's staged ``d_out``; ``quantize`` quantises them on the fly).
     """
     ws.check_launch(schedule, num_sms)
     if quantize is not None and quantize not in FORMATS:  # on-the-fly quantisation of pulled bf16 rows
@@ -96,7 +97,7 @@ def reverse_combine_pull(
     if sync:
         ws.sync()
     data, qscale = (out, None) if quantize is None else (out.data.view(torch.uint8), out.scale)
-    _launch_pull(ws, schedule, "d_out", data, num_sms, limit, tuning, quant=quantize, qscale=qscale, scale=True)
+    _launch_pull(ws, schedule, "d_out", data, num_sms, limit, tuning, quant=quantize, qscale=qscale)
     if sync:
         ws.sync()
     return out
@@ -177,7 +178,6 @@ def _launch_pull(
     *,
     quant: str | None = None,
     qscale: torch.Tensor | None = None,
-    scale: bool = False,
 ) -> None:
 
     src = ws.local(src_name)
@@ -186,13 +186,11 @@ def _launch_pull(
     chunks, cp, w, rows, align = copy_tile(width, src.element_size(), tuning, min_block=min_block)
     if quant:  # one row per tile, its chunks spread over the warps: a thread holding a whole row in fp32 spills
         rows = 1
-    w_ptrs, w_anchor = (ws.peer_ptrs("router_weights"), ws.local("router_weights")) if scale else (
-        ws.peer_ptrs(src_name), src)
     qscale = dst if qscale is None else qscale
     comm_kernels.pull_kernel[(num_sms,)](
         schedule.num_rows, limit, ws.claims, ws.peer_ptrs(src_name), src, src.stride(0), schedule.src_rank,
-        schedule.src_index, dst, dst.stride(0), w_ptrs, w_anchor, qscale, qscale.stride(0),
-        TOP_K=ws.shape.top_k, CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align, SCALE=scale,
+        schedule.src_index, dst, dst.stride(0), qscale, qscale.stride(0),
+        TOP_K=ws.shape.top_k, CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align,
         QUANT={None: 0, "mxfp8": 1, "fp8-block": 2}[quant], SOFT_E4M3=soft_e4m3_default(),
         num_warps=tuning.num_warps,
     )

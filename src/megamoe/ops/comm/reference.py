@@ -24,21 +24,6 @@ def dispatch_reference(x_ranks: Sequence[torch.Tensor], schedule: PullSchedule, 
     return out
 
 
-def reverse_combine_reference(
-    d_out_ranks: Sequence[torch.Tensor], weights_ranks: Sequence[torch.Tensor], schedule: PullSchedule
-) -> torch.Tensor:
-    """``routed[t] = bf16(fp32(d_out_r[i]) * w_r[i, j])`` for ``(r, i*k + j) = Phi[t]``; padding rows 0."""
-    k, cap = schedule.top_k, schedule.capacity
-    device = d_out_ranks[0].device
-    src_rank, src_index = schedule.src_rank.to(device).long(), schedule.src_index.to(device).long()
-    out = torch.zeros(cap, d_out_ranks[0].shape[1], dtype=torch.bfloat16, device=device)
-    for r, (d_out, w) in enumerate(zip(d_out_ranks, weights_ranks)):
-        mine = src_rank == r
-        idx = src_index[mine]
-        out[mine] = (d_out[idx // k].float() * w.reshape(-1)[idx][:, None]).to(torch.bfloat16)
-    return out
-
-
 def combine_reference(
     rows_ranks: Sequence[torch.Tensor], schedules: Sequence[PullSchedule], rank: int, slots: torch.Tensor
 ) -> torch.Tensor:

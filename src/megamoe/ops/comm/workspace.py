@@ -80,6 +80,7 @@ class CommShape:
             BufferSpec("d_x", (N * k, D), bf16),
             BufferSpec("routing", (R, N, k), i32),
             BufferSpec("router_weights", (N, k), torch.float32),
+            BufferSpec("d_router", (N * k + 1,), torch.float32),
             BufferSpec("flags", (len(WAITS), R), i32),
             BufferSpec("counters", (1,), torch.int64),
             BufferSpec("error", (4,), i32),
@@ -152,8 +153,9 @@ class CommWorkspace:
     d_out            bf16 `[N, D]`          upstream gradient, pulled by reverse-combine
     d_x              bf16 `[N*k, D]`        slot ``i*k + j``: d_x of route j of token i
     routing          int32 `[R, N, k]`      every rank's expert ids (-1 = no route)
-    router_weights   fp32 `[N, k]`          this rank's router weights; reverse-combine reads
-                                            the peer's weight at the route's slot, no gather
+    router_weights   fp32 `[N, k]`          this rank's router weights (the backward reads each route's)
+    d_router         fp32 `[N*k + 1]`       slot ``i*k + j``: d(router weight) of route j of token i; the last
+                                            slot takes the writes of rows that go elsewhere
     flags            int32 `[2, R]`         ``flags[w, r]``: last epoch rank r signalled for wait w
     counters         int64 `[1]`            arrivals of push-dispatch programs (running total)
     error            int32 `[4]`            ``[wait id, rank, wanted epoch, seen]`` of a timed-out wait

@@ -1,0 +1,81 @@
+"""`megamoe.moe`: the MoE layer over an expert-parallel world as a differentiable function.
+
+The forward is one megakernel pass; the backward (today the standalone kernels, device-ordered:
+:mod:`megamoe.megakernel.backward_composed`) gives the gradients of x, the router weights, this rank's
+experts and every shared expert. Both are torch.library ops (:mod:`megamoe.autograd.ops`), so
+``torch.compile(fullgraph=True)`` traces through them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megamoe import checks
+from megamoe.autograd import ops
+from megamoe.autograd.worlds import handle_of
+from megamoe.parallel.world import EPWorld
+from megamoe.planner import KernelConfig
+from megamoe.precision import check_precision
+
+
+def moe(
+    world: EPWorld,
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    swiglu_limit: float | None = None,
+    *,
+    precision: str = "bf16",
+    config: KernelConfig | None = None,
+    max_tokens: int | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """The MoE layer's output for this rank's tokens, differentiable in x, the router weights, the experts.
+
+    Collective: every rank of ``world`` calls it, with its own tokens and its own experts.
+
+    Args:
+        world: the EP group (R ranks).
+        x: bf16 `[N, D]` this rank's tokens (N may differ between ranks, 0 included).
+        top_experts: int `[N, k]` global expert ids, -1 = no route.
+        router_weights: float32 `[N, k]`, applied after the experts (its gradient flows back to the router).
+        w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; w_down: bf16 `[L, D, I]`.
+        shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated; their gradients cover this
+            rank's tokens (reduce them across ranks as for any replicated weight).
+        swiglu_limit: optional SwiGLU clamp (gate <= limit, |up| <= limit).
+        precision: the routed experts' precision; the backward is BF16 only so far (FP8 forwards run without
+            gradients).
+        config: the megakernel's knobs (default: the planner's).
+        max_tokens: the group's largest token count; None finds it with an all-reduce MAX (a host sync), which
+            ``torch.compile`` cannot trace: give it there.
+        check: validate the expert ids and read the kernels' error words (host syncs).
+
+    Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
+    """
+    check_precision(precision)
+    compiling = torch.compiler.is_compiling()
+    n, *_ = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared,
+                                    check_ids=check and not compiling)
+    shared = [(gu, dn) for gu, dn in shared]
+    for name, t in [("shared w_gate_up", gu) for gu, _ in shared] + [("shared w_down", dn) for _, dn in shared]:
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
+    tensors = [x, router_weights, w_gate_up, w_down, *(t for pair in shared for t in pair)]
+    if precision != "bf16" and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError(f"the {precision} backward is not built yet: train with precision='bf16' (or run the "
+                         f"{precision} forward under torch.no_grad())")
+    if max_tokens is None:
+        if compiling:
+            raise ValueError("torch.compile needs max_tokens (the group's largest token count) given to moe() or "
+                             "megamoe.MoE(max_tokens=...): finding it is an all-reduce with a host sync")
+        max_tokens = world.largest(n)  # NOTE: host sync
+    if not checks.is_int(max_tokens) or max_tokens < n:
+        raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
+    return ops.layer_forward(x, top_experts, router_weights, w_gate_up, w_down, [gu for gu, _ in shared],
+                             [dn for _, dn in shared], swiglu_limit, handle_of(world), max_tokens, precision,
+                             ops.config_string(config), check)[0]

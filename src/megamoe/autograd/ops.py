@@ -1,0 +1,163 @@
+"""The layer's forward and backward as torch.library custom ops, with fake implementations and autograd.
+
+``megamoe::layer_forward`` runs one megakernel pass and returns, beside the output, what the backward reads
+as plain tensors (the ring's rows and pre-activation, the shared experts' pre-activation, the pull schedule):
+they are fresh tensors the autograd graph keeps, so each call's context is its own and lives exactly as long
+as its graph. ``megamoe::layer_backward`` takes them back with the upstream gradient. Their fake
+implementations give every output's shape from the arguments alone (the kernel's config is the planner's, a
+pure function of the shape), so ``torch.compile(fullgraph=True)`` traces a model through them.
+
+Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.worlds`), ``max_tokens`` the
+group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
+ring_rows,tile_m,tile_n" ("" for the planner's), ``check`` (read the kernels' error words: host syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megamoe.autograd.worlds import world_of
+from megamoe.megakernel.backward_composed import SavedForward, composed_backward
+from megamoe.megakernel.forward import fuse_shared
+from megamoe.megakernel.kernel import MegaKernel, default_config
+from megamoe.planner import KernelConfig, LayerShape
+from megamoe.routing.schedule import PullSchedule
+
+Tensor = torch.Tensor
+
+
+def config_string(config: KernelConfig | None) -> str:
+    """``config`` as the ops take it ("" for the planner's)."""
+    if config is None:
+        return ""
+    return ",".join(str(v) for v in (config.num_sms, config.comm_sms, config.minibatch, config.ring_rows,
+                                     config.tile_m, config.tile_n))
+
+
+def _config(text: str) -> KernelConfig | None:
+    return KernelConfig(*map(int, text.split(","))) if text else None
+
+
+def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down: list[Tensor],
+           max_tokens: int) -> LayerShape:
+    L, two_i, d = w_gate_up.shape
+    return LayerShape(world.size, max_tokens, d, two_i // 2, L, top_experts.shape[1],
+                      sum(dn.shape[1] for dn in shared_down))
+
+
+def layer_kernel(world, shape: LayerShape, config: KernelConfig | None, precision: str) -> MegaKernel:
+    """The MegaKernel of ``shape`` kept on ``world`` (shared with megamoe_forward), one config and precision at a
+    time."""
+    return world.resources.get(("megakernel", shape), lambda: MegaKernel(world, shape, config, precision=precision),
+                               version=(config, precision))
+
+
+@torch.library.custom_op("megamoe::layer_forward", mutates_args=())
+def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+                  shared_gate_up: list[Tensor], shared_down: list[Tensor], swiglu_limit: float | None, world: int,
+                  max_tokens: int, precision: str, config: str,
+                  check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, ring_x, h, shared_h, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows)."""
+    w = world_of(world)
+    shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
+    kernel = layer_kernel(w, shape, _config(config), precision)
+    fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
+    out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up.contiguous(),
+                              w_down.contiguous(), fused, swiglu_limit, buffers=kernel.new_buffers(), check=check)
+    b, s = ctx.buffers, ctx.schedule
+    shared_h = b.shared_h if b.shared_h is not None else x.new_empty(0, 0, dtype=torch.bfloat16)
+    # the schedule may live in a replayed graph's memory: the context gets its own copy
+    return (out, b.ring_x, b.h, shared_h, s.src_rank.clone(), s.src_index.clone(), s.tokens_per_expert.clone(),
+            s.counts.clone(), s.offsets.clone(), s.num_rows.clone())
+
+
+@layer_forward.register_fake
+def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, swiglu_limit, world,
+      max_tokens, precision, config, check):
+    w = world_of(world)
+    shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
+    c = _config(config) or default_config(w, shape, precision)
+    rows, D, I, Is, L = c.ring_rows, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.experts_per_rank
+    row_dtype = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
+    i32 = dict(dtype=torch.int32)
+    shared_h = x.new_empty(max(max_tokens, 1), 2 * Is, dtype=torch.bfloat16) if Is else x.new_empty(
+        0, 0, dtype=torch.bfloat16)
+    return (x.new_empty(x.shape[0], D, dtype=torch.bfloat16), x.new_empty(rows, D, dtype=row_dtype),
+            x.new_empty(rows, 2 * I, dtype=torch.bfloat16), shared_h, x.new_empty(shape.capacity, **i32),
+            x.new_empty(shape.capacity, **i32), x.new_empty(L, **i32), x.new_empty(L, shape.num_ranks, **i32),
+            x.new_empty(L, **i32), x.new_empty((), **i32))
+
+
+@torch.library.custom_op("megamoe::layer_backward", mutates_args=())
+def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor,
+                   w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], ring_x: Tensor,
+                   h: Tensor, shared_h: Tensor, src_rank: Tensor, src_index: Tensor, tokens_per_expert: Tensor,
+                   counts: Tensor, offsets: Tensor, num_rows: Tensor, swiglu_limit: float | None, world: int,
+                   max_tokens: int, precision: str, config: str,
+                   check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
+    """(d_x, d_router_weights, d_w_gate_up, d_w_down, [d shared gate_up], [d shared down])."""
+    w = world_of(world)
+    shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
+    kernel = layer_kernel(w, shape, _config(config), precision)
+    schedule = PullSchedule(tokens_per_expert, counts, offsets, src_rank, src_index, num_rows, src_rank.shape[0],
+                            shape.num_ranks, shape.experts_per_rank, shape.top_k, 1)
+    fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
+    g = composed_backward(kernel, SavedForward(ring_x, h, shared_h, schedule), d_out.to(torch.bfloat16), x,
+                          top_experts, router_weights, w_gate_up.contiguous(), w_down.contiguous(), fused,
+                          swiglu_limit, check=check)
+    d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
+    return g.x, g.router_weights, g.w_gate_up, g.w_down, d_gate_up, d_down
+
+
+@layer_backward.register_fake
+def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, ring_x, h, shared_h,
+      src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world, max_tokens, precision,
+      config, check):
+    return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),
+            torch.empty_like(w_down), [torch.empty_like(t) for t in shared_gate_up],
+            [torch.empty_like(t) for t in shared_down])
+
+
+def _unfuse_shared(d_gate_up, d_down, shared_gate_up, shared_down) -> tuple[list[Tensor], list[Tensor]]:
+    """The fused shared FFN's gradients split back per shared expert (gate rows, up rows, down columns)."""
+    if not shared_gate_up:
+        return [], []
+    sizes = [dn.shape[1] for dn in shared_down]
+    total, gates, ups, downs, start = sum(sizes), [], [], [], 0
+    for size in sizes:
+        gates.append(d_gate_up[start: start + size])
+        ups.append(d_gate_up[total + start: total + start + size])
+        downs.append(d_down[:, start: start + size])
+        start += size
+    return ([torch.cat([g, u]).to(gu.dtype) for g, u, gu in zip(gates, ups, shared_gate_up)],
+            [d.contiguous().to(dn.dtype) for d, dn in zip(downs, shared_down)])
+
+
+_SAVED = ("x", "top_experts", "router_weights", "w_gate_up", "w_down")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down = inputs[:7]
+    ctx.shared_count = len(shared_gate_up)
+    ctx.scalars = inputs[7:]  # swiglu_limit, world, max_tokens, precision, config, check
+    ctx.save_for_backward(x, top_experts, router_weights, w_gate_up, w_down, *shared_gate_up, *shared_down,
+                          *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward(ctx, d_out, *unused):
+    saved = ctx.saved_tensors
+    x, top_experts, router_weights, w_gate_up, w_down = saved[:5]
+    s = ctx.shared_count
+    shared_gate_up, shared_down, state = list(saved[5: 5 + s]), list(saved[5 + s: 5 + 2 * s]), saved[5 + 2 * s:]
+    d_x, d_rw, d_gu, d_dn, d_sgu, d_sdn = layer_backward(d_out.contiguous(), x, top_experts, router_weights,
+                                                          w_gate_up, w_down, shared_gate_up, shared_down, *state,
+                                                          *ctx.scalars)
+    need = ctx.needs_input_grad
+    keep = lambda g, i: g if need[i] else None  # noqa: E731
+    return (keep(d_x, 0), None, keep(d_rw, 2), keep(d_gu, 3), keep(d_dn, 4),
+            [g if n else None for g, n in zip(d_sgu, need[5])], [g if n else None for g, n in zip(d_sdn, need[6])],
+            None, None, None, None, None, None)
+
+
+layer_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,162 @@
+"""The layer's backward from the standalone kernels, device-ordered: the training path until the backward
+megakernel fuses it, then its ablation.
+
+Driven by the forward's pull schedule, per rank, all on the current stream:
+
+1. stage: this rank's upstream gradient ``d_out [N, D]`` and router weights (and, when the forward's ring
+   wrapped, its x again) into the communication workspace's symmetric buffers; a device barrier;
+2. pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled
+   (:func:`~megamoe.ops.comm.reverse_combine_pull`); each row's router weight read from its home rank;
+3. the routed rows' x and pre-activation h: the ring's when it held every row, else (a wrapped ring) x
+   pulled again and h recomputed with the forward's minibatch-cut tiles (the same bits);
+4. the expert backward (:func:`~megamoe.ops.experts.expert_backward`): ``d_act = d_out_row · W_down``, the
+   SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no
+   division by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients
+   over each expert's rows in one fixed order (FP32 accumulation);
+5. push reverse-dispatch: each row's ``d_x`` into its home rank's ``[N*k, D]`` slots, its router-weight
+   gradient into the home rank's ``[N*k]`` slots; a device barrier;
+6. at home: ``d_x[i] = sum_j slot[i*k + j]`` in fixed order in FP32, plus the shared experts' ``d_x`` (their
+   backward over this rank's tokens, from the h the forward kept), rounded once.
+
+Every reduction has a fixed order, so the gradients are bitwise equal across runs, comm_sms, minibatch and
+ring size. One host read: the forward's row count (does the ring need a replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megamoe import runtime
+from megamoe.megakernel.kernel import MegaKernel
+from megamoe.ops.comm import (CommShape, comm_workspace, device_barrier, dispatch_pull, reverse_combine_pull,
+                              reverse_dispatch_push)
+from megamoe.ops.experts import expert_backward, gate_up
+from megamoe.routing.schedule import PullSchedule
+
+
+@dataclass(frozen=True)
+class SavedForward:
+    """What the backward reads of a forward pass (one rank), as plain tensors.
+
+    Attributes:
+        ring_x: bf16 `[ring_rows, D]` routed rows of the minibatches the ring still holds.
+        h: bf16 `[ring_rows, 2I]` their pre-activation.
+        shared_h: bf16 `[N, 2Is]` the shared experts' pre-activation over this rank's tokens (`[0, 0]` without).
+        schedule: the pass's pull schedule (its own_rows is not needed).
+    """
+
+    ring_x: torch.Tensor
+    h: torch.Tensor
+    shared_h: torch.Tensor
+    schedule: PullSchedule
+
+
+@dataclass
+class LayerGrads:
+    """Gradients of one rank: ``x`` bf16 `[N, D]`, ``router_weights`` fp32 `[N, k]`, this rank's experts
+    ``w_gate_up`` `[L, 2I, D]` and ``w_down`` `[L, D, I]` (bf16), the fused shared experts' ``shared_gate_up``
+    `[2Is, D]` and ``shared_down`` `[D, Is]` (None without)."""
+
+    x: torch.Tensor
+    router_weights: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    shared_gate_up: torch.Tensor | None
+    shared_down: torch.Tensor | None
+
+
+def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor,
+                      top_experts: torch.Tensor, router_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
+                      swiglu_limit: float | None, *, check: bool = True) -> LayerGrads:
+    """The backward of ``kernel``'s forward pass that left ``saved`` (collective; see the module docstring).
+
+    ``d_out`` bf16 `[N, D]` the upstream gradient; the other arguments are the forward's. ``check`` reads the
+    workspace's error word after the pass (a timed-out barrier raises RuntimeError)."""
+    world, s, c = kernel.world, kernel.shape, kernel.config
+    n, D, k, I = x.shape[0], s.hidden, s.top_k, s.intermediate
+    schedule = saved.schedule
+    ws = comm_workspace(world, CommShape(s.num_ranks, max(s.max_tokens, 1), D, k, s.experts_per_rank))
+    sms = runtime.num_programs(world.device)
+    rows = int(schedule.num_rows)  # NOTE: a host sync: whether the ring wrapped (a replay)
+    wrapped = rows > c.ring_rows
+    # 1. stage; every rank's rows in place before anyone pulls
+    ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x if wrapped else None)
+    device_barrier(ws, check=False)
+    # 2. each routed row's upstream gradient (unscaled) and router weight, from its home rank
+    dy_rows = reverse_combine_pull(ws, schedule, num_sms=sms, sync=False)
+    row_weights = _row_weights(ws, schedule)
+    # 3. the rows' x and h: the ring's, or (wrapped) pulled again and recomputed with the forward's tiles
+    cap = schedule.capacity
+    if wrapped:
+        x_rows = dispatch_pull(ws, schedule, num_sms=sms, sync=False)
+        h_rows = torch.empty(cap, 2 * I, dtype=torch.bfloat16, device=x.device)
+        act = torch.empty(cap, I, dtype=torch.bfloat16, device=x.device)
+        gate_up(x_rows, schedule.tokens_per_expert, schedule.offsets, w_gate_up, h_rows, act,
+                swiglu_limit=swiglu_limit, minibatch=c.minibatch)
+        del act
+    else:
+        x_rows, h_rows = _padded(saved.ring_x, cap), _padded(saved.h, cap)
+    # 4. the routed experts' backward
+    g = expert_backward(dy_rows, row_weights, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
+                        w_gate_up, w_down, swiglu_limit=swiglu_limit)
+    del dy_rows, x_rows, h_rows
+    # 5. d_x rows and router-weight gradients home; every push landed before anyone reads its slots
+    reverse_dispatch_push(ws, schedule, g.d_x, num_sms=sms, sync=False)
+    _push_router_grads(ws, schedule, g.d_router)
+    device_barrier(ws, check=False)
+    # 6. at home: the k slots in fixed order, plus the shared experts
+    valid = top_experts >= 0
+    slots = ws.local("d_x")[: n * k].view(n, k, D)
+    d_x = torch.zeros(n, D, dtype=torch.float32, device=x.device)
+    for j in range(k):
+        d_x += torch.where(valid[:, j, None], slots[:, j].float(), 0.0)
+    d_router = torch.where(valid, ws.local("d_router")[: n * k].view(n, k), 0.0)
+    shared_gate_up = shared_down = None
+    if shared is not None:
+        sg = _shared_backward(d_out, x, saved.shared_h, shared, swiglu_limit)
+        d_x += sg.d_x.float()
+        shared_gate_up, shared_down = sg.d_w_gate_up[0], sg.d_w_down[0]
+    if check:
+        ws.device_sync()
+        ws.check_errors()
+    return LayerGrads(d_x.to(torch.bfloat16), d_router, g.d_w_gate_up, g.d_w_down, shared_gate_up, shared_down)
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s first ``rows`` rows, zero rows appended where it has fewer."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _row_weights(ws, schedule: PullSchedule) -> torch.Tensor:
+    """fp32 `[capacity]`: the router weight of each row's route, read from its home rank (0 on padding rows)."""
+    index = schedule.src_index.clamp(min=0).long()
+    w = torch.zeros(schedule.capacity, dtype=torch.float32, device=index.device)
+    for r in range(ws.world.size):
+        home = ws.peer("router_weights", r).view(-1).gather(0, index)
+        w = torch.where(schedule.src_rank == r, home, w)
+    return w
+
+
+def _push_router_grads(ws, schedule: PullSchedule, d_router: torch.Tensor) -> None:
+    """Each row's router-weight gradient into slot ``src_index`` of its home rank's ``d_router`` (rows homed
+    elsewhere, and padding, write the buffer's last slot, which nobody reads)."""
+    dump = ws.local("d_router").shape[0] - 1
+    for r in range(ws.world.size):
+        index = torch.where(schedule.src_rank == r, schedule.src_index, dump).long()
+        ws.peer("d_router", r).scatter_(0, index, d_router)
+
+
+def _shared_backward(d_out, x, shared_h, shared, swiglu_limit):
+    """The shared experts (fused into one FFN) over this rank's tokens: one expert of N rows, weight 1."""
+    n = x.shape[0]
+    ints = dict(dtype=torch.int32, device=x.device)
+    return expert_backward(d_out.contiguous(), torch.ones(n, dtype=torch.float32, device=x.device),
+                           x.contiguous(), shared_h[:n], torch.full((1,), n, **ints), torch.zeros(1, **ints),
+                           shared[0][None], shared[1][None], swiglu_limit=swiglu_limit)
