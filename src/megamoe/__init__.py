@@ -5,7 +5,9 @@ What a user calls (loaded on first use, so that ``TRITON_INTERPRET`` can still b
     init_world, launch, EPWorld     the expert-parallel world (megamoe.parallel.world)
     MoEConfig, PRESETS, preset      a layer's shape (megamoe.config)
     KernelConfig, plan              the megakernel's knobs and the planner (megamoe.planner)
-    megamoe_forward                 the layer's forward pass (megamoe.megakernel)
+    moe                             the layer as a differentiable function (megamoe.autograd)
+    MoE, MoEBlock, Router           the layer as modules (megamoe.nn)
+    megamoe_forward                 the layer's forward pass alone, no autograd (megamoe.megakernel)
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ _EXPORTS = {
     "KernelConfig": "megamoe.planner",
     "plan": "megamoe.planner",
     "megamoe_forward": "megamoe.megakernel",
+    "moe": "megamoe.autograd",
+    "MoE": "megamoe.nn",
+    "MoEBlock": "megamoe.nn",
+    "Router": "megamoe.nn",
 }
 __all__ = sorted(_EXPORTS)
 

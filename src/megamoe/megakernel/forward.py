@@ -30,7 +30,6 @@ def fuse_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     return torch.cat(gates + ups).contiguous(), torch.cat([dn for _, dn in shared], dim=1).contiguous()
 
 
-@torch.no_grad()
 def megamoe_forward(
     world: EPWorld,
     x: torch.Tensor,
@@ -47,7 +46,7 @@ def megamoe_forward(
     experts_q: QuantizedExperts | None = None,
     check: bool = True,
 ) -> torch.Tensor:
-    """The MoE layer's forward over ``world`` as one megakernel per pass (no autograd yet).
+    """The MoE layer's forward over ``world`` as one megakernel per pass, without autograd (``megamoe.moe`` trains).
 
     Args:
         world: the EP group (R ranks); collective: every rank calls it.
@@ -80,6 +79,18 @@ def megamoe_forward(
     CUDA-graph capture of whole passes use :class:`MegaKernel` directly with ``check=False``.
     """
     check_precision(precision)
+    tensors = [x, router_weights, w_gate_up, w_down,
+               *(t for pair in shared if isinstance(pair, (tuple, list)) for t in pair)]
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise ValueError("megamoe_forward computes no gradients, and an input or weight here requires grad: use "
+                         "megamoe.moe (or megamoe.MoE) to train, or call this under torch.no_grad()")
+    with torch.no_grad():
+        return _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, config,
+                        precision, max_tokens, experts_q, check)
+
+
+def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, config, precision,
+             max_tokens, experts_q, check) -> torch.Tensor:
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
                                                       shared, check_ids=check)
     if max_tokens is None:

@@ -1,0 +1,107 @@
+"""`megamoe.MoE` and `megamoe.MoEBlock`: the layer as modules holding their weights.
+
+``MoE`` holds this rank's routed experts (``w_gate_up [L, 2I, D]``, ``w_down [L, D, I]``, bf16) and the shared
+experts (replicated) as Parameters and runs :func:`megamoe.moe`. ``MoEBlock`` is a :class:`~megamoe.nn.router.Router`
+and a ``MoE``: ``forward(x)`` routes and runs the layer.
+
+Init (``seed``): expert e's weights come from a generator seeded by (seed, e) alone, whatever rank holds it, and
+the shared experts' from (seed, s): any EP size builds the same model. ``w_gate_up ~ N(0, 1/D)``,
+``w_down ~ N(0, 1/I)``.
+
+Gradients: the routed experts' cover every rank's tokens routed to them (complete); the shared experts' and the
+router's cover this rank's tokens only — reduce them across the ranks (all-reduce, or FSDP / DDP over the data
+dimension) as for any replicated weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megamoe.autograd import moe
+from megamoe.config import MoEConfig
+from megamoe.nn.router import Router
+from megamoe.parallel.world import EPWorld
+from megamoe.planner import KernelConfig
+from megamoe.precision import check_precision
+
+
+def _normal(shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=device) * std).to(torch.bfloat16)
+
+
+class MoE(nn.Module):
+    """This rank's share of one MoE layer (collective: every rank of ``world`` builds one alike).
+
+    Args:
+        config: the layer's shape (E, k, D, I, shared sizes, SwiGLU clamp).
+        world: the expert-parallel group; this rank holds experts ``rank*L .. rank*L+L-1``.
+        precision: the routed experts' precision (the backward is BF16 only so far).
+        device: where the weights live (default: the world's device).
+        max_tokens: the group's largest token count per rank; None finds it every call (an all-reduce, a host
+            sync; ``torch.compile`` needs it given).
+        kernel_config: the megakernel's knobs (default: the planner's).
+        seed: the weights' init seed (see the module docstring).
+
+    ``forward(x [N, D] bf16, top_experts int [N, k], router_weights float32 [N, k])`` returns bf16 `[N, D]`.
+    """
+
+    def __init__(self, config: MoEConfig, world: EPWorld, *, precision: str = "bf16",
+                 device: torch.device | str | None = None, max_tokens: int | None = None,
+                 kernel_config: KernelConfig | None = None, seed: int = 0):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
+        check_precision(precision)
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 0):
+            raise ValueError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
+        self.config, self.world, self.precision = config, world, precision
+        self.max_tokens, self.kernel_config = max_tokens, kernel_config
+        L = config.experts_per_rank(world.size)
+        device = torch.device(device) if device is not None else world.device
+        D, I = config.hidden, config.intermediate
+        first = world.rank * L
+        self.w_gate_up = nn.Parameter(torch.stack(
+            [_normal((2 * I, D), D ** -0.5, seed * 1_000_003 + first + l, device) for l in range(L)]))
+        self.w_down = nn.Parameter(torch.stack(
+            [_normal((D, I), I ** -0.5, seed * 1_000_003 + 500_000 + first + l, device) for l in range(L)]))
+        self.shared_gate_up = nn.ParameterList(
+            [nn.Parameter(_normal((2 * size, D), D ** -0.5, seed * 7919 + 2 * s + 1, device))
+             for s, size in enumerate(config.shared)])
+        self.shared_down = nn.ParameterList(
+            [nn.Parameter(_normal((D, size), size ** -0.5, seed * 7919 + 2 * s + 2, device))
+             for s, size in enumerate(config.shared)])
+
+    def forward(self, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor) -> torch.Tensor:
+        shared = list(zip(self.shared_gate_up, self.shared_down))
+        return moe(self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
+                   self.config.swiglu_limit, precision=self.precision, config=self.kernel_config,
+                   max_tokens=self.max_tokens)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"E={c.num_experts}, k={c.top_k}, D={c.hidden}, I={c.intermediate}, shared={c.shared}, "
+                f"rank {self.world.rank} of {self.world.size}, precision={self.precision}")
+
+
+class MoEBlock(nn.Module):
+    """A :class:`Router` and a :class:`MoE`: ``forward(x [N, D])`` routes every token and runs the layer.
+
+    Keyword arguments go to the MoE, except the router's (``score``, ``renormalize``, ``scale``,
+    ``selection_bias``). x may be any float dtype: the layer runs in bf16 and the output comes back in x's dtype.
+    """
+
+    def __init__(self, config: MoEConfig, world: EPWorld, *, score: str = "softmax", renormalize: bool = True,
+                 scale: float = 1.0, selection_bias: bool = False, device: torch.device | str | None = None,
+                 **moe_kwargs):
+        super().__init__()
+        device = torch.device(device) if device is not None else world.device
+        self.router = Router(config.hidden, config.num_experts, config.top_k, score=score, renormalize=renormalize,
+                             scale=scale, selection_bias=selection_bias, device=device)
+        self.moe = MoE(config, world, device=device, **moe_kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_experts, router_weights = self.router(x)
+        return self.moe(x.to(torch.bfloat16), top_experts, router_weights).to(x.dtype)
