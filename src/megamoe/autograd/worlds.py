@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import weakref
 
+import torch
+
 from megamoe.parallel.world import EPWorld
 
 _WORLDS: weakref.WeakValueDictionary[int, EPWorld] = weakref.WeakValueDictionary()
@@ -17,6 +19,7 @@ _HANDLES: dict[int, int] = {}  # id(world) -> handle, while the world lives
 _NEXT = itertools.count(1)
 
 
+@torch.compiler.assume_constant_result  # torch.compile: a constant of the graph, looked up when it is traced
 def handle_of(world: EPWorld) -> int:
     """The int that names ``world`` (this very object) in this process, registered on first use."""
     if not isinstance(world, EPWorld):

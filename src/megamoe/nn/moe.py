@@ -19,11 +19,17 @@ import torch
 from torch import nn
 
 from megamoe.autograd import moe
+from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.config import MoEConfig
 from megamoe.nn.router import Router
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
 from megamoe.precision import check_precision
+from megamoe.reference.ep import ep_moe
+
+#: The implementations a MoE can run: the megakernel, the pure-PyTorch reference over the EP group (FP32 math,
+#: autograd), and the NCCL all-to-all + torch._grouped_mm baseline.
+IMPLS = ("megamoe", "reference", "nccl-torch")
 
 
 def _normal(shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
@@ -43,21 +49,27 @@ class MoE(nn.Module):
             sync; ``torch.compile`` needs it given).
         kernel_config: the megakernel's knobs (default: the planner's).
         seed: the weights' init seed (see the module docstring).
+        impl: ``megamoe`` (default), ``reference`` or ``nccl-torch`` (:data:`IMPLS`): the same weights through
+            another implementation, for comparisons (the last two are BF16 and ignore the kernel's knobs).
 
     ``forward(x [N, D] bf16, top_experts int [N, k], router_weights float32 [N, k])`` returns bf16 `[N, D]`.
     """
 
     def __init__(self, config: MoEConfig, world: EPWorld, *, precision: str = "bf16",
                  device: torch.device | str | None = None, max_tokens: int | None = None,
-                 kernel_config: KernelConfig | None = None, seed: int = 0):
+                 kernel_config: KernelConfig | None = None, seed: int = 0, impl: str = "megamoe"):
         super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        if impl != "megamoe" and precision != "bf16":
+            raise ValueError(f"impl {impl!r} runs bf16 experts only, got precision {precision!r}")
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
         check_precision(precision)
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 0):
             raise ValueError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
-        self.config, self.world, self.precision = config, world, precision
+        self.config, self.world, self.precision, self.impl = config, world, precision, impl
         self.max_tokens, self.kernel_config = max_tokens, kernel_config
         L = config.experts_per_rank(world.size)
         device = torch.device(device) if device is not None else world.device
@@ -76,14 +88,18 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor) -> torch.Tensor:
         shared = list(zip(self.shared_gate_up, self.shared_down))
-        return moe(self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
-                   self.config.swiglu_limit, precision=self.precision, config=self.kernel_config,
-                   max_tokens=self.max_tokens)
+        args = (self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
+                self.config.swiglu_limit)
+        if self.impl == "reference":
+            return ep_moe(*args)
+        if self.impl == "nccl-torch":
+            return nccl_torch_moe(*args)
+        return moe(*args, precision=self.precision, config=self.kernel_config, max_tokens=self.max_tokens)
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"E={c.num_experts}, k={c.top_k}, D={c.hidden}, I={c.intermediate}, shared={c.shared}, "
-                f"rank {self.world.rank} of {self.world.size}, precision={self.precision}")
+                f"rank {self.world.rank} of {self.world.size}, precision={self.precision}, impl={self.impl}")
 
 
 class MoEBlock(nn.Module):

@@ -77,3 +77,50 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
         "shared": shared_grads["shared"],
     }
     return out, grads
+
+
+def ep_moe(world: EPWorld, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor,
+           w_gate_up: torch.Tensor, w_down: torch.Tensor, shared=(), swiglu_limit: float | None = None) -> torch.Tensor:
+    """The layer over the EP group in plain PyTorch, differentiable by autograd (the reference a model trains on).
+
+    Arguments as :func:`megamoe.moe`: this rank's tokens, its experts ``rank*L ..``, replicated shared experts.
+    Every rank's tokens are gathered (autograd's all-gather), each rank computes its experts' share of every
+    token (:func:`~megamoe.reference.layer.moe_forward`, FP32 math), the shares go home (all-to-all) and are summed
+    in rank order, plus the shared experts on this rank's tokens. Returns `[N, D]` in x's dtype.
+    """
+    from megamoe.reference.layer import moe_forward
+
+    n, L = x.shape[0], w_gate_up.shape[0]
+    rows = max(world.all_gather_object(n))
+    cdt = compute_dtype(x.dtype)
+
+    def padded(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), fill)])
+
+    x_all = _Exchange.apply(world, padded(x.to(cdt)).repeat(world.size, 1))
+    weights_all = _Exchange.apply(world, padded(router_weights).repeat(world.size, 1))
+    top_all = _gather_rows(world, top_experts, rows, fill=-1)
+    share = moe_forward(x_all, top_all, weights_all, w_gate_up, w_down, swiglu_limit=swiglu_limit,
+                        first_expert=world.rank * L, num_experts=L * world.size).to(cdt)
+    out = _Exchange.apply(world, share).view(world.size, rows, -1).sum(0)[:n]  # rank order
+    if shared:
+        out = out + moe_forward(x.to(cdt), torch.full_like(top_experts, -1), router_weights, w_gate_up[:0],
+                                w_down[:0], shared, swiglu_limit, num_experts=L * world.size).to(cdt)
+    return out.to(x.dtype)
+
+
+class _Exchange(torch.autograd.Function):
+    """Block r of the rows to rank r (all-to-all of equal blocks); its backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, world, rows):
+        ctx.world = world
+        out = torch.empty_like(rows)
+        dist.all_to_all_single(out, rows.contiguous(), group=world.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = torch.empty_like(grad)
+        dist.all_to_all_single(back, grad.contiguous(), group=ctx.world.group)
+        return None, back
