@@ -5,7 +5,7 @@
     benchmarks/clock_probe_summary.py joins the two)
 
 One process per GPU. Each rank runs megakernel passes (bf16; each of --configs) back to back for --seconds,
-idling 0.5 s after each, then the standalone expert kernels (`megamoe.experts.expert_forward`, every SM) on
+idling 0.5 s after each, then the standalone expert kernels (`megamoe.ops.experts.expert_forward`, every SM) on
 the same routed rows for --seconds. Prints one JSON line per rank: each phase's wall-clock start and end and its ms per pass.
 The question (benchmarks/results/2026-11-30-one-rank, section 8): do the GEMMs inside the megakernel lose ~12 %
 to the communication beside them through the SM clock (power) rather than memory?
@@ -22,11 +22,10 @@ import torch
 
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
-from megamoe.ops.experts import expert_forward
-from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, fuse_shared
-from megamoe.planner import KernelConfig
+from megamoe.ops.experts import expert_forward
 from megamoe.parallel.world import launch
+from megamoe.planner import KernelConfig, LayerShape
 
 from sustained import run_for  # benchmarks/, beside this script
 
@@ -50,13 +49,15 @@ def _probe(world, a):
     for config in a.configs:
         knobs = None if config == "plan" else KernelConfig(*map(int, config.split(",")), 128, 256)
         kernel = MegaKernel(world, shape, knobs, one_rank_megakernel=True)
-        _, ctx = kernel.forward(*args)
+        buffers = kernel.scratch_buffers()  # one set for every pass, as megamoe_forward runs them
+        _, ctx = kernel.forward(*args, buffers=buffers)
         phases.append(_phase(world, f"megakernel {kernel.config.comm_sms} comm SMs, minibatch "
-                             f"{kernel.config.minibatch}", a.seconds, lambda: kernel.forward(*args, check=False)))
+                             f"{kernel.config.minibatch}", a.seconds,
+                             lambda: kernel.forward(*args, buffers=buffers, check=False)))
         kernel.check_errors()
         time.sleep(0.5)
-    s = ctx.schedule
-    rows = (kernel.ring_x, s.tokens_per_expert, s.offsets, p.w_gate_up, p.w_down)
+    s = ctx.schedule  # the last config's: its ring holds the routed rows of the last pass
+    rows = (ctx.buffers.ring_x, s.tokens_per_expert, s.offsets, p.w_gate_up, p.w_down)
     expert_forward(*rows)
     phases.append(_phase(world, "standalone experts", a.seconds, lambda: expert_forward(*rows)))
     return {"rank": world.rank, "device": torch.cuda.current_device(), "phases": phases}

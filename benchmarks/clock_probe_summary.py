@@ -7,15 +7,19 @@ The first and last 0.2 s of a phase are left out (launch and drain).
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from datetime import datetime, timedelta
 
 STAMP = "%Y/%m/%d %H:%M:%S.%f"
 
 
 def main() -> None:
-    phases_file, smi_file = sys.argv[1:3]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phases", help="clock_probe.py's output: one JSON line per rank")
+    parser.add_argument("smi", help="the nvidia-smi samples (CSV, no header, no units)")
+    args = parser.parse_args()
+    phases_file, smi_file = args.phases, args.smi
     samples = []
     for line in open(smi_file):
         fields = [f.strip() for f in line.split(",")]

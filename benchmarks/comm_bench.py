@@ -1,4 +1,4 @@
-"""NVLink communication measurements of megamoe.comm on 2 GPUs (the issue's three measurements).
+"""NVLink communication measurements of megamoe.ops.comm on 2 GPUs (the issue's three measurements).
 
 Run on nvidia-h200-x2 (repo root; the script starts its own 2 ranks):
 
@@ -271,11 +271,9 @@ class Bench:
             results[name] = same(got, comm.combine_reference(ys, scheds, self.me, init))
             del ys, init
         d_outs = [rows_for(r, self.N, D, 4, dev) for r in range(R)]
-        weights = [torch.rand(self.N, k, generator=torch.Generator(device=dev).manual_seed(50 + r), device=dev)
-                   for r in range(R)]
-        ws.stage(d_out=d_outs[self.me], router_weights=weights[self.me])
-        got = comm.reverse_combine_pull(ws, sched, num_sms=24)
-        results["reverse_combine_pull"] = same(got, comm.reverse_combine_reference(d_outs, weights, sched))
+        ws.stage(d_out=d_outs[self.me])
+        got = comm.reverse_combine_pull(ws, sched, num_sms=24)  # each route's d_out row, unscaled
+        results["reverse_combine_pull"] = same(got, comm.dispatch_reference(d_outs, sched))
         del got, d_outs
         out = torch.empty(sched.capacity, D, dtype=torch.bfloat16, device=dev)
         ys = [rows_for(r, s.capacity, D, 2, dev) for r, s in enumerate(scheds)]

@@ -104,8 +104,7 @@ def _copy_ab(num_rows_ptr, src_peer_ptrs, src_ptr, stride_src, src_row_ptr, rank
             for tile in range(lo, hi, step):
                 if PULL:
                     pull_tile(tile * ROWS, n, src_peer_ptrs, src_ptr, stride_src, rank_ptr, index_ptr, dst_ptr,
-                              stride_dst, src_peer_ptrs, src_ptr, dst_ptr, stride_dst, TOP_K, CHUNKS, CP, W, ROWS,
-                              ALIGN, False, 0, False)
+                              stride_dst, dst_ptr, stride_dst, TOP_K, CHUNKS, CP, W, ROWS, ALIGN, 0, False)
                 else:
                     push_tile(tile * ROWS, n, src_ptr, stride_src, src_row_ptr, rank_ptr, index_ptr, dst_peer_ptrs,
                               dst_ptr, stride_dst, -1, SRC_ROW_DIV, IDENTITY_SRC, CHUNKS, CP, W, ROWS, ALIGN)
@@ -141,7 +140,7 @@ def run(world, opts: dict):
     y = comm_bench.rows_for(me, sched.capacity, D, 2, dev)
     x, routed, combine = ws.local("x"), ws.local("routed"), ws.local("combine")
     tuning = CommTuning(opts["tile_rows"], opts["num_warps"])
-    chunks, cp, w, rows, align = _tile(D, 2, tuning)
+    chunks, cp, w, rows, align = copy_tile(D, 2, tuning)
     consts = dict(CHUNKS=chunks, CP=cp, W=w, ROWS=rows, ALIGN=align, NSM=slots, num_warps=tuning.num_warps)
     args = {  # (num_rows, src_peer_ptrs, src, src_row, rank, index, dst_peer_ptrs, dst, PULL, SRC_ROW_DIV)
         "pull dispatch": (sched.num_rows, ws.peer_ptrs("x"), x, sched.src_index, sched.src_rank, sched.src_index,

@@ -4,7 +4,7 @@ Run on the GPU machine from the repo root:
     PYTHONPATH=src CUDA_VISIBLE_DEVICES=0 python3 benchmarks/experts_fp8_bench.py --out $OUT/fp8.json
 
 kimi-k2 shapes (D 7168, I 2048), 65,536 routed rows over 192 experts (~341 rows each) and over
-16 experts (4096 each). Inputs are quantised with megamoe.kernels.quant (not timed). y is checked
+16 experts (4096 each). Inputs are quantised with megamoe.ops.quant (not timed). y is checked
 against the BF16 expert_forward (rel L1 <= 1e-1, the FP8 tolerance of ../shared/BENCHMARKS.md) and
 against the fp32 twin on a few experts (<= 2e-2).
 FLOPs = 6 * R * D * I; TFLOP/s of each stage count its own share (gate/up 2/3, down 1/3).

@@ -4,7 +4,7 @@ Run on the GPU machine from the repo root (< 2 minutes):
     PYTHONPATH=src CUDA_VISIBLE_DEVICES=0 python3 benchmarks/experts_mxfp8_bench.py --out $OUT/mxfp8.json
 
 kimi-k2 shapes (D 7168, I 2048), 65,536 routed rows over 192 experts (~341 each) and 16 (4096 each).
-Inputs are quantised with megamoe.kernels.quant (not timed). Each variant's y is checked against the fp32
+Inputs are quantised with megamoe.ops.quant (not timed). Each variant's y is checked against the fp32
 twin on a few experts (rel L1 <= 2e-2) and against BF16 expert_forward (<= 1e-1). FLOPs = 6 * R * D * I.
 Also times the rescale variant's literal integer-exponent form (int_exp) per stage.
 """

@@ -42,6 +42,8 @@ def main() -> None:
     for _ in range(3):
         torch.mm(a, b, out=c)
     torch.cuda.synchronize()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     smi_path = os.path.join(args.out or "/tmp", "gemm_ceiling_smi.csv")
     smi_log = open(smi_path, "w")
     smi = sample_smi(smi_log)

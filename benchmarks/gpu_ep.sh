@@ -1,7 +1,13 @@
+#!/usr/bin/env bash
 # Steady-state forward passes of the three presets beside nccl-torch at EP=$EP (one rank per GPU), TOKENS per rank,
-# BF16 and fp8-block routed experts. nvidia-h200-x4 for EP 4. MEGAMOE_COMMIT must be set.
+# BF16 and fp8-block routed experts. nvidia-h200-x4 for EP 4. MEGAMOE_COMMIT must be set. Usage (repo root):
+#   EP=4 TOKENS=8192 [PRESETS="qwen3.5-397b ..."] MEGAMOE_COMMIT=$(git rev-parse --short=12 HEAD) OUT=DIR \
+#       bash benchmarks/gpu_ep.sh
+# Writes $OUT/ep$EP-$TOKENS-$preset.{json,md} (and .err when a bench fails); benchmarks/results/2026-11-30-ep4.
+set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src
-: "${MEGAMOE_COMMIT:?set it to the commit}" "${EP:?set EP}" "${TOKENS:?set TOKENS}"
+: "${MEGAMOE_COMMIT:?set it to the commit}" "${EP:?set EP}" "${TOKENS:?set TOKENS}" "${OUT:?set OUT to the output folder}"
+mkdir -p "$OUT"
 for p in ${PRESETS:-qwen3.5-397b kimi-k2 deepseek-v4-pro}; do
     name=ep$EP-$TOKENS-$p
     start=$SECONDS

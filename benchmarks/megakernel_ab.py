@@ -30,14 +30,14 @@ import torch
 
 from megamoe.bench.harness import timed_pass
 from megamoe.bench.problem import make_problem
-from megamoe.ops.tiles import plan_tiles
 from megamoe.config import preset
 from megamoe.megakernel import MegaKernel, fuse_shared
-from megamoe.runtime import INTERPRETER_PROGRAMS
-from megamoe.planner import LayerShape
-from megamoe.planner import plan
 from megamoe.ops.quant import quantize_experts
+from megamoe.ops.tiles import plan_tiles
 from megamoe.parallel.world import launch
+from megamoe.planner import LayerShape, plan
+from megamoe.precision import PRECISIONS
+from megamoe.runtime import INTERPRETER_PROGRAMS
 
 
 def variants(text: str) -> list[tuple[str, int, int | None, bool]]:
@@ -65,7 +65,8 @@ def run_rank(world, opts: dict):
     kernels = {}
     # the expert GEMMs' tile (128x256 on Hopper, 32x32 under the interpreter): the kernel accepts no other
     tile = plan_tiles("down", world.device if world.is_cuda else torch.device("cpu"))
-    num_sms = torch.cuda.get_device_properties(world.device).multi_processor_count if world.is_cuda else INTERPRETER_PROGRAMS
+    num_sms = (torch.cuda.get_device_properties(world.device).multi_processor_count if world.is_cuda
+               else INTERPRETER_PROGRAMS)
     for name, sms, minibatch, keep in opts["variants"]:
         config = plan(cfg, world.size, opts["tokens"], num_sms=num_sms, precision=precision, comm_sms=sms,
                       tile_m=tile.block_m, tile_n=tile.block_n).config
@@ -74,8 +75,8 @@ def run_rank(world, opts: dict):
         kernels[name] = (MegaKernel(world, shape, config, precision=precision, keep_own_outputs=keep), config)
 
     def forward(kernel, check=False):
-        return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused,
-                              cfg.swiglu_limit, experts_q=experts_q, check=check)[0]
+        return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
+                              experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check)[0]
 
     first, same = None, {}
     for name, (kernel, _) in kernels.items():
@@ -104,7 +105,7 @@ def main() -> None:
     parser.add_argument("--preset", default="kimi-k2")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--variants", type=variants, default=variants("8:push,8,6"))
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp8-block", "mxfp8"))
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--passes", type=int, default=10)
     parser.add_argument("--out", default="")
@@ -118,8 +119,10 @@ def main() -> None:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     result = launch(run_rank, args.ranks if args.device == "cpu" else None, opts, device=args.device)[0]
-    result.update(preset=args.preset, tokens=args.tokens, precision=args.precision, commit=commit, date=datetime.date.today().isoformat(),
-                  machine=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (interpreter)", command="PYTHONPATH=src python3 " + " ".join(sys.argv))
+    result.update(preset=args.preset, tokens=args.tokens, precision=args.precision, commit=commit,
+                  date=datetime.date.today().isoformat(),
+                  machine=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (interpreter)",
+                  command="PYTHONPATH=src python3 " + " ".join(sys.argv))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -1,6 +1,7 @@
 """The megakernel's forward across its two main knobs: minibatch rows and communication SMs.
 
-Run on the GPUs (repo root; the script starts one rank per GPU): benchmarks/megakernel_sweep.sh OUT, or
+Run on the GPUs (repo root; the script starts one rank per GPU; the runs recorded in benchmarks/results are in
+benchmarks/recipes.md):
 
     PYTHONPATH=src python3 benchmarks/megakernel_sweep.py --impl megamoe --preset kimi-k2 --tokens 8192 --out OUT
 
@@ -11,8 +12,9 @@ events as the harness times a pass (slowest rank's median); every iteration's ou
 bitwise with the first point's (the kernel promises the same bits for every config) and, by the
 harness's error statistics, with the unfused layer. Writes OUT/sweep.json, OUT/sweep.md and two
 PNGs, prints the table last, exits 1 when a point differs. Without matplotlib (the GPU machine)
-`--replot OUT/sweep.json` draws the plots later. `--impl unfused` (config ignored) runs it all on
-CPU ranks without the megakernel.
+`--replot OUT/sweep.json` draws the plots later. Without a GPU it runs on CPU ranks under the Triton
+interpreter (a smoke run: `--preset tiny --tokens 32 --ep 2 --sms 8 --iters 1 --warmup 0`); `--impl unfused`
+(config ignored) runs it all without the megakernel.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 import triton
@@ -29,14 +32,15 @@ import triton
 if not torch.cuda.is_available():  # CPU ranks run Triton kernels under the interpreter: set before any import of them
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from megamoe import plan as planner# noqa: E402
+from megamoe import planner  # noqa: E402
+from megamoe.baselines.unfused import unfused_moe_forward  # noqa: E402
 from megamoe.bench.harness import TOLERANCES, compare, error_stats, pass_work, percentile, timed_pass  # noqa: E402
 from megamoe.bench.problem import make_problem  # noqa: E402
 from megamoe.bench.report import run_metadata  # noqa: E402
 from megamoe.config import preset  # noqa: E402
-from megamoe.ops.tiles import plan_tiles# noqa: E402
-from megamoe.baselines.unfused import unfused_moe_forward# noqa: E402
-from megamoe.parallel.world import launch# noqa: E402
+from megamoe.ops.tiles import plan_tiles  # noqa: E402
+from megamoe.parallel.world import launch  # noqa: E402
+from megamoe.planner.rules import GEMM_TFLOPS, H200_SMS  # noqa: E402
 
 MINIBATCHES = (256, 512, 1024, 2048, 4096, 8192)
 COMM_SMS = (8, 12, 16, 20, 24, 32, 48)
@@ -76,12 +80,12 @@ def run_rank(world, args, points) -> list[dict] | None:
     inputs = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
     unfused_out = unfused_moe_forward(*inputs)
     if args.impl == "megamoe":
-        import megamoe.megakernel as mega
-        from megamoe.megakernel import megamoe_forward
+        from megamoe.megakernel import launch as mk_launch, launch_args, megamoe_forward
         from megamoe.ops.quant import quantize_experts
 
-        if args.comm_rows:  # an experiment: the comm workers' copy tile
-            mega.COMM_TUNING = replace(mega.COMM_TUNING, tile_rows=args.comm_rows)
+        if args.comm_rows:  # an experiment: the comm workers' copy tile (each Launcher reads it when it is built)
+            tuning = replace(launch_args.COMM_TUNING, tile_rows=args.comm_rows)
+            mk_launch.copy_tile_consts = partial(launch_args.copy_tile_consts, tuning=tuning)
 
         # FP8: the weights quantised once, as after an optimizer step (`megamoe bench` does the same)
         experts_q = None if args.precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, args.precision)
@@ -138,7 +142,7 @@ def run_rank(world, args, points) -> list[dict] | None:
 def graphed(eager, capture):
     """``forward(config)`` replaying a CUDA graph of ``capture(config)``: each new config first runs ``eager``
     (compiles, builds the kernel, checks), then is captured once; the previous config's graph is dropped
-    first, since the megakernel cache keeps one config's buffers at a time."""
+    first, since the world keeps one MegaKernel per layer shape, of one config at a time (``world.resources``)."""
     state = {"config": None, "graph": None, "out": None}
 
     def forward(config):
@@ -236,7 +240,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--ep", type=int, default=gpus or 2, help="ranks (default: every GPU, or 2 CPU ranks)")
     parser.add_argument("--sms", type=int, default=None, help="num_sms (default: the GPU's SMs, an H200's on CPU)")
-    parser.add_argument("--precision", default="bf16", choices=sorted(planner.GEMM_TFLOPS))
+    parser.add_argument("--precision", default="bf16", choices=sorted(GEMM_TFLOPS))
     parser.add_argument("--minibatch", type=_ints, default=list(MINIBATCHES))
     parser.add_argument("--comm-sms", type=_ints, default=list(COMM_SMS),
                         help="'' sweeps none: with --minibatch '' only the planner's point runs")
@@ -260,7 +264,7 @@ def main() -> int:
     if args.graph and (not gpus or args.impl != "megamoe"):
         parser.error("--graph times CUDA-graph replays of the megakernel: it needs --impl megamoe and a GPU")
     args.device = device = "cuda" if gpus else "cpu"
-    args.sms = args.sms or (torch.cuda.get_device_properties(0).multi_processor_count if gpus else planner.H200_SMS)
+    args.sms = args.sms or (torch.cuda.get_device_properties(0).multi_processor_count if gpus else H200_SMS)
     try:
         plan, points = sweep_points(args)
     except ValueError as exc:  # a bad knob value: say which before starting any rank

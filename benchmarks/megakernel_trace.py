@@ -5,7 +5,7 @@
 
 One process per GPU. Rank 0 prints, for the communication and the compute workers: time from the first
 program's start to their end (mean / max), nanoseconds spent in waits, the shared expert's end; then the
-standalone expert kernels (`megamoe.experts.expert_forward`, BF16 only) on the same routed rows, for comparison.
+standalone expert kernels (`megamoe.ops.experts.expert_forward`, BF16 only) on the same routed rows, for comparison.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.ops.experts import expert_forward
-from megamoe.kernels import megakernel as mk
+from megamoe.kernels import sync  # the trace's fields
 from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.parallel.world import launch
@@ -39,11 +39,12 @@ def _trace(world, a):
     c = kernel.config
     summaries = []
     for _ in range(a.passes):
-        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
+        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
+                                buffers=kernel.scratch_buffers())
         t = kernel.trace.cpu()
-        start_at = t[:, mk.TRACE_START.value].min()
-        end = t[:, mk.TRACE_END.value] - start_at
-        waited = t[:, mk.TRACE_WAIT_NS.value]
+        start_at = t[:, sync.TRACE_START.value].min()
+        end = t[:, sync.TRACE_END.value] - start_at
+        waited = t[:, sync.TRACE_WAIT_NS.value]
         comm, compute = slice(0, c.comm_sms), slice(c.comm_sms, None)
         summaries.append({
             "kernel_ms": _ms(end.max()),
@@ -56,14 +57,14 @@ def _trace(world, a):
             "compute_wait_ms_max": _ms(waited[compute].max()),
             # of the compute workers' waits: on rows_ready (communication behind), on tile_done (a down task
             # before its row tile's gate/up is done); the rest on the shared expert's gate/up
-            "compute_wait_rows_ms_mean": _ms(t[compute, mk.TRACE_WAIT_ROWS_NS.value].float().mean()),
-            "compute_wait_tile_ms_mean": _ms(t[compute, mk.TRACE_WAIT_TILE_NS.value].float().mean()),
-            "compute_waits_mean": float(t[compute, mk.TRACE_WAITS.value].float().mean()),
-            "shared_end_ms_mean": _ms((t[compute, mk.TRACE_SHARED_END.value] - start_at).float().mean()),
+            "compute_wait_rows_ms_mean": _ms(t[compute, sync.TRACE_WAIT_ROWS_NS.value].float().mean()),
+            "compute_wait_tile_ms_mean": _ms(t[compute, sync.TRACE_WAIT_TILE_NS.value].float().mean()),
+            "compute_waits_mean": float(t[compute, sync.TRACE_WAITS.value].float().mean()),
+            "shared_end_ms_mean": _ms((t[compute, sync.TRACE_SHARED_END.value] - start_at).float().mean()),
         })
     # where the comm workers ran, and how many share a TPC (SMs 2i, 2i + 1) with a compute worker (odd comm_sms
     # counts ran 3-8 % slower: benchmarks/results/2026-11-30-own-outputs)
-    sms = t[:, mk.TRACE_SM.value].tolist()
+    sms = t[:, sync.TRACE_SM.value].tolist()
     comm_sms_on, compute_on = sms[: c.comm_sms], set(sms[c.comm_sms:])
     placement = {"comm_worker_sms": comm_sms_on,
                  "comm_workers_sharing_a_tpc_with_compute": sum(sm ^ 1 in compute_on for sm in comm_sms_on)}
@@ -71,16 +72,16 @@ def _trace(world, a):
     standalone = None
     if rows <= c.ring_rows and a.precision == "bf16":  # the ring holds every routed row: time the standalone kernels
         s = ctx.schedule
-        args = (kernel.ring_x, s.tokens_per_expert, s.offsets, p.w_gate_up, p.w_down)
+        args = (ctx.buffers.ring_x, s.tokens_per_expert, s.offsets, p.w_gate_up, p.w_down)
         expert_forward(*args)
         times = []
         for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
             expert_forward(*args)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
         standalone = sorted(times)[1]
     return {"rank": world.rank, "config": str(c), "routed_rows": rows, "passes": summaries,
             "standalone_expert_forward_ms": standalone, **placement}

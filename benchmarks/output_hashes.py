@@ -1,6 +1,6 @@
 """SHA-256 of the layer's CPU outputs: `megamoe bench`'s default problem and the megakernel test cases.
 
-    python3 benchmarks/output_hashes.py [--ranks 1,2,4]
+    python3 benchmarks/output_hashes.py [--ranks 1,2,4] [--parts bench,cases]
 
 Moving code must not move bits: run it before and after, compare the lines. On simulated CPU ranks
 (processes over gloo, Triton under the interpreter): the default `megamoe bench` problem (tiny preset, 4
@@ -97,15 +97,22 @@ def _megakernel_cases(world, cases) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", default="1,2,4", help="rank counts of the megakernel test cases")
+    parser.add_argument("--parts", default="bench,cases",
+                        help="what to hash: bench (the default problem, every implementation), cases (the megakernel "
+                             "test cases); compare only runs of the same parts")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"bench", "cases"}:
+        parser.error(f"--parts takes bench and / or cases, got {args.parts!r}")
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     launch = _first("megamoe.parallel.world:launch", "megamoe.world:launch")
     import test_megakernel as t
 
     every = {}
-    for rank, hashes in enumerate(launch(_bench_default, 4)):
-        every.update({f"bench rank {rank} {k}": v for k, v in hashes.items()})
-    for ranks in (int(r) for r in args.ranks.split(",")):
+    if "bench" in parts:
+        for rank, hashes in enumerate(launch(_bench_default, 4)):
+            every.update({f"bench rank {rank} {k}": v for k, v in hashes.items()})
+    for ranks in (int(r) for r in args.ranks.split(",")) if "cases" in parts else ():
         for rank, hashes in enumerate(launch(_megakernel_cases, ranks, t.CASES[ranks])):
             every.update({f"cases rank {rank} {k}": v for k, v in hashes.items()})
     for key, value in every.items():

@@ -1,4 +1,4 @@
-"""Check and time the Triton quantisers of megamoe.kernels.quant on one GPU.
+"""Check and time the Triton quantisers of megamoe.ops.quant (kernels in megamoe.kernels.quant) on one GPU.
 
     PYTHONPATH=src python3 benchmarks/quant_bench.py --out OUT/quant.json [--no-sweep] [--budget-s 90]
 
@@ -7,7 +7,7 @@ mxfp8 and fp8-block; quantize_weights on a [32, 4096, 7168] bf16 stack in
 both formats) and every tile config of its sweep, the script
 
 1. checks the kernel bit for bit against the pure-torch function of
-   megamoe.formats on an input holding random values of many magnitudes,
+   megamoe.reference.formats on an input holding random values of many magnitudes,
    zero blocks, NaN, +-inf, subnormals and values near the bf16 maximum, with
    outputs allocated over freed poisoned memory (every byte must be written);
 2. times it with triton.testing.do_bench (warm-up, L2 flushed before every
@@ -30,7 +30,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import triton

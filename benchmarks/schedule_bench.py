@@ -4,7 +4,7 @@
 
 Rank 0's schedule at EP 2 (8192 tokens per rank, uniform routing to k distinct experts, seed 0) of kimi-k2,
 qwen3.5-397b and deepseek-v4-pro, with own_rows as the megakernel asks for them. A variant is (ROUTE_BLOCK,
-PLACE_SUB_BLOCK, PREFIX_BLOCKS, SCHEDULE_WARPS) of `megamoe.schedule`; the first is the module's default, and
+PLACE_SUB_BLOCK, PREFIX_BLOCKS, SCHEDULE_WARPS) of `megamoe.routing.schedule`; the first is the module's default, and
 every other variant's tensors must equal its bit for bit. Times: the whole builder replayed from a CUDA graph
 (median of 20 x 50 replays, µs per build), and each kernel's mean from the profiler over 20 eager builds.
 """

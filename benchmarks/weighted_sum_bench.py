@@ -18,11 +18,12 @@ import json
 import torch
 import triton
 
-from megamoe.kernels import megakernel as mk
+from megamoe.kernels.weighted_sum import weighted_sum_kernel
+from megamoe.megakernel.kernel import WEIGHTED_SUM_TILE
 
-TILES = [  # (BLOCK_T, BLOCK_D, num_warps); 16 x 512 with 8 warps is the launcher's (MegaKernel._weighted_sum)
-    (16, 512, 8), (32, 256, 4), (16, 256, 4), (8, 1024, 4), (8, 512, 4), (8, 1024, 8), (4, 2048, 8), (2, 4096, 8),
-]
+#: (BLOCK_T, BLOCK_D, num_warps); the first is the pass's (``WEIGHTED_SUM_TILE``: 16 x 512, 8 warps)
+TILES = [WEIGHTED_SUM_TILE, *(t for t in ((16, 512, 8), (32, 256, 4), (16, 256, 4), (8, 1024, 4), (8, 512, 4),
+                                          (8, 1024, 8), (4, 2048, 8), (2, 4096, 8)) if t != WEIGHTED_SUM_TILE)]
 SHAPES = {"kimi-k2": (8192, 8, 7168, True), "qwen3.5-397b": (8192, 10, 4096, True)}
 
 
@@ -32,7 +33,7 @@ def _time_tiles(name, n, k, d, shared, y, combine, own_rows, top, weights, share
         out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run():
-            mk.weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
+            weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
                 y, y.stride(0), combine, combine.stride(0), own_rows, top, weights, shared_y,
                 shared_y.stride(0), out, out.stride(0), n, d, TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd,
                 num_warps=warps)
