@@ -47,13 +47,15 @@ def bench(
     device: str = typer.Option(None, help="cuda or cpu (default: cuda when a GPU is visible)."),
     precision: str = typer.Option("bf16", help="bf16 (fp32 for CPU checks)."),
     impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, unfused, "
-                                        "megamoe, megamoe-graph (the last three forward only). Default: "
-                                        "nccl-torch,unfused,megamoe on GPU, all four on CPU."),
+                                        "megamoe, megamoe-graph (unfused and megamoe-graph forward only; megamoe's "
+                                        "backward with BF16 experts). Default: nccl-torch,unfused,megamoe on GPU, "
+                                        "all four on CPU."),
     experts: str = typer.Option("bf16", help="Comma-separated routed-expert formats of the megamoe "
                                              "implementations, each run in turn: bf16, fp8-block, mxfp8 (the "
                                              "others stay BF16; FP8 rows are checked with FP8 tolerances and "
                                              "their weights quantised once, outside the timed passes)."),
-    passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd."),
+    passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd (its forward untimed before it), "
+                                                "step (forward + backward)."),
     iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 2 on CPU)."),
     warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 0 on CPU: nothing to "
                                           "compile under the interpreter)."),

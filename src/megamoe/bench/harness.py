@@ -1,10 +1,10 @@
 """`megamoe bench`: check and time layer implementations side by side.
 
 Each rank builds its seeded problem, computes the oracle once
-(:mod:`megamoe.ep_reference`), then for every implementation and pass
-checks the result against the oracle and times it: CUDA events on GPUs
-(every iteration's time is the slowest rank's), the wall clock between
-barriers on the CPU. Records follow ../shared/BENCHMARKS.md.
+(:mod:`megamoe.reference.ep`), then for every implementation and pass
+checks the result against the oracle (the output, or every gradient) and
+times it: CUDA events on GPUs (every iteration's time is the slowest rank's),
+the wall clock between barriers on the CPU. One JSON record per (impl, pass).
 """
 
 from __future__ import annotations
@@ -17,19 +17,21 @@ from functools import partial
 
 import torch
 
+from megamoe.autograd import moe
 from megamoe.baselines.nccl_torch import nccl_torch_moe
+from megamoe.baselines.unfused import unfused_moe_forward
 from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
-from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.megakernel import megamoe_forward
 from megamoe.ops.quant import quantize_experts
-from megamoe.baselines.unfused import unfused_moe_forward
 from megamoe.parallel.world import EPWorld
+from megamoe.reference.ep import ep_reference_forward_backward
 
-PASSES = ("fwd", "bwd")
+#: fwd: the forward alone; bwd: the backward alone (its forward untimed before it); step: forward + backward.
+PASSES = ("fwd", "bwd", "step")
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: (relative L1, worst row's relative L2 error, max-abs of the layer output). The first and
-#: last are ../shared/BENCHMARKS.md's; see :func:`compare` for the row check.
+#: last are the project's BF16 bounds (docs/performance.md); see :func:`compare` for the row check.
 TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3),
               # FP8 routed experts (megamoe with experts="fp8-block" / "mxfp8") against the BF16-input oracle:
               # measured rel 2.8e-2 / 3.4e-2 and max-abs 0.28 / 0.48 on kimi-k2 (benchmarks/results/
@@ -139,6 +141,14 @@ class _AutogradRunner:
         grads["shared"] = [(a.grad, b.grad) for a, b in self.shared]
         return grads
 
+    def train_forward(self) -> torch.Tensor:
+        """The forward a backward follows (the fwd pass may time a cheaper one that keeps nothing)."""
+        return self.forward()
+
+    def step(self) -> dict:
+        """Forward and backward: the gradients."""
+        return self.backward(self.train_forward())
+
     def _all_leaves(self):
         yield from self.leaves.values()
         for pair in self.shared:
@@ -157,6 +167,12 @@ class _ReferenceRunner:
     def backward(self, out: torch.Tensor) -> dict:
         return ep_reference_forward_backward(self.world, self.p)[1]
 
+    def train_forward(self) -> torch.Tensor:
+        return self.forward()
+
+    def step(self) -> dict:
+        return ep_reference_forward_backward(self.world, self.p)[1]
+
 
 class _ForwardOnlyRunner(_AutogradRunner):
     """An implementation without a backward yet: only its fwd pass is checked and timed."""
@@ -169,13 +185,16 @@ class _ForwardOnlyRunner(_AutogradRunner):
 
 
 class _MegamoeRunner(_ForwardOnlyRunner):
-    """megamoe_forward without host syncs in timed passes: the group's largest N is found once, and the
-    host checks (expert ids, the kernel's error word) run on the first pass (the one compared)."""
+    """megamoe without host syncs in timed passes: the group's largest N is found once, and the host checks
+    (expert ids, the kernels' error words) run on the first pass of each kind (the one compared). fwd times
+    ``megamoe_forward`` (nothing kept), bwd and step ``megamoe.moe`` (BF16 experts: the FP8 backward is not
+    built yet)."""
 
     def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
         super().__init__(world, p, megamoe_forward)
         self.experts = experts
-        self.max_tokens, self.passes_run = world.largest(p.tokens), 0
+        self.passes = ("fwd", "bwd", "step") if experts == "bf16" else ("fwd",)
+        self.max_tokens, self.passes_run, self.trained = world.largest(p.tokens), 0, 0
         # FP8 experts: the weights are quantised once, as after a training step's optimizer step, and that
         # quantisation is timed on its own (the second call: the first compiles) and recorded beside the pass
         self.experts_q, self.weights_quantize_ms = None, None
@@ -194,6 +213,11 @@ class _MegamoeRunner(_ForwardOnlyRunner):
         self.passes_run += 1
         return super().forward()
 
+    def train_forward(self) -> torch.Tensor:
+        self.fn = partial(moe, max_tokens=self.max_tokens, check=self.trained == 0)
+        self.trained += 1
+        return _AutogradRunner.forward(self)
+
 
 class _MegamoeGraphRunner(_MegamoeRunner):
     """megamoe with the pass captured in a CUDA graph once (after a checked eager pass) and replayed:
@@ -201,6 +225,7 @@ class _MegamoeGraphRunner(_MegamoeRunner):
 
     def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
         super().__init__(world, p, experts)
+        self.passes = ("fwd",)
         self.graph, self.static_out = None, None
 
     def forward(self) -> torch.Tensor:
@@ -333,7 +358,8 @@ def pass_work(world: EPWorld, p: RankProblem, name: str) -> tuple[float, float]:
     flops = cfg.routed_flops(routes.numel()) + cfg.shared_flops(p.tokens)
     remote = int((routes.long() // p.w_gate_up.shape[0] != world.rank).sum())
     cross = 2 * remote * cfg.hidden * p.x.element_size()  # dispatch + combine (or their mirrors)
-    return (flops * (2 if name == "bwd" else 1), cross)
+    multiple = {"fwd": 1, "bwd": 2, "step": 3}[name]  # the backward does twice the forward's GEMM FLOPs
+    return (flops * multiple, cross * (2 if name == "step" else 1))
 
 
 def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
@@ -344,7 +370,7 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
         device=world.device, seed=opts.seed, routing=opts.routing,
     )
     oracle_out, oracle_grads = ep_reference_forward_backward(world, p)
-    want = {"fwd": {"out": oracle_out}, "bwd": _flatten(oracle_grads)}
+    want = {"fwd": {"out": oracle_out}, "bwd": _flatten(oracle_grads), "step": _flatten(oracle_grads)}
     work = {name: pass_work(world, p, name) for name in opts.passes}
     records = []
     runs = [(impl, fmt) for impl in opts.impls
@@ -364,9 +390,13 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
                 if name == "fwd":
                     ms, out = timed_pass(world, runner.forward)
                     got = {"out": out.detach()}
-                else:
-                    out = runner.forward()
+                elif name == "bwd":
+                    out = runner.train_forward()
                     ms, grads = timed_pass(world, lambda: runner.backward(out))
+                    got = _flatten(grads)
+                else:
+                    out = None
+                    ms, grads = timed_pass(world, runner.step)
                     got = _flatten(grads)
                 if check is None:
                     check = compare(got, want[name], tolerance)

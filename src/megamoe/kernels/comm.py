@@ -76,26 +76,6 @@ import triton.language as tl
 from megamoe.kernels.quant import fp8_block_quantize_tile, mxfp8_quantize_tile
 
 @triton.jit
-def bf16_to_f32(x):
-    """bfloat16 -> float32 through the bits (exact; the interpreter's cast mangles subnormals)."""
-    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def f32_to_bf16(y):
-    """float32 -> bfloat16, round to nearest even (as torch), through the bits.
-
-    The interpreter's cast truncates; this is a few integer ops on the GPU
-    and gives the same bits on both. NaN stays a quiet NaN of the same sign.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    out = tl.where(nan, (bits >> 16) | 0x40, rounded)
-    return out.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def peer_offset(rank, row, valid, peer_ptrs, anchor_ptr, stride_row):
     """int64 element offsets from ``anchor_ptr`` to row ``row`` of rank ``rank``'s buffer.
 

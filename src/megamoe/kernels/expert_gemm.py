@@ -28,6 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe.kernels.convert import to_bf16
 
 @triton.jit
 def tile_dot(a, b, acc, DOT_FP32: tl.constexpr):
@@ -80,22 +81,24 @@ def gate_up_swiglu_tile(
     row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
     u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-    _gate_up_store(g_lo, u_lo, h_base, act_base, stride_h, stride_act, row_ok, n0, I, limit, HAS_LIMIT)
+    _gate_up_store(g_lo, u_lo, h_base, act_base, stride_h, stride_act, row_ok, n0, I, limit, HAS_LIMIT, DOT_FP32)
     _gate_up_store(g_hi, u_hi, h_base, act_base, stride_h, stride_act, row_ok, n0 + BLOCK_N // 2, I, limit,
-                   HAS_LIMIT)
+                   HAS_LIMIT, DOT_FP32)
 
 
 @triton.jit
-def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0, I, limit, HAS_LIMIT: tl.constexpr):
-    """Store h (gate and up columns c0..) and act = SwiGLU for a [BM, W] column chunk of a row tile."""
+def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0, I, limit, HAS_LIMIT: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
+    """Store h (gate and up columns c0..) and act = SwiGLU for a [BM, W] column chunk of a row tile (DOT_FP32:
+    the interpreter, whose bfloat16 cast truncates)."""
     local = tl.arange(0, gate.shape[0])
     cols = c0 + tl.arange(0, gate.shape[1])
     mask = row_ok[:, None] & (cols < I)[None, :]
     h_tile = h_base + (local[:, None] * stride_h + cols[None, :])
-    tl.store(h_tile, gate.to(h_base.dtype.element_ty), mask=mask)
-    tl.store(h_tile + I, up.to(h_base.dtype.element_ty), mask=mask)
+    tl.store(h_tile, to_bf16(gate, DOT_FP32), mask=mask)
+    tl.store(h_tile + I, to_bf16(up, DOT_FP32), mask=mask)
     act = swiglu_tile(gate, up, limit, HAS_LIMIT)
-    tl.store(act_base + (local[:, None] * stride_act + cols[None, :]), act.to(act_base.dtype.element_ty), mask=mask)
+    tl.store(act_base + (local[:, None] * stride_act + cols[None, :]), to_bf16(act, DOT_FP32), mask=mask)
 
 
 @triton.jit
@@ -114,7 +117,7 @@ def down_tile(
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = (rows < row_end)[:, None] & (cols < D)[None, :]
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import _tile_task
 
 
@@ -71,28 +72,28 @@ def dact_swiglu_bwd_kernel(
         act_w_base = act_w_ptr + row0_64 * stride_act_w
         local = tl.arange(0, BLOCK_M)
         part = _dact_quarters(g_lo, w, local, row_ok, n0, h_base, d_h_base, act_w_base, stride_h, stride_d_h,
-                              stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2)
+                              stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
         part += _dact_quarters(g_hi, w, local, row_ok, n0 + BLOCK_N // 2, h_base, d_h_base, act_w_base, stride_h,
-                               stride_d_h, stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2)
+                               stride_d_h, stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
         tl.store(d_w_partial_ptr + rows.to(tl.int64) * stride_partial + n, part, mask=row_ok)
 
 
 @triton.jit
 def _dact_quarters(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                   I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr):
+                   I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """:func:`_dact_half` on the two column halves of ``g`` ([BM, HALF]) in turn."""
     BM: tl.constexpr = g.shape[0]
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BM, 2, HALF // 2)), (0, 2, 1)))
     part = _dact_half(g_lo, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                      I, limit, HAS_LIMIT, HALF // 2)
+                      I, limit, HAS_LIMIT, HALF // 2, EXACT)
     part += _dact_half(g_hi, w, local, row_ok, c0 + HALF // 2, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                       stride_act_w, I, limit, HAS_LIMIT, HALF // 2)
+                       stride_act_w, I, limit, HAS_LIMIT, HALF // 2, EXACT)
     return part
 
 
 @triton.jit
 def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-               I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr):
+               I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """SwiGLU backward of columns c0..c0+HALF of a row tile; returns the rows' router-gradient partial.
 
     The pointers point at the tile's first row; ``local`` is 0..BLOCK_M-1.
@@ -112,15 +113,15 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
     part = tl.sum(g * act, axis=1)
     d_act = g * w[:, None]
     act_w_tile = act_w_ptr + (local[:, None] * stride_act_w + cols[None, :])
-    tl.store(act_w_tile, (act * w[:, None]).to(act_w_ptr.dtype.element_ty), mask=mask)
+    tl.store(act_w_tile, to_bf16(act * w[:, None], EXACT), mask=mask)
     d_up = d_act * silu
     d_gate = d_act * up_c * (sig * (1.0 + gate_c * (1.0 - sig)))
     if HAS_LIMIT:  # clamp passes the gradient inside [min, max] (inclusive), as torch.clamp does
         d_gate = tl.where(gate <= limit, d_gate, 0.0)
         d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
     d_h_tile = d_h_ptr + (local[:, None] * stride_d_h + cols[None, :])
-    tl.store(d_h_tile, d_gate.to(d_h_ptr.dtype.element_ty), mask=mask)
-    tl.store(d_h_tile + I, d_up.to(d_h_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_h_tile, to_bf16(d_gate, EXACT), mask=mask)
+    tl.store(d_h_tile + I, to_bf16(d_up, EXACT), mask=mask)
     return part
 
 
@@ -146,7 +147,7 @@ def dx_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         mask = (rows < row_end)[:, None] & (cols < D)[None, :]
         tl.store(d_x_ptr + rows.to(tl.int64)[:, None] * stride_d_x + cols[None, :],
-                 acc.to(d_x_ptr.dtype.element_ty), mask=mask)
+                 to_bf16(acc, DOT_FP32), mask=mask)
 
 
 @triton.jit
@@ -191,4 +192,4 @@ def wgrad_kernel(
                     if DOT_FP32:
                         a, b = a.to(tl.float32), b.to(tl.float32)
                     acc = tl.dot(a.T, b, acc)
-                out_desc.store([m0, n0], acc.to(out_ptr.dtype.element_ty))
+                out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))

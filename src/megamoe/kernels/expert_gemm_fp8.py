@@ -31,6 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile
 from megamoe.kernels.quant import fp8_block_quantize_tile
 
@@ -90,8 +91,8 @@ def gate_up_fp8_tile(
     mask = row_ok[:, None] & (cols < I)[None, :]
     if STORE_H:
         h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
-        tl.store(h_tile, acc_gate.to(h_ptr.dtype.element_ty), mask=mask)
-        tl.store(h_tile + I, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_tile, to_bf16(acc_gate, DOT_FP32), mask=mask)
+        tl.store(h_tile + I, to_bf16(acc_up, DOT_FP32), mask=mask)
     act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
     act_q, act_s = fp8_block_quantize_tile(act, 1, 128, SOFT_E4M3)  # [BM, BN], [BM, BN/128]
     act_tile = act_q_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
@@ -124,7 +125,7 @@ def down_fp8_tile(
         acc += _dot_block(a, w, DOT_FP32) * (a_s[:, None] * s)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < D)[None, :]
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
 
 
 @triton.jit

@@ -51,6 +51,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile, tile_dot
 from megamoe.kernels.quant import mxfp8_quantize_tile
 
@@ -178,7 +179,7 @@ def _mx_gemm_pair(
 
 @triton.jit
 def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, c0, I, limit,
-               HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, SOFT_E4M3: tl.constexpr):
+               HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, SOFT_E4M3: tl.constexpr, DOT_FP32: tl.constexpr):
     """h (optional), act_q and act_scale for a [BM, W] column chunk (W a multiple of 32) of a row tile."""
     W: tl.constexpr = gate.shape[1]
     local = tl.arange(0, gate.shape[0])
@@ -186,8 +187,8 @@ def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as
     mask = row_ok[:, None] & (cols < I)[None, :]
     if STORE_H:
         h_tile = h_base + (local[:, None] * stride_h + cols[None, :])
-        tl.store(h_tile, gate.to(h_base.dtype.element_ty), mask=mask)
-        tl.store(h_tile + I, up.to(h_base.dtype.element_ty), mask=mask)
+        tl.store(h_tile, to_bf16(gate, DOT_FP32), mask=mask)
+        tl.store(h_tile + I, to_bf16(up, DOT_FP32), mask=mask)
     act = swiglu_tile(gate, up, limit, HAS_LIMIT)
     act_q, act_s = mxfp8_quantize_tile(act, 1, False, SOFT_E4M3)  # [BM, W], [BM, W/32]
     tl.store(q_base + (local[:, None] * stride_act + cols[None, :]), act_q.to(tl.uint8, bitcast=True), mask=mask)
@@ -219,9 +220,9 @@ def gate_up_mxfp8_tile(
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
     u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
     _act_store(g_lo, u_lo, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, n0, I, limit,
-               HAS_LIMIT, STORE_H, SOFT_E4M3)
+               HAS_LIMIT, STORE_H, SOFT_E4M3, DOT_FP32)
     _act_store(g_hi, u_hi, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok,
-               n0 + BLOCK_N // 2, I, limit, HAS_LIMIT, STORE_H, SOFT_E4M3)
+               n0 + BLOCK_N // 2, I, limit, HAS_LIMIT, STORE_H, SOFT_E4M3, DOT_FP32)
 
 
 @triton.jit
@@ -242,7 +243,7 @@ def down_mxfp8_tile(
     mask = row_ok[:, None] & (cols < D)[None, :]
     y_base = y_ptr + row0.to(tl.int64) * stride_y
     local = tl.arange(0, BLOCK_M)
-    tl.store(y_base + (local[:, None] * stride_y + cols[None, :]), acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_base + (local[:, None] * stride_y + cols[None, :]), to_bf16(acc, DOT_FP32), mask=mask)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megamoe.kernels.comm import bf16_to_f32, f32_to_bf16
+from megamoe.kernels.convert import bf16_to_f32, f32_to_bf16
 
 
 @triton.jit
