@@ -56,7 +56,8 @@ def bench(
                                              "their weights quantised once, outside the timed passes)."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd (its forward untimed before it), "
                                                 "step (forward + backward)."),
-    iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 2 on CPU)."),
+    iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 1 on CPU: interpreter timings "
+                                         "say nothing)."),
     warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 0 on CPU: nothing to "
                                           "compile under the interpreter)."),
     routing: str = typer.Option("uniform", help="uniform, zipf or one-rank."),
@@ -90,7 +91,7 @@ def bench(
             impls=_csv(impl or ("nccl-torch,unfused,megamoe" if gpu else "reference,nccl-torch,unfused,megamoe")),
             experts=_csv(experts),
             passes=_csv(passes),
-            iters=iters if iters is not None else (20 if gpu else 2),
+            iters=iters if iters is not None else (20 if gpu else 1),
             warmup=warmup if warmup is not None else (3 if gpu else 0),
             seed=seed,
             routing=routing,

@@ -406,7 +406,9 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
             records.append(_gather_record(world, opts, label, name, times, check, work[name],
                                           getattr(runner, "weights_quantize_ms", None)))
         if impl == "reference" and "fwd" in opts.passes and "bwd" in opts.passes:
-            fwd, bwd = records[-2], records[-1]
+            # the oracle's backward recomputes its forward: its bwd time is (forward + backward) minus the forward
+            mine = {r["pass"]: r for r in records if r["impl"] == label}
+            fwd, bwd = mine["fwd"], mine["bwd"]
             for key in ("time_ms", "time_ms_p10", "time_ms_p90"):
                 bwd[key] = max(bwd[key] - fwd["time_ms"], 0.0)
             bwd["tflops"] = bwd["flops"] / bwd["time_ms"] / 1e9 if bwd["time_ms"] else None
