@@ -20,6 +20,7 @@ from megamoe.planner import KernelConfig
 from megamoe.reference.ep import ep_reference_forward_backward
 
 from raised import raised  # tests/raised.py
+from sm90 import sm90_report  # tests/sm90.py
 
 CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
 EMPTY_EXPERT = 5
@@ -63,13 +64,13 @@ def _problem(world, cfg, tokens, routing, drop, seed, zero_weights):
     return p
 
 
-def _grads(world, p, limit, config=None):
+def _grads(world, p, limit, config=None, fused=True):
     """(out, gradients) of megamoe.moe with every input and weight requiring grad."""
     leaves = {name: getattr(p, name).detach().clone().requires_grad_()
               for name in ("x", "router_weights", "w_gate_up", "w_down")}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
-              shared, limit, config=config)
+              shared, limit, config=config, fused_backward=fused)
     out.backward(p.d_out)
     grads = {name: t.grad for name, t in leaves.items()}
     grads["shared"] = [(a.grad, b.grad) for a, b in shared]
@@ -93,7 +94,10 @@ def _suite(world, cases):
         want = _flatten(want)
         out, got = _grads(world, p, limit)
         errors = {k: error_stats(got[k].detach(), v) for k, v in want.items() if v.numel()}
-        runs = [_grads(world, p, limit)[1], _grads(world, p, limit, WRAPPING)[1], _grads(world, p, limit, OTHER)[1]]
+        # a rerun, a wrapping ring (replay), other knobs, and the standalone kernels composed (with and without
+        # a replay): the backward megakernel's bits
+        runs = [_grads(world, p, limit)[1], _grads(world, p, limit, WRAPPING)[1], _grads(world, p, limit, OTHER)[1],
+                _grads(world, p, limit, fused=False)[1], _grads(world, p, limit, WRAPPING, fused=False)[1]]
         zero_slots = p.router_weights == 0
         results.append({
             "case": name,
@@ -112,8 +116,8 @@ def _suite(world, cases):
 
 @pytest.mark.parametrize("ranks", sorted(CASES))
 def test_gradients_match_the_oracle_and_are_bitwise_stable(ranks):
-    """Every gradient equals the oracle's within BF16 tolerance; a rerun, a wrapping ring (replay) and other
-    comm_sms / minibatch / ring sizes give the same bits."""
+    """Every gradient equals the oracle's within BF16 tolerance; a rerun, a wrapping ring (replay), other
+    comm_sms / minibatch / ring sizes and the standalone kernels composed give the backward megakernel's bits."""
     wrapped = False
     for rank, per_case in enumerate(launch(_suite, ranks, CASES[ranks])):
         assert len(per_case) == len(CASES[ranks])
@@ -246,6 +250,16 @@ def _compiled(world):
         results[backend] = (torch.equal(out, eager),
                             max(error_stats(p.grad, want[name])["rel"] for name, p in block.named_parameters()))
     return results
+
+
+def test_backward_megakernel_compiles_for_sm90():
+    """Compiled on the CPU for Hopper, every role of the backward megakernel: BF16 wgmma, TMA, the async-proxy
+    fences after each wait, 16-byte loads and stores only, and one program fits an SM (shared memory and
+    registers: the grid must be resident at once)."""
+    facts = sm90_report("backward")["bf16"]
+    assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"] and facts["fence_proxy_async"], facts
+    assert facts["stores_b16"] == 0 and facts["loads_b16"] == 0 and facts["stores_v4"] > 0, facts
+    assert facts["shared_bytes"] <= 227 * 1024 and facts["registers"] * 256 <= 65536, facts
 
 
 def test_torch_compile_fullgraph_traces_a_moe_block():

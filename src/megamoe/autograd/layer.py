@@ -1,8 +1,8 @@
 """`megamoe.moe`: the MoE layer over an expert-parallel world as a differentiable function.
 
-The forward is one megakernel pass; the backward (today the standalone kernels, device-ordered:
-:mod:`megamoe.megakernel.backward_composed`) gives the gradients of x, the router weights, this rank's
-experts and every shared expert. Both are torch.library ops (:mod:`megamoe.autograd.ops`), so
+The forward is one megakernel pass, the backward another (:mod:`megamoe.megakernel.backward`; the
+standalone kernels composed, :mod:`megamoe.megakernel.backward_composed`, are its ablation): gradients of
+x, the router weights, this rank's experts and every shared expert. Both are torch.library ops (:mod:`megamoe.autograd.ops`), so
 ``torch.compile(fullgraph=True)`` traces through them.
 """
 
@@ -34,6 +34,7 @@ def moe(
     config: KernelConfig | None = None,
     max_tokens: int | None = None,
     check: bool = True,
+    fused_backward: bool = True,
 ) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens, differentiable in x, the router weights, the experts.
 
@@ -54,6 +55,8 @@ def moe(
         max_tokens: the group's largest token count; None finds it with an all-reduce MAX (a host sync), which
             ``torch.compile`` cannot trace: give it there.
         check: validate the expert ids and read the kernels' error words (host syncs).
+        fused_backward: the backward megakernel (default), or the standalone kernels composed (the ablation: the
+            same bits); one rank always composes them (nothing to overlap).
 
     Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
     """
@@ -78,4 +81,4 @@ def moe(
         raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
     return ops.layer_forward(x, top_experts, router_weights, w_gate_up, w_down, [gu for gu, _ in shared],
                              [dn for _, dn in shared], swiglu_limit, handle_of(world), max_tokens, precision,
-                             ops.config_string(config), check)[0]
+                             ops.config_string(config), check, bool(fused_backward))[0]

@@ -9,7 +9,8 @@ pure function of the shape), so ``torch.compile(fullgraph=True)`` traces a model
 
 Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.worlds`), ``max_tokens`` the
 group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
-ring_rows,tile_m,tile_n" ("" for the planner's), ``check`` (read the kernels' error words: host syncs).
+ring_rows,tile_m,tile_n" ("" for the planner's), ``check`` (read the kernels' error words: host syncs),
+``fused_backward`` (the backward megakernel, or the standalone kernels composed: the same bits).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.autograd.worlds import world_of
-from megamoe.megakernel.backward_composed import SavedForward, composed_backward
+from megamoe.megakernel.backward_composed import SavedForward
 from megamoe.megakernel.forward import fuse_shared
 from megamoe.megakernel.kernel import MegaKernel, default_config
 from megamoe.planner import KernelConfig, LayerShape
@@ -55,8 +56,9 @@ def layer_kernel(world, shape: LayerShape, config: KernelConfig | None, precisio
 @torch.library.custom_op("megamoe::layer_forward", mutates_args=())
 def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                   shared_gate_up: list[Tensor], shared_down: list[Tensor], swiglu_limit: float | None, world: int,
-                  max_tokens: int, precision: str, config: str,
-                  check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  max_tokens: int, precision: str, config: str, check: bool,
+                  fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                 Tensor]:
     """(out, ring_x, h, shared_h, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows)."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
@@ -73,7 +75,7 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
 
 @layer_forward.register_fake
 def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, swiglu_limit, world,
-      max_tokens, precision, config, check):
+      max_tokens, precision, config, check, fused_backward):
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     c = _config(config) or default_config(w, shape, precision)
@@ -93,8 +95,8 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
                    w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], ring_x: Tensor,
                    h: Tensor, shared_h: Tensor, src_rank: Tensor, src_index: Tensor, tokens_per_expert: Tensor,
                    counts: Tensor, offsets: Tensor, num_rows: Tensor, swiglu_limit: float | None, world: int,
-                   max_tokens: int, precision: str, config: str,
-                   check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
+                   max_tokens: int, precision: str, config: str, check: bool,
+                   fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
     """(d_x, d_router_weights, d_w_gate_up, d_w_down, [d shared gate_up], [d shared down])."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
@@ -102,9 +104,9 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
     schedule = PullSchedule(tokens_per_expert, counts, offsets, src_rank, src_index, num_rows, src_rank.shape[0],
                             shape.num_ranks, shape.experts_per_rank, shape.top_k, 1)
     fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
-    g = composed_backward(kernel, SavedForward(ring_x, h, shared_h, schedule), d_out.to(torch.bfloat16), x,
-                          top_experts, router_weights, w_gate_up.contiguous(), w_down.contiguous(), fused,
-                          swiglu_limit, check=check)
+    g = kernel.backward(SavedForward(ring_x, h, shared_h, schedule), d_out.to(torch.bfloat16), x.contiguous(),
+                        top_experts, router_weights.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), fused,
+                        swiglu_limit, check=check, fused=fused_backward)
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
     return g.x, g.router_weights, g.w_gate_up, g.w_down, d_gate_up, d_down
 
@@ -112,7 +114,7 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
 @layer_backward.register_fake
 def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, ring_x, h, shared_h,
       src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world, max_tokens, precision,
-      config, check):
+      config, check, fused_backward):
     return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), [torch.empty_like(t) for t in shared_gate_up],
             [torch.empty_like(t) for t in shared_down])
@@ -139,7 +141,7 @@ _SAVED = ("x", "top_experts", "router_weights", "w_gate_up", "w_down")
 def _setup_context(ctx, inputs, output) -> None:
     x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down = inputs[:7]
     ctx.shared_count = len(shared_gate_up)
-    ctx.scalars = inputs[7:]  # swiglu_limit, world, max_tokens, precision, config, check
+    ctx.scalars = inputs[7:]  # swiglu_limit, world, max_tokens, precision, config, check, fused_backward
     ctx.save_for_backward(x, top_experts, router_weights, w_gate_up, w_down, *shared_gate_up, *shared_down,
                           *output[1:])
     ctx.mark_non_differentiable(*output[1:])
@@ -157,7 +159,7 @@ def _backward(ctx, d_out, *unused):
     keep = lambda g, i: g if need[i] else None  # noqa: E731
     return (keep(d_x, 0), None, keep(d_rw, 2), keep(d_gu, 3), keep(d_dn, 4),
             [g if n else None for g, n in zip(d_sgu, need[5])], [g if n else None for g, n in zip(d_sdn, need[6])],
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 layer_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -42,6 +42,36 @@ def rows_times_kn(a_desc, w_desc, row0, w_row0, n0, K, DOT_FP32: tl.constexpr,
 
 
 @triton.jit
+def dact_tile(
+    dy_desc, w_down_desc, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+    stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n, D, I, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M rows x BLOCK_N] tile of g = dy · w_down[l]; epilogue: router-gradient partials, SwiGLU
+    backward -> d_h, act_w. ``h_base`` points at the tile's first row of h (the ring's, or a replay's);
+    dy, row weights, d_h, act_w and the partials are addressed by routed row."""
+    n0 = n * BLOCK_N
+    g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n0, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    # The epilogue runs on column quarters: one [BM, BN] pass kept ~10 [BM, BN] fp32/pointer
+    # tensors live and spilled 3.5 KB of stack per thread (cuobjdump --dump-resource-usage).
+    g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    w = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
+    # per-tile base pointers keep the element offsets in int32 (fewer registers than int64 pointers)
+    row0_64 = row0.to(tl.int64)
+    d_h_base = d_h_ptr + row0_64 * stride_d_h
+    act_w_base = act_w_ptr + row0_64 * stride_act_w
+    local = tl.arange(0, BLOCK_M)
+    part = _dact_quarters(g_lo, w, local, row_ok, n0, h_base, d_h_base, act_w_base, stride_h, stride_d_h,
+                          stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
+    part += _dact_quarters(g_hi, w, local, row_ok, n0 + BLOCK_N // 2, h_base, d_h_base, act_w_base, stride_h,
+                           stride_d_h, stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
+    tl.store(d_w_partial_ptr + rows.to(tl.int64) * stride_partial + n, part, mask=row_ok)
+
+
+@triton.jit
 def dact_swiglu_bwd_kernel(
     dy_desc, w_down_desc, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_h, stride_d_h, stride_act_w, stride_partial,
@@ -51,31 +81,35 @@ def dact_swiglu_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
-    """g = dy · w_down[l]; epilogue: router-gradient partials, SwiGLU backward -> d_h, act_w."""
+    """Persistent :func:`dact_tile` over every (row tile, n-tile) task."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
-        n0 = n * BLOCK_N
-        g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n0, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
-        # The epilogue runs on column quarters: one [BM, BN] pass kept ~10 [BM, BN] fp32/pointer
-        # tensors live and spilled 3.5 KB of stack per thread (cuobjdump --dump-resource-usage).
-        g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        w = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
-        # per-tile base pointers keep the element offsets in int32 (fewer registers than int64 pointers)
-        row0_64 = row0.to(tl.int64)
-        h_base = h_ptr + row0_64 * stride_h
-        d_h_base = d_h_ptr + row0_64 * stride_d_h
-        act_w_base = act_w_ptr + row0_64 * stride_act_w
-        local = tl.arange(0, BLOCK_M)
-        part = _dact_quarters(g_lo, w, local, row_ok, n0, h_base, d_h_base, act_w_base, stride_h, stride_d_h,
-                              stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
-        part += _dact_quarters(g_hi, w, local, row_ok, n0 + BLOCK_N // 2, h_base, d_h_base, act_w_base, stride_h,
-                               stride_d_h, stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
-        tl.store(d_w_partial_ptr + rows.to(tl.int64) * stride_partial + n, part, mask=row_ok)
+        dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr,
+                  d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n,
+                  D, I, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def router_grad_rows(d_w_partial_ptr, stride_partial, d_router_ptr, row0, row_end, num_n,
+                     BLOCK_M: tl.constexpr):
+    """d_router[r] = the partials of row r added in n order (fixed: the same bits wherever it runs)."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    base = d_w_partial_ptr + rows.to(tl.int64) * stride_partial
+    acc = tl.load(base, mask=row_ok, other=0.0)
+    for n in range(1, num_n):
+        acc += tl.load(base + n, mask=row_ok, other=0.0)
+    tl.store(d_router_ptr + rows, acc, mask=row_ok)
+
+
+@triton.jit
+def router_grad_kernel(d_w_partial_ptr, stride_partial, d_router_ptr, rows, num_n, BLOCK_M: tl.constexpr):
+    """:func:`router_grad_rows` over ``rows`` rows, one program per BLOCK_M of them."""
+    row0 = tl.program_id(0) * BLOCK_M
+    router_grad_rows(d_w_partial_ptr, stride_partial, d_router_ptr, row0, rows, num_n, BLOCK_M)
 
 
 @triton.jit
@@ -126,6 +160,19 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
 
 
 @triton.jit
+def dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, row0, row_end, expert, n, D, I,
+            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of dx = d_h · w_gate_up[l] (K = 2I)."""
+    n0 = n * BLOCK_N
+    acc = rows_times_kn(d_h_desc, w_gate_up_desc, row0, expert * 2 * I, n0, 2 * I, DOT_FP32,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = (rows < row_end)[:, None] & (cols < D)[None, :]
+    tl.store(d_x_ptr + rows.to(tl.int64)[:, None] * stride_d_x + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
+
+
+@triton.jit
 def dx_kernel(
     d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
@@ -134,20 +181,14 @@ def dx_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
-    """dx = d_h · w_gate_up[l] (K = 2I) for every row tile."""
+    """Persistent :func:`dx_tile` over every (row tile, n-tile) task."""
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
-        n0 = n * BLOCK_N
-        acc = rows_times_kn(d_h_desc, w_gate_up_desc, row0, expert * 2 * I, n0, 2 * I, DOT_FP32,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        mask = (rows < row_end)[:, None] & (cols < D)[None, :]
-        tl.store(d_x_ptr + rows.to(tl.int64)[:, None] * stride_d_x + cols[None, :],
-                 to_bf16(acc, DOT_FP32), mask=mask)
+        dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, row0, row_end, expert, n, D, I, DOT_FP32,
+                BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -176,20 +217,37 @@ def wgrad_kernel(
         if first < per_expert:
             row0 = tl.load(offsets_ptr + expert)
             row_end = row0 + tl.load(counts_ptr + expert)
-            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[tl.maximum(row_end, 1), OUT_M], strides=[OUT_M, 1],
-                                               block_shape=[BLOCK_K, BLOCK_M])
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[tl.maximum(row_end, 1), OUT_N], strides=[OUT_N, 1],
-                                               block_shape=[BLOCK_K, BLOCK_N])
-            out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N, shape=[OUT_M, OUT_N],
-                                                 strides=[OUT_N, 1], block_shape=[BLOCK_M, BLOCK_N])
+            a_desc, b_desc, out_desc = wgrad_descriptors(a_ptr, b_ptr, out_ptr, expert, row_end, OUT_M, OUT_N,
+                                                         BLOCK_M, BLOCK_N, BLOCK_K)
             for task in tl.range(first, per_expert, NUM_PROGRAMS, flatten=FLATTEN):
-                m0 = task // num_n * BLOCK_M
-                n0 = task % num_n * BLOCK_N
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k in range(row0, row_end, BLOCK_K):
-                    a = a_desc.load([k, m0])
-                    b = b_desc.load([k, n0])
-                    if DOT_FP32:
-                        a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = tl.dot(a.T, b, acc)
-                out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))
+                wgrad_block(a_desc, b_desc, out_desc, row0, row_end, task // num_n * BLOCK_M,
+                            task % num_n * BLOCK_N, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def wgrad_descriptors(a_ptr, b_ptr, out_ptr, expert, row_end, OUT_M, OUT_N,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """TMA descriptors of one expert's wgrad: A `[R, OUT_M]` and B `[R, OUT_N]` ending at the expert's last row
+    (the hardware zero-fills a partial last K step), the output block of the expert `[OUT_M, OUT_N]`."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[tl.maximum(row_end, 1), OUT_M], strides=[OUT_M, 1],
+                                       block_shape=[BLOCK_K, BLOCK_M])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[tl.maximum(row_end, 1), OUT_N], strides=[OUT_N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N, shape=[OUT_M, OUT_N],
+                                         strides=[OUT_N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    return a_desc, b_desc, out_desc
+
+
+@triton.jit
+def wgrad_block(a_desc, b_desc, out_desc, row0, row_end, m0, n0, DOT_FP32: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m0:, n0:] = A[row0:row_end, m0:]ᵀ · B[row0:row_end, n0:]: the rows reduced in order, K steps of
+    BLOCK_K rows from row0, FP32 accumulation, one rounding."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(row0, row_end, BLOCK_K):
+        a = a_desc.load([k, m0])
+        b = b_desc.load([k, n0])
+        if DOT_FP32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a.T, b, acc)
+    out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))

@@ -123,14 +123,15 @@ def comm_push(
     y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,
     y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr, num_n_down,
     CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
-    WAIT: tl.constexpr, TRACE: tl.constexpr,
+    WAIT: tl.constexpr, TRACE: tl.constexpr, WAIT_ID: tl.constexpr = WAIT_Y_DONE,
 ):
     """Once minibatch j's down tasks are done, worker c's share of its tiles' rows to their home combine slots
     (the rows of minibatch j, or, with uncut tiles, from its first tile's start to its last tile's end).
-    Rows whose home is ``skip_rank`` stay in the ring (-1: push every row)."""
+    Rows whose home is ``skip_rank`` stay in the ring (-1: push every row). ``y_done[j]`` counts the tasks that
+    wrote the rows (the backward's dx tasks push the same way: its WAIT_ID names them)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
-    budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_Y_DONE, WAIT,
+    budget = wait_counter(y_done_ptr + j, tiles * num_n_down, budget, error_ptr, j, trace_ptr, WAIT_ID, WAIT,
                           TRACE)
     has = tiles > 0
     first_row = tl.load(tile_row0_ptr + t0, mask=has, other=0).to(tl.int64)

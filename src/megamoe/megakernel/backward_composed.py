@@ -87,7 +87,7 @@ def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tens
     device_barrier(ws, check=False)
     # 2. each routed row's upstream gradient (unscaled) and router weight, from its home rank
     dy_rows = reverse_combine_pull(ws, schedule, num_sms=sms, sync=False)
-    row_weights = _row_weights(ws, schedule)
+    w_rows = row_weights(ws, schedule, world.size)
     # 3. the rows' x and h: the ring's, or (wrapped) pulled again and recomputed with the forward's tiles
     cap = schedule.capacity
     if wrapped:
@@ -100,29 +100,23 @@ def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tens
     else:
         x_rows, h_rows = _padded(saved.ring_x, cap), _padded(saved.h, cap)
     # 4. the routed experts' backward
-    g = expert_backward(dy_rows, row_weights, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
+    g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
                         w_gate_up, w_down, swiglu_limit=swiglu_limit)
     del dy_rows, x_rows, h_rows
     # 5. d_x rows and router-weight gradients home; every push landed before anyone reads its slots
     reverse_dispatch_push(ws, schedule, g.d_x, num_sms=sms, sync=False)
-    _push_router_grads(ws, schedule, g.d_router)
+    push_router_grads(ws, schedule, g.d_router, world.size)
     device_barrier(ws, check=False)
     # 6. at home: the k slots in fixed order, plus the shared experts
-    valid = top_experts >= 0
-    slots = ws.local("d_x")[: n * k].view(n, k, D)
-    d_x = torch.zeros(n, D, dtype=torch.float32, device=x.device)
-    for j in range(k):
-        d_x += torch.where(valid[:, j, None], slots[:, j].float(), 0.0)
-    d_router = torch.where(valid, ws.local("d_router")[: n * k].view(n, k), 0.0)
-    shared_gate_up = shared_down = None
+    shared_gate_up = shared_down = shared_dx = None
     if shared is not None:
         sg = _shared_backward(d_out, x, saved.shared_h, shared, swiglu_limit)
-        d_x += sg.d_x.float()
-        shared_gate_up, shared_down = sg.d_w_gate_up[0], sg.d_w_down[0]
+        shared_dx, shared_gate_up, shared_down = sg.d_x, sg.d_w_gate_up[0], sg.d_w_down[0]
+    d_x, d_router = home_sums(ws.local("d_x"), ws.local("d_router"), top_experts, n, k, D, shared_dx)
     if check:
         ws.device_sync()
         ws.check_errors()
-    return LayerGrads(d_x.to(torch.bfloat16), d_router, g.d_w_gate_up, g.d_w_down, shared_gate_up, shared_down)
+    return LayerGrads(d_x, d_router, g.d_w_gate_up, g.d_w_down, shared_gate_up, shared_down)
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -134,23 +128,40 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _row_weights(ws, schedule: PullSchedule) -> torch.Tensor:
-    """fp32 `[capacity]`: the router weight of each row's route, read from its home rank (0 on padding rows)."""
+def row_weights(workspace, schedule: PullSchedule, ranks: int) -> torch.Tensor:
+    """fp32 `[capacity]`: the router weight of each row's route, read from its home rank's symmetric
+    ``router_weights`` (0 on padding rows)."""
     index = schedule.src_index.clamp(min=0).long()
     w = torch.zeros(schedule.capacity, dtype=torch.float32, device=index.device)
-    for r in range(ws.world.size):
-        home = ws.peer("router_weights", r).view(-1).gather(0, index)
+    for r in range(ranks):
+        home = workspace.peer("router_weights", r).view(-1).gather(0, index)
         w = torch.where(schedule.src_rank == r, home, w)
     return w
 
 
-def _push_router_grads(ws, schedule: PullSchedule, d_router: torch.Tensor) -> None:
-    """Each row's router-weight gradient into slot ``src_index`` of its home rank's ``d_router`` (rows homed
-    elsewhere, and padding, write the buffer's last slot, which nobody reads)."""
-    dump = ws.local("d_router").shape[0] - 1
-    for r in range(ws.world.size):
+def push_router_grads(workspace, schedule: PullSchedule, d_router: torch.Tensor, ranks: int) -> None:
+    """Each row's router-weight gradient into slot ``src_index`` of its home rank's symmetric ``d_router``
+    (rows homed elsewhere, and padding, write the buffer's last slot, which nobody reads)."""
+    dump = workspace.local("d_router").shape[0] - 1
+    for r in range(ranks):
         index = torch.where(schedule.src_rank == r, schedule.src_index, dump).long()
-        ws.peer("d_router", r).scatter_(0, index, d_router)
+        workspace.peer("d_router", r).scatter_(0, index, d_router)
+
+
+def home_sums(d_x_slots: torch.Tensor, d_router_slots: torch.Tensor, top_experts: torch.Tensor, n: int, k: int,
+              D: int, shared_dx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's gradients from the slots its routes' rows were pushed to: ``d_x[i] = sum_j slot[i*k + j]``
+    in fixed order in FP32 (-1 routes masked) plus the shared experts' ``d_x``, rounded once to bf16; the
+    router-weight gradients of its routes (0 for -1 routes)."""
+    valid = top_experts >= 0
+    slots = d_x_slots[: n * k].view(n, k, D)
+    d_x = torch.zeros(n, D, dtype=torch.float32, device=top_experts.device)
+    for j in range(k):
+        d_x += torch.where(valid[:, j, None], slots[:, j].float(), 0.0)
+    if shared_dx is not None:
+        d_x += shared_dx.float()
+    d_router = torch.where(valid, d_router_slots[: n * k].view(n, k), 0.0)
+    return d_x.to(torch.bfloat16), d_router
 
 
 def _shared_backward(d_out, x, shared_h, shared, swiglu_limit):

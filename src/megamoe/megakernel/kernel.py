@@ -57,6 +57,7 @@ import torch
 from megamoe.parallel.symmetric import BufferSpec, workspace
 from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
+from megamoe.kernels import megakernel_bwd as mkb
 from megamoe.kernels import sync
 from megamoe.kernels.weighted_sum import weighted_sum_kernel
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers, scale_dtype
@@ -80,6 +81,12 @@ from megamoe.runtime import INTERPRETER_PROGRAMS, compiled_gpu, resolve_wait_bud
 FMT = {"bf16": mk.FMT_BF16.value, "mxfp8": mk.FMT_MXFP8.value, "fp8-block": mk.FMT_FP8_BLOCK.value}
 
 WAITS = {
+    mkb.WAIT_BWD_ROWS.value: "backward rows_ready of minibatch",
+    mkb.WAIT_REPLAY.value: "backward replayed gate/up of row tile",
+    mkb.WAIT_DACT.value: "backward dact done of row tile",
+    mkb.WAIT_DX.value: "backward dx done of minibatch",
+    mkb.WAIT_SHARED_DACT.value: "backward shared dact done of row tile",
+    mkb.WAIT_DGRADS.value: "backward dact tasks of every minibatch (total)",
     sync.WAIT_ROWS_READY.value: "rows_ready of minibatch",
     sync.WAIT_TILE_DONE.value: "gate/up done of row tile",
     sync.WAIT_Y_DONE.value: "y done of minibatch",
@@ -160,6 +167,12 @@ class MegaKernel:
             BufferSpec("flags", (2, R), torch.int32),
             # this rank's barrier epochs: with the flags, shared by every MegaKernel on this workspace
             BufferSpec("epochs", (2,), torch.int32),
+            # the backward's: this rank's upstream gradient and router weights (peers pull and read them), the
+            # router-weight gradients of its routes (peers push them; the last slot takes the rows homed elsewhere);
+            # its d_x slots are the combine slots
+            BufferSpec("d_out", (max(N, 1), D), torch.bfloat16),
+            BufferSpec("router_weights", (max(N, 1), k), torch.float32),
+            BufferSpec("d_router", (max(N, 1) * k + 1,), torch.float32),
         ) + (quantized_rows if self.quantized else ()))
         dev = world.device
         # the pass's own buffers (shared by the layers using this kernel; read within a pass only)
@@ -190,6 +203,7 @@ class MegaKernel:
             self._direct_tiles = {kind: plan_tiles(kind, dev, per_expert) for kind in ("gate_up", "down")}
         self._broken: str | None = None
         self._scratch: LayerBuffers | None = None
+        self._backward: object | None = None  # the backward's launcher and buffers, made at the first backward
         # GPU: a pass's device work replays from a CUDA graph once its weights, buffers and token count repeat
         self.replay = GraphReplay() if replay and self.gpu else None
 
@@ -211,6 +225,29 @@ class MegaKernel:
         if self._scratch is None:
             self._scratch = self.new_buffers()
         return self._scratch
+
+    def backward_launcher(self):
+        """The backward megakernel's launcher with its pass buffers (made on first use)."""
+        if self._backward is None:
+            from megamoe.megakernel.backward import BackwardLauncher
+
+            self._backward = BackwardLauncher(self)
+        return self._backward
+
+    def backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, *,
+                 check: bool = True, fused: bool = True):
+        """The backward of a forward pass of this kernel that left ``saved`` (collective): the backward
+        megakernel (``megamoe.megakernel.backward``), or with ``fused=False`` (and on one rank, where the forward
+        ran the expert kernels directly) the standalone kernels composed (``megamoe.megakernel.backward_composed``:
+        the same bits). Returns the :class:`~megamoe.megakernel.backward_composed.LayerGrads`."""
+        from megamoe.megakernel.backward import fused_backward
+        from megamoe.megakernel.backward_composed import composed_backward
+
+        if self.precision != "bf16":
+            raise ValueError(f"the {self.precision} backward is not built yet")
+        run = fused_backward if fused and not self.direct else composed_backward
+        return run(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit,
+                   check=check)
 
     def check_errors(self) -> None:
         """Raise RuntimeError if a wait of an earlier pass timed out (reads the error word: a host sync)."""

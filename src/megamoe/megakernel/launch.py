@@ -152,12 +152,18 @@ class Launcher:
         """Refuse a grid whose programs cannot all be resident at once (they would wait on each other forever)."""
         k = self.kernel
         compiled = mk.megakernel.warmup(*args, 0, PHASE=mk.PHASE_ALL.value, grid=(k.config.num_sms,), **consts)
-        compiled._init_handles()  # loads the module: fills n_regs
-        props = torch.cuda.get_device_properties(k.world.device)
-        threads = 32 * consts["num_warps"]
-        regs = compiled.n_regs * threads
-        smem = compiled.metadata.shared
-        if regs > props.regs_per_multiprocessor or smem > props.shared_memory_per_multiprocessor:
-            raise ValueError(f"the megakernel needs {compiled.n_regs} registers x {threads} threads and {smem} B "
-                             f"of shared memory per program: one program per SM does not fit")
+        check_resident(compiled, consts["num_warps"], k.world.device, "the megakernel")
         self.checked_occupancy = True
+
+
+def check_resident(compiled, num_warps: int, device: torch.device, what: str) -> None:
+    """ValueError unless one program of ``compiled`` fits an SM (registers and shared memory): a persistent grid
+    whose programs wait for each other must be resident all at once."""
+    compiled._init_handles()  # loads the module: fills n_regs
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * num_warps
+    regs = compiled.n_regs * threads
+    smem = compiled.metadata.shared
+    if regs > props.regs_per_multiprocessor or smem > props.shared_memory_per_multiprocessor:
+        raise ValueError(f"{what} needs {compiled.n_regs} registers x {threads} threads and {smem} B of shared "
+                         f"memory per program: one program per SM does not fit")

@@ -221,6 +221,10 @@ def expert_forward_reference(
     return out
 
 
+#: Rows per program of the router-gradient sum (a few loads per row: any size does).
+ROUTER_GRAD_ROWS = 128
+
+
 @dataclass
 class ExpertGrads:
     """Gradients of the expert FFNs: `d_x [R, D]` and `d_router [R]` per routed row (rows outside
@@ -289,7 +293,9 @@ def expert_backward(
             tail=(d, i, float(swiglu_limit or 0.0)),
             HAS_LIMIT=swiglu_limit is not None,
         )
-        grads.d_router = partial.sum(dim=1)  # n-tiles added in a fixed order
+        # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
+        expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
+            partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
         c = cfg["dx"]
         launch_row_tasks(
             expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, rows,

@@ -1,6 +1,6 @@
 """The Hopper (sm_90) build check: every kernel compiled on a machine without a GPU, and what its code holds.
 
-    python -m megamoe.tools.sm90 [gemm] [fp8] [mxfp8] [quant] [megakernel]
+    python -m megamoe.tools.sm90 [gemm] [fp8] [mxfp8] [quant] [megakernel] [backward]
 
 prints one JSON line ``{group: {case: facts}}`` for the groups named (all of
 them by default). A case is one launch as the library makes it on an H200
@@ -31,7 +31,7 @@ import triton
 
 from megamoe.runtime import interpreting
 
-GROUPS = ("gemm", "fp8", "mxfp8", "quant", "megakernel")
+GROUPS = ("gemm", "fp8", "mxfp8", "quant", "megakernel", "backward")
 
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, *, num_warps: int = 8, num_stages: int = 3,

@@ -8,7 +8,8 @@ Groups:
 - ``mxfp8``: the MXFP8 forward kernels, dequantise-on-load and per-32 rescale;
 - ``quant``: the quantiser at every tile the GPU test and the defaults use, hardware and software E4M3
   rounding (built from the launch's own arguments on meta tensors);
-- ``megakernel``: the forward megakernel in each routed format (kimi-k2 rows) and its weighted sum.
+- ``megakernel``: the forward megakernel in each routed format (kimi-k2 rows) and its weighted sum;
+- ``backward``: the backward megakernel (BF16), every role.
 """
 
 from __future__ import annotations
@@ -246,6 +247,48 @@ def megakernel_case(fmt: str) -> Case:
     return Case(mk.megakernel, signature, consts)
 
 
+def backward_megakernel_case() -> Case:
+    """The backward megakernel (BF16) as it launches on an H200 for kimi-k2 rows (D 7168, k 8), with a shared
+    expert and the clamp, every role compiled (PHASE 0)."""
+    from megamoe.kernels import megakernel_bwd as mkb
+    from megamoe.megakernel.launch_args import copy_tile_consts
+    from megamoe.ops.tiles import plan_tiles
+
+    gpu = torch.device("cuda")
+    gu, da, dx, wg = (plan_tiles(kind, gpu) for kind in ("gate_up", "dact", "dx", "wgrad"))
+    rows = copy_tile_consts(7168, 1, None)
+    consts = dict(TOP_K=8, CHUNKS=rows["CHUNKS"], CP=rows["CP"], W=rows["W"], ROWS=rows["ROWS"], ALIGN=rows["ALIGN"],
+                  HAS_SHARED=True, HAS_LIMIT=True, DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=gu.block_n,
+                  BK_GU=gu.block_k, BN_DA=da.block_n, BK_DA=da.block_k, BN_DX=dx.block_n, BK_DX=dx.block_k,
+                  BM_W=wg.block_m, BN_W=wg.block_n, BK_W=wg.block_k, GROUP_M=da.group_m, PHASE=0, TRACE=False)
+    descs = {"dy_desc": (128, da.block_k), "w_down_desc": (da.block_k, da.block_n), "x_desc": (128, gu.block_k),
+             "w_gate_up_desc": (gu.block_n, gu.block_k), "d_h_desc": (128, dx.block_k),
+             "w_gate_up_k_desc": (dx.block_k, dx.block_n), "shared_dy_desc": (128, da.block_k),
+             "shared_w_down_desc": (da.block_k, da.block_n), "shared_d_h_desc": (128, dx.block_k),
+             "shared_w_gate_up_k_desc": (dx.block_k, dx.block_n)}
+    fp32 = {"row_w_ptr", "partial_ptr", "d_router_ptr", "ones_ptr", "shared_partial_ptr"}
+    signature = {}
+    for name in mkb.megakernel_bwd.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in descs:
+            signature[name] = "tensordesc<bf16[{},{}]>".format(*descs[name])
+        elif name.endswith("peer_ptrs") or name == "trace_base_ptr":
+            signature[name] = "*i64"
+        elif name in fp32:
+            signature[name] = "*fp32"
+        elif name in ("d_out_ptr", "x_ptr", "dy_ptr", "x_rows_ptr", "slots_ptr", "ring_h_ptr", "h_replay_ptr",
+                      "act_replay_ptr", "d_h_ptr", "act_w_ptr", "dx_ptr", "d_w_down_ptr", "d_w_gate_up_ptr",
+                      "shared_h_ptr", "shared_d_h_ptr", "shared_act_w_ptr", "shared_dx_ptr", "d_shared_down_ptr",
+                      "d_shared_gate_up_ptr"):
+            signature[name] = "*bf16"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32"
+        else:
+            signature[name] = "fp32" if name == "limit" else "i32"
+    return Case(mkb.megakernel_bwd, signature, consts, da.num_warps, da.num_stages)
+
+
 def weighted_sum_case() -> Case:
     from megamoe.kernels.weighted_sum import weighted_sum_kernel
     from megamoe.megakernel.kernel import WEIGHTED_SUM_TILE
@@ -274,4 +317,6 @@ def cases(group: str) -> dict[str, Case]:
         return quant_cases()
     if group == "megakernel":
         return {"weighted_sum": weighted_sum_case(), **{fmt: megakernel_case(fmt) for fmt in _MEGA_TILES}}
+    if group == "backward":
+        return {"bf16": backward_megakernel_case()}
     raise ValueError(f"unknown group {group!r}")
