@@ -374,12 +374,13 @@ def _plan_and_buffers(world, precision):
     local, b = k.sym.local, k.new_buffers()
     allocated = {
         "symmetric x [N, D] (bf16)": size(local("x")),
-        "symmetric combine slots [N*k, D]": size(local("combine")),
+        "symmetric combine slots [N*k, D] (the backward's d_x slots)": size(local("combine")),
         "ring rows [ring, D]": size(b.ring_x, b.ring_scale),
         "ring pre-activation h [ring, 2I]": size(b.h),
         "ring activation [ring, I]": size(b.act, b.act_scale),
         "ring expert outputs y [ring, D]": size(k.y),
-        "shared expert h, act [N, 3*Is]": size(b.shared_h, b.shared_act),
+        "shared expert pre-activation h [N, 2*Is]": size(b.shared_h),
+        "shared expert activation [N, Is]": size(b.shared_act),
         "shared expert y [N, D]": size(k.shared_y),
     }
     if precision != "bf16":

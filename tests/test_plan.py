@@ -68,6 +68,26 @@ def test_pinned_knobs_are_kept_and_checked():
         plan(kimi, 2, 4096, precision="fp4")
 
 
+def test_the_backward_gets_its_own_comm_sms():
+    """The backward megakernel moves 3 BF16 rows per routed row against twice the FLOPs: the same rule gives it
+    fewer comm SMs than the forward's; EP 1 has no peers; a pinned count is kept and checked; the training op's
+    config string carries it."""
+    from megamoe.autograd.ops import _config, config_string
+
+    kimi = preset("kimi-k2")
+    c = plan(kimi, 2, 8192).config
+    assert c.backward_comm_sms is not None and c.backward_comm_sms % 2 == 0 and c.backward_comm_sms < c.comm_sms
+    assert c.bwd_comm_sms == c.backward_comm_sms
+    one = plan(kimi, 1, 8192).config
+    assert one.backward_comm_sms is None and one.bwd_comm_sms == one.comm_sms
+    assert plan(kimi, 2, 8192, backward_comm_sms=10).config.backward_comm_sms == 10
+    for bad in (0, 132, True, 2.0):
+        with pytest.raises(ValueError, match="backward_comm_sms"):
+            KernelConfig(num_sms=132, comm_sms=8, minibatch=1024, ring_rows=4096, backward_comm_sms=bad)
+    for config in (c, one, None):
+        assert _config(config_string(config)) == config
+
+
 def test_plan_command_prints_the_config_and_why():
     result = CliRunner().invoke(app, ["plan", "--preset", "kimi-k2", "--ep", "2", "--tokens", "8192"])
     assert result.exit_code == 0, result.output
@@ -102,7 +122,7 @@ def test_one_validity_check_for_a_config_a_shape_and_a_device():
 
 def test_memory_splits_the_pass_from_what_each_layer_keeps():
     p = plan(preset("kimi-k2"), 2, 8192)
-    assert "ring rows [ring, D]" in p.kept and "ring expert outputs y [ring, D]" in p.memory
+    assert "ring pre-activation h [ring, 2I]" in p.kept and "ring rows [ring, D]" in p.memory
     per_layer, shared = sum(p.kept.values()), sum(p.memory.values())
     assert p.memory_for(1) == shared + per_layer == p.memory_total
     assert p.memory_for(60) == shared + 60 * per_layer

@@ -1,7 +1,7 @@
 """The layer's forward and backward as torch.library custom ops, with fake implementations and autograd.
 
 ``megamoe::layer_forward`` runs one megakernel pass and returns, beside the output, what the backward reads
-as plain tensors (the ring's rows and pre-activation, the shared experts' pre-activation, the pull schedule):
+as plain tensors (the ring's pre-activation h, the shared experts' pre-activation, the pull schedule):
 they are fresh tensors the autograd graph keeps, so each call's context is its own and lives exactly as long
 as its graph. ``megamoe::layer_backward`` takes them back with the upstream gradient. Their fake
 implementations give every output's shape from the arguments alone (the kernel's config is the planner's, a
@@ -9,7 +9,7 @@ pure function of the shape), so ``torch.compile(fullgraph=True)`` traces a model
 
 Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.worlds`), ``max_tokens`` the
 group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
-ring_rows,tile_m,tile_n" ("" for the planner's), ``check`` (read the kernels' error words: host syncs),
+ring_rows,tile_m,tile_n[,backward_comm_sms]" ("" for the planner's), ``check`` (read the kernels' error words: host syncs),
 ``fused_backward`` (the backward megakernel, or the standalone kernels composed: the same bits).
 """
 
@@ -31,8 +31,10 @@ def config_string(config: KernelConfig | None) -> str:
     """``config`` as the ops take it ("" for the planner's)."""
     if config is None:
         return ""
-    return ",".join(str(v) for v in (config.num_sms, config.comm_sms, config.minibatch, config.ring_rows,
-                                     config.tile_m, config.tile_n))
+    values = [config.num_sms, config.comm_sms, config.minibatch, config.ring_rows, config.tile_m, config.tile_n]
+    if config.backward_comm_sms is not None:
+        values.append(config.backward_comm_sms)
+    return ",".join(str(v) for v in values)
 
 
 def _config(text: str) -> KernelConfig | None:
@@ -57,9 +59,9 @@ def layer_kernel(world, shape: LayerShape, config: KernelConfig | None, precisio
 def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                   shared_gate_up: list[Tensor], shared_down: list[Tensor], swiglu_limit: float | None, world: int,
                   max_tokens: int, precision: str, config: str, check: bool,
-                  fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                 Tensor]:
-    """(out, ring_x, h, shared_h, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows)."""
+                  fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, h, shared_h, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows): the backward keeps
+    the ring's pre-activation h and pulls x again (the ring's rows and act are freed with the pass)."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     kernel = layer_kernel(w, shape, _config(config), precision)
@@ -69,7 +71,7 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
     b, s = ctx.buffers, ctx.schedule
     shared_h = b.shared_h if b.shared_h is not None else x.new_empty(0, 0, dtype=torch.bfloat16)
     # the schedule may live in a replayed graph's memory: the context gets its own copy
-    return (out, b.ring_x, b.h, shared_h, s.src_rank.clone(), s.src_index.clone(), s.tokens_per_expert.clone(),
+    return (out, b.h, shared_h, s.src_rank.clone(), s.src_index.clone(), s.tokens_per_expert.clone(),
             s.counts.clone(), s.offsets.clone(), s.num_rows.clone())
 
 
@@ -80,20 +82,18 @@ def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     c = _config(config) or default_config(w, shape, precision)
     rows, D, I, Is, L = c.ring_rows, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.experts_per_rank
-    row_dtype = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
     i32 = dict(dtype=torch.int32)
     shared_h = x.new_empty(max(max_tokens, 1), 2 * Is, dtype=torch.bfloat16) if Is else x.new_empty(
         0, 0, dtype=torch.bfloat16)
-    return (x.new_empty(x.shape[0], D, dtype=torch.bfloat16), x.new_empty(rows, D, dtype=row_dtype),
-            x.new_empty(rows, 2 * I, dtype=torch.bfloat16), shared_h, x.new_empty(shape.capacity, **i32),
+    return (x.new_empty(x.shape[0], D, dtype=torch.bfloat16), x.new_empty(rows, 2 * I, dtype=torch.bfloat16), shared_h, x.new_empty(shape.capacity, **i32),
             x.new_empty(shape.capacity, **i32), x.new_empty(L, **i32), x.new_empty(L, shape.num_ranks, **i32),
             x.new_empty(L, **i32), x.new_empty((), **i32))
 
 
 @torch.library.custom_op("megamoe::layer_backward", mutates_args=())
 def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor,
-                   w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], ring_x: Tensor,
-                   h: Tensor, shared_h: Tensor, src_rank: Tensor, src_index: Tensor, tokens_per_expert: Tensor,
+                   w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], h: Tensor,
+                   shared_h: Tensor, src_rank: Tensor, src_index: Tensor, tokens_per_expert: Tensor,
                    counts: Tensor, offsets: Tensor, num_rows: Tensor, swiglu_limit: float | None, world: int,
                    max_tokens: int, precision: str, config: str, check: bool,
                    fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
@@ -104,7 +104,7 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
     schedule = PullSchedule(tokens_per_expert, counts, offsets, src_rank, src_index, num_rows, src_rank.shape[0],
                             shape.num_ranks, shape.experts_per_rank, shape.top_k, 1)
     fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
-    g = kernel.backward(SavedForward(ring_x, h, shared_h, schedule), d_out.to(torch.bfloat16), x.contiguous(),
+    g = kernel.backward(SavedForward(h, shared_h, schedule), d_out.to(torch.bfloat16), x.contiguous(),
                         top_experts, router_weights.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), fused,
                         swiglu_limit, check=check, fused=fused_backward)
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
@@ -112,7 +112,7 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
 
 
 @layer_backward.register_fake
-def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, ring_x, h, shared_h,
+def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, h, shared_h,
       src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world, max_tokens, precision,
       config, check, fused_backward):
     return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),

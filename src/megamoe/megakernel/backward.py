@@ -126,9 +126,9 @@ class BackwardLauncher:
             d_w_gate_up_ptr=grads.w_gate_up,
             flag_peer_ptrs=k.flag_ptrs[1], flags_ptr=sym.local("flags")[1], epoch_ptr=k.epochs[1:],
             error_ptr=k.error, trace_base_ptr=k.error if k.trace is None else k.trace,
-            tokens=n, my_rank=k.world.rank, num_ranks=k.world.size, comm_sms=c.comm_sms, minibatch=c.minibatch,
-            slots=c.ring_rows // c.minibatch, ring_rows=c.ring_rows, experts=L, I=I, D=D, shared_I=Is,
-            limit=float(swiglu_limit or 0.0), budget=k.budget, **self.views,
+            tokens=n, my_rank=k.world.rank, num_ranks=k.world.size, comm_sms=c.bwd_comm_sms,
+            minibatch=c.minibatch, slots=c.ring_rows // c.minibatch, ring_rows=c.ring_rows, experts=L, I=I, D=D,
+            shared_I=Is, limit=float(swiglu_limit or 0.0), budget=k.budget, **self.views,
         )
         if shared is not None:
             values.update(
@@ -177,21 +177,22 @@ class BackwardLauncher:
         if self.kernel.gpu:
             self.launch(values, mkb.PHASE_ALL.value, c.num_sms)
             return
-        compute = c.num_sms - c.comm_sms
+        comm = c.bwd_comm_sms
+        compute = c.num_sms - comm
         if values["HAS_SHARED"]:
             self.launch(values, mkb.PHASE_SHARED_DACT.value, compute)
             self.launch(values, mkb.PHASE_SHARED_DX.value, compute)
         batches = -(-rows // c.minibatch)
         slots = c.ring_rows // c.minibatch
         for j in range(batches):  # the comm workers pull every minibatch first (an uncut tile reaches into the next)
-            self.launch(values, mkb.PHASE_PULL.value, c.comm_sms, j)
+            self.launch(values, mkb.PHASE_PULL.value, comm, j)
         for j in range(batches):
             if j >= slots:
                 self.launch(values, mkb.PHASE_REPLAY.value, compute, j)
             self.launch(values, mkb.PHASE_DACT.value, compute, j)
             self.launch(values, mkb.PHASE_DX.value, compute, j)
         for j in range(batches):
-            self.launch(values, mkb.PHASE_PUSH.value, c.comm_sms, j)
+            self.launch(values, mkb.PHASE_PUSH.value, comm, j)
         self.launch(values, mkb.PHASE_WGRAD.value, compute)
 
 

@@ -3,12 +3,14 @@ megakernel fuses it, then its ablation.
 
 Driven by the forward's pull schedule, per rank, all on the current stream:
 
-1. stage: this rank's upstream gradient ``d_out [N, D]`` and router weights (and, when the forward's ring
-   wrapped, its x again) into the communication workspace's symmetric buffers; a device barrier;
+1. stage: this rank's x, upstream gradient ``d_out [N, D]`` and router weights into the communication
+   workspace's symmetric buffers; a device barrier;
 2. pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled
-   (:func:`~megamoe.ops.comm.reverse_combine_pull`); each row's router weight read from its home rank;
-3. the routed rows' x and pre-activation h: the ring's when it held every row, else (a wrapped ring) x
-   pulled again and h recomputed with the forward's minibatch-cut tiles (the same bits);
+   (:func:`~megamoe.ops.comm.reverse_combine_pull`), and its x row again (the forward keeps only h: pulling x
+   moves bytes the links have time for under the backward's compute, and saves a layer's ring rows); each
+   row's router weight read from its home rank;
+3. the routed rows' pre-activation h: the ring's when it held every row, else (a wrapped ring) recomputed
+   with the forward's minibatch-cut tiles (the same bits);
 4. the expert backward (:func:`~megamoe.ops.experts.expert_backward`): ``d_act = d_out_row · W_down``, the
    SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no
    division by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients
@@ -19,7 +21,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    backward over this rank's tokens, from the h the forward kept), rounded once.
 
 Every reduction has a fixed order, so the gradients are bitwise equal across runs, comm_sms, minibatch and
-ring size. One host read: the forward's row count (does the ring need a replay).
+ring size. One host read: the forward's row count (does the ring need a replay). The backward megakernel
+(:mod:`megamoe.megakernel.backward`) runs the same tiles: its gradients are these bits.
 """
 
 from __future__ import annotations
@@ -41,13 +44,12 @@ class SavedForward:
     """What the backward reads of a forward pass (one rank), as plain tensors.
 
     Attributes:
-        ring_x: bf16 `[ring_rows, D]` routed rows of the minibatches the ring still holds.
-        h: bf16 `[ring_rows, 2I]` their pre-activation.
+        h: bf16 `[ring_rows, 2I]` the pre-activation of the routed rows of the minibatches the ring still holds
+            (routed row t at ring row t).
         shared_h: bf16 `[N, 2Is]` the shared experts' pre-activation over this rank's tokens (`[0, 0]` without).
         schedule: the pass's pull schedule (its own_rows is not needed).
     """
 
-    ring_x: torch.Tensor
     h: torch.Tensor
     shared_h: torch.Tensor
     schedule: PullSchedule
@@ -83,22 +85,22 @@ def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tens
     rows = int(schedule.num_rows)  # NOTE: a host sync: whether the ring wrapped (a replay)
     wrapped = rows > c.ring_rows
     # 1. stage; every rank's rows in place before anyone pulls
-    ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x if wrapped else None)
+    ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x)
     device_barrier(ws, check=False)
-    # 2. each routed row's upstream gradient (unscaled) and router weight, from its home rank
+    # 2. each routed row's upstream gradient (unscaled), x and router weight, from its home rank
     dy_rows = reverse_combine_pull(ws, schedule, num_sms=sms, sync=False)
+    x_rows = dispatch_pull(ws, schedule, num_sms=sms, sync=False)
     w_rows = row_weights(ws, schedule, world.size)
-    # 3. the rows' x and h: the ring's, or (wrapped) pulled again and recomputed with the forward's tiles
+    # 3. the rows' h: the ring's, or (wrapped) recomputed with the forward's tiles
     cap = schedule.capacity
     if wrapped:
-        x_rows = dispatch_pull(ws, schedule, num_sms=sms, sync=False)
         h_rows = torch.empty(cap, 2 * I, dtype=torch.bfloat16, device=x.device)
         act = torch.empty(cap, I, dtype=torch.bfloat16, device=x.device)
         gate_up(x_rows, schedule.tokens_per_expert, schedule.offsets, w_gate_up, h_rows, act,
                 swiglu_limit=swiglu_limit, minibatch=c.minibatch)
         del act
     else:
-        x_rows, h_rows = _padded(saved.ring_x, cap), _padded(saved.h, cap)
+        h_rows = _padded(saved.h, cap)
     # 4. the routed experts' backward
     g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
                         w_gate_up, w_down, swiglu_limit=swiglu_limit)

@@ -56,6 +56,8 @@ class KernelConfig:
         minibatch: rows handed to the experts per round (a multiple of tile_m).
         ring_rows: rows of the ring token buffer (a multiple of minibatch).
         tile_m, tile_n: output tile of the expert GEMMs.
+        backward_comm_sms: the backward megakernel's communication programs (None: comm_sms). Its minibatches
+            are the forward's: a wrapped ring is replayed minibatch by minibatch.
     """
 
     num_sms: int
@@ -64,6 +66,7 @@ class KernelConfig:
     ring_rows: int
     tile_m: int = 128
     tile_n: int = 256
+    backward_comm_sms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
@@ -72,6 +75,10 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
         if self.comm_sms >= self.num_sms:
             raise ValueError(f"comm_sms ({self.comm_sms}) must leave compute SMs: it must be < num_sms ({self.num_sms})")
+        bwd = self.backward_comm_sms
+        if bwd is not None and (not isinstance(bwd, int) or isinstance(bwd, bool) or not 1 <= bwd < self.num_sms):
+            raise ValueError(f"KernelConfig.backward_comm_sms must be None or an int in [1, num_sms={self.num_sms}), "
+                             f"got {bwd!r}")
         if self.minibatch % self.tile_m:
             raise ValueError(f"minibatch ({self.minibatch}) must be a multiple of tile_m ({self.tile_m})")
         if self.minibatch > self.ring_rows:
@@ -82,6 +89,11 @@ class KernelConfig:
     @property
     def compute_sms(self) -> int:
         return self.num_sms - self.comm_sms
+
+    @property
+    def bwd_comm_sms(self) -> int:
+        """The backward's communication programs."""
+        return self.comm_sms if self.backward_comm_sms is None else self.backward_comm_sms
 
 
 def check_kernel_config(config: KernelConfig, shape: LayerShape, precision: str, *, tile_m: int,

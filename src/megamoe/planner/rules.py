@@ -56,6 +56,10 @@ H200_SMS = 132
 #: deepseek-v4-pro 4 / 5 / 6 20.32 / 21.15 / 20.99: odd counts lose 3-8 % to both even neighbours; 0.85 lands on
 #: 7 -> 8, 12 and 5 -> 6.
 COMM_SLACK = 0.85
+#: The BF16 backward's expert GEMM rate: the standalone backward on kimi-k2's 341-row experts ran at 0.88x
+#: the forward tiles' rate (450 against 501-517 TFLOP/s, benchmarks/results/2026-12-01-gemm-vs-dense); not yet
+#: measured inside the backward megakernel.
+BACKWARD_GEMM_TFLOPS = GEMM_TFLOPS["bf16"] * 0.88
 ELEMENT_BYTES = {"bf16": 2.0, "fp8-block": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
 #: Waves of gate/up tiles per minibatch (rule 1). Interleaved A/B rounds, EP 2, ms per pass (benchmarks/results/
 #: 2026-11-30-pass-prologue), two / three / four waves: qwen3.5-397b bf16 6.20 / 6.14 / 6.24, fp8-block 5.10 /
@@ -106,7 +110,7 @@ def tile_use(cfg: MoEConfig, ep: int, tokens: int, tile_m: int) -> float:
 
 
 def _comm_over_compute(cfg: MoEConfig, ep: int, tokens: int, comm_sms: int, num_sms: int, precision: str,
-                       tile_m: int = 128) -> float:
+                       tile_m: int = 128, backward: bool = False) -> float:
     """Time for the comm SMs to move a routed row (dispatch + combine) over the compute SMs' time per row.
 
     The dispatch counts every row, local ones too: the comm workers copy local rows into the ring as well
@@ -116,12 +120,20 @@ def _comm_over_compute(cfg: MoEConfig, ep: int, tokens: int, comm_sms: int, num_
     of balanced routing; a wrapping ring pushes them too). The routed compute time counts the rows padding
     each expert's last tile (``tile_use``: kimi-k2 at EP 1 fills 67 %); it includes the shared expert's share
     (BF16, its tokens spread over their k routed rows under balanced routing): the pulls start under it.
+
+    ``backward``: the backward megakernel's rows instead: it pulls every row's d_out and x (BF16) and pushes d_x
+    home (all of it: its own routes' slots too), against twice the forward's FLOPs at the backward's GEMM rate.
     """
-    row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0 * (ep - 1) / ep)  # pull (FP8?) + push home (BF16)
+    if backward:
+        row_bytes = cfg.hidden * 2.0 * 3
+        rate, flops = BACKWARD_GEMM_TFLOPS, 2
+    else:
+        row_bytes = cfg.hidden * (ELEMENT_BYTES[precision] + 2.0 * (ep - 1) / ep)  # pull (FP8?) + push home (BF16)
+        rate, flops = GEMM_TFLOPS[precision], 1
     comm_s = row_bytes / (comm_sms * NVLINK_GBPS_PER_SM * 1e9)
     share = (num_sms - comm_sms) / num_sms
-    compute_s = (cfg.routed_flops(1) / (GEMM_TFLOPS[precision] * tile_use(cfg, ep, tokens, tile_m))
-                 + cfg.shared_flops(1) / cfg.top_k / GEMM_TFLOPS["bf16"]) / (1e12 * share)
+    compute_s = flops * (cfg.routed_flops(1) / (rate * tile_use(cfg, ep, tokens, tile_m))
+                         + cfg.shared_flops(1) / cfg.top_k / GEMM_TFLOPS["bf16"]) / (1e12 * share)
     return comm_s / compute_s
 
 
@@ -137,6 +149,7 @@ def plan(
     ring_rows: int | None = None,
     tile_m: int = 128,
     tile_n: int = 256,
+    backward_comm_sms: int | None = None,
 ) -> Plan:
     """Plan the kernel for ``tokens`` tokens per rank on ``ep`` ranks; explicit knobs override the rules."""
     if precision not in GEMM_TFLOPS:
@@ -192,7 +205,16 @@ def plan(
         why.append("EP 1: no peers, nothing to overlap: megamoe_forward runs the expert kernels on every SM instead, "
                    "without the combine slots (MegaKernel(..., one_rank_megakernel=True) runs this config with the "
                    "memory below)")
-    config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n)
+    if backward_comm_sms is None and ep > 1 and precision == "bf16":
+        fitting = [s for s in range(1, num_sms) if _comm_over_compute(cfg, ep, tokens, s, num_sms, precision, tile_m,
+                                                                     backward=True) <= COMM_SLACK]
+        backward_comm_sms = min(fitting[0] + fitting[0] % 2, num_sms - 1) if fitting else comm_sms
+        why.append(f"backward comm_sms {backward_comm_sms}: the same rule for the backward megakernel, which pulls "
+                   f"every row's d_out and x and pushes d_x home (3 BF16 rows) against twice the FLOPs at "
+                   f"{BACKWARD_GEMM_TFLOPS:.0f} TFLOP/s (its minibatches are the forward's)")
+    elif backward_comm_sms is not None:
+        why.append(f"backward comm_sms {backward_comm_sms}: given")
+    config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n, backward_comm_sms)
     check_kernel_config(config, LayerShape.of(cfg, ep, tokens), precision, tile_m=tile_m, available_sms=num_sms)
     d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
     act_bytes = ELEMENT_BYTES[precision]
@@ -200,18 +222,28 @@ def plan(
     memory = {
         "symmetric x [N, D] (bf16)": tokens * d * 2,
         **({"symmetric quantised x [N, D] + scales (FP8)": int(tokens * d * act_bytes)} if act_bytes < 2 else {}),
-        "symmetric combine slots [N*k, D]": tokens * k * d * 2,
+        "symmetric combine slots [N*k, D] (the backward's d_x slots)": tokens * k * d * 2,
         "symmetric d_out [N, D] (backward)": tokens * d * 2,
-        "symmetric d_x slots [N*k, D] (backward)": tokens * k * d * 2,
+        "symmetric router weights and their gradients [N, k] x 2 (backward)": (2 * tokens * k + 1) * 4,
         "routing all-gather [R, N, k]": ep * tokens * k * 4,
-        "ring expert outputs y [ring, D]": ring_rows * d * 2,
-        **({"shared expert y [N, D]": tokens * d * 2} if shared else {}),
-    }
-    kept = {
         "ring rows [ring, D]": int(ring_rows * d * act_bytes),
-        "ring pre-activation h [ring, 2I]": ring_rows * 2 * i * 2,
         "ring activation [ring, I]": int(ring_rows * i * act_bytes),
-        **({"shared expert h, act [N, 3*Is]": tokens * 3 * shared * 2} if shared else {}),
+        "ring expert outputs y [ring, D]": ring_rows * d * 2,
+        **({"shared expert activation [N, Is]": tokens * shared * 2, "shared expert y [N, D]": tokens * d * 2}
+           if shared else {}),
+    }
+    if precision == "bf16":  # the backward megakernel's rows (worst case R*N*k), made at the first backward
+        cap = ep * tokens * k
+        memory.update({
+            "backward rows d_out, x, d_x [R*N*k, D] x 3": 3 * cap * d * 2,
+            "backward d_h, w*act [R*N*k, 3I]": cap * 3 * i * 2,
+            "backward replayed h, act [R*N*k - ring, 3I]": max(cap - ring_rows, 1) * 3 * i * 2,
+            **({"backward shared expert d_h, w*act, d_x [N, 3*Is + D]": tokens * (3 * shared + d) * 2}
+               if shared else {}),
+        })
+    kept = {  # the backward pulls x again: a layer keeps only its pre-activations and the schedule
+        "ring pre-activation h [ring, 2I]": ring_rows * 2 * i * 2,
+        **({"shared expert pre-activation h [N, 2*Is]": tokens * 2 * shared * 2} if shared else {}),
         "pull schedule (worst case R*N*k rows)": ep * tokens * k * 8,
     }
     why.append(f"memory per rank besides the weights: {sum(memory.values()) / 2**30:.2f} GiB for the pass (shared "
@@ -223,13 +255,15 @@ def format_plan(p: Plan, layers: int = 1) -> str:
     """The plan as text: the config, the reasoning, the memory per rank for ``layers`` MoE layers."""
     c = p.config
     lines = [f"KernelConfig(num_sms={c.num_sms}, comm_sms={c.comm_sms}, minibatch={c.minibatch}, "
-             f"ring_rows={c.ring_rows}, tile_m={c.tile_m}, tile_n={c.tile_n})", "", "why:"]
+             f"ring_rows={c.ring_rows}, tile_m={c.tile_m}, tile_n={c.tile_n}, "
+             f"backward_comm_sms={c.backward_comm_sms})", "", "why:"]
     lines += [f"  - {line}" for line in p.reasoning]
+    width = max(map(len, (*p.memory, *p.kept)))
     lines += ["", "memory per rank, the pass (shared by the layers of this shape):"]
-    lines += [f"  {name:48} {size / 2**20:10.1f} MiB" for name, size in p.memory.items()]
+    lines += [f"  {name:{width}} {size / 2**20:10.1f} MiB" for name, size in p.memory.items()]
     lines += ["", "memory per rank, kept by each layer for its backward:"]
-    lines += [f"  {name:48} {size / 2**20:10.1f} MiB" for name, size in p.kept.items()]
-    lines.append(f"  {'total per layer':48} {sum(p.kept.values()) / 2**20:10.1f} MiB")
-    lines += ["", f"  {f'total for {layers} layer' + ('s' if layers != 1 else ''):48} "
+    lines += [f"  {name:{width}} {size / 2**20:10.1f} MiB" for name, size in p.kept.items()]
+    lines.append(f"  {'total per layer':{width}} {sum(p.kept.values()) / 2**20:10.1f} MiB")
+    lines += ["", f"  {f'total for {layers} layer' + ('s' if layers != 1 else ''):{width}} "
                   f"{p.memory_for(layers) / 2**20:10.1f} MiB"]
     return "\n".join(lines)
