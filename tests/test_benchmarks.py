@@ -32,12 +32,12 @@ RESULTS = BENCH / "results"
 
 #: Scripts with a CPU smoke run below (one test each).
 CPU_TOOLS = {
-    "clock_probe_summary.py", "comm_bench.py", "comm_order_ab.py", "ep_scaling.py", "megakernel_ab.py",
-    "megakernel_sweep.py", "output_hashes.py",
+    "backward_ab.py", "clock_probe_summary.py", "comm_bench.py", "comm_order_ab.py", "ep_scaling.py",
+    "megakernel_ab.py", "megakernel_sweep.py", "output_hashes.py",
 }
 #: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help only.
 GPU_TOOLS = {
-    "clock_probe.py", "co_resident_ab.py", "comm_local_rate.py", "experts_fp8_bench.py", "experts_minibatch_bench.py",
+    "backward_trace.py", "clock_probe.py", "co_resident_ab.py", "comm_local_rate.py", "experts_fp8_bench.py", "experts_minibatch_bench.py",
     "experts_mxfp8_bench.py", "fp8_dense_ceiling.py", "gemm_ceiling.py", "gemm_vs_dense.py", "megakernel_host.py",
     "megakernel_profile.py", "megakernel_trace.py", "quant_bench.py", "schedule_bench.py", "tail_tiles_ab.py",
     "tiles_ab.py", "weighted_sum_bench.py", "zero_rows_power.py",
@@ -255,6 +255,18 @@ def test_comm_order_ab_runs_on_cpu_ranks(tmp_path):
     assert res["checks"] and all(res["checks"].values()), res["checks"]
     kinds = {(r["kind"], r["variant"]) for r in res["results"] if r["study"] == "hand-out"}
     assert {("pull dispatch", "guided"), ("push dispatch", "round-robin"), ("push combine", "library")} <= kinds
+
+
+def test_backward_ab_runs_on_cpu_ranks(tmp_path):
+    """The backward megakernel at another comm count and the composed kernels on 2 CPU ranks: the same bits, the
+    configs asked for, a time per round."""
+    out = tmp_path / "ab.json"
+    _script("backward_ab.py", "--device", "cpu", "--preset", "tiny", "--tokens", "32", "--variants", "3,composed",
+            "--rounds", "1", "--passes", "1", "--out", str(out), timeout=300)
+    res = json.loads(out.read_text())
+    assert res["bitwise_equal"] == {"3": True, "composed": True}, res
+    assert "backward_comm_sms=3)" in res["configs"]["3"] and res["ranks"] == 2, res
+    assert all(len(v) == 1 and v[0] > 0 for v in res["rounds_ms"].values()), res
 
 
 def test_output_hashes_hashes_the_megakernel_cases():

@@ -34,7 +34,7 @@ def moe(
     config: KernelConfig | None = None,
     max_tokens: int | None = None,
     check: bool = True,
-    fused_backward: bool = True,
+    fused_backward: bool = False,
 ) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens, differentiable in x, the router weights, the experts.
 
@@ -55,8 +55,10 @@ def moe(
         max_tokens: the group's largest token count; None finds it with an all-reduce MAX (a host sync), which
             ``torch.compile`` cannot trace: give it there.
         check: validate the expert ids and read the kernels' error words (host syncs).
-        fused_backward: the backward megakernel (default), or the standalone kernels composed (the ablation: the
-            same bits); one rank always composes them (nothing to overlap).
+        fused_backward: the backward megakernel, or (default) the standalone kernels composed: the same bits.
+            On one H200 the composed kernels ran 15-39 % faster than the megakernel as built
+            (benchmarks/results/2026-12-01-backward-first-gpu): the default until the megakernel is tuned.
+            One rank always composes them (nothing to overlap).
 
     Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
     """
