@@ -64,13 +64,13 @@ def _problem(world, cfg, tokens, routing, drop, seed, zero_weights):
     return p
 
 
-def _grads(world, p, limit, config=None, fused=True):
-    """(out, gradients) of megamoe.moe with every input and weight requiring grad."""
+def _grads(world, p, limit, config=None, fused=True, **options):
+    """(out, gradients) of megamoe.moe with every input and weight requiring grad (``options`` go to moe)."""
     leaves = {name: getattr(p, name).detach().clone().requires_grad_()
               for name in ("x", "router_weights", "w_gate_up", "w_down")}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
-              shared, limit, config=config, fused_backward=fused)
+              shared, limit, config=config, fused_backward=fused, **options)
     out.backward(p.d_out)
     grads = {name: t.grad for name, t in leaves.items()}
     grads["shared"] = [(a.grad, b.grad) for a, b in shared]
@@ -324,15 +324,33 @@ def _gpu_suite(world):
         runs = [_grads(world, p, limit, config=c, fused=f)[1] for c in _gpu_configs(world) for f in (True, False)]
         results.append({"case": name, "limit": limit,
                         "errors": {k: (e["rel"], e["row"], e["finite"]) for k, e in errors.items()},
-                        "same_bits": [all(torch.equal(run[k], got[k]) for k in got) for run in runs]})
+                        "same_bits": [all(torch.equal(run[k], got[k]) for k in got) for run in runs],
+                        "host_syncs": {f: _host_sync(world, p, limit, max(tokens), f) for f in (True, False)}})
     return results
+
+
+def _host_sync(world, p, limit, max_tokens, fused):
+    """None when a training step with check=False and max_tokens given makes no host sync (CUDA's sync debug
+    mode raises on one), else what it raised. Two warm-up steps first: compiles, workspaces, graph captures."""
+    for _ in range(2):
+        _grads(world, p, limit, fused=fused, check=False, max_tokens=max_tokens)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _grads(world, p, limit, fused=fused, check=False, max_tokens=max_tokens)
+        return None
+    except RuntimeError as e:
+        return str(e)[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_gradients_match_the_oracle_and_are_bitwise_stable():
     """On the GPUs (one rank per GPU; two ranks on one GPU when there is one): every gradient against the oracle,
-    and the same bits across knobs, a replay, and the composed standalone kernels."""
+    and the same bits across knobs, a replay, and the composed standalone kernels; no host sync in a step with
+    check=False, fused or composed."""
     ranks = max(2, torch.cuda.device_count())
     for rank, per_case in enumerate(launch(_gpu_suite, ranks, device="cuda")):
         for r in per_case:
@@ -340,3 +358,4 @@ def test_gpu_gradients_match_the_oracle_and_are_bitwise_stable():
             for name, (rel, row, finite) in r["errors"].items():
                 assert finite and rel <= rel_tol and row <= row_tol, (rank, r["case"], name, rel, row)
             assert all(r["same_bits"]), (rank, r)
+            assert r["host_syncs"] == {True: None, False: None}, (rank, r["case"], r["host_syncs"])

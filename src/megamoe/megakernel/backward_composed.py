@@ -9,8 +9,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    (:func:`~megamoe.ops.comm.reverse_combine_pull`), and its x row again (the forward keeps only h: pulling x
    moves bytes the links have time for under the backward's compute, and saves a layer's ring rows); each
    row's router weight read from its home rank;
-3. the routed rows' pre-activation h: the ring's when it held every row, else (a wrapped ring) recomputed
-   with the forward's minibatch-cut tiles (the same bits);
+3. the routed rows' pre-activation h: the ring's, and the rows past the ring (those a wrapped ring lost)
+   recomputed from the pulled x (the same bits; nothing to do when the ring held every row);
 4. the expert backward (:func:`~megamoe.ops.experts.expert_backward`): ``d_act = d_out_row · W_down``, the
    SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no
    division by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients
@@ -21,8 +21,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    backward over this rank's tokens, from the h the forward kept), rounded once.
 
 Every reduction has a fixed order, so the gradients are bitwise equal across runs, comm_sms, minibatch and
-ring size. One host read: the forward's row count (does the ring need a replay). The backward megakernel
-(:mod:`megamoe.megakernel.backward`) runs the same tiles: its gradients are these bits.
+ring size. No host sync with ``check=False`` (whether the ring wrapped is decided on the device). The backward
+megakernel (:mod:`megamoe.megakernel.backward`) runs the same tiles: its gradients are these bits.
 """
 
 from __future__ import annotations
@@ -82,8 +82,6 @@ def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tens
     schedule = saved.schedule
     ws = comm_workspace(world, CommShape(s.num_ranks, max(s.max_tokens, 1), D, k, s.experts_per_rank))
     sms = runtime.num_programs(world.device)
-    rows = int(schedule.num_rows)  # NOTE: a host sync: whether the ring wrapped (a replay)
-    wrapped = rows > c.ring_rows
     # 1. stage; every rank's rows in place before anyone pulls
     ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x)
     device_barrier(ws, check=False)
@@ -91,16 +89,11 @@ def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tens
     dy_rows = reverse_combine_pull(ws, schedule, num_sms=sms, sync=False)
     x_rows = dispatch_pull(ws, schedule, num_sms=sms, sync=False)
     w_rows = row_weights(ws, schedule, world.size)
-    # 3. the rows' h: the ring's, or (wrapped) recomputed with the forward's tiles
-    cap = schedule.capacity
-    if wrapped:
-        h_rows = torch.empty(cap, 2 * I, dtype=torch.bfloat16, device=x.device)
-        act = torch.empty(cap, I, dtype=torch.bfloat16, device=x.device)
-        gate_up(x_rows, schedule.tokens_per_expert, schedule.offsets, w_gate_up, h_rows, act,
-                swiglu_limit=swiglu_limit, minibatch=c.minibatch)
-        del act
-    else:
-        h_rows = _padded(saved.h, cap)
+    # 3. the rows' h: the ring's, and the rows past it (a wrapped ring lost them) recomputed
+    cap, ring = schedule.capacity, c.ring_rows
+    h_rows = _padded(saved.h, cap)
+    if cap > ring:
+        _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, swiglu_limit, c.minibatch)
     # 4. the routed experts' backward
     g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
                         w_gate_up, w_down, swiglu_limit=swiglu_limit)
@@ -119,6 +112,22 @@ def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tens
         ws.device_sync()
         ws.check_errors()
     return LayerGrads(d_x, d_router, g.d_w_gate_up, g.d_w_down, shared_gate_up, shared_down)
+
+
+def _replay_past_ring(x_rows: torch.Tensor, h_rows: torch.Tensor, schedule: PullSchedule, ring: int,
+                      w_gate_up: torch.Tensor, swiglu_limit: float | None, minibatch: int) -> None:
+    """h of the routed rows at and past row ``ring`` (the minibatches a wrapped ring lost), into ``h_rows``.
+
+    Each expert's region is cut at ``ring`` on the device, so a ring that held every row leaves every region
+    empty and the launch does nothing: whether the ring wrapped is never read on the host. A row's h depends
+    only on its own x row and the expert's weights (the K steps and n-tiles are the forward's), so these are
+    the bits the forward computed."""
+    start = schedule.offsets - ring
+    first = start.clamp(min=0)
+    counts = (start + schedule.tokens_per_expert).clamp(min=0) - first
+    act = torch.empty(x_rows.shape[0] - ring, h_rows.shape[1] // 2, dtype=torch.bfloat16, device=x_rows.device)
+    gate_up(x_rows[ring:], counts, first, w_gate_up, h_rows[ring:], act, swiglu_limit=swiglu_limit,
+            minibatch=minibatch)
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
