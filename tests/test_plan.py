@@ -1,5 +1,7 @@
 """The planner: the wave rule, the comm/compute split, the ring, and bad knobs."""
 
+from dataclasses import replace
+
 import pytest
 from typer.testing import CliRunner
 
@@ -84,7 +86,15 @@ def test_the_backward_gets_its_own_comm_sms():
     for bad in (0, 132, True, 2.0):
         with pytest.raises(ValueError, match="backward_comm_sms"):
             KernelConfig(num_sms=132, comm_sms=8, minibatch=1024, ring_rows=4096, backward_comm_sms=bad)
-    for config in (c, one, None):
+    # its own minibatch: a multiple of the row tile that divides the ring (a wrapped ring's lost rows start one)
+    pinned = plan(kimi, 2, 8192, backward_minibatch=1024).config
+    assert pinned.backward_minibatch == pinned.bwd_minibatch == 1024 and c.bwd_minibatch == c.minibatch
+    for bad in (0, 100, 3072 * 5, True):
+        with pytest.raises(ValueError, match="backward_minibatch"):
+            KernelConfig(num_sms=132, comm_sms=8, minibatch=1024, ring_rows=4096, backward_minibatch=bad)
+    result = CliRunner().invoke(app, ["plan", "--backward-comm-sms", "10", "--backward-minibatch", "1024"])
+    assert result.exit_code == 0 and "backward_comm_sms=10, backward_minibatch=1024)" in result.output, result.output
+    for config in (c, one, pinned, replace(c, backward_comm_sms=None, backward_minibatch=512), None):
         assert _config(config_string(config)) == config
 
 

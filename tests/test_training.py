@@ -25,8 +25,10 @@ from sm90 import sm90_report  # tests/sm90.py
 CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
 EMPTY_EXPERT = 5
 #: Interpreter tiles are 32 rows: a 32-row minibatch in a 64-row ring wraps for any case with > 64 rows.
-WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_m=32, tile_n=32)
-OTHER = KernelConfig(num_sms=5, comm_sms=1, minibatch=96, ring_rows=1056, tile_m=32, tile_n=32, backward_comm_sms=3)
+#: Its backward takes 64-row minibatches: the ring's end is a boundary of theirs too.
+WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_m=32, tile_n=32, backward_minibatch=64)
+OTHER = KernelConfig(num_sms=5, comm_sms=1, minibatch=96, ring_rows=1056, tile_m=32, tile_n=32, backward_comm_sms=3,
+                     backward_minibatch=32)
 #: BF16 gradients against the FP32 oracle: relative L1 and the worst row's relative L2 (a row judged against its
 #: own norm or the typical row's), the bench's BF16 bounds with a tighter row. Measured here 0.3-0.6e-2 L1 (the
 #: interpreter rounds to nearest like the GPU: megamoe.kernels.convert). A missing or misplaced route, a wrong
@@ -305,8 +307,9 @@ GPU_TOKENS = (1000, 700, 1, 999, 0, 640, 333, 900)
 def _gpu_configs(world):
     """The planner's config, a ring that wraps (replay), and other comm_sms / minibatch sizes."""
     sms = torch.cuda.get_device_properties(world.device).multi_processor_count // world.ranks_per_device
-    return [None] + [KernelConfig(sms, comm, minibatch, ring, 128, 256)
-                     for comm, minibatch, ring in ((4, 256, 512), (16, 1024, 8192), (2, 128, 256))]
+    return [None] + [KernelConfig(sms, comm, minibatch, ring, 128, 256, backward_minibatch=bwd)
+                     for comm, minibatch, ring, bwd in ((4, 256, 512, None), (16, 1024, 8192, 2048),
+                                                        (2, 128, 256, 256))]
 
 
 def _gpu_suite(world):

@@ -179,6 +179,8 @@ def plan(
     comm_sms: int = typer.Option(None, help="Pin the communication SMs."),
     minibatch: int = typer.Option(None, help="Pin the minibatch (rows)."),
     ring_rows: int = typer.Option(None, help="Pin the ring size (rows)."),
+    backward_comm_sms: int = typer.Option(None, help="Pin the backward megakernel's communication SMs."),
+    backward_minibatch: int = typer.Option(None, help="Pin the backward megakernel's minibatch (rows)."),
     layers: int = typer.Option(1, help="MoE layers of this shape in the model: the memory per rank for all of them."),
 ) -> None:
     """The megakernel's minibatch, comm/compute SM split, ring size and memory, with the reasoning."""
@@ -193,7 +195,8 @@ def plan(
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         result = make_plan(get_preset(preset), ep, tokens, num_sms=sms, precision=precision, comm_sms=comm_sms,
-                           minibatch=minibatch, ring_rows=ring_rows)
+                           minibatch=minibatch, ring_rows=ring_rows, backward_comm_sms=backward_comm_sms,
+                           backward_minibatch=backward_minibatch)
         text = format_plan(result, layers)
     except ValueError as exc:
         _fail(str(exc))

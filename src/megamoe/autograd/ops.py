@@ -9,8 +9,9 @@ pure function of the shape), so ``torch.compile(fullgraph=True)`` traces a model
 
 Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.worlds`), ``max_tokens`` the
 group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
-ring_rows,tile_m,tile_n[,backward_comm_sms]" ("" for the planner's), ``check`` (read the kernels' error words: host syncs),
-``fused_backward`` (the backward megakernel, or the standalone kernels composed: the same bits).
+ring_rows,tile_m,tile_n,backward_comm_sms,backward_minibatch" (an empty field for None; "" for the planner's),
+``check`` (read the kernels' error words: host syncs), ``fused_backward`` (the backward megakernel, or the
+standalone kernels composed: the same bits).
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ def config_string(config: KernelConfig | None) -> str:
     """``config`` as the ops take it ("" for the planner's)."""
     if config is None:
         return ""
-    values = [config.num_sms, config.comm_sms, config.minibatch, config.ring_rows, config.tile_m, config.tile_n]
-    if config.backward_comm_sms is not None:
-        values.append(config.backward_comm_sms)
-    return ",".join(str(v) for v in values)
+    values = [config.num_sms, config.comm_sms, config.minibatch, config.ring_rows, config.tile_m, config.tile_n,
+              config.backward_comm_sms, config.backward_minibatch]
+    return ",".join("" if v is None else str(v) for v in values)
 
 
 def _config(text: str) -> KernelConfig | None:
-    return KernelConfig(*map(int, text.split(","))) if text else None
+    return KernelConfig(*(int(v) if v else None for v in text.split(","))) if text else None
 
 
 def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down: list[Tensor],

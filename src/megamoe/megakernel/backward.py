@@ -4,8 +4,8 @@ A pass, all queued on the current stream (no host sync on a GPU with ``check=Fal
 
 1. stage: this layer's x again, the upstream gradient ``d_out`` and the router weights into the kernel's
    symmetric buffers; a device barrier;
-2. each routed row's router weight, read from its home rank; the forward's row tiles again (the same tiles:
-   cut at minibatch boundaries only when the forward's ring wrapped);
+2. each routed row's router weight, read from its home rank; the row tiles, cut at the backward's minibatch
+   boundaries (``KernelConfig.bwd_minibatch``) only when the forward's ring wrapped;
 3. the backward megakernel: comm workers pull every routed row's d_out (unscaled) and x, and push each
    minibatch's d_x rows into the home ranks' ``[N*k, D]`` slots; compute workers run the shared expert's
    backward, per minibatch the replayed gate/up (past the ring), dact and dx tiles, and last every weight
@@ -86,7 +86,9 @@ class BackwardLauncher:
         self.gate_up = kernel.tiles()[0]  # the replay recomputes h with the forward's gate/up tiles
         self.dact, self.dx, self.wgrad = (plan_tiles(kind, device) for kind in ("dact", "dx", "wgrad"))
         self.buffers = BackwardBuffers.allocate(kernel, self.dact)
-        M, T = kernel.max_batches, kernel.max_tiles
+        cap, c = kernel.shape.capacity, kernel.config
+        M = max(1, -(-cap // c.bwd_minibatch))  # the backward's own minibatches
+        T = -(-cap // c.tile_m) + kernel.shape.experts_per_rank + M
         shared_tiles = -(-max(kernel.shape.max_tokens, 1) // kernel.config.tile_m)
         self.counters = torch.zeros(2 * M + 2 * T + shared_tiles + 2, dtype=torch.int32, device=kernel.world.device)
         cnt = self.counters
@@ -127,7 +129,7 @@ class BackwardLauncher:
             flag_peer_ptrs=k.flag_ptrs[1], flags_ptr=sym.local("flags")[1], epoch_ptr=k.epochs[1:],
             error_ptr=k.error, trace_base_ptr=k.error if k.trace is None else k.trace,
             tokens=n, my_rank=k.world.rank, num_ranks=k.world.size, comm_sms=c.bwd_comm_sms,
-            minibatch=c.minibatch, slots=c.ring_rows // c.minibatch, ring_rows=c.ring_rows, experts=L, I=I, D=D,
+            minibatch=c.bwd_minibatch, slots=c.ring_rows // c.bwd_minibatch, ring_rows=c.ring_rows, experts=L, I=I, D=D,
             shared_I=Is, limit=float(swiglu_limit or 0.0), budget=k.budget, **self.views,
         )
         if shared is not None:
@@ -182,8 +184,8 @@ class BackwardLauncher:
         if values["HAS_SHARED"]:
             self.launch(values, mkb.PHASE_SHARED_DACT.value, compute)
             self.launch(values, mkb.PHASE_SHARED_DX.value, compute)
-        batches = -(-rows // c.minibatch)
-        slots = c.ring_rows // c.minibatch
+        batches = -(-rows // c.bwd_minibatch)
+        slots = c.ring_rows // c.bwd_minibatch
         for j in range(batches):  # the comm workers pull every minibatch first (an uncut tile reaches into the next)
             self.launch(values, mkb.PHASE_PULL.value, comm, j)
         for j in range(batches):
@@ -215,7 +217,8 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
     # 2. row weights from the home ranks; the forward's row tiles
     sch = saved.schedule
     bl.buffers.row_w.copy_(row_weights(sym, sch, k.world.size))
-    tiles = build_row_tiles(sch.tokens_per_expert, sch.offsets, sch.capacity, c.tile_m, minibatch=c.minibatch,
+    # cut at the backward's minibatches when the ring wrapped (the ring's end is one of their boundaries)
+    tiles = build_row_tiles(sch.tokens_per_expert, sch.offsets, sch.capacity, c.tile_m, minibatch=c.bwd_minibatch,
                             cut=sch.num_rows > c.ring_rows)
     grads = LayerGrads(
         x=None, router_weights=None,

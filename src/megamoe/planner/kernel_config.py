@@ -56,8 +56,9 @@ class KernelConfig:
         minibatch: rows handed to the experts per round (a multiple of tile_m).
         ring_rows: rows of the ring token buffer (a multiple of minibatch).
         tile_m, tile_n: output tile of the expert GEMMs.
-        backward_comm_sms: the backward megakernel's communication programs (None: comm_sms). Its minibatches
-            are the forward's: a wrapped ring is replayed minibatch by minibatch.
+        backward_comm_sms: the backward megakernel's communication programs (None: comm_sms).
+        backward_minibatch: the backward megakernel's rows per round (None: minibatch): a multiple of tile_m
+            that divides ring_rows, so that the rows a wrapped ring lost start at a minibatch of their own.
     """
 
     num_sms: int
@@ -67,6 +68,7 @@ class KernelConfig:
     tile_m: int = 128
     tile_n: int = 256
     backward_comm_sms: int | None = None
+    backward_minibatch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
@@ -79,6 +81,11 @@ class KernelConfig:
         if bwd is not None and (not isinstance(bwd, int) or isinstance(bwd, bool) or not 1 <= bwd < self.num_sms):
             raise ValueError(f"KernelConfig.backward_comm_sms must be None or an int in [1, num_sms={self.num_sms}), "
                              f"got {bwd!r}")
+        bmb = self.backward_minibatch
+        if bmb is not None and (not isinstance(bmb, int) or isinstance(bmb, bool) or bmb < 1 or bmb % self.tile_m
+                                or self.ring_rows % bmb):
+            raise ValueError(f"KernelConfig.backward_minibatch must be None or a multiple of tile_m ({self.tile_m}) "
+                             f"that divides ring_rows ({self.ring_rows}), got {bmb!r}")
         if self.minibatch % self.tile_m:
             raise ValueError(f"minibatch ({self.minibatch}) must be a multiple of tile_m ({self.tile_m})")
         if self.minibatch > self.ring_rows:
@@ -94,6 +101,11 @@ class KernelConfig:
     def bwd_comm_sms(self) -> int:
         """The backward's communication programs."""
         return self.comm_sms if self.backward_comm_sms is None else self.backward_comm_sms
+
+    @property
+    def bwd_minibatch(self) -> int:
+        """The backward's rows per round."""
+        return self.minibatch if self.backward_minibatch is None else self.backward_minibatch
 
 
 def check_kernel_config(config: KernelConfig, shape: LayerShape, precision: str, *, tile_m: int,

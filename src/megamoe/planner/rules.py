@@ -150,6 +150,7 @@ def plan(
     tile_m: int = 128,
     tile_n: int = 256,
     backward_comm_sms: int | None = None,
+    backward_minibatch: int | None = None,
 ) -> Plan:
     """Plan the kernel for ``tokens`` tokens per rank on ``ep`` ranks; explicit knobs override the rules."""
     if precision not in GEMM_TFLOPS:
@@ -214,7 +215,12 @@ def plan(
                    f"{BACKWARD_GEMM_TFLOPS:.0f} TFLOP/s (its minibatches are the forward's)")
     elif backward_comm_sms is not None:
         why.append(f"backward comm_sms {backward_comm_sms}: given")
-    config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n, backward_comm_sms)
+    if backward_minibatch is not None:
+        why.append(f"backward minibatch {backward_minibatch} rows: given")
+    else:
+        why.append("backward minibatch: the forward's (no backward sweep measured yet)")
+    config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n, backward_comm_sms,
+                          backward_minibatch)
     check_kernel_config(config, LayerShape.of(cfg, ep, tokens), precision, tile_m=tile_m, available_sms=num_sms)
     d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
     act_bytes = ELEMENT_BYTES[precision]
@@ -256,7 +262,7 @@ def format_plan(p: Plan, layers: int = 1) -> str:
     c = p.config
     lines = [f"KernelConfig(num_sms={c.num_sms}, comm_sms={c.comm_sms}, minibatch={c.minibatch}, "
              f"ring_rows={c.ring_rows}, tile_m={c.tile_m}, tile_n={c.tile_n}, "
-             f"backward_comm_sms={c.backward_comm_sms})", "", "why:"]
+             f"backward_comm_sms={c.backward_comm_sms}, backward_minibatch={c.backward_minibatch})", "", "why:"]
     lines += [f"  - {line}" for line in p.reasoning]
     width = max(map(len, (*p.memory, *p.kept)))
     lines += ["", "memory per rank, the pass (shared by the layers of this shape):"]
