@@ -92,8 +92,29 @@ def _fail_on_rank_one(world):
 
 
 def test_launch_reports_a_failing_rank():
-    with pytest.raises(RuntimeError, match="rank 1 failed: ValueError: rank one refuses"):
+    with pytest.raises(RuntimeError, match="rank 1 failed first: ValueError: rank one refuses"):
         launch(_fail_on_rank_one, 2)
+
+
+def _bad_input_on_rank_one(world):
+    from megamoe.config import MoEConfig
+    from megamoe.bench.problem import make_problem
+    from megamoe.megakernel import megamoe_forward
+
+    cfg = MoEConfig(hidden=128, intermediate=64, num_experts=4, top_k=2)
+    p = make_problem(cfg, world.rank, world.size, 8, dtype=torch.bfloat16, seed=0)
+    x = p.x.float() if world.rank == 1 else p.x  # rank 1's bad input; rank 0 goes on into the collective
+    return megamoe_forward(world, x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down)
+
+
+def test_launch_reports_the_rank_with_the_bad_input_before_the_peer_that_lost_it():
+    """Rank 1 refuses its input; rank 0, waiting for it in a collective, fails after it (the connection closed)
+    or is stopped: the report leads with rank 1's own error and traceback."""
+    with pytest.raises(RuntimeError) as info:
+        launch(_bad_input_on_rank_one, 2)
+    text = str(info.value)
+    assert text.startswith("rank 1 failed first: ValueError: x must be bfloat16"), text[:500]
+    assert "in check_bf16_layer" in text, text[:2000]  # the traceback is rank 1's
 
 
 def test_launch_rejects_bad_arguments():

@@ -7,6 +7,7 @@ sync); hot paths call it only when asked to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -144,23 +145,47 @@ def check_quantized_experts(fmt: str, x_q, x_scale, counts, offsets, w_gate_up_q
     return experts, i, d
 
 
-def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, *,
+def check_swiglu_limit(limit: object) -> None:
+    """None or a positive finite number (the clamp ``gate <= limit``, ``|up| <= limit``)."""
+    if limit is None:
+        return
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
+        raise ValueError(f"swiglu_limit must be None or a positive finite number, got {limit!r}")
+
+
+def check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit) -> tuple[int, int, int, int,
+                                                                                                  int]:
+    """The arguments every implementation of the layer takes, all on x's device; returns (N, D, k, L, I)."""
+    n, d = check_tokens(x)
+    k = check_routing(top_experts, router_weights, n)
+    experts_local, inter = check_expert_weights(w_gate_up, w_down, d)
+    check_shared(shared, d)
+    check_swiglu_limit(swiglu_limit)
+    named = [("top_experts", top_experts), ("router_weights", router_weights), ("w_gate_up", w_gate_up),
+             ("w_down", w_down)]
+    for s, (gate_up, down) in enumerate(shared):
+        named += [(f"shared[{s}] w_gate_up", gate_up), (f"shared[{s}] w_down", down)]
+    for name, t in named:
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: every tensor of the layer on one device")
+        if name.startswith("shared") and t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+    return n, d, k, experts_local, inter
+
+
+def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit=None, *,
                      check_ids: bool = True) -> tuple[int, int, int, int, int]:
     """The arguments of a BF16 layer forward over ``world``; returns (N, D, k, L, I).
 
     ``check_ids`` reads the expert ids on the host (one sync).
     """
-    n, d = check_tokens(x)
-    k = check_routing(top_experts, router_weights, n)
-    experts_local, inter = check_expert_weights(w_gate_up, w_down, d)
-    check_shared(shared, d)
+    n, d, k, experts_local, inter = check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
+                                                swiglu_limit)
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if t.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be bfloat16 (the expert kernels are BF16-only), got {t.dtype}")
-    for name, t in (("x", x), ("top_experts", top_experts), ("router_weights", router_weights),
-                    ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.device != world.device:
-            raise ValueError(f"{name} is on {t.device}, the world on {world.device}")
+    if x.device != world.device:
+        raise ValueError(f"x is on {x.device}, the world on {world.device}")
     if experts_local < 1:
         raise ValueError("w_gate_up must hold at least one local expert")
     if inter % 8:

@@ -65,7 +65,7 @@ def moe(
     check_precision(precision)
     compiling = torch.compiler.is_compiling()
     n, *_ = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                    check_ids=check and not compiling)
+                                    swiglu_limit, check_ids=check and not compiling)
     shared = [(gu, dn) for gu, dn in shared]
     for name, t in [("shared w_gate_up", gu) for gu, _ in shared] + [("shared w_down", dn) for _, dn in shared]:
         if t.dtype != torch.bfloat16:

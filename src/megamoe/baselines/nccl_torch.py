@@ -99,10 +99,8 @@ def nccl_torch_moe(
 
     Returns `[N, D]` in x's dtype. Syncs the host once (split sizes).
     """
-    n, d = checks.check_tokens(x)
-    k = checks.check_routing(top_experts, router_weights, n)
-    experts_local, _ = checks.check_expert_weights(w_gate_up, w_down, d)
-    checks.check_shared(shared, d)
+    n, d, k, experts_local, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
+                                                   swiglu_limit)
     ranks = world.size
     num_experts = experts_local * ranks
     checks.check_expert_ids(top_experts, num_experts)  # the split sizes sync the host anyway

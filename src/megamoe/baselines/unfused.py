@@ -80,7 +80,7 @@ def unfused_moe_forward(
     Syncs the host (the group's largest N, the id check, the launches' barriers).
     """
     n, d, k, experts_local, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
-                                                            shared)
+                                                            shared, swiglu_limit)
     if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1):
         raise ValueError(f"num_sms must be None or a positive int, got {num_sms!r}")
 

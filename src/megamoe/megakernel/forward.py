@@ -92,7 +92,7 @@ def megamoe_forward(
 def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, config, precision,
              max_tokens, experts_q, check) -> torch.Tensor:
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
-                                                      shared, check_ids=check)
+                                                      shared, swiglu_limit, check_ids=check)
     if max_tokens is None:
         max_tokens = world.largest(n)  # NOTE: host sync
     if not isinstance(max_tokens, int) or max_tokens < n:

@@ -54,6 +54,7 @@ from functools import partial
 
 import torch
 
+from megamoe import checks
 from megamoe.parallel.symmetric import BufferSpec, workspace
 from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
@@ -122,6 +123,10 @@ def available_sms(world: EPWorld) -> int:
     return torch.cuda.get_device_properties(world.device).multi_processor_count // world.ranks_per_device
 
 
+#: ``MegaKernel.bad_route`` when no pass saw an out-of-range expert id.
+NO_BAD_ROUTE = (1 << 63) - 1
+
+
 class MegaKernel:
     """One rank's megakernel for one layer shape: symmetric workspace, pass buffers, counters, launches.
 
@@ -146,6 +151,13 @@ class MegaKernel:
         self.quantized = precision != "bf16"
         self.gpu = compiled_gpu(world.device)
         self.config = config or default_config(world, shape, precision)
+        if shape.num_ranks != world.size:
+            raise ValueError(f"the shape is for {shape.num_ranks} ranks, the world has {world.size}")
+        # one small all-gather per kernel, before any symmetric allocation (those would hang or misread)
+        world.check_agree("MegaKernel", dict(max_tokens=shape.max_tokens, D=shape.hidden, I=shape.intermediate,
+                                             L=shape.experts_per_rank, k=shape.top_k,
+                                             shared_I=shape.shared_intermediate, precision=precision,
+                                             config=self.config))
         check_kernel_config(self.config, shape, precision, tile_m=self.tiles()[0].block_m,
                             available_sms=available_sms(world) if self.gpu else None,
                             where="this GPU" if self.gpu else "the interpreter")
@@ -186,6 +198,9 @@ class MegaKernel:
                                     device=dev)
         self.epochs = self.sym.local("epochs")
         self.error = torch.zeros(4, dtype=torch.int32, device=dev)
+        # the first out-of-range expert id a pass saw (token * k + slot) << 32 | id, NO_BAD_ROUTE if none: unchecked
+        # passes treat such a route as none, and the next checked call raises on it
+        self.bad_route = torch.full((1,), NO_BAD_ROUTE, dtype=torch.int64, device=dev)
         # trace (GPU only): per program [start, end, ns waiting, waits, shared done] globaltimer stamps
         self.trace = torch.zeros(c.num_sms, sync.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
         self.budget = resolve_wait_budget(wait_budget)
@@ -245,12 +260,16 @@ class MegaKernel:
 
         if self.precision != "bf16":
             raise ValueError(f"the {self.precision} backward is not built yet")
+        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
+        if not isinstance(d_out, torch.Tensor) or d_out.shape != x.shape or d_out.dtype != torch.bfloat16:
+            raise ValueError(f"d_out must be bfloat16 of x's shape {tuple(x.shape)}, got {checks.describe(d_out)}")
         run = fused_backward if fused and not self.direct else composed_backward
         return run(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit,
                    check=check)
 
     def check_errors(self) -> None:
-        """Raise RuntimeError if a wait of an earlier pass timed out (reads the error word: a host sync)."""
+        """Raise RuntimeError if a wait of an earlier pass timed out, ValueError if an earlier pass (unchecked)
+        had an expert id out of range (reads the error words: a host sync; the id record is cleared)."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
         code, index, target, seen = self.error.tolist()
@@ -259,6 +278,24 @@ class MegaKernel:
             self._broken = (f"rank {self.world.rank}: the megakernel timed out waiting for {what} {index} "
                             f"(wanted >= {target}, saw {seen}); this MegaKernel's counters are out of step now")
             raise RuntimeError(self._broken)
+        bad = int(self.bad_route.item())
+        if bad != NO_BAD_ROUTE:
+            self.bad_route.fill_(NO_BAD_ROUTE)
+            route, expert = bad >> 32, (bad & 0xFFFFFFFF) - (1 << 32 if bad & 0x80000000 else 0)
+            k, experts = self.shape.top_k, self.shape.experts_per_rank * self.shape.num_ranks
+            raise ValueError(f"rank {self.world.rank}: a pass with check=False had top_experts[{route // k}, "
+                             f"{route % k}] = {expert}, outside -1 (no route) and 0..{experts - 1}; it ran as no "
+                             f"route (the first such id of those passes)")
+
+    def _record_bad_routes(self, n: int) -> None:
+        """Keep the first out-of-range id of this rank's staged routing (device ops only: no host sync)."""
+        if n == 0:
+            return
+        ids = self.sym.local("routing")[self.world.rank, :n].reshape(-1).to(torch.int64)
+        experts = self.shape.experts_per_rank * self.shape.num_ranks
+        route = torch.arange(ids.numel(), device=ids.device, dtype=torch.int64)
+        codes = torch.where((ids < -1) | (ids >= experts), (route << 32) | (ids & 0xFFFFFFFF), NO_BAD_ROUTE)
+        torch.minimum(self.bad_route, codes.min().view(1), out=self.bad_route)
 
     # ---- a pass
 
@@ -283,6 +320,9 @@ class MegaKernel:
         host sync)."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
+        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
+        if check:  # an earlier unchecked pass's error first
+            self.check_errors()
         if experts_q is not None:
             if not self.quantized:
                 raise ValueError("experts_q is for the FP8 precisions; this pass runs bf16 experts")
@@ -311,6 +351,20 @@ class MegaKernel:
             self.check_errors()
         return out, ForwardContext(schedule, tiles, self.config, buffers)
 
+    def check_inputs(self, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit) -> None:
+        """ValueError unless a pass's arguments fit this kernel's shape (no host sync: the ids are not read)."""
+        s = self.shape
+        pairs = () if shared is None else (shared,)
+        n, d, k, experts, inter = checks.check_bf16_layer(self.world, x, top_experts, router_weights, w_gate_up,
+                                                          w_down, pairs, swiglu_limit, check_ids=False)
+        got = dict(D=d, k=k, L=experts, I=inter, shared_I=sum(dn.shape[1] for _, dn in pairs))
+        want = dict(D=s.hidden, k=s.top_k, L=s.experts_per_rank, I=s.intermediate, shared_I=s.shared_intermediate)
+        for name in got:
+            if got[name] != want[name]:
+                raise ValueError(f"this MegaKernel was built for {name}={want[name]}, the pass has {name}={got[name]}")
+        if n > s.max_tokens:
+            raise ValueError(f"this MegaKernel was built for at most {s.max_tokens} tokens per rank, the pass has {n}")
+
     def _stage(self, x: torch.Tensor, top_experts: torch.Tensor, has_shared: bool) -> None:
         """Step 1: x into the symmetric rows (FP8: quantised, once per token; the BF16 rows only for the shared
         expert, from the same read of x) and the routing ids into row ``rank`` of every rank's routing buffer."""
@@ -333,6 +387,7 @@ class MegaKernel:
         """Steps 2-4 of a pass (x and the routing ids staged): reads only this kernel's and the layer's buffers
         and the weights."""
         s, c, me = self.shape, self.config, self.world.rank
+        self._record_bad_routes(n)
         # 2. every rank staged
         if not self.direct:
             self._barrier(0)

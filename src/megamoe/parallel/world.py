@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -56,6 +57,14 @@ class WorldResources:
     def __len__(self) -> int:
         return len(self._items)
 
+    def check_errors(self) -> None:
+        """Raise what a kept object recorded and has not raised yet (each one's ``check_errors``, oldest first:
+        a kernel's timed-out wait or an unchecked pass's bad expert id). Reads the device: a host sync."""
+        for obj, _ in list(self._items.values()):
+            check = getattr(obj, "check_errors", None)
+            if check is not None:
+                check()
+
     def free(self) -> None:
         """Free every kept object (collective: after every rank's last use)."""
         while self._items:
@@ -93,6 +102,11 @@ class EPWorld:
         """Free what was built on this world (collective); the process group stays."""
         self.resources.free()
 
+    def check_errors(self) -> None:
+        """Raise an error the layers on this world recorded in passes run with ``check=False`` (ValueError for
+        an expert id out of range, RuntimeError for a timed-out wait): a host sync, for the end of a step."""
+        self.resources.check_errors()
+
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
@@ -113,6 +127,20 @@ class EPWorld:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def check_agree(self, what: str, values: dict[str, Any]) -> None:
+        """ValueError on every rank unless every rank passes equal ``values``, naming each field the ranks
+        disagree on with every rank's value (collective: one all-gather; nothing on one rank)."""
+        if self.size == 1:
+            return
+        everyone = self.all_gather_object(values)
+        keys = {key for v in everyone for key in v}
+        differ = [key for key in values if key in keys and len({repr(v.get(key)) for v in everyone}) > 1]
+        differ += sorted(key for key in keys - set(values))
+        if differ:
+            fields = "; ".join(f"{key}: " + ", ".join(f"rank {r} {v.get(key)!r}" for r, v in enumerate(everyone))
+                               for key in differ)
+            raise ValueError(f"{what}: the ranks disagree ({fields}); every rank must build it alike")
 
 
 def _device_for_rank(rank: int, device: str) -> torch.device:
@@ -163,15 +191,18 @@ def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable,
     path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
         world = init_world(device)
-        try:
-            result = fn(world, *args)
-        finally:
-            world.close()
-            dist.destroy_process_group()
-        torch.save({"ok": True, "result": result}, path)
-    except BaseException as exc:  # report it to the launcher instead of dying silently
-        torch.save({"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}, path)
+        world.barrier()  # every rank connected before any runs: one done at once would close on a peer connecting
+        result = fn(world, *args)
+    except BaseException as exc:
+        # Written first, with the time: the launcher reports the rank that failed first, not the peers that
+        # lost it. No collective clean-up after a failure: the peers are elsewhere (it would hang or fail
+        # again and hide this error); the process exits.
+        torch.save({"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(),
+                    "time": time.time()}, path)
         raise
+    world.close()
+    dist.destroy_process_group()
+    torch.save({"ok": True, "result": result}, path)
     # The result is on disk: leave without the interpreter's teardown, where a CPU rank was seen (once in ~5
     # CI runs) to abort with "terminate called without an active exception" (a native thread still joinable
     # when its owner is destroyed), which the launcher would report as a rank that died without reporting.
@@ -186,7 +217,9 @@ def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device
     ``fn`` must be importable (a module-level function) and its result
     picklable. CPU: ``nprocs`` processes over gloo. CUDA: ``nprocs`` defaults
     to the number of visible GPUs. A rank that raises makes ``launch`` raise
-    RuntimeError with that rank's error.
+    RuntimeError with the error of the rank that failed first (its traceback),
+    then one line for each rank that failed after it (most often the peers that
+    lost it).
     """
     if nprocs is None:
         nprocs = torch.cuda.device_count() if device == "cuda" else 1
@@ -203,21 +236,27 @@ def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device
         context = mp.start_processes(
             _rank_main, args=(nprocs, device, result_dir, fn, args), nprocs=nprocs, join=False, start_method="spawn"
         )
+        died = None
         try:
             while not context.join():
                 pass
         except mp.ProcessRaisedException:
-            pass  # each rank wrote its error; report the first below
+            pass  # each failing rank wrote its error: reported below
         except mp.ProcessExitedException as exc:
-            raise RuntimeError(f"a rank died without reporting: {exc}") from None
+            died = exc  # a rank that wrote its error may still die in teardown: its record comes first
         records = {}
         for rank in range(nprocs):
             path = os.path.join(result_dir, f"rank{rank}.pt")
             if os.path.exists(path):
                 records[rank] = torch.load(path, weights_only=False)
-        for rank, record in sorted(records.items()):
-            if not record["ok"]:
-                raise RuntimeError(f"rank {rank} failed: {record['error']}\n{record['trace']}")
+        failed = sorted((record["time"], rank) for rank, record in records.items() if not record["ok"])
+        if failed:
+            first = failed[0][1]
+            later = "".join(f"\nthen rank {r}: {records[r]['error'].splitlines()[0][:300]}" for _, r in failed[1:])
+            raise RuntimeError(f"rank {first} failed first: {records[first]['error']}{later}\n"
+                               f"{records[first]['trace']}")
+        if died is not None:
+            raise RuntimeError(f"a rank died without reporting: {died}")
         missing = [rank for rank in range(nprocs) if rank not in records]
         if missing:
             raise RuntimeError(f"ranks {missing} exited without a result")

@@ -71,11 +71,8 @@ def moe_forward(
     Returns:
         `[N, D]` in x's dtype, accumulated in FP32 (FP64 for FP64 input).
     """
-    n, d = checks.check_tokens(x)
-    checks.check_routing(top_experts, router_weights, n)
-    held, _ = checks.check_expert_weights(w_gate_up, w_down, d)
+    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
     checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
-    checks.check_shared(shared, d)
 
     cdt = compute_dtype(x.dtype)
     x_c = x.to(cdt)
@@ -116,11 +113,8 @@ def moe_forward_backward(
     `[N, k]` (both in the compute dtype), ``w_gate_up``, ``w_down`` (in the
     weights' dtype) and ``shared`` (a list of (d_w_gate_up, d_w_down)).
     """
-    n, d = checks.check_tokens(x)
-    checks.check_routing(top_experts, router_weights, n)
-    held, _ = checks.check_expert_weights(w_gate_up, w_down, d)
+    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
     checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
-    checks.check_shared(shared, d)
     if d_out is not None and tuple(d_out.shape) != (n, d):
         raise ValueError(f"d_out must have shape ({n}, {d}), got {tuple(d_out.shape)}")
 
