@@ -77,3 +77,147 @@ def test_out_of_range_ids_under_check_false_are_recorded_and_raised_by_the_next_
             assert r[key] is not None and f"top_experts[{token}, {slot}] = {value}" in r[key], (rank, key, r[key])
         assert r["after"] is None, r
         assert r["checked_refuses"] is not None and "top_experts holds ids" in r["checked_refuses"], r
+
+
+def _one_rank_never_comes(world):
+    import time
+
+    from megamoe.megakernel import megamoe_forward
+
+    cfg = MoEConfig(**{**CONFIG.__dict__, "num_experts": 6})
+    p = make_problem(cfg, world.rank, world.size, 12, dtype=torch.bfloat16, seed=3)
+    call = lambda: megamoe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up,  # noqa: E731
+                                   p.w_down, p.shared, config=SMALL, max_tokens=12)
+    call()  # one pass together: the kernel is built
+    if world.rank == 2:  # skips the next pass and stays (a hung rank, not a dead one)
+        time.sleep(60)
+        return
+    start = time.monotonic()
+    try:
+        call()
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+
+
+def test_a_peer_that_never_comes_is_named_within_the_timeout(monkeypatch):
+    """Rank 2 skips a pass: the ranks that wait for it raise RuntimeError within MEGAMOE_PEER_TIMEOUT_S, naming
+    the wait and rank 2 (on CPU ranks the megakernel's barriers meet through the group's store)."""
+    import re
+
+    monkeypatch.setenv("MEGAMOE_PEER_TIMEOUT_S", "3")
+    with pytest.raises(RuntimeError) as info:
+        launch(_one_rank_never_comes, 3)
+    first = str(info.value).splitlines()[0]
+    assert re.match(r"rank [01] failed first: RuntimeError: rank [01]: waited 3 s at .* for rank\(s\) \[2\], "
+                    r"which never arrived", first), first
+    seconds = float(re.search(r"\[after ([0-9.]+) s\]", first).group(1))
+    assert 3 <= seconds < 3 + 4, first
+
+
+def test_the_waits_budgets_are_configurable_and_checked(monkeypatch):
+    from megamoe.parallel.world import DEFAULT_PEER_TIMEOUT_S, peer_timeout_s
+    from megamoe.runtime import resolve_wait_budget
+
+    assert peer_timeout_s() == DEFAULT_PEER_TIMEOUT_S
+    monkeypatch.setenv("MEGAMOE_PEER_TIMEOUT_S", "2.5")
+    assert peer_timeout_s() == 2.5
+    monkeypatch.setenv("MEGAMOE_WAIT_BUDGET", "1000")
+    assert resolve_wait_budget() == 1000 and resolve_wait_budget(7) == 7
+    for name, value, call in (("MEGAMOE_PEER_TIMEOUT_S", "0", peer_timeout_s),
+                              ("MEGAMOE_PEER_TIMEOUT_S", "nan", peer_timeout_s),
+                              ("MEGAMOE_WAIT_BUDGET", "-3", resolve_wait_budget),
+                              ("MEGAMOE_WAIT_BUDGET", str(2**31), resolve_wait_budget)):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
+def _gpu_rank_never_comes(world):
+    import time
+
+    from megamoe.megakernel import megamoe_forward
+
+    cfg = MoEConfig(hidden=1024, intermediate=384, num_experts=8, top_k=2, shared=(256,))
+    p = make_problem(cfg, world.rank, world.size, 256, dtype=torch.bfloat16, seed=3, device=world.device)
+    call = lambda: megamoe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up,  # noqa: E731
+                                   p.w_down, p.shared, max_tokens=256)
+    call()
+    if world.rank == world.size - 1:
+        time.sleep(30)
+        return None
+    start = time.monotonic()
+    message = raised([call], RuntimeError)[0]
+    return message, time.monotonic() - start
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_a_peer_that_never_comes_is_named_by_the_waits(monkeypatch):
+    """On the GPU the pass barrier's bounded wait (MEGAMOE_WAIT_BUDGET polls) names the rank it waited for."""
+    monkeypatch.setenv("MEGAMOE_WAIT_BUDGET", str(1 << 22))
+    ranks = max(2, torch.cuda.device_count())
+    for rank, result in enumerate(launch(_gpu_rank_never_comes, ranks, device="cuda")[:-1]):
+        message, seconds = result
+        assert message is not None and f"barrier flag of rank {ranks - 1}" in message, (rank, message)
+        assert seconds < 25, (rank, seconds)
+
+
+def _non_finite(world, fused):
+    from megamoe import moe
+    from megamoe.reference.ep import ep_moe
+
+    p = make_problem(CONFIG, world.rank, world.size, 12, dtype=torch.bfloat16, seed=4)
+    x, w = p.x.clone(), p.router_weights.clone()
+    if world.rank == 0:
+        x[3, 7] = float("nan")
+    else:
+        w[5, 1] = float("inf")
+    d_out = torch.randn(12, CONFIG.hidden, generator=torch.Generator().manual_seed(world.rank)).to(torch.bfloat16)
+    results = {}
+    for name, layer in (("megamoe", lambda *a: moe(world, *a, config=SMALL, fused_backward=fused)),
+                        ("reference", lambda *a: ep_moe(world, *a))):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, p.w_gate_up, p.w_down)]
+        shared = [tuple(t.detach().clone().requires_grad_() for t in pair) for pair in p.shared]
+        out = layer(leaves[0], p.top_experts, leaves[1], leaves[2], leaves[3], shared)
+        out.backward(d_out)
+        tensors = [out, *(t.grad for t in leaves), *(t.grad for pair in shared for t in pair)]
+        results[name] = [t.detach().float() for t in tensors]
+    masks = [torch.equal(a.isfinite(), b.isfinite()) for a, b in zip(results["megamoe"], results["reference"])]
+    out_m, out_r = results["megamoe"][0], results["reference"][0]
+    finite = out_r.isfinite()
+    close = bool(((out_m - out_r).abs()[finite] <= 2e-2 * out_r.abs()[finite].max()).all())
+    bad_tokens = sorted(set((~finite).nonzero()[:, 0].tolist()))
+    return masks, close, bad_tokens
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_non_finite_input_stays_in_its_tokens_rows_as_in_the_reference(fused):
+    """NaN in one token's x (rank 0) and Inf in one router weight (rank 1): the output is non-finite in exactly
+    that token's row, as in the reference; every gradient has the reference's non-finite pattern; the other
+    tokens' outputs are the reference's."""
+    for rank, (masks, close, bad_tokens) in enumerate(launch(_non_finite, 2, fused)):
+        assert bad_tokens == [(3, 5)[rank]], (rank, bad_tokens)
+        assert all(masks), (rank, masks)
+        assert close, rank
+
+
+def _finite_checks(world):
+    from megamoe import moe
+    from megamoe.megakernel import megamoe_forward
+
+    p = make_problem(CONFIG, world.rank, world.size, 12, dtype=torch.bfloat16, seed=5)
+    x, w = p.x.clone(), p.router_weights.clone()
+    x[4, 0] = float("inf")
+    w[9, 0] = float("nan")
+    args = (p.top_experts, w, p.w_gate_up, p.w_down, p.shared)
+    return raised([lambda: megamoe_forward(world, x, *args, config=SMALL, check_finite=True),
+                   lambda: moe(world, x, *args, config=SMALL, check_finite=True),
+                   lambda: moe(world, p.x, *args, config=SMALL, check_finite=True)])
+
+
+def test_the_opt_in_finite_check_names_the_token():
+    for messages in launch(_finite_checks, 1):
+        assert [m and m.split(" (")[0] for m in messages] == [
+            "token 4 has a NaN or Inf in x", "token 4 has a NaN or Inf in x",
+            "token 9 has a NaN or Inf in router_weights"], messages
+        assert "(2 such tokens in all)" in messages[0] and "(1 such token in all)" in messages[2], messages

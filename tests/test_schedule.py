@@ -327,7 +327,6 @@ def _distributed_worker(ep_world, tokens, k, L, align):
         gather_routing(mine, None, max_tokens=min(tokens) - 1)
 
 
-@pytest.mark.slow
 def test_distributed_matches_concatenated_routing():
     launch(_distributed_worker, 2, (3, 6), 2, 3, 4)
 

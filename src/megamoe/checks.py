@@ -195,6 +195,19 @@ def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, s
     return n, d, k, experts_local, inter
 
 
+def check_finite(x: torch.Tensor, router_weights: torch.Tensor) -> None:
+    """ValueError naming the first token whose x row or router weights hold a NaN or an Inf (a host sync).
+
+    Without this check a non-finite input stays in its token's rows, as in the reference: that token's output
+    and d_x, and the weight gradients of the experts it reached."""
+    bad = ~(x.isfinite().all(dim=1) & router_weights.isfinite().all(dim=1))
+    if bool(bad.any()):
+        token = int(bad.nonzero()[0, 0])
+        where = "x" if not bool(x[token].isfinite().all()) else "router_weights"
+        count = int(bad.sum())
+        raise ValueError(f"token {token} has a NaN or Inf in {where} ({count} such token{'s' * (count != 1)} in all)")
+
+
 def is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -9,6 +9,8 @@ its CPU path (phased megakernel, fp32 dots, software E4M3 rounding).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton import knobs
 
@@ -45,9 +47,16 @@ def num_programs(device: torch.device, requested: int | None = None) -> int:
 
 
 def resolve_wait_budget(budget: object = None) -> int:
-    """An in-kernel wait's poll budget: ``budget`` (an int in [1, 2**31)), or the default for where kernels run."""
+    """An in-kernel wait's poll budget: ``budget`` (an int in [1, 2**31)), else ``MEGAMOE_WAIT_BUDGET``, else the
+    default for where kernels run."""
     if budget is None:
-        return DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET
+        text = os.environ.get("MEGAMOE_WAIT_BUDGET")
+        if text is None:
+            return DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET
+        budget = int(text) if text.strip().isdigit() else text
+        where = "MEGAMOE_WAIT_BUDGET"
+    else:
+        where = "wait_budget"
     if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget < 2**31:
-        raise ValueError(f"wait_budget must be an int in [1, 2**31), got {budget!r}")
+        raise ValueError(f"{where} must be an int in [1, 2**31), got {budget!r}")
     return budget

@@ -35,6 +35,7 @@ def moe(
     max_tokens: int | None = None,
     check: bool = True,
     fused_backward: bool = False,
+    check_finite: bool = False,
 ) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens, differentiable in x, the router weights, the experts.
 
@@ -59,11 +60,17 @@ def moe(
             On one H200 the composed kernels ran 15-39 % faster than the megakernel as built
             (benchmarks/results/2026-12-01-backward-first-gpu): the default until the megakernel is tuned.
             One rank always composes them (nothing to overlap).
+        check_finite: raise ValueError naming the first token whose x or router weights are not finite (a host
+            sync). Without it such a token's rows stay non-finite, as in the reference (docs/errors.md).
 
     Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
     """
     check_precision(precision)
     compiling = torch.compiler.is_compiling()
+    if check_finite:
+        if compiling:
+            raise ValueError("check_finite reads the inputs on the host: torch.compile cannot trace it")
+        checks.check_finite(x, router_weights)
     n, *_ = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared,
                                     swiglu_limit, check_ids=check and not compiling)
     shared = [(gu, dn) for gu, dn in shared]

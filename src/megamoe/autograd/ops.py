@@ -85,7 +85,8 @@ def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_
     i32 = dict(dtype=torch.int32)
     shared_h = x.new_empty(max(max_tokens, 1), 2 * Is, dtype=torch.bfloat16) if Is else x.new_empty(
         0, 0, dtype=torch.bfloat16)
-    return (x.new_empty(x.shape[0], D, dtype=torch.bfloat16), x.new_empty(rows, 2 * I, dtype=torch.bfloat16), shared_h, x.new_empty(shape.capacity, **i32),
+    return (x.new_empty(x.shape[0], D, dtype=torch.bfloat16), x.new_empty(rows, 2 * I, dtype=torch.bfloat16),
+            shared_h, x.new_empty(shape.capacity, **i32),
             x.new_empty(shape.capacity, **i32), x.new_empty(L, **i32), x.new_empty(L, shape.num_ranks, **i32),
             x.new_empty(L, **i32), x.new_empty((), **i32))
 

@@ -323,7 +323,7 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precisi
 
 def timed_pass(world: EPWorld, fn) -> tuple[float, object]:
     """Milliseconds of ``fn()`` on this rank, started together with the other ranks."""
-    world.barrier()
+    world.barrier("a timed pass's start")
     if world.is_cuda:
         torch.cuda.synchronize(world.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -213,7 +213,7 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
     sym.local("x")[:n].copy_(x)
     sym.local("d_out")[:n].copy_(d_out)
     sym.local("router_weights")[:n].copy_(router_weights)
-    k._barrier(0)
+    k._barrier(0, "the start of a backward pass (every rank staged)")
     # 2. row weights from the home ranks; the forward's row tiles
     sch = saved.schedule
     bl.buffers.row_w.copy_(row_weights(sym, sch, k.world.size))
@@ -235,10 +235,10 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
     values = bl.arguments(n, saved, tiles, w_gate_up, w_down, shared, swiglu_limit, grads)
     bl.run(values, None if k.gpu else int(sch.num_rows))
     if not k.gpu:
-        k.world.barrier()  # every rank's pushes landed
+        k.world.barrier("the backward megakernel's end (every d_x push landed)")
     # 4. router-weight gradients home
     push_router_grads(sym, sch, bl.buffers.d_router, k.world.size)
-    k._barrier(0)
+    k._barrier(0, "the backward's router-gradient pushes")
     # 5. at home
     d_x, d_router = home_sums(sym.local("combine"), sym.local("d_router"), top_experts, n, kk, D,
                               bl.buffers.shared_dx[:n] if shared is not None else None)

@@ -45,6 +45,7 @@ def megamoe_forward(
     max_tokens: int | None = None,
     experts_q: QuantizedExperts | None = None,
     check: bool = True,
+    check_finite: bool = False,
 ) -> torch.Tensor:
     """The MoE layer's forward over ``world`` as one megakernel per pass, without autograd (``megamoe.moe`` trains).
 
@@ -69,6 +70,8 @@ def megamoe_forward(
             weights inside every pass (a pass over all of them).
         check: validate the expert ids and read the kernel's error word after the pass (host syncs).
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
+        check_finite: raise ValueError naming the first token whose x or router weights are not finite (a host
+            sync). Without it such a token's output row is non-finite, as in the reference.
 
     Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
     The kernel of each shape is kept on the world (``world.resources``; ``world.close()`` frees it), one
@@ -86,13 +89,15 @@ def megamoe_forward(
                          "megamoe.moe (or megamoe.MoE) to train, or call this under torch.no_grad()")
     with torch.no_grad():
         return _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, config,
-                        precision, max_tokens, experts_q, check)
+                        precision, max_tokens, experts_q, check, check_finite)
 
 
 def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, config, precision,
-             max_tokens, experts_q, check) -> torch.Tensor:
+             max_tokens, experts_q, check, check_finite) -> torch.Tensor:
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
                                                       shared, swiglu_limit, check_ids=check)
+    if check_finite:
+        checks.check_finite(x, router_weights)
     if max_tokens is None:
         max_tokens = world.largest(n)  # NOTE: host sync
     if not isinstance(max_tokens, int) or max_tokens < n:

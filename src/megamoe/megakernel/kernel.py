@@ -409,12 +409,12 @@ class MegaKernel:
                                                    swiglu_limit)
             self.launcher.run(schedule, args, consts)
             if not self.gpu:
-                self.world.barrier()  # every rank's pushes landed
+                self.world.barrier("the end of a forward pass (every push landed)")
         return schedule, tiles
 
-    def _barrier(self, row: int) -> None:
+    def _barrier(self, row: int, what: str = "the start of a forward pass (every rank staged)") -> None:
         if not self.gpu:
-            self.world.barrier()
+            self.world.barrier(what)
             return
         sync.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("flags")[row], self.epochs[row:],
                                      self.world.rank, self.world.size, self.budget, self.error, num_warps=1)

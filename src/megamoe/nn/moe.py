@@ -51,13 +51,16 @@ class MoE(nn.Module):
         seed: the weights' init seed (see the module docstring).
         impl: ``megamoe`` (default), ``reference`` or ``nccl-torch`` (:data:`IMPLS`): the same weights through
             another implementation, for comparisons (the last two are BF16 and ignore the kernel's knobs).
+        check_finite: every forward raises ValueError naming the first token whose x or router weights are not
+            finite (a host sync; megamoe only).
 
     ``forward(x [N, D] bf16, top_experts int [N, k], router_weights float32 [N, k])`` returns bf16 `[N, D]`.
     """
 
     def __init__(self, config: MoEConfig, world: EPWorld, *, precision: str = "bf16",
                  device: torch.device | str | None = None, max_tokens: int | None = None,
-                 kernel_config: KernelConfig | None = None, seed: int = 0, impl: str = "megamoe"):
+                 kernel_config: KernelConfig | None = None, seed: int = 0, impl: str = "megamoe",
+                 check_finite: bool = False):
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -70,7 +73,7 @@ class MoE(nn.Module):
                                        or max_tokens < 0):
             raise ValueError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
         self.config, self.world, self.precision, self.impl = config, world, precision, impl
-        self.max_tokens, self.kernel_config = max_tokens, kernel_config
+        self.max_tokens, self.kernel_config, self.check_finite = max_tokens, kernel_config, bool(check_finite)
         L = config.experts_per_rank(world.size)
         device = torch.device(device) if device is not None else world.device
         D, I = config.hidden, config.intermediate
@@ -94,7 +97,8 @@ class MoE(nn.Module):
             return ep_moe(*args)
         if self.impl == "nccl-torch":
             return nccl_torch_moe(*args)
-        return moe(*args, precision=self.precision, config=self.kernel_config, max_tokens=self.max_tokens)
+        return moe(*args, precision=self.precision, config=self.kernel_config, max_tokens=self.max_tokens,
+                   check_finite=self.check_finite)
 
     def extra_repr(self) -> str:
         c = self.config

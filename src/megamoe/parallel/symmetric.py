@@ -82,7 +82,7 @@ class SymmetricWorkspace:
         # (a peer_ptrs sum is a kernel launch)
         self._views = {(name, r): self._view(name, r) for name in self.specs for r in range(world.size)}
         self._peer_ptrs = {name: self._ptrs + self._offsets[name] for name in self.specs}
-        world.barrier()
+        world.barrier("a symmetric workspace's allocation")
 
     def _map_cuda(self) -> list[torch.Tensor]:
         import torch.distributed._symmetric_memory as symm_mem
@@ -101,10 +101,10 @@ class SymmetricWorkspace:
         # A fresh file reads as zeros; every rank maps every file, then each
         # owner unlinks its own: the mappings outlive the names, nothing leaks.
         local = torch.from_file(paths[self.world.rank], shared=True, size=self.nbytes, dtype=torch.uint8)
-        self.world.barrier()
+        self.world.barrier("a symmetric workspace's files made")
         bases = [local if r == self.world.rank else torch.from_file(p, shared=True, size=self.nbytes, dtype=torch.uint8)
                  for r, p in enumerate(paths)]
-        self.world.barrier()
+        self.world.barrier("a symmetric workspace's files mapped")
         os.unlink(paths[self.world.rank])
         return bases
 
@@ -147,7 +147,7 @@ class SymmetricWorkspace:
         """Release the memory (collective: after every rank's last use)."""
         if self._bases is None:
             return
-        self.world.barrier()
+        self.world.barrier("a symmetric workspace's release")
         self._bases = None
         self._handle = None
         self._ptrs = None

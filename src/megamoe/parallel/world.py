@@ -97,6 +97,7 @@ class EPWorld:
     device: torch.device
     ranks_per_device: int = 1
     resources: WorldResources = field(default_factory=WorldResources, compare=False, repr=False)
+    _barriers: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)  # store barriers passed
 
     def close(self) -> None:
         """Free what was built on this world (collective); the process group stays."""
@@ -111,14 +112,35 @@ class EPWorld:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "a barrier") -> None:
+        """Every rank reaches this point. Without NCCL (CPU ranks, ranks sharing a GPU) it meets through the
+        group's store, so a rank that never comes is named: RuntimeError after :func:`peer_timeout_s` seconds
+        (``MEGAMOE_PEER_TIMEOUT_S``), naming ``what`` and the missing ranks, on every rank that waited."""
         if self.is_cuda and dist.get_backend(self.group) == "nccl":
             dist.barrier(group=self.group, device_ids=[self.device.index])
-        else:
+            return
+        store = _store_of(self.group)
+        if store is None:
             dist.barrier(group=self.group)
+            return
+        self._barriers[0] += 1
+        epoch = self._barriers[0]
+        keys = [f"megamoe/barrier/{epoch}/{r}" for r in range(self.size)]
+        store.set(keys[self.rank], what)
+        timeout = peer_timeout_s()
+        try:
+            store.wait(keys, timedelta(seconds=timeout))
+        except Exception:  # the store's timeout error: name who is missing
+            missing = [r for r in range(self.size) if not store.check([keys[r]])]
+            raise RuntimeError(f"rank {self.rank}: waited {timeout:g} s at {what} for rank(s) {missing}, which never "
+                               f"arrived (MEGAMOE_PEER_TIMEOUT_S sets the wait)") from None
+        if epoch > 2:  # every rank has left barrier epoch - 2: its key is read by nobody now
+            store.delete_key(f"megamoe/barrier/{epoch - 2}/{self.rank}")
 
     def largest(self, value: int) -> int:
         """The largest ``value`` over the group's ranks (collective: an all-reduce MAX, one host sync)."""
+        if not (self.is_cuda and dist.get_backend(self.group) == "nccl"):
+            self.barrier("the group's largest token count")  # a peer that never comes is named, not waited on
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
@@ -141,6 +163,32 @@ class EPWorld:
             fields = "; ".join(f"{key}: " + ", ".join(f"rank {r} {v.get(key)!r}" for r, v in enumerate(everyone))
                                for key in differ)
             raise ValueError(f"{what}: the ranks disagree ({fields}); every rank must build it alike")
+
+
+#: Seconds a rank waits at a store barrier for a peer before naming it (MEGAMOE_PEER_TIMEOUT_S overrides).
+DEFAULT_PEER_TIMEOUT_S = 300.0
+
+
+def peer_timeout_s() -> float:
+    """The store barriers' wait: ``MEGAMOE_PEER_TIMEOUT_S`` (seconds > 0), else :data:`DEFAULT_PEER_TIMEOUT_S`."""
+    text = os.environ.get("MEGAMOE_PEER_TIMEOUT_S")
+    if text is None:
+        return DEFAULT_PEER_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"MEGAMOE_PEER_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _store_of(group) -> Any:
+    """The store the group met through (None where torch does not say)."""
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def _device_for_rank(rank: int, device: str) -> torch.device:
@@ -191,7 +239,8 @@ def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable,
     path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
         world = init_world(device)
-        world.barrier()  # every rank connected before any runs: one done at once would close on a peer connecting
+        # every rank connected before any runs: one done at once would close on a peer still connecting
+        world.barrier("launch's start")
         result = fn(world, *args)
     except BaseException as exc:
         # Written first, with the time: the launcher reports the rank that failed first, not the peers that
@@ -200,8 +249,13 @@ def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable,
         torch.save({"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(),
                     "time": time.time()}, path)
         raise
-    world.close()
-    dist.destroy_process_group()
+    try:
+        world.close()
+        dist.destroy_process_group()
+    except BaseException as exc:
+        torch.save({"ok": False, "error": f"{type(exc).__name__} in the clean-up after fn returned: {exc}",
+                    "trace": traceback.format_exc(), "time": time.time()}, path)
+        raise
     torch.save({"ok": True, "result": result}, path)
     # The result is on disk: leave without the interpreter's teardown, where a CPU rank was seen (once in ~5
     # CI runs) to abort with "terminate called without an active exception" (a native thread still joinable

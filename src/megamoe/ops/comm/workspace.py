@@ -318,7 +318,7 @@ class CommWorkspace:
     def sync(self) -> None:
         """Host-side barrier: this rank's queued work done, then every rank here."""
         self.device_sync()
-        self.world.barrier()
+        self.world.barrier("a communication workspace's sync")
 
     @property
     def usable(self) -> bool:
