@@ -57,7 +57,8 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.shared holds a bad intermediate size {size!r}")
         object.__setattr__(self, "shared", shared)
         limit = self.swiglu_limit
-        if limit is not None and not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+        if limit is not None and (isinstance(limit, bool) or not (isinstance(limit, (int, float))
+                                                                  and math.isfinite(limit) and limit > 0)):
             raise ValueError(f"MoEConfig.swiglu_limit must be a positive finite number, got {limit!r}")
 
     def experts_per_rank(self, ep: int) -> int:

@@ -101,6 +101,10 @@ def nccl_torch_moe(
     """
     n, d, k, experts_local, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
                                                    swiglu_limit)
+    for name, t in [("w_gate_up", w_gate_up), ("w_down", w_down)] + [(f"shared[{s}]", gu) for s, (gu, _) in
+                                                                       enumerate(shared)]:
+        if t.dtype != x.dtype:  # its matmuls run in x's dtype
+            raise ValueError(f"{name} is {t.dtype}, x {x.dtype}: nccl_torch_moe computes in one dtype")
     ranks = world.size
     num_experts = experts_local * ranks
     checks.check_expert_ids(top_experts, num_experts)  # the split sizes sync the host anyway

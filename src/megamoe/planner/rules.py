@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from megamoe.config import MoEConfig
+from megamoe.precision import check_precision
 from megamoe.planner.kernel_config import KernelConfig, LayerShape, check_kernel_config
 
 #: H200 measurements the rules use. Routed expert GEMM rates on full 128-row tiles, scaled to all 132 SMs, from
@@ -153,9 +154,8 @@ def plan(
     backward_minibatch: int | None = None,
 ) -> Plan:
     """Plan the kernel for ``tokens`` tokens per rank on ``ep`` ranks; explicit knobs override the rules."""
-    if precision not in GEMM_TFLOPS:
-        raise ValueError(f"precision must be one of {sorted(GEMM_TFLOPS)}, got {precision!r}")
-    if not isinstance(tokens, int) or tokens < 1:
+    check_precision(precision)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     experts = cfg.experts_per_rank(ep)
     why = [f"{experts} local experts per rank (E {cfg.num_experts} / EP {ep}); "
