@@ -89,3 +89,20 @@ def test_compare_catches_one_wrong_row_that_relative_l1_misses():
     nan = ref.clone()
     nan[3, 3] = float("nan")
     assert not compare({"d": nan}, {"d": ref}, "bf16")["correct"]
+
+
+def _no_tokens_anywhere(world):
+    p = make_problem(MoEConfig(hidden=64, intermediate=32, num_experts=4, top_k=2, shared=(32,)), world.rank,
+                     world.size, 0, dtype=torch.float32, seed=0)
+    leaves = [t.clone().requires_grad_() for t in (p.w_gate_up, p.w_down, *p.shared[0])]
+    out = nccl_torch_moe(world, p.x, p.top_experts, p.router_weights, leaves[0], leaves[1],
+                         [(leaves[2], leaves[3])])
+    out.backward(torch.zeros_like(out))
+    return [None if t.grad is None else (tuple(t.grad.shape) == tuple(t.shape) and not t.grad.any().item())
+            for t in leaves]
+
+
+def test_no_tokens_on_any_rank_gives_zero_gradients_not_none():
+    """With no rows at all the weights still get (zero) gradients: the empty GEMMs stay in the graph."""
+    for grads in launch(_no_tokens_anywhere, 2):
+        assert grads == [True, True, True, True], grads

@@ -147,6 +147,6 @@ def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
 
 
 def _grouped_mm(a_MK: torch.Tensor, b_GKN: torch.Tensor, ends_G: torch.Tensor) -> torch.Tensor:
-    if a_MK.shape[0] == 0:  # no rows at all: keep the graph connected to the weights
-        return a_MK.new_zeros(0, b_GKN.shape[-1]) + 0 * b_GKN.sum()
+    if a_MK.shape[0] == 0:  # no rows at all: keep the graph connected to the weights, and to a's (earlier ones)
+        return a_MK.new_zeros(0, b_GKN.shape[-1]) + 0 * b_GKN.sum() + 0 * a_MK.sum()
     return torch._grouped_mm(a_MK, b_GKN, offs=ends_G)
