@@ -1,4 +1,4 @@
-"""The `megamoe` command line: `megamoe bench`."""
+"""The `megamoe` command line: `megamoe bench`, `megamoe train`."""
 
 from __future__ import annotations
 
@@ -203,6 +203,57 @@ def plan(
     print(f"megamoe plan: {preset}, EP {ep}, {tokens} tokens per rank, {precision}, {sms} SMs, "
           f"{layers} MoE layer{'s' if layers != 1 else ''}")
     print(text)
+
+
+@app.command()
+def train(
+    preset: str = typer.Option("cpu", help="Model shape: cpu (a tiny Qwen3-MoE, minutes on 2 CPU cores) or h200x2 "
+                                           "(8 Qwen3-30B-A3B-shaped layers for two H200s)."),
+    impl: str = typer.Option("megamoe,reference", help="Comma-separated MoE implementations, each trained in turn "
+                                                        "from the same weights and data: megamoe, reference, "
+                                                        "nccl-torch."),
+    steps: int = typer.Option(None, help="Optimizer steps per implementation (default: the preset's: cpu 12, "
+                                         "h200x2 50)."),
+    ranks: int = typer.Option(None, help="Expert-parallel ranks (default: every GPU, or 2 simulated CPU ranks)."),
+    device: str = typer.Option(None, help="cuda or cpu (default: cuda when a GPU is visible)."),
+    seed: int = typer.Option(0, help="Seed of the initial weights and of the synthetic data."),
+    lr: float = typer.Option(None, help="AdamW's learning rate (default: the preset's)."),
+    out: str = typer.Option("megamoe-train.json", help="Write the run's JSON record here."),
+    plot: str = typer.Option("megamoe-train.png", help="Write the loss curves (PNG) here."),
+) -> None:
+    """Train a small decoder end to end with AdamW, expert parallel, its MoE blocks run by each implementation."""
+    if device is not None and device not in DEVICES:
+        _fail(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda: no CUDA GPU is visible; use --device cpu")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":  # Triton kernels run under the interpreter on the CPU (set before they are imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from megamoe.training import TrainOptions, format_table, plot_losses
+    from megamoe.training import train as run_training
+    from megamoe.training import write_json as write_record
+
+    console = Console(soft_wrap=True)
+    try:
+        options = TrainOptions(preset=preset, impls=_csv(impl), steps=steps, device=device, seed=seed, lr=lr,
+                               ranks=ranks if ranks is not None else (torch.cuda.device_count() if device == "cuda"
+                                                                      else 2))
+    except ValueError as exc:
+        _fail(str(exc))
+    console.print(f"[bold]megamoe train[/bold]: {options.preset} on {options.ranks} {device} rank(s), impls "
+                  f"{', '.join(options.impls)}, {options.steps} steps, lr {options.lr:g}")
+    try:
+        record = run_training(options, log=console.print)
+    except ImportError as exc:  # transformers missing
+        _fail(str(exc))
+    print(format_table(record))
+    if device == "cpu":
+        console.print("note: CPU run: the Triton kernels ran under the interpreter, so these timings are not GPU "
+                      "timings; peak memory is each rank's max RSS")
+    write_record(record, out)
+    console.print(f"record written to {out}")
+    skipped = plot_losses(record, plot)
+    console.print(skipped or f"loss curves written to {plot}")
 
 
 @app.command()
