@@ -265,7 +265,7 @@ def test_backward_ab_runs_on_cpu_ranks(tmp_path):
             "--rounds", "1", "--passes", "1", "--out", str(out), timeout=300)
     res = json.loads(out.read_text())
     assert res["bitwise_equal"] == {"3": True, "composed": True}, res
-    assert "backward_comm_sms=3)" in res["configs"]["3"] and res["ranks"] == 2, res
+    assert "backward_comm_sms=3," in res["configs"]["3"] and res["ranks"] == 2, res
     assert all(len(v) == 1 and v[0] > 0 for v in res["rounds_ms"].values()), res
 
 
