@@ -32,6 +32,25 @@ from megamoe.reference.ep import ep_moe
 IMPLS = ("megamoe", "reference", "nccl-torch")
 
 
+def check_impl(impl: str, precision: str) -> None:
+    """ValueError unless ``impl`` is one of :data:`IMPLS` and runs ``precision``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl != "megamoe" and precision != "bf16":
+        raise ValueError(f"impl {impl!r} runs bf16 experts only, got precision {precision!r}")
+
+
+def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelConfig | None = None,
+             max_tokens: int | None = None, check_finite: bool = False) -> torch.Tensor:
+    """The layer through ``impl``: ``args`` are :func:`megamoe.moe`'s positional ones (world .. swiglu_limit);
+    the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs)."""
+    if impl == "reference":
+        return ep_moe(*args)
+    if impl == "nccl-torch":
+        return nccl_torch_moe(*args)
+    return moe(*args, precision=precision, config=config, max_tokens=max_tokens, check_finite=check_finite)
+
+
 def _normal(shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed)
     return (torch.randn(shape, generator=g, device=device) * std).to(torch.bfloat16)
@@ -62,10 +81,7 @@ class MoE(nn.Module):
                  kernel_config: KernelConfig | None = None, seed: int = 0, impl: str = "megamoe",
                  check_finite: bool = False):
         super().__init__()
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-        if impl != "megamoe" and precision != "bf16":
-            raise ValueError(f"impl {impl!r} runs bf16 experts only, got precision {precision!r}")
+        check_impl(impl, precision)
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
         check_precision(precision)
@@ -93,12 +109,8 @@ class MoE(nn.Module):
         shared = list(zip(self.shared_gate_up, self.shared_down))
         args = (self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
                 self.config.swiglu_limit)
-        if self.impl == "reference":
-            return ep_moe(*args)
-        if self.impl == "nccl-torch":
-            return nccl_torch_moe(*args)
-        return moe(*args, precision=self.precision, config=self.kernel_config, max_tokens=self.max_tokens,
-                   check_finite=self.check_finite)
+        return run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
+                        max_tokens=self.max_tokens, check_finite=self.check_finite)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -202,10 +202,12 @@ def _device_for_rank(rank: int, device: str) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def init_world(device: str | None = None) -> EPWorld:
-    """Join (or start) the default process group from torchrun-style env vars.
+def init_world(device: str | None = None, group: Any = None) -> EPWorld:
+    """Join (or start) the default process group from torchrun-style env vars; the world over ``group``.
 
-    ``device`` defaults to ``cuda`` when a GPU is visible, else ``cpu``.
+    ``device`` defaults to ``cuda`` when a GPU is visible, else ``cpu``. ``group`` (default: every rank) is the
+    expert-parallel group when it is one dimension of a larger job, e.g. ``mesh["ep"].get_group()`` of a
+    ``DeviceMesh`` whose other dimension is data parallel (:mod:`megamoe.adapters.fsdp`); it must hold this rank.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     for key, value in _NO_MULTICAST.items():
@@ -227,7 +229,12 @@ def init_world(device: str | None = None) -> EPWorld:
         init_method = f"file://{init_file}" if init_file else "env://"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout,
                                 **kwargs)
-    return EPWorld(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD, device=dev,
+    if group is None:
+        group = dist.group.WORLD
+    rank_in_group = dist.get_rank(group)
+    if rank_in_group < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not in the group given to init_world")
+    return EPWorld(rank=rank_in_group, size=dist.get_world_size(group), group=group, device=dev,
                    ranks_per_device=per_device)
 
 

@@ -1,0 +1,163 @@
+"""HuggingFace transformers: run a model's sparse MoE blocks on megamoe, expert parallel over a world.
+
+    model = AutoModelForCausalLM.from_config(config)        # or from_pretrained(...)
+    model = megamoe.adapters.hf.patch(model, world)          # every rank, alike
+
+:func:`patch` replaces the ``experts`` of each supported block (:data:`BLOCKS`) with
+:class:`ExpertParallelExperts`, which holds this rank's slice of the experts (experts ``rank*L .. rank*L+L-1``)
+and runs them through :func:`megamoe.moe`. Everything else stays the model's own code: its router (softmax or
+sigmoid, top-k, ``norm_topk_prob``, ``routed_scaling_factor``, DeepSeek-V3's grouped top-k and
+``e_score_correction_bias``), its shared experts and their gates, Mixtral's jitter. So the routing is exactly
+the model's, and the experts compute what transformers' experts compute, in BF16.
+
+Training: the routed experts' gradients cover every rank's tokens routed to them (complete); every other
+parameter is replicated and its gradient covers this rank's tokens: reduce those over the world (DDP, FSDP over
+the data dimension, or an all-reduce) as for any data-parallel weight.
+
+Checkpoints: ``state_dict()`` of a patched model has the unpatched model's keys and shapes — each
+``gate_up_proj`` / ``down_proj`` gathered to all E experts (collective: every rank calls it) — and
+``load_state_dict`` takes either the full experts (each rank keeps its slice) or this rank's slice. So
+``save_pretrained`` writes a checkpoint the unpatched model loads, and a patched model loads a HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megamoe.nn.moe import check_impl, run_impl
+from megamoe.parallel.world import EPWorld
+from megamoe.planner import KernelConfig
+from megamoe.precision import check_precision
+
+#: The transformers blocks patched (class names): each calls ``self.experts(x [N, D], top_k_index [N, k],
+#: top_k_weights [N, k])`` on experts holding ``gate_up_proj [E, 2I, D]`` (gate rows, then up) and
+#: ``down_proj [E, D, I]`` with a SiLU gate: megamoe's layout.
+BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV3MoE")
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's slice of a transformers experts module, run by megamoe (built by :func:`patch`).
+
+    Parameters ``gate_up_proj [L, 2I, D]`` and ``down_proj [L, D, I]`` keep the model's dtype (the master
+    weights); the layer runs them in BF16 (a cast per call when the model is not BF16) and returns x's dtype.
+    """
+
+    def __init__(self, experts: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: str = "megamoe",
+                 max_tokens: int | None = None, kernel_config: KernelConfig | None = None):
+        super().__init__()
+        check_impl(impl, precision)
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        E = gate_up.shape[0]
+        if E % world.size:
+            raise ValueError(f"{E} experts do not split over {world.size} ranks: E must be a multiple of the "
+                             f"world size")
+        L = E // world.size
+        self.world, self.num_experts, self.local_experts = world, E, L
+        self.first_expert = world.rank * L
+        self.precision, self.impl, self.max_tokens, self.kernel_config = precision, impl, max_tokens, kernel_config
+        rows = slice(self.first_expert, self.first_expert + L)
+        device = world.device
+        self.gate_up_proj = nn.Parameter(gate_up.detach()[rows].to(device).clone(),
+                                         requires_grad=gate_up.requires_grad)
+        self.down_proj = nn.Parameter(down.detach()[rows].to(device).clone(), requires_grad=down.requires_grad)
+        self.register_state_dict_post_hook(_gather_experts)
+        self.register_load_state_dict_pre_hook(_slice_experts)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        args = (self.world, hidden_states.to(torch.bfloat16), top_k_index.to(torch.int32),
+                top_k_weights.to(torch.float32), self.gate_up_proj.to(torch.bfloat16),
+                self.down_proj.to(torch.bfloat16))
+        out = run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
+                       max_tokens=self.max_tokens)
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first_expert}..{self.first_expert + self.local_experts - 1} of {self.num_experts}, "
+                f"rank {self.world.rank} of {self.world.size}, precision={self.precision}, impl={self.impl}")
+
+
+def _gather_experts(module: ExpertParallelExperts, state_dict, prefix: str, local_metadata) -> None:
+    """state_dict: every rank's slice gathered into the full ``[E, ...]`` tensors (collective)."""
+    if module.world.size == 1:
+        return
+    for name in ("gate_up_proj", "down_proj"):
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = _all_gather_rows(module.world, state_dict[key])
+
+
+def _all_gather_rows(world: EPWorld, t: torch.Tensor) -> torch.Tensor:
+    # as bytes: every backend moves those (gloo has no bf16 or int16), whatever the dtype
+    t = t.detach().contiguous()
+    raw = t.view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(world.size)]
+    dist.all_gather(parts, raw, group=world.group)
+    return torch.cat(parts).view(t.dtype)
+
+
+def _slice_experts(module: ExpertParallelExperts, state_dict, prefix: str, local_metadata, strict, missing_keys,
+                   unexpected_keys, error_msgs) -> None:
+    """load_state_dict: full ``[E, ...]`` experts become this rank's slice; a slice of L loads as it is."""
+    for name in ("gate_up_proj", "down_proj"):
+        key = prefix + name
+        t = state_dict.get(key)
+        if t is not None and t.dim() == 3 and t.shape[0] == module.num_experts != module.local_experts:
+            state_dict[key] = t[module.first_expert:module.first_expert + module.local_experts]
+
+
+def _check_experts(name: str, experts: nn.Module) -> None:
+    """ValueError unless ``experts`` is the layout megamoe runs (SwiGLU, [gate | up], not transposed, no bias)."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        raise ValueError(f"{name}: its experts have no gate_up_proj / down_proj tensors")
+    config = getattr(experts, "config", None)
+    act = getattr(config, "hidden_act", "silu")
+    layout = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True}
+    off = [f"{key}={getattr(experts, key)!r}" for key, want in layout.items()
+           if getattr(experts, key, want) != want]
+    if act != "silu" or off:
+        raise ValueError(f"{name}: megamoe runs SwiGLU experts stored [gate | up] without bias; these have "
+                         f"hidden_act={act!r} {' '.join(off)}".rstrip())
+    E, two_i, D = gate_up.shape
+    if tuple(down.shape) != (E, D, two_i // 2) or two_i % 2:
+        raise ValueError(f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                         f"[E, 2I, D] and [E, D, I]")
+
+
+def patch(model: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: str = "megamoe",
+          max_tokens: int | None = None, kernel_config: KernelConfig | None = None) -> nn.Module:
+    """Run every supported sparse MoE block of ``model`` (:data:`BLOCKS`) on megamoe; returns ``model``.
+
+    Collective: every rank of ``world`` patches a model built alike (the same config and weights): each keeps
+    its slice of every block's experts. The model moves nothing else (put it on ``world.device`` as usual).
+
+    Args:
+        model: a transformers model (any module holding supported blocks).
+        world: the expert-parallel group; E must be a multiple of its size.
+        precision: the routed experts' precision (``bf16`` trains; the FP8 ones run forward only so far).
+        impl: ``megamoe`` (default), or for comparisons ``reference`` (FP32 math over the EP group) or
+            ``nccl-torch`` (all-to-all + grouped GEMM), as :class:`megamoe.MoE` (:data:`megamoe.nn.moe.IMPLS`).
+        max_tokens: the largest tokens per rank a forward sees (batch x sequence); None finds it every call (an
+            all-reduce: a host sync).
+        kernel_config: the megakernel's knobs (default: the planner's).
+
+    Raises ValueError when the model has no supported block, or a block's experts are not SwiGLU in the
+    ``[gate | up]`` layout.
+    """
+    check_precision(precision)
+    check_impl(impl, precision)
+    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in BLOCKS]
+    if not blocks:
+        found = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()})
+        raise ValueError(f"{type(model).__name__} has no MoE block megamoe patches (it patches {', '.join(BLOCKS)}"
+                         f"{'; found ' + ', '.join(found) if found else ''})")
+    for name, block in blocks:
+        if isinstance(block.experts, ExpertParallelExperts):
+            continue  # patched already
+        _check_experts(name or type(block).__name__, block.experts)
+        block.experts = ExpertParallelExperts(block.experts, world, precision=precision, impl=impl,
+                                              max_tokens=max_tokens, kernel_config=kernel_config)
+    return model

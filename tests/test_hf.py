@@ -1,0 +1,187 @@
+"""megamoe.adapters.hf: tiny transformers models (built from their configs, nothing downloaded) patched onto megamoe
+on CPU ranks give the unpatched model's outputs and gradients within BF16 tolerance, and their state_dicts load
+into unpatched models and back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megamoe.bench.harness import error_stats
+from megamoe.parallel.world import launch
+
+transformers = pytest.importorskip("transformers")
+
+#: The experts run in BF16 against the model's FP32 ones: relative L1 of the logits, of every gradient.
+LOGITS_TOLERANCE = 1e-2
+GRAD_TOLERANCE = 3e-2
+VOCAB, SEQ, BATCH = 96, 12, 2
+
+
+def _qwen3():
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64, attn_implementation="eager"))
+
+
+def _deepseek_v3():
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0,
+        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        max_position_embeddings=64, attn_implementation="eager"))
+    for block in model.modules():  # a selection bias that matters (it is zeros at init)
+        if type(block).__name__ == "DeepseekV3TopkRouter":
+            block.e_score_correction_bias.copy_(torch.randn(block.e_score_correction_bias.shape) * 0.1)
+    return model
+
+
+def _mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        attn_implementation="eager"))
+
+
+def _qwen2():
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64,
+        attn_implementation="eager"))
+
+
+MODELS = {"qwen3-moe": _qwen3, "deepseek-v3": _deepseek_v3, "mixtral": _mixtral, "qwen2-moe": _qwen2}
+
+
+def _build(name: str, seed: int):
+    torch.manual_seed(seed)
+    return MODELS[name]().float().train()
+
+
+def _batch(world, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 31 + world.rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach()
+
+
+def _rel(got, want) -> float:
+    return error_stats(got, want)["rel"]
+
+
+def _parity(world, name: str):
+    """(logits error, {parameter: gradient error}, the patched experts' shapes) of a patched model against the
+    unpatched one on this rank's tokens."""
+    from megamoe.adapters.hf import ExpertParallelExperts, patch
+
+    model = _build(name, seed=3)
+    patched = patch(copy.deepcopy(model), world)
+    ids = _batch(world, seed=5)
+    want_logits, _ = _step(model, ids)
+    got_logits, _ = _step(patched, ids)
+    errors = {}
+    patched_params = dict(patched.named_parameters())
+    for pname, p in model.named_parameters():
+        want = p.grad
+        got = patched_params[pname].grad
+        if pname.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            # a routed expert's gradient covers every rank's tokens: the sum of the unpatched per-rank ones
+            dist.all_reduce(want, group=world.group)
+            L = want.shape[0] // world.size
+            want = want[world.rank * L:(world.rank + 1) * L]
+        errors[pname] = float("inf") if got is None else _rel(got, want)
+    shapes = {n: tuple(m.gate_up_proj.shape) for n, m in patched.named_modules()
+              if isinstance(m, ExpertParallelExperts)}
+    return _rel(got_logits, want_logits), errors, shapes
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
+def test_patched_model_gives_hf_outputs_and_gradients(name):
+    """On 2 CPU ranks: the logits and every parameter's gradient (the routed experts' summed over the ranks'
+    tokens) within BF16 tolerance of the unpatched FP32 model's; each rank holds half the experts of every layer."""
+    for rank, (logits, errors, shapes) in enumerate(launch(_parity, 2, name)):
+        assert logits < LOGITS_TOLERANCE, (rank, logits)
+        bad = {p: e for p, e in errors.items() if not e < GRAD_TOLERANCE}
+        assert not bad, (rank, bad)
+        assert len(shapes) == 2 and all(s[0] == 4 for s in shapes.values()), shapes
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_patched_model_gives_hf_outputs_more_families(name):
+    """Mixtral (softmax, renormalised always) and Qwen2-MoE (a gated shared expert) on 2 CPU ranks."""
+    for rank, (logits, errors, _) in enumerate(launch(_parity, 2, name)):
+        assert logits < LOGITS_TOLERANCE, (rank, logits)
+        bad = {p: e for p, e in errors.items() if not e < GRAD_TOLERANCE}
+        assert not bad, (rank, bad)
+
+
+def _round_trip(world, name: str):
+    from megamoe.adapters.hf import patch
+
+    ids = _batch(world, seed=9)
+    model = _build(name, seed=4).eval()
+    patched = patch(copy.deepcopy(model), world).eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        first = patched(input_ids=ids).logits
+    state = patched.state_dict()  # collective: the experts gathered
+    # patched -> unpatched: an unpatched model of other weights loads it and gives the original's outputs
+    other = _build(name, seed=11).eval()
+    other.load_state_dict(state, strict=True)
+    # unpatched -> patched: a patched model of other weights loads the HF state_dict and gives the first's bits
+    again = patch(_build(name, seed=12), world).eval()
+    again.load_state_dict(model.state_dict(), strict=True)
+    # and a patched model's own (gathered) state_dict round trips too
+    third = patch(_build(name, seed=13), world).eval()
+    third.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        back = other(input_ids=ids).logits
+        second = again(input_ids=ids).logits
+        third_logits = third(input_ids=ids).logits
+    keys_equal = set(state) == set(model.state_dict())
+    shapes_equal = all(state[k].shape == v.shape for k, v in model.state_dict().items())
+    return (torch.equal(back, want), torch.equal(second, first), torch.equal(third_logits, first), keys_equal,
+            shapes_equal, _rel(first, want))
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
+def test_state_dict_round_trips_between_patched_and_unpatched(name):
+    for rank, (back, second, third, keys, shapes, rel) in enumerate(launch(_round_trip, 2, name)):
+        assert keys and shapes, rank
+        assert back, f"rank {rank}: the unpatched model loading a patched state_dict differs from the original"
+        assert second and third, f"rank {rank}: a patched model loading a state_dict differs from the first"
+        assert rel < LOGITS_TOLERANCE, (rank, rel)
+
+
+def _refusals(world):
+    from megamoe.adapters.hf import patch
+
+    out = []
+    for make in (lambda: torch.nn.Linear(4, 4), lambda: _build("qwen3-moe", 0)):
+        try:
+            model = make()
+            if isinstance(model, transformers.PreTrainedModel):  # experts not SwiGLU
+                model.model.layers[0].mlp.experts.config.hidden_act = "gelu"
+            patch(model, world)
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_patch_refuses_what_it_cannot_run():
+    """A model without a supported block, and experts that are not SwiGLU, are named."""
+    (no_block, gelu), = launch(_refusals, 1)
+    assert no_block is not None and "no MoE block megamoe patches" in no_block, no_block
+    assert gelu is not None and "hidden_act='gelu'" in gelu, gelu
