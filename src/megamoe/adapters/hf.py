@@ -23,7 +23,6 @@ Checkpoints: ``state_dict()`` of a patched model has the unpatched model's keys 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megamoe.nn.moe import check_impl, run_impl
@@ -86,16 +85,7 @@ def _gather_experts(module: ExpertParallelExperts, state_dict, prefix: str, loca
     for name in ("gate_up_proj", "down_proj"):
         key = prefix + name
         if key in state_dict:
-            state_dict[key] = _all_gather_rows(module.world, state_dict[key])
-
-
-def _all_gather_rows(world: EPWorld, t: torch.Tensor) -> torch.Tensor:
-    # as bytes: every backend moves those (gloo has no bf16 or int16), whatever the dtype
-    t = t.detach().contiguous()
-    raw = t.view(torch.uint8)
-    parts = [torch.empty_like(raw) for _ in range(world.size)]
-    dist.all_gather(parts, raw, group=world.group)
-    return torch.cat(parts).view(t.dtype)
+            state_dict[key] = module.world.gather_rows(state_dict[key])
 
 
 def _slice_experts(module: ExpertParallelExperts, state_dict, prefix: str, local_metadata, strict, missing_keys,

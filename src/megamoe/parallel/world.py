@@ -150,6 +150,17 @@ class EPWorld:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (one shape on every rank) concatenated along dim 0, in rank order (collective; any
+        dtype: moved as bytes, which every backend takes — gloo has no bf16)."""
+        t = t.detach().contiguous()
+        if self.size == 1:
+            return t.clone()
+        raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+        parts = [torch.empty_like(raw) for _ in range(self.size)]
+        dist.all_gather(parts, raw, group=self.group)
+        return torch.cat(parts).view(t.dtype)
+
     def check_agree(self, what: str, values: dict[str, Any]) -> None:
         """ValueError on every rank unless every rank passes equal ``values``, naming each field the ranks
         disagree on with every rank's value (collective: one all-gather; nothing on one rank)."""
