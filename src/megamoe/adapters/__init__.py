@@ -5,3 +5,4 @@
 - :mod:`megamoe.adapters.fsdp`: EP inside a (dp, ep) DeviceMesh, FSDP2 across it (``mesh``, ``shard``).
 
 Each is imported on its own (``import megamoe.adapters.hf``); none imports its stack at import time.
+"""
