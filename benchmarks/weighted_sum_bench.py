@@ -29,14 +29,15 @@ SHAPES = {"kimi-k2": (8192, 8, 7168, True), "qwen3.5-397b": (8192, 10, 4096, Tru
 
 def _time_tiles(name, n, k, d, shared, y, combine, own_rows, top, weights, shared_y, nbytes) -> list[dict]:
     results, first = [], None
+    experts = int(top.max()) + 1  # every id a route (the kernel skips ids past the experts)
     for bt, bd, warps in TILES:
         out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run():
             weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](
                 y, y.stride(0), combine, combine.stride(0), own_rows, top, weights, shared_y,
-                shared_y.stride(0), out, out.stride(0), n, d, TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt, BLOCK_D=bd,
-                num_warps=warps)
+                shared_y.stride(0), out, out.stride(0), n, d, experts, TOP_K=k, HAS_SHARED=shared, BLOCK_T=bt,
+                BLOCK_D=bd, num_warps=warps)
         ms = triton.testing.do_bench(run, return_mode="median")
         first = out.clone() if first is None else first
         results.append({"shape": name, "block_t": bt, "block_d": bd, "num_warps": warps,

@@ -60,6 +60,8 @@ def _cases(world) -> dict:
     from megamoe.parallel.world import init_world
     from megamoe.planner import LayerShape
     from megamoe.reference.layer import moe_forward
+    from megamoe.adapters import fsdp, hf, torchtitan
+    from megamoe.training import TrainOptions
 
     x, top, w, gu, dn, shared = _inputs()
     small = KernelConfig(num_sms=4, comm_sms=1, minibatch=32, ring_rows=64, tile_m=32, tile_n=32)
@@ -110,6 +112,13 @@ def _cases(world) -> dict:
             None, x[:2], x, top, w, gu, dn, fused, None),
         ("quantize_experts", "weights not bfloat16"): lambda: quantize_experts(gu.float(), dn, "fp8-block"),
         ("quantize_experts", "an unknown format"): lambda: quantize_experts(gu, dn, "int4"),
+        ("adapters.hf.patch", "a model without a supported block"): lambda: hf.patch(torch.nn.Linear(4, 4), world),
+        ("adapters.hf.patch", "an unknown impl"): lambda: hf.patch(torch.nn.Linear(4, 4), world, impl="deepspeed"),
+        ("adapters.torchtitan.patch", "a model without a torchtitan MoE layer"): lambda: torchtitan.patch(
+            torch.nn.Linear(4, 4), world),
+        ("adapters.fsdp.mesh", "ep not dividing the world size"): lambda: fsdp.mesh(ep=3),
+        ("adapters.fsdp.shard", "a model not patched"): lambda: fsdp.shard(torch.nn.Linear(4, 4), fsdp.mesh(ep=1)),
+        ("training.TrainOptions", "steps below 1"): lambda: TrainOptions(steps=0),
     }
     cases.update(_layer_cases("megamoe_forward", forward))
     cases.update(_layer_cases("moe", layer))

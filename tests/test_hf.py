@@ -5,6 +5,7 @@ into unpatched models and back."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from megamoe.bench.harness import error_stats
 from megamoe.parallel.world import launch
+from raised import raised  # tests/raised.py
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,7 +45,7 @@ def _deepseek_v3():
 
 def _mixtral():
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
         attn_implementation="eager"))
 
@@ -51,7 +53,7 @@ def _mixtral():
 def _qwen2():
     return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64,
         attn_implementation="eager"))
 
@@ -106,11 +108,23 @@ def _parity(world, name: str):
     return _rel(got_logits, want_logits), errors, shapes
 
 
+def _parities(world, names):
+    return {name: _parity(world, name) for name in names}
+
+
+@functools.cache
+def _parity_runs() -> list[dict]:
+    """Every family's parity in one launch of 2 CPU ranks (a launch costs seconds)."""
+    return launch(_parities, 2, tuple(MODELS))
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
 def test_patched_model_gives_hf_outputs_and_gradients(name):
     """On 2 CPU ranks: the logits and every parameter's gradient (the routed experts' summed over the ranks'
-    tokens) within BF16 tolerance of the unpatched FP32 model's; each rank holds half the experts of every layer."""
-    for rank, (logits, errors, shapes) in enumerate(launch(_parity, 2, name)):
+    tokens) within BF16 tolerance of the unpatched FP32 model's; each rank holds half the experts of each of the
+    two layers (the second reads the first's output: each layer's backward its own context)."""
+    for rank, per_model in enumerate(_parity_runs()):
+        logits, errors, shapes = per_model[name]
         assert logits < LOGITS_TOLERANCE, (rank, logits)
         bad = {p: e for p, e in errors.items() if not e < GRAD_TOLERANCE}
         assert not bad, (rank, bad)
@@ -119,11 +133,13 @@ def test_patched_model_gives_hf_outputs_and_gradients(name):
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
 def test_patched_model_gives_hf_outputs_more_families(name):
-    """Mixtral (softmax, renormalised always) and Qwen2-MoE (a gated shared expert) on 2 CPU ranks."""
-    for rank, (logits, errors, _) in enumerate(launch(_parity, 2, name)):
+    """Mixtral (softmax, renormalised always) and Qwen2-MoE (a gated shared expert), one layer each."""
+    for rank, per_model in enumerate(_parity_runs()):
+        logits, errors, shapes = per_model[name]
         assert logits < LOGITS_TOLERANCE, (rank, logits)
         bad = {p: e for p, e in errors.items() if not e < GRAD_TOLERANCE}
         assert not bad, (rank, bad)
+        assert len(shapes) == 1, shapes
 
 
 def _round_trip(world, name: str):
@@ -155,9 +171,20 @@ def _round_trip(world, name: str):
             shapes_equal, _rel(first, want))
 
 
+def _round_trips(world, names):
+    return {name: _round_trip(world, name) for name in names}
+
+
+@functools.cache
+def _round_trip_runs() -> list[dict]:
+    return launch(_round_trips, 2, ("qwen3-moe", "deepseek-v3"))
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
 def test_state_dict_round_trips_between_patched_and_unpatched(name):
-    for rank, (back, second, third, keys, shapes, rel) in enumerate(launch(_round_trip, 2, name)):
+    """patched -> unpatched, unpatched -> patched and patched -> patched: the same outputs, bit for bit."""
+    for rank, per_model in enumerate(_round_trip_runs()):
+        back, second, third, keys, shapes, rel = per_model[name]
         assert keys and shapes, rank
         assert back, f"rank {rank}: the unpatched model loading a patched state_dict differs from the original"
         assert second and third, f"rank {rank}: a patched model loading a state_dict differs from the first"
@@ -167,17 +194,9 @@ def test_state_dict_round_trips_between_patched_and_unpatched(name):
 def _refusals(world):
     from megamoe.adapters.hf import patch
 
-    out = []
-    for make in (lambda: torch.nn.Linear(4, 4), lambda: _build("qwen3-moe", 0)):
-        try:
-            model = make()
-            if isinstance(model, transformers.PreTrainedModel):  # experts not SwiGLU
-                model.model.layers[0].mlp.experts.config.hidden_act = "gelu"
-            patch(model, world)
-            out.append(None)
-        except ValueError as exc:
-            out.append(str(exc))
-    return out
+    gelu = _build("qwen3-moe", 0)
+    gelu.model.layers[0].mlp.experts.config.hidden_act = "gelu"  # experts not SwiGLU
+    return raised([lambda: patch(torch.nn.Linear(4, 4), world), lambda: patch(gelu, world)])
 
 
 def test_patch_refuses_what_it_cannot_run():

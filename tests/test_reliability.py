@@ -63,8 +63,14 @@ def _bad_ids_unchecked(world):
     after = raised([lambda: forward(p.top_experts, True)])[0]  # reported once
     forward(bad, False)
     explicit = raised([world.check_errors])[0]
+    wide = p.top_experts.to(torch.int64)
+    wide[1, 0] = 2**32 + 1  # int64: truncated to int32 it would be expert 1, a valid id
+    wide_out = forward(wide, False)
+    wide_raised = raised([world.check_errors])[0]
+    wide_as_none = forward(torch.where(wide >= CONFIG.num_experts, -1, wide), False)
     return dict(same_as_none=torch.equal(unchecked, as_none), next_checked=next_checked, after=after,
-                explicit=explicit, checked_refuses=raised([lambda: forward(bad, True)])[0])
+                explicit=explicit, checked_refuses=raised([lambda: forward(bad, True)])[0], wide=wide_raised,
+                wide_as_none=torch.equal(wide_out, wide_as_none))
 
 
 def test_out_of_range_ids_under_check_false_are_recorded_and_raised_by_the_next_checked_call():
@@ -77,6 +83,9 @@ def test_out_of_range_ids_under_check_false_are_recorded_and_raised_by_the_next_
             assert r[key] is not None and f"top_experts[{token}, {slot}] = {value}" in r[key], (rank, key, r[key])
         assert r["after"] is None, r
         assert r["checked_refuses"] is not None and "top_experts holds ids" in r["checked_refuses"], r
+        # an int64 id past int32 saturates (2**31 - 1): recorded, not wrapped onto a valid expert
+        assert r["wide"] is not None and f"top_experts[1, 0] = {2**31 - 1}" in r["wide"], (rank, r["wide"])
+        assert r["wide_as_none"], rank
 
 
 def _one_rank_never_comes(world):

@@ -156,7 +156,7 @@ def test_kernel_blocking_does_not_change_the_schedule(monkeypatch, route_block, 
     check_all(routing(7, tokens, k, L * len(tokens), p_none=p_none), rank, L, align)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 9), min_size=1, max_size=8),
     k=st.integers(1, 8),

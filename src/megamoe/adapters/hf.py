@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.nn.moe import check_impl, run_impl
+from megamoe.adapters.experts import ExpertSlice
+from megamoe.nn.moe import check_impl
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
 from megamoe.precision import check_precision
@@ -36,46 +37,26 @@ from megamoe.precision import check_precision
 BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV3MoE")
 
 
-class ExpertParallelExperts(nn.Module):
+class ExpertParallelExperts(ExpertSlice):
     """This rank's slice of a transformers experts module, run by megamoe (built by :func:`patch`).
 
     Parameters ``gate_up_proj [L, 2I, D]`` and ``down_proj [L, D, I]`` keep the model's dtype (the master
     weights); the layer runs them in BF16 (a cast per call when the model is not BF16) and returns x's dtype.
     """
 
-    def __init__(self, experts: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: str = "megamoe",
-                 max_tokens: int | None = None, kernel_config: KernelConfig | None = None):
-        super().__init__()
-        check_impl(impl, precision)
+    def __init__(self, experts: nn.Module, world: EPWorld, **options):
         gate_up, down = experts.gate_up_proj, experts.down_proj
-        E = gate_up.shape[0]
-        if E % world.size:
-            raise ValueError(f"{E} experts do not split over {world.size} ranks: E must be a multiple of the "
-                             f"world size")
-        L = E // world.size
-        self.world, self.num_experts, self.local_experts = world, E, L
-        self.first_expert = world.rank * L
-        self.precision, self.impl, self.max_tokens, self.kernel_config = precision, impl, max_tokens, kernel_config
-        rows = slice(self.first_expert, self.first_expert + L)
-        device = world.device
-        self.gate_up_proj = nn.Parameter(gate_up.detach()[rows].to(device).clone(),
+        super().__init__(world, gate_up.shape[0], **options)
+        self.gate_up_proj = nn.Parameter(gate_up.detach()[self.rows].to(world.device).clone(),
                                          requires_grad=gate_up.requires_grad)
-        self.down_proj = nn.Parameter(down.detach()[rows].to(device).clone(), requires_grad=down.requires_grad)
+        self.down_proj = nn.Parameter(down.detach()[self.rows].to(world.device).clone(),
+                                      requires_grad=down.requires_grad)
         self.register_state_dict_post_hook(_gather_experts)
         self.register_load_state_dict_pre_hook(_slice_experts)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        args = (self.world, hidden_states.to(torch.bfloat16), top_k_index.to(torch.int32),
-                top_k_weights.to(torch.float32), self.gate_up_proj.to(torch.bfloat16),
-                self.down_proj.to(torch.bfloat16))
-        out = run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                       max_tokens=self.max_tokens)
-        return out.to(hidden_states.dtype)
-
-    def extra_repr(self) -> str:
-        return (f"experts {self.first_expert}..{self.first_expert + self.local_experts - 1} of {self.num_experts}, "
-                f"rank {self.world.rank} of {self.world.size}, precision={self.precision}, impl={self.impl}")
+        return self.run(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
 def _gather_experts(module: ExpertParallelExperts, state_dict, prefix: str, local_metadata) -> None:
@@ -95,7 +76,7 @@ def _slice_experts(module: ExpertParallelExperts, state_dict, prefix: str, local
         key = prefix + name
         t = state_dict.get(key)
         if t is not None and t.dim() == 3 and t.shape[0] == module.num_experts != module.local_experts:
-            state_dict[key] = t[module.first_expert:module.first_expert + module.local_experts]
+            state_dict[key] = t[module.rows]
 
 
 def _check_experts(name: str, experts: nn.Module) -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.nn.moe import check_impl, run_impl
+from megamoe.adapters.experts import ExpertSlice
+from megamoe.nn.moe import check_impl
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
 from megamoe.precision import check_precision
@@ -33,31 +34,22 @@ from megamoe.precision import check_precision
 TITAN_KEYS = ("w1_EFD", "w3_EFD", "w2_EDF")
 
 
-class TitanRoutedExperts(nn.Module):
+class TitanRoutedExperts(ExpertSlice):
     """This rank's slice of a torchtitan ``RoutedExperts``, run by megamoe (built by :func:`patch`).
 
     ``forward(x [B, L, D], topk_scores [B, L, K], topk_expert_ids [B, L, K], num_local_tokens_per_expert)``
     returns ``[B, L, D]`` in x's dtype (the experts in BF16, their master weights in the model's dtype).
     """
 
-    def __init__(self, routed_experts: nn.Module, world: EPWorld, *, precision: str = "bf16",
-                 impl: str = "megamoe", max_tokens: int | None = None, kernel_config: KernelConfig | None = None):
-        super().__init__()
-        check_impl(impl, precision)
+    def __init__(self, routed_experts: nn.Module, world: EPWorld, **options):
         inner = routed_experts.inner_experts
         w1, w2, w3 = (getattr(inner, name) for name in ("w1_EFD", "w2_EDF", "w3_EFD"))
         E, F, D = w1.shape
         if tuple(w3.shape) != (E, F, D) or tuple(w2.shape) != (E, D, F):
             raise ValueError(f"torchtitan experts w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} "
                              f"are not [E, F, D], [E, F, D], [E, D, F]")
-        if E % world.size:
-            raise ValueError(f"{E} experts do not split over {world.size} ranks: E must be a multiple of the "
-                             f"world size")
-        L = E // world.size
-        self.world, self.num_experts, self.local_experts = world, E, L
-        self.first_expert = world.rank * L
-        self.precision, self.impl, self.max_tokens, self.kernel_config = precision, impl, max_tokens, kernel_config
-        rows = slice(self.first_expert, self.first_expert + L)
+        super().__init__(world, E, **options)
+        rows = self.rows
         self.w_gate_up = nn.Parameter(torch.cat([w1.detach()[rows], w3.detach()[rows]], dim=1).to(world.device))
         self.w_down = nn.Parameter(w2.detach()[rows].to(world.device).clone())
         self.register_state_dict_post_hook(_titan_state_dict)
@@ -66,17 +58,10 @@ class TitanRoutedExperts(nn.Module):
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
         del num_local_tokens_per_expert_E  # megamoe counts its own rows
-        shape, K = x_BLD.shape, topk_expert_ids_BLK.shape[-1]
-        args = (self.world, x_BLD.reshape(-1, shape[-1]).to(torch.bfloat16),
-                topk_expert_ids_BLK.reshape(-1, K).to(torch.int32), topk_scores_BLK.reshape(-1, K).to(torch.float32),
-                self.w_gate_up.to(torch.bfloat16), self.w_down.to(torch.bfloat16))
-        out = run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                       max_tokens=self.max_tokens)
-        return out.to(x_BLD.dtype).view(shape)
-
-    def extra_repr(self) -> str:
-        return (f"experts {self.first_expert}..{self.first_expert + self.local_experts - 1} of {self.num_experts}, "
-                f"rank {self.world.rank} of {self.world.size}, precision={self.precision}, impl={self.impl}")
+        D, K = x_BLD.shape[-1], topk_expert_ids_BLK.shape[-1]
+        out = self.run(x_BLD.reshape(-1, D), topk_expert_ids_BLK.reshape(-1, K), topk_scores_BLK.reshape(-1, K),
+                       self.w_gate_up, self.w_down)
+        return out.view(x_BLD.shape)
 
 
 def _titan_state_dict(module: TitanRoutedExperts, state_dict, prefix: str, local_metadata) -> None:
@@ -97,8 +82,7 @@ def _from_titan_state_dict(module: TitanRoutedExperts, state_dict, prefix: str, 
         return  # megamoe's own keys, or missing ones: load_state_dict reports them
     w1, w3, w2 = (state_dict.pop(key) for key in keys)
     if w1.shape[0] == module.num_experts != module.local_experts:
-        rows = slice(module.first_expert, module.first_expert + module.local_experts)
-        w1, w3, w2 = w1[rows], w3[rows], w2[rows]
+        w1, w3, w2 = w1[module.rows], w3[module.rows], w2[module.rows]
     state_dict[prefix + "w_gate_up"] = torch.cat([w1, w3], dim=1)
     state_dict[prefix + "w_down"] = w2
 

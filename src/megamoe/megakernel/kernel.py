@@ -376,6 +376,8 @@ class MegaKernel:
             quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
                                                         self.sym.local("x_scale")[:n]),
                                  copy=x_sym if has_shared else None)
+        if top_experts.dtype != torch.int32:  # wider ids saturate: an id past int32 stays out of range (recorded)
+            top_experts = top_experts.clamp(-2**31, 2**31 - 1)
         for r in range(self.world.size):
             row = self.sym.peer("routing", r)[me]
             row[:n].copy_(top_experts)
@@ -454,5 +456,5 @@ class MegaKernel:
         weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
             self.y, self.y.stride(0), combine, combine.stride(0), own_rows, top_experts.contiguous(),
             router_weights.contiguous(), shared_y, shared_y.stride(0), out, out.stride(0), n, D,
-            TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
+            self.shape.experts_per_rank * self.shape.num_ranks, TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
         )
