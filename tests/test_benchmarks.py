@@ -244,6 +244,7 @@ def test_comm_bench_runs_on_cpu_ranks(tmp_path):
     assert checks["exact"] and all(checks["exact"].values()), checks["exact"]
     assert all(r["exact"] for r in by["imbalance"]) and by["timeout"][0]["passed"]
     assert {r["impl"] for r in by["bandwidth"]} == {"dispatch_pull", "combine_push"}
+    assert {r["num_sms"] for r in by["bandwidth"] if "num_sms" in r} == {2}  # the --sms asked for
     assert (tmp_path / "comm.md").read_text().startswith("# comm_bench: cpu (interpreter) x2")
 
 
@@ -261,7 +262,7 @@ def test_backward_ab_runs_on_cpu_ranks(tmp_path):
     """The backward megakernel at another comm count and the composed kernels on 2 CPU ranks: the same bits, the
     configs asked for, a time per round."""
     out = tmp_path / "ab.json"
-    _script("backward_ab.py", "--device", "cpu", "--preset", "tiny", "--tokens", "32", "--variants", "3,composed",
+    _script("backward_ab.py", "--device", "cpu", "--preset", "tiny", "--tokens", "16", "--variants", "3,composed",
             "--rounds", "1", "--passes", "1", "--out", str(out), timeout=300)
     res = json.loads(out.read_text())
     assert res["bitwise_equal"] == {"3": True, "composed": True}, res

@@ -111,7 +111,7 @@ def test_cli_writes_the_record_the_table_and_the_plot(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--preset", "huge"], "preset must be one of cpu, h200x2, got 'huge'"),
-    (["--impl", "megamoe,deepep-torch"], "deepep-torch is not an impl of the training run yet"),
+    (["--impl", "megamoe,deepep-torch"], "impl must be one of megamoe, reference, nccl-torch, got 'deepep-torch'"),
     (["--impl", "unfused"], "impl must be one of megamoe, reference, nccl-torch, got 'unfused'"),
     (["--steps", "0"], "steps must be an integer >= 1, got 0"),
     (["--ranks", "0"], "ranks must be an integer >= 1, got 0"),

@@ -1,4 +1,4 @@
-"""The forward megakernel: one persistent kernel per pass, its buffers, launches and graph replay."""
+"""The megakernel: one persistent kernel per pass, forward and backward, its buffers, launches and graph replay."""
 
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers
 from megamoe.megakernel.forward import fuse_shared, megamoe_forward

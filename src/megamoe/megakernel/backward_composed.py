@@ -28,15 +28,18 @@ megakernel (:mod:`megamoe.megakernel.backward`) runs the same tiles: its gradien
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megamoe import runtime
-from megamoe.megakernel.kernel import MegaKernel
 from megamoe.ops.comm import (CommShape, comm_workspace, device_barrier, dispatch_pull, reverse_combine_pull,
                               reverse_dispatch_push)
 from megamoe.ops.experts import expert_backward, gate_up
 from megamoe.routing.schedule import PullSchedule
+
+if TYPE_CHECKING:  # the kernel calls this module: an import at run time would be a circle
+    from megamoe.megakernel.kernel import MegaKernel
 
 
 @dataclass(frozen=True)

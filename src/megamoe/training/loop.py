@@ -43,15 +43,13 @@ class TrainOptions:
     lr: float | None = None
 
     def __post_init__(self) -> None:
-        from megamoe.nn.moe import IMPLS  # the kernels load here, after the caller chose the Triton mode
+        from megamoe.nn.moe import IMPLS, check_impl  # the kernels load here, after the Triton mode is chosen
 
         model = get_preset(self.preset)
         if not self.impls:
             raise ValueError(f"impls must name at least one of {', '.join(IMPLS)}")
         for impl in self.impls:
-            if impl not in IMPLS:
-                extra = " (deepep-torch is not an impl of the training run yet)" if impl == "deepep-torch" else ""
-                raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}{extra}")
+            check_impl(impl, "bf16")
         if len(set(self.impls)) != len(self.impls):
             raise ValueError(f"impls must not repeat, got {', '.join(self.impls)}")
         if self.steps is None:
