@@ -209,6 +209,7 @@ def test_megakernel_sweep_replots_a_recorded_sweep(tmp_path):
     assert table.strip() == (d / "sweep.md").read_text().strip()
 
 
+@pytest.mark.slow  # a GPU tool's CPU smoke run (15-40 s): `pytest -m slow`, before a GPU session
 def test_megakernel_sweep_runs_on_cpu_ranks(tmp_path):
     """Two CPU ranks, the tiny preset, the planner's point and one comm_sms point, a copy tile of 4 rows: every
     point bitwise equal to the first and correct against the unfused layer."""
@@ -258,6 +259,7 @@ def test_comm_order_ab_runs_on_cpu_ranks(tmp_path):
     assert {("pull dispatch", "guided"), ("push dispatch", "round-robin"), ("push combine", "library")} <= kinds
 
 
+@pytest.mark.slow  # a GPU tool's CPU smoke run (15-40 s): `pytest -m slow`, before a GPU session
 def test_backward_ab_runs_on_cpu_ranks(tmp_path):
     """The backward megakernel at another comm count and the composed kernels on 2 CPU ranks: the same bits, the
     configs asked for, a time per round."""

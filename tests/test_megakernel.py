@@ -618,6 +618,7 @@ def test_a_timed_out_wait_names_its_counter_and_breaks_the_kernel():
     assert later == first
 
 
+@pytest.mark.slow  # a GPU tool's CPU smoke run (15-40 s): `pytest -m slow`, before a GPU session
 def test_megakernel_ab_runs_on_cpu_ranks(tmp_path):
     """benchmarks/megakernel_ab.py (variants in interleaved rounds) on 2 CPU ranks: every variant, own outputs
     pushed and another minibatch included, gives the first's bits, and the configs are the ones asked for."""
