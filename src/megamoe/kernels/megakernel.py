@@ -49,6 +49,9 @@ PHASE > 0 runs one step of one role for all its workers (grid = those
 workers), with waits compiled out: the interpreter runs programs one after
 another, so the launcher sequences the steps (CPU mode). Each tile is
 computed by the same code either way, so results are bitwise equal.
+
+Over 400 lines: the forward megakernel's roles and the persistent kernel that deals them read as one
+program (their shared waits and copies are kernels/sync.py and kernels/comm.py).
 """
 
 from __future__ import annotations

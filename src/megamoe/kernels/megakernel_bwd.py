@@ -34,6 +34,9 @@ order, round robin; every wait targets an earlier task of the list, so the waits
 Every tile is the standalone backward's (``megamoe.kernels.expert_gemm_bwd``) and the replay the forward's gate/up
 tile, at the same K steps and n-tiles: the gradients are the standalone path's bits. PHASE > 0 runs one step of
 one role for all its workers, waits compiled out (CPU mode).
+
+Over 400 lines: the backward megakernel's roles and the persistent kernel that deals them read as one
+program (their shared waits and copies are kernels/sync.py and kernels/comm.py).
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ on the same rows either way: outputs are bitwise equal across runs and across
 
 Several shared experts run as one: SwiGLU FFNs with intermediate sizes Is_1..
 Is_S sum to one FFN whose gate, up and down weights are their concatenations.
+
+Over 400 lines: the MegaKernel object is one state machine (its buffers, a pass's host steps and their
+validation); its launches, launch arguments, replay and backward live beside it in their own modules.
 """
 
 from __future__ import annotations

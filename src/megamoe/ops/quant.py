@@ -13,6 +13,9 @@ remembers which tensors it came from and at which version, so a forward given
 weights that were modified in place since (an optimizer step) refuses the stale
 pack instead of computing with old weights. Writes through ``w.data`` bypass the
 version counter and are not seen: quantise again after them.
+
+Over 400 lines: the quantisers' launches for both formats and both block axes, and the experts' packs,
+each beside its torch twin.
 """
 
 from __future__ import annotations
