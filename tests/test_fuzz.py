@@ -263,7 +263,7 @@ def problems(case, result) -> list[str]:
         bad.append(f"out {out}")
     rel_tol, row_tol = CLAMP_TOLERANCE if case["swiglu_limit"] is not None else GRAD_TOLERANCE
     for name, e in result["errors"].items():
-        alone = e["nonzero"] >= MIN_ELEMENTS
+        alone = _alone(case, e)
         if not (e["finite"] and (not alone or e["rel"] <= rel_tol and e["row"] <= row_tol)):
             bad.append(f"d {name} {e}")
     if result["holes_grad"] != 0.0:
@@ -271,14 +271,20 @@ def problems(case, result) -> list[str]:
     return bad
 
 
+def _alone(case, e) -> bool:
+    """Whether one rank's gradient is judged alone: enough elements, and no clamp (with the clamp one element of
+    h within a BF16 ulp of the limit flips its gradient and moves a whole row of d x: measured 0.39 of a row, 6 %
+    of a 7-token rank's d x, in the long fuzz; test_training's CLAMP_TOLERANCE says why) — else over every rank."""
+    return e["nonzero"] >= MIN_ELEMENTS and case["swiglu_limit"] is None
+
+
 def pooled_problems(case, results) -> list[str]:
-    """The gradients some rank holds too few elements of to judge alone (:data:`MIN_ELEMENTS`), over every
-    rank's elements together."""
+    """The gradients some rank cannot be judged alone on (:func:`_alone`), over every rank's elements together."""
     rel_tol = (CLAMP_TOLERANCE if case["swiglu_limit"] is not None else GRAD_TOLERANCE)[0]
     bad = []
     for name in sorted({name for r in results for name in r["errors"]}):
         per_rank = [r["errors"].get(name) for r in results]
-        if all(e is not None and e["nonzero"] >= MIN_ELEMENTS for e in per_rank):
+        if all(e is not None and _alone(case, e) for e in per_rank):
             continue
         errs, refs = (sum(e[key] for e in per_rank if e is not None) for key in ("abs_sum", "ref_sum"))
         if not errs <= rel_tol * refs:
