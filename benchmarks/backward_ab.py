@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+import ab_record  # benchmarks/, beside this script
 from megamoe.bench.harness import timed_pass
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
@@ -142,18 +142,9 @@ def main() -> None:
                   machine=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (interpreter)",
                   gpus=torch.cuda.device_count() if args.device == "cuda" else 0,
                   command="PYTHONPATH=src python3 " + " ".join(sys.argv))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(f"{args.preset}, {args.tokens} tokens per rank, {ranks} ranks on {result['gpus']} GPUs, commit {commit}: "
-          "ms per backward pass (slowest rank)")
-    print("| variant | config | median | rounds | same bits |")
-    print("|---|---|---|---|---|")
-    for name, ms in result["median_ms"].items():
-        rounds = " ".join(f"{v:.2f}" for v in result["rounds_ms"][name])
-        print(f"| {name} | {result['configs'][name]} | {ms:.2f} | {rounds} | {result['bitwise_equal'][name]} |")
-
+    title = (f"{args.preset}, {args.tokens} tokens per rank, {ranks} ranks on {result['gpus']} GPUs, commit {commit}: "
+             "ms per backward pass (slowest rank)")
+    ab_record.write_and_print(result, args.out, title)
 
 if __name__ == "__main__":
     main()

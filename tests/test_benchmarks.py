@@ -43,7 +43,7 @@ GPU_TOOLS = {
     "tiles_ab.py", "weighted_sum_bench.py", "zero_rows_power.py",
 }
 #: Modules the scripts import (benchmarks/ is on their path), tested by calling them.
-HELPERS = {"megakernel_args.py", "sustained.py"}
+HELPERS = {"ab_record.py", "megakernel_args.py", "sustained.py"}
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 

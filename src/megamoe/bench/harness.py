@@ -6,8 +6,7 @@ checks the result against the oracle (the output, or every gradient) and
 times it: CUDA events on GPUs (every iteration's time is the slowest rank's),
 the wall clock between barriers on the CPU. One JSON record per (impl, pass).
 
-Over 400 lines: the bench's problem set-up, the implementations' runs, their checks and the interleaved
-timing loop are one procedure read top to bottom; the problems and the report are their own modules.
+Over 400 lines: set-up, runs, checks and the interleaved timing loop are one procedure, read top to bottom.
 """
 
 from __future__ import annotations

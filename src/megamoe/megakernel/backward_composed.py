@@ -28,7 +28,6 @@ megakernel (:mod:`megamoe.megakernel.backward`) runs the same tiles: its gradien
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,9 +36,6 @@ from megamoe.ops.comm import (CommShape, comm_workspace, device_barrier, dispatc
                               reverse_dispatch_push)
 from megamoe.ops.experts import expert_backward, gate_up
 from megamoe.routing.schedule import PullSchedule
-
-if TYPE_CHECKING:  # the kernel calls this module: an import at run time would be a circle
-    from megamoe.megakernel.kernel import MegaKernel
 
 
 @dataclass(frozen=True)
@@ -72,11 +68,12 @@ class LayerGrads:
     shared_down: torch.Tensor | None
 
 
-def composed_backward(kernel: MegaKernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor,
+def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor,
                       top_experts: torch.Tensor, router_weights: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
                       swiglu_limit: float | None, *, check: bool = True) -> LayerGrads:
     """The backward of ``kernel``'s forward pass that left ``saved`` (collective; see the module docstring).
+    ``kernel`` is the MegaKernel that ran it (not imported here: the kernel imports this module).
 
     ``d_out`` bf16 `[N, D]` the upstream gradient; the other arguments are the forward's. ``check`` reads the
     workspace's error word after the pass (a timed-out barrier raises RuntimeError)."""

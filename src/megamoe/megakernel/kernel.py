@@ -1,53 +1,40 @@
 """The megakernel of one layer shape: its pass, step by step.
 
-A pass, all queued on the current stream with no host sync (so it can be
-captured in a CUDA graph once ``check=False``):
+A pass, all queued on the current stream with no host sync (so it can be captured in a CUDA graph once
+``check=False``):
 
-1. stage: this rank's x into the symmetric ``x``; its routing ids into row
-   ``rank`` of every rank's ``routing`` buffer;
+1. stage: this rank's x into the symmetric ``x``; its routing ids into row ``rank`` of every rank's ``routing``
+   buffer;
 2. a device barrier across ranks (every x and routing row is in place);
 3. the pull schedule and its minibatch row tiles, built on the device;
-4. the megakernel (``megamoe.kernels.megakernel``): communication workers pull
-   minibatches into the ring and push finished ones home (when the ring holds
-   every row, only the rows other ranks own: a rank's own outputs stay in the
-   ring), compute workers run the shared expert and the routed gate/up +
-   SwiGLU and down tiles; it ends with a barrier across ranks (every push
-   landed);
-5. the weighted sum of each token's k outputs (its combine slots, or the ring
-   rows of its own routes; router weights, fixed order) plus the shared
-   output, rounded once to bf16.
+4. the megakernel (``megamoe.kernels.megakernel``): communication workers pull minibatches into the ring and push
+   finished ones home (when the ring holds every row, only the rows other ranks own: a rank's own outputs stay in
+   the ring), compute workers run the shared expert and the routed gate/up + SwiGLU and down tiles; it ends with a
+   barrier across ranks (every push landed);
+5. the weighted sum of each token's k outputs (its combine slots, or the ring rows of its own routes; router
+   weights, fixed order) plus the shared output, rounded once to bf16.
 
-On a GPU steps 2-4 read only the kernel's and the layer's buffers and the
-weights, so from the second pass with the same weights and layer buffers
-(addresses; values may change in place) and token count they replay from a
-CUDA graph (:mod:`megamoe.megakernel.replay`; one per key, so each MoE layer
-of a model sharing this kernel gets its own): an eager pass then pays the host
-for steps 1 and 5 only.
+On a GPU steps 2-4 read only the kernel's and the layer's buffers and the weights, so from the second pass with the
+same weights and layer buffers (addresses; values may change in place) and token count they replay from a CUDA
+graph (:mod:`megamoe.megakernel.replay`; one per key, so each MoE layer of a model sharing this kernel gets its
+own): an eager pass then pays the host for steps 1 and 5 only.
 
-What the backward reads belongs to the layer, not to this kernel: each pass
-writes the :class:`~megamoe.megakernel.buffers.LayerBuffers` it is given (new
-ones when none are) and returns them in its
-:class:`~megamoe.megakernel.buffers.ForwardContext`. The kernel's own buffers
-(staging, combine slots, expert outputs, counters) live only within a pass and
-are shared by every layer of its shape.
+What the backward reads belongs to the layer, not to this kernel: each pass writes the
+:class:`~megamoe.megakernel.buffers.LayerBuffers` it is given (new ones when none are) and returns them in its
+:class:`~megamoe.megakernel.buffers.ForwardContext`. The kernel's own buffers (staging, combine slots, expert
+outputs, counters) live only within a pass and are shared by every layer of its shape.
 
-One rank has no peers and so nothing to overlap: there (unless asked for the
-megakernel) steps 2 and 4 become a gather of the routed rows into the ring and
-the expert kernels on every SM (``megamoe.ops.experts``: the same tile functions,
-the same bits), and the weighted sum reads each route's output row in place.
+One rank has no peers and so nothing to overlap: there (unless asked for the megakernel) steps 2 and 4 become a
+gather of the routed rows into the ring and the expert kernels on every SM (``megamoe.ops.experts``: the same tile
+functions, the same bits), and the weighted sum reads each route's output row in place.
 
-On the CPU (the Triton interpreter runs programs one after another, so
-programs cannot wait for each other) step 4 runs in phases
-(:mod:`megamoe.megakernel.launch`), with host barriers across the simulated
-ranks. Each tile is computed by the same code
-on the same rows either way: outputs are bitwise equal across runs and across
+On the CPU (the Triton interpreter runs programs one after another, so programs cannot wait for each other) step 4
+runs in phases (:mod:`megamoe.megakernel.launch`), with host barriers across the simulated ranks. Each tile is
+computed by the same code on the same rows either way: outputs are bitwise equal across runs and across
 ``comm_sms``, ``minibatch`` and ``ring_rows``.
 
-Several shared experts run as one: SwiGLU FFNs with intermediate sizes Is_1..
-Is_S sum to one FFN whose gate, up and down weights are their concatenations.
-
-Over 400 lines: the MegaKernel object is one state machine (its buffers, a pass's host steps and their
-validation); its launches, launch arguments, replay and backward live beside it in their own modules.
+Several shared experts run as one: SwiGLU FFNs with intermediate sizes Is_1..Is_S sum to one FFN whose gate, up
+and down weights are their concatenations.
 """
 
 from __future__ import annotations
