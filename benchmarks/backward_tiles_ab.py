@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 
 import torch
 
@@ -76,6 +77,22 @@ def gaps(fn, out_dir: str) -> dict:
             "gaps_over_20us": idle}
 
 
+def steady_call_ms(fn, calls: int = 12) -> dict:
+    """Back-to-back calls at the cap: median GPU ms from an event before to an event after each call, and the
+    wall ms per call (their difference is host or allocator time the GPU waits on between calls)."""
+    run_for(fn, 1.0, 2)
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    torch.cuda.synchronize()
+    start = time.time()
+    for before, after in marks:
+        before.record()
+        fn()
+        after.record()
+    torch.cuda.synchronize()
+    wall = 1e3 * (time.time() - start) / calls
+    return {"event_ms": statistics.median(b.elapsed_time(a) for b, a in marks), "wall_ms": wall}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="kimi-k2")
@@ -129,6 +146,8 @@ def main() -> None:
         calls[name] = call
     times = interleaved_rounds(calls, a.rounds, a.seconds)
     timeline = gaps(calls["plan"], a.out) if "plan" in calls else {}
+    if timeline:
+        timeline["steady"] = steady_call_ms(calls["plan"])
     flops = 12 * rows * d * i
     dense_ms = statistics.median(times["dense (cuBLAS)"])
     lines = [f"{a.preset}, {a.experts} experts x ~{rows // a.experts} rows, {a.rounds} rounds of {a.seconds} s",
@@ -144,6 +163,8 @@ def main() -> None:
         lines.append(f"plan, one steady call: kernels busy {timeline['busy_ms']:.2f} ms of a "
                      f"{timeline['span_ms']:.2f} ms span; gaps > 20 us: {len(timeline['gaps_over_20us'])}, "
                      f"{sum(g['us'] for g in timeline['gaps_over_20us']) / 1e3:.2f} ms")
+        lines.append(f"plan, 12 back-to-back calls: {timeline['steady']['event_ms']:.2f} ms per call between "
+                     f"events, {timeline['steady']['wall_ms']:.2f} ms of wall clock")
         for name, ms in timeline["kernels"]:
             lines.append(f"  {ms:8.3f} ms  {name}")
     if a.out:

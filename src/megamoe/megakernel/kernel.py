@@ -150,7 +150,8 @@ class MegaKernel:
                                              config=self.config))
         check_kernel_config(self.config, shape, precision, tile_m=self.tiles()[0].block_m,
                             available_sms=available_sms(world) if self.gpu else None,
-                            where="this GPU" if self.gpu else "the interpreter")
+                            where=("the interpreter" if not self.gpu else "this GPU" if world.ranks_per_device == 1
+                                   else f"this rank's share of a GPU ({world.ranks_per_device} ranks on one GPU)"))
         R, N, D, k = shape.num_ranks, shape.max_tokens, shape.hidden, shape.top_k
         Is, c = shape.shared_intermediate, self.config
         # One rank: the expert kernels on every SM, unless the megakernel is asked for or the ring is too small

@@ -124,7 +124,7 @@ def check_kernel_config(config: KernelConfig, shape: LayerShape, precision: str,
     if config.tile_m != tile_m:
         raise ValueError(f"KernelConfig.tile_m ({config.tile_m}) must be the expert tiles' rows ({tile_m} on {where})")
     if available_sms is not None and config.num_sms > available_sms:
-        raise ValueError(f"KernelConfig.num_sms ({config.num_sms}) exceeds {where}'s {available_sms} SMs: the "
+        raise ValueError(f"KernelConfig.num_sms ({config.num_sms}) exceeds the {available_sms} SMs of {where}: the "
                          f"programs wait for each other and must all be resident at once")
     if shape.hidden % HIDDEN_MULTIPLE or shape.intermediate % 8 or shape.shared_intermediate % 8:
         raise ValueError(f"D must be a multiple of {HIDDEN_MULTIPLE}, I and the shared I multiples of 8")
