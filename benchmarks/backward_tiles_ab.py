@@ -40,6 +40,8 @@ VARIANTS = {
     "dx-256x3-flat": {"dx": TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True)},
     "wgrad-256x32x4": {"wgrad": TileConfig(128, 256, 32, num_warps=8, num_stages=4, flatten=True)},
     "wgrad-256x32x6": {"wgrad": TileConfig(128, 256, 32, num_warps=8, num_stages=6, flatten=True)},
+    "wgrad-256x32x4+dx-flat": {"wgrad": TileConfig(128, 256, 32, num_warps=8, num_stages=4, flatten=True),
+                               "dx": TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True)},
 }
 
 
