@@ -1,7 +1,8 @@
-"""The `megamoe` command line: `megamoe bench`, `megamoe train`."""
+"""The `megamoe` command line: `megamoe bench`, `megamoe train`, `megamoe trace`."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import NoReturn
@@ -254,6 +255,63 @@ def train(
     console.print(f"record written to {out}")
     skipped = plot_losses(record, plot)
     console.print(skipped or f"loss curves written to {plot}")
+
+
+def _trace_rank(world, preset: str, tokens: int, precision: str, passes: int) -> dict:
+    from megamoe.tools.trace import record_rank
+
+    return record_rank(world, preset, tokens, precision, passes)
+
+
+@app.command()
+def trace(
+    preset: str = typer.Option("kimi-k2", help="Layer shape (a preset name, as megamoe bench --preset)."),
+    tokens: int = typer.Option(8192, help="Tokens per rank."),
+    precision: str = typer.Option("bf16", help="bf16, fp8-block or mxfp8."),
+    ranks: int = typer.Option(None, help="Expert-parallel ranks (default: every visible GPU)."),
+    passes: int = typer.Option(3, help="Passes to run; the last one is traced (the first compile)."),
+    out: str = typer.Option("megamoe-trace", help="Folder for trace_record.json.gz, trace.json and trace.png."),
+    from_record: str = typer.Option(None, "--from", help="Convert a recorded trace_record.json[.gz] instead of "
+                                                         "running a pass (no GPU needed)."),
+) -> None:
+    """A forward pass of the megakernel on a per-SM timeline: a Perfetto / Chrome trace and a PNG."""
+    from megamoe.tools import trace as tr
+
+    if from_record is not None:
+        try:
+            record = tr.load(from_record)
+        except (OSError, ValueError) as exc:
+            _fail(str(exc))
+    else:
+        if not torch.cuda.is_available():
+            _fail("megamoe trace runs a pass on a CUDA GPU (the TRACE build reads the GPU's globaltimer); "
+                  "convert a recorded trace with --from trace_record.json.gz")
+        from megamoe.config import PRESETS
+        from megamoe.parallel.world import launch
+        from megamoe.precision import check_precision
+
+        if preset not in PRESETS:
+            _fail(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+        try:
+            check_precision(precision)
+        except ValueError as exc:
+            _fail(str(exc))
+        if tokens < 1 or passes < 1 or (ranks is not None and ranks < 1):
+            _fail("--tokens, --passes and --ranks must be positive")
+        ranks = ranks or torch.cuda.device_count()
+        results = launch(_trace_rank, ranks, preset, tokens, precision, passes, device="cuda")
+        record = tr.new_record(results, preset, tokens, precision, torch.cuda.get_device_name())
+    os.makedirs(out, exist_ok=True)
+    if from_record is None:
+        tr.save(record, os.path.join(out, "trace_record.json.gz"))
+    with open(os.path.join(out, "trace.json"), "w") as f:
+        json.dump(tr.chrome_trace(record), f)
+    tr.timeline_png(record, os.path.join(out, "trace.png"))
+    console = Console(soft_wrap=True)
+    for row in tr.summary(record):
+        console.print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    console.print(f"written to {out}/: trace.json (open in https://ui.perfetto.dev), trace.png"
+                  + ("" if from_record else ", trace_record.json.gz"))
 
 
 @app.command()

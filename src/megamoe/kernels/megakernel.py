@@ -65,9 +65,11 @@ from megamoe.kernels.comm import pull_tile, push_tile, signal_and_wait
 from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
 from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
 from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_tile, gate_up_mxfp8_tile
-from megamoe.kernels.sync import (TRACE_END, TRACE_FIELDS, TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END,
-                                  WAIT_ROWS_READY, WAIT_SHARED_DONE, WAIT_TILE_DONE, WAIT_Y_DONE, fence_async_proxy,
-                                  release_add, wait_counter)
+from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_DOWN, TRACE_KIND_GATE_UP, TRACE_KIND_PULL, TRACE_KIND_PUSH,
+                                  TRACE_KIND_SHARED_DOWN, TRACE_KIND_SHARED_GATE_UP, TRACE_ROW, TRACE_SHARED_END,
+                                  TRACE_SM, TRACE_START, WAIT_PASS_END, WAIT_ROWS_READY, WAIT_SHARED_DONE,
+                                  WAIT_TILE_DONE, WAIT_Y_DONE, fence_async_proxy, release_add, trace_clock,
+                                  trace_event, wait_counter)
 
 #: PHASE values: 0 the whole pass; the others one step (CPU mode).
 PHASE_ALL = tl.constexpr(0)
@@ -140,9 +142,11 @@ def comm_push(
     first_row = tl.load(tile_row0_ptr + t0, mask=has, other=0).to(tl.int64)
     end_row = tl.load(tile_row_end_ptr + t0 + tiles - 1, mask=has, other=0).to(tl.int64)
     src = y_ptr + ring_shift(j, minibatch, slots) * stride_y
+    start = trace_clock(TRACE)
     for t0 in range(first_row + c * ROWS, end_row, comm_sms * ROWS):
         push_tile(t0, end_row, src, stride_y, src_index_ptr, src_rank_ptr, src_index_ptr, combine_peer_ptrs,
                   combine_ptr, stride_combine, skip_rank, 1, True, CHUNKS, CP, W, ROWS, ALIGN)
+    trace_event(trace_ptr, start, TRACE_KIND_PUSH, j, TRACE)
     return budget
 
 
@@ -175,6 +179,7 @@ def compute_gate_up(
                               WAIT, TRACE)
         fence_async_proxy(FENCE)
     for task in range(first, tasks, workers):
+        start = trace_clock(TRACE)
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
         tile += t0
         expert = tl.load(tile_expert_ptr + tile)
@@ -194,6 +199,7 @@ def compute_gate_up(
             gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
                                 expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
         release_add(tile_done_ptr + tile)
+        trace_event(trace_ptr, start, TRACE_KIND_GATE_UP, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
 
 
@@ -218,6 +224,7 @@ def compute_down(
         budget = wait_counter(tile_done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, trace_ptr,
                               WAIT_TILE_DONE, WAIT, TRACE)
         fence_async_proxy(FENCE)
+        start = trace_clock(TRACE)
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile) + shift
         row_end = tl.load(tile_row_end_ptr + tile) + shift
@@ -232,24 +239,27 @@ def compute_down(
             down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
                       DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
         release_add(y_done_ptr + j)
+        trace_event(trace_ptr, start, TRACE_KIND_DOWN, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
 
 
 @triton.jit
 def shared_gate_up(
-    c, workers, tokens, x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, done_ptr, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    c, workers, tokens, x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, done_ptr, trace_ptr, I, D, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's gate/up tasks of the shared expert over this rank's tokens; returns tasks dealt."""
     num_n = tl.cdiv(I, BN_GU)
     tiles = tl.cdiv(tokens, BLOCK_M)
     for task in range(c, tiles * num_n, workers):
+        start = trace_clock(TRACE)
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
         row0 = tile * BLOCK_M
         gate_up_swiglu_tile(x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, tokens, 0, n * BN_GU, I, D,
                             limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
         release_add(done_ptr + tile)
+        trace_event(trace_ptr, start, TRACE_KIND_SHARED_GATE_UP, tile * 65536 + n, TRACE)
     return tiles * num_n
 
 
@@ -267,8 +277,10 @@ def shared_down(
         budget = wait_counter(done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, trace_ptr,
                               WAIT_SHARED_DONE, WAIT, TRACE)
         fence_async_proxy(FENCE)
+        start = trace_clock(TRACE)
         down_tile(act_desc, w_desc, y_ptr, stride_y, tile * BLOCK_M, tokens, 0, n * BN_DN, D, I,
                   DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+        trace_event(trace_ptr, start, TRACE_KIND_SHARED_DOWN, tile * 65536 + n, TRACE)
     return dealt + tiles * num_n, budget
 
 
@@ -307,7 +319,7 @@ def megakernel(
     S_CHUNKS: tl.constexpr, S_CP: tl.constexpr, S_W: tl.constexpr, S_ROWS: tl.constexpr, S_ALIGN: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    trace_ptr = trace_base_ptr + pid * TRACE_FIELDS
+    trace_ptr = trace_base_ptr + pid * TRACE_ROW
     if TRACE:
         tl.store(trace_ptr + TRACE_START, globaltimer())
         tl.store(trace_ptr + TRACE_SM, smid().to(tl.int64))
@@ -328,11 +340,13 @@ def megakernel(
                         y_done_ptr, minibatch_tiles_ptr, tile_row0_ptr, tile_row_end_ptr, error_ptr, trace_ptr,
                         tl.cdiv(D, BN_DN),
                         CHUNKS, CP, W, ROWS, ALIGN, WAIT, TRACE)
+                start = trace_clock(TRACE)
                 comm_pull(j, pid, comm_sms, num_rows, minibatch, slots,
                           rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales,
                           src_rank_ptr, src_index_ptr, ring_ptr, stride_ring, ring_scale_ptr, stride_ring_scale,
                           rows_ready_ptr, TOP_K, FMT, P_CHUNKS, P_CP, P_W, P_ROWS, P_ALIGN,
                           S_CHUNKS, S_CP, S_W, S_ROWS, S_ALIGN)
+                trace_event(trace_ptr, start, TRACE_KIND_PULL, j, TRACE)
             for p in range(tl.maximum(batches - slots, 0), batches):
                 budget = comm_push(
                     batches - 1 - p, pid, comm_sms, minibatch, slots, budget, skip_rank,
@@ -358,8 +372,8 @@ def megakernel(
             if HAS_SHARED:
                 dealt = shared_gate_up(c, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr,
                                        shared_act_ptr, stride_shared_h, stride_shared_act, shared_done_ptr,
-                                       shared_I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, SHARED_BN_GU, SHARED_BK,
-                                       GROUP_GU)
+                                       trace_ptr, shared_I, D, limit, HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M,
+                                       SHARED_BN_GU, SHARED_BK, GROUP_GU)
                 dealt, budget = shared_down(c, workers, dealt, budget, tokens, shared_act_desc, shared_w_down_desc,
                                             shared_y_ptr, stride_shared_y, shared_done_ptr, error_ptr, trace_ptr,
                                             shared_I, D, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, SHARED_BN_GU,
@@ -389,8 +403,8 @@ def megakernel(
         j = phase_minibatch
         if PHASE == PHASE_SHARED_GATE_UP:
             shared_gate_up(pid, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr,
-                           stride_shared_h, stride_shared_act, shared_done_ptr, shared_I, D, limit,
-                           HAS_LIMIT, DOT_FP32, BLOCK_M, SHARED_BN_GU, SHARED_BK, GROUP_GU)
+                           stride_shared_h, stride_shared_act, shared_done_ptr, trace_ptr, shared_I, D, limit,
+                           HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M, SHARED_BN_GU, SHARED_BK, GROUP_GU)
         elif PHASE == PHASE_SHARED_DOWN:
             shared_down(pid, workers, 0, budget, tokens, shared_act_desc, shared_w_down_desc, shared_y_ptr,
                         stride_shared_y, shared_done_ptr, error_ptr, trace_ptr, shared_I, D,

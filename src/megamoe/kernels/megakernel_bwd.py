@@ -49,7 +49,7 @@ from megamoe.kernels.comm import pull_tile, signal_and_wait
 from megamoe.kernels.expert_gemm import gate_up_swiglu_tile, grouped_task
 from megamoe.kernels.expert_gemm_bwd import dact_tile, dx_tile, router_grad_rows, wgrad_block, wgrad_descriptors
 from megamoe.kernels.megakernel import comm_push, first_task
-from megamoe.kernels.sync import (TRACE_END, TRACE_FIELDS, TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END,
+from megamoe.kernels.sync import (TRACE_END, TRACE_ROW, TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END,
                                   fence_async_proxy, release_add, wait_counter)
 
 #: Wait ids of the error word (megamoe.megakernel.kernel names them; 1-6 are the forward's).
@@ -323,7 +323,7 @@ def megakernel_bwd(
     BK_W: tl.constexpr, GROUP_M: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    trace_ptr = trace_base_ptr + pid * TRACE_FIELDS
+    trace_ptr = trace_base_ptr + pid * TRACE_ROW
     if TRACE:
         tl.store(trace_ptr + TRACE_START, globaltimer())
         tl.store(trace_ptr + TRACE_SM, smid().to(tl.int64))

@@ -11,8 +11,9 @@ an acquire need :func:`fence_async_proxy`. ``pass_barrier_kernel`` is the
 barrier across ranks before a pass (its epoch on the device, so a captured
 graph replays it unchanged).
 
-TRACE builds stamp each program's row of an int64 ``[programs, TRACE_FIELDS]``
-buffer with globaltimer times and wait totals (profiling only).
+TRACE builds stamp each program's row of an int64 ``[programs, TRACE_ROW]``
+buffer with globaltimer times and wait totals, then log its tasks and waits
+after them (:func:`trace_event`; profiling only, `megamoe trace` draws them).
 """
 
 from __future__ import annotations
@@ -40,7 +41,43 @@ TRACE_SHARED_END = tl.constexpr(4)
 TRACE_SM = tl.constexpr(5)  # the SM the program ran on
 TRACE_WAIT_ROWS_NS = tl.constexpr(6)  # the part of TRACE_WAIT_NS spent on rows_ready
 TRACE_WAIT_TILE_NS = tl.constexpr(7)  # ... and on tile_done (a down task waiting for its row tile's gate/up)
-TRACE_FIELDS = tl.constexpr(8)
+TRACE_EVENTS = tl.constexpr(8)  # events this program logged (more than TRACE_MAX_EVENTS: the rest dropped)
+TRACE_FIELDS = tl.constexpr(9)
+#: After the fields, up to TRACE_MAX_EVENTS events of 4 int64: start, end (globaltimer ns), kind, detail.
+#: Kinds: a wait's WAIT_* id (detail: the counter's index) or a TRACE_KIND_* task.
+TRACE_MAX_EVENTS = tl.constexpr(1024)
+TRACE_EVENT_WORDS = tl.constexpr(4)
+TRACE_ROW = tl.constexpr(9 + 4 * 1024)
+TRACE_KIND_GATE_UP = tl.constexpr(16)  # detail: row tile << 16 | n-tile
+TRACE_KIND_DOWN = tl.constexpr(17)  # detail: row tile << 16 | n-tile
+TRACE_KIND_SHARED_GATE_UP = tl.constexpr(18)  # detail: token tile << 16 | n-tile
+TRACE_KIND_SHARED_DOWN = tl.constexpr(19)  # detail: token tile << 16 | n-tile
+TRACE_KIND_PULL = tl.constexpr(20)  # detail: minibatch
+TRACE_KIND_PUSH = tl.constexpr(21)  # detail: minibatch
+
+
+@triton.jit
+def trace_clock(TRACE: tl.constexpr):
+    """globaltimer ns in TRACE builds (0 otherwise: the interpreter cannot run the timer's inline asm)."""
+    t = tl.full((), 0, tl.int64)
+    if TRACE:
+        t = globaltimer()
+    return t
+
+
+@triton.jit
+def trace_event(trace_ptr, start, kind, detail, TRACE: tl.constexpr):
+    """TRACE: log an event of this program from ``start`` to now (its slot taken by one atomic: the scalar
+    atomic runs once per program and hands every thread the same slot)."""
+    if TRACE:
+        end = globaltimer()
+        n = tl.atomic_add(trace_ptr + TRACE_EVENTS, 1, sem="relaxed")
+        if n < TRACE_MAX_EVENTS:
+            event = trace_ptr + TRACE_FIELDS + n * TRACE_EVENT_WORDS
+            tl.store(event, start)
+            tl.store(event + 1, end)
+            tl.store(event + 2, tl.full((), kind, tl.int64))
+            tl.store(event + 3, tl.zeros((), tl.int64) + detail)
 
 
 @triton.jit
@@ -84,6 +121,8 @@ def wait_counter(ptr, target, budget, error_ptr, index, trace_ptr, WAIT_ID: tl.c
             if WAIT_ID == WAIT_TILE_DONE:
                 tl.atomic_add(trace_ptr + TRACE_WAIT_TILE_NS, waited, sem="relaxed")
             tl.atomic_add(trace_ptr + TRACE_WAITS, 1, sem="relaxed")
+            if polls > 0:  # a wait that spun: on the timeline
+                trace_event(trace_ptr, t0, WAIT_ID, index, TRACE)
     return budget
 
 

@@ -192,8 +192,8 @@ class MegaKernel:
         # the first out-of-range expert id a pass saw (token * k + slot) << 32 | id, NO_BAD_ROUTE if none: unchecked
         # passes treat such a route as none, and the next checked call raises on it
         self.bad_route = torch.full((1,), NO_BAD_ROUTE, dtype=torch.int64, device=dev)
-        # trace (GPU only): per program [start, end, ns waiting, waits, shared done] globaltimer stamps
-        self.trace = torch.zeros(c.num_sms, sync.TRACE_FIELDS.value, dtype=torch.int64, device=dev) if trace else None
+        # trace (GPU only): per program its globaltimer stamps and wait totals, then its event log (kernels.sync)
+        self.trace = torch.zeros(c.num_sms, sync.TRACE_ROW.value, dtype=torch.int64, device=dev) if trace else None
         self.budget = resolve_wait_budget(wait_budget)
         self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
         self.launcher = Launcher(self)
