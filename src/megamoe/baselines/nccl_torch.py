@@ -125,20 +125,20 @@ def nccl_torch_moe(
     x_recv = _AllToAll.apply(x_send, output_splits, input_splits, world.group)
     dest, ends, padded_rows = _grouped_destinations(recv_counts.view(ranks, experts_local), recv_host, group_align)
     x_grouped = x_recv.new_zeros(padded_rows, d).index_copy(0, dest, x_recv)
-    h = _grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
-    y_grouped = _grouped_mm(_swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
+    h = grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
+    y_grouped = grouped_mm(torchtitan_swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
     y_back = _AllToAll.apply(y_grouped[dest], input_splits, output_splits, world.group)
 
     y_routes = y_back.new_zeros(n * k, d).index_copy(0, routed, y_back)
     weights = router_weights.to(x.dtype).unsqueeze(1)  # [N, 1, k]
     out = torch.bmm(weights, y_routes.view(n, k, d)).squeeze(1)
     for gate_up, down in shared:
-        out = out + _swiglu(x @ gate_up.T, swiglu_limit) @ down.T
+        out = out + torchtitan_swiglu(x @ gate_up.T, swiglu_limit) @ down.T
     return out
 
 
-def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """SwiGLU as torchtitan's experts write it, ``F.silu(gate) * up`` (the baseline's own: in BF16 it rounds
+def torchtitan_swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """SwiGLU as torchtitan's experts write it, ``F.silu(gate) * up`` (the baselines' own: in BF16 it rounds
     fewer times than the kernels' ``gate * sigmoid(gate) * up`` twin would)."""
     gate, up = h.chunk(2, dim=-1)
     if limit is not None:
@@ -146,7 +146,7 @@ def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _grouped_mm(a_MK: torch.Tensor, b_GKN: torch.Tensor, ends_G: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a_MK: torch.Tensor, b_GKN: torch.Tensor, ends_G: torch.Tensor) -> torch.Tensor:
     if a_MK.shape[0] == 0:  # no rows at all: keep the graph connected to the weights, and to a's (earlier ones)
         return a_MK.new_zeros(0, b_GKN.shape[-1]) + 0 * b_GKN.sum() + 0 * a_MK.sum()
     return torch._grouped_mm(a_MK, b_GKN, offs=ends_G)
