@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megamoe.autograd import moe
+from megamoe.baselines import deepep_torch
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.config import MoEConfig
 from megamoe.nn.router import Router
@@ -28,16 +29,19 @@ from megamoe.precision import check_precision
 from megamoe.reference.ep import ep_moe
 
 #: The implementations a MoE can run: the megakernel, the pure-PyTorch reference over the EP group (FP32 math,
-#: autograd), and the NCCL all-to-all + torch._grouped_mm baseline.
-IMPLS = ("megamoe", "reference", "nccl-torch")
+#: autograd), the NCCL all-to-all + torch._grouped_mm baseline and DeepEP's dispatch / combine + the same experts
+#: (where DeepEP is built: benchmarks/deepep/build.sh).
+IMPLS = ("megamoe", "reference", "nccl-torch", "deepep-torch")
 
 
 def check_impl(impl: str, precision: str) -> None:
-    """ValueError unless ``impl`` is one of :data:`IMPLS` and runs ``precision``."""
+    """ValueError unless ``impl`` is one of :data:`IMPLS`, runs ``precision`` and can run here."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl != "megamoe" and precision != "bf16":
         raise ValueError(f"impl {impl!r} runs bf16 experts only, got precision {precision!r}")
+    if impl == "deepep-torch" and (reason := deepep_torch.unavailable()) is not None:
+        raise ValueError(f"impl deepep-torch: {reason}")
 
 
 def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelConfig | None = None,
@@ -48,6 +52,8 @@ def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelC
         return ep_moe(*args)
     if impl == "nccl-torch":
         return nccl_torch_moe(*args)
+    if impl == "deepep-torch":
+        return deepep_torch.deepep_torch_moe(*args)
     return moe(*args, precision=precision, config=config, max_tokens=max_tokens, check_finite=check_finite)
 
 
@@ -68,8 +74,9 @@ class MoE(nn.Module):
             sync; ``torch.compile`` needs it given).
         kernel_config: the megakernel's knobs (default: the planner's).
         seed: the weights' init seed (see the module docstring).
-        impl: ``megamoe`` (default), ``reference`` or ``nccl-torch`` (:data:`IMPLS`): the same weights through
-            another implementation, for comparisons (the last two are BF16 and ignore the kernel's knobs).
+        impl: ``megamoe`` (default), ``reference``, ``nccl-torch`` or ``deepep-torch`` (:data:`IMPLS`): the same
+            weights through another implementation, for comparisons (the others are BF16 and ignore the kernel's
+            knobs).
         check_finite: every forward raises ValueError naming the first token whose x or router weights are not
             finite (a host sync; megamoe only).
 
