@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megamoe import checks
-from megamoe.baselines.nccl_torch import grouped_mm, torchtitan_swiglu
+from megamoe.baselines.fp8_grouped import FP8_GROUP_ALIGN, RowwiseExperts
+from megamoe.baselines.nccl_torch import expert_ffn, torchtitan_swiglu
 from megamoe.parallel.world import EPWorld
 
 #: NVLink buffer of DeepEP's intranode kernels, bytes (its tests use 1 GB; the kernels size their queues to it).
@@ -205,12 +206,13 @@ def deepep_torch_moe(
     *,
     backend=None,
     group_align: int = 8,
+    experts_fp8: RowwiseExperts | None = None,
 ) -> torch.Tensor:
     """The MoE layer over ``world`` with DeepEP's dispatch and combine; differentiable.
 
     Arguments as :func:`megamoe.baselines.nccl_torch.nccl_torch_moe`; ``backend`` is the world's
-    :class:`DeepEPBackend` (default: kept on the world) or a :class:`TorchTwin`. RuntimeError when DeepEP is
-    not importable and no backend is given.
+    :class:`DeepEPBackend` (default: kept on the world) or a :class:`TorchTwin`; ``experts_fp8`` as there
+    (forward only). RuntimeError when DeepEP is not importable and no backend is given.
     """
     n, d, k, experts_local, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
                                                    swiglu_limit)
@@ -229,12 +231,13 @@ def deepep_torch_moe(
             shared_out = _shared(x, shared, swiglu_limit)
     recv_x, recv_w, recv_idx, counts, handle = _Dispatch.apply(
         x, router_weights.float(), top_experts.long(), backend, num_experts)
+    if experts_fp8 is not None:
+        group_align = max(group_align, FP8_GROUP_ALIGN)
     row_of, token, rows, pad_rows, ends, total = permute_plan(recv_idx, counts, group_align)
     x_grouped = recv_x.new_empty(total, d)
     x_grouped[pad_rows] = 0  # only the padding rows: their gradients meet the weights' in the wgrads
     x_grouped[rows] = recv_x[token]
-    h = grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
-    y_grouped = grouped_mm(torchtitan_swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
+    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, swiglu_limit, experts_fp8)
     # each received token's local routes with their weights (the other slots' weights are 0: row 0 stands in)
     y_routes = y_grouped[row_of.clamp(min=0)] if total else y_grouped.new_zeros(*row_of.shape, d)
     y_recv = torch.bmm(recv_w.to(x.dtype).unsqueeze(1), y_routes.view(-1, k, d)).squeeze(1)

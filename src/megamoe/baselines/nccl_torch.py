@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megamoe import checks
+from megamoe.baselines.fp8_grouped import FP8_GROUP_ALIGN, RowwiseExperts, scaled_grouped_mm
 from megamoe.parallel.world import EPWorld
 
 
@@ -83,8 +84,9 @@ def nccl_torch_moe(
     swiglu_limit: float | None = None,
     *,
     group_align: int = 8,
+    experts_fp8: RowwiseExperts | None = None,
 ) -> torch.Tensor:
-    """The MoE layer over ``world`` with NCCL/gloo all-to-all; differentiable.
+    """The MoE layer over ``world`` with NCCL/gloo all-to-all; differentiable (BF16 experts).
 
     Args:
         world: the EP group (R ranks).
@@ -96,6 +98,8 @@ def nccl_torch_moe(
         shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
         swiglu_limit: optional SwiGLU clamp.
         group_align: each expert's row group starts on a multiple of this.
+        experts_fp8: the routed weights in E4M3 (:func:`megamoe.baselines.fp8_grouped.quantize_expert_weights`):
+            the expert GEMMs run `torch._scaled_grouped_mm` with row-wise scales; forward only.
 
     Returns `[N, D]` in x's dtype. Syncs the host once (split sizes).
     """
@@ -123,10 +127,11 @@ def nccl_torch_moe(
 
     x_send = x[routed // k]
     x_recv = _AllToAll.apply(x_send, output_splits, input_splits, world.group)
+    if experts_fp8 is not None:
+        group_align = max(group_align, FP8_GROUP_ALIGN)
     dest, ends, padded_rows = _grouped_destinations(recv_counts.view(ranks, experts_local), recv_host, group_align)
     x_grouped = x_recv.new_zeros(padded_rows, d).index_copy(0, dest, x_recv)
-    h = grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
-    y_grouped = grouped_mm(torchtitan_swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
+    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, swiglu_limit, experts_fp8)
     y_back = _AllToAll.apply(y_grouped[dest], input_splits, output_splits, world.group)
 
     y_routes = y_back.new_zeros(n * k, d).index_copy(0, routed, y_back)
@@ -135,6 +140,19 @@ def nccl_torch_moe(
     for gate_up, down in shared:
         out = out + torchtitan_swiglu(x @ gate_up.T, swiglu_limit) @ down.T
     return out
+
+
+def expert_ffn(x_grouped: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ends: torch.Tensor,
+               swiglu_limit: float | None, experts_fp8: RowwiseExperts | None = None) -> torch.Tensor:
+    """gate/up -> SwiGLU -> down over expert-grouped rows: `torch._grouped_mm` (BF16, differentiable) or, with
+    ``experts_fp8``, `torch._scaled_grouped_mm` on row-wise E4M3 (no gradient)."""
+    if experts_fp8 is None:
+        h = grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
+        return grouped_mm(torchtitan_swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
+    e = experts_fp8
+    with torch.no_grad():
+        h = scaled_grouped_mm(x_grouped, e.w_gate_up, e.w_gate_up_scale, ends)
+        return scaled_grouped_mm(torchtitan_swiglu(h, swiglu_limit), e.w_down, e.w_down_scale, ends)
 
 
 def torchtitan_swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
