@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from megamoe.cli import app
 
 FIELDS = {"impl", "preset", "precision", "pass", "ep", "tokens_per_rank", "device", "machine", "commit", "run_id",
-          "time_ms", "time_ms_p10", "time_ms_p90", "tflops", "max_abs_err", "rel_err", "correct"}
+          "time_ms", "time_ms_p10", "time_ms_p90", "tflops", "max_abs_err", "rel_err", "correct",
+          "time_ms_p50", "floor_ms", "x_floor", "dirty", "device_name", "device_count", "driver_version",
+          "power_limit_w", "sm_clock_mhz", "torch", "triton", "warmup", "steady_s", "steady_rounds"}
 
 
 def test_bench_writes_correct_records(tmp_path):
@@ -31,8 +33,11 @@ def test_bench_writes_correct_records(tmp_path):
     for r in records:
         assert FIELDS <= set(r)
         assert r["correct"] and r["ep"] == 2 and r["tokens_per_rank"] == [24, 7] and r["machine"] == "cpu"
-        assert r["time_ms_p10"] <= r["time_ms"] <= r["time_ms_p90"]
+        assert r["time_ms_p10"] <= r["time_ms"] == r["time_ms_p50"] <= r["time_ms_p90"]
+        assert r["iters"] == 2 and r["warmup"] == 0 and r["steady_s"] == 0 and r["steady_rounds"] == 0  # CPU defaults
+        assert r["floor_ms"] is None and r["x_floor"] is None and r["sm_clock_mhz"] is None  # no rates for a CPU
     assert "| nccl-torch | bwd |" in md.read_text()
+    assert "p50 ms" in result.output and "× floor" in result.output and "interleaved rounds" in result.output
 
 
 def test_bench_rejects_bad_options_with_exit_code_2():
@@ -220,14 +225,19 @@ def test_bench_on_cuda_without_a_gpu_says_so():
 def test_bench_on_cpu_says_its_timings_are_not_gpu_timings_and_shows_progress(tmp_path, capfd):
     out = tmp_path / "records.json"
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--preset", "tiny", "--tokens", "8", "--ep", "1",
-                                      "--iters", "1", "--impl", "reference", "--json", str(out)])
+                                      "--iters", "2", "--steady", "0.01", "--impl", "reference", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "not GPU timings" in result.output
     # the ranks are processes of their own: their stderr is the test process's file descriptor 2
     err = capfd.readouterr().err
-    assert "[impl 1/1] reference fwd ..." in err and "[impl 1/1] reference bwd ..." in err, err
-    assert err.index("reference fwd") < err.index("reference bwd")
-    assert [(r["impl"], r["pass"]) for r in json.loads(out.read_text())] == [("reference", "fwd"), ("reference", "bwd")]
+    lines = [line.strip() for line in err.splitlines()]
+    for name in ("fwd", "bwd"):
+        assert [line for line in lines if line.startswith(("steady", "round")) and f" {name}" in line] == [
+            f"steady {name}: back to back for 0.01 s", f"round 1/2 {name}", f"round 2/2 {name}"], err
+    assert err.index("round 2/2 fwd") < err.index("steady bwd")
+    records = json.loads(out.read_text())
+    assert [(r["impl"], r["pass"]) for r in records] == [("reference", "fwd"), ("reference", "bwd")]
+    assert all(r["steady_s"] == 0.01 and r["steady_rounds"] >= 1 for r in records), records
 
 
 @pytest.mark.parametrize("args, needles", [

@@ -57,10 +57,14 @@ def bench(
                                              "their weights quantised once, outside the timed passes)."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd (its forward untimed before it), "
                                                 "step (forward + backward)."),
-    iters: int = typer.Option(None, help="Timed iterations (default 20 on GPU, 1 on CPU: interpreter timings "
-                                         "say nothing)."),
-    warmup: int = typer.Option(None, help="Untimed iterations first (default 3 on GPU, 0 on CPU: nothing to "
+    iters: int = typer.Option(None, help="Timed rounds per pass, each timing every implementation once in the "
+                                         "same order; the records give p10/p50/p90 over them (default 20 on GPU, "
+                                         "1 on CPU: interpreter timings say nothing)."),
+    warmup: int = typer.Option(None, help="Untimed rounds first (default 3 on GPU, 0 on CPU: nothing to "
                                           "compile under the interpreter)."),
+    steady: float = typer.Option(None, help="Seconds of every implementation back to back after the warm-up, "
+                                            "per pass, so that the GPU settles at its power cap's clock before "
+                                            "the timed rounds (default 2 on GPU, 0 on CPU)."),
     routing: str = typer.Option("uniform", help="uniform, zipf or one-rank."),
     seed: int = typer.Option(0, help="Seed of every input."),
     json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
@@ -94,6 +98,7 @@ def bench(
             passes=_csv(passes),
             iters=iters if iters is not None else (20 if gpu else 1),
             warmup=warmup if warmup is not None else (3 if gpu else 0),
+            steady=steady,
             seed=seed,
             routing=routing,
             progress=True,
@@ -101,7 +106,8 @@ def bench(
     except ValueError as exc:
         _fail(str(exc))
     console.print(f"[bold]megamoe bench[/bold]: {opts.preset} on {opts.ep} {device} rank(s), "
-                  f"impls {', '.join(opts.impls)}, passes {', '.join(opts.passes)}, {opts.iters} iters")
+                  f"impls {', '.join(opts.impls)}, passes {', '.join(opts.passes)}, {opts.iters} interleaved "
+                  f"rounds after {opts.warmup} warm-up and {opts.steady:g} s steady", soft_wrap=True)
     records = launch(run_rank, opts.ep, opts, device=device)[0]
     meta = run_metadata(device)
     for record in records:

@@ -1,10 +1,16 @@
 """`megamoe bench`: check and time layer implementations side by side.
 
 Each rank builds its seeded problem, computes the oracle once
-(:mod:`megamoe.reference.ep`), then for every implementation and pass
-checks the result against the oracle (the output, or every gradient) and
-times it: CUDA events on GPUs (every iteration's time is the slowest rank's),
-the wall clock between barriers on the CPU. One JSON record per (impl, pass).
+(:mod:`megamoe.reference.ep`) and builds every implementation. Then, pass by
+pass: warm-up rounds, ``steady`` seconds of every implementation back to back
+(the GPU settles at its power cap's clock), and ``iters`` timed rounds, each
+timing every (impl, expert format) once in the same order, so that drift of
+the clock or the machine reaches every implementation alike. The first run of
+each (impl, pass) is checked against the oracle (the output, or every
+gradient). Times: CUDA events on GPUs (every round's time is the slowest
+rank's), the wall clock between barriers on the CPU. One JSON record per
+(impl, pass): p10 / p50 / p90, TFLOP/s, the time over the physical floor
+(:mod:`megamoe.bench.machine`), the machine, the commit and the settings.
 
 Over 400 lines: set-up, runs, checks and the interleaved timing loop are one procedure, read top to bottom.
 """
@@ -22,6 +28,7 @@ import torch
 from megamoe.autograd import moe
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.baselines.unfused import unfused_moe_forward
+from megamoe.bench.machine import ClockSample, clock_range, floor_ms, machine_info
 from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
 from megamoe.megakernel import megamoe_forward
@@ -42,6 +49,13 @@ TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3),
 #: Routed-expert formats of the megamoe implementations (the others are BF16 throughout).
 EXPERT_FORMATS = ("bf16", "fp8-block", "mxfp8")
 DEVICES = ("cpu", "cuda")
+#: Timed rounds, warm-up rounds and steady seconds by device when not given. GPU: 20 rounds give p10 / p90 two
+#: samples beyond them each; 2 s of back-to-back work per pass, where the H200 reaches its 700 W cap within
+#: ~0.3 s (benchmarks/results/2026-11-30-replay, section 2) and 1 s was enough in 2026-12-02-backward-tiles.
+#: CPU: few rounds and no steady phase (the kernels run under the Triton interpreter: its times say little).
+DEFAULT_ITERS = {"cuda": 20, "cpu": 3}
+DEFAULT_WARMUP = {"cuda": 3, "cpu": 1}
+DEFAULT_STEADY_S = {"cuda": 2.0, "cpu": 0.0}
 
 
 @dataclass(frozen=True)
@@ -56,18 +70,22 @@ class BenchOptions:
     impls: tuple[str, ...] = ("reference", "nccl-torch", "unfused")
     experts: tuple[str, ...] = ("bf16",)  # routed-expert formats of the megamoe impls, each run in turn
     passes: tuple[str, ...] = PASSES
-    iters: int = 5
-    warmup: int = 1
+    iters: int | None = None  # timed rounds (None: DEFAULT_ITERS of the device)
+    warmup: int | None = None  # untimed rounds first (None: DEFAULT_WARMUP of the device)
+    steady: float | None = None  # seconds of back-to-back rounds after the warm-up (None: DEFAULT_STEADY_S)
     seed: int = 0
     routing: str = "uniform"
     config: MoEConfig | None = field(default=None)
-    progress: bool = False  # rank 0 prints a line on stderr as each (impl, pass) starts
+    progress: bool = False  # rank 0 prints a line on stderr per round
 
     def __post_init__(self) -> None:
         cfg = self.config or preset(self.preset)
         object.__setattr__(self, "config", cfg)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        for name, defaults in (("iters", DEFAULT_ITERS), ("warmup", DEFAULT_WARMUP), ("steady", DEFAULT_STEADY_S)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, defaults[self.device])
         if self.device == "cuda" and torch.cuda.device_count() == 0:
             raise ValueError(f"device cuda: no CUDA GPU is visible (ep={self.ep} needs {self.ep} GPUs, 0 visible)")
         cfg.experts_per_rank(self.ep)
@@ -101,6 +119,8 @@ class BenchOptions:
             raise ValueError(f"tokens must be one count or one per rank (ep={self.ep}), got {self.tokens}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"iters must be >= 1 and warmup >= 0, got {self.iters}, {self.warmup}")
+        if not (math.isfinite(self.steady) and self.steady >= 0):
+            raise ValueError(f"steady must be a number of seconds >= 0, got {self.steady}")
         gpus = torch.cuda.device_count() if self.device == "cuda" else 0
         if self.device == "cuda" and self.ep > gpus:
             # ranks sharing a GPU run over gloo (NCCL refuses them) and split its SMs: the baselines cannot
@@ -355,17 +375,72 @@ def percentile(values: list[float], q: float) -> float:
 
 def pass_work(world: EPWorld, p: RankProblem, name: str) -> tuple[float, float]:
     """(FLOPs on this rank's tokens, bytes this rank's routes send across ranks) for one pass."""
+    flops, routed, cross = _pass_work_parts(world, p, name)
+    return flops, cross
+
+
+def _pass_work_parts(world: EPWorld, p: RankProblem, name: str) -> tuple[float, float, float]:
+    """(FLOPs, of which the routed experts', cross-rank bytes) of this rank for one pass."""
     cfg = p.config
     routes = p.top_experts[p.top_experts >= 0]
-    flops = cfg.routed_flops(routes.numel()) + cfg.shared_flops(p.tokens)
+    routed = cfg.routed_flops(routes.numel())
+    flops = routed + cfg.shared_flops(p.tokens)
     remote = int((routes.long() // p.w_gate_up.shape[0] != world.rank).sum())
     cross = 2 * remote * cfg.hidden * p.x.element_size()  # dispatch + combine (or their mirrors)
     multiple = {"fwd": 1, "bwd": 2, "step": 3}[name]  # the backward does twice the forward's GEMM FLOPs
-    return (flops * multiple, cross * (2 if name == "step" else 1))
+    return (flops * multiple, routed * multiple, cross * (2 if name == "step" else 1))
+
+
+@dataclass
+class _Run:
+    """One (impl, routed-expert format) of a run: its runner and, per pass, its check and its times."""
+
+    impl: str
+    experts: str
+    label: str
+    runner: object
+    tolerance: str
+    checks: dict = field(default_factory=dict)
+    times: dict = field(default_factory=dict)
+
+
+def _iteration(world: EPWorld, run: _Run, name: str, want: dict, timed: bool) -> float | None:
+    """One run of pass ``name``: its ms (between barriers) when ``timed``, else None and no barrier (the
+    steady phase: back to back). The first run of each (impl, pass) is compared with the oracle."""
+    runner = run.runner
+
+    def call(fn):
+        return timed_pass(world, fn) if timed else (None, fn())
+
+    grads = None
+    if name == "fwd":
+        ms, out = call(runner.forward)
+        got = {"out": out.detach()}
+    elif name == "bwd":
+        out = runner.train_forward()
+        ms, grads = call(partial(runner.backward, out))
+        got = _flatten(grads)
+    else:
+        out = None
+        ms, grads = call(runner.step)
+        got = _flatten(grads)
+    if name not in run.checks:
+        run.checks[name] = compare(got, want[name], run.tolerance)
+    del out, got, grads
+    if name != "fwd":  # runners coexist: a runner's gradients go before the next one's come (as in a burst)
+        for t in getattr(runner, "_all_leaves", lambda: ())():
+            t.grad = None
+    return ms
+
+
+def _say(world: EPWorld, opts: BenchOptions, line: str) -> None:
+    if opts.progress and world.rank == 0:
+        print(f"  {line}", file=sys.stderr, flush=True)
 
 
 def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
-    """Check and time every (impl, pass) on this rank; returns the records (rank 0's are complete)."""
+    """Check and time every (impl, pass) on this rank in interleaved rounds; returns the records (rank 0's
+    are complete), ordered by impl, then pass."""
     cfg = opts.config
     p = make_problem(
         cfg, world.rank, world.size, opts.tokens_of(world.rank), dtype=PRECISIONS[opts.precision],
@@ -373,60 +448,83 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     )
     oracle_out, oracle_grads = ep_reference_forward_backward(world, p)
     want = {"fwd": {"out": oracle_out}, "bwd": _flatten(oracle_grads), "step": _flatten(oracle_grads)}
-    work = {name: pass_work(world, p, name) for name in opts.passes}
-    records = []
-    runs = [(impl, fmt) for impl in opts.impls
-            for fmt in (opts.experts if impl in TAKES_EXPERT_FORMAT else ("bf16",))]
-    for run, (impl, fmt) in enumerate(runs, 1):
-        quantized = fmt != "bf16"
-        label = f"{impl} ({fmt} experts)" if quantized else impl
-        runner = RUNNERS[impl](world, p, fmt) if quantized else RUNNERS[impl](world, p)
-        tolerance = "fp8" if quantized else opts.precision
-        for name in opts.passes:
-            if name not in getattr(runner, "passes", PASSES):
-                continue
-            if opts.progress and world.rank == 0:
-                print(f"  [impl {run}/{len(runs)}] {label} {name} ...", file=sys.stderr, flush=True)
-            times, check = [], None
-            for it in range(opts.warmup + opts.iters):
-                if name == "fwd":
-                    ms, out = timed_pass(world, runner.forward)
-                    got = {"out": out.detach()}
-                elif name == "bwd":
-                    out = runner.train_forward()
-                    ms, grads = timed_pass(world, lambda: runner.backward(out))
-                    got = _flatten(grads)
-                else:
-                    out = None
-                    ms, grads = timed_pass(world, runner.step)
-                    got = _flatten(grads)
-                if check is None:
-                    check = compare(got, want[name], tolerance)
-                if it >= opts.warmup:
-                    times.append(ms)
-                del out, got
-            records.append(_gather_record(world, opts, label, name, times, check, work[name],
-                                          getattr(runner, "weights_quantize_ms", None)))
-        if impl == "reference" and "fwd" in opts.passes and "bwd" in opts.passes:
+    device = world.device.type
+    machine = world.all_gather_object(machine_info(device) if world.rank == 0 else None)[0]
+    runs = []
+    for impl in opts.impls:  # every runner first: they coexist for the rounds
+        for fmt in (opts.experts if impl in TAKES_EXPERT_FORMAT else ("bf16",)):
+            quantized = fmt != "bf16"
+            runner = RUNNERS[impl](world, p, fmt) if quantized else RUNNERS[impl](world, p)
+            runs.append(_Run(impl, fmt, f"{impl} ({fmt} experts)" if quantized else impl, runner,
+                             "fp8" if quantized else opts.precision))
+    records = {}
+    for name in opts.passes:
+        active = [(k, run) for k, run in enumerate(runs) if name in getattr(run.runner, "passes", PASSES)]
+        if not active:
+            continue
+        work = _pass_work_parts(world, p, name)
+        _say(world, opts, f"{name}: {', '.join(run.label for _, run in active)}, every round in this order")
+        for i in range(opts.warmup):
+            _say(world, opts, f"warm-up {i + 1}/{opts.warmup} {name}")
+            for _, run in active:
+                _iteration(world, run, name, want, timed=True)
+        steady_rounds = 0
+        if opts.steady > 0:
+            _say(world, opts, f"steady {name}: back to back for {opts.steady:g} s")
+            start = time.perf_counter()
+            while True:
+                for _, run in active:
+                    _iteration(world, run, name, want, timed=False)
+                steady_rounds += 1
+                if world.is_cuda:
+                    torch.cuda.synchronize(world.device)
+                # every rank stops after the same round: the slowest rank's clock decides
+                if max(world.all_gather_object(time.perf_counter() - start)) >= opts.steady:
+                    break
+        samples = {}  # rank 0 asks nvidia-smi for the SM clocks as the first and the last round start
+        for i in range(opts.iters):
+            if world.rank == 0 and i in (0, opts.iters - 1):
+                samples[i] = ClockSample(device)
+            _say(world, opts, f"round {i + 1}/{opts.iters} {name}")
+            for _, run in active:
+                run.times.setdefault(name, []).append(_iteration(world, run, name, want, timed=True))
+        clocks = [samples[i].result() if i in samples else None for i in (0, opts.iters - 1)]
+        clocks = world.all_gather_object(clocks)[0]
+        timing = {"warmup": opts.warmup, "steady_s": opts.steady, "steady_rounds": steady_rounds,
+                  "rounds": "interleaved", "sm_clock_mhz": clock_range(clocks),
+                  "sm_clock_samples_mhz": {"start": clocks[0], "end": clocks[1]}}
+        for k, run in active:
+            records[k, name] = _gather_record(world, opts, run, name, work, {**machine, **timing})
+    for k, run in enumerate(runs):
+        mine = {name: records[k, name] for name in opts.passes if (k, name) in records}
+        if run.impl == "reference" and "fwd" in mine and "bwd" in mine:
             # the oracle's backward recomputes its forward: its bwd time is (forward + backward) minus the forward
-            mine = {r["pass"]: r for r in records if r["impl"] == label}
             fwd, bwd = mine["fwd"], mine["bwd"]
-            for key in ("time_ms", "time_ms_p10", "time_ms_p90"):
+            for key in ("time_ms", "time_ms_p10", "time_ms_p50", "time_ms_p90"):
                 bwd[key] = max(bwd[key] - fwd["time_ms"], 0.0)
             bwd["tflops"] = bwd["flops"] / bwd["time_ms"] / 1e9 if bwd["time_ms"] else None
-    return records
+            bwd["x_floor"] = _over(bwd["time_ms"], bwd["floor_ms"])
+    return [records[k, name] for k in range(len(runs)) for name in opts.passes if (k, name) in records]
 
 
-def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check, work,
-                   weights_quantize_ms: float | None = None) -> dict:
+def _over(time_ms: float, floor: float | None) -> float | None:
+    return time_ms / floor if floor else None
+
+
+def _gather_record(world, opts: BenchOptions, run: _Run, name: str, work, shared: dict) -> dict:
+    times, check = run.times[name], run.checks[name]
+    weights_quantize_ms = getattr(run.runner, "weights_quantize_ms", None)
     everyone = world.all_gather_object({"times": times, "check": check, "work": work,
                                         "quantize": weights_quantize_ms})
     slowest = [max(r["times"][i] for r in everyone) for i in range(len(times))]
     median = percentile(slowest, 0.5)
     flops = sum(r["work"][0] for r in everyone) / world.size
-    cross = max(r["work"][1] for r in everyone)
+    cross = max(r["work"][2] for r in everyone)
+    # the slowest rank's floor bounds the pass: the largest of the ranks' floors
+    floors = [floor_ms(shared["device_name"], opts.precision, run.experts, *r["work"]) for r in everyone]
+    floor = None if None in floors else max(floors)
     return {
-        "impl": impl,
+        "impl": run.label,
         "preset": opts.preset,
         "precision": opts.precision,
         "pass": name,
@@ -435,9 +533,12 @@ def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check
         "device": world.device.type,
         "time_ms": median,
         "time_ms_p10": percentile(slowest, 0.1),
+        "time_ms_p50": median,
         "time_ms_p90": percentile(slowest, 0.9),
         "flops": flops,
         "tflops": flops / median / 1e9 if median else None,
+        "floor_ms": floor,
+        "x_floor": _over(median, floor),
         "cross_gbps": cross / median / 1e6 if median and world.size > 1 else None,
         "max_abs_err": max(r["check"]["max_abs_err"] for r in everyone),
         "rel_err": max(r["check"]["rel_err"] for r in everyone),
@@ -447,4 +548,5 @@ def _gather_record(world, opts: BenchOptions, impl: str, name: str, times, check
         "iters": len(times),
         # FP8 experts: one quantisation of the routed weights (once per optimizer step, outside the pass)
         "weights_quantize_ms": None if weights_quantize_ms is None else max(r["quantize"] for r in everyone),
+        **shared,
     }
