@@ -52,7 +52,7 @@ def table(runs: dict[tuple[str, int, int], dict[str, dict]]) -> str:
         for name in MEGAMOE_ROWS.values():
             r = rows.get(name)
             cells.append(f"{r['time_ms']:.2f} ({base['time_ms'] / r['time_ms']:.2f}x)" if r else "-")
-        cells.append(", ".join(sorted({r["commit"] for r in rows.values()})))
+        cells.append(", ".join(sorted({str(r["commit"]) for r in rows.values()})))
         cells.append(str(all(r["correct"] for r in rows.values())))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
