@@ -76,3 +76,17 @@ def test_gpu_scaled_grouped_mm_matches_the_cpu_product():
     cpu = scaled_grouped_mm(a, w_q, w_s, ends)
     gpu = scaled_grouped_mm(a.cuda(), w_q.cuda(), w_s.cuda(), ends.cuda()).cpu()
     assert float((gpu[:288].float() - cpu[:288].float()).abs().max() / cpu[:288].float().abs().max()) < 1e-2
+
+
+def test_bench_runs_the_peers_fp8_experts_beside_megamoes_and_skips_deepep_with_its_reason(capfd):
+    from megamoe.bench.harness import BenchOptions, run_rank
+
+    opts = BenchOptions(preset="tiny", tokens=(8,), ep=2, device="cpu", impls=("nccl-torch", "deepep-torch"),
+                        experts=("bf16", "fp8-block"), passes=("fwd",), iters=1, warmup=0)
+    records = launch(run_rank, 2, opts)[0]
+    by_impl = {r["impl"]: r for r in records}
+    assert by_impl["nccl-torch (fp8-rowwise experts)"]["correct"] and by_impl["nccl-torch"]["correct"]
+    assert by_impl["nccl-torch (fp8-rowwise experts)"]["weights_quantize_ms"] is not None
+    if dt.unavailable() is not None:
+        assert not any(name.startswith("deepep-torch") for name in by_impl)
+        assert "deepep-torch skipped: deep_ep is not importable" in capfd.readouterr().err

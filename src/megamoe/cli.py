@@ -47,14 +47,17 @@ def bench(
     ep: int = typer.Option(None, help="Expert-parallel ranks (default: every GPU, or 4 simulated CPU ranks)."),
     device: str = typer.Option(None, help="cuda or cpu (default: cuda when a GPU is visible)."),
     precision: str = typer.Option("bf16", help="bf16 (fp32 for CPU checks)."),
-    impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, unfused, "
-                                        "megamoe, megamoe-graph (unfused and megamoe-graph forward only; megamoe's "
+    impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, deepep-torch "
+                                        "(skipped with the reason where DeepEP is not built), unfused, megamoe, "
+                                        "megamoe-graph (unfused and megamoe-graph forward only; megamoe's "
                                         "backward with BF16 experts). Default: nccl-torch,unfused,megamoe on GPU, "
-                                        "all four on CPU."),
+                                        "reference,nccl-torch,unfused,megamoe on CPU."),
     experts: str = typer.Option("bf16", help="Comma-separated routed-expert formats of the megamoe "
-                                             "implementations, each run in turn: bf16, fp8-block, mxfp8 (the "
-                                             "others stay BF16; FP8 rows are checked with FP8 tolerances and "
-                                             "their weights quantised once, outside the timed passes)."),
+                                             "implementations, each run in turn: bf16, fp8-block, mxfp8. With an "
+                                             "FP8 format, nccl-torch and deepep-torch also run their own FP8 "
+                                             "experts (fp8-rowwise: torch._scaled_grouped_mm, forward only); FP8 "
+                                             "rows are checked with FP8 tolerances and their weights quantised "
+                                             "once, outside the timed passes."),
     passes: str = typer.Option("fwd,bwd", help="Comma-separated passes: fwd, bwd (its forward untimed before it), "
                                                 "step (forward + backward)."),
     iters: int = typer.Option(None, help="Timed rounds per pass, each timing every implementation once in the "

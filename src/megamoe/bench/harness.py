@@ -26,6 +26,8 @@ from functools import partial
 import torch
 
 from megamoe.autograd import moe
+from megamoe.baselines import deepep_torch
+from megamoe.baselines.fp8_grouped import quantize_expert_weights
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.baselines.unfused import unfused_moe_forward
 from megamoe.bench.machine import ClockSample, clock_range, floor_ms, machine_info
@@ -263,15 +265,30 @@ class _MegamoeGraphRunner(_MegamoeRunner):
         return self.static_out
 
 
+class _FP8PeerRunner(_ForwardOnlyRunner):
+    """A peer with its own FP8 experts (row-wise E4M3 through torch._scaled_grouped_mm), forward only: the
+    weights quantised once, as after an optimizer step, that quantisation timed on its own."""
+
+    def __init__(self, world: EPWorld, p: RankProblem, fn):
+        super().__init__(world, p, fn)
+        quantize = partial(quantize_expert_weights, self.leaves["w_gate_up"], self.leaves["w_down"])
+        self.weights_quantize_ms, experts = timed_pass(world, quantize)
+        self.fn = partial(fn, experts_fp8=experts)
+
+
 RUNNERS = {
     "reference": _ReferenceRunner,
     "nccl-torch": lambda world, p: _AutogradRunner(world, p, nccl_torch_moe),
+    "deepep-torch": lambda world, p: _AutogradRunner(world, p, deepep_torch.deepep_torch_moe),
     "unfused": lambda world, p: _ForwardOnlyRunner(world, p, unfused_moe_forward),
     "megamoe": _MegamoeRunner,
     "megamoe-graph": _MegamoeGraphRunner,
 }
 #: The implementations that take the routed-expert format (BenchOptions.experts).
 TAKES_EXPERT_FORMAT = ("megamoe", "megamoe-graph")
+#: The peers with FP8 experts of their own: run with them too when BenchOptions.experts names an FP8 format.
+FP8_PEERS = {"nccl-torch": nccl_torch_moe, "deepep-torch": deepep_torch.deepep_torch_moe}
+PEER_FP8 = "fp8-rowwise"
 
 
 # --------------------------------------------------------------------------- checking
@@ -451,10 +468,18 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     device = world.device.type
     machine = world.all_gather_object(machine_info(device) if world.rank == 0 else None)[0]
     runs = []
+    fp8 = any(fmt != "bf16" for fmt in opts.experts)
     for impl in opts.impls:  # every runner first: they coexist for the rounds
-        for fmt in (opts.experts if impl in TAKES_EXPERT_FORMAT else ("bf16",)):
+        if impl == "deepep-torch" and (reason := deepep_torch.unavailable()) is not None:
+            if world.rank == 0:
+                print(f"  deepep-torch skipped: {reason}", file=sys.stderr, flush=True)
+            continue
+        formats = (opts.experts if impl in TAKES_EXPERT_FORMAT else
+                   ("bf16", PEER_FP8) if impl in FP8_PEERS and fp8 else ("bf16",))
+        for fmt in formats:
             quantized = fmt != "bf16"
-            runner = RUNNERS[impl](world, p, fmt) if quantized else RUNNERS[impl](world, p)
+            runner = (_FP8PeerRunner(world, p, FP8_PEERS[impl]) if fmt == PEER_FP8 else
+                      RUNNERS[impl](world, p, fmt) if quantized else RUNNERS[impl](world, p))
             runs.append(_Run(impl, fmt, f"{impl} ({fmt} experts)" if quantized else impl, runner,
                              "fp8" if quantized else opts.precision))
     records = {}
