@@ -315,12 +315,14 @@ def trace(
         tr.save(record, os.path.join(out, "trace_record.json.gz"))
     with open(os.path.join(out, "trace.json"), "w") as f:
         json.dump(tr.chrome_trace(record), f)
-    tr.timeline_png(record, os.path.join(out, "trace.png"))
+    skipped = tr.timeline_png(record, os.path.join(out, "trace.png"))
     console = Console(soft_wrap=True)
     for row in tr.summary(record):
         console.print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-    console.print(f"written to {out}/: trace.json (open in https://ui.perfetto.dev), trace.png"
-                  + ("" if from_record else ", trace_record.json.gz"))
+    console.print(f"written to {out}/: trace.json (open in https://ui.perfetto.dev)"
+                  + ("" if skipped else ", trace.png") + ("" if from_record else ", trace_record.json.gz"))
+    if skipped:
+        console.print(skipped)
 
 
 @app.command()

@@ -173,13 +173,17 @@ def summary(record: dict) -> list[dict]:
     return rows
 
 
-def timeline_png(record: dict, path: str, rank: int = 0) -> None:
-    """One rank's programs as horizontal lanes (comm workers at the top), each task and wait a bar."""
-    import matplotlib
+def timeline_png(record: dict, path: str, rank: int = 0) -> str | None:
+    """One rank's programs as horizontal lanes (comm workers at the top), each task and wait a bar; returns why
+    not (matplotlib missing), else None."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        return f"matplotlib is not installed: no timeline written to {path} (pip install matplotlib)"
 
     r = next(r for r in record["ranks"] if r["rank"] == rank)
     programs = r["programs"]
@@ -206,3 +210,4 @@ def timeline_png(record: dict, path: str, rank: int = 0) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return None
