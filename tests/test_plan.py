@@ -94,7 +94,8 @@ def test_the_backward_gets_its_own_comm_sms():
             KernelConfig(num_sms=132, comm_sms=8, minibatch=1024, ring_rows=4096, backward_minibatch=bad)
     result = CliRunner().invoke(app, ["plan", "--backward-comm-sms", "10", "--backward-minibatch", "1024"])
     assert result.exit_code == 0 and "backward_comm_sms=10, backward_minibatch=1024)" in result.output, result.output
-    for config in (c, one, pinned, replace(c, backward_comm_sms=None, backward_minibatch=512), None):
+    for config in (c, one, pinned, replace(c, backward_comm_sms=None, backward_minibatch=512),
+                   replace(c, overlap=False), None):
         assert _config(config_string(config)) == config
 
 

@@ -49,7 +49,7 @@ import time
 import pytest
 import torch
 
-from megamoe.autograd.ops import layer_kernel
+from megamoe.megakernel.forward import layer_kernel
 from megamoe.bench.harness import _flatten, error_stats
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
@@ -185,7 +185,7 @@ def _soak(world, passes: int, gpu: bool):
         """Make ``kernel`` the one megamoe.moe runs for shape ``which`` (GPU: replayed or launched)."""
         for k in (kernels[which], launched[which]):
             world.resources.discard(k)
-        world.resources.get(("megakernel", shapes[which]), lambda: kernel, version=(None, "bf16"))
+        world.resources.get(("megakernel", shapes[which], "bf16", True), lambda: kernel, version=None)
         assert layer_kernel(world, shapes[which], None, "bf16") is kernel
 
     first: dict[tuple, dict[str, str]] = {}

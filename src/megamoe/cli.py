@@ -50,8 +50,10 @@ def bench(
     impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, deepep-torch "
                                         "(skipped with the reason where DeepEP is not built), unfused, megamoe, "
                                         "megamoe-graph (unfused and megamoe-graph forward only; megamoe's "
-                                        "backward with BF16 experts). Default: nccl-torch,unfused,megamoe on GPU, "
-                                        "reference,nccl-torch,unfused,megamoe on CPU."),
+                                        "backward with BF16 experts; unfused: megamoe's steps one launch after "
+                                        "another, the no-overlap ablation). Default: nccl-torch,unfused,megamoe "
+                                        "on GPU, reference,nccl-torch,megamoe on CPU (where megamoe runs its steps "
+                                        "one after another anyway)."),
     experts: str = typer.Option("bf16", help="Comma-separated routed-expert formats of the megamoe "
                                              "implementations, each run in turn: bf16, fp8-block, mxfp8. With an "
                                              "FP8 format, nccl-torch and deepep-torch also run their own FP8 "
@@ -96,7 +98,7 @@ def bench(
             ep=ep if ep is not None else (torch.cuda.device_count() if gpu else 4),
             device=device,
             precision=precision,
-            impls=_csv(impl or ("nccl-torch,unfused,megamoe" if gpu else "reference,nccl-torch,unfused,megamoe")),
+            impls=_csv(impl or ("nccl-torch,unfused,megamoe" if gpu else "reference,nccl-torch,megamoe")),
             experts=_csv(experts),
             passes=_csv(passes),
             iters=iters if iters is not None else (20 if gpu else 1),

@@ -20,8 +20,8 @@ import torch
 
 from megamoe.autograd.worlds import world_of
 from megamoe.megakernel.backward_composed import SavedForward
-from megamoe.megakernel.forward import fuse_shared
-from megamoe.megakernel.kernel import MegaKernel, default_config
+from megamoe.megakernel.forward import fuse_shared, layer_kernel
+from megamoe.megakernel.kernel import default_config
 from megamoe.planner import KernelConfig, LayerShape
 from megamoe.routing.schedule import PullSchedule
 
@@ -33,12 +33,15 @@ def config_string(config: KernelConfig | None) -> str:
     if config is None:
         return ""
     values = [config.num_sms, config.comm_sms, config.minibatch, config.ring_rows, config.tile_m, config.tile_n,
-              config.backward_comm_sms, config.backward_minibatch]
+              config.backward_comm_sms, config.backward_minibatch, int(config.overlap)]
     return ",".join("" if v is None else str(v) for v in values)
 
 
 def _config(text: str) -> KernelConfig | None:
-    return KernelConfig(*(int(v) if v else None for v in text.split(","))) if text else None
+    if not text:
+        return None
+    *values, overlap = (int(v) if v else None for v in text.split(","))
+    return KernelConfig(*values, overlap=bool(overlap))
 
 
 def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down: list[Tensor],
@@ -46,13 +49,6 @@ def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down
     L, two_i, d = w_gate_up.shape
     return LayerShape(world.size, max_tokens, d, two_i // 2, L, top_experts.shape[1],
                       sum(dn.shape[1] for dn in shared_down))
-
-
-def layer_kernel(world, shape: LayerShape, config: KernelConfig | None, precision: str) -> MegaKernel:
-    """The MegaKernel of ``shape`` kept on ``world`` (shared with megamoe_forward), one config and precision at a
-    time."""
-    return world.resources.get(("megakernel", shape), lambda: MegaKernel(world, shape, config, precision=precision),
-                               version=(config, precision))
 
 
 @torch.library.custom_op("megamoe::layer_forward", mutates_args=())

@@ -1,4 +1,7 @@
-"""The `unfused` MoE layer: the project's standalone kernels launched one after another.
+"""The host-synchronised unfused forward: the project's standalone kernels launched one after another.
+
+(The sweep tools and output_hashes compare with it. `megamoe bench --impl unfused` is the rebuilt ablation:
+megamoe's own steps without overlap, ordered on the device, forward and backward: ``KernelConfig.overlap``.)
 
 Forward only (the megakernel's stages, each its own launch):
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -29,13 +29,13 @@ from megamoe.autograd import moe
 from megamoe.baselines import deepep_torch
 from megamoe.baselines.fp8_grouped import quantize_expert_weights
 from megamoe.baselines.nccl_torch import nccl_torch_moe
-from megamoe.baselines.unfused import unfused_moe_forward
 from megamoe.bench.machine import ClockSample, clock_range, floor_ms, machine_info
 from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
 from megamoe.config import MoEConfig, preset
-from megamoe.megakernel import megamoe_forward
+from megamoe.megakernel import default_config, megamoe_forward
 from megamoe.ops.quant import quantize_experts
 from megamoe.parallel.world import EPWorld
+from megamoe.planner import LayerShape
 from megamoe.reference.ep import ep_reference_forward_backward
 
 #: fwd: the forward alone; bwd: the backward alone (its forward untimed before it); step: forward + backward.
@@ -243,6 +243,25 @@ class _MegamoeRunner(_ForwardOnlyRunner):
         return _AutogradRunner.forward(self)
 
 
+class _UnfusedRunner(_MegamoeRunner):
+    """`unfused`: megamoe's own steps without overlap, the no-overlap ablation. The forward's pulls, gate/up,
+    down and pushes run one launch after another, ordered on the device (``KernelConfig.overlap`` off: no host
+    barrier between them, each compute step on every SM); the backward is megamoe's (its composed kernels)."""
+
+    def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
+        super().__init__(world, p, experts)
+        shape = LayerShape.of(p.config, world.size, self.max_tokens)
+        self.config = replace(default_config(world, shape, experts), overlap=False)
+
+    def _pass(self, check: bool):
+        return partial(super()._pass(check), config=self.config)
+
+    def train_forward(self) -> torch.Tensor:
+        self.fn = partial(moe, max_tokens=self.max_tokens, check=self.trained == 0, config=self.config)
+        self.trained += 1
+        return _AutogradRunner.forward(self)
+
+
 class _MegamoeGraphRunner(_MegamoeRunner):
     """megamoe with the pass captured in a CUDA graph once (after a checked eager pass) and replayed:
     what a training step that graphs its layers pays. The graph reads the problem's tensors in place."""
@@ -280,12 +299,12 @@ RUNNERS = {
     "reference": _ReferenceRunner,
     "nccl-torch": lambda world, p: _AutogradRunner(world, p, nccl_torch_moe),
     "deepep-torch": lambda world, p: _AutogradRunner(world, p, deepep_torch.deepep_torch_moe),
-    "unfused": lambda world, p: _ForwardOnlyRunner(world, p, unfused_moe_forward),
+    "unfused": _UnfusedRunner,
     "megamoe": _MegamoeRunner,
     "megamoe-graph": _MegamoeGraphRunner,
 }
 #: The implementations that take the routed-expert format (BenchOptions.experts).
-TAKES_EXPERT_FORMAT = ("megamoe", "megamoe-graph")
+TAKES_EXPERT_FORMAT = ("megamoe", "megamoe-graph", "unfused")
 #: The peers with FP8 experts of their own: run with them too when BenchOptions.experts names an FP8 format.
 FP8_PEERS = {"nccl-torch": nccl_torch_moe, "deepep-torch": deepep_torch.deepep_torch_moe}
 PEER_FP8 = "fp8-rowwise"

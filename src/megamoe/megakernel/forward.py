@@ -106,11 +106,18 @@ def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, s
     if fused is not None and fused[0].dtype != torch.bfloat16:
         raise ValueError(f"shared expert weights must be bfloat16, got {fused[0].dtype}")
     shape = LayerShape(world.size, max_tokens, d, inter, experts, k, 0 if fused is None else fused[1].shape[1])
-    # One MegaKernel per shape on the world: another config or precision replaces it (its buffers go first).
-    kernel = world.resources.get(("megakernel", shape), lambda: MegaKernel(world, shape, config, precision=precision),
-                                 version=(config, precision))
+    kernel = layer_kernel(world, shape, config, precision)
     # experts_q stands for the weights (never read then): keep the tensors it was made from, for its check
     weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (w_gate_up, w_down)]
     out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(), *weights,
                             fused, swiglu_limit, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check)
     return out
+
+
+def layer_kernel(world: EPWorld, shape: LayerShape, config: KernelConfig | None, precision: str) -> MegaKernel:
+    """The MegaKernel of ``shape`` kept on ``world`` for ``precision`` and overlap mode (shared by megamoe_forward
+    and megamoe.moe): those coexist (a bench interleaves them), while another config of the same replaces its
+    kernel, buffers first (a sweep over configs holds one kernel's memory at a time)."""
+    overlap = config is None or config.overlap
+    return world.resources.get(("megakernel", shape, precision, overlap),
+                               lambda: MegaKernel(world, shape, config, precision=precision), version=config)

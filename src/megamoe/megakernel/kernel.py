@@ -403,6 +403,8 @@ class MegaKernel:
             self.launcher.run(schedule, args, consts)
             if not self.gpu:
                 self.world.barrier("the end of a forward pass (every push landed)")
+            elif not c.overlap:  # the one launch's own end-of-pass barrier, as a launch of its own
+                self._barrier(1, "the end of a forward pass (every push landed)")
         return schedule, tiles
 
     def _barrier(self, row: int, what: str = "the start of a forward pass (every rank staged)") -> None:

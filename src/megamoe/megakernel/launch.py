@@ -117,9 +117,10 @@ class Launcher:
         return args, consts
 
     def run(self, schedule, args: tuple, consts: dict) -> None:
-        """The pass: one launch of the whole grid on a GPU, the phased steps on the CPU."""
+        """The pass: one launch of the whole grid on a GPU (its steps one after another with
+        ``KernelConfig.overlap`` off), the phased steps on the CPU."""
         c = self.kernel.config
-        if self.kernel.gpu:
+        if self.kernel.gpu and c.overlap:
             if not self.checked_occupancy:
                 self.check_occupancy(args, consts)
             mk.megakernel[(c.num_sms,)](*args, 0, PHASE=mk.PHASE_ALL.value, **consts)
@@ -127,8 +128,11 @@ class Launcher:
             self.run_phased(schedule, args, consts)
 
     def run_phased(self, schedule, args: tuple, consts: dict) -> None:
-        c = self.kernel.config
-        compute = c.num_sms - c.comm_sms
+        """The pass's steps one launch each, in an order that needs no wait: the CPU mode, and on a GPU the
+        no-overlap ablation, there with every compute step on every SM and a step for each minibatch the
+        schedule could hold (the empty ones return at once: the row count is not read on the host)."""
+        c, gpu = self.kernel.config, self.kernel.gpu
+        compute = c.num_sms if gpu else c.num_sms - c.comm_sms
 
         def step(phase: int, programs: int, j: int = 0) -> None:
             mk.megakernel[(programs,)](*args, j, PHASE=phase, **consts)
@@ -136,7 +140,10 @@ class Launcher:
         if consts["HAS_SHARED"]:
             step(mk.PHASE_SHARED_GATE_UP.value, compute)
             step(mk.PHASE_SHARED_DOWN.value, compute)
-        batches = -(-int(schedule.num_rows) // c.minibatch)  # the CPU: reading it costs nothing
+        if gpu:
+            batches = max(1, -(-schedule.capacity // c.minibatch))  # the row tiles' minibatch count
+        else:  # the CPU: reading it costs nothing
+            batches = -(-int(schedule.num_rows) // c.minibatch)
         slots = c.ring_rows // c.minibatch
         for p in range(batches):
             j = batches - 1 - p

@@ -59,6 +59,9 @@ class KernelConfig:
         backward_comm_sms: the backward megakernel's communication programs (None: comm_sms).
         backward_minibatch: the backward megakernel's rows per round (None: minibatch): a multiple of tile_m
             that divides ring_rows, so that the rows a wrapped ring lost start at a minibatch of their own.
+        overlap: the forward as one persistent launch whose communication and compute workers overlap (True),
+            or (False, the `unfused` ablation) the same steps one launch after another, ordered on the device,
+            each compute step on every SM.
     """
 
     num_sms: int
@@ -69,6 +72,7 @@ class KernelConfig:
     tile_n: int = 256
     backward_comm_sms: int | None = None
     backward_minibatch: int | None = None
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
@@ -77,6 +81,8 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
         if self.comm_sms >= self.num_sms:
             raise ValueError(f"comm_sms ({self.comm_sms}) must leave compute SMs: it must be < num_sms ({self.num_sms})")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"KernelConfig.overlap must be a bool, got {self.overlap!r}")
         bwd = self.backward_comm_sms
         if bwd is not None and (not isinstance(bwd, int) or isinstance(bwd, bool) or not 1 <= bwd < self.num_sms):
             raise ValueError(f"KernelConfig.backward_comm_sms must be None or an int in [1, num_sms={self.num_sms}), "

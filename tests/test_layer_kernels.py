@@ -1,0 +1,54 @@
+"""The MegaKernels a world keeps, and the no-overlap mode (`unfused`): the same steps, the same bits."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megamoe.bench.problem import make_problem
+from megamoe.config import MoEConfig
+from megamoe.megakernel import default_config, megamoe_forward
+from megamoe.megakernel.forward import layer_kernel
+from megamoe.parallel.world import launch
+from megamoe.planner import LayerShape
+
+CONFIG = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(32,))
+
+
+def _kernels(world):
+    shape = LayerShape.of(CONFIG, world.size, 16)
+    planned = default_config(world, shape)
+    bf16 = layer_kernel(world, shape, None, "bf16")
+    unfused = layer_kernel(world, shape, replace(planned, overlap=False), "bf16")
+    fp8 = layer_kernel(world, shape, None, "fp8-block")
+    kept = [layer_kernel(world, shape, None, "bf16") is bf16, layer_kernel(world, shape, None, "fp8-block") is fp8,
+            layer_kernel(world, shape, replace(planned, overlap=False), "bf16") is unfused]
+    other = replace(planned, overlap=False, minibatch=planned.minibatch * 2, ring_rows=planned.ring_rows * 2)
+    replaced = layer_kernel(world, shape, other, "bf16")
+    return kept, len({id(bf16), id(unfused), id(fp8)}), replaced is not unfused, layer_kernel(
+        world, shape, None, "bf16") is bf16
+
+
+def test_precisions_and_overlap_modes_keep_their_own_kernels_and_a_new_config_replaces_its_own():
+    """A bench interleaves megamoe in BF16 and FP8 and unfused: each call must find its kernel (a rebuilt one
+    reallocates symmetric memory, collectively); a sweep over configs of one mode holds one kernel at a time."""
+    kept, distinct, replaced, still = launch(_kernels, 1)[0]
+    assert all(kept) and distinct == 3 and replaced and still
+
+
+def _same_bits(world):
+    p = make_problem(CONFIG, world.rank, world.size, (20, 9)[world.rank], dtype=torch.bfloat16, seed=4)
+    shape = LayerShape.of(CONFIG, world.size, 20)
+    planned = default_config(world, shape)
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
+    with_overlap = megamoe_forward(*args, max_tokens=20, config=planned)
+    without = megamoe_forward(*args, max_tokens=20, config=replace(planned, overlap=False))
+    return torch.equal(with_overlap, without)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_the_forward_without_overlap_gives_the_same_bits():
+    """unfused's forward runs the megakernel's steps one launch after another: the same tiles, the same bits
+    (two ranks: on one GPU they share it; the steps need no co-residency)."""
+    assert all(launch(_same_bits, 2, device="cuda"))
