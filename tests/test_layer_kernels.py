@@ -52,3 +52,15 @@ def test_gpu_the_forward_without_overlap_gives_the_same_bits():
     """unfused's forward runs the megakernel's steps one launch after another: the same tiles, the same bits
     (two ranks: on one GPU they share it; the steps need no co-residency)."""
     assert all(launch(_same_bits, 2, device="cuda"))
+
+
+def test_bench_unfused_forward_and_backward_match_the_oracle():
+    """The bench's unfused (megamoe's steps without overlap: its config string through the training op) on two CPU
+    ranks, every gradient checked against the oracle."""
+    from megamoe.bench.harness import BenchOptions, run_rank
+
+    opts = BenchOptions(preset="tiny", tokens=(8,), ep=2, device="cpu", impls=("unfused",), passes=("fwd", "bwd"),
+                        iters=1, warmup=0)
+    records = launch(run_rank, 2, opts)[0]
+    assert [(r["impl"], r["pass"]) for r in records] == [("unfused", "fwd"), ("unfused", "bwd")]
+    assert all(r["correct"] for r in records), records
