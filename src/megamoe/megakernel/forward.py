@@ -118,6 +118,6 @@ def layer_kernel(world: EPWorld, shape: LayerShape, config: KernelConfig | None,
     """The MegaKernel of ``shape`` kept on ``world`` for ``precision`` and overlap mode (shared by megamoe_forward
     and megamoe.moe): those coexist (a bench interleaves them), while another config of the same replaces its
     kernel, buffers first (a sweep over configs holds one kernel's memory at a time)."""
-    overlap = config is None or config.overlap
+    overlap = not isinstance(config, KernelConfig) or config.overlap  # a bad config: MegaKernel says so
     return world.resources.get(("megakernel", shape, precision, overlap),
                                lambda: MegaKernel(world, shape, config, precision=precision), version=config)
