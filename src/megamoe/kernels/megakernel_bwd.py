@@ -49,8 +49,10 @@ from megamoe.kernels.comm import pull_tile, signal_and_wait
 from megamoe.kernels.expert_gemm import gate_up_swiglu_tile, grouped_task
 from megamoe.kernels.expert_gemm_bwd import dact_tile, dx_tile, router_grad_rows, wgrad_block, wgrad_descriptors
 from megamoe.kernels.megakernel import comm_push, first_task
-from megamoe.kernels.sync import (TRACE_END, TRACE_ROW, TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END,
-                                  fence_async_proxy, release_add, wait_counter)
+from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_BWD_PULL, TRACE_KIND_DACT, TRACE_KIND_DX, TRACE_KIND_REPLAY,
+                                  TRACE_KIND_SHARED_DACT, TRACE_KIND_SHARED_DX, TRACE_KIND_WGRAD, TRACE_ROW,
+                                  TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END, fence_async_proxy,
+                                  release_add, trace_clock, trace_event, wait_counter)
 
 #: Wait ids of the error word (megamoe.megakernel.kernel names them; 1-6 are the forward's).
 WAIT_BWD_ROWS = tl.constexpr(7)
@@ -108,6 +110,7 @@ def replay_tasks(
                               TRACE)
         fence_async_proxy(FENCE)
     for task in range(first, tasks, workers):
+        start = trace_clock(TRACE)
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
         tile += t0
         expert = tl.load(tile_expert_ptr + tile)
@@ -119,6 +122,7 @@ def replay_tasks(
                             stride_h, stride_act, row0, row_end, expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32,
                             BLOCK_M, BN_GU, BK_GU)
         release_add(replay_done_ptr + tile)
+        trace_event(trace_ptr, start, TRACE_KIND_REPLAY, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
 
 
@@ -156,11 +160,13 @@ def dact_tasks(
             h_base = ring_h_ptr + row0.to(tl.int64) * stride_ring_h
             stride_h = stride_ring_h
         fence_async_proxy(FENCE)
+        start = trace_clock(TRACE)
         dact_tile(dy_desc, w_down_desc, h_base, row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_h, stride_d_h,
                   stride_act_w, stride_partial, row0, row_end, expert, n, D, I, limit, HAS_LIMIT, DOT_FP32,
                   BLOCK_M, BN_DA, BK_DA)
         release_add(dact_done_ptr + tile)
         release_add(dgrads_done_ptr)
+        trace_event(trace_ptr, start, TRACE_KIND_DACT, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
 
 
@@ -185,6 +191,7 @@ def dx_tasks(
         budget = wait_counter(dact_done_ptr + tile, tl.cdiv(I, BN_DA), budget, error_ptr, tile, trace_ptr,
                               WAIT_DACT, WAIT, TRACE)
         fence_async_proxy(FENCE)
+        start = trace_clock(TRACE)
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile)
         row_end = tl.load(tile_row_end_ptr + tile)
@@ -193,26 +200,29 @@ def dx_tasks(
         dx_tile(d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, row0, row_end, expert, n, D, I, DOT_FP32,
                 BLOCK_M, BN_DX, BK_DX)
         release_add(dx_done_ptr + j)
+        trace_event(trace_ptr, start, TRACE_KIND_DX, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
 
 
 @triton.jit
 def shared_dact(
     c, workers, tokens, dy_desc, w_down_desc, h_ptr, ones_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_h,
-    stride_d_h, stride_act_w, stride_partial, done_ptr, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    stride_d_h, stride_act_w, stride_partial, done_ptr, trace_ptr, I, D, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's dact tasks of the shared expert over this rank's tokens (weight 1); returns tasks dealt."""
     num_n = tl.cdiv(I, BN_DA)
     tiles = tl.cdiv(tokens, BLOCK_M)
     for task in range(c, tiles * num_n, workers):
+        start = trace_clock(TRACE)
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
         row0 = tile * BLOCK_M
         dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, ones_ptr, d_h_ptr, act_w_ptr,
                   partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, tokens, 0, n, D, I, limit,
                   HAS_LIMIT, DOT_FP32, BLOCK_M, BN_DA, BK_DA)
         release_add(done_ptr + tile)
+        trace_event(trace_ptr, start, TRACE_KIND_SHARED_DACT, tile * 65536 + n, TRACE)
     return tiles * num_n
 
 
@@ -231,8 +241,10 @@ def shared_dx(
         budget = wait_counter(done_ptr + tile, tl.cdiv(I, BN_DA), budget, error_ptr, tile, trace_ptr,
                               WAIT_SHARED_DACT, WAIT, TRACE)
         fence_async_proxy(FENCE)
+        start = trace_clock(TRACE)
         dx_tile(d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, tile * BLOCK_M, tokens, 0, n, D, I, DOT_FP32,
                 BLOCK_M, BN_DX, BK_DX)
+        trace_event(trace_ptr, start, TRACE_KIND_SHARED_DX, tile * 65536 + n, TRACE)
     return dealt + tiles * num_n, budget
 
 
@@ -260,6 +272,7 @@ def wgrad_tasks(
         budget = wait_counter(dgrads_done_ptr, dgrads, budget, error_ptr, 0, trace_ptr, WAIT_DGRADS, WAIT, TRACE)
         fence_async_proxy(FENCE)
     for task in range(first, tasks, workers):
+        start = trace_clock(TRACE)
         if task < routed:
             expert = task // per_expert
             within = task - expert * per_expert
@@ -290,6 +303,7 @@ def wgrad_tasks(
                 num_n = tl.cdiv(D, BN_W)
         wgrad_block(a_desc, b_desc, out_desc, row0, row_end, within // num_n * BM_W, within % num_n * BN_W,
                     DOT_FP32, BM_W, BN_W, BK_W)
+        trace_event(trace_ptr, start, TRACE_KIND_WGRAD, task, TRACE)
     return dealt + tasks, budget
 
 
@@ -333,11 +347,13 @@ def megakernel_bwd(
     if PHASE == PHASE_ALL:
         if pid < comm_sms:
             for j in range(batches):
+                start = trace_clock(TRACE)
                 pull_rows(j, pid, comm_sms, num_rows, minibatch, d_out_peer_ptrs, d_out_ptr, stride_rows, src_rank_ptr,
                           src_index_ptr, dy_ptr, stride_pass, TOP_K, CHUNKS, CP, W, ROWS, ALIGN)
                 pull_rows(j, pid, comm_sms, num_rows, minibatch, x_peer_ptrs, x_ptr, stride_rows, src_rank_ptr,
                           src_index_ptr, x_rows_ptr, stride_pass, TOP_K, CHUNKS, CP, W, ROWS, ALIGN)
                 release_add(rows_ready_ptr + j)
+                trace_event(trace_ptr, start, TRACE_KIND_BWD_PULL, j, TRACE)
             for j in range(batches):
                 budget = comm_push(j, pid, comm_sms, minibatch, batches + 1, budget, -1, dx_ptr, stride_dx,
                                    src_rank_ptr, src_index_ptr, slots_peer_ptrs, slots_ptr, stride_slots, dx_done_ptr,
@@ -361,7 +377,8 @@ def megakernel_bwd(
                 dealt = shared_dact(c, workers, tokens, shared_dy_desc, shared_w_down_desc, shared_h_ptr, ones_ptr,
                                     shared_d_h_ptr, shared_act_w_ptr, shared_partial_ptr, stride_shared_h,
                                     stride_shared_d_h, stride_shared_act_w, stride_shared_partial, shared_done_ptr,
-                                    shared_I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_DA, BK_DA, GROUP_M)
+                                    trace_ptr, shared_I, D, limit, HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M, BN_DA, BK_DA,
+                                    GROUP_M)
                 dealt, budget = shared_dx(c, workers, dealt, budget, tokens, shared_d_h_desc, shared_w_gate_up_k_desc,
                                           shared_dx_ptr, stride_shared_dx, shared_done_ptr, error_ptr, trace_ptr,
                                           shared_I, D, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_DA, BN_DX, BK_DX,
@@ -402,8 +419,8 @@ def megakernel_bwd(
         if PHASE == PHASE_SHARED_DACT:
             shared_dact(pid, workers, tokens, shared_dy_desc, shared_w_down_desc, shared_h_ptr, ones_ptr,
                         shared_d_h_ptr, shared_act_w_ptr, shared_partial_ptr, stride_shared_h, stride_shared_d_h,
-                        stride_shared_act_w, stride_shared_partial, shared_done_ptr, shared_I, D, limit, HAS_LIMIT,
-                        DOT_FP32, BLOCK_M, BN_DA, BK_DA, GROUP_M)
+                        stride_shared_act_w, stride_shared_partial, shared_done_ptr, trace_ptr, shared_I, D, limit,
+                        HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
         elif PHASE == PHASE_SHARED_DX:
             shared_dx(pid, workers, 0, budget, tokens, shared_d_h_desc, shared_w_gate_up_k_desc, shared_dx_ptr,
                       stride_shared_dx, shared_done_ptr, error_ptr, trace_ptr, shared_I, D, DOT_FP32, FENCE, WAIT,

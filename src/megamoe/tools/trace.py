@@ -28,10 +28,18 @@ TASKS = {
     sync.TRACE_KIND_SHARED_DOWN.value: ("shared down", "shared"),
     sync.TRACE_KIND_PULL.value: ("pull rows", "pull"),
     sync.TRACE_KIND_PUSH.value: ("push rows home", "push"),
+    # the backward megakernel's
+    sync.TRACE_KIND_BWD_PULL.value: ("pull d_out and x rows", "pull"),
+    sync.TRACE_KIND_REPLAY.value: ("replayed gate/up", "gate_up"),
+    sync.TRACE_KIND_DACT.value: ("dact + SwiGLU backward", "dact"),
+    sync.TRACE_KIND_DX.value: ("dx", "dx"),
+    sync.TRACE_KIND_SHARED_DACT.value: ("shared dact", "shared"),
+    sync.TRACE_KIND_SHARED_DX.value: ("shared dx", "shared"),
+    sync.TRACE_KIND_WGRAD.value: ("weight gradient block", "wgrad"),
 }
 #: Colours of the PNG's categories (waits last, drawn in grey).
-COLOURS = {"gate_up": "#1f77b4", "down": "#2ca02c", "shared": "#9467bd", "pull": "#ff7f0e", "push": "#d62728",
-           "wait": "#b0b0b0"}
+COLOURS = {"gate_up": "#1f77b4", "down": "#2ca02c", "dact": "#17becf", "dx": "#bcbd22", "wgrad": "#8c564b",
+           "shared": "#9467bd", "pull": "#ff7f0e", "push": "#d62728", "wait": "#b0b0b0"}
 
 
 def decode(trace: torch.Tensor, comm_sms: int) -> list[dict]:
@@ -123,8 +131,10 @@ def event_name(kind: int) -> tuple[str, str]:
 
 
 def _args(kind: int, detail: int) -> dict:
-    if kind in (sync.TRACE_KIND_PULL.value, sync.TRACE_KIND_PUSH.value):
+    if kind in (sync.TRACE_KIND_PULL.value, sync.TRACE_KIND_PUSH.value, sync.TRACE_KIND_BWD_PULL.value):
         return {"minibatch": detail}
+    if kind == sync.TRACE_KIND_WGRAD.value:
+        return {"block": detail}
     if kind in TASKS:
         return {"tile": detail >> 16, "n": detail & 0xFFFF}
     return {"index": detail}
@@ -188,12 +198,14 @@ def timeline_png(record: dict, path: str, rank: int = 0) -> str | None:
     r = next(r for r in record["ranks"] if r["rank"] == rank)
     programs = r["programs"]
     fig, ax = plt.subplots(figsize=(13, max(4.0, 0.045 * len(programs) + 1.5)), dpi=110)
+    present = set()
     for lane, prog in enumerate(programs):
         bars = {cat: [] for cat in COLOURS}
         for start, end, kind, _ in prog["events"]:
             bars[event_name(kind)[1]].append((start / 1e6, max(end - start, 1) / 1e6))
         for cat, spans in bars.items():
             if spans:
+                present.add(cat)
                 ax.broken_barh(spans, (lane - 0.4, 0.8), facecolors=COLOURS[cat], linewidth=0)
     comm = sum(p["role"] == "comm" for p in programs)
     if comm:
@@ -205,8 +217,9 @@ def timeline_png(record: dict, path: str, rank: int = 0) -> str | None:
     ax.set_title(f"megamoe forward megakernel, {record['preset']} {record['tokens']} tokens per rank, "
                  f"{record['precision']}, rank {rank} of {len(record['ranks'])}" +
                  (f" ({record['machine']})" if record.get("machine") else ""), fontsize=10)
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in COLOURS.items()], loc="upper center", fontsize=8,
-              ncol=len(COLOURS), bbox_to_anchor=(0.5, -0.07 * 6 / fig.get_figheight()), frameon=False)
+    shown = [(n, c) for n, c in COLOURS.items() if n in present]
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in shown], loc="upper center", fontsize=8,
+              ncol=max(len(shown), 1), bbox_to_anchor=(0.5, -0.07 * 6 / fig.get_figheight()), frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
