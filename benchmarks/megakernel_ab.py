@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 import ab_record  # benchmarks/, beside this script
-from megamoe.bench.harness import timed_pass
+from megamoe.bench.runners import timed_pass
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.megakernel import MegaKernel, fuse_shared

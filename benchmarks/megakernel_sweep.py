@@ -34,7 +34,8 @@ if not torch.cuda.is_available():  # CPU ranks run Triton kernels under the inte
 
 from megamoe import planner  # noqa: E402
 from megamoe.baselines.unfused import unfused_moe_forward  # noqa: E402
-from megamoe.bench.harness import TOLERANCES, compare, error_stats, pass_work, percentile, timed_pass  # noqa: E402
+from megamoe.bench.harness import TOLERANCES, compare, error_stats, pass_work, percentile  # noqa: E402
+from megamoe.bench.runners import timed_pass  # noqa: E402
 from megamoe.bench.problem import make_problem  # noqa: E402
 from megamoe.bench.report import run_metadata  # noqa: E402
 from megamoe.config import preset  # noqa: E402

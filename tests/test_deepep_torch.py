@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megamoe.baselines import deepep_torch as dt
-from megamoe.bench.harness import _AutogradRunner, _flatten, compare
+from megamoe.bench.harness import _flatten, compare
+from megamoe.bench.runners import _AutogradRunner
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.parallel.world import launch

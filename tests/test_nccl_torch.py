@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megamoe.baselines.nccl_torch import nccl_torch_moe
-from megamoe.bench.harness import _AutogradRunner, _flatten, compare
+from megamoe.bench.harness import _flatten, compare
+from megamoe.bench.runners import _AutogradRunner
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.reference.ep import ep_reference_forward_backward

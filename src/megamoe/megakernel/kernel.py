@@ -35,6 +35,9 @@ computed by the same code on the same rows either way: outputs are bitwise equal
 
 Several shared experts run as one: SwiGLU FFNs with intermediate sizes Is_1..Is_S sum to one FFN whose gate, up
 and down weights are their concatenations.
+
+Over 400 lines: one class, a pass's steps in their order and the state they share; its launch arguments
+(launch.py, launch_args.py), buffers, replay and backward live beside it.
 """
 
 from __future__ import annotations
