@@ -15,9 +15,11 @@ interleaved rounds (``sustained.interleaved_rounds``: each round runs every call
 | backward (dact + SwiGLU', dx, both wgrads) | ``experts.expert_backward`` | the four dense GEMMs in sequence |
 | fp8-block gate/up, down | ``experts_fp8.gate_up_fp8`` / ``down_fp8`` | ``torch._scaled_mm`` row/column scales |
 
-``torch._grouped_mm`` on the same grouped problem runs beside them (what torch users get). The backward's
+``torch._grouped_mm`` on the same grouped problem runs beside them (what torch users get), and cuBLAS's batched
+GEMM (``torch.bmm``) on equal groups of ``rows // experts`` rows: what the library reaches on the grouped shape
+itself (its partial tiles and per-expert weight panels), the fairer yardstick where groups are small. The backward's
 kernels are split afterwards with the torch profiler (still at the cap: it runs right after the rounds).
-Prints one table (ms, TFLOP/s, % of the dense peer); writes DIR/gemm_vs_dense.json.
+Prints one table (ms, TFLOP/s, % of the dense and the bmm peers' rates); writes DIR/gemm_vs_dense.json.
 """
 
 from __future__ import annotations
@@ -65,7 +67,20 @@ def load_calls(experts: int, routes: int, d: int, i: int, dev) -> tuple[dict, di
         torch.mm(dy.T, out.act, out=c_wd)          # dW_down [D, I]: K = M
         torch.mm(d_h.T, x, out=c_wgu)              # dW_gate_up [2I, D]: K = M
 
+    # cuBLAS on the same grouped problem with equal groups (batched GEMMs of m = rows // experts rows each): what
+    # the library reaches on these shapes, partial tiles and per-expert weight panels included
+    m = rows // experts
+    xb, dyb = x[:m * experts].view(experts, m, d), dy[:m * experts].view(experts, m, d)
+    actb, d_hb = out.act[:m * experts].view(experts, m, i), d_h[:m * experts].view(experts, m, 2 * i)
+
+    def bmm_backward():
+        torch.bmm(dyb, wd)                              # d_act [E, m, I]
+        torch.bmm(d_hb, wgu)                            # d_x [E, m, D]
+        torch.bmm(dyb.transpose(1, 2), actb)            # dW_down [E, D, I]
+        torch.bmm(d_hb.transpose(1, 2), xb)             # dW_gate_up [E, 2I, D]
+
     fwd = 2 * rows * d * i
+    fwd_bmm = 2 * m * experts * d * i
     calls = {
         "gate_up": lambda: gate_up(x, counts, offsets, wgu, out.h, out.act),
         "gate_up dense": lambda: torch.mm(x, w_gu, out=c_gu),
@@ -75,6 +90,9 @@ def load_calls(experts: int, routes: int, d: int, i: int, dev) -> tuple[dict, di
         "down grouped_mm": lambda: torch._grouped_mm(out.act, wd.transpose(-2, -1), offs=ends),
         "backward": lambda: expert_backward(dy, row_w, x, out.h, counts, offsets, wgu, wd),
         "backward dense": dense_backward,
+        "gate_up bmm": lambda: torch.bmm(xb, wgu.transpose(1, 2)),
+        "down bmm": lambda: torch.bmm(actb, wd.transpose(1, 2)),
+        "backward bmm": bmm_backward,
     }
     flops = {"gate_up": 2 * fwd, "down": fwd, "backward": 6 * fwd}  # dact 1, dx 2, wgrads 1 + 2
     # fp8-block: operands quantised once, untimed
@@ -96,9 +114,9 @@ def load_calls(experts: int, routes: int, d: int, i: int, dev) -> tuple[dict, di
         "fp8 down dense": lambda: torch._scaled_mm(a_dn, b_dn, r_dn, s_dn, out_dtype=torch.bfloat16),
     })
     flops.update({"fp8 gate_up": 2 * fwd, "fp8 down": fwd})
-    for name in list(calls):  # every name's FLOPs are its kernel's
-        base = name.removesuffix(" dense").removesuffix(" grouped_mm")
-        flops[name] = flops[base]
+    for name in list(calls):  # every name's FLOPs are its kernel's (bmm: its m * experts rows)
+        base = name.removesuffix(" dense").removesuffix(" grouped_mm").removesuffix(" bmm")
+        flops[name] = flops[base] * (fwd_bmm / fwd if name.endswith(" bmm") else 1)
     backward = lambda: expert_backward(dy, row_w, x, out.h, counts, offsets, wgu, wd)  # noqa: E731
     return calls, flops, {"backward": backward}
 
@@ -132,15 +150,15 @@ def main() -> None:
         kernels = kernel_times(split["backward"])
         for name, ts in times.items():
             ms = statistics.median(ts)
-            base = name.removesuffix(" dense").removesuffix(" grouped_mm")
             records.append({"load": load, "call": name, "ms": ms, "ms_rounds": ts, "tflops": flops[name] / ms / 1e9})
         records.append({"load": load, "call": "backward kernels", "kernels_ms": kernels})
         by = {r["call"]: r for r in records if r["load"] == load and "ms" in r}
         for name, r in by.items():
-            base = name.removesuffix(" dense").removesuffix(" grouped_mm")
-            share = f"{100 * by[base + ' dense']['ms'] / r['ms']:.0f} %" if name == base else ""
+            base = name.removesuffix(" dense").removesuffix(" grouped_mm").removesuffix(" bmm")
+            rate = lambda peer: f"{100 * r['tflops'] / by[peer]['tflops']:.0f} %" if peer in by else ""  # noqa: E731
+            dense, bmm = (rate(base + " dense"), rate(base + " bmm")) if name == base else ("", "")
             lines.append(f"| {load} | {name} | {r['ms']:.3f} | {min(r['ms_rounds']):.3f}-{max(r['ms_rounds']):.3f} "
-                         f"| {r['tflops']:.0f} | {share} |")
+                         f"| {r['tflops']:.0f} | {dense} | {bmm} |")
         lines.append(f"| {load} | backward kernels | " + ", ".join(f"{k[:28]} {v:.2f}" for k, v in
                                                                  list(kernels.items())[:6]) + " | | | |")
         del calls, split
@@ -149,8 +167,8 @@ def main() -> None:
         json.dump({"machine": machine(), "preset": a.preset, "tokens": a.tokens, "rounds": a.rounds,
                    "seconds": a.seconds, "records": records}, f, indent=1)
     print(f"{a.preset}, {a.rounds} interleaved rounds of {a.seconds} s per call (steady state)")
-    print("| load | call | ms (median) | min-max | TFLOP/s | % of dense |")
-    print("|---|---|---|---|---|---|")
+    print("| load | call | ms (median) | min-max | TFLOP/s | % of dense rate | % of bmm rate |")
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(lines))
 
 

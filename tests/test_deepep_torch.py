@@ -74,3 +74,28 @@ def test_without_deep_ep_the_layer_says_why():
     p = make_problem(CONFIG, 0, 1, 4, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="deep_ep is not importable"):  # before any collective: no world needed
         dt.deepep_torch_moe(SimpleNamespace(size=1), p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down)
+
+
+def _deepep_layer(world, tokens):
+    p = make_problem(CONFIG, world.rank, world.size, tokens[world.rank], dtype=torch.bfloat16, device=world.device,
+                     seed=6, drop=0.15)
+    want_out, want_grads = ep_reference_forward_backward(world, p)
+    backend = dt.DeepEPBackend(world)
+    try:
+        runner = _AutogradRunner(world, p, partial(dt.deepep_torch_moe, backend=backend))
+        out = runner.forward()
+        grads = runner.backward(out)
+    finally:
+        backend.free()
+    return compare({"out": out.detach()}, {"out": want_out}, "bf16"), compare(_flatten(grads), _flatten(want_grads),
+                                                                                "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or dt.unavailable() is not None,
+                    reason="needs two GPUs and DeepEP built (benchmarks/deepep/build.sh)")
+def test_gpu_layer_through_deepep_matches_the_reference():
+    """DeepEP's own dispatch and combine (intranode kernels, one GPU per rank: its kernels wait on their peers),
+    forward and every gradient against the oracle; one rank sends nothing to the other's experts' last one."""
+    for rank, (fwd, bwd) in enumerate(launch(_deepep_layer, 2, (40, 23), device="cuda")):
+        assert fwd["correct"] and bwd["correct"], (rank, fwd, bwd)

@@ -75,7 +75,13 @@ def test_gpu_scaled_grouped_mm_matches_the_cpu_product():
     w_q, w_s = rowwise_e4m3(w)
     cpu = scaled_grouped_mm(a, w_q, w_s, ends)
     gpu = scaled_grouped_mm(a.cuda(), w_q.cuda(), w_s.cuda(), ends.cuda()).cpu()
-    assert float((gpu[:288].float() - cpu[:288].float()).abs().max() / cpu[:288].float().abs().max()) < 1e-2
+    diff = gpu[:288].float() - cpu[:288].float()
+    # FP8 products summed in another order (and the tensor cores' accumulator): the same product to ~1e-3 overall;
+    # one element may sit a few bf16 ulps off, so the worst element gets a looser bound than the whole
+    l2 = float(diff.norm() / cpu[:288].float().norm())
+    worst = float(diff.abs().max() / cpu[:288].float().abs().max())
+    assert l2 < 5e-3 and worst < 3e-2, (l2, worst)
+    assert bool((gpu[288:] == 0).all())
 
 
 def test_bench_runs_the_peers_fp8_experts_beside_megamoes_and_skips_deepep_with_its_reason(capfd):

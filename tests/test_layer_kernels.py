@@ -37,7 +37,8 @@ def test_precisions_and_overlap_modes_keep_their_own_kernels_and_a_new_config_re
 
 
 def _same_bits(world):
-    p = make_problem(CONFIG, world.rank, world.size, (20, 9)[world.rank], dtype=torch.bfloat16, seed=4)
+    p = make_problem(CONFIG, world.rank, world.size, (20, 9)[world.rank], dtype=torch.bfloat16, device=world.device,
+                     seed=4)
     shape = LayerShape.of(CONFIG, world.size, 20)
     planned = default_config(world, shape)
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared)
