@@ -42,12 +42,21 @@ VARIANTS = {
     "wgrad-256x32x6": {"wgrad": TileConfig(128, 256, 32, num_warps=8, num_stages=6, flatten=True)},
     "wgrad-256x32x4+dx-flat": {"wgrad": TileConfig(128, 256, 32, num_warps=8, num_stages=4, flatten=True),
                                "dx": TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True)},
+    # 64-row tiles (one warpgroup), as the forward takes for experts of few rows (ops.tiles.FEW_ROWS_PER_EXPERT)
+    "dact-64x128x4": {"dact": TileConfig(64, 128, 64, num_warps=4, num_stages=4)},
+    "dx-64x256x4-flat": {"dx": TileConfig(64, 256, 64, num_warps=4, num_stages=4, flatten=True)},
+    "dact-64+dx-64": {"dact": TileConfig(64, 128, 64, num_warps=4, num_stages=4),
+                      "dx": TileConfig(64, 256, 64, num_warps=4, num_stages=4, flatten=True)},
+    "wgrad-256x64x3": {"wgrad": TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True)},
+    "dx-64+wgrad-256x64x3": {"dx": TileConfig(64, 256, 64, num_warps=4, num_stages=4, flatten=True),
+                             "wgrad": TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True)},
 }
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|, a slice of rows at a time (the weight gradients are GBs)."""
     diff = scale = 0.0
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])  # [L, M, N] weight gradients: by rows
     for a_part, b_part in zip(a.split(4096), b.split(4096)):
         diff = max(diff, float((a_part.float() - b_part.float()).abs().max()))
         scale = max(scale, float(b_part.float().abs().max()))

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from megamoe.kernels.weighted_sum import weighted_sum_kernel
-from megamoe.megakernel.kernel import WEIGHTED_SUM_TILE
+from megamoe.ops.weighted_sum import WEIGHTED_SUM_TILE
 
 #: (BLOCK_T, BLOCK_D, num_warps); the first is the pass's (``WEIGHTED_SUM_TILE``: 16 x 512, 8 warps)
 TILES = [WEIGHTED_SUM_TILE, *(t for t in ((16, 512, 8), (32, 256, 4), (16, 256, 4), (8, 1024, 4), (8, 512, 4),

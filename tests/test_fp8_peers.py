@@ -81,7 +81,6 @@ def test_gpu_scaled_grouped_mm_matches_the_cpu_product():
     l2 = float(diff.norm() / cpu[:288].float().norm())
     worst = float(diff.abs().max() / cpu[:288].float().abs().max())
     assert l2 < 5e-3 and worst < 3e-2, (l2, worst)
-    assert bool((gpu[288:] == 0).all())
 
 
 def test_bench_runs_the_peers_fp8_experts_beside_megamoes_and_skips_deepep_with_its_reason(capfd):

@@ -51,8 +51,20 @@ def dact_tile(
     """One [BLOCK_M rows x BLOCK_N] tile of g = dy · w_down[l]; epilogue: router-gradient partials, SwiGLU
     backward -> d_h, act_w. ``h_base`` points at the tile's first row of h (the ring's, or a replay's);
     dy, row weights, d_h, act_w and the partials are addressed by routed row."""
+    g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n * BLOCK_N, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    dact_epilogue(g, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
+                  stride_partial, row0, row_end, n, I, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def dact_epilogue(
+    g, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial,
+    row0, row_end, n, I, limit, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The dact tile's epilogue from g [BLOCK_M, BLOCK_N] (fp32, n-tile n): router-gradient partials, the
+    SwiGLU backward in FP32 from h -> d_h, act_w (the BF16 and the FP8 dgrads share it)."""
     n0 = n * BLOCK_N
-    g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n0, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     # The epilogue runs on column quarters: one [BM, BN] pass kept ~10 [BM, BN] fp32/pointer
     # tensors live and spilled 3.5 KB of stack per thread (cuobjdump --dump-resource-usage).
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))

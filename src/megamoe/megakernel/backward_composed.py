@@ -35,6 +35,7 @@ from megamoe import runtime
 from megamoe.ops.comm import (CommShape, comm_workspace, device_barrier, dispatch_pull, reverse_combine_pull,
                               reverse_dispatch_push)
 from megamoe.ops.experts import expert_backward, gate_up
+from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.routing.schedule import PullSchedule
 
 
@@ -96,7 +97,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, swiglu_limit, c.minibatch)
     # 4. the routed experts' backward
     g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
-                        w_gate_up, w_down, swiglu_limit=swiglu_limit)
+                        w_gate_up, w_down, swiglu_limit=swiglu_limit,
+                        rows_per_expert=s.max_tokens * k / max(s.experts_per_rank, 1))  # balanced routing's mean
     del dy_rows, x_rows, h_rows
     # 5. d_x rows and router-weight gradients home; every push landed before anyone reads its slots
     reverse_dispatch_push(ws, schedule, g.d_x, num_sms=sms, sync=False)
@@ -162,17 +164,18 @@ def push_router_grads(workspace, schedule: PullSchedule, d_router: torch.Tensor,
 def home_sums(d_x_slots: torch.Tensor, d_router_slots: torch.Tensor, top_experts: torch.Tensor, n: int, k: int,
               D: int, shared_dx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's gradients from the slots its routes' rows were pushed to: ``d_x[i] = sum_j slot[i*k + j]``
-    in fixed order in FP32 (-1 routes masked) plus the shared experts' ``d_x``, rounded once to bf16; the
-    router-weight gradients of its routes (0 for -1 routes)."""
+    in fixed order in FP32 (-1 routes masked) plus the shared experts' ``d_x``, rounded once to bf16 (one
+    launch of the forward's weighted sum with weights 1: ``1 * slot`` is exact); the router-weight gradients
+    of its routes (0 for -1 routes)."""
     valid = top_experts >= 0
-    slots = d_x_slots[: n * k].view(n, k, D)
-    d_x = torch.zeros(n, D, dtype=torch.float32, device=top_experts.device)
-    for j in range(k):
-        d_x += torch.where(valid[:, j, None], slots[:, j].float(), 0.0)
-    if shared_dx is not None:
-        d_x += shared_dx.float()
+    d_x = torch.empty(n, D, dtype=torch.bfloat16, device=top_experts.device)
+    if n:
+        ones = torch.ones(n, k, dtype=torch.float32, device=top_experts.device)
+        # every valid id is < 2**31 - 1 (ids were checked, or recorded as errors, before any slot was pushed)
+        weighted_sum(d_x, d_x_slots, top_experts, ones, torch.iinfo(torch.int32).max,
+                     shared=None if shared_dx is None else shared_dx.contiguous())
     d_router = torch.where(valid, d_router_slots[: n * k].view(n, k), 0.0)
-    return d_x.to(torch.bfloat16), d_router
+    return d_x, d_router
 
 
 def _shared_backward(d_out, x, shared_h, shared, swiglu_limit):

@@ -53,7 +53,6 @@ from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
 from megamoe.kernels import megakernel_bwd as mkb
 from megamoe.kernels import sync
-from megamoe.kernels.weighted_sum import weighted_sum_kernel
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers, scale_dtype
 from megamoe.megakernel.launch import Launcher
 from megamoe.megakernel.replay import GraphReplay, layout_key
@@ -62,6 +61,7 @@ from megamoe.ops.experts_fp8 import expert_forward_fp8_block, plan_tiles_fp8
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, plan_tiles_mxfp8
 from megamoe.ops.quant import QuantizedExperts, quantize_activations, quantize_experts
 from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.planner import KernelConfig, LayerShape, check_kernel_config, plan
 from megamoe.precision import SCALE_BLOCK, check_precision
 from megamoe.routing.row_tiles import RowTiles, build_row_tiles
@@ -88,11 +88,6 @@ WAITS = {
     sync.WAIT_PASS_END.value: "end-of-pass barrier flag of rank",
     sync.WAIT_PASS_START.value: "start-of-pass barrier flag of rank",
 }
-
-#: The weighted sum's tile on a GPU (BLOCK_T tokens x BLOCK_D columns, warps), k slot loads unrolled, one load
-#: per slot: kimi-k2 0.32 ms (3.7 TB/s), qwen3.5-397b 0.22 (benchmarks/results/2026-11-30-qwen-pass,
-#: weighted_sum_bench.py). The sm_90 build test counts its 16-byte loads.
-WEIGHTED_SUM_TILE = (16, 512, 8)
 
 
 def default_config(world: EPWorld, shape: LayerShape, precision: str = "bf16") -> KernelConfig:
@@ -445,12 +440,6 @@ class MegaKernel:
                            out=ExpertForward(b.shared_h[:n], b.shared_act[:n], self.shared_y[:n]))
 
     def _weighted_sum(self, out, own_rows, top_experts, router_weights, has_shared: bool) -> None:
-        n, D = out.shape
-        combine = self.sym.local("combine")
-        block_t, block_d, warps = WEIGHTED_SUM_TILE if self.gpu else (16, 64, 4)
-        shared_y = self.shared_y if has_shared else out
-        weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
-            self.y, self.y.stride(0), combine, combine.stride(0), own_rows, top_experts.contiguous(),
-            router_weights.contiguous(), shared_y, shared_y.stride(0), out, out.stride(0), n, D,
-            self.shape.experts_per_rank * self.shape.num_ranks, TOP_K=self.shape.top_k, HAS_SHARED=has_shared, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps,
-        )
+        weighted_sum(out, self.sym.local("combine"), top_experts, router_weights,
+                     self.shape.experts_per_rank * self.shape.num_ranks, y=self.y, own_rows=own_rows,
+                     shared=self.shared_y if has_shared else None)

@@ -249,6 +249,7 @@ def expert_backward(
     swiglu_limit: float | None = None,
     num_programs: int | None = None,
     tiles: dict[str, TileConfig] | None = None,
+    rows_per_expert: float | None = None,
 ) -> ExpertGrads:
     """Backward of :func:`expert_forward` for routed rows (BF16; see `megamoe.kernels.expert_gemm_bwd`).
 
@@ -257,6 +258,8 @@ def expert_backward(
         row_weights: float32 `[R]` router weight of each row's route.
         x_rows: bf16 `[R, D]` the forward's input rows; h: bf16 `[R, 2I]` its saved pre-activation.
         counts, offsets, w_gate_up, w_down: as in :func:`expert_forward`.
+        rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
+            experts; a caller whose rows are a worst-case capacity gives the expected mean).
     """
     experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
@@ -267,7 +270,8 @@ def expert_backward(
                           ("row_weights", row_weights, (rows,), torch.float32),
                           ("h", h, (rows, 2 * i), torch.bfloat16)), device)
     tiles = tiles or {}
-    cfg = {kind: tiles.get(kind) or plan_tiles(kind, device) for kind in ("dact", "dx", "wgrad")}
+    per_expert = rows_per_expert if rows_per_expert is not None else x_rows.shape[0] / max(experts, 1)
+    cfg = {kind: tiles.get(kind) or plan_tiles(kind, device, per_expert) for kind in ("dact", "dx", "wgrad")}
     grads = ExpertGrads(
         d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
         d_router=torch.zeros(rows, dtype=torch.float32, device=device),

@@ -53,8 +53,8 @@ def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = 
     (a 128x256 tile of h) so SwiGLU fits in the epilogue, 3 stages, groups of
     4 row tiles; down 128x256, 3 stages, groups of 8, and the flattened task
     loop (+2-5 %; it costs gate/up 15-20 %). 64-row tiles lost 25-35 % there
-    (341- and 4096-row experts); the forward takes them when ``rows_per_expert``
-    (the load's mean) is at most :data:`FEW_ROWS_PER_EXPERT`. The
+    (341- and 4096-row experts); the forward and the backward's dx take them when
+    ``rows_per_expert`` (the load's mean) is at most :data:`FEW_ROWS_PER_EXPERT`. The
     interpreter gets small tiles: it runs one program at a time.
     """
     if kind not in GEMM_KINDS:
@@ -65,6 +65,10 @@ def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = 
     if kind == "gate_up" and few:
         return TileConfig(64, 128, 64, num_warps=4, num_stages=4, group_m=8)
     if kind == "down" and few:
+        return TileConfig(64, 256, 64, num_warps=4, num_stages=4, group_m=8, flatten=True)
+    if kind == "dx" and few:
+        # the same 64-row tiles: -1.5 and -2.0 % of the expert backward on ~170-row experts, +3 % on 341-row
+        # ones, the same bits (a row's K loop does not depend on the tile's height; 2026-12-02-backward-few-rows)
         return TileConfig(64, 256, 64, num_warps=4, num_stages=4, group_m=8, flatten=True)
     if kind == "gate_up":
         return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=4)

@@ -67,7 +67,7 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm, expert_gemm_bwd
-    from megamoe.ops.tiles import plan_tiles
+    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
     gpu = torch.device("cuda")
     cases = {}
@@ -91,12 +91,13 @@ def gemm_cases() -> dict[str, Case]:
         "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_h": "i32",
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
         "limit": "fp32"}, values, t.num_warps, t.num_stages)
-    t = plan_tiles("dx", gpu)
-    kinds, values = _row_task_consts(expert_gemm_bwd.dx_kernel, t)
-    cases["dx_kernel"] = Case(expert_gemm_bwd.dx_kernel, {
-        "d_h_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
-        "w_gate_up_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "d_x_ptr": "*bf16", "stride_d_x": "i32",
-        **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps, t.num_stages)
+    for name, t in (("dx_kernel", plan_tiles("dx", gpu)),
+                    ("dx_kernel (few rows per expert)", plan_tiles("dx", gpu, FEW_ROWS_PER_EXPERT))):
+        kinds, values = _row_task_consts(expert_gemm_bwd.dx_kernel, t)
+        cases[name] = Case(expert_gemm_bwd.dx_kernel, {
+            "d_h_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
+            "w_gate_up_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "d_x_ptr": "*bf16", "stride_d_x": "i32",
+            **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps, t.num_stages)
     t = plan_tiles("wgrad", gpu)
     kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, t)
     cases["wgrad_kernel"] = Case(expert_gemm_bwd.wgrad_kernel, {
@@ -291,7 +292,7 @@ def backward_megakernel_case() -> Case:
 
 def weighted_sum_case() -> Case:
     from megamoe.kernels.weighted_sum import weighted_sum_kernel
-    from megamoe.megakernel.kernel import WEIGHTED_SUM_TILE
+    from megamoe.ops.weighted_sum import WEIGHTED_SUM_TILE
 
     block_t, block_d, warps = WEIGHTED_SUM_TILE
     signature = {name: "*bf16" for name in ("y_ptr", "combine_ptr", "shared_y_ptr", "out_ptr")}

@@ -1,0 +1,122 @@
+"""The expert weight-gradient GEMM alone: tile variants against CUTLASS's K-grouped GEMM, at the power cap.
+
+    PYTHONPATH=src python3 benchmarks/wgrad_ab.py [--preset kimi-k2] [--experts 384,192] [--rounds 5]
+        [--variants plan,...] [--out DIR]
+
+The gate/up weight gradient of ``tokens x k`` rows spread evenly over each expert count (kimi-k2 at 8192 tokens:
+384 x ~171 at EP 1, 192 x ~341 at EP 2): ``dW[l] = d_h[rows of l]ᵀ · x[rows of l]`` `[2I, D]` per expert (K =
+the expert's rows, a few K steps per block, so the output's store weighs as much as the MMAs). Our
+``wgrad_kernel`` per variant (tile shape, stages, programs per SM) and ``torch._grouped_mm`` with offsets along
+K (what torch's grouped GEMM backward runs), in interleaved rounds; each variant's result compared with the plan's
+bit for bit. Prints ms, TFLOP/s, the store's share (the output's bytes at 4.8 TB/s) and % of the peer; writes
+DIR/wgrad_ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from megamoe.bench.experts import make_load
+from megamoe.config import preset
+from megamoe.kernels import expert_gemm_bwd
+from megamoe.ops.launch import scratch_allocator
+from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.runtime import num_programs
+
+from sustained import interleaved_rounds  # benchmarks/, beside this script
+
+#: name -> (TileConfig or None for the plan's, programs per SM)
+VARIANTS = {
+    "plan": (None, 1),
+    "128x256x64x3": (TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True), 1),
+    "256x128x32x4": (TileConfig(256, 128, 32, num_warps=8, num_stages=4, flatten=True), 1),
+    "128x128x32x3-2cta": (TileConfig(128, 128, 32, num_warps=8, num_stages=3, flatten=True), 2),
+    "128x128x32x3-2cta-w4": (TileConfig(128, 128, 32, num_warps=4, num_stages=3, flatten=True), 2),
+    "128x256x32x3-unflat": (TileConfig(128, 256, 32, num_warps=8, num_stages=3, flatten=False), 1),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="kimi-k2")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--experts", default="384,192")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.5)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = parser.parse_args()
+    cfg, dev = preset(a.preset), torch.device("cuda")
+    d, i = cfg.hidden, cfg.intermediate
+    records, lines = [], []
+    for experts in (int(e) for e in a.experts.split(",")):
+        x, counts, offsets, _, _ = make_load(experts, a.tokens * cfg.top_k, d, i, dev)
+        rows = x.shape[0]
+        d_h = torch.randn(rows, 2 * i, generator=torch.Generator(device=dev).manual_seed(3), device=dev).bfloat16()
+        ends = counts.cumsum(0).to(torch.int32)
+        outs, calls, status = {}, {}, {}
+        plan_out, other_out = (torch.empty(experts, 2 * i, d, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        for name in a.variants.split(","):
+            tile, per_sm = VARIANTS[name]
+            c = tile or plan_tiles("wgrad", dev)
+            programs = per_sm * num_programs(dev)
+            out = plan_out if name == "plan" else other_out  # the variants share one buffer (GBs each)
+
+            def call(c=c, programs=programs, out=out):
+                with scratch_allocator():
+                    expert_gemm_bwd.wgrad_kernel[(programs,)](
+                        d_h, x, out, offsets, counts, experts, 2 * i, d, DOT_FP32=False, NUM_PROGRAMS=programs,
+                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
+                        num_warps=c.num_warps, num_stages=c.num_stages)
+            try:
+                call()
+                torch.cuda.synchronize()
+            except Exception as e:  # shared memory or registers: reported, not timed
+                status[name] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+                continue
+            status[name] = ("same bits" if "plan" not in outs or torch.equal(out, outs["plan"]) else "DIFFERENT bits")
+            outs[name], calls[name] = out, call
+        d_h_t = d_h.T  # [2I, rows]: K-grouped, as the grouped GEMM's backward calls it
+        calls["torch._grouped_mm"] = lambda: torch._grouped_mm(d_h_t, x, offs=ends)
+        try:
+            peer = calls["torch._grouped_mm"]()
+            diff = float((peer[:4].float() - outs["plan"][:4].float()).abs().max()) if "plan" in outs else None
+            status["torch._grouped_mm"] = f"max |diff| vs plan (4 experts) {diff}"
+            del peer
+        except Exception as e:
+            status["torch._grouped_mm"] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+            del calls["torch._grouped_mm"]
+        times = interleaved_rounds(calls, a.rounds, a.seconds)
+        flops = 2 * rows * d * 2 * i
+        store_ms = experts * 2 * i * d * 2 / 4.8e12 * 1e3
+        peer_ms = statistics.median(times["torch._grouped_mm"]) if "torch._grouped_mm" in times else None
+        for name, st in status.items():
+            ts = times.get(name)
+            ms = statistics.median(ts) if ts else None
+            records.append({"experts": experts, "rows": rows, "variant": name, "ms": ms, "ms_rounds": ts,
+                            "status": st, "tile": vars(VARIANTS[name][0]) if name in VARIANTS and VARIANTS[name][0]
+                            else None})
+            if ms is None:
+                lines.append(f"| {experts} x {rows // experts} | {name} | — | | | | {st} |")
+                continue
+            share = f"{100 * peer_ms / ms:.0f} %" if peer_ms else ""
+            lines.append(f"| {experts} x {rows // experts} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} "
+                         f"| {store_ms:.2f} | {share} | {st} |")
+        del outs, calls, plan_out, other_out
+        torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "wgrad_ab.json"), "w") as f:
+        json.dump({"args": vars(a), "records": records}, f, indent=1)
+    print(f"{a.preset} gate/up wgrad, {a.rounds} interleaved rounds of {a.seconds} s")
+    print("| load | variant | ms | TFLOP/s | store floor ms | % of grouped_mm's rate | result |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

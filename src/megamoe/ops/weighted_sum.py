@@ -1,0 +1,35 @@
+"""Each token's k route slots summed in fixed order (FP32, one rounding), plus a shared row: the forward's weighted
+sum, and the backward's home sum of the d_x slots (weights 1: the same bits as ``sum_j slot`` in FP32)."""
+
+from __future__ import annotations
+
+import torch
+
+from megamoe.kernels.weighted_sum import weighted_sum_kernel
+from megamoe.runtime import compiled_gpu
+
+#: The tile on a GPU (BLOCK_T tokens x BLOCK_D columns, warps), k slot loads unrolled, one load per slot:
+#: kimi-k2 0.32 ms (3.7 TB/s), qwen3.5-397b 0.22 (benchmarks/results/2026-11-30-qwen-pass,
+#: weighted_sum_bench.py). The sm_90 build test counts its 16-byte loads.
+WEIGHTED_SUM_TILE = (16, 512, 8)
+
+
+def weighted_sum(out: torch.Tensor, slots: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor,
+                 num_experts: int, *, y: torch.Tensor | None = None, own_rows: torch.Tensor | None = None,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = sum_j w[i, j] * row(i*k + j) (+ shared[i])`` into bf16 ``out`` `[N, D]`, j in order, FP32.
+
+    Route r's row is ``y[own_rows[r]]`` where ``own_rows[r] >= 0`` (outputs left in place), else ``slots[r]``
+    (bf16 `[>= N*k, D]`); routes whose id is outside ``[0, num_experts)`` add nothing (their slots are not read).
+    """
+    n, D = out.shape
+    k = top_experts.shape[1] if top_experts.dim() == 2 else 1
+    if own_rows is None:
+        own_rows = torch.full((max(n * k, 1),), -1, dtype=torch.int32, device=out.device)
+    y = slots if y is None else y
+    block_t, block_d, warps = WEIGHTED_SUM_TILE if compiled_gpu(out.device) else (16, 64, 4)
+    weighted_sum_kernel[(-(-n // block_t), -(-D // block_d))](
+        y, y.stride(0), slots, slots.stride(0), own_rows, top_experts.contiguous(), router_weights.contiguous(),
+        out if shared is None else shared, (out if shared is None else shared).stride(0), out, out.stride(0), n, D,
+        num_experts, TOP_K=k, HAS_SHARED=shared is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    return out
