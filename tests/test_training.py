@@ -148,7 +148,7 @@ def _api(world):
     args = (world, x, p.top_experts, p.router_weights, w, p.w_down, p.shared)
     errors = raised([
         lambda: megamoe_forward(*args),  # grad mode on and inputs requiring grad: not silently dropped
-        lambda: moe(*args, precision="fp8-block"),
+        lambda: moe(*args, precision="mxfp8"),
         lambda: moe(*args, precision="fp4"),
         lambda: moe(*args, max_tokens=3),
     ])

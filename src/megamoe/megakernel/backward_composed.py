@@ -34,7 +34,10 @@ import torch
 from megamoe import runtime
 from megamoe.ops.comm import (CommShape, comm_workspace, device_barrier, dispatch_pull, reverse_combine_pull,
                               reverse_dispatch_push)
-from megamoe.ops.experts import expert_backward, gate_up
+from megamoe.ops.experts import ExpertForwardQuantized, expert_backward, gate_up
+from megamoe.ops.experts_fp8 import gate_up_fp8
+from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block
+from megamoe.ops.quant import quantize_activations, quantize_experts
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.routing.schedule import PullSchedule
 
@@ -93,12 +96,17 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # 3. the rows' h: the ring's, and the rows past it (a wrapped ring lost them) recomputed
     cap, ring = schedule.capacity, c.ring_rows
     h_rows = _padded(saved.h, cap)
+    fp8 = kernel.precision == "fp8-block"
     if cap > ring:
-        _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, swiglu_limit, c.minibatch)
-    # 4. the routed experts' backward
-    g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
-                        w_gate_up, w_down, swiglu_limit=swiglu_limit,
-                        rows_per_expert=s.max_tokens * k / max(s.experts_per_rank, 1))  # balanced routing's mean
+        _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, w_down, swiglu_limit, c.minibatch, fp8)
+    # 4. the routed experts' backward (fp8-block: E4M3 dgrads and wgrads, megamoe.ops.experts_fp8_bwd)
+    if fp8:
+        g = expert_backward_fp8_block(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert,
+                                      schedule.offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit)
+    else:
+        g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
+                            w_gate_up, w_down, swiglu_limit=swiglu_limit,
+                            rows_per_expert=s.max_tokens * k / max(s.experts_per_rank, 1))  # balanced mean
     del dy_rows, x_rows, h_rows
     # 5. d_x rows and router-weight gradients home; every push landed before anyone reads its slots
     reverse_dispatch_push(ws, schedule, g.d_x, num_sms=sms, sync=False)
@@ -117,7 +125,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
 
 
 def _replay_past_ring(x_rows: torch.Tensor, h_rows: torch.Tensor, schedule: PullSchedule, ring: int,
-                      w_gate_up: torch.Tensor, swiglu_limit: float | None, minibatch: int) -> None:
+                      w_gate_up: torch.Tensor, w_down: torch.Tensor, swiglu_limit: float | None, minibatch: int,
+                      fp8: bool) -> None:
     """h of the routed rows at and past row ``ring`` (the minibatches a wrapped ring lost), into ``h_rows``.
 
     Each expert's region is cut at ``ring`` on the device, so a ring that held every row leaves every region
@@ -127,7 +136,17 @@ def _replay_past_ring(x_rows: torch.Tensor, h_rows: torch.Tensor, schedule: Pull
     start = schedule.offsets - ring
     first = start.clamp(min=0)
     counts = (start + schedule.tokens_per_expert).clamp(min=0) - first
-    act = torch.empty(x_rows.shape[0] - ring, h_rows.shape[1] // 2, dtype=torch.bfloat16, device=x_rows.device)
+    past = x_rows.shape[0] - ring
+    if fp8:  # the forward's FP8 gate/up on the rows quantised as the forward quantised them
+        q = quantize_experts(w_gate_up, w_down, "fp8-block")
+        x_q, x_s = quantize_activations(x_rows[ring:], "fp8-block")
+        i = h_rows.shape[1] // 2
+        out = ExpertForwardQuantized(h_rows[ring:], torch.empty(past, i, dtype=torch.float8_e4m3fn,
+                                                               device=x_rows.device),
+                                     torch.empty(past, i // 128, dtype=torch.float32, device=x_rows.device), None)
+        gate_up_fp8(x_q, x_s, counts, first, q.w_gate_up, q.w_gate_up_scale, out, swiglu_limit=swiglu_limit)
+        return
+    act = torch.empty(past, h_rows.shape[1] // 2, dtype=torch.bfloat16, device=x_rows.device)
     gate_up(x_rows[ring:], counts, first, w_gate_up, h_rows[ring:], act, swiglu_limit=swiglu_limit,
             minibatch=minibatch)
 

@@ -1,0 +1,239 @@
+"""The FP8-block (DeepSeek-V3 recipe) expert backward over schedule-grouped rows: launches and the torch twin.
+
+Per routed row r of local expert l, from the BF16 rows the backward pulled and the forward's h:
+
+    dy_q = dy quantised 1x128 along D                        (the reduction axis of dact)
+    g    = dy_q · (w_down[l]ᵀ)_q                              dact on E4M3, w_downᵀ in 128x128 blocks, FP32
+    d_h, act_w, d_router = the BF16 dact epilogue on g         SwiGLU backward in FP32 from the saved h
+    d_x  = (d_h 1x128 along 2I)_q · (w_gate_up[l]ᵀ)_q        the forward's down kernel on w_gate_upᵀ
+    dW_down[l]    = dyᵀ · act_w, dW_gate_up[l] = d_hᵀ · x      both operands quantised 1x128 along the tokens:
+                                                                blocks of each expert's rows, zero-padded
+
+The 128x128 weight blocks serve both orientations (a block's amax does not depend on it), so the transposed
+copies (:func:`transposed_weights`) are the forward pack's bytes transposed. Master weights and the gradients
+returned are BF16, as on the BF16 path. docs/precision.md tabulates every tensor's format and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megamoe import runtime
+from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd
+from megamoe.ops.experts import ROUTER_GRAD_ROWS, ExpertGrads, _check
+from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
+from megamoe.ops.launch import launch_row_tasks
+from megamoe.ops.quant import quantize_activations, quantize_weights
+from megamoe.ops.tiles import TileConfig
+from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
+from megamoe.runtime import interpreting
+
+
+@dataclass(frozen=True)
+class TransposedWeights:
+    """E4M3 ``w_gate_upᵀ [L, D, 2I]`` and ``w_downᵀ [L, I, D]`` with their 128x128-block scales: the dgrads'
+    B operands, K-major."""
+
+    w_gate_up_t: torch.Tensor
+    w_gate_up_t_scale: torch.Tensor
+    w_down_t: torch.Tensor
+    w_down_t_scale: torch.Tensor
+
+
+def transposed_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> TransposedWeights:
+    """The dgrads' weights from the BF16 masters (one quantiser launch each, as the forward's pack)."""
+    with torch.no_grad():
+        gu, gu_s = quantize_weights(w_gate_up.detach().transpose(1, 2), "fp8-block")
+        dn, dn_s = quantize_weights(w_down.detach().transpose(1, 2), "fp8-block")
+    return TransposedWeights(gu, gu_s, dn, dn_s)
+
+
+def plan_tiles_fp8_bwd(kind: str, device: torch.device) -> TileConfig:
+    """Tiles of the FP8 backward's ``kind`` ("dact" or "wgrad"); BLOCK_K is 128 (one scale per K step). Not
+    tuned on a GPU yet: the forward FP8 down tile's shape."""
+    if kind not in ("dact", "wgrad"):
+        raise ValueError(f"kind must be 'dact' or 'wgrad', got {kind!r}")
+    if not runtime.compiled_gpu(device):
+        return TileConfig(32, 32 if kind == "wgrad" else 64, 128, num_warps=4, num_stages=1)
+    return TileConfig(128, 128, 128, num_warps=8, num_stages=4 if kind == "dact" else 3, group_m=8)
+
+
+@dataclass(frozen=True)
+class TokenBlocks:
+    """Each expert's rows laid out from a 128-row block boundary, zero-padded (the wgrads' K axis).
+
+    src: int64 `[R_pad]` the source row of each padded row (0 where ``valid`` is False); valid: bool `[R_pad]`;
+    block0: int32 `[L]` each expert's first block. R_pad (a multiple of 128) bounds the padded rows for any
+    counts of R rows, so nothing is read on the host."""
+
+    src: torch.Tensor
+    valid: torch.Tensor
+    block0: torch.Tensor
+
+
+def token_blocks(counts: torch.Tensor, offsets: torch.Tensor, rows: int) -> TokenBlocks:
+    experts = counts.shape[0]
+    counts64, offsets64 = counts.long(), offsets.long()
+    blocks = (counts64 + FP8_BLOCK - 1) // FP8_BLOCK
+    ends = blocks.cumsum(0)
+    block0 = ends - blocks
+    padded = FP8_BLOCK * max(1, -(-(rows + experts * (FP8_BLOCK - 1)) // FP8_BLOCK))
+    q = torch.arange(padded, device=counts.device)
+    expert = torch.searchsorted(ends, q // FP8_BLOCK, right=True)
+    e = expert.clamp(max=max(experts - 1, 0))
+    p = q - block0[e] * FP8_BLOCK
+    valid = (expert < experts) & (p < counts64[e])
+    src = torch.where(valid, offsets64[e] + p, 0)
+    return TokenBlocks(src, valid, block0.to(torch.int32))
+
+
+def quantize_tokens(a: torch.Tensor, blocks: TokenBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a [R, C]`` quantised 1x128 along the tokens of each expert: E4M3 ``[C, R_pad]`` (K-major for the wgrad)
+    and fp32 scales ``[C, R_pad/128]``."""
+    padded = torch.where(blocks.valid[:, None], a[blocks.src], 0)
+    return quantize_activations(padded, "fp8-block", axis=0, transpose=True)
+
+
+def expert_backward_fp8_block(
+    dy_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    weights_t: TransposedWeights | None = None,
+    num_programs: int | None = None,
+) -> ExpertGrads:
+    """:func:`megamoe.ops.experts.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
+    h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). D and I must
+    be multiples of 128."""
+    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
+    if d % FP8_BLOCK or i % FP8_BLOCK:
+        raise ValueError(f"fp8-block needs D and I multiples of {FP8_BLOCK}, got D={d}, I={i}")
+    rows, device = x_rows.shape[0], x_rows.device
+    grads = ExpertGrads(
+        d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
+        d_router=torch.zeros(rows, dtype=torch.float32, device=device),
+        d_w_gate_up=torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=device),
+        d_w_down=torch.empty(w_down.shape, dtype=torch.bfloat16, device=device),
+    )
+    if experts == 0:
+        return grads
+    if rows == 0:
+        grads.d_w_gate_up.zero_()
+        grads.d_w_down.zero_()
+        return grads
+    wt = weights_t or transposed_weights(w_gate_up, w_down)
+    programs = runtime.num_programs(device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    dy_q, dy_s = quantize_activations(dy_rows, "fp8-block")
+    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
+    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
+    c = plan_tiles_fp8_bwd("dact", device)
+    num_n = -(-i // c.block_n)
+    partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
+    launch_row_tasks(
+        expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs, counts, offsets, rows,
+        head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, FP8_BLOCK]),
+              TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, FP8_BLOCK]),
+              dy_s, wt.w_down_t_scale, h, row_weights, d_h, act_w, partial,
+              dy_s.stride(0), wt.w_down_t_scale.stride(1), h.stride(0), d_h.stride(0), act_w.stride(0),
+              partial.stride(0)),
+        tail=(d, i, float(swiglu_limit or 0.0)),
+        HAS_LIMIT=swiglu_limit is not None,
+    )
+    expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
+        partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
+    d_h_q, d_h_s = quantize_activations(d_h, "fp8-block")
+    down_fp8(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale, grads.d_x,
+             num_programs=programs)
+    blocks = token_blocks(counts, offsets, rows)
+    c = plan_tiles_fp8_bwd("wgrad", device)
+    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
+        a_t, a_s = quantize_tokens(a, blocks)
+        b_t, b_s = quantize_tokens(b, blocks)
+        expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](
+            TensorDescriptor.from_tensor(a_t, [c.block_m, FP8_BLOCK]),
+            TensorDescriptor.from_tensor(b_t, [c.block_n, FP8_BLOCK]), a_s, b_s, out, blocks.block0, counts,
+            experts, out.shape[1], out.shape[2], a_s.stride(0), b_s.stride(0),
+            DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
+    return grads
+
+
+def expert_backward_fp8_block_reference(
+    dy_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+) -> ExpertGrads:
+    """The torch twin of :func:`expert_backward_fp8_block`: the same quantisations (``formats``), the products in
+    the kernels' promotion order (``_promoted_matmul``), d_h and act_w rounded to bf16 where the kernels store
+    them. FP32 results; rows outside regions NaN."""
+    rows, d = x_rows.shape
+    f32 = dict(dtype=torch.float32, device=x_rows.device)
+    grads = ExpertGrads(torch.full((rows, d), float("nan"), **f32), torch.full((rows,), float("nan"), **f32),
+                        torch.zeros(w_gate_up.shape, **f32), torch.zeros(w_down.shape, **f32))
+    for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
+        if count == 0:
+            continue
+        sl = slice(start, start + count)
+        dy_q, dy_s = fp8_block_quantize(dy_rows[sl])
+        g = _promoted_matmul(dy_q, dy_s, *fp8_block_quantize(w_down[l].T, (FP8_BLOCK, FP8_BLOCK)))
+        d_h, act, d_router = swiglu_backward(g, h[sl].float(), row_weights[sl], swiglu_limit)
+        d_h = d_h.to(torch.bfloat16)
+        act_w = (act * row_weights[sl, None]).to(torch.bfloat16)
+        grads.d_router[sl] = d_router
+        d_h_q, d_h_s = fp8_block_quantize(d_h)
+        grads.d_x[sl] = _promoted_matmul(d_h_q, d_h_s, *fp8_block_quantize(w_gate_up[l].T, (FP8_BLOCK, FP8_BLOCK)))
+        grads.d_w_down[l] = _token_wgrad(dy_rows[sl], act_w)
+        grads.d_w_gate_up[l] = _token_wgrad(d_h, x_rows[sl])
+    return grads
+
+
+def swiglu_backward(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, limit: float | None):
+    """(d_h, act, d_router) of rows with ``g = dy · w_down`` and h `[n, 2I]` in FP32, as the dact epilogue
+    computes them: ``d_router = <g, act>``, ``d_h = SwiGLU'(h) ⊙ (w g)`` (the clamp passes the gradient inside
+    its bounds, inclusive)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate_c, up_c = gate, up
+    if limit is not None:
+        gate_c, up_c = gate.clamp(max=limit), up.clamp(-limit, limit)
+    sig = torch.sigmoid(gate_c)
+    silu = gate_c * sig
+    act = silu * up_c
+    d_router = (g * act).sum(dim=1)
+    d_act = g * w[:, None]
+    d_up = d_act * silu
+    d_gate = d_act * up_c * (sig * (1.0 + gate_c * (1.0 - sig)))
+    if limit is not None:
+        d_gate = torch.where(gate <= limit, d_gate, 0.0)
+        d_up = torch.where((up >= -limit) & (up <= limit), d_up, 0.0)
+    return torch.cat([d_gate, d_up], dim=1), act, d_router
+
+
+def _token_wgrad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``aᵀ · b`` over one expert's rows, both quantised 1x128 along the rows (zero-padded to a block), summed
+    per block with its scales (the wgrad kernel's promotion order)."""
+    n = a.shape[0]
+    pad = -(-n // FP8_BLOCK) * FP8_BLOCK - n
+    a_q, a_s = fp8_block_quantize(torch.nn.functional.pad(a, (0, 0, 0, pad)), (FP8_BLOCK, 1))
+    b_q, b_s = fp8_block_quantize(torch.nn.functional.pad(b, (0, 0, 0, pad)), (FP8_BLOCK, 1))
+    acc = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
+    for kb in range(a_q.shape[0] // FP8_BLOCK):
+        ks = slice(kb * FP8_BLOCK, (kb + 1) * FP8_BLOCK)
+        acc = acc + (a_q[ks].float().T @ b_q[ks].float()) * (a_s[kb][:, None] * b_s[kb][None, :])
+    return acc

@@ -1,0 +1,105 @@
+"""The FP8-block expert backward (dact on E4M3 with the BF16 epilogue, dx on the forward's down kernel,
+token-axis-quantised wgrads) against its torch twin, and against the FP32 oracle of the BF16 math."""
+
+import pytest
+import torch
+
+from megamoe.ops.experts import expert_backward_reference
+from megamoe.ops.experts_fp8_bwd import (expert_backward_fp8_block, expert_backward_fp8_block_reference,
+                                         token_blocks, quantize_tokens)
+from megamoe.reference.formats import fp8_block_quantize
+from sm90 import sm90_report  # tests/sm90.py
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# (counts per expert, gap rows between regions): an empty expert, a partial last 128-row block, regions not
+# aligned to anything, more than one K block of rows; all rows to one expert; no rows at all
+LOADS = {"mixed": ([5, 0, 140, 33], 3), "one-expert": ([0, 70, 0], 0), "no-rows": ([0, 0], 0)}
+
+
+def _problem(counts, gap, d=256, i=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    offsets, cursor = [], 0
+    for c in counts:
+        offsets.append(cursor)
+        cursor += c + gap
+    rows = cursor + 5
+    scale = torch.rand(rows, 1, generator=g) * 4  # rows of different ranges
+    t = dict(
+        dy=(torch.randn(rows, d, generator=g) * scale).bfloat16(),
+        w=torch.rand(rows, generator=g),
+        x=(torch.randn(rows, d, generator=g) * scale).bfloat16(),
+        h=(torch.randn(rows, 2 * i, generator=g) * 2).bfloat16(),
+        counts=torch.tensor(counts, dtype=torch.int32), offsets=torch.tensor(offsets, dtype=torch.int32),
+        wgu=(torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5).bfloat16(),
+        wd=(torch.randn(len(counts), d, i, generator=g) / i**0.5).bfloat16(),
+    )
+    return {k: v.to(DEVICE) for k, v in t.items()}
+
+
+def _args(p):
+    return p["dy"], p["w"], p["x"], p["h"], p["counts"], p["offsets"], p["wgu"], p["wd"]
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
+
+
+def _inside(p):
+    inside = torch.zeros(p["x"].shape[0], dtype=torch.bool, device=DEVICE)
+    for o, c in zip(p["offsets"].tolist(), p["counts"].tolist()):
+        inside[o: o + c] = True
+    return inside
+
+
+def test_token_blocks_start_each_expert_at_a_block_and_pad_with_zeros():
+    counts, offsets = torch.tensor([5, 0, 140, 33]), torch.tensor([0, 8, 8, 151])
+    b = token_blocks(counts, offsets, 190)
+    assert b.block0.tolist() == [0, 1, 1, 3] and b.src.shape[0] % 128 == 0
+    for e, (c, o) in enumerate(zip(counts.tolist(), offsets.tolist())):
+        start = int(b.block0[e]) * 128
+        assert b.valid[start: start + c].all() and b.src[start: start + c].tolist() == list(range(o, o + c))
+        assert not b.valid[start + c: start + -(-c // 128) * 128].any()
+    assert int(b.valid.sum()) == sum(counts.tolist())
+    a = torch.randn(190, 128).bfloat16().to(DEVICE)
+    a_t, a_s = quantize_tokens(a, token_blocks(counts.to(DEVICE), offsets.to(DEVICE), 190))
+    want_q, want_s = fp8_block_quantize(torch.nn.functional.pad(a[151:184], (0, 0, 0, 95)), (128, 1))
+    assert torch.equal(a_t[:, 384:512].T.contiguous().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(a_s[:, 3], want_s[0])
+
+
+@pytest.mark.parametrize("load", LOADS)
+@pytest.mark.parametrize("limit", [None, 0.8])
+def test_fp8_block_backward_matches_its_twin_and_the_oracle(load, limit):
+    p = _problem(*LOADS[load], seed=3)
+    got = expert_backward_fp8_block(*_args(p), swiglu_limit=limit)
+    twin = expert_backward_fp8_block_reference(*_args(p), swiglu_limit=limit)
+    oracle = expert_backward_reference(*_args(p), swiglu_limit=limit)
+    inside = _inside(p)
+    if not inside.any():
+        assert got.d_w_gate_up.eq(0).all() and got.d_w_down.eq(0).all()
+        return
+    pairs = {"d_x": (got.d_x[inside], twin.d_x[inside], oracle.d_x[inside]),
+             "d_router": (got.d_router[inside], twin.d_router[inside], oracle.d_router[inside]),
+             "d_w_gate_up": (got.d_w_gate_up, twin.d_w_gate_up, oracle.d_w_gate_up),
+             "d_w_down": (got.d_w_down, twin.d_w_down, oracle.d_w_down)}
+    for name, (kernel, tw, fp32) in pairs.items():
+        assert torch.isfinite(kernel).all(), name
+        # the twin quantises alike: only the 128-term block sums' fp32 rounding and the bf16 stores differ (~1e-3)
+        assert _rel(kernel, tw) < 4e-3, (name, _rel(kernel, tw))
+        # E4M3 operands against the BF16 math: a few % (3 mantissa bits); a wrong scale is off by far more
+        assert 1e-3 < _rel(kernel, fp32) < 8e-2, (name, _rel(kernel, fp32))
+    # experts without rows get zero weight gradients
+    for e, c in enumerate(p["counts"].tolist()):
+        if c == 0:
+            assert got.d_w_gate_up[e].eq(0).all() and got.d_w_down[e].eq(0).all()
+
+
+def test_fp8_block_backward_is_bitwise_deterministic():
+    p = _problem(*LOADS["mixed"], seed=4)
+    a, b = (expert_backward_fp8_block(*_args(p), swiglu_limit=0.8) for _ in range(2))
+    inside = _inside(p)  # rows outside every region are not written
+    for name in ("d_x", "d_router"):
+        assert torch.equal(getattr(a, name)[inside], getattr(b, name)[inside]), name
+    for name in ("d_w_gate_up", "d_w_down"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
