@@ -126,7 +126,31 @@ def fp8_cases() -> dict[str, Case]:
         "act_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "y_ptr": "*bf16", "stride_as": "i32",
         "stride_ws_n": "i32", "stride_y": "i32", **_TILES, **kinds, "D": "i32", "K": "i32"},
         values, t.num_warps, t.num_stages)
-    return {"gate_up_fp8_kernel": gate_up, "down_fp8_kernel": down}
+    return {"gate_up_fp8_kernel": gate_up, "down_fp8_kernel": down, **fp8_backward_cases()}
+
+
+def fp8_backward_cases() -> dict[str, Case]:
+    from megamoe.kernels import expert_gemm_fp8_bwd as k
+    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd
+
+    gpu = torch.device("cuda")
+    t = plan_tiles_fp8_bwd("dact", gpu)
+    kinds, values = _row_task_consts(k.dact_fp8_kernel, t, HAS_LIMIT=True)
+    dact = Case(k.dact_fp8_kernel, {
+        "dy_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_t_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
+        "dy_scale_ptr": "*fp32", "w_t_scale_ptr": "*fp32", "h_ptr": "*bf16", "row_w_ptr": "*fp32",
+        "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dys": "i32",
+        "stride_ws_n": "i32", "stride_h": "i32", "stride_d_h": "i32", "stride_act_w": "i32",
+        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "limit": "fp32"},
+        values, t.num_warps, t.num_stages)
+    t = plan_tiles_fp8_bwd("wgrad", gpu)
+    kinds, values = _row_task_consts(k.wgrad_fp8_kernel, t)
+    wgrad = Case(k.wgrad_fp8_kernel, {
+        "a_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "b_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
+        "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "out_ptr": "*bf16", "block0_ptr": "*i32",
+        "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "stride_as": "i32",
+        "stride_bs": "i32", **kinds}, values, t.num_warps, t.num_stages)
+    return {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad}
 
 
 def mxfp8_cases() -> dict[str, Case]:
