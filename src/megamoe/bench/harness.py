@@ -41,7 +41,12 @@ TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3),
               # FP8 routed experts (megamoe with experts="fp8-block" / "mxfp8") against the BF16-input oracle:
               # measured rel 2.8e-2 / 3.4e-2 and max-abs 0.28 / 0.48 on kimi-k2 (benchmarks/results/
               # 2026-11-29-precisions); a missing or wrong row still gives a row error near 1.
-              "fp8": (6e-2, 3e-1, 2.0)}
+              "fp8": (6e-2, 3e-1, 2.0),
+              # gradients of fp8-block training (E4M3 dgrads and wgrads after the FP8 forward) against the same
+              # oracle: measured 4-8 % L1; the worst weight-gradient row 0.22 with ~15 rows per expert
+              # (tests/test_training_fp8.py), 0.39 with 2 (tiny, 8 tokens): an expert's few rows average nothing
+              # (its kernels equal the recipe's twin there, tests/test_experts_fp8_bwd.py)
+              "fp8-grads": (1e-1, 5e-1, 2.0)}
 #: Routed-expert formats of the megamoe implementations (the others are BF16 throughout).
 EXPERT_FORMATS = ("bf16", "fp8-block", "mxfp8")
 DEVICES = ("cpu", "cuda")
@@ -263,7 +268,8 @@ def _iteration(world: EPWorld, run: _Run, name: str, want: dict, timed: bool) ->
         ms, grads = call(runner.step)
         got = _flatten(grads)
     if name not in run.checks:
-        run.checks[name] = compare(got, want[name], run.tolerance)
+        tolerance = "fp8-grads" if run.tolerance == "fp8" and name != "fwd" else run.tolerance
+        run.checks[name] = compare(got, want[name], tolerance)
     del out, got, grads
     if name != "fwd":  # runners coexist: a runner's gradients go before the next one's come (as in a burst)
         for t in getattr(runner, "_all_leaves", lambda: ())():
