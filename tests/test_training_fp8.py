@@ -95,3 +95,18 @@ def _api(world):
 def test_api_says_what_the_fp8_backward_does_not_do():
     errors = launch(_api, 2)[0]
     assert "mxfp8 backward is not built" in errors[0] and "fused_backward" in errors[1], errors
+
+
+def test_bench_checks_every_fp8_block_gradient_and_says_mxfp8_runs_forward_only():
+    """`megamoe bench --experts fp8-block,mxfp8 --passes fwd,bwd,step` on two CPU ranks: fp8-block's backward and
+    step checked against the oracle (the FP8 gradient bounds), mxfp8's forward only (no backward yet)."""
+    from megamoe.bench.harness import BenchOptions, run_rank
+
+    opts = BenchOptions(preset="tiny", tokens=(16,), ep=2, device="cpu", impls=("megamoe",),
+                        experts=("fp8-block", "mxfp8"), passes=("fwd", "bwd", "step"), iters=1, warmup=0)
+    records = launch(run_rank, 2, opts)[0]
+    got = sorted((r["impl"], r["pass"]) for r in records)
+    fp8, mx = "megamoe (fp8-block experts)", "megamoe (mxfp8 experts)"
+    assert got == sorted([(fp8, "fwd"), (fp8, "bwd"), (fp8, "step"), (mx, "fwd")]), got
+    assert all(r["correct"] for r in records), records
+    assert all(r["rel_err"] > 1e-2 for r in records if r["impl"] == fp8), records  # FP8 really ran
