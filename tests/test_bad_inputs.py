@@ -93,10 +93,8 @@ def _cases(world) -> dict:
                                                                         shared),
         ("megamoe_forward", "a NaN in x with check_finite=True"): lambda: forward(
             x.index_fill(0, torch.tensor([1]), float("nan")), top, w, gu, dn, shared, check_finite=True),
-        ("moe", "mxfp8 with a gradient asked for"): lambda: layer(
-            x, top, w.clone().requires_grad_(), gu, dn, shared, precision="mxfp8"),
-        ("moe", "fp8-block with fused_backward=True"): lambda: layer(
-            x, top, w, gu, dn, shared, precision="fp8-block", fused_backward=True),
+        ("moe", "an FP8 precision with fused_backward=True"): lambda: layer(
+            x, top, w, gu, dn, shared, precision="mxfp8", fused_backward=True),
         ("moe", "max_tokens not an int"): lambda: layer(x, top, w, gu, dn, shared, max_tokens=True),
         ("MoE", "an unknown impl"): lambda: MoE(CFG, world, impl="deepspeed"),
         ("MoE", "config not a MoEConfig"): lambda: MoE(dict(hidden=128), world),

@@ -1,12 +1,13 @@
-"""The FP8-block expert backward (dact on E4M3 with the BF16 epilogue, dx on the forward's down kernel,
-token-axis-quantised wgrads) against its torch twin, and against the FP32 oracle of the BF16 math."""
+"""The FP8 expert backwards (fp8-block and mxfp8: dact on E4M3 with the BF16 epilogue, dx on the forward's down
+kernel, token-axis-quantised wgrads) against their torch twins, and against the FP32 oracle of the BF16 math."""
 
 import pytest
 import torch
 
 from megamoe.ops.experts import expert_backward_reference
 from megamoe.ops.experts_fp8_bwd import (expert_backward_fp8_block, expert_backward_fp8_block_reference,
-                                         token_blocks, quantize_tokens)
+                                         expert_backward_mxfp8, expert_backward_mxfp8_reference, quantize_tokens,
+                                         token_blocks)
 from megamoe.reference.formats import fp8_block_quantize
 from sm90 import sm90_report  # tests/sm90.py
 
@@ -15,6 +16,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (counts per expert, gap rows between regions): an empty expert, a partial last 128-row block, regions not
 # aligned to anything, more than one K block of rows; all rows to one expert; no rows at all
 LOADS = {"mixed": ([5, 0, 140, 33], 3), "one-expert": ([0, 70, 0], 0), "no-rows": ([0, 0], 0)}
+#: format -> (the launches, their twin)
+FORMATS = {"fp8-block": (expert_backward_fp8_block, expert_backward_fp8_block_reference),
+           "mxfp8": (expert_backward_mxfp8, expert_backward_mxfp8_reference)}
 
 
 def _problem(counts, gap, d=256, i=128, seed=0):
@@ -68,12 +72,17 @@ def test_token_blocks_start_each_expert_at_a_block_and_pad_with_zeros():
     assert torch.equal(a_s[:, 3], want_s[0])
 
 
-@pytest.mark.parametrize("load", LOADS)
-@pytest.mark.parametrize("limit", [None, 0.8])
-def test_fp8_block_backward_matches_its_twin_and_the_oracle(load, limit):
+#: every load with and without the clamp in fp8-block; mxfp8 (slower under the interpreter) each load once
+CASES = [("fp8-block", load, limit) for load in LOADS for limit in (None, 0.8)] + [
+    ("mxfp8", "mixed", 0.8), ("mxfp8", "one-expert", None), ("mxfp8", "no-rows", None)]
+
+
+@pytest.mark.parametrize("fmt, load, limit", CASES)
+def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, limit):
     p = _problem(*LOADS[load], seed=3)
-    got = expert_backward_fp8_block(*_args(p), swiglu_limit=limit)
-    twin = expert_backward_fp8_block_reference(*_args(p), swiglu_limit=limit)
+    launch, reference = FORMATS[fmt]
+    got = launch(*_args(p), swiglu_limit=limit)
+    twin = reference(*_args(p), swiglu_limit=limit)
     oracle = expert_backward_reference(*_args(p), swiglu_limit=limit)
     inside = _inside(p)
     if not inside.any():
@@ -86,18 +95,19 @@ def test_fp8_block_backward_matches_its_twin_and_the_oracle(load, limit):
     for name, (kernel, tw, fp32) in pairs.items():
         assert torch.isfinite(kernel).all(), name
         # the twin quantises alike: only the 128-term block sums' fp32 rounding and the bf16 stores differ (~1e-3)
-        assert _rel(kernel, tw) < 4e-3, (name, _rel(kernel, tw))
+        assert _rel(kernel, tw) < 4e-3, (fmt, name, _rel(kernel, tw))
         # E4M3 operands against the BF16 math: a few % (3 mantissa bits); a wrong scale is off by far more
-        assert 1e-3 < _rel(kernel, fp32) < 8e-2, (name, _rel(kernel, fp32))
+        assert 1e-3 < _rel(kernel, fp32) < 8e-2, (fmt, name, _rel(kernel, fp32))
     # experts without rows get zero weight gradients
     for e, c in enumerate(p["counts"].tolist()):
         if c == 0:
             assert got.d_w_gate_up[e].eq(0).all() and got.d_w_down[e].eq(0).all()
 
 
-def test_fp8_block_backward_is_bitwise_deterministic():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_backward_is_bitwise_deterministic(fmt):
     p = _problem(*LOADS["mixed"], seed=4)
-    a, b = (expert_backward_fp8_block(*_args(p), swiglu_limit=0.8) for _ in range(2))
+    a, b = (FORMATS[fmt][0](*_args(p), swiglu_limit=0.8) for _ in range(2))
     inside = _inside(p)  # rows outside every region are not written
     for name in ("d_x", "d_router"):
         assert torch.equal(getattr(a, name)[inside], getattr(b, name)[inside]), name

@@ -174,19 +174,19 @@ def test_bad_shapes_variants_and_tiles_raise_value_error():
 
 
 def test_mxfp8_kernels_compile_for_sm90_with_registers_and_spills():
-    """Compiled on the CPU for Hopper at the planner's GPU tiles: dequant uses bf16 wgmma, rescale e4m3 wgmma,
-    all with TMA. Registers and ptxas spill bytes are printed (pytest -s); the dequant kernels and the rescale
+    """Compiled on the CPU for Hopper at the planner's GPU tiles, forward and backward (dact, wgrad; dx is the
+    down kernel): dequant uses bf16 wgmma, rescale e4m3 wgmma, all with TMA. Registers and ptxas spill bytes are printed (pytest -s); the dequant kernels and the rescale
     down kernel do not spill; rescale gate/up spills a little (see plan_tiles_mxfp8)."""
     summary = sm90_report("mxfp8")
     for name, facts in summary.items():
         print(f"{name}: registers {facts['registers']}, spill (stack) bytes {facts['stack_bytes']}, "
               f"shared {facts['shared_bytes']}")
     assert set(summary) == {"gate_up_dequant", "down_dequant", "gate_up_rescale", "down_rescale",
-                            "gate_up_rescale_int_exp", "down_rescale_int_exp"}
+                            "gate_up_rescale_int_exp", "down_rescale_int_exp", "dact_dequant", "wgrad_dequant"}
     for name, facts in summary.items():
         fp8 = "rescale" in name
         assert facts["wgmma"] > 0 and facts["tma"], (name, facts)
         assert facts["wgmma_fp8"] == fp8 and facts["wgmma_bf16"] == (not fp8), (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
-    for name in ("gate_up_dequant", "down_dequant", "down_rescale"):
+    for name in ("gate_up_dequant", "down_dequant", "down_rescale", "dact_dequant", "wgrad_dequant"):
         assert summary[name]["stack_bytes"] in (0, None), (name, summary[name])

@@ -148,7 +148,7 @@ def _api(world):
     args = (world, x, p.top_experts, p.router_weights, w, p.w_down, p.shared)
     errors = raised([
         lambda: megamoe_forward(*args),  # grad mode on and inputs requiring grad: not silently dropped
-        lambda: moe(*args, precision="mxfp8"),
+        lambda: moe(*args, precision="fp8-block", fused_backward=True),
         lambda: moe(*args, precision="fp4"),
         lambda: moe(*args, max_tokens=3),
     ])
@@ -163,7 +163,7 @@ def _api(world):
 def test_api_refuses_what_it_cannot_train_and_grads_only_where_asked():
     errors, same, got, untouched = launch(_api, 2)[0]
     assert all(errors), errors
-    assert "megamoe.moe" in errors[0] and "backward is not built" in errors[1]
+    assert "megamoe.moe" in errors[0] and "runs BF16 experts" in errors[1]
     assert "precision" in errors[2] and "max_tokens" in errors[3]
     assert same and got and untouched
 

@@ -49,8 +49,8 @@ def bench(
     precision: str = typer.Option("bf16", help="bf16 (fp32 for CPU checks)."),
     impl: str = typer.Option(None, help="Comma-separated implementations: reference, nccl-torch, deepep-torch "
                                         "(skipped with the reason where DeepEP is not built), unfused, megamoe, "
-                                        "megamoe-graph (unfused and megamoe-graph forward only; megamoe's "
-                                        "backward with BF16 experts; unfused: megamoe's steps one launch after "
+                                        "megamoe-graph (forward only; megamoe's and unfused's backward in "
+                                        "every expert format; unfused: megamoe's steps one launch after "
                                         "another, the no-overlap ablation). Default: nccl-torch,unfused,megamoe "
                                         "on GPU, reference,nccl-torch,megamoe on CPU (where megamoe runs its steps "
                                         "one after another anyway)."),

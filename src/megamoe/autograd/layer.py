@@ -50,8 +50,8 @@ def moe(
         shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated; their gradients cover this
             rank's tokens (reduce them across ranks as for any replicated weight).
         swiglu_limit: optional SwiGLU clamp (gate <= limit, |up| <= limit).
-        precision: the routed experts' precision: ``bf16`` or ``fp8-block`` train (fp8-block's backward: E4M3
-            dgrads and wgrads, docs/precision.md); the mxfp8 forward runs without gradients so far.
+        precision: the routed experts' precision, ``bf16``, ``fp8-block`` or ``mxfp8``; the FP8 backwards run
+            E4M3 dgrads and wgrads (docs/design.md, Precision).
         config: the megakernel's knobs (default: the planner's).
         max_tokens: the group's largest token count; None finds it with an all-reduce MAX (a host sync), which
             ``torch.compile`` cannot trace: give it there.
@@ -77,13 +77,9 @@ def moe(
     for name, t in [("shared w_gate_up", gu) for gu, _ in shared] + [("shared w_down", dn) for _, dn in shared]:
         if t.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
-    tensors = [x, router_weights, w_gate_up, w_down, *(t for pair in shared for t in pair)]
-    if precision == "mxfp8" and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise ValueError("the mxfp8 backward is not built yet: train with precision='bf16' or 'fp8-block' (or run "
-                         "the mxfp8 forward under torch.no_grad())")
-    if precision == "fp8-block" and fused_backward:
-        raise ValueError("fused_backward=True runs BF16 experts: the fp8-block backward runs the standalone kernels "
-                         "composed (fused_backward=False, the default)")
+    if precision != "bf16" and fused_backward:
+        raise ValueError(f"fused_backward=True runs BF16 experts: the {precision} backward runs the standalone "
+                         f"kernels composed (fused_backward=False, the default)")
     if max_tokens is None:
         if compiling:
             raise ValueError("torch.compile needs max_tokens (the group's largest token count) given to moe() or "

@@ -112,13 +112,12 @@ class _ForwardOnlyRunner(_AutogradRunner):
 class _MegamoeRunner(_ForwardOnlyRunner):
     """megamoe without host syncs in timed passes: the group's largest N is found once, and the host checks
     (expert ids, the kernels' error words) run on the first pass of each kind (the one compared). fwd times
-    ``megamoe_forward`` (nothing kept), bwd and step ``megamoe.moe`` (BF16 or fp8-block experts: the mxfp8
-    backward is not built yet)."""
+    ``megamoe_forward`` (nothing kept), bwd and step ``megamoe.moe`` (in the same expert format)."""
 
     def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
         super().__init__(world, p, megamoe_forward)
         self.experts = experts
-        self.passes = ("fwd",) if experts == "mxfp8" else ("fwd", "bwd", "step")  # mxfp8: no backward yet
+        self.passes = ("fwd", "bwd", "step")
         self.max_tokens, self.passes_run, self.trained = world.largest(p.tokens), 0, 0
         # FP8 experts: the weights are quantised once, as after a training step's optimizer step, and that
         # quantisation is timed on its own (the second call: the first compiles) and recorded beside the pass

@@ -36,7 +36,8 @@ from megamoe.ops.comm import (CommShape, comm_workspace, device_barrier, dispatc
                               reverse_dispatch_push)
 from megamoe.ops.experts import ExpertForwardQuantized, expert_backward, gate_up
 from megamoe.ops.experts_fp8 import gate_up_fp8
-from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block
+from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
+from megamoe.ops.experts_mxfp8 import gate_up_mxfp8
 from megamoe.ops.quant import quantize_activations, quantize_experts
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.routing.schedule import PullSchedule
@@ -96,13 +97,14 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # 3. the rows' h: the ring's, and the rows past it (a wrapped ring lost them) recomputed
     cap, ring = schedule.capacity, c.ring_rows
     h_rows = _padded(saved.h, cap)
-    fp8 = kernel.precision == "fp8-block"
+    fmt = kernel.precision
     if cap > ring:
-        _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, w_down, swiglu_limit, c.minibatch, fp8)
-    # 4. the routed experts' backward (fp8-block: E4M3 dgrads and wgrads, megamoe.ops.experts_fp8_bwd)
-    if fp8:
-        g = expert_backward_fp8_block(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert,
-                                      schedule.offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit)
+        _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, w_down, swiglu_limit, c.minibatch, fmt)
+    # 4. the routed experts' backward (FP8: E4M3 dgrads and wgrads, megamoe.ops.experts_fp8_bwd)
+    if fmt != "bf16":
+        fp8_backward = expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8
+        g = fp8_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets, w_gate_up,
+                         w_down, swiglu_limit=swiglu_limit)
     else:
         g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
                             w_gate_up, w_down, swiglu_limit=swiglu_limit,
@@ -126,7 +128,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
 
 def _replay_past_ring(x_rows: torch.Tensor, h_rows: torch.Tensor, schedule: PullSchedule, ring: int,
                       w_gate_up: torch.Tensor, w_down: torch.Tensor, swiglu_limit: float | None, minibatch: int,
-                      fp8: bool) -> None:
+                      fmt: str) -> None:
     """h of the routed rows at and past row ``ring`` (the minibatches a wrapped ring lost), into ``h_rows``.
 
     Each expert's region is cut at ``ring`` on the device, so a ring that held every row leaves every region
@@ -137,14 +139,16 @@ def _replay_past_ring(x_rows: torch.Tensor, h_rows: torch.Tensor, schedule: Pull
     first = start.clamp(min=0)
     counts = (start + schedule.tokens_per_expert).clamp(min=0) - first
     past = x_rows.shape[0] - ring
-    if fp8:  # the forward's FP8 gate/up on the rows quantised as the forward quantised them
-        q = quantize_experts(w_gate_up, w_down, "fp8-block")
-        x_q, x_s = quantize_activations(x_rows[ring:], "fp8-block")
+    if fmt != "bf16":  # the forward's FP8 gate/up on the rows quantised as the forward quantised them
+        q = quantize_experts(w_gate_up, w_down, fmt)
+        x_q, x_s = quantize_activations(x_rows[ring:], fmt)
         i = h_rows.shape[1] // 2
+        block, scale_dtype = (128, torch.float32) if fmt == "fp8-block" else (32, torch.uint8)
         out = ExpertForwardQuantized(h_rows[ring:], torch.empty(past, i, dtype=torch.float8_e4m3fn,
                                                                device=x_rows.device),
-                                     torch.empty(past, i // 128, dtype=torch.float32, device=x_rows.device), None)
-        gate_up_fp8(x_q, x_s, counts, first, q.w_gate_up, q.w_gate_up_scale, out, swiglu_limit=swiglu_limit)
+                                     torch.empty(past, i // block, dtype=scale_dtype, device=x_rows.device), None)
+        forward_gate_up = gate_up_fp8 if fmt == "fp8-block" else gate_up_mxfp8
+        forward_gate_up(x_q, x_s, counts, first, q.w_gate_up, q.w_gate_up_scale, out, swiglu_limit=swiglu_limit)
         return
     act = torch.empty(past, h_rows.shape[1] // 2, dtype=torch.bfloat16, device=x_rows.device)
     gate_up(x_rows[ring:], counts, first, w_gate_up, h_rows[ring:], act, swiglu_limit=swiglu_limit,

@@ -247,11 +247,9 @@ class MegaKernel:
         from megamoe.megakernel.backward import fused_backward
         from megamoe.megakernel.backward_composed import composed_backward
 
-        if self.precision == "mxfp8":
-            raise ValueError("the mxfp8 backward is not built yet: train with precision 'bf16' or 'fp8-block'")
-        if self.precision == "fp8-block" and fused and not self.direct:
-            raise ValueError("the backward megakernel runs BF16 experts: the fp8-block backward runs the standalone "
-                             "kernels composed (fused_backward=False, moe()'s default)")
+        if self.precision != "bf16" and fused and not self.direct:
+            raise ValueError(f"the backward megakernel runs BF16 experts: the {self.precision} backward runs the "
+                             f"standalone kernels composed (fused_backward=False, moe()'s default)")
         self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
         if not isinstance(d_out, torch.Tensor) or d_out.shape != x.shape or d_out.dtype != torch.bfloat16:
             raise ValueError(f"d_out must be bfloat16 of x's shape {tuple(x.shape)}, got {checks.describe(d_out)}")

@@ -11,7 +11,11 @@ Per routed row r of local expert l, from the BF16 rows the backward pulled and t
 
 The 128x128 weight blocks serve both orientations (a block's amax does not depend on it), so the transposed
 copies (:func:`transposed_weights`) are the forward pack's bytes transposed. Master weights and the gradients
-returned are BF16, as on the BF16 path. docs/precision.md tabulates every tensor's format and why.
+returned are BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
+
+MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
+the transposed weights are quantised along their own last dim (D for dact, 2I for dx: not the forward's pack,
+whose blocks run along the forward's K), and the tiles dequantise on load (Hopper has no block-scaled MMA).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import runtime
-from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd
+from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd
 from megamoe.ops.experts import ROUTER_GRAD_ROWS, ExpertGrads, _check
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
+from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import launch_row_tasks
 from megamoe.ops.quant import quantize_activations, quantize_weights
 from megamoe.ops.tiles import TileConfig
-from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
+from megamoe.reference.formats import FP8_BLOCK, MX_BLOCK, fp8_block_quantize, mxfp8_dequantize, mxfp8_quantize
 from megamoe.runtime import interpreting
 
 
@@ -43,22 +48,31 @@ class TransposedWeights:
     w_down_t_scale: torch.Tensor
 
 
-def transposed_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> TransposedWeights:
-    """The dgrads' weights from the BF16 masters (one quantiser launch each, as the forward's pack)."""
+def transposed_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str = "fp8-block") -> TransposedWeights:
+    """The dgrads' weights from the BF16 masters in ``fmt`` (one quantiser launch each; mxfp8's blocks run along
+    the transposes' last dim, the dgrads' K)."""
     with torch.no_grad():
-        gu, gu_s = quantize_weights(w_gate_up.detach().transpose(1, 2), "fp8-block")
-        dn, dn_s = quantize_weights(w_down.detach().transpose(1, 2), "fp8-block")
+        gu, gu_s = quantize_weights(w_gate_up.detach().transpose(1, 2), fmt)
+        dn, dn_s = quantize_weights(w_down.detach().transpose(1, 2), fmt)
     return TransposedWeights(gu, gu_s, dn, dn_s)
 
 
-def plan_tiles_fp8_bwd(kind: str, device: torch.device) -> TileConfig:
-    """Tiles of the FP8 backward's ``kind`` ("dact" or "wgrad"); BLOCK_K is 128 (one scale per K step). Not
-    tuned on a GPU yet: the forward FP8 down tile's shape."""
+def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", *,
+                       compiled: bool = False) -> TileConfig:
+    """Tiles of the FP8 backward's ``kind`` ("dact" or "wgrad") in ``fmt``. fp8-block: BLOCK_K 128 (one scale
+    per K step), the forward FP8 down tile's shape; mxfp8: BLOCK_K 64 dequantised on load, 64-column dact
+    tiles (the dequantised tiles beside the epilogue's). Not tuned on a GPU yet. ``compiled`` gives the GPU's
+    tiles on any device (the sm_90 build check)."""
     if kind not in ("dact", "wgrad"):
         raise ValueError(f"kind must be 'dact' or 'wgrad', got {kind!r}")
-    if not runtime.compiled_gpu(device):
-        return TileConfig(32, 32 if kind == "wgrad" else 64, 128, num_warps=4, num_stages=1)
-    return TileConfig(128, 128, 128, num_warps=8, num_stages=4 if kind == "dact" else 3, group_m=8)
+    if fmt not in ("fp8-block", "mxfp8"):
+        raise ValueError(f"fmt must be 'fp8-block' or 'mxfp8', got {fmt!r}")
+    bk = FP8_BLOCK if fmt == "fp8-block" else 64
+    if not compiled and not runtime.compiled_gpu(device):
+        return TileConfig(32, 32 if kind == "wgrad" else 64, bk, num_warps=4, num_stages=1)
+    if fmt == "mxfp8":
+        return TileConfig(128, 64 if kind == "dact" else 128, bk, num_warps=8, num_stages=3, group_m=8)
+    return TileConfig(128, 128, bk, num_warps=8, num_stages=4 if kind == "dact" else 3, group_m=8)
 
 
 @dataclass(frozen=True)
@@ -90,11 +104,12 @@ def token_blocks(counts: torch.Tensor, offsets: torch.Tensor, rows: int) -> Toke
     return TokenBlocks(src, valid, block0.to(torch.int32))
 
 
-def quantize_tokens(a: torch.Tensor, blocks: TokenBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a [R, C]`` quantised 1x128 along the tokens of each expert: E4M3 ``[C, R_pad]`` (K-major for the wgrad)
-    and fp32 scales ``[C, R_pad/128]``."""
+def quantize_tokens(a: torch.Tensor, blocks: TokenBlocks, fmt: str = "fp8-block") -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """``a [R, C]`` quantised along the tokens of each expert (1x128, or mxfp8's 1x32, blocks of the expert's
+    128-row spans): E4M3 ``[C, R_pad]`` (K-major for the wgrad) and its scales ``[C, R_pad / block]``."""
     padded = torch.where(blocks.valid[:, None], a[blocks.src], 0)
-    return quantize_activations(padded, "fp8-block", axis=0, transpose=True)
+    return quantize_activations(padded, fmt, axis=0, transpose=True)
 
 
 def expert_backward_fp8_block(
@@ -165,6 +180,116 @@ def expert_backward_fp8_block(
             experts, out.shape[1], out.shape[2], a_s.stride(0), b_s.stride(0),
             DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
+    return grads
+
+
+def expert_backward_mxfp8(
+    dy_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    weights_t: TransposedWeights | None = None,
+    num_programs: int | None = None,
+) -> ExpertGrads:
+    """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
+    ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
+    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
+    if d % MX_BLOCK or i % MX_BLOCK:
+        raise ValueError(f"mxfp8 needs D and I multiples of {MX_BLOCK}, got D={d}, I={i}")
+    rows, device = x_rows.shape[0], x_rows.device
+    grads = ExpertGrads(
+        d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
+        d_router=torch.zeros(rows, dtype=torch.float32, device=device),
+        d_w_gate_up=torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=device),
+        d_w_down=torch.empty(w_down.shape, dtype=torch.bfloat16, device=device),
+    )
+    if experts == 0:
+        return grads
+    if rows == 0:
+        grads.d_w_gate_up.zero_()
+        grads.d_w_down.zero_()
+        return grads
+    wt = weights_t or transposed_weights(w_gate_up, w_down, "mxfp8")
+    programs = runtime.num_programs(device, num_programs)
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    dy_q, dy_s = quantize_activations(dy_rows, "mxfp8")
+    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
+    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
+    c = plan_tiles_fp8_bwd("dact", device, "mxfp8")
+    num_n = -(-i // c.block_n)
+    partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
+    w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK)
+    launch_row_tasks(
+        expert_gemm_mxfp8_bwd.dact_mxfp8_kernel, c, programs, counts, offsets, rows,
+        head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, c.block_k]),
+              TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
+              dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0), w_dn_t_scale.stride(0),
+              h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+        tail=(d, i, experts * i, float(swiglu_limit or 0.0)),
+        HAS_LIMIT=swiglu_limit is not None,
+    )
+    expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
+        partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
+    d_h_q, d_h_s = quantize_activations(d_h, "mxfp8")
+    down_mxfp8(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale, grads.d_x,
+               num_programs=programs)
+    blocks = token_blocks(counts, offsets, rows)
+    c = plan_tiles_fp8_bwd("wgrad", device, "mxfp8")
+    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
+        a_t, a_s = quantize_tokens(a, blocks, "mxfp8")
+        b_t, b_s = quantize_tokens(b, blocks, "mxfp8")
+        expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
+            TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
+            TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]), a_s, b_s, out, blocks.block0, counts,
+            experts, out.shape[1], out.shape[2], a_t.shape[1], a_s.stride(0), b_s.stride(0),
+            DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
+    return grads
+
+
+def expert_backward_mxfp8_reference(
+    dy_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+) -> ExpertGrads:
+    """The torch twin of :func:`expert_backward_mxfp8`: ``formats.mxfp8_quantize`` along each GEMM's reduction
+    axis, operands dequantised exactly, fp32 matmuls; d_h and act_w rounded to bf16 where the kernels store
+    them. FP32 results; rows outside regions NaN."""
+
+    def mx(t, dim=-1):
+        return mxfp8_dequantize(*mxfp8_quantize(t, dim), dim)
+
+    rows, d = x_rows.shape
+    f32 = dict(dtype=torch.float32, device=x_rows.device)
+    grads = ExpertGrads(torch.full((rows, d), float("nan"), **f32), torch.full((rows,), float("nan"), **f32),
+                        torch.zeros(w_gate_up.shape, **f32), torch.zeros(w_down.shape, **f32))
+    for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
+        if count == 0:
+            continue
+        sl = slice(start, start + count)
+        g = mx(dy_rows[sl]) @ mx(w_down[l].T).T
+        d_h, act, d_router = swiglu_backward(g, h[sl].float(), row_weights[sl], swiglu_limit)
+        d_h = d_h.to(torch.bfloat16)
+        act_w = (act * row_weights[sl, None]).to(torch.bfloat16)
+        grads.d_router[sl] = d_router
+        grads.d_x[sl] = mx(d_h) @ mx(w_gate_up[l].T).T
+        pad = -(-count // 128) * 128 - count
+        padded = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (dy_rows[sl], act_w, d_h, x_rows[sl])]
+        grads.d_w_down[l] = mx(padded[0], 0).T @ mx(padded[1], 0)
+        grads.d_w_gate_up[l] = mx(padded[2], 0).T @ mx(padded[3], 0)
     return grads
 
 

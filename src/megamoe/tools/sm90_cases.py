@@ -181,7 +181,32 @@ def mxfp8_cases() -> dict[str, Case]:
                                  **_TILES, **kinds, "D": "i32", "W_ROWS": "i32", "K": "i32"}
                 name = f"{kind}_{variant}" + ("_int_exp" if int_exp else "")
                 cases[name] = Case(kernel, signature, values, t.num_warps, t.num_stages)
-    return cases
+    return {**cases, **mxfp8_backward_cases()}
+
+
+def mxfp8_backward_cases() -> dict[str, Case]:
+    from megamoe.kernels import expert_gemm_mxfp8_bwd as k
+    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd
+
+    gpu = torch.device("cuda")
+    t = plan_tiles_fp8_bwd("dact", gpu, "mxfp8", compiled=True)
+    kinds, values = _row_task_consts(k.dact_mxfp8_kernel, t, HAS_LIMIT=True)
+    dact = Case(k.dact_mxfp8_kernel, {
+        "dy_desc": f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>",
+        "w_t_desc": f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>", "dy_scale_ptr": "*u8", "w_t_scale_ptr": "*u8",
+        "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32",
+        "stride_dys": "i32", "stride_ws": "i32", "stride_h": "i32", "stride_d_h": "i32", "stride_act_w": "i32",
+        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "W_ROWS": "i32", "limit": "fp32"},
+        values, t.num_warps, t.num_stages)
+    t = plan_tiles_fp8_bwd("wgrad", gpu, "mxfp8", compiled=True)
+    kinds, values = _row_task_consts(k.wgrad_mxfp8_kernel, t)
+    wgrad = Case(k.wgrad_mxfp8_kernel, {
+        "a_desc": f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>",
+        "b_desc": f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>", "a_scale_ptr": "*u8", "b_scale_ptr": "*u8",
+        "out_ptr": "*bf16", "span0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32",
+        "OUT_N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", **kinds}, values, t.num_warps,
+        t.num_stages)
+    return {"dact_dequant": dact, "wgrad_dequant": wgrad}
 
 
 def quant_cases() -> dict[str, Case]:
