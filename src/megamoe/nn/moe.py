@@ -68,7 +68,7 @@ class MoE(nn.Module):
     Args:
         config: the layer's shape (E, k, D, I, shared sizes, SwiGLU clamp).
         world: the expert-parallel group; this rank holds experts ``rank*L .. rank*L+L-1``.
-        precision: the routed experts' precision (the backward is BF16 only so far).
+        precision: the routed experts' precision (bf16, fp8-block, mxfp8: every one trains).
         device: where the weights live (default: the world's device).
         max_tokens: the group's largest token count per rank; None finds it every call (an all-reduce, a host
             sync; ``torch.compile`` needs it given).
