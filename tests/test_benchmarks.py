@@ -32,7 +32,7 @@ RESULTS = BENCH / "results"
 
 #: Scripts with a CPU smoke run below (one test each).
 CPU_TOOLS = {
-    "backward_ab.py", "clock_probe_summary.py", "comm_bench.py", "comm_order_ab.py", "ep_scaling.py",
+    "backward_ab.py", "clock_probe_summary.py", "comm_bench.py", "comm_order_ab.py", "ep_scaling.py", "fp8_accuracy.py",
     "megakernel_ab.py", "megakernel_sweep.py", "output_hashes.py",
 }
 #: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help only.
@@ -270,6 +270,18 @@ def test_backward_ab_runs_on_cpu_ranks(tmp_path):
     assert res["bitwise_equal"] == {"3": True, "composed": True}, res
     assert "backward_comm_sms=3," in res["configs"]["3"] and res["ranks"] == 2, res
     assert all(len(v) == 1 and v[0] > 0 for v in res["rounds_ms"].values()), res
+
+
+@pytest.mark.slow
+def test_fp8_accuracy_tables_each_precisions_gradient_errors(tmp_path):
+    """One rank, tiny, bf16 and fp8-block: every tensor's errors recorded, fp8-block's above bf16's (slow: 36 s;
+    the FP8 gradients' bounds are tests/test_training_fp8.py's)."""
+    done = _script("fp8_accuracy.py", "--presets", "tiny", "--tokens", "8", "--ranks", "1", "--precisions",
+                   "bf16,fp8-block", "--out", str(tmp_path), timeout=300)
+    errors = json.loads((tmp_path / "fp8_accuracy.json").read_text())["rank0"]["tiny"]["errors"]
+    assert set(errors["bf16"]) == set(errors["fp8-block"]) >= {"out", "x", "router_weights", "w_gate_up", "w_down"}
+    assert errors["fp8-block"]["w_gate_up"]["rel"] > 2 * errors["bf16"]["w_gate_up"]["rel"], errors
+    assert "| tiny (D 256, I 128, E 8, k 2) | w_down |" in done.stdout
 
 
 def test_output_hashes_hashes_the_megakernel_cases():

@@ -9,7 +9,6 @@ from megamoe.ops.experts_fp8_bwd import (expert_backward_fp8_block, expert_backw
                                          expert_backward_mxfp8, expert_backward_mxfp8_reference, quantize_tokens,
                                          token_blocks)
 from megamoe.reference.formats import fp8_block_quantize
-from sm90 import sm90_report  # tests/sm90.py
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -72,9 +71,8 @@ def test_token_blocks_start_each_expert_at_a_block_and_pad_with_zeros():
     assert torch.equal(a_s[:, 3], want_s[0])
 
 
-#: every load with and without the clamp in fp8-block; mxfp8 (slower under the interpreter) each load once
-CASES = [("fp8-block", load, limit) for load in LOADS for limit in (None, 0.8)] + [
-    ("mxfp8", "mixed", 0.8), ("mxfp8", "one-expert", None), ("mxfp8", "no-rows", None)]
+#: each format on every load, the mixed one with and without the clamp
+CASES = [(fmt, "mixed", 0.8) for fmt in FORMATS] + [(fmt, load, None) for fmt in FORMATS for load in LOADS]
 
 
 @pytest.mark.parametrize("fmt, load, limit", CASES)
@@ -104,10 +102,10 @@ def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, limit):
             assert got.d_w_gate_up[e].eq(0).all() and got.d_w_down[e].eq(0).all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_fp8_backward_is_bitwise_deterministic(fmt):
+def test_fp8_block_backward_is_bitwise_deterministic():
+    """(mxfp8's bits across reruns and configs: tests/test_training_fp8.py)"""
     p = _problem(*LOADS["mixed"], seed=4)
-    a, b = (FORMATS[fmt][0](*_args(p), swiglu_limit=0.8) for _ in range(2))
+    a, b = (expert_backward_fp8_block(*_args(p), swiglu_limit=0.8) for _ in range(2))
     inside = _inside(p)  # rows outside every region are not written
     for name in ("d_x", "d_router"):
         assert torch.equal(getattr(a, name)[inside], getattr(b, name)[inside]), name
