@@ -35,7 +35,7 @@ Every tile is the standalone backward's (``megamoe.kernels.expert_gemm_bwd``) an
 tile, at the same K steps and n-tiles: the gradients are the standalone path's bits. PHASE > 0 runs one step of
 one role for all its workers, waits compiled out (CPU mode).
 
-Over 400 lines: the backward megakernel's roles and the persistent kernel that deals them read as one
+Over 450 lines: the backward megakernel's roles and the persistent kernel that deals them read as one
 program (their shared waits and copies are kernels/sync.py and kernels/comm.py).
 """
 

@@ -112,96 +112,34 @@ def quantize_tokens(a: torch.Tensor, blocks: TokenBlocks, fmt: str = "fp8-block"
     return quantize_activations(padded, fmt, axis=0, transpose=True)
 
 
-def expert_backward_fp8_block(
-    dy_rows: torch.Tensor,
-    row_weights: torch.Tensor,
-    x_rows: torch.Tensor,
-    h: torch.Tensor,
-    counts: torch.Tensor,
-    offsets: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    *,
-    swiglu_limit: float | None = None,
-    weights_t: TransposedWeights | None = None,
-    num_programs: int | None = None,
-) -> ExpertGrads:
+def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
+                              swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
+                              num_programs: int | None = None) -> ExpertGrads:
     """:func:`megamoe.ops.experts.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
     h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). D and I must
     be multiples of 128."""
-    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
-    if d % FP8_BLOCK or i % FP8_BLOCK:
-        raise ValueError(f"fp8-block needs D and I multiples of {FP8_BLOCK}, got D={d}, I={i}")
-    rows, device = x_rows.shape[0], x_rows.device
-    grads = ExpertGrads(
-        d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
-        d_router=torch.zeros(rows, dtype=torch.float32, device=device),
-        d_w_gate_up=torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=device),
-        d_w_down=torch.empty(w_down.shape, dtype=torch.bfloat16, device=device),
-    )
-    if experts == 0:
-        return grads
-    if rows == 0:
-        grads.d_w_gate_up.zero_()
-        grads.d_w_down.zero_()
-        return grads
-    wt = weights_t or transposed_weights(w_gate_up, w_down)
-    programs = runtime.num_programs(device, num_programs)
-    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    dy_q, dy_s = quantize_activations(dy_rows, "fp8-block")
-    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
-    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
-    c = plan_tiles_fp8_bwd("dact", device)
-    num_n = -(-i // c.block_n)
-    partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-    launch_row_tasks(
-        expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs, counts, offsets, rows,
-        head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, FP8_BLOCK]),
-              TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, FP8_BLOCK]),
-              dy_s, wt.w_down_t_scale, h, row_weights, d_h, act_w, partial,
-              dy_s.stride(0), wt.w_down_t_scale.stride(1), h.stride(0), d_h.stride(0), act_w.stride(0),
-              partial.stride(0)),
-        tail=(d, i, float(swiglu_limit or 0.0)),
-        HAS_LIMIT=swiglu_limit is not None,
-    )
-    expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
-        partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
-    d_h_q, d_h_s = quantize_activations(d_h, "fp8-block")
-    down_fp8(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale, grads.d_x,
-             num_programs=programs)
-    blocks = token_blocks(counts, offsets, rows)
-    c = plan_tiles_fp8_bwd("wgrad", device)
-    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
-        a_t, a_s = quantize_tokens(a, blocks)
-        b_t, b_s = quantize_tokens(b, blocks)
-        expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](
-            TensorDescriptor.from_tensor(a_t, [c.block_m, FP8_BLOCK]),
-            TensorDescriptor.from_tensor(b_t, [c.block_n, FP8_BLOCK]), a_s, b_s, out, blocks.block0, counts,
-            experts, out.shape[1], out.shape[2], a_s.stride(0), b_s.stride(0),
-            DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
-    return grads
+    return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
+                                swiglu_limit, weights_t, num_programs)
 
 
-def expert_backward_mxfp8(
-    dy_rows: torch.Tensor,
-    row_weights: torch.Tensor,
-    x_rows: torch.Tensor,
-    h: torch.Tensor,
-    counts: torch.Tensor,
-    offsets: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    *,
-    swiglu_limit: float | None = None,
-    weights_t: TransposedWeights | None = None,
-    num_programs: int | None = None,
-) -> ExpertGrads:
+def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
+                          swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
+                          num_programs: int | None = None) -> ExpertGrads:
     """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
+    return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
+                                swiglu_limit, weights_t, num_programs)
+
+
+def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, swiglu_limit,
+                         weights_t, num_programs) -> ExpertGrads:
+    """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
+    that format) and mxfp8's flattened weight scales."""
     experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
-    if d % MX_BLOCK or i % MX_BLOCK:
-        raise ValueError(f"mxfp8 needs D and I multiples of {MX_BLOCK}, got D={d}, I={i}")
+    block = FP8_BLOCK if fmt == "fp8-block" else MX_BLOCK
+    if d % block or i % block:
+        raise ValueError(f"{fmt} needs D and I multiples of {block}, got D={d}, I={i}")
+    mx = fmt == "mxfp8"
     rows, device = x_rows.shape[0], x_rows.device
     grads = ExpertGrads(
         d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
@@ -215,41 +153,47 @@ def expert_backward_mxfp8(
         grads.d_w_gate_up.zero_()
         grads.d_w_down.zero_()
         return grads
-    wt = weights_t or transposed_weights(w_gate_up, w_down, "mxfp8")
+    wt = weights_t or transposed_weights(w_gate_up, w_down, fmt)
     programs = runtime.num_programs(device, num_programs)
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    dy_q, dy_s = quantize_activations(dy_rows, "mxfp8")
+    dy_q, dy_s = quantize_activations(dy_rows, fmt)
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
-    c = plan_tiles_fp8_bwd("dact", device, "mxfp8")
+    c = plan_tiles_fp8_bwd("dact", device, fmt)
     num_n = -(-i // c.block_n)
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-    w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK)
+    # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
+    w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK) if mx else wt.w_down_t_scale
     launch_row_tasks(
-        expert_gemm_mxfp8_bwd.dact_mxfp8_kernel, c, programs, counts, offsets, rows,
+        expert_gemm_mxfp8_bwd.dact_mxfp8_kernel if mx else expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs,
+        counts, offsets, rows,
         head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, c.block_k]),
               TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
-              dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0), w_dn_t_scale.stride(0),
-              h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
-        tail=(d, i, experts * i, float(swiglu_limit or 0.0)),
+              dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0),
+              w_dn_t_scale.stride(0 if mx else 1), h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+        tail=(d, i, experts * i, float(swiglu_limit or 0.0)) if mx else (d, i, float(swiglu_limit or 0.0)),
         HAS_LIMIT=swiglu_limit is not None,
     )
     expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
         partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
-    d_h_q, d_h_s = quantize_activations(d_h, "mxfp8")
-    down_mxfp8(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale, grads.d_x,
-               num_programs=programs)
+    d_h_q, d_h_s = quantize_activations(d_h, fmt)
+    (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
+                                     grads.d_x, num_programs=programs)
     blocks = token_blocks(counts, offsets, rows)
-    c = plan_tiles_fp8_bwd("wgrad", device, "mxfp8")
+    c = plan_tiles_fp8_bwd("wgrad", device, fmt)
     for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
-        a_t, a_s = quantize_tokens(a, blocks, "mxfp8")
-        b_t, b_s = quantize_tokens(b, blocks, "mxfp8")
-        expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
-            TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
-            TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]), a_s, b_s, out, blocks.block0, counts,
-            experts, out.shape[1], out.shape[2], a_t.shape[1], a_s.stride(0), b_s.stride(0),
-            DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k, FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
+        a_t, a_s = quantize_tokens(a, blocks, fmt)
+        b_t, b_s = quantize_tokens(b, blocks, fmt)
+        head = (TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
+                TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]), a_s, b_s, out, blocks.block0, counts,
+                experts, out.shape[1], out.shape[2])
+        tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                    FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
+        if mx:
+            expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
+                *head, a_t.shape[1], a_s.stride(0), b_s.stride(0), BLOCK_K=c.block_k, **tile)
+        else:
+            expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*head, a_s.stride(0), b_s.stride(0), **tile)
     return grads
 
 
