@@ -589,3 +589,30 @@ def test_quantize_activations_copies_x(fmt, torch_twin, dtype):
     for bad in (copy[:40], copy.to(torch.float16), torch.empty(256, 48, dtype=dtype, device=DEVICE).T):
         with pytest.raises(ValueError, match="copy"):
             quantize_activations(x, fmt, 1, copy=bad)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8-block"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_quantize_activations_gathers_rows(fmt, axis):
+    """``rows=`` quantises those rows of x in order, a zero row for each negative entry: the bits of quantising
+    the gathered copy, with and without ``transpose`` and with the scales kept untransposed; bad rows are
+    refused."""
+    x = special(96, 256, 128, seed=29, dtype=torch.bfloat16).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(-1, 96, (256,), generator=g)
+    rows[:7] = -1
+    gathered = torch.where((rows >= 0)[:, None], x.cpu()[rows.clamp(min=0)], 0.0)
+    want = quantize_activations(gathered.to(DEVICE), fmt, axis)
+    rows = rows.to(DEVICE)
+    assert_same(quantize_activations(x, fmt, axis, rows=rows), want)
+    data, scale = quantize_activations(x, fmt, axis, rows=rows, transpose=True, scale_transpose=False)
+    assert data.is_contiguous() and scale.is_contiguous()
+    assert_same((data.T, scale), want)
+    bads = [(rows.int(), "int64"), (rows[None], "1-D")] + [(rows[:200], "multiple")] * (axis == 0)
+    for bad, message in bads:
+        with pytest.raises(ValueError, match=message):
+            quantize_activations(x, fmt, axis, rows=bad)
+    with pytest.raises(ValueError, match="copy"):
+        quantize_activations(x, fmt, axis, rows=rows, copy=torch.empty_like(x))
+    with pytest.raises(ValueError, match="scale_transpose"):
+        quantize_activations(x, fmt, axis, scale_transpose=False)

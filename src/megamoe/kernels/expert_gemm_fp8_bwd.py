@@ -5,9 +5,9 @@ the weight gradients on operands quantised along the token axis.
     w_down_t_q [L*I, D] e4m3, scale [L, I/128, D/128]  w_downᵀ per expert, 128x128 blocks
     g = dy · w_down[l]  ->  the BF16 dact epilogue (SwiGLU backward in FP32 from h, d_h, act_w, router partials)
 
-    a_t_q [M_out, R_pad] e4m3, a_scale [M_out, R_pad/128]  an operand transposed, 128-row blocks of each expert's
-    b_t_q [N_out, R_pad] e4m3, b_scale [N_out, R_pad/128]  rows (each expert's rows start a block; zero-padded)
-    out[l] = Σ_kb (a_t_q[:, kb] · b_t_q[:, kb]ᵀ) * (a_scale[:, kb] ⊗ b_scale[:, kb])   [L, M_out, N_out] bf16
+    a_t_q [M_out, R_pad] e4m3, a_scale [R_pad/128, M_out]  an operand transposed, 128-row blocks of each expert's
+    b_t_q [N_out, R_pad] e4m3, b_scale [R_pad/128, N_out]  rows (each expert's rows start a block; zero-padded)
+    out[l] = Σ_kb (a_t_q[:, kb] · b_t_q[:, kb]ᵀ) * (a_scale[kb] ⊗ b_scale[kb])   [L, M_out, N_out] bf16
 
 Promotion as in the forward (`megamoe.kernels.expert_gemm_fp8`): one fresh FP8 product per 128-K block, folded
 into the fp32 accumulator with its scales. The dx dgrad is the forward's down kernel on w_gate_upᵀ.
@@ -67,7 +67,13 @@ def wgrad_fp8_kernel(
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l] from the token-axis-quantised transposes (module docstring):
     expert l's rows are its ``cdiv(counts[l], 128)`` blocks from block ``block0[l]``, reduced in order; an
-    expert with no rows gets zeros. Tasks are (expert, m-tile, n-tile) blocks dealt round-robin."""
+    expert with no rows gets zeros. Tasks are (expert, m-tile, n-tile) blocks dealt round-robin. A K step's
+    scales are ``[R_pad/128, C]`` rows (``stride_as`` / ``stride_bs`` apart), contiguous along the block's
+    rows or columns. Each expert's output block is stored through a TMA descriptor made here (launch with
+    ``megamoe.ops.launch.scratch_allocator``): it clips partial blocks and leaves the registers to the next
+    block's MMAs. The promotion still waits on the scale loads (ncu: the first FMULs on them hold ~17 % of
+    the stall samples); TMA boxes of scales and a prefetch a step ahead in registers were both slower
+    (the latter spills; 2026-12-02-fp8-backward-tiles)."""
     num_n = tl.cdiv(OUT_N, BLOCK_N)
     per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n
     pid = tl.program_id(0)
@@ -76,7 +82,9 @@ def wgrad_fp8_kernel(
         if first < per_expert:
             kb0 = tl.load(block0_ptr + expert)
             kb_end = kb0 + tl.cdiv(tl.load(counts_ptr + expert), 128)
-            out_base = out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N
+            out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N,
+                                                 shape=[OUT_M, OUT_N], strides=[OUT_N, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_N])
             for task in tl.range(first, per_expert, NUM_PROGRAMS, flatten=FLATTEN):
                 m0 = task // num_n * BLOCK_M
                 n0 = task % num_n * BLOCK_N
@@ -86,8 +94,7 @@ def wgrad_fp8_kernel(
                 for kb in range(kb0, kb_end):
                     a = a_desc.load([m0, kb * 128])
                     b = b_desc.load([n0, kb * 128])
-                    sa = tl.load(a_scale_ptr + ms.to(tl.int64) * stride_as + kb, mask=ms < OUT_M, other=0.0)
-                    sb = tl.load(b_scale_ptr + ns.to(tl.int64) * stride_bs + kb, mask=ns < OUT_N, other=0.0)
+                    sa = tl.load(a_scale_ptr + kb * stride_as + ms, mask=ms < OUT_M, other=0.0)
+                    sb = tl.load(b_scale_ptr + kb * stride_bs + ns, mask=ns < OUT_N, other=0.0)
                     acc += _dot_block(a, b, DOT_FP32) * (sa[:, None] * sb[None, :])
-                mask = (ms < OUT_M)[:, None] & (ns < OUT_N)[None, :]
-                tl.store(out_base + ms.to(tl.int64)[:, None] * OUT_N + ns[None, :], to_bf16(acc, DOT_FP32), mask=mask)
+                out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))

@@ -64,7 +64,8 @@ def wgrad_mxfp8_kernel(
     """out[l] = A[rows of l]ᵀ · B[rows of l] from the token-axis-quantised transposes (module docstring):
     expert l's rows are its ``cdiv(counts[l], 128)`` spans from span ``span0[l]``, reduced in order; an expert
     with no rows gets zeros. K: the padded rows (R_pad). Tasks are (expert, m-tile, n-tile) blocks dealt
-    round-robin."""
+    round-robin; each expert's output block is stored through a TMA descriptor made here, as the fp8-block
+    wgrad's (launch with ``megamoe.ops.launch.scratch_allocator``)."""
     tl.static_assert(SPAN % BLOCK_K == 0, "a K step must not cross a span")
     num_n = tl.cdiv(OUT_N, BLOCK_N)
     per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n
@@ -74,7 +75,9 @@ def wgrad_mxfp8_kernel(
         if first < per_expert:
             k0 = tl.load(span0_ptr + expert) * SPAN
             k_end = k0 + tl.cdiv(tl.load(counts_ptr + expert), SPAN) * SPAN
-            out_base = out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N
+            out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N,
+                                                 shape=[OUT_M, OUT_N], strides=[OUT_N, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_N])
             for task in tl.range(first, per_expert, NUM_PROGRAMS, flatten=FLATTEN):
                 m0 = task // num_n * BLOCK_M
                 n0 = task % num_n * BLOCK_N
@@ -87,5 +90,4 @@ def wgrad_mxfp8_kernel(
                     b = _dequant(b_desc.load([n0, k]), _block_scales(b_scale_ptr, ns.to(tl.int64), stride_bs, k, K,
                                                                      ns < OUT_N, BLOCK_K), DOT_FP32)
                     acc = tile_dot(a, b.T, acc, DOT_FP32)
-                mask = (ms < OUT_M)[:, None] & (ns < OUT_N)[None, :]
-                tl.store(out_base + ms.to(tl.int64)[:, None] * OUT_N + ns[None, :], to_bf16(acc, DOT_FP32), mask=mask)
+                out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))

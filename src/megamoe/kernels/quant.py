@@ -67,6 +67,8 @@ Standalone kernel ``quantize_kernel`` (launched by ``megamoe.ops.quant``'s
 
     x      [B, M, K] float32/bfloat16/float16, any strides;
            B = experts of a weight stack, 1 for activations
+    rows   int64 [M] with GATHER (B = 1): output row m is x's row rows[m] (x
+           then has any number of rows), a zero row where rows[m] < 0
     data   [B, M, K] uint8 view of float8_e4m3fn, any strides (a transposed
            output is the strided view of a [B, K, M] tensor)
     scale  [B, M / BLOCK_R, K / BLOCK_C] uint8 (mxfp8) or float32 (fp8-block)
@@ -238,7 +240,9 @@ def quantize_kernel(
     stride_c_b,
     stride_c_m,
     stride_c_k,
+    rows_ptr,
     COPY: tl.constexpr,
+    GATHER: tl.constexpr,
     MX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -256,8 +260,14 @@ def quantize_kernel(
     rk = tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < M - m0) & (rk[None, :] < K - k0)
 
-    x_tile = x_ptr + (b * stride_x_b + m0.to(tl.int64) * stride_x_m + k0.to(tl.int64) * stride_x_k)
-    x = tl.load(x_tile + rm[:, None] * stride_x_m + rk[None, :] * stride_x_k, mask=mask, other=0.0)
+    if GATHER:  # output row m is x's row rows[m], a zero row where that is negative
+        src = tl.load(rows_ptr + m0 + rm, mask=rm < M - m0, other=-1)
+        x_rows = x_ptr + (b * stride_x_b + src.to(tl.int64)[:, None] * stride_x_m)
+        x = tl.load(x_rows + (k0 + rk)[None, :].to(tl.int64) * stride_x_k, mask=mask & (src >= 0)[:, None],
+                    other=0.0)
+    else:
+        x_tile = x_ptr + (b * stride_x_b + m0.to(tl.int64) * stride_x_m + k0.to(tl.int64) * stride_x_k)
+        x = tl.load(x_tile + rm[:, None] * stride_x_m + rk[None, :] * stride_x_k, mask=mask, other=0.0)
     if COPY:  # x unchanged too (a staging copy fused into the one read of x)
         c_tile = copy_ptr + (b * stride_c_b + m0.to(tl.int64) * stride_c_m + k0.to(tl.int64) * stride_c_k)
         tl.store(c_tile + rm[:, None] * stride_c_m + rk[None, :] * stride_c_k, x, mask=mask)

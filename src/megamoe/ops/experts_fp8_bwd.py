@@ -30,7 +30,7 @@ from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mx
 from megamoe.ops.experts import ROUTER_GRAD_ROWS, ExpertGrads, _check
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
 from megamoe.ops.experts_mxfp8 import down_mxfp8
-from megamoe.ops.launch import launch_row_tasks
+from megamoe.ops.launch import launch_row_tasks, scratch_allocator
 from megamoe.ops.quant import quantize_activations, quantize_weights
 from megamoe.ops.tiles import TileConfig
 from megamoe.reference.formats import FP8_BLOCK, MX_BLOCK, fp8_block_quantize, mxfp8_dequantize, mxfp8_quantize
@@ -61,8 +61,8 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
                        compiled: bool = False) -> TileConfig:
     """Tiles of the FP8 backward's ``kind`` ("dact" or "wgrad") in ``fmt``. fp8-block: BLOCK_K 128 (one scale
     per K step), the forward FP8 down tile's shape; mxfp8: BLOCK_K 64 dequantised on load, 64-column dact
-    tiles (the dequantised tiles beside the epilogue's). Not tuned on a GPU yet. ``compiled`` gives the GPU's
-    tiles on any device (the sm_90 build check)."""
+    tiles (the dequantised tiles beside the epilogue's). fp8-block's measured on an H200, mxfp8's not tuned
+    yet. ``compiled`` gives the GPU's tiles on any device (the sm_90 build check)."""
     if kind not in ("dact", "wgrad"):
         raise ValueError(f"kind must be 'dact' or 'wgrad', got {kind!r}")
     if fmt not in ("fp8-block", "mxfp8"):
@@ -72,19 +72,22 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
         return TileConfig(32, 32 if kind == "wgrad" else 64, bk, num_warps=4, num_stages=1)
     if fmt == "mxfp8":
         return TileConfig(128, 64 if kind == "dact" else 128, bk, num_warps=8, num_stages=3, group_m=8)
-    return TileConfig(128, 128, bk, num_warps=8, num_stages=4 if kind == "dact" else 3, group_m=8)
+    if kind == "wgrad":
+        # the flattened loop overlaps a block's store with the next block's loads: 24.8 against 27.3 ms for the
+        # 341-row backward; 128x256 blocks, 4 stages and 64-row blocks were slower (2026-12-02-fp8-backward-tiles)
+        return TileConfig(128, 128, bk, num_warps=8, num_stages=3, group_m=8, flatten=True)
+    return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
 
 
 @dataclass(frozen=True)
 class TokenBlocks:
     """Each expert's rows laid out from a 128-row block boundary, zero-padded (the wgrads' K axis).
 
-    src: int64 `[R_pad]` the source row of each padded row (0 where ``valid`` is False); valid: bool `[R_pad]`;
-    block0: int32 `[L]` each expert's first block. R_pad (a multiple of 128) bounds the padded rows for any
-    counts of R rows, so nothing is read on the host."""
+    src: int64 `[R_pad]` the source row of each padded row, -1 for a padding (zero) row; block0: int32 `[L]`
+    each expert's first block. R_pad (a multiple of 128) bounds the padded rows for any counts of R rows, so
+    nothing is read on the host."""
 
     src: torch.Tensor
-    valid: torch.Tensor
     block0: torch.Tensor
 
 
@@ -100,41 +103,44 @@ def token_blocks(counts: torch.Tensor, offsets: torch.Tensor, rows: int) -> Toke
     e = expert.clamp(max=max(experts - 1, 0))
     p = q - block0[e] * FP8_BLOCK
     valid = (expert < experts) & (p < counts64[e])
-    src = torch.where(valid, offsets64[e] + p, 0)
-    return TokenBlocks(src, valid, block0.to(torch.int32))
+    return TokenBlocks(torch.where(valid, offsets64[e] + p, -1), block0.to(torch.int32))
 
 
 def quantize_tokens(a: torch.Tensor, blocks: TokenBlocks, fmt: str = "fp8-block") -> tuple[torch.Tensor,
                                                                                                torch.Tensor]:
     """``a [R, C]`` quantised along the tokens of each expert (1x128, or mxfp8's 1x32, blocks of the expert's
-    128-row spans): E4M3 ``[C, R_pad]`` (K-major for the wgrad) and its scales ``[C, R_pad / block]``."""
-    padded = torch.where(blocks.valid[:, None], a[blocks.src], 0)
-    return quantize_activations(padded, fmt, axis=0, transpose=True)
+    128-row spans; the rows gathered in the quantiser's read): E4M3 ``[C, R_pad]`` (K-major for the wgrad)
+    and its scales, fp8-block's ``[R_pad / 128, C]`` (a K step's scales contiguous), mxfp8's
+    ``[C, R_pad / 32]`` (the layout of the dequantising tiles it shares with the forward)."""
+    return quantize_activations(a, fmt, axis=0, transpose=True, rows=blocks.src, scale_transpose=fmt == "mxfp8")
 
 
 def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                               swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
-                              num_programs: int | None = None) -> ExpertGrads:
+                              num_programs: int | None = None,
+                              tiles: dict[str, TileConfig] | None = None) -> ExpertGrads:
     """:func:`megamoe.ops.experts.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
     h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). D and I must
     be multiples of 128."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                swiglu_limit, weights_t, num_programs)
+                                swiglu_limit, weights_t, num_programs, tiles)
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                           swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
-                          num_programs: int | None = None) -> ExpertGrads:
+                          num_programs: int | None = None,
+                          tiles: dict[str, TileConfig] | None = None) -> ExpertGrads:
     """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
     return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                swiglu_limit, weights_t, num_programs)
+                                swiglu_limit, weights_t, num_programs, tiles)
 
 
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, swiglu_limit,
-                         weights_t, num_programs) -> ExpertGrads:
+                         weights_t, num_programs, tiles) -> ExpertGrads:
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
-    that format) and mxfp8's flattened weight scales."""
+    that format) and mxfp8's flattened weight scales. ``tiles``: {"dact" | "dx" | "wgrad": TileConfig} pins
+    a kind's tiles (the planner's otherwise)."""
     experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
     block = FP8_BLOCK if fmt == "fp8-block" else MX_BLOCK
     if d % block or i % block:
@@ -159,7 +165,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     dy_q, dy_s = quantize_activations(dy_rows, fmt)
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
-    c = plan_tiles_fp8_bwd("dact", device, fmt)
+    tiles = tiles or {}
+    c = tiles.get("dact") or plan_tiles_fp8_bwd("dact", device, fmt)
     num_n = -(-i // c.block_n)
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
     # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
@@ -178,22 +185,25 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
     d_h_q, d_h_s = quantize_activations(d_h, fmt)
     (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
-                                     grads.d_x, num_programs=programs)
+                                     grads.d_x, num_programs=programs,
+                                     tiles=tiles.get("dx"))
     blocks = token_blocks(counts, offsets, rows)
-    c = plan_tiles_fp8_bwd("wgrad", device, fmt)
+    c = tiles.get("wgrad") or plan_tiles_fp8_bwd("wgrad", device, fmt)
     for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
         a_t, a_s = quantize_tokens(a, blocks, fmt)
         b_t, b_s = quantize_tokens(b, blocks, fmt)
-        head = (TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
-                TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]), a_s, b_s, out, blocks.block0, counts,
-                experts, out.shape[1], out.shape[2])
+        descs = (TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
+                 TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]))
+        tail = (out, blocks.block0, counts, experts, out.shape[1], out.shape[2])
         tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                     FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
-        if mx:
-            expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
-                *head, a_t.shape[1], a_s.stride(0), b_s.stride(0), BLOCK_K=c.block_k, **tile)
-        else:
-            expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*head, a_s.stride(0), b_s.stride(0), **tile)
+        with scratch_allocator():
+            if mx:
+                expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
+                    *descs, a_s, b_s, *tail, a_t.shape[1], a_s.stride(0), b_s.stride(0), BLOCK_K=c.block_k, **tile)
+            else:
+                expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*descs, a_s, b_s, *tail, a_s.stride(0),
+                                                                  b_s.stride(0), **tile)
     return grads
 
 

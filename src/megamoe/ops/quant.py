@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from megamoe.checks import check_tensors
+from megamoe.checks import check_tensors, describe
 from megamoe.kernels.quant import quantize_kernel
 from megamoe.precision import FORMATS, FP8_BLOCK, MX_BLOCK, check_precision
 from megamoe.reference.formats import check_quant_input, check_rounding, normalize_dim
@@ -141,14 +141,20 @@ def _prepare(
     config: QuantConfig,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     copy: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scale_transpose: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """Outputs and the ``quantize_kernel`` launch ``(grid, args, kwargs)`` (None when empty) for
     quantising each ``[M, K]`` matrix of ``x_BMK``: ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
     (their last two dims swapped, contiguous, when ``transpose``), or ``out`` (not transposed) when given;
-    ``copy`` (like ``x_BMK``) also receives x unchanged.
+    ``copy`` (like ``x_BMK``) also receives x unchanged; ``rows`` (one matrix) gathers the rows quantised
+    (M = its length); ``scale_transpose`` False keeps the scales ``[M/br, K/bc]`` beside transposed data.
     Works on meta tensors too, which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
     nb, m, k = x_BMK.shape
+    if rows is not None:
+        m = rows.shape[0]
     br, bc = block
+    scale_t = transpose if scale_transpose is None else scale_transpose
     for i, (size, b) in enumerate(((m, br), (k, bc))):
         if size % b:
             side = "rows" if i == 0 else "cols"
@@ -162,8 +168,12 @@ def _prepare(
         data_v, scale_v = data, scale
     elif transpose:
         data = torch.empty(nb, k, m, dtype=torch.float8_e4m3fn, device=dev)
-        scale = torch.empty(nb, k // bc, m // br, dtype=scale_dtype, device=dev)
-        data_v, scale_v = data.transpose(1, 2), scale.transpose(1, 2)
+        data_v = data.transpose(1, 2)
+        if scale_t:
+            scale = torch.empty(nb, k // bc, m // br, dtype=scale_dtype, device=dev)
+            scale_v = scale.transpose(1, 2)
+        else:
+            scale = scale_v = torch.empty(nb, m // br, k // bc, dtype=scale_dtype, device=dev)
     else:
         data = torch.empty(nb, m, k, dtype=torch.float8_e4m3fn, device=dev)
         scale = torch.empty(nb, m // br, k // bc, dtype=scale_dtype, device=dev)
@@ -183,9 +193,11 @@ def _prepare(
     if nb == 1:
         for st in strides:
             st[0] = 0
-    args = (x_BMK, data_u8, scale_v, copy_v, m, k, *strides[0], *strides[1], *strides[2], *strides[3])
+    args = (x_BMK, data_u8, scale_v, copy_v, m, k, *strides[0], *strides[1], *strides[2], *strides[3],
+            x_BMK if rows is None else rows)
     kwargs = dict(
         COPY=copy is not None,
+        GATHER=rows is not None,
         MX=mx,
         BLOCK_R=br,
         BLOCK_C=bc,
@@ -207,9 +219,11 @@ def _launch(
     config: QuantConfig,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     copy: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scale_transpose: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each ``[M, K]`` matrix of ``x_BMK`` (see ``_prepare``)."""
-    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out, copy)
+    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out, copy, rows, scale_transpose)
     if launch is not None:
         grid, args, kwargs = launch
         quantize_kernel[grid](*args, **kwargs)
@@ -226,6 +240,8 @@ def quantize_activations(
     config: QuantConfig | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     copy: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scale_transpose: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 2-D activation ``x [M, K]`` with blocks along ``axis``.
 
@@ -247,6 +263,11 @@ def quantize_activations(
             and dtypes returned otherwise; not with ``transpose``).
         copy: a contiguous tensor like x (shape, dtype, device) that also receives x unchanged, from the
             same read of x (a staging copy for free); must not overlap x.
+        rows: int64 ``[M']`` on x's device: quantise these rows of x, in this order, a zero row where an
+            entry is negative (a gather fused into the read; ``M'`` takes M's place everywhere); entries
+            must be below x's rows. Not with ``out`` or ``copy``.
+        scale_transpose: with ``transpose``, False keeps the scales ``[M/br, K/bc]`` (a K step's scales
+            contiguous along the output's rows); None: as ``transpose``.
 
     Returns:
         ``(data, scale)`` (``out`` when given) equal bit for bit to ``megamoe.reference.formats``:
@@ -277,7 +298,15 @@ def quantize_activations(
     if copy is not None:
         check_tensors((("copy", copy, tuple(x.shape), x.dtype),), x.device)
         copy = copy.unsqueeze(0)
-    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out, copy)
+    if rows is not None:
+        if out is not None or copy is not None:
+            raise ValueError("rows is not supported with out or copy")
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1:
+            raise ValueError(f"rows must be a 1-D int64 tensor, got {describe(rows)}")
+        check_tensors((("rows", rows, tuple(rows.shape), torch.int64),), x.device)
+    if scale_transpose is not None and not (isinstance(scale_transpose, bool) and transpose):
+        raise ValueError(f"scale_transpose applies with transpose=True and is a bool, got {scale_transpose!r}")
+    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out, copy, rows, scale_transpose)
     return data.squeeze(0), scale.squeeze(0)
 
 
@@ -381,10 +410,11 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: s
 
 def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool = False, transpose: bool = False,
                    rounding: str = "floor", config: QuantConfig | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> tuple[tuple, dict, int]:
+                   dtype: torch.dtype = torch.bfloat16, rows: int | None = None,
+                   scale_transpose: bool | None = None) -> tuple[tuple, dict, int]:
     """``(args, kwargs, num_warps)`` of the ``quantize_kernel`` launch that ``quantize_weights`` (``weights``)
-    or ``quantize_activations`` makes for a tensor of ``shape``, built on meta tensors (no memory, no GPU):
-    what the sm_90 build check (``megamoe.tools.sm90``) compiles."""
+    or ``quantize_activations`` makes for a tensor of ``shape`` (gathering ``rows`` rows when given), built on
+    meta tensors (no memory, no GPU): what the sm_90 build check (``megamoe.tools.sm90``) compiles."""
     x = torch.empty(shape, dtype=dtype, device="meta")
     if weights:
         ax = normalize_dim(axis, x.dim(), "axis")
@@ -394,7 +424,8 @@ def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool
         mx, block = _fmt_block(fmt, normalize_dim(axis, 2, "axis"), weights=False)
         x3 = x.unsqueeze(0)
     cfg = _check_config(config, block)
-    _, _, launch = _prepare(x3, mx, block, rounding, transpose, cfg)
+    gather = None if rows is None else torch.empty(rows, dtype=torch.int64, device="meta")
+    _, _, launch = _prepare(x3, mx, block, rounding, transpose, cfg, rows=gather, scale_transpose=scale_transpose)
     if launch is None:
         raise ValueError(f"an empty tensor {shape} launches nothing")
     _, args, kwargs = launch

@@ -231,13 +231,17 @@ def quant_cases() -> dict[str, Case]:
             d = default_config(block_of(fmt, axis + 2, weights=True))
             launches.append(dict(shape=(4, 1024, 2048), fmt=fmt, axis=axis, weights=True,
                                  config=QuantConfig(d.block_m, d.block_k, d.num_warps, soft_e4m3=soft)))
+    for fmt in FORMATS:  # the FP8 backward's token-axis operands (ops.experts_fp8_bwd.quantize_tokens)
+        launches.append(dict(shape=(65536, 2048), fmt=fmt, axis=0, transpose=True, rows=65536 + 128 * 192,
+                             scale_transpose=fmt == "mxfp8", config=default_config(block_of(fmt, 0))))
     cases = {}
     for launch in launches:
         args, kwargs, warps = planned_launch(**launch)
         signature, constexprs, attrs = bound_launch(quantize_kernel, args, kwargs, warps)
         c = launch["config"]
         name = (f"{'w' if launch.get('weights') else 'act'} {launch['fmt']} axis={launch['axis']}"
-                f"{' ->T' if launch.get('transpose') else ''} tile {c.block_m}x{c.block_k} w{c.num_warps}"
+                f"{' ->T' if launch.get('transpose') else ''}{' gather' if launch.get('rows') else ''}"
+                f" tile {c.block_m}x{c.block_k} w{c.num_warps}"
                 f"{' soft' if c.soft_e4m3 else ''}")
         cases[name] = Case(quantize_kernel, signature, constexprs, warps, 1, attrs, stack_pointer=True)
     return cases

@@ -1,0 +1,51 @@
+"""One expert backward on a preset's load, after a warm-up call: the program a kernel profiler wraps.
+
+    ncu --clock-control none --kernel-name regex:wgrad --launch-skip 2 --launch-count 1 --set full \\
+        python3 benchmarks/expert_backward_once.py --precision fp8-block
+
+``tokens x k`` rows spread evenly over --experts experts (as fp8_backward_ab.py) through `expert_backward`
+(bf16) or the FP8 backward in --precision with the planner's tiles. Each call launches every kernel once per
+GEMM (the wgrad twice: down, then gate/up), so --launch-skip counts the warm-up call's launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megamoe.bench.experts import make_load
+from megamoe.config import preset
+from megamoe.ops.experts import ExpertForward, expert_backward, gate_up
+from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8, transposed_weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="kimi-k2")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--experts", type=int, default=192)
+    parser.add_argument("--precision", choices=("bf16", "fp8-block", "mxfp8"), default="fp8-block")
+    a = parser.parse_args()
+    cfg, dev = preset(a.preset), torch.device("cuda")
+    x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, dev)
+    rows = x.shape[0]
+    fwd = ExpertForward(torch.empty(rows, 2 * cfg.intermediate, dtype=torch.bfloat16, device=dev),
+                        torch.empty(rows, cfg.intermediate, dtype=torch.bfloat16, device=dev), None)
+    gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
+    g = torch.Generator(device=dev).manual_seed(7)
+    args = (torch.randn(rows, cfg.hidden, generator=g, device=dev).bfloat16(), torch.rand(rows, generator=g, device=dev),
+            x, fwd.h, counts, offsets, wgu, wd)
+    if a.precision == "bf16":
+        call = lambda: expert_backward(*args)  # noqa: E731
+    else:
+        wt = transposed_weights(wgu, wd, a.precision)
+        fn = expert_backward_fp8_block if a.precision == "fp8-block" else expert_backward_mxfp8
+        call = lambda: fn(*args, weights_t=wt)  # noqa: E731
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
