@@ -160,11 +160,15 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
     # pre-quantised rows: pulled as stored
     for fmt in ("mxfp8", "fp8-block"):
         qws = comm.comm_workspace(world, CommShape(R, max(tokens), D, k, L, align, row_format=fmt))
-        qws.stage(x=xs[me].to(device))
+        qws.stage(x=xs[me].to(device), d_out=d_outs[me].to(device))
         got = comm.dispatch_pull(qws, sched, num_sms=2)
         data, scale = comm.quantize_rows_reference(ref, fmt)
         check(f"dispatch_pull row_format={fmt} data", got.data, data, valid)
         check(f"dispatch_pull row_format={fmt} scale", got.scale, scale, valid)
+        got = comm.reverse_combine_pull(qws, sched, num_sms=3)  # d_out quantised once at home, pulled as stored
+        data, scale = comm.quantize_rows_reference(ref_b, fmt)
+        check(f"reverse_combine_pull row_format={fmt} data", got.data, data, valid)
+        check(f"reverse_combine_pull row_format={fmt} scale", got.scale, scale, valid)
         qws.free()
     if ws.claims.cpu().tolist() != [0, 0]:  # the last program out of every launch zeroes the tile claims
         failures.append(f"{name} rank {me}: tile claims left at {ws.claims.cpu().tolist()} after the launches")

@@ -8,6 +8,8 @@ from megamoe.ops.experts import expert_backward_reference
 from megamoe.ops.experts_fp8_bwd import (expert_backward_fp8_block, expert_backward_fp8_block_reference,
                                          expert_backward_mxfp8, expert_backward_mxfp8_reference, quantize_tokens,
                                          token_blocks)
+from megamoe.ops.comm import QuantRows
+from megamoe.ops.quant import quantize_activations
 from megamoe.reference.formats import fp8_block_quantize
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,3 +113,30 @@ def test_fp8_block_backward_is_bitwise_deterministic():
         assert torch.equal(getattr(a, name)[inside], getattr(b, name)[inside]), name
     for name in ("d_w_gate_up", "d_w_down"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_fp8_backward_takes_e4m3_rows(fmt):
+    """dy and x as E4M3 rows quantised along D (the pulled upstream gradient, the forward ring's x): the same
+    d_x and router gradients as from their BF16 rows (dact quantises dy that way), weight gradients that
+    match the twin on the same rows and stay within FP8 error of the BF16-row ones; a format mismatch is
+    refused."""
+    p = _problem(*LOADS["mixed"], seed=6)
+    launch, reference = FORMATS[fmt]
+    quant = quantize_activations
+    dy_q, x_q = (QuantRows(*quant(p[k], fmt), fmt) for k in ("dy", "x"))
+    args = list(_args(p))
+    base = launch(*args)
+    args[0], args[2] = dy_q, x_q
+    got, twin = launch(*args), reference(*args)
+    inside = _inside(p)
+    for name in ("d_x", "d_router"):
+        assert torch.equal(getattr(got, name)[inside], getattr(base, name)[inside]), name
+    for name in ("d_w_gate_up", "d_w_down"):
+        assert _rel(getattr(got, name), getattr(twin, name)) < 4e-3, name
+        assert _rel(getattr(got, name), getattr(base, name)) < 6e-2, name
+        assert not torch.equal(getattr(got, name), getattr(base, name)), name  # re-quantised: not the same bits
+    other = "mxfp8" if fmt == "fp8-block" else "fp8-block"
+    args[0] = QuantRows(*quant(p["dy"], other), other)
+    with pytest.raises(ValueError, match="rows"):
+        launch(*args)

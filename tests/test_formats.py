@@ -616,3 +616,27 @@ def test_quantize_activations_gathers_rows(fmt, axis):
         quantize_activations(x, fmt, axis, rows=rows, copy=torch.empty_like(x))
     with pytest.raises(ValueError, match="scale_transpose"):
         quantize_activations(x, fmt, axis, scale_transpose=False)
+
+
+@pytest.mark.parametrize("src_fmt", ["mxfp8", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8-block"])
+def test_quantize_activations_requantises_e4m3_rows(src_fmt, fmt):
+    """``x_scale=``: E4M3 rows quantised along K are dequantised on load (``formats``' dequantise) and quantised
+    again along the rows, gathered or not, transposed or not: the bits of quantising the dequantised copy."""
+    x = special(128, 256, 128, seed=31, dtype=torch.bfloat16)
+    if src_fmt == "mxfp8":
+        q, s = mxfp8_quantize(x, dim=1)
+        dequant = mxfp8_dequantize(q, s, dim=1)
+    else:
+        q, s = fp8_block_quantize(x, (1, 128))
+        dequant = fp8_block_dequantize(q, s, (1, 128))
+    rows = torch.randint(-1, 128, (256,), generator=torch.Generator().manual_seed(9))
+    gathered = torch.where((rows >= 0)[:, None], dequant[rows.clamp(min=0)], 0.0)
+    q, s, rows = q.to(DEVICE), s.to(DEVICE), rows.to(DEVICE)
+    assert_same(quantize_activations(q, fmt, 0, x_scale=s), quantize_activations(dequant.to(DEVICE), fmt, 0))
+    want = quantize_activations(gathered.to(DEVICE), fmt, 0)
+    data, scale = quantize_activations(q, fmt, 0, x_scale=s, rows=rows, transpose=True, scale_transpose=False)
+    assert_same((data.T, scale), want)
+    for bad_x, bad_s in ((x.to(DEVICE), s), (q, s[:, :1]), (q, s.double())):
+        with pytest.raises(ValueError, match="x_scale|float8"):
+            quantize_activations(bad_x, fmt, 0, x_scale=bad_s)

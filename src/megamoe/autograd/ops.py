@@ -1,11 +1,12 @@
 """The layer's forward and backward as torch.library custom ops, with fake implementations and autograd.
 
 ``megamoe::layer_forward`` runs one megakernel pass and returns, beside the output, what the backward reads
-as plain tensors (the ring's pre-activation h, the shared experts' pre-activation, the pull schedule):
-they are fresh tensors the autograd graph keeps, so each call's context is its own and lives exactly as long
-as its graph. ``megamoe::layer_backward`` takes them back with the upstream gradient. Their fake
-implementations give every output's shape from the arguments alone (the kernel's config is the planner's, a
-pure function of the shape), so ``torch.compile(fullgraph=True)`` traces a model through them.
+as plain tensors (the ring's pre-activation h, the shared experts' pre-activation, with FP8 the ring's E4M3
+x, the pull schedule): they are fresh tensors the autograd graph keeps, so each call's context is its own
+and lives exactly as long as its graph. ``megamoe::layer_backward`` takes them back with the upstream
+gradient. Their fake implementations give every output's shape from the arguments alone (the kernel's config
+is the planner's, a pure function of the shape), so ``torch.compile(fullgraph=True)`` traces a model through
+them.
 
 Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.worlds`), ``max_tokens`` the
 group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
@@ -22,7 +23,9 @@ from megamoe.autograd.worlds import world_of
 from megamoe.megakernel.backward_composed import SavedForward
 from megamoe.megakernel.forward import fuse_shared, layer_kernel
 from megamoe.megakernel.kernel import default_config
+from megamoe.megakernel.buffers import scale_dtype
 from megamoe.planner import KernelConfig, LayerShape
+from megamoe.precision import SCALE_BLOCK
 from megamoe.routing.schedule import PullSchedule
 
 Tensor = torch.Tensor
@@ -55,9 +58,12 @@ def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down
 def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                   shared_gate_up: list[Tensor], shared_down: list[Tensor], swiglu_limit: float | None, world: int,
                   max_tokens: int, precision: str, config: str, check: bool,
-                  fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, h, shared_h, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows): the backward keeps
-    the ring's pre-activation h and pulls x again (the ring's rows and act are freed with the pass)."""
+                  fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                 Tensor, Tensor]:
+    """(out, h, shared_h, ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows):
+    the backward keeps the ring's pre-activation h; with an FP8 precision also the ring's E4M3 x and scales,
+    which the gate/up wgrad re-quantises along the tokens (BF16 pulls x again: ring_x and ring_scale are
+    `[0, 0]`, and the ring's rows and act are freed with the pass)."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     kernel = layer_kernel(w, shape, _config(config), precision)
@@ -66,8 +72,10 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
                               w_down.contiguous(), fused, swiglu_limit, buffers=kernel.new_buffers(), check=check)
     b, s = ctx.buffers, ctx.schedule
     shared_h = b.shared_h if b.shared_h is not None else x.new_empty(0, 0, dtype=torch.bfloat16)
+    ring_x, ring_scale = (b.ring_x, b.ring_scale) if precision != "bf16" else (
+        x.new_empty(0, 0, dtype=torch.bfloat16), x.new_empty(0, 0, dtype=torch.bfloat16))  # two: returns never alias
     # the schedule may live in a replayed graph's memory: the context gets its own copy
-    return (out, b.h, shared_h, s.src_rank.clone(), s.src_index.clone(), s.tokens_per_expert.clone(),
+    return (out, b.h, shared_h, ring_x, ring_scale, s.src_rank.clone(), s.src_index.clone(), s.tokens_per_expert.clone(),
             s.counts.clone(), s.offsets.clone(), s.num_rows.clone())
 
 
@@ -81,8 +89,13 @@ def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_
     i32 = dict(dtype=torch.int32)
     shared_h = x.new_empty(max(max_tokens, 1), 2 * Is, dtype=torch.bfloat16) if Is else x.new_empty(
         0, 0, dtype=torch.bfloat16)
+    if precision == "bf16":
+        ring_x, ring_scale = x.new_empty(0, 0, dtype=torch.bfloat16), x.new_empty(0, 0, dtype=torch.bfloat16)
+    else:
+        ring_x = x.new_empty(rows, D, dtype=torch.float8_e4m3fn)
+        ring_scale = x.new_empty(rows, D // SCALE_BLOCK[precision], dtype=scale_dtype(precision))
     return (x.new_empty(x.shape[0], D, dtype=torch.bfloat16), x.new_empty(rows, 2 * I, dtype=torch.bfloat16),
-            shared_h, x.new_empty(shape.capacity, **i32),
+            shared_h, ring_x, ring_scale, x.new_empty(shape.capacity, **i32),
             x.new_empty(shape.capacity, **i32), x.new_empty(L, **i32), x.new_empty(L, shape.num_ranks, **i32),
             x.new_empty(L, **i32), x.new_empty((), **i32))
 
@@ -90,7 +103,7 @@ def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_
 @torch.library.custom_op("megamoe::layer_backward", mutates_args=())
 def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor,
                    w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], h: Tensor,
-                   shared_h: Tensor, src_rank: Tensor, src_index: Tensor, tokens_per_expert: Tensor,
+                   shared_h: Tensor, ring_x: Tensor, ring_scale: Tensor, src_rank: Tensor, src_index: Tensor, tokens_per_expert: Tensor,
                    counts: Tensor, offsets: Tensor, num_rows: Tensor, swiglu_limit: float | None, world: int,
                    max_tokens: int, precision: str, config: str, check: bool,
                    fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
@@ -101,7 +114,8 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
     schedule = PullSchedule(tokens_per_expert, counts, offsets, src_rank, src_index, num_rows, src_rank.shape[0],
                             shape.num_ranks, shape.experts_per_rank, shape.top_k, 1)
     fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
-    g = kernel.backward(SavedForward(h, shared_h, schedule), d_out.to(torch.bfloat16), x.contiguous(),
+    ring = (ring_x, ring_scale) if precision != "bf16" else (None, None)
+    g = kernel.backward(SavedForward(h, shared_h, schedule, *ring), d_out.to(torch.bfloat16), x.contiguous(),
                         top_experts, router_weights.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), fused,
                         swiglu_limit, check=check, fused=fused_backward)
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
@@ -110,7 +124,7 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
 
 @layer_backward.register_fake
 def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, h, shared_h,
-      src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world, max_tokens, precision,
+      ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world, max_tokens, precision,
       config, check, fused_backward):
     return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), [torch.empty_like(t) for t in shared_gate_up],

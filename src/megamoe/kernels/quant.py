@@ -69,6 +69,9 @@ Standalone kernel ``quantize_kernel`` (launched by ``megamoe.ops.quant``'s
            B = experts of a weight stack, 1 for activations
     rows   int64 [M] with GATHER (B = 1): output row m is x's row rows[m] (x
            then has any number of rows), a zero row where rows[m] < 0
+    with SRC_BLOCK (32 or 128; B = 1): x is uint8 E4M3 bytes with scales
+           src_scale [rows of x, K / SRC_BLOCK] (E8M0 or fp32), dequantised on
+           load: rows already quantised along K, re-quantised along ``axis``
     data   [B, M, K] uint8 view of float8_e4m3fn, any strides (a transposed
            output is the strided view of a [B, K, M] tensor)
     scale  [B, M / BLOCK_R, K / BLOCK_C] uint8 (mxfp8) or float32 (fp8-block)
@@ -241,8 +244,11 @@ def quantize_kernel(
     stride_c_m,
     stride_c_k,
     rows_ptr,
+    src_scale_ptr,
+    stride_ss_m,
     COPY: tl.constexpr,
     GATHER: tl.constexpr,
+    SRC_BLOCK: tl.constexpr,
     MX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -262,12 +268,24 @@ def quantize_kernel(
 
     if GATHER:  # output row m is x's row rows[m], a zero row where that is negative
         src = tl.load(rows_ptr + m0 + rm, mask=rm < M - m0, other=-1)
-        x_rows = x_ptr + (b * stride_x_b + src.to(tl.int64)[:, None] * stride_x_m)
-        x = tl.load(x_rows + (k0 + rk)[None, :].to(tl.int64) * stride_x_k, mask=mask & (src >= 0)[:, None],
-                    other=0.0)
+        load_mask = mask & (src >= 0)[:, None]
+        src64 = src.to(tl.int64)
+        x_at = x_ptr + (b * stride_x_b + src64[:, None] * stride_x_m) + (k0 + rk)[None, :].to(tl.int64) * stride_x_k
     else:
+        load_mask = mask
+        src64 = m0.to(tl.int64) + rm
         x_tile = x_ptr + (b * stride_x_b + m0.to(tl.int64) * stride_x_m + k0.to(tl.int64) * stride_x_k)
-        x = tl.load(x_tile + rm[:, None] * stride_x_m + rk[None, :] * stride_x_k, mask=mask, other=0.0)
+        x_at = x_tile + rm[:, None] * stride_x_m + rk[None, :] * stride_x_k
+    x = tl.load(x_at, mask=load_mask, other=0.0 if SRC_BLOCK == 0 else 0)
+    if SRC_BLOCK:  # x is E4M3 bytes with a scale per SRC_BLOCK along K: dequantised (one fp32 rounding)
+        s_at = src_scale_ptr + src64[:, None] * stride_ss_m + ((k0 + rk) // SRC_BLOCK)[None, :]
+        if SRC_BLOCK == 32:  # E8M0: 2**(e - 127), exact; 0 -> 2**-127, 255 -> NaN
+            e = tl.load(s_at, mask=load_mask, other=127).to(tl.int32)
+            x_scale = tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)  # 0x400000: 2**-127
+            x_scale = tl.where(e == 255, float("nan"), x_scale)
+        else:
+            x_scale = tl.load(s_at, mask=load_mask, other=0.0)
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x_scale
     if COPY:  # x unchanged too (a staging copy fused into the one read of x)
         c_tile = copy_ptr + (b * stride_c_b + m0.to(tl.int64) * stride_c_m + k0.to(tl.int64) * stride_c_k)
         tl.store(c_tile + rm[:, None] * stride_c_m + rk[None, :] * stride_c_k, x, mask=mask)

@@ -4,11 +4,13 @@ megakernel fuses it, then its ablation.
 Driven by the forward's pull schedule, per rank, all on the current stream:
 
 1. stage: this rank's x, upstream gradient ``d_out [N, D]`` and router weights into the communication
-   workspace's symmetric buffers; a device barrier;
+   workspace's symmetric buffers (FP8: x and ``d_out`` quantised there once, 1x128 / 1x32 along D); a device
+   barrier;
 2. pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled
-   (:func:`~megamoe.ops.comm.reverse_combine_pull`), and its x row again (the forward keeps only h: pulling x
-   moves bytes the links have time for under the backward's compute, and saves a layer's ring rows); each
-   row's router weight read from its home rank;
+   (:func:`~megamoe.ops.comm.reverse_combine_pull`; FP8: its E4M3 row and scales, half the bytes), and its x
+   row again (BF16 keeps only h: pulling x moves bytes the links have time for under the backward's compute,
+   and saves a layer's ring rows; FP8 keeps the ring's E4M3 x and pulls only the rows past a wrapped ring);
+   each row's router weight read from its home rank;
 3. the routed rows' pre-activation h: the ring's, and the rows past the ring (those a wrapped ring lost)
    recomputed from the pulled x (the same bits; nothing to do when the ring held every row);
 4. the expert backward (:func:`~megamoe.ops.experts.expert_backward`): ``d_act = d_out_row · W_down``, the
@@ -32,13 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import runtime
-from megamoe.ops.comm import (CommShape, comm_workspace, device_barrier, dispatch_pull, reverse_combine_pull,
-                              reverse_dispatch_push)
+from megamoe.ops.comm import (CommShape, QuantRows, comm_workspace, device_barrier, dispatch_pull,
+                              reverse_combine_pull, reverse_dispatch_push)
 from megamoe.ops.experts import ExpertForwardQuantized, expert_backward, gate_up
 from megamoe.ops.experts_fp8 import gate_up_fp8
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.experts_mxfp8 import gate_up_mxfp8
-from megamoe.ops.quant import quantize_activations, quantize_experts
+from megamoe.ops.quant import quantize_experts
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.routing.schedule import PullSchedule
 
@@ -52,11 +54,15 @@ class SavedForward:
             (routed row t at ring row t).
         shared_h: bf16 `[N, 2Is]` the shared experts' pre-activation over this rank's tokens (`[0, 0]` without).
         schedule: the pass's pull schedule (its own_rows is not needed).
+        ring_x, ring_scale: FP8 precisions: the ring's E4M3 routed rows `[ring_rows, D]` and their scales along
+            D (routed row t at ring row t), the gate/up wgrad's x; None with BF16 (x is pulled again).
     """
 
     h: torch.Tensor
     shared_h: torch.Tensor
     schedule: PullSchedule
+    ring_x: torch.Tensor | None = None
+    ring_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,26 +89,30 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     ``d_out`` bf16 `[N, D]` the upstream gradient; the other arguments are the forward's. ``check`` reads the
     workspace's error word after the pass (a timed-out barrier raises RuntimeError)."""
     world, s, c = kernel.world, kernel.shape, kernel.config
-    n, D, k, I = x.shape[0], s.hidden, s.top_k, s.intermediate
-    schedule = saved.schedule
-    ws = comm_workspace(world, CommShape(s.num_ranks, max(s.max_tokens, 1), D, k, s.experts_per_rank))
+    n, D, k = x.shape[0], s.hidden, s.top_k
+    schedule, fmt = saved.schedule, kernel.precision
+    cap, ring = schedule.capacity, c.ring_rows
+    # FP8: the rows travel as E4M3 with their scales, quantised once at home (half the bytes), and x only for
+    # the rows past the ring (the ring's E4M3 x serves the rest)
+    ws = comm_workspace(world, CommShape(s.num_ranks, max(s.max_tokens, 1), D, k, s.experts_per_rank,
+                                         row_format=fmt))
+    pull_x = fmt == "bf16" or cap > ring
     sms = runtime.num_programs(world.device)
     # 1. stage; every rank's rows in place before anyone pulls
-    ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x)
+    ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x if pull_x else None)
     device_barrier(ws, check=False)
     # 2. each routed row's upstream gradient (unscaled), x and router weight, from its home rank
     dy_rows = reverse_combine_pull(ws, schedule, num_sms=sms, sync=False)
-    x_rows = dispatch_pull(ws, schedule, num_sms=sms, sync=False)
+    x_rows = dispatch_pull(ws, schedule, num_sms=sms, sync=False) if pull_x else None
     w_rows = row_weights(ws, schedule, world.size)
     # 3. the rows' h: the ring's, and the rows past it (a wrapped ring lost them) recomputed
-    cap, ring = schedule.capacity, c.ring_rows
     h_rows = _padded(saved.h, cap)
-    fmt = kernel.precision
     if cap > ring:
         _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, w_down, swiglu_limit, c.minibatch, fmt)
     # 4. the routed experts' backward (FP8: E4M3 dgrads and wgrads, megamoe.ops.experts_fp8_bwd)
     if fmt != "bf16":
         fp8_backward = expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8
+        x_rows = _ring_rows(saved, x_rows, cap, ring, fmt)
         g = fp8_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets, w_gate_up,
                          w_down, swiglu_limit=swiglu_limit)
     else:
@@ -126,7 +136,18 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     return LayerGrads(d_x, d_router, g.d_w_gate_up, g.d_w_down, shared_gate_up, shared_down)
 
 
-def _replay_past_ring(x_rows: torch.Tensor, h_rows: torch.Tensor, schedule: PullSchedule, ring: int,
+def _ring_rows(saved: SavedForward, pulled: QuantRows | None, cap: int, ring: int, fmt: str) -> QuantRows:
+    """The E4M3 x of every routed row `[cap, D]`: the ring's, then the pulled rows past it (the same bits: both
+    are the home rank's quantisation of the token)."""
+    if saved.ring_x is None:
+        raise ValueError(f"the {fmt} backward reads the forward ring's x: SavedForward.ring_x is None")
+    if cap <= ring:
+        return QuantRows(saved.ring_x[:cap], saved.ring_scale[:cap], fmt)
+    return QuantRows(torch.cat([saved.ring_x[:ring], pulled.data[ring:]]),
+                     torch.cat([saved.ring_scale[:ring], pulled.scale[ring:]]), fmt)
+
+
+def _replay_past_ring(x_rows: torch.Tensor | QuantRows, h_rows: torch.Tensor, schedule: PullSchedule, ring: int,
                       w_gate_up: torch.Tensor, w_down: torch.Tensor, swiglu_limit: float | None, minibatch: int,
                       fmt: str) -> None:
     """h of the routed rows at and past row ``ring`` (the minibatches a wrapped ring lost), into ``h_rows``.
@@ -138,15 +159,15 @@ def _replay_past_ring(x_rows: torch.Tensor, h_rows: torch.Tensor, schedule: Pull
     start = schedule.offsets - ring
     first = start.clamp(min=0)
     counts = (start + schedule.tokens_per_expert).clamp(min=0) - first
-    past = x_rows.shape[0] - ring
-    if fmt != "bf16":  # the forward's FP8 gate/up on the rows quantised as the forward quantised them
+    past = h_rows.shape[0] - ring
+    if fmt != "bf16":  # the forward's FP8 gate/up on the rows as the forward pulled them (E4M3 from home)
         q = quantize_experts(w_gate_up, w_down, fmt)
-        x_q, x_s = quantize_activations(x_rows[ring:], fmt)
+        x_q, x_s = x_rows.data[ring:], x_rows.scale[ring:]
         i = h_rows.shape[1] // 2
         block, scale_dtype = (128, torch.float32) if fmt == "fp8-block" else (32, torch.uint8)
         out = ExpertForwardQuantized(h_rows[ring:], torch.empty(past, i, dtype=torch.float8_e4m3fn,
-                                                               device=x_rows.device),
-                                     torch.empty(past, i // block, dtype=scale_dtype, device=x_rows.device), None)
+                                                               device=h_rows.device),
+                                     torch.empty(past, i // block, dtype=scale_dtype, device=h_rows.device), None)
         forward_gate_up = gate_up_fp8 if fmt == "fp8-block" else gate_up_mxfp8
         forward_gate_up(x_q, x_s, counts, first, q.w_gate_up, q.w_gate_up_scale, out, swiglu_limit=swiglu_limit)
         return

@@ -29,11 +29,13 @@ from megamoe import runtime
 from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd
 from megamoe.ops.experts import ROUTER_GRAD_ROWS, ExpertGrads, _check
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
+from megamoe.ops.comm import QuantRows
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import launch_row_tasks, scratch_allocator
 from megamoe.ops.quant import quantize_activations, quantize_weights
 from megamoe.ops.tiles import TileConfig
-from megamoe.reference.formats import FP8_BLOCK, MX_BLOCK, fp8_block_quantize, mxfp8_dequantize, mxfp8_quantize
+from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
+                                      mxfp8_quantize)
 from megamoe.runtime import interpreting
 
 
@@ -106,13 +108,25 @@ def token_blocks(counts: torch.Tensor, offsets: torch.Tensor, rows: int) -> Toke
     return TokenBlocks(torch.where(valid, offsets64[e] + p, -1), block0.to(torch.int32))
 
 
-def quantize_tokens(a: torch.Tensor, blocks: TokenBlocks, fmt: str = "fp8-block") -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
+def quantize_tokens(a: torch.Tensor | QuantRows, blocks: TokenBlocks, fmt: str = "fp8-block") -> tuple[
+        torch.Tensor, torch.Tensor]:
     """``a [R, C]`` quantised along the tokens of each expert (1x128, or mxfp8's 1x32, blocks of the expert's
     128-row spans; the rows gathered in the quantiser's read): E4M3 ``[C, R_pad]`` (K-major for the wgrad)
     and its scales, fp8-block's ``[R_pad / 128, C]`` (a K step's scales contiguous), mxfp8's
-    ``[C, R_pad / 32]`` (the layout of the dequantising tiles it shares with the forward)."""
-    return quantize_activations(a, fmt, axis=0, transpose=True, rows=blocks.src, scale_transpose=fmt == "mxfp8")
+    ``[C, R_pad / 32]`` (the layout of the dequantising tiles it shares with the forward). E4M3 rows
+    (:class:`QuantRows`, quantised along C) are dequantised on load and quantised again."""
+    data, scale = (a.data, a.scale) if isinstance(a, QuantRows) else (a, None)
+    return quantize_activations(data, fmt, axis=0, transpose=True, rows=blocks.src, scale_transpose=fmt == "mxfp8",
+                                x_scale=scale)
+
+
+def _rows_of(rows: torch.Tensor | QuantRows, fmt: str, name: str) -> torch.Tensor:
+    """The rows' tensor for the shape checks (BF16, or E4M3 in ``fmt`` with its scales along the rows)."""
+    if not isinstance(rows, QuantRows):
+        return rows
+    if rows.format != fmt:
+        raise ValueError(f"{name} are {rows.format} rows; this backward runs {fmt}")
+    return rows.data
 
 
 def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
@@ -120,8 +134,10 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
                               num_programs: int | None = None,
                               tiles: dict[str, TileConfig] | None = None) -> ExpertGrads:
     """:func:`megamoe.ops.experts.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
-    h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). D and I must
-    be multiples of 128."""
+    h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). ``dy_rows``
+    and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
+    format: the pulled upstream gradient, the forward ring's x): dact reads dy's as they are, the wgrads
+    dequantise both and quantise them again along the tokens. D and I must be multiples of 128."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 swiglu_limit, weights_t, num_programs, tiles)
 
@@ -141,12 +157,18 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
     that format) and mxfp8's flattened weight scales. ``tiles``: {"dact" | "dx" | "wgrad": TileConfig} pins
     a kind's tiles (the planner's otherwise)."""
-    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
+    x_data, dy_data = _rows_of(x_rows, fmt, "x_rows"), _rows_of(dy_rows, fmt, "dy_rows")
+    # E4M3 rows: the checks of BF16 rows of their shape (a broadcast scalar: no memory)
+    like_x = x_rows if x_data is x_rows else torch.zeros((), dtype=torch.bfloat16, device=x_data.device).expand(
+        x_data.shape)
+    experts, i, d = _check(like_x, counts, offsets, w_gate_up, w_down)
+    if tuple(dy_data.shape) != tuple(x_data.shape):
+        raise ValueError(f"dy_rows {tuple(dy_data.shape)} and x_rows {tuple(x_data.shape)} must have one shape")
     block = FP8_BLOCK if fmt == "fp8-block" else MX_BLOCK
     if d % block or i % block:
         raise ValueError(f"{fmt} needs D and I multiples of {block}, got D={d}, I={i}")
     mx = fmt == "mxfp8"
-    rows, device = x_rows.shape[0], x_rows.device
+    rows, device = x_data.shape[0], x_data.device
     grads = ExpertGrads(
         d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
         d_router=torch.zeros(rows, dtype=torch.float32, device=device),
@@ -162,7 +184,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     wt = weights_t or transposed_weights(w_gate_up, w_down, fmt)
     programs = runtime.num_programs(device, num_programs)
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    dy_q, dy_s = quantize_activations(dy_rows, fmt)
+    dy_q, dy_s = (dy_rows.data, dy_rows.scale) if isinstance(dy_rows, QuantRows) else quantize_activations(dy_rows,
+                                                                                                          fmt)
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
     tiles = tiles or {}
@@ -221,11 +244,13 @@ def expert_backward_mxfp8_reference(
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_mxfp8`: ``formats.mxfp8_quantize`` along each GEMM's reduction
     axis, operands dequantised exactly, fp32 matmuls; d_h and act_w rounded to bf16 where the kernels store
-    them. FP32 results; rows outside regions NaN."""
+    them. FP32 results; rows outside regions NaN. E4M3 rows (QuantRows) enter dequantised (idempotent: MX
+    quantisation gives them back)."""
 
     def mx(t, dim=-1):
         return mxfp8_dequantize(*mxfp8_quantize(t, dim), dim)
 
+    dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
     f32 = dict(dtype=torch.float32, device=x_rows.device)
     grads = ExpertGrads(torch.full((rows, d), float("nan"), **f32), torch.full((rows,), float("nan"), **f32),
@@ -261,7 +286,10 @@ def expert_backward_fp8_block_reference(
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_fp8_block`: the same quantisations (``formats``), the products in
     the kernels' promotion order (``_promoted_matmul``), d_h and act_w rounded to bf16 where the kernels store
-    them. FP32 results; rows outside regions NaN."""
+    them. FP32 results; rows outside regions NaN. E4M3 rows (QuantRows) enter as they are for dact and
+    dequantised for the wgrads, as the kernels take them."""
+    dy_pulled = dy_rows if isinstance(dy_rows, QuantRows) else None
+    dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
     f32 = dict(dtype=torch.float32, device=x_rows.device)
     grads = ExpertGrads(torch.full((rows, d), float("nan"), **f32), torch.full((rows,), float("nan"), **f32),
@@ -270,7 +298,7 @@ def expert_backward_fp8_block_reference(
         if count == 0:
             continue
         sl = slice(start, start + count)
-        dy_q, dy_s = fp8_block_quantize(dy_rows[sl])
+        dy_q, dy_s = (dy_pulled.data[sl], dy_pulled.scale[sl]) if dy_pulled else fp8_block_quantize(dy_rows[sl])
         g = _promoted_matmul(dy_q, dy_s, *fp8_block_quantize(w_down[l].T, (FP8_BLOCK, FP8_BLOCK)))
         d_h, act, d_router = swiglu_backward(g, h[sl].float(), row_weights[sl], swiglu_limit)
         d_h = d_h.to(torch.bfloat16)
@@ -281,6 +309,15 @@ def expert_backward_fp8_block_reference(
         grads.d_w_down[l] = _token_wgrad(dy_rows[sl], act_w)
         grads.d_w_gate_up[l] = _token_wgrad(d_h, x_rows[sl])
     return grads
+
+
+def _dequantized(rows: torch.Tensor | QuantRows) -> torch.Tensor:
+    """E4M3 rows (QuantRows) dequantised to FP32 as the quantiser's read does; other rows as they are."""
+    if not isinstance(rows, QuantRows):
+        return rows
+    if rows.format == "mxfp8":
+        return mxfp8_dequantize(rows.data, rows.scale)
+    return fp8_block_dequantize(rows.data, rows.scale)
 
 
 def swiglu_backward(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, limit: float | None):

@@ -143,12 +143,14 @@ def _prepare(
     copy: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     scale_transpose: bool | None = None,
+    src_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """Outputs and the ``quantize_kernel`` launch ``(grid, args, kwargs)`` (None when empty) for
     quantising each ``[M, K]`` matrix of ``x_BMK``: ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
     (their last two dims swapped, contiguous, when ``transpose``), or ``out`` (not transposed) when given;
     ``copy`` (like ``x_BMK``) also receives x unchanged; ``rows`` (one matrix) gathers the rows quantised
-    (M = its length); ``scale_transpose`` False keeps the scales ``[M/br, K/bc]`` beside transposed data.
+    (M = its length); ``scale_transpose`` False keeps the scales ``[M/br, K/bc]`` beside transposed data;
+    ``src_scale`` (one matrix) makes ``x_BMK`` E4M3 rows with these scales along K, dequantised on load.
     Works on meta tensors too, which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
     nb, m, k = x_BMK.shape
     if rows is not None:
@@ -181,7 +183,8 @@ def _prepare(
     if data.numel() == 0:
         return data, scale, None
     bm, bk = config.block_m, config.block_k
-    copy_v = x_BMK if copy is None else copy
+    src = x_BMK if src_scale is None else x_BMK.view(torch.uint8)  # E4M3 rows are read as bytes
+    copy_v = src if copy is None else copy
     for name, t in (("x", x_BMK), ("data", data_v), ("copy", copy_v)):
         if bm * abs(t.stride(1)) + bk * abs(t.stride(2)) >= 2**31:
             raise ValueError(f"{name} strides {t.stride()} overflow int32 tile offsets for tile [{bm}, {bk}]")
@@ -193,11 +196,13 @@ def _prepare(
     if nb == 1:
         for st in strides:
             st[0] = 0
-    args = (x_BMK, data_u8, scale_v, copy_v, m, k, *strides[0], *strides[1], *strides[2], *strides[3],
-            x_BMK if rows is None else rows)
+    args = (src, data_u8, scale_v, copy_v, m, k, *strides[0], *strides[1], *strides[2], *strides[3],
+            x_BMK if rows is None else rows, x_BMK if src_scale is None else src_scale,
+            0 if src_scale is None else src_scale.stride(0))
     kwargs = dict(
         COPY=copy is not None,
         GATHER=rows is not None,
+        SRC_BLOCK=0 if src_scale is None else k // src_scale.shape[-1],
         MX=mx,
         BLOCK_R=br,
         BLOCK_C=bc,
@@ -221,9 +226,11 @@ def _launch(
     copy: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     scale_transpose: bool | None = None,
+    src_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each ``[M, K]`` matrix of ``x_BMK`` (see ``_prepare``)."""
-    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out, copy, rows, scale_transpose)
+    data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out, copy, rows, scale_transpose,
+                                   src_scale)
     if launch is not None:
         grid, args, kwargs = launch
         quantize_kernel[grid](*args, **kwargs)
@@ -242,6 +249,7 @@ def quantize_activations(
     copy: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     scale_transpose: bool | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 2-D activation ``x [M, K]`` with blocks along ``axis``.
 
@@ -268,16 +276,31 @@ def quantize_activations(
             must be below x's rows. Not with ``out`` or ``copy``.
         scale_transpose: with ``transpose``, False keeps the scales ``[M/br, K/bc]`` (a K step's scales
             contiguous along the output's rows); None: as ``transpose``.
+        x_scale: x is float8_e4m3fn rows already quantised along K with these scales (float32
+            ``[M, K/128]``, fp8-block's, or uint8 E8M0 ``[M, K/32]``, mxfp8's): they are dequantised on load
+            (``formats``' dequantise: one float32 rounding) and quantised again in ``fmt`` along ``axis``.
+            Not with ``copy``.
 
     Returns:
         ``(data, scale)`` (``out`` when given) equal bit for bit to ``megamoe.reference.formats``:
         ``mxfp8_quantize(x, dim=axis, rounding=rounding)`` or
         ``fp8_block_quantize(x, block=(1, 128) or (128, 1))``.
     """
-    check_quant_input(x)
+    if x_scale is None:
+        check_quant_input(x)
+    elif not isinstance(x, torch.Tensor) or x.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"with x_scale, x must be float8_e4m3fn, got {describe(x)}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     _check_device(x, "x")
+    if x_scale is not None:
+        if copy is not None:
+            raise ValueError("x_scale is not supported with copy")
+        src_block = {torch.float32: FP8_BLOCK, torch.uint8: MX_BLOCK}.get(getattr(x_scale, "dtype", None))
+        if src_block is None or x.shape[1] % src_block or x.stride(1) != 1:
+            raise ValueError(f"x_scale must be float32 (fp8-block) or uint8 (mxfp8) scales of x's rows along K "
+                             f"(x contiguous along K), got {describe(x_scale)} for x {describe(x)}")
+        check_tensors((("x_scale", x_scale, (x.shape[0], x.shape[1] // src_block), x_scale.dtype),), x.device)
     ax = normalize_dim(axis, 2, "axis")
     check_rounding(rounding)
     mx, block = _fmt_block(fmt, ax, weights=False)
@@ -306,7 +329,8 @@ def quantize_activations(
         check_tensors((("rows", rows, tuple(rows.shape), torch.int64),), x.device)
     if scale_transpose is not None and not (isinstance(scale_transpose, bool) and transpose):
         raise ValueError(f"scale_transpose applies with transpose=True and is a bool, got {scale_transpose!r}")
-    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out, copy, rows, scale_transpose)
+    data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out, copy, rows, scale_transpose,
+                          x_scale)
     return data.squeeze(0), scale.squeeze(0)
 
 
@@ -411,11 +435,17 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: s
 def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool = False, transpose: bool = False,
                    rounding: str = "floor", config: QuantConfig | None = None,
                    dtype: torch.dtype = torch.bfloat16, rows: int | None = None,
-                   scale_transpose: bool | None = None) -> tuple[tuple, dict, int]:
+                   scale_transpose: bool | None = None, src_fmt: str | None = None) -> tuple[tuple, dict, int]:
     """``(args, kwargs, num_warps)`` of the ``quantize_kernel`` launch that ``quantize_weights`` (``weights``)
-    or ``quantize_activations`` makes for a tensor of ``shape`` (gathering ``rows`` rows when given), built on
-    meta tensors (no memory, no GPU): what the sm_90 build check (``megamoe.tools.sm90``) compiles."""
-    x = torch.empty(shape, dtype=dtype, device="meta")
+    or ``quantize_activations`` makes for a tensor of ``shape`` (gathering ``rows`` rows when given; from E4M3
+    rows quantised along K in ``src_fmt`` when given), built on meta tensors (no memory, no GPU): what the
+    sm_90 build check (``megamoe.tools.sm90``) compiles."""
+    x = torch.empty(shape, dtype=torch.float8_e4m3fn if src_fmt else dtype, device="meta")
+    src_scale = None
+    if src_fmt:
+        src_mx, (_, src_block) = _fmt_block(src_fmt, 1, weights=False)
+        src_scale = torch.empty(shape[0], shape[1] // src_block, dtype=torch.uint8 if src_mx else torch.float32,
+                                device="meta")
     if weights:
         ax = normalize_dim(axis, x.dim(), "axis")
         mx, block = _fmt_block(fmt, ax - (x.dim() - 2), weights=True)
@@ -425,7 +455,8 @@ def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool
         x3 = x.unsqueeze(0)
     cfg = _check_config(config, block)
     gather = None if rows is None else torch.empty(rows, dtype=torch.int64, device="meta")
-    _, _, launch = _prepare(x3, mx, block, rounding, transpose, cfg, rows=gather, scale_transpose=scale_transpose)
+    _, _, launch = _prepare(x3, mx, block, rounding, transpose, cfg, rows=gather, scale_transpose=scale_transpose,
+                            src_scale=src_scale)
     if launch is None:
         raise ValueError(f"an empty tensor {shape} launches nothing")
     _, args, kwargs = launch

@@ -231,9 +231,11 @@ def quant_cases() -> dict[str, Case]:
             d = default_config(block_of(fmt, axis + 2, weights=True))
             launches.append(dict(shape=(4, 1024, 2048), fmt=fmt, axis=axis, weights=True,
                                  config=QuantConfig(d.block_m, d.block_k, d.num_warps, soft_e4m3=soft)))
-    for fmt in FORMATS:  # the FP8 backward's token-axis operands (ops.experts_fp8_bwd.quantize_tokens)
-        launches.append(dict(shape=(65536, 2048), fmt=fmt, axis=0, transpose=True, rows=65536 + 128 * 192,
-                             scale_transpose=fmt == "mxfp8", config=default_config(block_of(fmt, 0))))
+    for fmt in FORMATS:  # the FP8 backward's token-axis operands (ops.experts_fp8_bwd.quantize_tokens), BF16
+        for src_fmt in (None, fmt):  # rows or E4M3 ones (the ring's x, the pulled d_out)
+            launches.append(dict(shape=(65536, 2048), fmt=fmt, axis=0, transpose=True, rows=65536 + 128 * 192,
+                                 scale_transpose=fmt == "mxfp8", config=default_config(block_of(fmt, 0)),
+                                 src_fmt=src_fmt))
     cases = {}
     for launch in launches:
         args, kwargs, warps = planned_launch(**launch)
@@ -241,6 +243,7 @@ def quant_cases() -> dict[str, Case]:
         c = launch["config"]
         name = (f"{'w' if launch.get('weights') else 'act'} {launch['fmt']} axis={launch['axis']}"
                 f"{' ->T' if launch.get('transpose') else ''}{' gather' if launch.get('rows') else ''}"
+                f"{' from ' + launch['src_fmt'] if launch.get('src_fmt') else ''}"
                 f" tile {c.block_m}x{c.block_k} w{c.num_warps}"
                 f"{' soft' if c.soft_e4m3 else ''}")
         cases[name] = Case(quantize_kernel, signature, constexprs, warps, 1, attrs, stack_pointer=True)

@@ -47,27 +47,7 @@ def dispatch_pull(
 
     Returns ``out`` (a tensor, or QuantRows). Syncs the host only with ``sync``.
     """
-    ws.check_launch(schedule, num_sms)
-    fmt = ws.shape.row_format
-    if quantize is not None and quantize not in FORMATS:  # on-the-fly quantisation of pulled bf16 rows
-        raise ValueError(f"quantize must be None or one of {FORMATS}, got {quantize!r}")
-    if fmt != "bf16" and quantize not in (None, fmt):
-        raise ValueError(f"the workspace holds {fmt} rows; quantize must be None or {fmt!r}, got {quantize!r}")
-    quant = quantize if fmt == "bf16" else fmt
-    limit = row_limit(rows)
-    out = _routed_out(ws, schedule, out, quant)
-    tuning = tuning or CommTuning()
-    if sync:
-        ws.sync()
-    if fmt == "bf16":
-        data, qscale = (out, None) if quant is None else (out.data.view(torch.uint8), out.scale)
-        _launch_pull(ws, schedule, "x", data, num_sms, limit, tuning, quant=quant, qscale=qscale)
-    else:
-        _launch_pull(ws, schedule, "x_q", out.data.view(torch.uint8), num_sms, limit, tuning)
-        _launch_pull(ws, schedule, "x_scale", out.scale, num_sms, limit, tuning)
-    if sync:
-        ws.sync()
-    return out
+    return _pull_rows(ws, schedule, "x", num_sms, out, quantize, rows, sync, tuning)
 
 
 def reverse_combine_pull(
@@ -86,18 +66,34 @@ def reverse_combine_pull(
     The upstream gradient of each route's token, unscaled: the expert backward applies the router weight
     (``d_h = w · SwiGLU'(h) ⊙ d_act``) and takes the router weight's own gradient from the unscaled rows, so a
     weight of exactly 0 still gets its true gradient. Arguments as :func:`dispatch_pull` (the rows come from
-    every rank's staged ``d_out``; ``quantize`` quantises them on the fly).
+    every rank's staged ``d_out``; ``quantize`` quantises them on the fly; with a quantised ``row_format`` the
+    E4M3 rows and scales ``stage`` made at home are pulled, half the bytes).
     """
+    return _pull_rows(ws, schedule, "d_out", num_sms, out, quantize, rows, sync, tuning)
+
+
+def _pull_rows(ws: CommWorkspace, schedule: PullSchedule, name: str, num_sms: int, out, quantize: str | None,
+               rows: int | None, sync: bool, tuning: CommTuning | None) -> torch.Tensor | QuantRows:
+    """Pull the staged rows ``name`` ("x" or "d_out") of every route: BF16 (quantised on the fly with
+    ``quantize``), or the workspace's pre-quantised ``name_q`` / ``name_scale`` rows as they are."""
     ws.check_launch(schedule, num_sms)
+    fmt = ws.shape.row_format
     if quantize is not None and quantize not in FORMATS:  # on-the-fly quantisation of pulled bf16 rows
         raise ValueError(f"quantize must be None or one of {FORMATS}, got {quantize!r}")
+    if fmt != "bf16" and quantize not in (None, fmt):
+        raise ValueError(f"the workspace holds {fmt} rows; quantize must be None or {fmt!r}, got {quantize!r}")
+    quant = quantize if fmt == "bf16" else fmt
     limit = row_limit(rows)
-    out = _routed_out(ws, schedule, out, quantize)
+    out = _routed_out(ws, schedule, out, quant)
     tuning = tuning or CommTuning()
     if sync:
         ws.sync()
-    data, qscale = (out, None) if quantize is None else (out.data.view(torch.uint8), out.scale)
-    _launch_pull(ws, schedule, "d_out", data, num_sms, limit, tuning, quant=quantize, qscale=qscale)
+    if fmt == "bf16":
+        data, qscale = (out, None) if quant is None else (out.data.view(torch.uint8), out.scale)
+        _launch_pull(ws, schedule, name, data, num_sms, limit, tuning, quant=quant, qscale=qscale)
+    else:
+        _launch_pull(ws, schedule, f"{name}_q", out.data.view(torch.uint8), num_sms, limit, tuning)
+        _launch_pull(ws, schedule, f"{name}_scale", out.scale, num_sms, limit, tuning)
     if sync:
         ws.sync()
     return out

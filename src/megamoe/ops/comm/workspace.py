@@ -9,6 +9,7 @@ import torch
 from megamoe.checks import describe, is_int
 from megamoe.config import HIDDEN_MULTIPLE, MoEConfig
 from megamoe.parallel.symmetric import BufferSpec, SymmetricWorkspace
+from megamoe.ops.quant import quantize_activations
 from megamoe.parallel.world import EPWorld
 from megamoe.precision import FORMATS, FP8_BLOCK
 from megamoe.reference.formats import fp8_block_quantize, mxfp8_quantize
@@ -33,8 +34,8 @@ class CommShape:
         top_k: k.
         experts_per_rank: L (sizes the push-dispatch ``routed`` buffer only).
         align: the schedule's region alignment (same).
-        row_format: how x is pulled: ``bf16``, or pre-quantised ``mxfp8`` /
-            ``fp8-block`` rows (E4M3 data + scales: half the NVLink bytes).
+        row_format: how x and d_out are pulled: ``bf16``, or pre-quantised ``mxfp8`` /
+            ``fp8-block`` rows (E4M3 data + scales along D: half the NVLink bytes).
         push_dispatch: also allocate the push-dispatch experiment's buffers
             (a symmetric ``routed [capacity, D]`` and the push tables).
     """
@@ -85,10 +86,11 @@ class CommShape:
             BufferSpec("counters", (1,), torch.int64),
             BufferSpec("error", (4,), i32),
         ]
-        if self.row_format == "mxfp8":
-            specs += [BufferSpec("x_q", (N, D), torch.uint8), BufferSpec("x_scale", (N, D // 32), torch.uint8)]
-        elif self.row_format == "fp8-block":
-            specs += [BufferSpec("x_q", (N, D), torch.uint8), BufferSpec("x_scale", (N, D // 128), torch.float32)]
+        if self.row_format != "bf16":
+            block, dtype = (32, torch.uint8) if self.row_format == "mxfp8" else (128, torch.float32)
+            for name in ("x", "d_out"):
+                specs += [BufferSpec(f"{name}_q", (N, D), torch.uint8), BufferSpec(f"{name}_scale", (N, D // block),
+                                                                                   dtype)]
         if self.push_dispatch:
             specs += [
                 BufferSpec("routed", (self.capacity, D), bf16),
@@ -149,6 +151,7 @@ class CommWorkspace:
     ================ ====================== =========================================
     x                bf16 `[N, D]`          this rank's tokens, pulled by dispatch
     x_q, x_scale     uint8 `[N, D]`, scales  pre-quantised x (row_format mxfp8 / fp8-block)
+    d_out_q, _scale  uint8 `[N, D]`, scales  pre-quantised d_out (the same)
     combine          bf16 `[N*k, D]`        slot ``i*k + j``: expert output of route j of token i
     d_out            bf16 `[N, D]`          upstream gradient, pulled by reverse-combine
     d_x              bf16 `[N*k, D]`        slot ``i*k + j``: d_x of route j of token i
@@ -217,7 +220,8 @@ class CommWorkspace:
         d_out: torch.Tensor | None = None,
     ) -> None:
         """Copy this rank's ``x`` / ``d_out`` (bf16 `[n, D]`, n <= N) and ``router_weights`` (fp32 `[n, k]`)
-        into its buffers; with a quantised row format x is also quantised into ``x_q``/``x_scale``.
+        into its buffers; with a quantised row format each is also quantised into ``x_q``/``x_scale``
+        (``d_out_q``/``d_out_scale``), once, at home.
         Local only: peers see the rows after the next barrier (a launch with ``sync=True``)."""
         self.check_usable()
         N, D, k = self.shape.max_tokens, self.shape.hidden, self.shape.top_k
@@ -226,10 +230,10 @@ class CommWorkspace:
                 continue
             check_rows(t, name, D, self.world.device, max_rows=N)
             self.local(name)[: t.shape[0]].copy_(t)
-            if name == "x" and self.shape.row_format != "bf16":
-                data, scale = quantize_rows_reference(t, self.shape.row_format)
-                self.local("x_q")[: t.shape[0]].copy_(data.view(torch.uint8))
-                self.local("x_scale")[: t.shape[0]].copy_(scale)
+            if self.shape.row_format != "bf16" and t.shape[0]:  # the forward's quantiser: the same bits
+                quantize_activations(t, self.shape.row_format,
+                                     out=(self.local(f"{name}_q")[: t.shape[0]].view(torch.float8_e4m3fn),
+                                          self.local(f"{name}_scale")[: t.shape[0]]))
         if router_weights is not None:
             w = router_weights
             if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != k or w.shape[0] > N:
