@@ -230,6 +230,8 @@ def plan(
         **({"symmetric quantised x [N, D] + scales (FP8)": int(tokens * d * act_bytes)} if act_bytes < 2 else {}),
         "symmetric combine slots [N*k, D] (the backward's d_x slots)": tokens * k * d * 2,
         "symmetric d_out [N, D] (backward)": tokens * d * 2,
+        **({"symmetric quantised d_out [N, D] + scales (FP8 backward)": int(tokens * d * act_bytes)}
+           if act_bytes < 2 else {}),
         "symmetric router weights and their gradients [N, k] x 2 (backward)": (2 * tokens * k + 1) * 4,
         "routing all-gather [R, N, k]": ep * tokens * k * 4,
         "ring rows [ring, D]": int(ring_rows * d * act_bytes),
@@ -247,8 +249,9 @@ def plan(
             **({"backward shared expert d_h, w*act, d_x [N, 3*Is + D]": tokens * (3 * shared + d) * 2}
                if shared else {}),
         })
-    kept = {  # the backward pulls x again: a layer keeps only its pre-activations and the schedule
+    kept = {  # BF16 pulls x again: a layer keeps its pre-activations and the schedule (FP8: the ring's E4M3 x)
         "ring pre-activation h [ring, 2I]": ring_rows * 2 * i * 2,
+        **({"ring rows x, E4M3 + scales [ring, D]": int(ring_rows * d * act_bytes)} if precision != "bf16" else {}),
         **({"shared expert pre-activation h [N, 2*Is]": tokens * 2 * shared * 2} if shared else {}),
         "pull schedule (worst case R*N*k rows)": ep * tokens * k * 8,
     }
