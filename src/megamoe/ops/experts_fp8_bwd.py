@@ -1,8 +1,9 @@
 """The FP8-block (DeepSeek-V3 recipe) expert backward over schedule-grouped rows: launches and the torch twin.
 
-Per routed row r of local expert l, from the BF16 rows the backward pulled and the forward's h:
+Per routed row r of local expert l, from the rows the backward pulled (BF16, or E4M3 quantised at home) and
+the forward's h:
 
-    dy_q = dy quantised 1x128 along D                        (the reduction axis of dact)
+    dy_q = dy quantised 1x128 along D (as pulled, or here)   (the reduction axis of dact)
     g    = dy_q · (w_down[l]ᵀ)_q                              dact on E4M3, w_downᵀ in 128x128 blocks, FP32
     d_h, act_w, d_router = the BF16 dact epilogue on g         SwiGLU backward in FP32 from the saved h
     d_x  = (d_h 1x128 along 2I)_q · (w_gate_up[l]ᵀ)_q        the forward's down kernel on w_gate_upᵀ
