@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import runtime
+from megamoe.megakernel.buffers import scale_dtype
 from megamoe.ops.comm import (CommShape, QuantRows, comm_workspace, device_barrier, dispatch_pull,
                               reverse_combine_pull, reverse_dispatch_push)
 from megamoe.ops.experts import ExpertForwardQuantized, expert_backward, gate_up
@@ -42,6 +43,7 @@ from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backwa
 from megamoe.ops.experts_mxfp8 import gate_up_mxfp8
 from megamoe.ops.quant import quantize_experts
 from megamoe.ops.weighted_sum import weighted_sum
+from megamoe.precision import SCALE_BLOCK
 from megamoe.routing.schedule import PullSchedule
 
 
@@ -164,10 +166,10 @@ def _replay_past_ring(x_rows: torch.Tensor | QuantRows, h_rows: torch.Tensor, sc
         q = quantize_experts(w_gate_up, w_down, fmt)
         x_q, x_s = x_rows.data[ring:], x_rows.scale[ring:]
         i = h_rows.shape[1] // 2
-        block, scale_dtype = (128, torch.float32) if fmt == "fp8-block" else (32, torch.uint8)
         out = ExpertForwardQuantized(h_rows[ring:], torch.empty(past, i, dtype=torch.float8_e4m3fn,
                                                                device=h_rows.device),
-                                     torch.empty(past, i // block, dtype=scale_dtype, device=h_rows.device), None)
+                                     torch.empty(past, i // SCALE_BLOCK[fmt], dtype=scale_dtype(fmt),
+                                                 device=h_rows.device), None)
         forward_gate_up = gate_up_fp8 if fmt == "fp8-block" else gate_up_mxfp8
         forward_gate_up(x_q, x_s, counts, first, q.w_gate_up, q.w_gate_up_scale, out, swiglu_limit=swiglu_limit)
         return

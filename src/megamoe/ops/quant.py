@@ -14,8 +14,10 @@ weights that were modified in place since (an optimizer step) refuses the stale
 pack instead of computing with old weights. Writes through ``w.data`` bypass the
 version counter and are not seen: quantise again after them.
 
-Over 400 lines: the quantisers' launches for both formats and both block axes, and the experts' packs,
-each beside its torch twin.
+Over 450 lines: one launch (``_prepare``) serves every caller -- both formats, both block axes, transposed
+outputs, a fused row gather and E4M3 inputs re-quantised (the FP8 backward's token-axis operands) -- and the
+sm_90 build check builds from the same function (``planned_launch``); splitting the experts' packs off would
+leave the launch's argument checks beside only half their callers.
 """
 
 from __future__ import annotations
