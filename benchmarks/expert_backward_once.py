@@ -34,8 +34,8 @@ def main() -> None:
                         torch.empty(rows, cfg.intermediate, dtype=torch.bfloat16, device=dev), None)
     gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
     g = torch.Generator(device=dev).manual_seed(7)
-    args = (torch.randn(rows, cfg.hidden, generator=g, device=dev).bfloat16(), torch.rand(rows, generator=g, device=dev),
-            x, fwd.h, counts, offsets, wgu, wd)
+    dy = torch.randn(rows, cfg.hidden, generator=g, device=dev).bfloat16()
+    args = (dy, torch.rand(rows, generator=g, device=dev), x, fwd.h, counts, offsets, wgu, wd)
     if a.precision == "bf16":
         call = lambda: expert_backward(*args)  # noqa: E731
     else:

@@ -75,8 +75,8 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
     ring_x, ring_scale = (b.ring_x, b.ring_scale) if precision != "bf16" else (
         x.new_empty(0, 0, dtype=torch.bfloat16), x.new_empty(0, 0, dtype=torch.bfloat16))  # two: returns never alias
     # the schedule may live in a replayed graph's memory: the context gets its own copy
-    return (out, b.h, shared_h, ring_x, ring_scale, s.src_rank.clone(), s.src_index.clone(), s.tokens_per_expert.clone(),
-            s.counts.clone(), s.offsets.clone(), s.num_rows.clone())
+    return (out, b.h, shared_h, ring_x, ring_scale, s.src_rank.clone(), s.src_index.clone(),
+            s.tokens_per_expert.clone(), s.counts.clone(), s.offsets.clone(), s.num_rows.clone())
 
 
 @layer_forward.register_fake
@@ -103,8 +103,9 @@ def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_
 @torch.library.custom_op("megamoe::layer_backward", mutates_args=())
 def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor,
                    w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], h: Tensor,
-                   shared_h: Tensor, ring_x: Tensor, ring_scale: Tensor, src_rank: Tensor, src_index: Tensor, tokens_per_expert: Tensor,
-                   counts: Tensor, offsets: Tensor, num_rows: Tensor, swiglu_limit: float | None, world: int,
+                   shared_h: Tensor, ring_x: Tensor, ring_scale: Tensor, src_rank: Tensor, src_index: Tensor,
+                   tokens_per_expert: Tensor, counts: Tensor, offsets: Tensor, num_rows: Tensor,
+                   swiglu_limit: float | None, world: int,
                    max_tokens: int, precision: str, config: str, check: bool,
                    fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
     """(d_x, d_router_weights, d_w_gate_up, d_w_down, [d shared gate_up], [d shared down])."""
@@ -124,8 +125,8 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
 
 @layer_backward.register_fake
 def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, h, shared_h,
-      ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world, max_tokens, precision,
-      config, check, fused_backward):
+      ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world,
+      max_tokens, precision, config, check, fused_backward):
     return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), [torch.empty_like(t) for t in shared_gate_up],
             [torch.empty_like(t) for t in shared_down])
