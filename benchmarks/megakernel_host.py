@@ -23,7 +23,7 @@ import megamoe.megakernel.kernel as mega  # the pass's module: the functions it 
 from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.megakernel import fuse_shared
-from megamoe.ops.quant import quantize_experts
+from megamoe.ops.expert_weights import quantize_experts
 from megamoe.parallel.world import launch
 from megamoe.planner import LayerShape
 from megamoe.precision import PRECISIONS

@@ -22,7 +22,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.planner import LayerShape
 from megamoe.megakernel import megamoe_forward
-from megamoe.ops.quant import quantize_experts
+from megamoe.ops.expert_weights import quantize_experts
 from megamoe.parallel.world import launch
 
 import megakernel_args  # benchmarks/, beside this script

@@ -82,7 +82,7 @@ def run_rank(world, args, points) -> list[dict] | None:
     unfused_out = unfused_moe_forward(*inputs)
     if args.impl == "megamoe":
         from megamoe.megakernel import launch as mk_launch, launch_args, megamoe_forward
-        from megamoe.ops.quant import quantize_experts
+        from megamoe.ops.expert_weights import quantize_experts
 
         if args.comm_rows:  # an experiment: the comm workers' copy tile (each Launcher reads it when it is built)
             tuning = replace(launch_args.COMM_TUNING, tile_rows=args.comm_rows)

@@ -56,7 +56,7 @@ def _cases(world) -> dict:
     from megamoe import KernelConfig, MoE, Router, moe, plan, preset
     from megamoe.baselines.nccl_torch import nccl_torch_moe
     from megamoe.megakernel import MegaKernel, megamoe_forward
-    from megamoe.ops.quant import quantize_experts
+    from megamoe.ops.expert_weights import quantize_experts
     from megamoe.parallel.world import init_world
     from megamoe.planner import LayerShape
     from megamoe.reference.layer import moe_forward
@@ -96,6 +96,12 @@ def _cases(world) -> dict:
         ("moe", "an FP8 precision with fused_backward=True"): lambda: layer(
             x, top, w, gu, dn, shared, precision="mxfp8", fused_backward=True),
         ("moe", "max_tokens not an int"): lambda: layer(x, top, w, gu, dn, shared, max_tokens=True),
+        ("moe", "experts_q with bf16 experts"): lambda: layer(x, top, w, gu, dn, shared,
+                                                              experts_q=quantize_experts(gu, dn, "mxfp8")),
+        ("moe", "experts_q not a pack"): lambda: layer(x, top, w, gu, dn, shared, precision="mxfp8",
+                                                       experts_q=quantize_experts(gu, dn, "mxfp8").tensors()),
+        ("moe", "experts_q made from other weights (or before they changed)"): lambda: layer(
+            x, top, w, gu.clone(), dn, shared, precision="mxfp8", experts_q=quantize_experts(gu, dn, "mxfp8")),
         ("MoE", "an unknown impl"): lambda: MoE(CFG, world, impl="deepspeed"),
         ("MoE", "config not a MoEConfig"): lambda: MoE(dict(hidden=128), world),
         ("Router", "top_k above num_experts"): lambda: Router(128, 4, 5),

@@ -17,7 +17,7 @@ from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, default_config, fuse_shared, megamoe_forward
 from megamoe.planner import KernelConfig
-from megamoe.ops.quant import quantize_experts
+from megamoe.ops.expert_weights import quantize_experts
 from megamoe.reference import moe_forward
 from megamoe.parallel.world import launch
 

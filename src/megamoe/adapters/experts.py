@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megamoe.nn.moe import check_impl, run_impl
+from megamoe.ops.expert_weights import PackCache
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
 
@@ -27,6 +28,8 @@ class ExpertSlice(nn.Module):
         self.world, self.num_experts, self.local_experts = world, num_experts, L
         self.first_expert = world.rank * L
         self.precision, self.impl, self.max_tokens, self.kernel_config = precision, impl, max_tokens, kernel_config
+        self.weights_q = PackCache()  # FP8: the step's weight pack (megamoe.MoE's docstring)
+        self.register_load_state_dict_post_hook(PackCache.after_load)
 
     @property
     def rows(self) -> slice:
@@ -39,7 +42,7 @@ class ExpertSlice(nn.Module):
         args = (self.world, x.to(torch.bfloat16), ids.to(torch.int32), weights.to(torch.float32),
                 w_gate_up.to(torch.bfloat16), w_down.to(torch.bfloat16))
         out = run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                       max_tokens=self.max_tokens)
+                       max_tokens=self.max_tokens, weights=self.weights_q)
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:

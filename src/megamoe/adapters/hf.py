@@ -108,7 +108,8 @@ def patch(model: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: st
     Args:
         model: a transformers model (any module holding supported blocks).
         world: the expert-parallel group; E must be a multiple of its size.
-        precision: the routed experts' precision (``bf16`` trains; the FP8 ones run forward only so far).
+        precision: the routed experts' precision (``bf16``, ``fp8-block``, ``mxfp8``: every one trains; the FP8
+            ones keep their weight pack per optimizer step, as :class:`megamoe.MoE`).
         impl: ``megamoe`` (default), or for comparisons ``reference`` (FP32 math over the EP group) or
             ``nccl-torch`` (all-to-all + grouped GEMM), as :class:`megamoe.MoE` (:data:`megamoe.nn.moe.IMPLS`).
         max_tokens: the largest tokens per rank a forward sees (batch x sequence); None finds it every call (an

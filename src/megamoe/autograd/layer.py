@@ -15,6 +15,7 @@ import torch
 from megamoe import checks
 from megamoe.autograd import ops
 from megamoe.autograd.worlds import handle_of
+from megamoe.ops.expert_weights import QuantizedExperts
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
 from megamoe.precision import check_precision
@@ -36,6 +37,7 @@ def moe(
     check: bool = True,
     fused_backward: bool = False,
     check_finite: bool = False,
+    experts_q: QuantizedExperts | None = None,
 ) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens, differentiable in x, the router weights, the experts.
 
@@ -62,6 +64,11 @@ def moe(
             One rank always composes them (nothing to overlap).
         check_finite: raise ValueError naming the first token whose x or router weights are not finite (a host
             sync). Without it such a token's rows stay non-finite, as in the reference (docs/errors.md).
+        experts_q: FP8 precisions: ``quantize_experts(w_gate_up, w_down, precision, backward=True)``, made once
+            per optimizer step (:mod:`megamoe.ops.expert_weights`): the forward and the backward read it instead
+            of quantising the weights in every call (kimi-k2 at EP 2: ~8.5 ms each). ValueError when it was made
+            from other tensors, in another precision, or before the weights last changed in place. ``megamoe.MoE``
+            keeps one for its weights.
 
     Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
     """
@@ -80,6 +87,13 @@ def moe(
     if precision != "bf16" and fused_backward:
         raise ValueError(f"fused_backward=True runs BF16 experts: the {precision} backward runs the standalone "
                          f"kernels composed (fused_backward=False, the default)")
+    if experts_q is not None:
+        if precision == "bf16":
+            raise ValueError("experts_q is for the FP8 precisions; this layer runs bf16 experts")
+        if not isinstance(experts_q, QuantizedExperts):
+            raise ValueError(f"experts_q must be a QuantizedExperts (quantize_experts), got {type(experts_q).__name__}")
+        if not compiling:  # the stamps are host reads of the weights' versions
+            experts_q.check_source(w_gate_up, w_down, precision)
     if max_tokens is None:
         if compiling:
             raise ValueError("torch.compile needs max_tokens (the group's largest token count) given to moe() or "
@@ -89,4 +103,5 @@ def moe(
         raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
     return ops.layer_forward(x, top_experts, router_weights, w_gate_up, w_down, [gu for gu, _ in shared],
                              [dn for _, dn in shared], swiglu_limit, handle_of(world), max_tokens, precision,
-                             ops.config_string(config), check, bool(fused_backward))[0]
+                             ops.config_string(config), check, bool(fused_backward),
+                             [] if experts_q is None else experts_q.tensors())[0]

@@ -12,7 +12,8 @@ Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.
 group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
 ring_rows,tile_m,tile_n,backward_comm_sms,backward_minibatch" (an empty field for None; "" for the planner's),
 ``check`` (read the kernels' error words: host syncs), ``fused_backward`` (the backward megakernel, or the
-standalone kernels composed: the same bits).
+standalone kernels composed: the same bits). ``experts_q``, the FP8 weight pack flattened, is a list of tensors
+the autograd context keeps for the backward.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megamoe.megakernel.backward_composed import SavedForward
 from megamoe.megakernel.forward import fuse_shared, layer_kernel
 from megamoe.megakernel.kernel import default_config
 from megamoe.megakernel.buffers import scale_dtype
+from megamoe.ops.expert_weights import QuantizedExperts
 from megamoe.planner import KernelConfig, LayerShape
 from megamoe.precision import SCALE_BLOCK
 from megamoe.routing.schedule import PullSchedule
@@ -58,18 +60,22 @@ def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down
 def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                   shared_gate_up: list[Tensor], shared_down: list[Tensor], swiglu_limit: float | None, world: int,
                   max_tokens: int, precision: str, config: str, check: bool,
-                  fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                 Tensor, Tensor]:
+                  fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                          Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                          Tensor]:
     """(out, h, shared_h, ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows):
     the backward keeps the ring's pre-activation h; with an FP8 precision also the ring's E4M3 x and scales,
     which the gate/up wgrad re-quantises along the tokens (BF16 pulls x again: ring_x and ring_scale are
-    `[0, 0]`, and the ring's rows and act are freed with the pass)."""
+    `[0, 0]`, and the ring's rows and act are freed with the pass). ``experts_q``: the step's weight pack
+    flattened (``QuantizedExperts.tensors``, checked by the caller), or [] to quantise the weights here."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     kernel = layer_kernel(w, shape, _config(config), precision)
     fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
-    out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up.contiguous(),
-                              w_down.contiguous(), fused, swiglu_limit, buffers=kernel.new_buffers(), check=check)
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up, w_down, fused, swiglu_limit,
+                              experts_q=QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down),
+                              buffers=kernel.new_buffers(), check=check)
     b, s = ctx.buffers, ctx.schedule
     shared_h = b.shared_h if b.shared_h is not None else x.new_empty(0, 0, dtype=torch.bfloat16)
     ring_x, ring_scale = (b.ring_x, b.ring_scale) if precision != "bf16" else (
@@ -81,7 +87,7 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
 
 @layer_forward.register_fake
 def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, swiglu_limit, world,
-      max_tokens, precision, config, check, fused_backward):
+      max_tokens, precision, config, check, fused_backward, experts_q):
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     c = _config(config) or default_config(w, shape, precision)
@@ -107,8 +113,10 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
                    tokens_per_expert: Tensor, counts: Tensor, offsets: Tensor, num_rows: Tensor,
                    swiglu_limit: float | None, world: int,
                    max_tokens: int, precision: str, config: str, check: bool,
-                   fused_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor], list[Tensor]]:
-    """(d_x, d_router_weights, d_w_gate_up, d_w_down, [d shared gate_up], [d shared down])."""
+                   fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                           list[Tensor], list[Tensor]]:
+    """(d_x, d_router_weights, d_w_gate_up, d_w_down, [d shared gate_up], [d shared down]); ``experts_q`` the
+    forward's (its transposed weights, when the pack holds them, are the dgrads')."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     kernel = layer_kernel(w, shape, _config(config), precision)
@@ -116,9 +124,11 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
                             shape.num_ranks, shape.experts_per_rank, shape.top_k, 1)
     fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
     ring = (ring_x, ring_scale) if precision != "bf16" else (None, None)
-    g = kernel.backward(SavedForward(h, shared_h, schedule, *ring), d_out.to(torch.bfloat16), x.contiguous(),
-                        top_experts, router_weights.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), fused,
-                        swiglu_limit, check=check, fused=fused_backward)
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    q = QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down)
+    g = kernel.backward(SavedForward(h, shared_h, schedule, *ring, q), d_out.to(torch.bfloat16), x.contiguous(),
+                        top_experts, router_weights.contiguous(), w_gate_up, w_down, fused, swiglu_limit,
+                        check=check, fused=fused_backward)
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
     return g.x, g.router_weights, g.w_gate_up, g.w_down, d_gate_up, d_down
 
@@ -126,7 +136,7 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
 @layer_backward.register_fake
 def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, h, shared_h,
       ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world,
-      max_tokens, precision, config, check, fused_backward):
+      max_tokens, precision, config, check, fused_backward, experts_q):
     return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), [torch.empty_like(t) for t in shared_gate_up],
             [torch.empty_like(t) for t in shared_down])
@@ -152,26 +162,28 @@ _SAVED = ("x", "top_experts", "router_weights", "w_gate_up", "w_down")
 
 def _setup_context(ctx, inputs, output) -> None:
     x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down = inputs[:7]
-    ctx.shared_count = len(shared_gate_up)
-    ctx.scalars = inputs[7:]  # swiglu_limit, world, max_tokens, precision, config, check, fused_backward
+    experts_q = inputs[14]
+    ctx.counts = len(shared_gate_up), len(experts_q)
+    ctx.scalars = inputs[7:14]  # swiglu_limit, world, max_tokens, precision, config, check, fused_backward
     ctx.save_for_backward(x, top_experts, router_weights, w_gate_up, w_down, *shared_gate_up, *shared_down,
-                          *output[1:])
+                          *experts_q, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, d_out, *unused):
     saved = ctx.saved_tensors
     x, top_experts, router_weights, w_gate_up, w_down = saved[:5]
-    s = ctx.shared_count
-    shared_gate_up, shared_down, state = list(saved[5: 5 + s]), list(saved[5 + s: 5 + 2 * s]), saved[5 + 2 * s:]
+    s, q = ctx.counts
+    shared_gate_up, shared_down = list(saved[5: 5 + s]), list(saved[5 + s: 5 + 2 * s])
+    experts_q, state = list(saved[5 + 2 * s: 5 + 2 * s + q]), saved[5 + 2 * s + q:]
     d_x, d_rw, d_gu, d_dn, d_sgu, d_sdn = layer_backward(d_out.contiguous(), x, top_experts, router_weights,
                                                           w_gate_up, w_down, shared_gate_up, shared_down, *state,
-                                                          *ctx.scalars)
+                                                          *ctx.scalars, experts_q)
     need = ctx.needs_input_grad
     keep = lambda g, i: g if need[i] else None  # noqa: E731
     return (keep(d_x, 0), None, keep(d_rw, 2), keep(d_gu, 3), keep(d_dn, 4),
             [g if n else None for g, n in zip(d_sgu, need[5])], [g if n else None for g, n in zip(d_sdn, need[6])],
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, [None] * q)
 
 
 layer_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -103,7 +103,7 @@ def print_table(records: list[dict], console: Console | None = None, baseline: s
 def _quantize_notes(records: list[dict]) -> list[str]:
     """What the FP8 rows' weight quantisation costs: it runs once per optimizer step, outside their passes."""
     return [f"{r['impl']}: the routed weights quantised once before the passes, {r['weights_quantize_ms']:.3f} ms "
-            f"(once per optimizer step; not in the pass times)"
+            f"(once per optimizer step, megamoe's with the backward's transposes; not in the pass times)"
             for r in records if r.get("weights_quantize_ms") is not None and r["pass"] == "fwd"]
 
 

@@ -16,7 +16,7 @@ from megamoe.baselines.fp8_grouped import quantize_expert_weights
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.bench.problem import RankProblem
 from megamoe.megakernel import default_config, megamoe_forward
-from megamoe.ops.quant import quantize_experts
+from megamoe.ops.expert_weights import quantize_experts
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import LayerShape
 from megamoe.reference.ep import ep_reference_forward_backward
@@ -119,11 +119,13 @@ class _MegamoeRunner(_ForwardOnlyRunner):
         self.experts = experts
         self.passes = ("fwd", "bwd", "step")
         self.max_tokens, self.passes_run, self.trained = world.largest(p.tokens), 0, 0
-        # FP8 experts: the weights are quantised once, as after a training step's optimizer step, and that
-        # quantisation is timed on its own (the second call: the first compiles) and recorded beside the pass
+        # FP8 experts: the weights are quantised once (with the backward's transposes), as after a training step's
+        # optimizer step, and that quantisation is timed on its own (the second call: the first compiles) and
+        # recorded beside the pass; forward and backward read the pack, as under megamoe.MoE
         self.experts_q, self.weights_quantize_ms = None, None
         if experts != "bf16":
-            quantize = partial(quantize_experts, self.leaves["w_gate_up"], self.leaves["w_down"], experts)
+            quantize = partial(quantize_experts, self.leaves["w_gate_up"], self.leaves["w_down"], experts,
+                               backward=True)
             for _ in range(2):
                 self.experts_q = None  # freed first: the second call reuses its memory, as a training step would
                 self.weights_quantize_ms, self.experts_q = timed_pass(world, quantize)
@@ -138,7 +140,8 @@ class _MegamoeRunner(_ForwardOnlyRunner):
         return super().forward()
 
     def train_forward(self) -> torch.Tensor:
-        self.fn = partial(moe, max_tokens=self.max_tokens, check=self.trained == 0, precision=self.experts)
+        self.fn = partial(moe, max_tokens=self.max_tokens, check=self.trained == 0, precision=self.experts,
+                          experts_q=self.experts_q)
         self.trained += 1
         return _AutogradRunner.forward(self)
 
@@ -158,7 +161,7 @@ class _UnfusedRunner(_MegamoeRunner):
 
     def train_forward(self) -> torch.Tensor:
         self.fn = partial(moe, max_tokens=self.max_tokens, check=self.trained == 0, config=self.config,
-                          precision=self.experts)
+                          precision=self.experts, experts_q=self.experts_q)
         self.trained += 1
         return _AutogradRunner.forward(self)
 

@@ -37,11 +37,11 @@ from megamoe import runtime
 from megamoe.megakernel.buffers import scale_dtype
 from megamoe.ops.comm import (CommShape, QuantRows, comm_workspace, device_barrier, dispatch_pull,
                               reverse_combine_pull, reverse_dispatch_push)
+from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
 from megamoe.ops.experts import ExpertForwardQuantized, expert_backward, gate_up
 from megamoe.ops.experts_fp8 import gate_up_fp8
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.experts_mxfp8 import gate_up_mxfp8
-from megamoe.ops.quant import quantize_experts
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.precision import SCALE_BLOCK
 from megamoe.routing.schedule import PullSchedule
@@ -58,6 +58,9 @@ class SavedForward:
         schedule: the pass's pull schedule (its own_rows is not needed).
         ring_x, ring_scale: FP8 precisions: the ring's E4M3 routed rows `[ring_rows, D]` and their scales along
             D (routed row t at ring row t), the gate/up wgrad's x; None with BF16 (x is pulled again).
+        experts_q: FP8 precisions: the step's weight pack the forward ran on, when its caller gave one
+            (:func:`~megamoe.ops.expert_weights.quantize_experts`): the replay and the dgrads read it (with
+            ``backward=True`` its transposed weights too) instead of quantising the weights again.
     """
 
     h: torch.Tensor
@@ -65,6 +68,7 @@ class SavedForward:
     schedule: PullSchedule
     ring_x: torch.Tensor | None = None
     ring_scale: torch.Tensor | None = None
+    experts_q: QuantizedExperts | None = None
 
 
 @dataclass
@@ -109,14 +113,16 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     w_rows = row_weights(ws, schedule, world.size)
     # 3. the rows' h: the ring's, and the rows past it (a wrapped ring lost them) recomputed
     h_rows = _padded(saved.h, cap)
+    q = saved.experts_q
     if cap > ring:
-        _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, w_down, swiglu_limit, c.minibatch, fmt)
+        _replay_past_ring(x_rows, h_rows, schedule, ring, w_gate_up, w_down, swiglu_limit, c.minibatch, fmt, q)
     # 4. the routed experts' backward (FP8: E4M3 dgrads and wgrads, megamoe.ops.experts_fp8_bwd)
     if fmt != "bf16":
         fp8_backward = expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8
         x_rows = _ring_rows(saved, x_rows, cap, ring, fmt)
         g = fp8_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets, w_gate_up,
-                         w_down, swiglu_limit=swiglu_limit)
+                         w_down, swiglu_limit=swiglu_limit,
+                         weights_t=None if q is None else q.backward_weights(w_gate_up, w_down))
     else:
         g = expert_backward(dy_rows, w_rows, x_rows, h_rows, schedule.tokens_per_expert, schedule.offsets,
                             w_gate_up, w_down, swiglu_limit=swiglu_limit,
@@ -151,7 +157,7 @@ def _ring_rows(saved: SavedForward, pulled: QuantRows | None, cap: int, ring: in
 
 def _replay_past_ring(x_rows: torch.Tensor | QuantRows, h_rows: torch.Tensor, schedule: PullSchedule, ring: int,
                       w_gate_up: torch.Tensor, w_down: torch.Tensor, swiglu_limit: float | None, minibatch: int,
-                      fmt: str) -> None:
+                      fmt: str, experts_q: QuantizedExperts | None = None) -> None:
     """h of the routed rows at and past row ``ring`` (the minibatches a wrapped ring lost), into ``h_rows``.
 
     Each expert's region is cut at ``ring`` on the device, so a ring that held every row leaves every region
@@ -163,7 +169,7 @@ def _replay_past_ring(x_rows: torch.Tensor | QuantRows, h_rows: torch.Tensor, sc
     counts = (start + schedule.tokens_per_expert).clamp(min=0) - first
     past = h_rows.shape[0] - ring
     if fmt != "bf16":  # the forward's FP8 gate/up on the rows as the forward pulled them (E4M3 from home)
-        q = quantize_experts(w_gate_up, w_down, fmt)
+        q = experts_q or quantize_experts(w_gate_up, w_down, fmt)
         x_q, x_s = x_rows.data[ring:], x_rows.scale[ring:]
         i = h_rows.shape[1] // 2
         out = ExpertForwardQuantized(h_rows[ring:], torch.empty(past, i, dtype=torch.float8_e4m3fn,

@@ -14,7 +14,7 @@ import torch
 from megamoe import checks
 from megamoe.parallel.world import EPWorld
 from megamoe.megakernel.kernel import MegaKernel
-from megamoe.ops.quant import QuantizedExperts
+from megamoe.ops.expert_weights import QuantizedExperts
 from megamoe.planner import KernelConfig, LayerShape
 from megamoe.precision import check_precision
 

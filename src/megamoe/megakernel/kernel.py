@@ -56,10 +56,11 @@ from megamoe.kernels import sync
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers, scale_dtype
 from megamoe.megakernel.launch import Launcher
 from megamoe.megakernel.replay import GraphReplay, layout_key
+from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, expert_forward
 from megamoe.ops.experts_fp8 import expert_forward_fp8_block, plan_tiles_fp8
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, plan_tiles_mxfp8
-from megamoe.ops.quant import QuantizedExperts, quantize_activations, quantize_experts
+from megamoe.ops.quant import quantize_activations
 from megamoe.ops.tiles import TileConfig, plan_tiles
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.planner import KernelConfig, LayerShape, check_kernel_config, plan

@@ -23,6 +23,7 @@ from megamoe.baselines import deepep_torch
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.config import MoEConfig
 from megamoe.nn.router import Router
+from megamoe.ops.expert_weights import PackCache
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
 from megamoe.precision import check_precision
@@ -45,16 +46,24 @@ def check_impl(impl: str, precision: str) -> None:
 
 
 def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelConfig | None = None,
-             max_tokens: int | None = None, check_finite: bool = False) -> torch.Tensor:
+             max_tokens: int | None = None, check_finite: bool = False,
+             weights: PackCache | None = None) -> torch.Tensor:
     """The layer through ``impl``: ``args`` are :func:`megamoe.moe`'s positional ones (world .. swiglu_limit);
-    the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs)."""
+    the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs). ``weights``:
+    the caller's cache of the FP8 weight pack (made once per optimizer step for the forward and the backward)."""
     if impl == "reference":
         return ep_moe(*args)
     if impl == "nccl-torch":
         return nccl_torch_moe(*args)
     if impl == "deepep-torch":
         return deepep_torch.deepep_torch_moe(*args)
-    return moe(*args, precision=precision, config=config, max_tokens=max_tokens, check_finite=check_finite)
+    experts_q = None
+    if weights is not None and precision != "bf16" and not torch.compiler.is_compiling():
+        w_gate_up, w_down = args[4], args[5]
+        backward = torch.is_grad_enabled() and (w_gate_up.requires_grad or w_down.requires_grad)
+        experts_q = weights.get(w_gate_up, w_down, precision, backward=backward)
+    return moe(*args, precision=precision, config=config, max_tokens=max_tokens, check_finite=check_finite,
+               experts_q=experts_q)
 
 
 def _normal(shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
@@ -79,6 +88,11 @@ class MoE(nn.Module):
             knobs).
         check_finite: every forward raises ValueError naming the first token whose x or router weights are not
             finite (a host sync; megamoe only).
+
+    FP8 precisions keep the routed weights quantised (:class:`~megamoe.ops.expert_weights.PackCache`): made at
+    the first forward after each optimizer step (the weights' in-place version tells), read by every forward
+    and backward until the next, transposes for the dgrads included while training — about the routed BF16
+    weights' bytes again, held until the pack is replaced. Under ``torch.compile`` every call quantises instead.
 
     ``forward(x [N, D] bf16, top_experts int [N, k], router_weights float32 [N, k])`` returns bf16 `[N, D]`.
     """
@@ -111,13 +125,15 @@ class MoE(nn.Module):
         self.shared_down = nn.ParameterList(
             [nn.Parameter(_normal((D, size), size ** -0.5, seed * 7919 + 2 * s + 2, device))
              for s, size in enumerate(config.shared)])
+        self.weights_q = PackCache()  # FP8: the step's weight pack
+        self.register_load_state_dict_post_hook(PackCache.after_load)
 
     def forward(self, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor) -> torch.Tensor:
         shared = list(zip(self.shared_gate_up, self.shared_down))
         args = (self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
                 self.config.swiglu_limit)
         return run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                        max_tokens=self.max_tokens, check_finite=self.check_finite)
+                        max_tokens=self.max_tokens, check_finite=self.check_finite, weights=self.weights_q)
 
     def extra_repr(self) -> str:
         c = self.config

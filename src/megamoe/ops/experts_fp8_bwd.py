@@ -10,8 +10,8 @@ the forward's h:
     dW_down[l]    = dyᵀ · act_w, dW_gate_up[l] = d_hᵀ · x      both operands quantised 1x128 along the tokens:
                                                                 blocks of each expert's rows, zero-padded
 
-The 128x128 weight blocks serve both orientations (a block's amax does not depend on it), so the transposed
-copies (:func:`transposed_weights`) are the forward pack's bytes transposed. Master weights and the gradients
+The dgrads read the weights transposed (``weights_t``: the per-step pack's,
+:mod:`megamoe.ops.expert_weights`; fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients
 returned are BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
 MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
@@ -31,33 +31,14 @@ from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mx
 from megamoe.ops.experts import ROUTER_GRAD_ROWS, ExpertGrads, _check
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
 from megamoe.ops.comm import QuantRows
+from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import launch_row_tasks, scratch_allocator
-from megamoe.ops.quant import quantize_activations, quantize_weights
+from megamoe.ops.quant import quantize_activations
 from megamoe.ops.tiles import TileConfig
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
 from megamoe.runtime import interpreting
-
-
-@dataclass(frozen=True)
-class TransposedWeights:
-    """E4M3 ``w_gate_upᵀ [L, D, 2I]`` and ``w_downᵀ [L, I, D]`` with their 128x128-block scales: the dgrads'
-    B operands, K-major."""
-
-    w_gate_up_t: torch.Tensor
-    w_gate_up_t_scale: torch.Tensor
-    w_down_t: torch.Tensor
-    w_down_t_scale: torch.Tensor
-
-
-def transposed_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str = "fp8-block") -> TransposedWeights:
-    """The dgrads' weights from the BF16 masters in ``fmt`` (one quantiser launch each; mxfp8's blocks run along
-    the transposes' last dim, the dgrads' K)."""
-    with torch.no_grad():
-        gu, gu_s = quantize_weights(w_gate_up.detach().transpose(1, 2), fmt)
-        dn, dn_s = quantize_weights(w_down.detach().transpose(1, 2), fmt)
-    return TransposedWeights(gu, gu_s, dn, dn_s)
 
 
 def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", *,

@@ -1,23 +1,14 @@
-"""MXFP8 and FP8-block quantisation launches, and the routed experts' weights quantised once per step.
+"""MXFP8 and FP8-block quantisation launches.
 
 :func:`quantize_activations` and :func:`quantize_weights` launch
 ``megamoe.kernels.quant.quantize_kernel`` (bit for bit the definitions of
 :mod:`megamoe.reference.formats`, which are their torch twins), one program
-per tile; :class:`QuantConfig` pins a tile.
+per tile; :class:`QuantConfig` pins a tile. The routed experts' weights, quantised
+once per optimizer step, are :mod:`megamoe.ops.expert_weights`' packs.
 
-Quantising the routed weights costs a pass over all of them (kimi-k2 at EP 2: 17 GB of
-BF16 read, 8.5 GB of E4M3 written per rank, several milliseconds), while they
-change only at an optimizer step. :func:`quantize_experts` runs that pass once;
-every forward until the next step takes the result (``experts_q=``). The pack
-remembers which tensors it came from and at which version, so a forward given
-weights that were modified in place since (an optimizer step) refuses the stale
-pack instead of computing with old weights. Writes through ``w.data`` bypass the
-version counter and are not seen: quantise again after them.
-
-Over 450 lines: one launch (``_prepare``) serves every caller -- both formats, both block axes, transposed
-outputs, a fused row gather and E4M3 inputs re-quantised (the FP8 backward's token-axis operands) -- and the
-sm_90 build check builds from the same function (``planned_launch``); splitting the experts' packs off would
-leave the launch's argument checks beside only half their callers.
+One launch (``_prepare``) serves every caller -- both formats, both block axes, transposed outputs, a fused
+row gather and E4M3 inputs re-quantised (the FP8 backward's token-axis operands) -- and the sm_90 build check
+builds from the same function (``planned_launch``).
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ import triton
 
 from megamoe.checks import check_tensors, describe
 from megamoe.kernels.quant import quantize_kernel
-from megamoe.precision import FORMATS, FP8_BLOCK, MX_BLOCK, check_precision
+from megamoe.precision import FORMATS, FP8_BLOCK, MX_BLOCK
 from megamoe.reference.formats import check_quant_input, check_rounding, normalize_dim
 from megamoe.runtime import interpreting
 
@@ -379,59 +370,6 @@ def quantize_weights(
     if w.dim() == 2:
         return data.squeeze(0), scale.squeeze(0)
     return data, scale
-
-
-# ------------------------------------------------------------ the routed experts' weights, once per step
-
-
-def _stamp(w: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    """What identifies a weight tensor's current values: storage address, in-place version, shape."""
-    return w.data_ptr(), w._version, tuple(w.shape)
-
-
-@dataclass(frozen=True)
-class QuantizedExperts:
-    """E4M3 routed-expert weights and their scales, as the megakernel reads them.
-
-    Attributes:
-        precision: ``mxfp8`` (E8M0 scales per 32 along each GEMM's reduction axis) or ``fp8-block`` (fp32
-            scales per 128x128 block).
-        w_gate_up, w_gate_up_scale: E4M3 `[L, 2I, D]` and its scales.
-        w_down, w_down_scale: E4M3 `[L, D, I]` and its scales.
-        source: the stamps of the BF16 weights they were made from (see ``check_source``).
-    """
-
-    precision: str
-    w_gate_up: torch.Tensor
-    w_gate_up_scale: torch.Tensor
-    w_down: torch.Tensor
-    w_down_scale: torch.Tensor
-    source: tuple
-
-    def check_source(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str) -> None:
-        """ValueError unless this pack was made from these very tensors, unchanged since, in ``precision``."""
-        if self.precision != precision:
-            raise ValueError(f"experts_q holds {self.precision} weights but the pass runs {precision}")
-        if self.source != (_stamp(w_gate_up), _stamp(w_down)):
-            raise ValueError("experts_q was not made from these w_gate_up / w_down, or they changed since "
-                             "(an optimizer step): quantize_experts them again")
-
-
-def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str) -> QuantizedExperts:
-    """Quantise the routed experts' weights (`[L, 2I, D]`, `[L, D, I]`, BF16) for ``precision``: one launch
-    per tensor, bit for bit what the megakernel would quantise in its pass. The pack holds half the BF16
-    weights' bytes (plus ~1-3 % of scales) until it is dropped; quantising again before dropping the old
-    pack needs room for both."""
-    check_precision(precision, FORMATS)
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be a bfloat16 [L, rows, cols] tensor, got "
-                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
-    with torch.no_grad():
-        gate_up, gate_up_scale = quantize_weights(w_gate_up.detach(), precision)
-        down, down_scale = quantize_weights(w_down.detach(), precision)
-    return QuantizedExperts(precision, gate_up, gate_up_scale, down, down_scale,
-                            (_stamp(w_gate_up), _stamp(w_down)))
 
 
 def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool = False, transpose: bool = False,

@@ -1,0 +1,198 @@
+"""The routed experts' E4M3 weights, made once per optimizer step for the forward and the backward.
+
+Quantising the routed weights costs a pass over all of them (kimi-k2 at EP 2: 17 GB of BF16 read, 8.5 GB of
+E4M3 written per rank, ~8.5 ms on an H200), while they change only at an optimizer step.
+:func:`quantize_experts` runs that pass once; every forward until the next step takes the result
+(``experts_q=``), and with ``backward=True`` every backward too: the dgrads read the weights transposed (FP8
+wgmma takes K-major operands only), so the pack holds those as well.
+
+- fp8-block: a 128x128 block's amax does not depend on the orientation, so the transposed weights are the
+  forward pack's bytes and scales transposed (a copy, no second quantisation);
+- mxfp8: the transposes are quantised again from the BF16 masters along their own last dim, the dgrads' K
+  (the MX definition's scale axis is each GEMM's reduction axis).
+
+The pack remembers which tensors it came from and at which version, so a pass given weights modified in place
+since (an optimizer step) refuses the stale pack instead of computing with old weights. Writes through
+``w.data`` bypass the version counter and are not seen: quantise again after them. :class:`PackCache` is the
+owner's side of that: a module holding the weights keeps one and asks it for the current pack each pass; it
+also counts ``torch.optim`` steps, since a parameter re-gathered by FSDP2 keeps version 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from megamoe.ops.quant import quantize_weights
+from megamoe.precision import FORMATS, check_precision
+
+
+def _stamp(w: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """What identifies a weight tensor's current values: storage address, in-place version, shape."""
+    return w.data_ptr(), w._version, tuple(w.shape)
+
+
+@dataclass(frozen=True)
+class TransposedWeights:
+    """E4M3 ``w_gate_upᵀ [L, D, 2I]`` and ``w_downᵀ [L, I, D]`` with their scales: the dgrads' B operands,
+    K-major (fp8-block: fp32 per 128x128 block; mxfp8: E8M0 per 32 along the last dim)."""
+
+    w_gate_up_t: torch.Tensor
+    w_gate_up_t_scale: torch.Tensor
+    w_down_t: torch.Tensor
+    w_down_t_scale: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w_gate_up_t, self.w_gate_up_t_scale, self.w_down_t, self.w_down_t_scale]
+
+
+def transposed_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str = "fp8-block") -> TransposedWeights:
+    """The dgrads' weights quantised from the BF16 masters in ``fmt`` (one quantiser launch each; mxfp8's
+    blocks run along the transposes' last dim, the dgrads' K)."""
+    with torch.no_grad():
+        gu, gu_s = quantize_weights(w_gate_up.detach().transpose(1, 2), fmt)
+        dn, dn_s = quantize_weights(w_down.detach().transpose(1, 2), fmt)
+    return TransposedWeights(gu, gu_s, dn, dn_s)
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """E4M3 routed-expert weights and their scales, as the megakernel reads them.
+
+    Attributes:
+        precision: ``mxfp8`` (E8M0 scales per 32 along each GEMM's reduction axis) or ``fp8-block`` (fp32
+            scales per 128x128 block).
+        w_gate_up, w_gate_up_scale: E4M3 `[L, 2I, D]` and its scales.
+        w_down, w_down_scale: E4M3 `[L, D, I]` and its scales.
+        source: the stamps of the BF16 weights they were made from (see ``check_source``).
+        transposed: the backward's dgrad weights (``quantize_experts(..., backward=True)``), or None (a backward
+            given this pack makes them for itself).
+    """
+
+    precision: str
+    w_gate_up: torch.Tensor
+    w_gate_up_scale: torch.Tensor
+    w_down: torch.Tensor
+    w_down_scale: torch.Tensor
+    source: tuple
+    transposed: TransposedWeights | None = None
+
+    def made_from(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """Whether this pack was made from these very tensors, unchanged since."""
+        return self.source == (_stamp(w_gate_up), _stamp(w_down))
+
+    def check_source(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str) -> None:
+        """ValueError unless this pack was made from these very tensors, unchanged since, in ``precision``."""
+        if self.precision != precision:
+            raise ValueError(f"experts_q holds {self.precision} weights but the pass runs {precision}")
+        if not self.made_from(w_gate_up, w_down):
+            raise ValueError("experts_q was not made from these w_gate_up / w_down, or they changed since "
+                             "(an optimizer step): quantize_experts them again")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The pack as a flat list (4 tensors, 8 with the transposed weights): how the layer's custom ops carry
+        it; :meth:`from_tensors` takes it back."""
+        return [self.w_gate_up, self.w_gate_up_scale, self.w_down, self.w_down_scale] + (
+            self.transposed.tensors() if self.transposed is not None else [])
+
+    @staticmethod
+    def from_tensors(precision: str, tensors: list[torch.Tensor], w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor) -> QuantizedExperts | None:
+        """The pack of :meth:`tensors` (None for an empty list), stamped as made from ``w_gate_up`` and
+        ``w_down`` (the caller checked it against them before flattening it)."""
+        if not tensors:
+            return None
+        if len(tensors) not in (4, 8):
+            raise ValueError(f"a flattened pack has 4 or 8 tensors, got {len(tensors)}")
+        transposed = TransposedWeights(*tensors[4:]) if len(tensors) == 8 else None
+        return QuantizedExperts(precision, *tensors[:4], (_stamp(w_gate_up), _stamp(w_down)), transposed)
+
+    def backward_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> TransposedWeights:
+        """The dgrads' weights: the pack's own, or made now (fp8-block from this pack, mxfp8 from the masters)."""
+        if self.transposed is not None:
+            return self.transposed
+        if self.precision == "fp8-block":
+            return _transposed_pack(self)
+        return transposed_weights(w_gate_up, w_down, self.precision)
+
+
+def _transposed_pack(q: QuantizedExperts) -> TransposedWeights:
+    """fp8-block's dgrad weights from its forward pack: the same 128x128 blocks, transposed (copied into fresh
+    tensors: ``contiguous()`` keeps a size-1 dim's stride, and the kernels flatten the scales' leading dims by
+    their stride)."""
+    t = lambda a: torch.empty_like(a.transpose(1, 2), memory_format=torch.contiguous_format).copy_(  # noqa: E731
+        a.transpose(1, 2))
+    return TransposedWeights(t(q.w_gate_up), t(q.w_gate_up_scale), t(q.w_down), t(q.w_down_scale))
+
+
+def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str, *,
+                     backward: bool = False) -> QuantizedExperts:
+    """Quantise the routed experts' weights (`[L, 2I, D]`, `[L, D, I]`, BF16) for ``precision``: one launch
+    per tensor, bit for bit what the megakernel would quantise in its pass; with ``backward`` also the dgrads'
+    transposed weights (the module docstring). The pack holds half the BF16 weights' bytes (the same again with
+    ``backward``; plus ~1-3 % of scales) until it is dropped; quantising again before dropping the old pack
+    needs room for both."""
+    check_precision(precision, FORMATS)
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be a bfloat16 [L, rows, cols] tensor, got "
+                             f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    with torch.no_grad():
+        gate_up, gate_up_scale = quantize_weights(w_gate_up.detach(), precision)
+        down, down_scale = quantize_weights(w_down.detach(), precision)
+    q = QuantizedExperts(precision, gate_up, gate_up_scale, down, down_scale, (_stamp(w_gate_up), _stamp(w_down)))
+    return replace(q, transposed=q.backward_weights(w_gate_up, w_down)) if backward else q
+
+
+#: Optimizer steps taken in this process (torch's step hook, registered by the first PackCache): a wrapper such
+#: as FSDP2 gathers the weights into a reused parameter whose version stays 0 and whose address the allocator may
+#: hand out again, so the stamps alone could pass a stale pack after a step.
+_optimizer_steps = 0
+_step_hook = None
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps (any ``torch.optim.Optimizer``) taken since the first call."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_step)
+    return _optimizer_steps
+
+
+class PackCache:
+    """One layer's current pack, owned by the module that holds the weights: :meth:`get` returns it while the
+    weights are unchanged and quantises them again after an optimizer step (a ``torch.optim`` step, or the
+    weights' version or address moved) or when a backward needs the transposed weights the cached pack lacks.
+    The old pack is dropped before the new one is made, so at most one pack lives per layer. Weights written
+    any other way (through ``w.data``, an optimizer outside ``torch.optim``) need :meth:`clear` after."""
+
+    def __init__(self) -> None:
+        self.pack: QuantizedExperts | None = None
+        self._made_at = optimizer_steps()
+
+    def clear(self) -> None:
+        """Drop the pack: the next :meth:`get` quantises the weights again."""
+        self.pack = None
+
+    @staticmethod
+    def after_load(module, incompatible_keys) -> None:
+        """A ``load_state_dict`` post-hook for a module holding a cache as ``weights_q``: the loaded weights may
+        sit where the old ones did (FSDP2's gathered parameters), so the pack goes."""
+        module.weights_q.clear()
+
+    def get(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str, *,
+            backward: bool) -> QuantizedExperts:
+        q = self.pack
+        if (q is None or q.precision != precision or self._made_at != optimizer_steps()
+                or not q.made_from(w_gate_up, w_down) or (backward and q.transposed is None)):
+            self.pack = None
+            self.pack = quantize_experts(w_gate_up, w_down, precision, backward=backward)
+            self._made_at = optimizer_steps()
+        return self.pack
