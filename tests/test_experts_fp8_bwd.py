@@ -141,3 +141,45 @@ def test_fp8_backward_takes_e4m3_rows(fmt):
     args[0] = QuantRows(*quant(p["dy"], other), other)
     with pytest.raises(ValueError, match="rows"):
         launch(*args)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "mxfp8"])
+def test_dact_quantises_d_h_and_act_w_as_the_standalone_quantisers(fmt):
+    """The dact's epilogue quantises d_h (along 2I for dx, along the tokens for the wgrad) and act·w (along the
+    tokens) in the tile that made them: bit for bit what quantize_activations / quantize_tokens make from the
+    BF16 tensors (kept here with keep_bf16), and the same bits whether the BF16 values went to a tile of the
+    program's own (the default) or to the routed rows."""
+    from megamoe.ops.expert_weights import transposed_weights
+    from megamoe.ops.experts_fp8_bwd import dact_fp8
+
+    p = _problem(*LOADS["mixed"], seed=8)
+    counts, offsets, rows = p["counts"], p["offsets"], p["x"].shape[0]
+    blocks = token_blocks(counts, offsets, rows)
+    dy_q, dy_s = quantize_activations(p["dy"], fmt)
+    wt = transposed_weights(p["wgu"], p["wd"], fmt)
+    kept, fused = (dact_fp8(fmt, dy_q, dy_s, p["h"], p["w"], counts, offsets, blocks, wt, 0.8, 3, keep_bf16=keep)
+                   for keep in (True, False))
+    inside = _inside(p)
+    # the padded token columns the wgrads read: each expert's whole blocks
+    used = torch.zeros(blocks.src.shape[0], dtype=torch.bool, device=DEVICE)
+    for b0, c in zip(blocks.block0.tolist(), counts.tolist()):
+        used[b0 * 128: (b0 + -(-c // 128)) * 128] = True
+    token_block = 32 if fmt == "mxfp8" else 128
+    used_blocks = used.view(-1, token_block)[:, 0]
+
+    def same(a, b):
+        return torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+    want_q, want_s = quantize_activations(kept.d_h, fmt)
+    for out in (kept, fused):
+        assert same(out.d_h_q[inside], want_q[inside]) and same(out.d_h_s[inside], want_s[inside])
+        for got, bf16 in ((out.d_h_t, kept.d_h), (out.act_w_t, kept.act_w)):
+            want_t, want_ts = quantize_tokens(bf16, blocks, fmt)
+            assert same(got[0][:, used], want_t[:, used])
+            if fmt == "mxfp8":  # scales [C, R_pad/32]
+                assert same(got[1][:, used_blocks], want_ts[:, used_blocks])
+            else:  # [R_pad/128, C]
+                assert same(got[1][used_blocks], want_ts[used_blocks])
+        assert torch.equal(out.partial[inside], kept.partial[inside])
+    assert kept.d_h[inside].abs().sum() > 0 and kept.act_w[inside].abs().sum() > 0
