@@ -10,9 +10,9 @@ the forward's h:
     dW_down[l]    = dyᵀ · act_w, dW_gate_up[l] = d_hᵀ · x      both operands quantised 1x128 along the tokens:
                                                                 blocks of each expert's rows, zero-padded
 
-The dgrads read the weights transposed (``weights_t``: the per-step pack's,
-:mod:`megamoe.ops.expert_weights`; fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients
-returned are BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
+The dgrads read the weights transposed (``weights_t``: the per-step pack's, :mod:`megamoe.ops.expert_weights`;
+fp8-block's are the forward pack's 128x128 blocks transposed). d_h and act·w are quantised by the dact that makes
+them (:func:`dact_fp8`). Master weights and the gradients returned are BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
 MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
 the transposed weights are quantised along their own last dim (D for dact, 2I for dx: not the forward's pack,
@@ -266,8 +266,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
                                      grads.d_x, num_programs=programs,
                                      tiles=tiles.get("dx"))
     c = tiles.get("wgrad") or plan_tiles_fp8_bwd("wgrad", device, fmt)
-    for (a_t, a_s), (b_t, b_s), out_w in ((quantize_tokens(dy_rows, blocks, fmt), out.act_w_t, grads.d_w_down),
-                                          (out.d_h_t, quantize_tokens(x_rows, blocks, fmt), grads.d_w_gate_up)):
+
+    def wgrad(a_t, a_s, b_t, b_s, out_w):
         descs = (TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
                  TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]))
         tail = (out_w, blocks.block0, counts, experts, out_w.shape[1], out_w.shape[2])
@@ -280,6 +280,10 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
             else:
                 expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*descs, a_s, b_s, *tail, a_s.stride(0),
                                                                   b_s.stride(0), **tile)
+
+    # the operands the dact did not quantise are quantised along the tokens one wgrad at a time (peak memory)
+    wgrad(*quantize_tokens(dy_rows, blocks, fmt), *out.act_w_t, grads.d_w_down)
+    wgrad(*out.d_h_t, *quantize_tokens(x_rows, blocks, fmt), grads.d_w_gate_up)
     return grads
 
 
