@@ -146,15 +146,12 @@ def test_bad_tiles_raise_value_error():
 
 def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: FP8 (e4m3 x e4m3) wgmma and TMA bulk copies in the PTX, forward and
-    backward (dact, wgrad; dx is the down kernel); down and wgrad do not spill (gate/up does, ~0.9 KB, a known
-    Triton 3.6 register limit: see expert_gemm_fp8.summary; dact saves ~13 registers of loop state around its
-    epilogue since it quantises d_h there, outside its K loop: see megamoe.kernels.dact_quant)."""
+    backward (dact, wgrad; dx is the down kernel); down, dact and wgrad do not spill (gate/up does, ~0.9 KB, a known Triton 3.6 register limit: see expert_gemm_fp8.summary)."""
     summary = sm90_report("fp8")
     assert set(summary) == {"gate_up_fp8_kernel", "down_fp8_kernel", "dact_fp8_kernel", "wgrad_fp8_kernel"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_fp8"] and facts["tma"], (name, facts)
         assert not facts["local_memory"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
-    for name in ("down_fp8_kernel", "wgrad_fp8_kernel"):  # the backward's build without spills
+    for name in ("down_fp8_kernel", "dact_fp8_kernel", "wgrad_fp8_kernel"):  # the backward's build without spills
         assert summary[name]["stack_bytes"] in (0, None), summary[name]
-    assert (summary["dact_fp8_kernel"]["stack_bytes"] or 0) <= 128, summary["dact_fp8_kernel"]

@@ -60,13 +60,10 @@ def dact_tile(
 def dact_epilogue(
     g, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial,
     row0, row_end, n, I, limit, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_OUT: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The dact tile's epilogue from g [BLOCK_M, BLOCK_N] (fp32, n-tile n): router-gradient partials, the
-    SwiGLU backward in FP32 from h -> d_h, act_w (the BF16 and the FP8 dgrads share it). d_h and act_w go to
-    their routed rows; with TILE_OUT to a tile of their own instead (``d_h_ptr`` `[BLOCK_M, 2 BLOCK_N]`: gate
-    columns, then up; ``act_w_ptr`` `[BLOCK_M, BLOCK_N]`), which the FP8 dact quantises before leaving the
-    tile."""
+    SwiGLU backward in FP32 from h -> d_h, act_w (the BF16 and the FP8 dgrads share it)."""
     n0 = n * BLOCK_N
     # The epilogue runs on column quarters: one [BM, BN] pass kept ~10 [BM, BN] fp32/pointer
     # tensors live and spilled 3.5 KB of stack per thread (cuobjdump --dump-resource-usage).
@@ -75,20 +72,14 @@ def dact_epilogue(
     row_ok = rows < row_end
     w = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
     # per-tile base pointers keep the element offsets in int32 (fewer registers than int64 pointers)
-    if TILE_OUT:  # column c of the tile at c - n0; up columns BLOCK_N after their gate columns
-        d_h_base = d_h_ptr - n0
-        act_w_base = act_w_ptr - n0
-        up_offset = BLOCK_N
-    else:
-        row0_64 = row0.to(tl.int64)
-        d_h_base = d_h_ptr + row0_64 * stride_d_h
-        act_w_base = act_w_ptr + row0_64 * stride_act_w
-        up_offset = I
+    row0_64 = row0.to(tl.int64)
+    d_h_base = d_h_ptr + row0_64 * stride_d_h
+    act_w_base = act_w_ptr + row0_64 * stride_act_w
     local = tl.arange(0, BLOCK_M)
     part = _dact_quarters(g_lo, w, local, row_ok, n0, h_base, d_h_base, act_w_base, stride_h, stride_d_h,
-                          stride_act_w, I, up_offset, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
+                          stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
     part += _dact_quarters(g_hi, w, local, row_ok, n0 + BLOCK_N // 2, h_base, d_h_base, act_w_base, stride_h,
-                           stride_d_h, stride_act_w, I, up_offset, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
+                           stride_d_h, stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
     tl.store(d_w_partial_ptr + rows.to(tl.int64) * stride_partial + n, part, mask=row_ok)
 
 
@@ -135,24 +126,23 @@ def router_grad_kernel(d_w_partial_ptr, stride_partial, d_router_ptr, rows, num_
 
 @triton.jit
 def _dact_quarters(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                   I, up_offset, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+                   I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """:func:`_dact_half` on the two column halves of ``g`` ([BM, HALF]) in turn."""
     BM: tl.constexpr = g.shape[0]
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BM, 2, HALF // 2)), (0, 2, 1)))
     part = _dact_half(g_lo, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                      I, up_offset, limit, HAS_LIMIT, HALF // 2, EXACT)
+                      I, limit, HAS_LIMIT, HALF // 2, EXACT)
     part += _dact_half(g_hi, w, local, row_ok, c0 + HALF // 2, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                       stride_act_w, I, up_offset, limit, HAS_LIMIT, HALF // 2, EXACT)
+                       stride_act_w, I, limit, HAS_LIMIT, HALF // 2, EXACT)
     return part
 
 
 @triton.jit
 def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-               I, up_offset, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+               I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """SwiGLU backward of columns c0..c0+HALF of a row tile; returns the rows' router-gradient partial.
 
-    The pointers point at the tile's first row; ``local`` is 0..BLOCK_M-1; d_h's up columns lie
-    ``up_offset`` after its gate columns.
+    The pointers point at the tile's first row; ``local`` is 0..BLOCK_M-1.
     """
     cols = c0 + tl.arange(0, HALF)
     mask = row_ok[:, None] & (cols < I)[None, :]
@@ -177,7 +167,7 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
         d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
     d_h_tile = d_h_ptr + (local[:, None] * stride_d_h + cols[None, :])
     tl.store(d_h_tile, to_bf16(d_gate, EXACT), mask=mask)
-    tl.store(d_h_tile + up_offset, to_bf16(d_up, EXACT), mask=mask)
+    tl.store(d_h_tile + I, to_bf16(d_up, EXACT), mask=mask)
     return part
 
 

@@ -3,8 +3,7 @@ the weight gradients on operands quantised along the token axis.
 
     dy_q [R, D] e4m3, dy_scale [R, D/128]            upstream gradient rows, 1x128 blocks along D
     w_down_t_q [L*I, D] e4m3, scale [L, I/128, D/128]  w_downᵀ per expert, 128x128 blocks
-    g = dy · w_down[l]  ->  the BF16 dact epilogue (SwiGLU backward in FP32 from h, d_h, act_w, router partials),
-                            d_h and act_w quantised before they leave the tile (megamoe.kernels.dact_quant)
+    g = dy · w_down[l]  ->  the BF16 dact epilogue (SwiGLU backward in FP32 from h, d_h, act_w, router partials)
 
     a_t_q [M_out, R_pad] e4m3, a_scale [R_pad/128, M_out]  an operand transposed, 128-row blocks of each expert's
     b_t_q [N_out, R_pad] e4m3, b_scale [R_pad/128, N_out]  rows (each expert's rows start a block; zero-padded)
@@ -20,7 +19,6 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.dact_quant import dact_destinations, quantize_dact_task
 from megamoe.kernels.expert_gemm import _tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_epilogue
 from megamoe.kernels.expert_gemm_fp8 import _dot_block, _w_scales
@@ -29,26 +27,18 @@ from megamoe.kernels.expert_gemm_fp8 import _dot_block, _w_scales
 @triton.jit
 def dact_fp8_kernel(
     dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
-    offsets_ptr, block0_ptr, d_h_q_ptr, d_h_s_ptr, d_h_t_ptr, d_h_ts_ptr, act_t_ptr, act_ts_ptr,
     stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial,
-    stride_ts_block, stride_ts_col, stride_as_block, stride_as_col,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
-    D, I, R_pad, limit,
+    D, I, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-    TILE_OUT: tl.constexpr, SOFT_E4M3: tl.constexpr,
 ):
     """Persistent FP8 dact over every (row tile, n-tile) task: g = dequant(dy_q) · dequant(w_down_t_q[l])ᵀ
-    (K = D), then the BF16 dact epilogue, whose d_h and act_w leave the tile quantised
-    (:func:`~megamoe.kernels.dact_quant.quantize_dact_tile`). TILE_OUT: the BF16 values go to a
-    ``[BLOCK_M, 3 BLOCK_N]`` scratch of this program's (``d_h_ptr`` / ``act_w_ptr`` per-program buffers)
-    and stay in L2; else to the routed rows of ``d_h`` / ``act_w`` (kept: the tests read them)."""
-    tl.static_assert(BLOCK_N == 128, "a dact tile's columns are one 128-block of d_h along 2I")
-    tl.static_assert(BLOCK_M == 128, "a dact tile's rows are one 128-row token block")
+    (K = D), then the BF16 dact epilogue."""
+    tl.static_assert(BLOCK_N <= 128, "dact tiles lie in one 128-row weight block (one scale per K step)")
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    pid = tl.program_id(0)
-    for task in tl.range(pid, num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
         n0 = n * BLOCK_N
@@ -63,15 +53,9 @@ def dact_fp8_kernel(
             w = w_t_desc.load([expert * I + n0, k])
             a_s = tl.load(ds_rows + kb, mask=row_ok, other=0.0)
             g += _dot_block(a, w, DOT_FP32) * (a_s[:, None] * _w_scales(ws_base, n0, kb, stride_ws_n, BLOCK_N))
-        d_h_dst, act_w_dst = dact_destinations(d_h_ptr, act_w_ptr, pid, TILE_OUT, BLOCK_M, BLOCK_N)
-        dact_epilogue(g, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_dst, act_w_dst, d_w_partial_ptr,
+        dact_epilogue(g, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
                       stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, n, I, limit, HAS_LIMIT,
-                      DOT_FP32, BLOCK_M, BLOCK_N, TILE_OUT)
-        # the task's indices and pointers read again from the tile map (held, they spilled no less)
-        quantize_dact_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, d_h_ptr,
-                           act_w_ptr, pid, stride_d_h, I, offsets_ptr, block0_ptr, R_pad, d_h_q_ptr, d_h_s_ptr,
-                           d_h_t_ptr, d_h_ts_ptr, stride_ts_block, stride_ts_col, act_t_ptr, act_ts_ptr,
-                           stride_as_block, stride_as_col, TILE_OUT, GROUP_M, False, 128, 128, SOFT_E4M3, BLOCK_M, BLOCK_N)
+                      DOT_FP32, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

@@ -3,8 +3,7 @@ the dact dgrad (its epilogue the BF16 one's) and the weight gradients on operand
 
     dy_q [R, D] e4m3, dy_scale [R, D/32] u8              upstream gradient rows, 32-blocks along D
     w_down_t_q [L*I, D] e4m3, scale [L*I, D/32] u8        w_downᵀ quantised along D (dact's K), not the forward's
-    g = dy · w_down[l]  ->  the BF16 dact epilogue (SwiGLU backward in FP32 from h, d_h, act_w, router partials),
-                            d_h and act_w quantised before they leave the tile (megamoe.kernels.dact_quant)
+    g = dy · w_down[l]  ->  the BF16 dact epilogue (SwiGLU backward in FP32 from h, d_h, act_w, router partials)
 
     a_t_q [M_out, R_pad] e4m3, a_scale [M_out, R_pad/32] u8  an operand transposed, 32-blocks along the tokens;
     b_t_q [N_out, R_pad] e4m3, b_scale [N_out, R_pad/32] u8  each expert's rows start a 128-row span, zero-padded
@@ -21,7 +20,6 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.dact_quant import dact_destinations, quantize_dact_task
 from megamoe.kernels.expert_gemm import _tile_task, tile_dot
 from megamoe.kernels.expert_gemm_bwd import dact_epilogue
 from megamoe.kernels.expert_gemm_mxfp8 import _block_scales, _dequant, _mx_gemm_pair
@@ -33,42 +31,27 @@ SPAN: tl.constexpr = tl.constexpr(128)
 @triton.jit
 def dact_mxfp8_kernel(
     dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
-    offsets_ptr, block0_ptr, d_h_q_ptr, d_h_s_ptr, d_h_t_ptr, d_h_ts_ptr, act_t_ptr, act_ts_ptr,
     stride_dys, stride_ws, stride_h, stride_d_h, stride_act_w, stride_partial,
-    stride_ts_block, stride_ts_col, stride_as_block, stride_as_col,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
-    D, I, R_pad, W_ROWS, limit,
+    D, I, W_ROWS, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, TILE_OUT: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """Persistent MXFP8 dact over every (row tile, n-tile) task: g = dequant(dy_q) · dequant(w_down_t_q[l])ᵀ
-    (K = D), then the BF16 dact epilogue, whose d_h and act_w leave the tile quantised (as the FP8-block
-    kernel, :func:`megamoe.kernels.expert_gemm_fp8_bwd.dact_fp8_kernel`). W_ROWS: rows of the flattened
-    [L*I, D] weight."""
-    tl.static_assert(BLOCK_N % 32 == 0, "a dact tile's columns are whole 32-blocks of d_h along 2I")
-    tl.static_assert(BLOCK_M == SPAN, "a dact tile's rows are one 128-row token span (padding written as zeros)")
+    (K = D), then the BF16 dact epilogue. W_ROWS: rows of the flattened [L*I, D] weight."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    pid = tl.program_id(0)
-    for task in tl.range(pid, num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
-        n0 = n * BLOCK_N
         row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
         g, _unused = _mx_gemm_pair(dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, stride_dys, stride_ws, row0,
-                                   row_ok, expert * I + n0, 0, W_ROWS, D, False, False, False, DOT_FP32,
+                                   row_ok, expert * I + n * BLOCK_N, 0, W_ROWS, D, False, False, False, DOT_FP32,
                                    BLOCK_M, BLOCK_N, BLOCK_K)
-        d_h_dst, act_w_dst = dact_destinations(d_h_ptr, act_w_ptr, pid, TILE_OUT, BLOCK_M, BLOCK_N)
-        dact_epilogue(g, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_dst, act_w_dst, d_w_partial_ptr,
+        dact_epilogue(g, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
                       stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, n, I, limit, HAS_LIMIT,
-                      DOT_FP32, BLOCK_M, BLOCK_N, TILE_OUT)
-        # the task's indices and pointers read again from the tile map (held, they spilled no less)
-        quantize_dact_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, d_h_ptr,
-                           act_w_ptr, pid, stride_d_h, I, offsets_ptr, block0_ptr, R_pad, d_h_q_ptr, d_h_s_ptr,
-                           d_h_t_ptr, d_h_ts_ptr, stride_ts_block, stride_ts_col, act_t_ptr, act_ts_ptr,
-                           stride_as_block, stride_as_col, TILE_OUT, GROUP_M, True, 32, 32, SOFT_E4M3, BLOCK_M,
-                           BLOCK_N)
+                      DOT_FP32, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

@@ -220,31 +220,6 @@ def fp8_block_quantize_tile(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SOF
     return bits.to(tl.float8e4nv, bitcast=True), scale
 
 
-@triton.jit
-def quantize_tile_store(x, data_tile, stride_d_m, stride_d_k, scale_tile, stride_s_m, stride_s_k, m_left, k_left,
-                        MX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RCEIL: tl.constexpr,
-                        SOFT_E4M3: tl.constexpr):
-    """Quantise a register tile ``x [BM, BK]`` (mxfp8 when MX, else fp8-block, in ``BLOCK_R x BLOCK_C``
-    blocks) and store its E4M3 bytes at ``data_tile`` and its scales at ``scale_tile`` (the tile's first element
-    of each; any strides: a transposed output is a strided view). Rows ``>= m_left`` and columns ``>= k_left``
-    are not stored (their blocks are whole: the caller loaded them as 0 or they lie past the matrix)."""
-    BM: tl.constexpr = x.shape[0]
-    BK: tl.constexpr = x.shape[1]
-    if MX:
-        data, scale = mxfp8_quantize_tile(x, 0 if BLOCK_R == 32 else 1, RCEIL, SOFT_E4M3)
-    else:
-        data, scale = fp8_block_quantize_tile(x, BLOCK_R, BLOCK_C, SOFT_E4M3)
-    rm = tl.arange(0, BM)
-    rk = tl.arange(0, BK)
-    mask = (rm[:, None] < m_left) & (rk[None, :] < k_left)
-    tl.store(data_tile + rm[:, None] * stride_d_m + rk[None, :] * stride_d_k, data.to(tl.uint8, bitcast=True),
-             mask=mask)
-    sm = tl.arange(0, BM // BLOCK_R)
-    sk = tl.arange(0, BK // BLOCK_C)
-    s_mask = (sm[:, None] < m_left // BLOCK_R) & (sk[None, :] < k_left // BLOCK_C)
-    tl.store(scale_tile + sm[:, None] * stride_s_m + sk[None, :] * stride_s_k, scale, mask=s_mask)
-
-
 # ------------------------------------------------------------ standalone kernel
 
 
@@ -314,9 +289,18 @@ def quantize_kernel(
     if COPY:  # x unchanged too (a staging copy fused into the one read of x)
         c_tile = copy_ptr + (b * stride_c_b + m0.to(tl.int64) * stride_c_m + k0.to(tl.int64) * stride_c_k)
         tl.store(c_tile + rm[:, None] * stride_c_m + rk[None, :] * stride_c_k, x, mask=mask)
+    if MX:
+        data, scale = mxfp8_quantize_tile(x, 0 if BLOCK_R == 32 else 1, RCEIL, SOFT_E4M3)
+    else:
+        data, scale = fp8_block_quantize_tile(x, BLOCK_R, BLOCK_C, SOFT_E4M3)
+
     d_tile = data_ptr + (b * stride_d_b + m0.to(tl.int64) * stride_d_m + k0.to(tl.int64) * stride_d_k)
+    tl.store(d_tile + rm[:, None] * stride_d_m + rk[None, :] * stride_d_k, data.to(tl.uint8, bitcast=True), mask=mask)
+
+    sm = tl.arange(0, BLOCK_M // BLOCK_R)
+    sk = tl.arange(0, BLOCK_K // BLOCK_C)
+    s_mask = (sm[:, None] < (M - m0) // BLOCK_R) & (sk[None, :] < (K - k0) // BLOCK_C)
     s_tile = scale_ptr + (
         b * stride_s_b + (m0 // BLOCK_R).to(tl.int64) * stride_s_m + (k0 // BLOCK_C).to(tl.int64) * stride_s_k
     )
-    quantize_tile_store(x, d_tile, stride_d_m, stride_d_k, s_tile, stride_s_m, stride_s_k, M - m0, K - k0, MX,
-                        BLOCK_R, BLOCK_C, RCEIL, SOFT_E4M3)
+    tl.store(s_tile + sm[:, None] * stride_s_m + sk[None, :] * stride_s_k, scale, mask=s_mask)

@@ -11,8 +11,8 @@ the forward's h:
                                                                 blocks of each expert's rows, zero-padded
 
 The dgrads read the weights transposed (``weights_t``: the per-step pack's, :mod:`megamoe.ops.expert_weights`;
-fp8-block's are the forward pack's 128x128 blocks transposed). d_h and act·w are quantised by the dact that makes
-them (:func:`dact_fp8`). Master weights and the gradients returned are BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
+fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients returned are
+BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
 MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
 the transposed weights are quantised along their own last dim (D for dact, 2I for dx: not the forward's pack,
@@ -34,7 +34,7 @@ from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import launch_row_tasks, scratch_allocator
-from megamoe.ops.quant import quantize_activations, soft_e4m3_default
+from megamoe.ops.quant import quantize_activations
 from megamoe.ops.tiles import TileConfig
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
@@ -45,8 +45,7 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
                        compiled: bool = False) -> TileConfig:
     """Tiles of the FP8 backward's ``kind`` ("dact" or "wgrad") in ``fmt``. fp8-block: BLOCK_K 128 (one scale
     per K step), the forward FP8 down tile's shape; mxfp8: BLOCK_K 64 dequantised on load, 64-column dact
-    tiles (the dequantised tiles beside the epilogue's). A dact tile holds whole blocks of the d_h it quantises
-    (:func:`dact_fp8`), on the CPU too. fp8-block's measured on an H200, mxfp8's not tuned
+    tiles (the dequantised tiles beside the epilogue's). fp8-block's measured on an H200, mxfp8's not tuned
     yet. ``compiled`` gives the GPU's tiles on any device (the sm_90 build check)."""
     if kind not in ("dact", "wgrad"):
         raise ValueError(f"kind must be 'dact' or 'wgrad', got {kind!r}")
@@ -54,8 +53,6 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
         raise ValueError(f"fmt must be 'fp8-block' or 'mxfp8', got {fmt!r}")
     bk = FP8_BLOCK if fmt == "fp8-block" else 64
     if not compiled and not runtime.compiled_gpu(device):
-        if kind == "dact":  # 128 rows: a tile writes whole token spans of d_h (dact_fp8)
-            return TileConfig(128, 128 if fmt == "fp8-block" else 64, bk, num_warps=4, num_stages=1)
         return TileConfig(32, 32 if kind == "wgrad" else 64, bk, num_warps=4, num_stages=1)
     if fmt == "mxfp8":
         return TileConfig(128, 64 if kind == "dact" else 128, bk, num_warps=8, num_stages=3, group_m=8)
@@ -103,91 +100,6 @@ def quantize_tokens(a: torch.Tensor | QuantRows, blocks: TokenBlocks, fmt: str =
     data, scale = (a.data, a.scale) if isinstance(a, QuantRows) else (a, None)
     return quantize_activations(data, fmt, axis=0, transpose=True, rows=blocks.src, scale_transpose=fmt == "mxfp8",
                                 x_scale=scale)
-
-
-@dataclass(frozen=True)
-class DactOutputs:
-    """What the FP8 dact leaves (:func:`dact_fp8`), each as the standalone quantisers would make it from the BF16
-    tensor: ``d_h_q`` E4M3 `[R, 2I]` and ``d_h_s`` (1x128 / 1x32 along 2I: dx's operand); ``d_h_t`` and
-    ``act_w_t``, (E4M3 `[C, R_pad]`, scales) quantised along the tokens as :func:`quantize_tokens` (the wgrads'
-    operands); ``partial`` fp32 `[R, n-tiles]` the router-gradient partials. ``d_h`` / ``act_w``: the BF16
-    values, with ``keep_bf16`` only (the tests read them; otherwise they stay in each program's tile)."""
-
-    d_h_q: torch.Tensor
-    d_h_s: torch.Tensor
-    d_h_t: tuple[torch.Tensor, torch.Tensor]
-    act_w_t: tuple[torch.Tensor, torch.Tensor]
-    partial: torch.Tensor
-    d_h: torch.Tensor | None = None
-    act_w: torch.Tensor | None = None
-
-
-def _token_operand(columns: int, padded_rows: int, fmt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty E4M3 ``[columns, padded_rows]`` and its scales in :func:`quantize_tokens`' layout."""
-    data = torch.empty(columns, padded_rows, dtype=torch.float8_e4m3fn, device=device)
-    if fmt == "mxfp8":
-        return data, torch.empty(columns, padded_rows // MX_BLOCK, dtype=torch.uint8, device=device)
-    return data, torch.empty(padded_rows // FP8_BLOCK, columns, dtype=torch.float32, device=device)
-
-
-def _block_strides(scale: torch.Tensor, fmt: str) -> tuple[int, int]:
-    """A token-axis scale tensor's (token block, column) strides."""
-    return (scale.stride(1), scale.stride(0)) if fmt == "mxfp8" else (scale.stride(0), scale.stride(1))
-
-
-def dact_fp8(fmt: str, dy_q: torch.Tensor, dy_s: torch.Tensor, h: torch.Tensor, row_weights: torch.Tensor,
-             counts: torch.Tensor, offsets: torch.Tensor, blocks: TokenBlocks, weights_t: TransposedWeights,
-             swiglu_limit: float | None, programs: int, tiles: TileConfig | None = None, *,
-             keep_bf16: bool = False) -> DactOutputs:
-    """The FP8 dact launch: g = dy_q · w_downᵀ on E4M3, the BF16 dact epilogue, and d_h and act·w quantised in
-    the tile that made them (``megamoe.kernels.dact_quant``). ``counts`` / ``offsets`` int32 `[L]`; ``blocks``
-    the token layout of the wgrads. A tile is 128 rows, so that it writes each expert's 128-row token spans
-    whole (their padding as zeros), by whole blocks of d_h along 2I."""
-    mx = fmt == "mxfp8"
-    rows, i = h.shape[0], h.shape[1] // 2
-    experts, d = counts.shape[0], dy_q.shape[1]
-    device = h.device
-    c = tiles or plan_tiles_fp8_bwd("dact", device, fmt)
-    whole = c.block_m == FP8_BLOCK and (c.block_n % MX_BLOCK == 0 if mx else c.block_n == FP8_BLOCK)
-    if not whole:
-        raise ValueError(f"the {fmt} dact tile must be 128 rows (an expert's 128-row token span, padding "
-                         f"included) by whole blocks of d_h along 2I (fp8-block 128, mxfp8 a multiple of 32), got "
-                         f"{c.block_m} x {c.block_n}")
-    row_block = MX_BLOCK if mx else FP8_BLOCK
-    scale_dtype = torch.uint8 if mx else torch.float32
-    padded = blocks.src.shape[0]
-    out = DactOutputs(
-        d_h_q=torch.empty(rows, 2 * i, dtype=torch.float8_e4m3fn, device=device),
-        d_h_s=torch.empty(rows, 2 * i // row_block, dtype=scale_dtype, device=device),
-        d_h_t=_token_operand(2 * i, padded, fmt, device),
-        act_w_t=_token_operand(i, padded, fmt, device),
-        partial=torch.zeros(rows, -(-i // c.block_n), dtype=torch.float32, device=device),
-        d_h=torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device) if keep_bf16 else None,
-        act_w=torch.empty(rows, i, dtype=torch.bfloat16, device=device) if keep_bf16 else None,
-    )
-    if keep_bf16:  # the routed rows
-        d_h, act_w, stride_d_h, stride_act_w = out.d_h, out.act_w, 2 * i, i
-    else:  # a [BLOCK_M, 2 BLOCK_N] and a [BLOCK_M, BLOCK_N] tile per program
-        d_h = torch.empty(programs, c.block_m, 2 * c.block_n, dtype=torch.bfloat16, device=device)
-        act_w = torch.empty(programs, c.block_m, c.block_n, dtype=torch.bfloat16, device=device)
-        stride_d_h, stride_act_w = 2 * c.block_n, c.block_n
-    # mxfp8's weight scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
-    w_dn_t_scale = weights_t.w_down_t_scale.view(experts * i, d // MX_BLOCK) if mx else weights_t.w_down_t_scale
-    (d_h_t, d_h_ts), (act_t, act_ts) = out.d_h_t, out.act_w_t
-    launch_row_tasks(
-        expert_gemm_mxfp8_bwd.dact_mxfp8_kernel if mx else expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs,
-        counts, offsets, rows,
-        head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, c.block_k]),
-              TensorDescriptor.from_tensor(weights_t.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
-              dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, out.partial, offsets, blocks.block0,
-              out.d_h_q.view(torch.uint8), out.d_h_s, d_h_t.view(torch.uint8), d_h_ts, act_t.view(torch.uint8),
-              act_ts, dy_s.stride(0), w_dn_t_scale.stride(0 if mx else 1), h.stride(0), stride_d_h, stride_act_w,
-              out.partial.stride(0), *_block_strides(d_h_ts, fmt), *_block_strides(act_ts, fmt)),
-        tail=(d, i, padded, experts * i, float(swiglu_limit or 0.0)) if mx else (d, i, padded,
-                                                                                float(swiglu_limit or 0.0)),
-        HAS_LIMIT=swiglu_limit is not None, TILE_OUT=not keep_bf16, SOFT_E4M3=soft_e4m3_default(),
-    )
-    return out
 
 
 def _rows_of(rows: torch.Tensor | QuantRows, fmt: str, name: str) -> torch.Tensor:
@@ -256,21 +168,38 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
     dy_q, dy_s = (dy_rows.data, dy_rows.scale) if isinstance(dy_rows, QuantRows) else quantize_activations(dy_rows,
                                                                                                           fmt)
+    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
+    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
     tiles = tiles or {}
-    blocks = token_blocks(counts, offsets, rows)
-    out = dact_fp8(fmt, dy_q, dy_s, h, row_weights, counts, offsets, blocks, wt, swiglu_limit, programs,
-                   tiles.get("dact"))
+    c = tiles.get("dact") or plan_tiles_fp8_bwd("dact", device, fmt)
+    num_n = -(-i // c.block_n)
+    partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
+    # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
+    w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK) if mx else wt.w_down_t_scale
+    launch_row_tasks(
+        expert_gemm_mxfp8_bwd.dact_mxfp8_kernel if mx else expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs,
+        counts, offsets, rows,
+        head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, c.block_k]),
+              TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
+              dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0),
+              w_dn_t_scale.stride(0 if mx else 1), h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+        tail=(d, i, experts * i, float(swiglu_limit or 0.0)) if mx else (d, i, float(swiglu_limit or 0.0)),
+        HAS_LIMIT=swiglu_limit is not None,
+    )
     expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
-        out.partial, out.partial.stride(0), grads.d_router, rows, out.partial.shape[1], BLOCK_M=ROUTER_GRAD_ROWS)
-    (down_mxfp8 if mx else down_fp8)(out.d_h_q, out.d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
+        partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
+    d_h_q, d_h_s = quantize_activations(d_h, fmt)
+    (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
                                      grads.d_x, num_programs=programs,
                                      tiles=tiles.get("dx"))
+    blocks = token_blocks(counts, offsets, rows)
     c = tiles.get("wgrad") or plan_tiles_fp8_bwd("wgrad", device, fmt)
-
-    def wgrad(a_t, a_s, b_t, b_s, out_w):
+    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
+        a_t, a_s = quantize_tokens(a, blocks, fmt)
+        b_t, b_s = quantize_tokens(b, blocks, fmt)
         descs = (TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
                  TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]))
-        tail = (out_w, blocks.block0, counts, experts, out_w.shape[1], out_w.shape[2])
+        tail = (out, blocks.block0, counts, experts, out.shape[1], out.shape[2])
         tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                     FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
         with scratch_allocator():
@@ -280,10 +209,6 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
             else:
                 expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*descs, a_s, b_s, *tail, a_s.stride(0),
                                                                   b_s.stride(0), **tile)
-
-    # the operands the dact did not quantise are quantised along the tokens one wgrad at a time (peak memory)
-    wgrad(*quantize_tokens(dy_rows, blocks, fmt), *out.act_w_t, grads.d_w_down)
-    wgrad(*out.d_h_t, *quantize_tokens(x_rows, blocks, fmt), grads.d_w_gate_up)
     return grads
 
 

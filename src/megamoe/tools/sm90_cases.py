@@ -129,31 +129,20 @@ def fp8_cases() -> dict[str, Case]:
     return {"gate_up_fp8_kernel": gate_up, "down_fp8_kernel": down, **fp8_backward_cases()}
 
 
-#: The FP8 dact's token-axis scale strides (megamoe.kernels.dact_quant).
-_DACT_SCALE_STRIDES = {"stride_ts_block": "i32", "stride_ts_col": "i32", "stride_as_block": "i32",
-                       "stride_as_col": "i32"}
-
-
-def _dact_outputs(scale: str) -> dict:
-    """The FP8 dact's quantised outputs (E4M3 bytes and ``scale``-typed scales) and the token layout."""
-    return {"offsets_ptr": "*i32", "block0_ptr": "*i32", "d_h_q_ptr": "*u8", "d_h_s_ptr": f"*{scale}",
-            "d_h_t_ptr": "*u8", "d_h_ts_ptr": f"*{scale}", "act_t_ptr": "*u8", "act_ts_ptr": f"*{scale}"}
-
-
 def fp8_backward_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm_fp8_bwd as k
     from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu)
-    kinds, values = _row_task_consts(k.dact_fp8_kernel, t, HAS_LIMIT=True, TILE_OUT=True, SOFT_E4M3=False)
+    kinds, values = _row_task_consts(k.dact_fp8_kernel, t, HAS_LIMIT=True)
     dact = Case(k.dact_fp8_kernel, {
         "dy_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_t_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
         "dy_scale_ptr": "*fp32", "w_t_scale_ptr": "*fp32", "h_ptr": "*bf16", "row_w_ptr": "*fp32",
-        "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", **_dact_outputs("fp32"),
-        "stride_dys": "i32", "stride_ws_n": "i32", "stride_h": "i32", "stride_d_h": "i32", "stride_act_w": "i32",
-        "stride_partial": "i32", **_DACT_SCALE_STRIDES, **_TILES, **kinds, "D": "i32", "I": "i32", "R_pad": "i32",
-        "limit": "fp32"}, values, t.num_warps, t.num_stages)
+        "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dys": "i32",
+        "stride_ws_n": "i32", "stride_h": "i32", "stride_d_h": "i32", "stride_act_w": "i32",
+        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "limit": "fp32"},
+        values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8_bwd("wgrad", gpu)
     kinds, values = _row_task_consts(k.wgrad_fp8_kernel, t)
     wgrad = Case(k.wgrad_fp8_kernel, {
@@ -201,14 +190,14 @@ def mxfp8_backward_cases() -> dict[str, Case]:
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu, "mxfp8", compiled=True)
-    kinds, values = _row_task_consts(k.dact_mxfp8_kernel, t, HAS_LIMIT=True, TILE_OUT=True, SOFT_E4M3=False)
+    kinds, values = _row_task_consts(k.dact_mxfp8_kernel, t, HAS_LIMIT=True)
     dact = Case(k.dact_mxfp8_kernel, {
         "dy_desc": f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>",
         "w_t_desc": f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>", "dy_scale_ptr": "*u8", "w_t_scale_ptr": "*u8",
         "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32",
-        **_dact_outputs("u8"), "stride_dys": "i32", "stride_ws": "i32", "stride_h": "i32", "stride_d_h": "i32",
-        "stride_act_w": "i32", "stride_partial": "i32", **_DACT_SCALE_STRIDES, **_TILES, **kinds, "D": "i32",
-        "I": "i32", "R_pad": "i32", "W_ROWS": "i32", "limit": "fp32"}, values, t.num_warps, t.num_stages)
+        "stride_dys": "i32", "stride_ws": "i32", "stride_h": "i32", "stride_d_h": "i32", "stride_act_w": "i32",
+        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "W_ROWS": "i32", "limit": "fp32"},
+        values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8_bwd("wgrad", gpu, "mxfp8", compiled=True)
     kinds, values = _row_task_consts(k.wgrad_mxfp8_kernel, t)
     wgrad = Case(k.wgrad_mxfp8_kernel, {
