@@ -6,6 +6,7 @@ What a user calls (loaded on first use, so that ``TRITON_INTERPRET`` can still b
     MoEConfig, PRESETS, preset      a layer's shape (megamoe.config)
     KernelConfig, plan              the megakernel's knobs and the planner (megamoe.planner)
     moe                             the layer as a differentiable function (megamoe.autograd)
+    quantize_experts                FP8 routed weights, once per optimizer step (megamoe.ops.expert_weights)
     MoE, MoEBlock, Router           the layer as modules (megamoe.nn)
     megamoe_forward                 the layer's forward pass alone, no autograd (megamoe.megakernel)
 """
@@ -27,6 +28,7 @@ _EXPORTS = {
     "plan": "megamoe.planner",
     "megamoe_forward": "megamoe.megakernel",
     "moe": "megamoe.autograd",
+    "quantize_experts": "megamoe.ops.expert_weights",
     "MoE": "megamoe.nn",
     "MoEBlock": "megamoe.nn",
     "Router": "megamoe.nn",
