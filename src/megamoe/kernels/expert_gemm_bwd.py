@@ -24,20 +24,21 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm import _tile_task
+from megamoe.kernels.expert_gemm import _tile_task, tile_dot
 
 
 @triton.jit
 def rows_times_kn(a_desc, w_desc, row0, w_row0, n0, K, DOT_FP32: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc = A[row0 : row0+BM, :K] · W[w_row0 : w_row0+K, n0 : n0+BN] (W stored [K, N], row-major)."""
+    """acc = A[row0 : row0+BM, :K] · W[w_row0 : w_row0+K, n0 : n0+BN] (W stored [K, N], row-major). The
+    interpreter sums each K block in FP64 (``tile_dot``): its FP32 matmul rounds a row by its place in the tile,
+    so a row's dact differed between the composed kernels' tiles and the backward megakernel's cut ones on an
+    AVX-512 CPU."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         a = a_desc.load([row0, k])
         w = w_desc.load([w_row0 + k, n0])
-        if DOT_FP32:  # the interpreter's bf16 dot is wrong
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
+        acc = tile_dot(a, w, acc, DOT_FP32)
     return acc
 
 
@@ -259,7 +260,5 @@ def wgrad_block(a_desc, b_desc, out_desc, row0, row_end, m0, n0, DOT_FP32: tl.co
     for k in range(row0, row_end, BLOCK_K):
         a = a_desc.load([k, m0])
         b = b_desc.load([k, n0])
-        if DOT_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a.T, b, acc)
+        acc = tile_dot(a.T, b, acc, DOT_FP32)
     out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))
