@@ -13,6 +13,7 @@ from megamoe.ops.expert_weights import PackCache, QuantizedExperts, quantize_exp
 from megamoe.parallel.world import launch
 from megamoe.planner import KernelConfig
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIG = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(32,), swiglu_limit=None)
 #: a ring of 64 rows: the backward replays the rows past it with the forward's FP8 gate/up
 WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_m=32, tile_n=32, backward_minibatch=64)
@@ -21,8 +22,8 @@ WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_
 def _weights(experts=3, i=128, d=256, seed=0):
     """(w_gate_up, w_down); d=128 gives one 128-column block, whose scales have a size-1 dim."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(experts, 2 * i, d, generator=g).bfloat16(),
-            torch.randn(experts, d, i, generator=g).bfloat16())
+    return (torch.randn(experts, 2 * i, d, generator=g).bfloat16().to(DEVICE),
+            torch.randn(experts, d, i, generator=g).bfloat16().to(DEVICE))
 
 
 @pytest.mark.parametrize("fmt, i, d", [("fp8-block", 128, 256), ("fp8-block", 256, 128), ("mxfp8", 96, 256)])
@@ -77,9 +78,9 @@ def test_cache_refreshes_after_any_optimizer_step():
     gu, dn = _weights()
     cache = PackCache()
     first = cache.get(gu, dn, "fp8-block", backward=False)
-    other = torch.nn.Parameter(torch.zeros(1))
+    other = torch.nn.Parameter(torch.zeros(1, device=DEVICE))
     opt = torch.optim.SGD([other], lr=1.0)
-    other.grad = torch.ones(1)
+    other.grad = torch.ones(1, device=DEVICE)
     opt.step()
     second = cache.get(gu, dn, "fp8-block", backward=False)
     assert second is not first
