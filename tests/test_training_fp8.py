@@ -123,10 +123,15 @@ def test_bench_checks_every_fp8_gradient(experts, passes):
 
 
 TRAIN_MODEL = MoEConfig(hidden=128, intermediate=128, num_experts=8, top_k=2, shared=(32,))
-#: The FP8 models' loss against the BF16 model's, per step: |fp8 - bf16| / bf16 (same weights, data, AdamW).
-#: Measured on 2 CPU ranks over 4 steps: fp8-block 1.0e-2, mxfp8 2.6e-2 (AdamW normalises each step, so the
-#: gradient tests above are the sharp ones; this one shows the FP8 models train alike).
+#: The FP8 models' loss against the BF16 model's, per step (same weights, data, AdamW):
+#: |fp8 - bf16| <= TRAIN_LOSS_TOLERANCE * bf16 + TRAIN_LOSS_FLOOR * the first step's loss. Measured on 2 CPU ranks:
+#: over 4 steps the gap is 1.0e-2 (fp8-block) and 2.6e-2 (mxfp8) of the BF16 loss; over 50 steps the loss falls
+#: 1300x (0.66 -> 5e-4) and the FP8 models settle on a floor ~1e-4 above BF16's (the relative gap then reaches
+#: 0.17; the gap never exceeds 5 % of the BF16 loss plus 1.0e-4 of the first: benchmarks/results/
+#: 2026-12-03-fp8-train-50-steps). AdamW normalises each step, so the gradient tests above are the sharp ones;
+#: this one shows the FP8 models train alike, and a drift of a few % anywhere above the floor fails it.
 TRAIN_LOSS_TOLERANCE = 5e-2
+TRAIN_LOSS_FLOOR = 5e-4
 
 
 class _TwoBlocks(torch.nn.Module):
@@ -174,8 +179,10 @@ def _check_curves(curves):
     gaps = {}
     for precision, losses in curves.items():
         assert losses[-1] < 0.9 * losses[0], (precision, losses)  # it learns
-        gaps[precision] = max(abs(a - b) / b for a, b in zip(losses, bf16))
-    assert all(gap <= TRAIN_LOSS_TOLERANCE for gap in gaps.values()), (gaps, curves)
+        # each step's gap in units of its allowance: <= 1 passes
+        gaps[precision] = max(abs(a - b) / (TRAIN_LOSS_TOLERANCE * b + TRAIN_LOSS_FLOOR * bf16[0])
+                              for a, b in zip(losses, bf16))
+    assert all(gap <= 1.0 for gap in gaps.values()), (gaps, curves)
     return gaps
 
 
