@@ -32,9 +32,11 @@ import triton.language as tl
 
 from megamoe.config import preset
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm import swiglu_tile, tile_dot
+from megamoe.kernels.expert_gemm import _tile_task, down_tile, gate_up_swiglu_tile, swiglu_tile, tile_dot
 from megamoe.ops.experts import down, gate_up
 from megamoe.ops.launch import descriptor
+from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import interpreting
 
 
@@ -55,26 +57,57 @@ def _store_t(acc, out_ptr, stride, row0, row_end, c0, C, DOT_FP32: tl.constexpr)
 
 
 @triton.jit
+def down_swap_tile(a0_desc, a1_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n0, D, K,
+                   DOT_FP32: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, T0: tl.constexpr,
+                   T1: tl.constexpr):
+    """yᵀ[n0.., rows row0..] = w_down[expert][n0..] · actᵀ: a T0- and a T1-token product (T1 0: none)."""
+    acc0 = tl.zeros((BLOCK_W, T0), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_W, T1 if T1 > 0 else 16), dtype=tl.float32)
+    w_row = expert * D + n0
+    for k in range(0, K, BLOCK_K):
+        w = w_desc.load([w_row, k])
+        acc0 = tile_dot(w, a0_desc.load([row0, k]).T, acc0, DOT_FP32)
+        if T1 > 0:
+            acc1 = tile_dot(w, a1_desc.load([row0 + T0, k]).T, acc1, DOT_FP32)
+    _store_t(acc0, y_ptr, stride_y, row0, row_end, n0, D, DOT_FP32)
+    if T1 > 0:
+        _store_t(acc1, y_ptr, stride_y, row0 + T0, row_end, n0, D, DOT_FP32)
+
+
+@triton.jit
 def down_tail_kernel(
     a0_desc, a1_desc, w_desc, y_ptr, stride_y, expert_ptr, row0_ptr, row_end_ptr, num_tails,
     D, K, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr,
 ):
-    """yᵀ[n-tile, tail rows] = w_down[expert][n-tile] · actᵀ: a T0- and a T1-token product (T1 0: none)."""
+    """The swap tiles of the listed tails (a launch of their own)."""
     num_n = tl.cdiv(D, BLOCK_W)
     for task in tl.range(tl.program_id(0), num_tails * num_n, NUM_PROGRAMS):
         expert, row0, row_end, n = _tail_task(task, num_n, expert_ptr, row0_ptr, row_end_ptr)
-        acc0 = tl.zeros((BLOCK_W, T0), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_W, T1 if T1 > 0 else 16), dtype=tl.float32)
-        w_row = expert * D + n * BLOCK_W
-        for k in range(0, K, BLOCK_K):
-            w = w_desc.load([w_row, k])
-            acc0 = tile_dot(w, a0_desc.load([row0, k]).T, acc0, DOT_FP32)
-            if T1 > 0:
-                acc1 = tile_dot(w, a1_desc.load([row0 + T0, k]).T, acc1, DOT_FP32)
-        _store_t(acc0, y_ptr, stride_y, row0, row_end, n * BLOCK_W, D, DOT_FP32)
-        if T1 > 0:
-            _store_t(acc1, y_ptr, stride_y, row0 + T0, row_end, n * BLOCK_W, D, DOT_FP32)
+        down_swap_tile(a0_desc, a1_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_W, D, K,
+                       DOT_FP32, BLOCK_W, BLOCK_K, T0, T1)
+
+
+@triton.jit
+def down_mixed_kernel(
+    a_desc, a0_desc, a1_desc, w_desc, y_ptr, stride_y,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr, D, K,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr,
+):
+    """Today's down kernel, with each tile of at most T0 + T1 rows a swap tile in the same task order (its
+    weight tile is read while the expert's other row tiles' are in L2)."""
+    num_n = tl.cdiv(D, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+        if row_end - row0 > T0 + T1:
+            down_tile(a_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
+                      DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            down_swap_tile(a0_desc, a1_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
+                           DOT_FP32, BLOCK_N, BLOCK_K, T0, T1)
 
 
 @triton.jit
@@ -86,36 +119,91 @@ def _swiglu_store_t(g, u, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, c
 
 
 @triton.jit
+def gate_up_swap_tile(a0_desc, a1_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n0,
+                      I, K, limit, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_W: tl.constexpr,
+                      BLOCK_K: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr):
+    """hᵀ (gate and up) and actᵀ of BLOCK_W act columns x (T0 + T1) tokens, weights on the MMA's M."""
+    T1_: tl.constexpr = T1 if T1 > 0 else 16
+    g0 = tl.zeros((BLOCK_W, T0), dtype=tl.float32)
+    u0 = tl.zeros((BLOCK_W, T0), dtype=tl.float32)
+    g1 = tl.zeros((BLOCK_W, T1_), dtype=tl.float32)
+    u1 = tl.zeros((BLOCK_W, T1_), dtype=tl.float32)
+    w_gate_row = expert * 2 * I + n0
+    for k in range(0, K, BLOCK_K):
+        wg = w_desc.load([w_gate_row, k])
+        wu = w_desc.load([w_gate_row + I, k])
+        a0 = a0_desc.load([row0, k]).T
+        g0 = tile_dot(wg, a0, g0, DOT_FP32)
+        u0 = tile_dot(wu, a0, u0, DOT_FP32)
+        if T1 > 0:
+            a1 = a1_desc.load([row0 + T0, k]).T
+            g1 = tile_dot(wg, a1, g1, DOT_FP32)
+            u1 = tile_dot(wu, a1, u1, DOT_FP32)
+    _swiglu_store_t(g0, u0, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, n0, I, limit, HAS_LIMIT, DOT_FP32)
+    if T1 > 0:
+        _swiglu_store_t(g1, u1, h_ptr, act_ptr, stride_h, stride_act, row0 + T0, row_end, n0, I, limit,
+                        HAS_LIMIT, DOT_FP32)
+
+
+@triton.jit
 def gate_up_tail_kernel(
     a0_desc, a1_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, expert_ptr, row0_ptr, row_end_ptr,
     num_tails, I, K, limit, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr,
 ):
-    """hᵀ (gate and up) and actᵀ of a tail: BLOCK_W act columns x (T0 + T1) tokens, weights on the MMA's M."""
+    """The swap tiles of the listed tails (a launch of their own)."""
     num_n = tl.cdiv(I, BLOCK_W)
     for task in tl.range(tl.program_id(0), num_tails * num_n, NUM_PROGRAMS):
         expert, row0, row_end, n = _tail_task(task, num_n, expert_ptr, row0_ptr, row_end_ptr)
-        T1_: tl.constexpr = T1 if T1 > 0 else 16
-        g0 = tl.zeros((BLOCK_W, T0), dtype=tl.float32)
-        u0 = tl.zeros((BLOCK_W, T0), dtype=tl.float32)
-        g1 = tl.zeros((BLOCK_W, T1_), dtype=tl.float32)
-        u1 = tl.zeros((BLOCK_W, T1_), dtype=tl.float32)
-        w_gate_row = expert * 2 * I + n * BLOCK_W
-        for k in range(0, K, BLOCK_K):
-            wg = w_desc.load([w_gate_row, k])
-            wu = w_desc.load([w_gate_row + I, k])
-            a0 = a0_desc.load([row0, k]).T
-            g0 = tile_dot(wg, a0, g0, DOT_FP32)
-            u0 = tile_dot(wu, a0, u0, DOT_FP32)
-            if T1 > 0:
-                a1 = a1_desc.load([row0 + T0, k]).T
-                g1 = tile_dot(wg, a1, g1, DOT_FP32)
-                u1 = tile_dot(wu, a1, u1, DOT_FP32)
-        _swiglu_store_t(g0, u0, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, n * BLOCK_W, I, limit,
-                        HAS_LIMIT, DOT_FP32)
-        if T1 > 0:
-            _swiglu_store_t(g1, u1, h_ptr, act_ptr, stride_h, stride_act, row0 + T0, row_end, n * BLOCK_W, I,
-                            limit, HAS_LIMIT, DOT_FP32)
+        gate_up_swap_tile(a0_desc, a1_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert,
+                          n * BLOCK_W, I, K, limit, HAS_LIMIT, DOT_FP32, BLOCK_W, BLOCK_K, T0, T1)
+
+
+@triton.jit
+def gate_up_mixed_kernel(
+    x_desc, a0_desc, a1_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr, I, K, limit,
+    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    T0: tl.constexpr, T1: tl.constexpr,
+):
+    """Today's gate/up kernel, with each tile of at most T0 + T1 rows a swap tile in the same task order."""
+    num_n = tl.cdiv(I, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        expert, row0, row_end, n = _tile_task(
+            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+        if row_end - row0 > T0 + T1:
+            gate_up_swiglu_tile(x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert,
+                                n * BLOCK_N, I, K, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            gate_up_swap_tile(a0_desc, a1_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
+                              expert, n * BLOCK_N, I, K, limit, HAS_LIMIT, DOT_FP32, BLOCK_N, BLOCK_K, T0, T1)
+
+
+def mixed_calls(x, act, counts, offsets, wgu, wd, h, act_out, y, tiles: dict, programs: int, t0: int, t1: int):
+    """{"gate_up": fn, "down": fn}: the mixed kernels (today's tiles and task order, swap tiles for short ones)."""
+    experts, two_i, d = wgu.shape
+    i = two_i // 2
+    rows = x.shape[0]
+    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
+    t1d = max(t1, 16)
+
+    def one(kernel, cfg, a, w2d, head, tail, **extra):
+        def run():
+            rt = build_row_tiles(counts, offsets, rows, cfg.block_m)
+            kernel[(programs,)](
+                descriptor(a, [cfg.block_m, cfg.block_k]), descriptor(a, [t0, cfg.block_k]),
+                descriptor(a, [t1d, cfg.block_k]), descriptor(w2d, [cfg.block_n, cfg.block_k]), *head,
+                rt.tile_expert, rt.tile_row0, rt.tile_row_end, rt.num_tiles, *tail,
+                DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, T0=t0, T1=t1,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+        return run
+
+    return {"gate_up": one(gate_up_mixed_kernel, tiles["gate_up"], x, wgu.view(experts * two_i, d),
+                           (h, act_out, h.stride(0), act_out.stride(0)), (i, d, 0.0), HAS_LIMIT=False),
+            "down": one(down_mixed_kernel, tiles["down"], act, wd.view(experts * d, i), (y, y.stride(0)), (d, i))}
 
 
 def split_counts(counts: torch.Tensor, offsets: torch.Tensor, block_m: int, swap_max: int):
@@ -181,51 +269,49 @@ def make_load(m: int, experts: int, d: int, i: int, dev, random_rows: bool, seed
     return counts.to(dev), offsets.to(dev), x, act, wgu, wd
 
 
-def variants(load, block_m: int, block_w: dict, block_k: int, programs: int, warps: int, stages: int):
-    """{name: (fn, outputs)}: plan / split / its parts; each variant writes its own NaN-poisoned outputs."""
+def variants(load, programs: int, tiles: dict, swap: dict[str, tuple[int, int]], split: bool):
+    """{name: (fn, outputs)}: today's kernels (plan), the mixed kernels for each swap shape (name: (T0, T1)),
+    and with ``split`` the swap tiles as a launch of their own after today's kernels over the full tiles; each
+    variant writes its own NaN-poisoned outputs."""
     counts, offsets, x, act, wgu, wd = load
     rows, d = x.shape
     i = act.shape[1]
     dev = x.device
+    block_m = tiles["gate_up"].block_m
 
     def outs():
         return (torch.full((rows, 2 * i), float("nan"), dtype=torch.bfloat16, device=dev),
                 torch.full((rows, i), float("nan"), dtype=torch.bfloat16, device=dev),
                 torch.full((rows, d), float("nan"), dtype=torch.bfloat16, device=dev))
 
-    full, classes = split_counts(counts, offsets, block_m, 96)
-    _, classes128 = split_counts(counts, offsets, block_m, block_m - 1)
-    classes128 = [(block_m, 0, e, r0, r1) for _, _, e, r0, r1 in classes128]
-    tiles = {}
-    if interpreting():
-        from megamoe.ops.tiles import TileConfig
-        tiles = {"gate_up": TileConfig(block_m, 32, block_k, num_warps=4, num_stages=1),  # 128-row: tails
-                 "down": TileConfig(block_m, 32, block_k, num_warps=4, num_stages=1)}
     found = {}
-    for name, cnt, cls in (("plan", counts, None), ("split", full, classes), ("swap128", full, classes128)):
+    h, a_out, y = outs()
+    found["gate_up plan"] = (lambda h=h, a_out=a_out: gate_up(x, counts, offsets, wgu, h, a_out,
+                                                              tiles=tiles["gate_up"]), (h, a_out))
+    found["down plan"] = (lambda y=y: down(act, counts, offsets, wd, y, tiles=tiles["down"]), (y,))
+    for name, (t0, t1) in swap.items():
         h, a_out, y = outs()
-        tails = tail_calls(x, act, wgu, wd, h, a_out, y, cls, block_w, block_k, programs, warps, stages) \
-            if cls else None
+        calls = mixed_calls(x, act, counts, offsets, wgu, wd, h, a_out, y, tiles, programs, t0, t1)
+        found[f"gate_up {name}"] = (calls["gate_up"], (h, a_out))
+        found[f"down {name}"] = (calls["down"], (y,))
+    if split:
+        full, classes = split_counts(counts, offsets, block_m, 96)
+        h, a_out, y = outs()
+        block_w = {kind: tiles[kind].block_n for kind in ("gate_up", "down")}
+        cfg = tiles["gate_up"]
+        tails = tail_calls(x, act, wgu, wd, h, a_out, y, classes, block_w, cfg.block_k, programs, cfg.num_warps,
+                           cfg.num_stages)
 
-        def fgu(cnt=cnt, h=h, a_out=a_out, tails=tails):
-            gate_up(x, cnt, offsets, wgu, h, a_out, tiles=tiles.get("gate_up"))
-            if tails:
-                tails["gate_up"]()
+        def fgu():
+            gate_up(x, full, offsets, wgu, h, a_out, tiles=tiles["gate_up"])
+            tails["gate_up"]()
 
-        def fdn(cnt=cnt, y=y, tails=tails):
-            down(act, cnt, offsets, wd, y, tiles=tiles.get("down"))
-            if tails:
-                tails["down"]()
+        def fdn():
+            down(act, full, offsets, wd, y, tiles=tiles["down"])
+            tails["down"]()
 
-        found[f"gate_up {name}"] = (fgu, (h, a_out))
-        found[f"down {name}"] = (fdn, (y,))
-        if name == "split":
-            found["gate_up full only"] = (lambda cnt=cnt, h=h, a_out=a_out: gate_up(
-                x, cnt, offsets, wgu, h, a_out, tiles=tiles.get("gate_up")), ())
-            found["down full only"] = (lambda cnt=cnt, y=y: down(act, cnt, offsets, wd, y,
-                                                                  tiles=tiles.get("down")), ())
-            found["gate_up tail only"] = (tails["gate_up"], ())
-            found["down tail only"] = (tails["down"], ())
+        found["gate_up split"] = (fgu, (h, a_out))
+        found["down split"] = (fdn, (y,))
     if not interpreting():
         w_gu, w_dn = wgu[0].T.contiguous(), wd[0].T.contiguous()
         found["gate_up dense"] = (lambda: torch.mm(x, w_gu), ())
@@ -234,21 +320,25 @@ def variants(load, block_m: int, block_w: dict, block_k: int, programs: int, war
 
 
 def compare(found: dict) -> dict:
-    """Bits equal and the largest difference of split / swap128 against plan (after one call of each)."""
+    """Bits equal, the largest difference and NaN left (unwritten) of every variant against plan, after one
+    call of each."""
     for fn, _ in found.values():
         fn()
     result = {}
-    for kind in ("gate_up", "down"):
+    for name, (_, got) in found.items():
+        kind = name.split()[0]
         ref = found[f"{kind} plan"][1]
-        for name in ("split", "swap128"):
-            got = found[f"{kind} {name}"][1]
-            result[f"{kind} {name}"] = {
+        if got and not name.endswith("plan"):
+            result[name] = {
                 "bits_equal": all(bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
                                   for a, b in zip(got, ref)),
                 "max_abs_diff": max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref)),
                 "nan": any(bool(a.isnan().any()) for a in got),
             }
     return result
+
+
+SWAP = {"mixed 64+32": (64, 32), "mixed 64": (64, 0)}
 
 
 def main() -> None:
@@ -258,19 +348,17 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=192)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=0.4)
-    parser.add_argument("--block-w", default="128,128", help="weight rows of the gate/up and down swap tiles")
-    parser.add_argument("--warps", type=int, default=8)
-    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--split", action="store_true", help="also the swap tiles as a launch of their own")
     parser.add_argument("--check", action="store_true", help="small shapes, outputs only (CPU interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
     if a.check:
         dev = torch.device("cpu")
-        block_w = {"gate_up": 32, "down": 32}
+        tiles = {kind: TileConfig(128, 32, 32, num_warps=4, num_stages=1) for kind in ("gate_up", "down")}
         records = []
         for m, random_rows in ((210, False), (170, True), (40, True)):
             load = make_load(m, 4, 64, 64, dev, random_rows, seed=m)
-            found = variants(load, 128, block_w, 32, 4, 4, 1)
+            found = variants(load, 4, tiles, SWAP, split=True)
             records.append({"random_rows": random_rows, "counts": load[0].tolist(), **compare(found)})
         print(json.dumps(records, indent=1))
         return
@@ -278,18 +366,19 @@ def main() -> None:
 
     cfg = preset(a.preset)
     dev = torch.device("cuda")
-    gu_w, dn_w = (int(v) for v in a.block_w.split(","))
+    tiles = {kind: plan_tiles(kind, dev) for kind in ("gate_up", "down")}
     programs = torch.cuda.get_device_properties(dev).multi_processor_count
-    out = {"args": vars(a), "loads": []}
+    out = {"args": vars(a), "tiles": {k: repr(v) for k, v in tiles.items()}, "loads": []}
+    names = ["plan", *SWAP, *(["split"] if a.split else [])]
     lines = []
     for random_rows in (False, True):
         load = make_load(a.rows, a.experts, cfg.hidden, cfg.intermediate, dev, random_rows)
         rows = int(load[0].sum())
-        found = variants(load, 128, {"gate_up": gu_w, "down": dn_w}, 64, programs, a.warps, a.stages)
+        found = variants(load, programs, tiles, SWAP, a.split)
         checks = compare(found)
         times = interleaved_rounds({n: fn for n, (fn, _) in found.items()}, a.rounds, a.seconds)
         fwd = 2 * rows * cfg.hidden * cfg.intermediate
-        rec = {"random_rows": random_rows, "rows": rows, "checks": checks, "calls": {}}
+        rec = {"random_rows": random_rows, "rows": rows, "counts": load[0].tolist(), "checks": checks, "calls": {}}
         for name, ts in times.items():
             ms = statistics.median(ts)
             flops = 2 * fwd if name.startswith("gate_up") else fwd
@@ -299,19 +388,18 @@ def main() -> None:
         for kind in ("gate_up", "down"):
             c = rec["calls"]
             dense = c[f"{kind} dense"]["tflops_real_rows"]
-            cells = [f"{c[f'{kind} {n}']['ms']:.3f}" for n in ("plan", "split", "swap128", "full only", "tail only")]
-            pct = [f"{100 * c[f'{kind} {n}']['tflops_real_rows'] / dense:.0f} %" for n in ("plan", "split")]
-            lines.append(f"| {label} | {kind} | " + " | ".join(cells) + f" | {pct[0]} | {pct[1]} | "
-                         f"{checks[f'{kind} split']['bits_equal']} / {checks[f'{kind} split']['max_abs_diff']:.2g} |")
+            cells = [f"{c[f'{kind} {n}']['ms']:.3f} ({100 * c[f'{kind} {n}']['tflops_real_rows'] / dense:.0f} %)"
+                     for n in names]
+            ok = all(checks[f"{kind} {n}"]["bits_equal"] for n in names[1:])
+            lines.append(f"| {label} | {kind} | " + " | ".join(cells) + f" | {ok} |")
         del load, found
         torch.cuda.empty_cache()
     with open(os.path.join(a.out, "swap_tail_probe.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(f"{a.preset}, {a.experts} experts, block_w {a.block_w}, {a.warps} warps, {a.stages} stages; "
-          f"{a.rounds} interleaved rounds of {a.seconds} s; ms per call")
-    print("| load | kernel | plan | split | swap128 | full only | tail only | plan % dense | split % dense "
-          "| split bits equal / max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"{a.preset}, {a.experts} experts; {a.rounds} interleaved rounds of {a.seconds} s; ms per call "
+          "(% of the dense GEMM's rate, real rows)")
+    print("| load | kernel | " + " | ".join(names) + " | bits equal plan |")
+    print("|---|---|" + "---|" * len(names) + "---|")
     print("\n".join(lines))
 
 
