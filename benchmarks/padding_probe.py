@@ -6,7 +6,7 @@
 On kimi-k2's 341-row experts our gate/up and down reach 85-87 % of cuBLAS's batched GEMM on equal groups and
 78-79 % of its dense rate (benchmarks/results/2026-12-02-backward-few-rows). 341 = 2 x 128 + 85: 11 % of the
 rows a 128-row tile computes are padding. This sweeps the rows per expert (about 65,536 rows in all) around
-that, with every call in interleaved rounds at the power cap:
+that, with every call in interleaved rounds at the power cap (``--profile``: each call once, for ncu):
 
 - ours (``experts.gate_up`` / ``down``, the planner's tiles, and 64-row tiles),
 - ``torch.bmm`` on equal groups (cuBLAS; its kernel names, which carry its tile shape, from the profiler),
@@ -75,10 +75,25 @@ def main() -> None:
     parser.add_argument("--total", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=0.4)
+    parser.add_argument("--profile", action="store_true",
+                        help="no timing: each call once between cudaProfilerStart and Stop (for `ncu "
+                             "--profile-from-start off`), after a warm-up call")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
     cfg = preset(a.preset)
     dev = torch.device("cuda")
+    if a.profile:
+        for m in (int(v) for v in a.rows.split(",")):
+            calls, _, _ = load_calls(m, a.total, cfg.hidden, cfg.intermediate, dev)
+            for fn in calls.values():
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            for fn in calls.values():
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+        return
     records, lines = [], []
     for m in (int(v) for v in a.rows.split(",")):
         calls, flops, experts = load_calls(m, a.total, cfg.hidden, cfg.intermediate, dev)
