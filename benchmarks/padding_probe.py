@@ -20,6 +20,7 @@ holds its rate at 341, its kernel names say how it tiles the tail. Writes DIR/pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -29,7 +30,7 @@ import torch
 from megamoe.bench.experts import kernel_times
 from megamoe.config import preset
 from megamoe.ops.experts import down, gate_up
-from megamoe.ops.tiles import TileConfig
+from megamoe.ops.tiles import TileConfig, plan_tiles
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 
@@ -37,7 +38,7 @@ TILES_64 = {"gate_up": TileConfig(64, 128, 64, num_warps=4, num_stages=4, group_
             "down": TileConfig(64, 256, 64, num_warps=4, num_stages=4, group_m=8, flatten=True)}
 
 
-def load_calls(m: int, total: int, d: int, i: int, dev) -> tuple[dict, dict, int]:
+def load_calls(m: int, total: int, d: int, i: int, dev, groups: tuple[int, ...] = ()) -> tuple[dict, dict, int]:
     """{name: fn} and {name: FLOPs} of equal groups of ``m`` rows (about ``total`` rows in all)."""
     experts = max(1, round(total / m))
     rows = experts * m
@@ -63,6 +64,10 @@ def load_calls(m: int, total: int, d: int, i: int, dev) -> tuple[dict, dict, int
         "down bmm": lambda: torch.bmm(actb, wd.transpose(1, 2)),
         "down dense": lambda: torch.mm(act, w_dn),
     }
+    for g_m in groups:  # the planner's tiles with groups of g_m row tiles (the task order)
+        gu, dn = (dataclasses.replace(plan_tiles(k, dev), group_m=g_m) for k in ("gate_up", "down"))
+        calls[f"gate_up group {g_m}"] = lambda gu=gu: gate_up(x, counts, offsets, wgu, h, act_scratch, tiles=gu)
+        calls[f"down group {g_m}"] = lambda dn=dn: down(act, counts, offsets, wd, y, tiles=dn)
     fwd = 2 * rows * d * i
     flops = {name: (2 * fwd if name.startswith("gate_up") else fwd) for name in calls}
     return calls, flops, experts
@@ -75,6 +80,7 @@ def main() -> None:
     parser.add_argument("--total", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=0.4)
+    parser.add_argument("--groups", default="", help="also the planner's tiles with these group_m values (1,3,...)")
     parser.add_argument("--profile", action="store_true",
                         help="no timing: each call once between cudaProfilerStart and Stop (for `ncu "
                              "--profile-from-start off`), after a warm-up call")
@@ -82,9 +88,10 @@ def main() -> None:
     a = parser.parse_args()
     cfg = preset(a.preset)
     dev = torch.device("cuda")
+    groups = tuple(int(v) for v in a.groups.split(",") if v)
     if a.profile:
         for m in (int(v) for v in a.rows.split(",")):
-            calls, _, _ = load_calls(m, a.total, cfg.hidden, cfg.intermediate, dev)
+            calls, _, _ = load_calls(m, a.total, cfg.hidden, cfg.intermediate, dev, groups)
             for fn in calls.values():
                 fn()
             torch.cuda.synchronize()
@@ -96,7 +103,7 @@ def main() -> None:
         return
     records, lines = [], []
     for m in (int(v) for v in a.rows.split(",")):
-        calls, flops, experts = load_calls(m, a.total, cfg.hidden, cfg.intermediate, dev)
+        calls, flops, experts = load_calls(m, a.total, cfg.hidden, cfg.intermediate, dev, groups)
         times = interleaved_rounds(calls, a.rounds, a.seconds)
         names = {kind: list(kernel_times(calls[f"{kind} bmm"], iters=1)) for kind in ("gate_up", "down")}
         by = {}
@@ -112,6 +119,11 @@ def main() -> None:
                    for n in (kind, f"{kind} 64-row", f"{kind} bmm")]
             lines.append(f"| {m} x {experts} | {kind} | " + " | ".join(row) + f" | {dense:.0f} | "
                          f"{names[kind][0][:90] if names[kind] else ''} |")
+        for g_m in groups:
+            lines.append(f"| {m} x {experts} | group_m {g_m} | " + " | ".join(
+                f"{kind} {by[f'{kind} group {g_m}']['tflops']:.0f} "
+                f"({100 * by[f'{kind} group {g_m}']['tflops'] / by[f'{kind} dense']['tflops']:.0f} %)"
+                for kind in ("gate_up", "down")) + " | | | |")
         del calls
         torch.cuda.empty_cache()
     with open(os.path.join(a.out, "padding_probe.json"), "w") as f:
