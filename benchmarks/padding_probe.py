@@ -1,7 +1,7 @@
 """Where the grouped forward tiles lose to cuBLAS on few rows per expert: rows per expert swept (one GPU).
 
     PYTHONPATH=src python3 benchmarks/padding_probe.py [--preset kimi-k2] [--rows 320,341,384,448,512]
-                                                       [--rounds 4] [--seconds 0.4] [--out DIR]
+                                                       [--rounds 4] [--seconds 0.4] [--groups 3,16] [--out DIR]
 
 On kimi-k2's 341-row experts our gate/up and down reach 85-87 % of cuBLAS's batched GEMM on equal groups and
 78-79 % of its dense rate (benchmarks/results/2026-12-02-backward-few-rows). 341 = 2 x 128 + 85: 11 % of the
@@ -10,7 +10,8 @@ that, with every call in interleaved rounds at the power cap (``--profile``: eac
 
 - ours (``experts.gate_up`` / ``down``, the planner's tiles, and 64-row tiles),
 - ``torch.bmm`` on equal groups (cuBLAS; its kernel names, which carry its tile shape, from the profiler),
-- the dense GEMM of all rows (the yardstick).
+- the dense GEMM of all rows (the yardstick),
+- with ``--groups``, the planner's tiles with other task-group sizes (GROUP_M).
 
 TFLOP/s count the real rows only, so a tile that computes padding shows it. If ours is close to bmm at 384 and
 512 rows (no partial tiles) and falls away only where the last tile is partial, the gap is the tail; if cuBLAS
