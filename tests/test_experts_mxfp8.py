@@ -124,16 +124,26 @@ def test_variants_agree_and_tiles_store_h_int_exp_do_not_change_the_result():
         assert _rel(o.y[inside], base.y[inside]) <= 1e-2, _rel(o.y[inside], base.y[inside])
 
 
-@pytest.mark.skipif(DEVICE.type == "cpu", reason="the interpreter's fp32 dot (tf32 emulation) mangles NaN inputs")
 def test_nan_scale_block_poisons_its_row():
-    """A NaN block (scale byte 255, the quantiser's NaN encoding) gives NaN in its row, both variants."""
+    """A NaN block (scale byte 255, the quantiser's NaN encoding) gives NaN in its row and nowhere else in its
+    expert, both variants. (Rows 11..50 are expert 2's; the outputs start finite, so a NaN was written.)"""
     args = list(_problem(*LOADS["mixed"], seed=5))
-    x = mxfp8_dequantize(args[0], args[1])
-    x[7, 40] = float("nan")  # row 7: expert 2
-    args[0], args[1] = (t.to(DEVICE) for t in mxfp8_quantize(x.cpu()))
+    nan_row, clean_row = 20, 21
+    x = mxfp8_dequantize(args[0].cpu(), args[1].cpu())
+    x[nan_row, 40] = float("nan")
+    args[0], args[1] = (t.to(DEVICE) for t in mxfp8_quantize(x))
+    assert int(args[1][nan_row, 1]) == 255
+    rows, d = args[0].shape
+    i = args[6].shape[2]
+    ref = expert_forward_mxfp8_reference(*args)
     for variant in ("dequant", "rescale"):
-        out = expert_forward_mxfp8(*args, variant=variant)
-        assert out.y[7].isnan().all() and not out.y[8].isnan().any()
+        out = _poisoned(rows, d, i)
+        out.y.fill_(3.0)
+        out = expert_forward_mxfp8(*args, variant=variant, out=out)
+        assert out.y[nan_row].isnan().all(), variant
+        assert (out.act_scale[nan_row] == 255).all(), variant
+        assert not out.y[clean_row].isnan().any(), variant
+        assert _rel(out.y[clean_row], ref.y[clean_row]) <= 1e-2, variant
 
 
 @pytest.mark.parametrize(
