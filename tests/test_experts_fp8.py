@@ -136,6 +136,22 @@ def test_bad_arguments_raise_value_error(mutate, message):
         expert_forward_fp8_block(*args)
 
 
+def test_scales_with_a_size_one_dim_of_any_stride_give_the_same_bits():
+    """D = 128: the down scales are [L, 1, I/128], and torch calls them contiguous whatever the size-1 dim's
+    stride (a transposed view has 1 there). The kernels flatten [L, D/128] rows by the last size, not by that
+    stride, so such a tensor gives the canonical tensor's bits (it read the wrong experts' scales before)."""
+    args = list(_problem([6, 0, 37, 20], 3, d=128, seed=4))
+    dn_s = args[7]
+    assert dn_s.shape[1] == 1
+    odd = dn_s.as_strided(dn_s.shape, (dn_s.stride(0), 1, 1))
+    assert odd.is_contiguous() and odd.stride(1) != dn_s.shape[2] and torch.equal(odd, dn_s)
+    base = expert_forward_fp8_block(*args, num_programs=3)
+    args[7] = odd
+    got = expert_forward_fp8_block(*args, num_programs=3)
+    inside = _inside(args[2], args[3], args[0].shape[0])
+    assert torch.equal(got.y[inside].view(torch.int16), base.y[inside].view(torch.int16))
+
+
 def test_bad_tiles_raise_value_error():
     args = _problem(*LOADS["mixed"])
     with pytest.raises(ValueError, match="block_k"):

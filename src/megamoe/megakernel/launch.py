@@ -21,6 +21,7 @@ from megamoe.kernels import megakernel as mk
 from megamoe.megakernel.buffers import LayerBuffers
 from megamoe.megakernel.launch_args import (CommArgs, RoutedArgs, ScaleArgs, ScheduleArgs, SharedArgs, SizeArgs,
                                             SyncArgs, check_order, copy_tile_consts, ordered)
+from megamoe.ops.launch import flat_row_stride
 from megamoe.ops.quant import soft_e4m3_default
 from megamoe.runtime import interpreting
 
@@ -82,8 +83,8 @@ class Launcher:
             q = experts_q
             w_gate_up, w_down = q.w_gate_up, q.w_down
             scales = ScaleArgs(buffers.ring_scale, q.w_gate_up_scale, buffers.act_scale, q.w_down_scale,
-                               buffers.ring_scale.stride(0), q.w_gate_up_scale.stride(1),
-                               buffers.act_scale.stride(0), q.w_down_scale.stride(1))
+                               buffers.ring_scale.stride(0), flat_row_stride(q.w_gate_up_scale),
+                               buffers.act_scale.stride(0), flat_row_stride(q.w_down_scale))
         else:  # never read
             scales = ScaleArgs(k.error, k.error, k.error, k.error, 0, 0, 0, 0)
         w_gu_desc = self.desc(w_gate_up.view(L * 2 * I, D), [gate_up_tile.block_n, bk])

@@ -120,8 +120,7 @@ class QuantizedExperts:
 
 def _transposed_pack(q: QuantizedExperts) -> TransposedWeights:
     """fp8-block's dgrad weights from its forward pack: the same 128x128 blocks, transposed (copied into fresh
-    tensors: ``contiguous()`` keeps a size-1 dim's stride, and the kernels flatten the scales' leading dims by
-    their stride)."""
+    tensors with canonical strides: ``contiguous()`` keeps a size-1 dim's stride)."""
     t = lambda a: torch.empty_like(a.transpose(1, 2), memory_format=torch.contiguous_format).copy_(  # noqa: E731
         a.transpose(1, 2))
     return TransposedWeights(t(q.w_gate_up), t(q.w_gate_up_scale), t(q.w_down), t(q.w_down_scale))

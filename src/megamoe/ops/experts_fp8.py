@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megamoe import checks
 from megamoe import runtime
 from megamoe.ops.experts import ExpertForwardQuantized
-from megamoe.ops.launch import launch_row_tasks
+from megamoe.ops.launch import flat_row_stride, launch_row_tasks
 from megamoe.ops.tiles import TileConfig
 from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8
@@ -110,7 +110,7 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
         head=(TensorDescriptor.from_tensor(x_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, FP8_BLOCK]),
               x_scale, w_gate_up_scale, h, out.act_q.view(torch.uint8), out.act_scale,
-              x_scale.stride(0), w_gate_up_scale.stride(1), h.stride(0), out.act_q.stride(0),
+              x_scale.stride(0), flat_row_stride(w_gate_up_scale), h.stride(0), out.act_q.stride(0),
               out.act_scale.stride(0)),
         tail=(i, d, float(swiglu_limit or 0.0)),
         HAS_LIMIT=swiglu_limit is not None, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
@@ -131,7 +131,7 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
-              act_scale, w_down_scale, y, act_scale.stride(0), w_down_scale.stride(1), y.stride(0)),
+              act_scale, w_down_scale, y, act_scale.stride(0), flat_row_stride(w_down_scale), y.stride(0)),
         tail=(d, i),
     )
 

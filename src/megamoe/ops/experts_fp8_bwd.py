@@ -33,7 +33,7 @@ from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
-from megamoe.ops.launch import launch_row_tasks, scratch_allocator
+from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.ops.quant import quantize_activations
 from megamoe.ops.tiles import TileConfig
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
@@ -182,7 +182,7 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, c.block_k]),
               TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
               dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0),
-              w_dn_t_scale.stride(0 if mx else 1), h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+              flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
         tail=(d, i, experts * i, float(swiglu_limit or 0.0)) if mx else (d, i, float(swiglu_limit or 0.0)),
         HAS_LIMIT=swiglu_limit is not None,
     )

@@ -37,6 +37,14 @@ def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tenso
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def flat_row_stride(t: torch.Tensor) -> int:
+    """The row stride of contiguous ``t`` seen as ``[-1, t.shape[-1]]``, as the kernels read a 3-D scale tensor.
+
+    Not ``t.stride(-2)``: a size-1 dimension's stride is arbitrary even in a tensor torch calls contiguous
+    (fp8-block's ``[L, 1, I/128]`` down scales of D = 128, or a transposed view of ``[L, D/128, 1]``)."""
+    return t.shape[-1]
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block)
 
