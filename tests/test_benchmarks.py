@@ -3,7 +3,7 @@
 Each script in benchmarks/ is listed below as a CPU tool (a smoke run on simulated CPU ranks under the Triton
 interpreter, tiny shapes, or a recorded run of benchmarks/results/ reproduced from its files), a GPU tool
 (H200 shapes and CUDA timing: an import and ``--help``), or a helper module of the others. Every one of them
-prints its ``--help`` in a subprocess, and every ``megamoe`` module attribute a script names, at import or inside
+prints its ``--help`` (all of them in one subprocess), and every ``megamoe`` module attribute a script names, at import or inside
 a function, must exist (a name that moved in a reorganisation fails here, not on the GPU machine). The batch
 scripts that made the recorded runs are benchmarks/recipes.md; ``gpu_ep.sh`` stays and is checked here.
 """
@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -84,23 +83,39 @@ def test_every_script_the_results_cite_is_here_or_in_the_recipes():
     assert not missing, missing
 
 
-@lru_cache(maxsize=1)
-def _helps() -> dict[str, subprocess.CompletedProcess]:
-    """Every script's ``--help``, two at a time (each is an interpreter start and a torch import)."""
-    def one(name):
-        return name, subprocess.run([sys.executable, str(BENCH / name), "--help"], capture_output=True, text=True,
-                                    env=_env(), cwd=ROOT, timeout=120)
+#: Runs every script named in argv as ``__main__`` with ``--help``, one after another in this one interpreter (a
+#: fresh module namespace each, torch imported once), and prints {name: [exit code, stdout, error]} as JSON.
+_HELP_DRIVER = """
+import contextlib, io, json, runpy, sys, traceback
+out = {}
+for path in sys.argv[1:]:
+    sys.argv, text, code, error = [path, "--help"], io.StringIO(), 0, ""
+    try:
+        with contextlib.redirect_stdout(text):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        code, error = 1, traceback.format_exc()
+    out[path.rsplit("/", 1)[-1]] = [code, text.getvalue(), error]
+print(json.dumps(out))
+"""
 
-    with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(one, SCRIPTS))
+
+@lru_cache(maxsize=1)
+def _helps() -> dict[str, tuple[int, str, str]]:
+    """Every script's ``--help`` (exit code, stdout, traceback), all in one subprocess: an interpreter start and
+    a torch import per script took a minute of the suite."""
+    done = _run([sys.executable, "-c", _HELP_DRIVER, *(str(BENCH / name) for name in SCRIPTS)], timeout=600)
+    return {name: tuple(v) for name, v in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_script_prints_its_help(name):
-    done = _helps()[name]
-    assert done.returncode == 0, done.stderr[-4000:]
+    code, stdout, error = _helps()[name]
+    assert code == 0, error[-4000:]
     if name not in HELPERS:
-        assert "usage:" in done.stdout, done.stdout
+        assert "usage:" in stdout, stdout
 
 
 def _megamoe_names(tree: ast.AST) -> tuple[list[tuple[str, str]], list[tuple[str, str, int]]]:
