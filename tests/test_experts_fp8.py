@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megamoe.ops.launch import flat_row_stride
 from megamoe.ops.tiles import TileConfig
 from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block, expert_forward_fp8_block_reference
 from megamoe.reference.formats import fp8_block_quantize
@@ -150,6 +151,8 @@ def test_scales_with_a_size_one_dim_of_any_stride_give_the_same_bits():
     got = expert_forward_fp8_block(*args, num_programs=3)
     inside = _inside(args[2], args[3], args[0].shape[0])
     assert torch.equal(got.y[inside].view(torch.int16), base.y[inside].view(torch.int16))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        flat_row_stride(torch.zeros(2, 4, 6)[:, :, :3])
 
 
 def test_bad_tiles_raise_value_error():

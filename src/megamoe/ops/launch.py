@@ -41,7 +41,10 @@ def flat_row_stride(t: torch.Tensor) -> int:
     """The row stride of contiguous ``t`` seen as ``[-1, t.shape[-1]]``, as the kernels read a 3-D scale tensor.
 
     Not ``t.stride(-2)``: a size-1 dimension's stride is arbitrary even in a tensor torch calls contiguous
-    (fp8-block's ``[L, 1, I/128]`` down scales of D = 128, or a transposed view of ``[L, D/128, 1]``)."""
+    (fp8-block's ``[L, 1, I/128]`` down scales of D = 128, or a transposed view of ``[L, D/128, 1]``).
+    ValueError for a tensor that is not contiguous (a hand-built pack's scales: nothing else checks them)."""
+    if not t.is_contiguous():
+        raise ValueError(f"a scale tensor must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
     return t.shape[-1]
 
 
