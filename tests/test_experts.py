@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from megamoe.kernels.expert_gemm import row_tile_task
 from megamoe.ops.tiles import TileConfig, plan_tiles
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import expert_forward, expert_forward_reference
@@ -143,6 +146,27 @@ def test_uncut_minibatch_tiles_are_the_regions_tiles_grouped_by_their_first_row(
         assert torch.equal(getattr(tiles, name)[:n], getattr(whole, name)[:n]), name
     row0 = whole.tile_row0[:n].tolist()  # 0, 8, 24, 40, 50, 66, 82, 90, 91, 107
     assert tiles.minibatch_tiles.tolist() == [sum(r < j * 24 for r in row0) for j in range(6)] == [0, 2, 4, 6, 9, 10]
+    # runs: expert 2's tiles 1-3 start in minibatches 0, 1, 1; expert 5's tiles 8-9 in 3 and 4
+    assert whole.tile_run[:n].tolist() == [[0, 1], [1, 4], [1, 4], [1, 4], [4, 7], [4, 7], [4, 7], [7, 8],
+                                           [8, 10], [8, 10]]
+    assert tiles.tile_run[:n].tolist() == expected_runs(tiles) == [
+        [0, 1], [1, 2], [2, 4], [2, 4], [4, 6], [4, 6], [6, 7], [7, 8], [8, 9], [9, 10]]
+
+
+def expected_runs(tiles) -> list[list[int]]:
+    """[first, end) of each tile's run: the maximal span of consecutive tiles of one expert and minibatch."""
+    n = int(tiles.num_tiles)
+    bounds = tiles.minibatch_tiles.tolist()
+    key = [(int(tiles.tile_expert[t]), max(j for j in range(len(bounds) - 1) if bounds[j] <= t)) for t in range(n)]
+    runs = []
+    for t in range(n):
+        first, end = t, t + 1
+        while first > 0 and key[first - 1] == key[t]:
+            first -= 1
+        while end < n and key[end] == key[t]:
+            end += 1
+        runs.append([first, end])
+    return runs
 
 
 def test_row_tile_builders_agree_on_random_layouts():
@@ -162,8 +186,9 @@ def test_row_tile_builders_agree_on_random_layouts():
                                 cut=cut, backend=backend) for backend in TILE_BACKENDS)
         n = int(b.num_tiles)
         assert int(a.num_tiles) == n and torch.equal(a.minibatch_tiles, b.minibatch_tiles)
-        for name in ("tile_expert", "tile_row0", "tile_row_end"):
+        for name in ("tile_expert", "tile_row0", "tile_row_end", "tile_run"):
             assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n]), (name, counts, capacity, minibatch, cut)
+        assert a.tile_run[:n].tolist() == expected_runs(a), (counts, capacity, minibatch, cut)
     with pytest.raises(ValueError, match="backend must be"):
         build_row_tiles(counts, offsets, capacity, 16, backend="numpy")
 
@@ -178,8 +203,38 @@ def test_a_device_cut_flag_picks_either_layout(backend):
                               backend=backend)
         n = int(want.num_tiles)
         assert int(got.num_tiles) == n and torch.equal(got.minibatch_tiles, want.minibatch_tiles)
-        for name in ("tile_expert", "tile_row0", "tile_row_end"):
+        for name in ("tile_expert", "tile_row0", "tile_row_end", "tile_run"):
             assert torch.equal(getattr(got, name)[:n], getattr(want, name)[:n]), (cut, name)
+
+
+@triton.jit
+def _task_order_kernel(tile_run_ptr, minibatch_tiles_ptr, out_ptr, num_n, GROUP_M: tl.constexpr):
+    """Program j writes (tile, n-tile) of each of minibatch j's tasks, in task order."""
+    j = tl.program_id(0)
+    t0 = tl.load(minibatch_tiles_ptr + j)
+    for task in range((tl.load(minibatch_tiles_ptr + j + 1) - t0) * num_n):
+        tile, n = row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M)
+        tl.store(out_ptr + 2 * (t0 * num_n + task), tile)
+        tl.store(out_ptr + 2 * (t0 * num_n + task) + 1, n)
+
+
+@pytest.mark.parametrize("cut", (True, False))
+def test_tasks_walk_groups_inside_each_run_n_tile_outer(cut):
+    """Every task is one (tile, n-tile), each once; a group is at most GROUP_M tiles of one run, and the
+    programs running at once share its weight slice (n-tile outer)."""
+    counts = torch.tensor([5, 0, 90, 33, 1, 17, 64], device=DEVICE)
+    offsets = torch.tensor([0, 8, 8, 98, 131, 132, 149], device=DEVICE)
+    tiles = build_row_tiles(counts, offsets, capacity=220, block_m=16, minibatch=48, cut=cut)
+    n, num_n, group = int(tiles.num_tiles), 3, 2
+    out = torch.full((n * num_n, 2), -1, dtype=torch.int32, device=DEVICE)
+    _task_order_kernel[(len(tiles.minibatch_tiles) - 1,)](tiles.tile_run, tiles.minibatch_tiles, out, num_n,
+                                                          GROUP_M=group)
+    want = []
+    for first, end in sorted({tuple(r) for r in expected_runs(tiles)}):
+        for g in range(first, end, group):
+            want += [[t, k] for k in range(num_n) for t in range(g, min(g + group, end))]
+    assert out.tolist() == want
+    assert max(end - first for first, end in tiles.tile_run[:n].tolist()) > group  # a run of several groups
 
 
 def test_forward_over_minibatch_tiles_gives_the_same_bits():

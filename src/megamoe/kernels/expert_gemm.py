@@ -6,8 +6,10 @@ Index arrays (all on the device, built from the pull schedule without a host syn
     tile_expert[t], tile_row0[t],  expert, first row and end row of row-tile t (at most
     tile_row_end[t]                BLOCK_M rows), for t < num_tiles[0]; tiles never straddle
                                    experts (nor minibatches, see megamoe.routing.row_tiles.build_row_tiles)
-    task = tile * num_n_tiles + n  (expert -> m-tile -> n-tile order: the A tile is
-                                   reused from L2 across n, the weights across m)
+    tile_run[t] = (first, end)     the run of tile t: its expert's consecutive tiles (in its minibatch)
+    task -> (tile, n-tile)         groups of GROUP_M tiles inside a run, n-tile outer inside a group
+                                   (row_tile_task): the weight slice is read once per group, the
+                                   group's rows stay in L2 across its n-tiles
 
 Tensors (R = capacity rows of the routed buffer):
 
@@ -122,7 +124,8 @@ def down_tile(
 
 @triton.jit
 def grouped_task(task, num_n, num_tiles, GROUP_M: tl.constexpr):
-    """Task -> (row tile, n-tile): groups of GROUP_M consecutive row tiles, n-tile outer inside a group."""
+    """Task -> (row tile, n-tile) over one run of num_tiles tiles: groups of GROUP_M consecutive row tiles,
+    n-tile outer inside a group."""
     group_size = GROUP_M * num_n
     group = task // group_size
     first = group * GROUP_M
@@ -132,15 +135,23 @@ def grouped_task(task, num_n, num_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M: tl.constexpr):
-    """Task -> (expert, row0, row_end, n-tile) in grouped order.
+def row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M: tl.constexpr):
+    """Task -> (row tile, n-tile) over the tiles from t0 on, run by run (``grouped_task`` inside each).
 
-    Tasks walk groups of GROUP_M consecutive row tiles; inside a group the
-    n-tile is the outer index, so the programs running at once share one
-    weight slice (read from HBM once per group, not once per row tile) and
-    the group's rows stay in L2 across its n-tiles.
-    """
-    tile, n = grouped_task(task, num_n, num_tiles, GROUP_M)
+    Run [first, end) owns tasks [(first - t0) * num_n, (end - t0) * num_n), so t0 + task // num_n is one
+    of its tiles. Groups never straddle experts: straddling ones re-read a third of the weights from HBM
+    (benchmarks/results/2026-12-03-task-order)."""
+    t = t0 + task // num_n
+    first = tl.load(tile_run_ptr + 2 * t)
+    end = tl.load(tile_run_ptr + 2 * t + 1)
+    tile, n = grouped_task(task - (first - t0) * num_n, num_n, end - first, GROUP_M)
+    return first + tile, n
+
+
+@triton.jit
+def _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: tl.constexpr):
+    """Task -> (expert, row0, row_end, n-tile) in ``row_tile_task`` order."""
+    tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     row0 = tl.load(tile_row0_ptr + tile)
     row_end = tl.load(tile_row_end_ptr + tile)
@@ -150,7 +161,7 @@ def _tile_task(task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_
 @triton.jit
 def gate_up_kernel(
     x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     I, K, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -163,7 +174,7 @@ def gate_up_kernel(
     # FLATTEN lets the pipeliner fetch the next task's first K tiles during this task's epilogue.
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_swiglu_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
             HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -173,7 +184,7 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     act_desc, w_desc, y_ptr, stride_y,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -185,6 +196,6 @@ def down_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_tile(act_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
                   DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)

@@ -88,7 +88,7 @@ def dact_epilogue(
 def dact_swiglu_bwd_kernel(
     dy_desc, w_down_desc, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_h, stride_d_h, stride_act_w, stride_partial,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, I, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -99,7 +99,7 @@ def dact_swiglu_bwd_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr,
                   d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n,
                   D, I, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -188,7 +188,7 @@ def dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, row0, row_end, expert
 @triton.jit
 def dx_kernel(
     d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, I,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -199,7 +199,7 @@ def dx_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, row0, row_end, expert, n, D, I, DOT_FP32,
                 BLOCK_M, BLOCK_N, BLOCK_K)
 

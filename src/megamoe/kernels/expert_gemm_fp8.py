@@ -132,7 +132,7 @@ def down_fp8_tile(
 def gate_up_fp8_kernel(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
     stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     I, K, limit,
     HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -145,7 +145,7 @@ def gate_up_fp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_fp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
@@ -158,7 +158,7 @@ def gate_up_fp8_kernel(
 def down_fp8_kernel(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
     stride_as, stride_ws_n, stride_y,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
@@ -170,6 +170,6 @@ def down_fp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_fp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
                       row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N)

@@ -28,7 +28,7 @@ from megamoe.kernels.expert_gemm_fp8 import _dot_block, _w_scales
 def dact_fp8_kernel(
     dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, num_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, I, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
@@ -40,7 +40,7 @@ def dact_fp8_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
-            task, num_n, num_tiles, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, GROUP_M)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         n0 = n * BLOCK_N
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end

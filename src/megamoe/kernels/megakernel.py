@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from megamoe.kernels.comm import pull_tile, push_tile, signal_and_wait
-from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task
+from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task, row_tile_task
 from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
 from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_tile, gate_up_mxfp8_tile
 from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_DOWN, TRACE_KIND_GATE_UP, TRACE_KIND_PULL, TRACE_KIND_PUSH,
@@ -161,7 +161,7 @@ def compute_gate_up(
     j, c, workers, dealt, minibatch, slots, budget,
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_act_scale,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
     error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
@@ -180,8 +180,7 @@ def compute_gate_up(
         fence_async_proxy(FENCE)
     for task in range(first, tasks, workers):
         start = trace_clock(TRACE)
-        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
-        tile += t0
+        tile, n = row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M)
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile) + shift
         row_end = tl.load(tile_row_end_ptr + tile) + shift
@@ -207,7 +206,7 @@ def compute_gate_up(
 def compute_down(
     j, c, workers, dealt, minibatch, slots, budget,
     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale, stride_wdn_scale,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, tile_done_ptr, y_done_ptr,
     error_ptr, trace_ptr, experts, I, D,
     DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -219,8 +218,7 @@ def compute_down(
     tasks = tiles * num_n
     shift = ring_shift(j, minibatch, slots).to(tl.int32)
     for task in range(first_task(c, workers, dealt), tasks, workers):
-        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
-        tile += t0
+        tile, n = row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M)
         budget = wait_counter(tile_done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, trace_ptr,
                               WAIT_TILE_DONE, WAIT, TRACE)
         fence_async_proxy(FENCE)
@@ -289,7 +287,7 @@ def shared_down(
 def megakernel(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr,
     # communication: the symmetric rows the owners staged (BF16 x, or E4M3 x and its scales) pulled into the
     # ring's rows (and scales), symmetric combine slots (pushed)
     rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales, ring_ptr, stride_ring,
@@ -386,14 +384,15 @@ def megakernel(
                     j, c, workers, dealt, minibatch, slots, budget,
                     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
-                    stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                    rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
-                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                    stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                    minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I,
+                    D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
+                    GROUP_GU)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
                     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-                    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                    tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                    stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                    minibatch_tiles_ptr, tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                     DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
@@ -419,15 +418,15 @@ def megakernel(
             compute_gate_up(j, pid, workers, 0, minibatch, slots, budget,
                             ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
                             ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
-                            stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                            rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
-                            HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
-                            GROUP_GU)
+                            stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                            minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms,
+                            experts, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3,
+                            BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
                          act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
-                         stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
-                         tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
+                         stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                         minibatch_tiles_ptr, tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
                          DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, minibatch, slots, budget, skip_rank,

@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from megamoe.kernels.comm import pull_tile, signal_and_wait
-from megamoe.kernels.expert_gemm import gate_up_swiglu_tile, grouped_task
+from megamoe.kernels.expert_gemm import gate_up_swiglu_tile, grouped_task, row_tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_tile, dx_tile, router_grad_rows, wgrad_block, wgrad_descriptors
 from megamoe.kernels.megakernel import comm_push, first_task
 from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_BWD_PULL, TRACE_KIND_DACT, TRACE_KIND_DX, TRACE_KIND_REPLAY,
@@ -93,8 +93,8 @@ def pull_rows(
 def replay_tasks(
     j, c, workers, dealt, budget, ring_rows, minibatch,
     x_desc, w_gate_up_desc, h_replay_ptr, act_replay_ptr, stride_h, stride_act,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
-    error_ptr, trace_ptr, comm_sms, I, D, limit,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr,
+    replay_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -111,8 +111,7 @@ def replay_tasks(
         fence_async_proxy(FENCE)
     for task in range(first, tasks, workers):
         start = trace_clock(TRACE)
-        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
-        tile += t0
+        tile, n = row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M)
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile)
         row_end = tl.load(tile_row_end_ptr + tile)
@@ -131,8 +130,8 @@ def dact_tasks(
     j, c, workers, dealt, budget, ring_rows, minibatch, batches, replayed,
     dy_desc, w_down_desc, ring_h_ptr, h_replay_ptr, stride_ring_h, stride_h_replay, row_w_ptr, d_h_ptr, act_w_ptr,
     partial_ptr, stride_d_h, stride_act_w, stride_partial,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
-    dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr,
+    replay_done_ptr, dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -142,8 +141,7 @@ def dact_tasks(
     num_n = tl.cdiv(I, BN_DA)
     tasks = tiles * num_n
     for task in range(first_task(c, workers, dealt), tasks, workers):
-        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
-        tile += t0
+        tile, n = row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M)
         expert = tl.load(tile_expert_ptr + tile)
         row0 = tl.load(tile_row0_ptr + tile)
         row_end = tl.load(tile_row_end_ptr + tile)
@@ -174,7 +172,7 @@ def dact_tasks(
 def dx_tasks(
     j, c, workers, dealt, budget,
     d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, partial_ptr, stride_partial, d_router_ptr,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr, dact_done_ptr, dx_done_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, dact_done_ptr, dx_done_ptr,
     error_ptr, trace_ptr, I, D,
     DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BN_DX: tl.constexpr, BK_DX: tl.constexpr, GROUP_M: tl.constexpr,
@@ -186,8 +184,7 @@ def dx_tasks(
     num_n = tl.cdiv(D, BN_DX)
     tasks = tiles * num_n
     for task in range(first_task(c, workers, dealt), tasks, workers):
-        tile, n = grouped_task(task, num_n, tiles, GROUP_M)
-        tile += t0
+        tile, n = row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M)
         budget = wait_counter(dact_done_ptr + tile, tl.cdiv(I, BN_DA), budget, error_ptr, tile, trace_ptr,
                               WAIT_DACT, WAIT, TRACE)
         fence_async_proxy(FENCE)
@@ -312,7 +309,7 @@ def wgrad_tasks(
 def megakernel_bwd(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr, offsets_ptr, counts_ptr,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, minibatch_tiles_ptr,
+    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr,
     # communication: the home ranks' staged d_out and x rows, pulled into full-size rows; the home ranks' d_x slots
     d_out_peer_ptrs, d_out_ptr, x_peer_ptrs, x_ptr, stride_rows, dy_ptr, x_rows_ptr, stride_pass,
     slots_peer_ptrs, slots_ptr, stride_slots,
@@ -391,18 +388,19 @@ def megakernel_bwd(
                     dealt, budget = replay_tasks(
                         j, c, workers, dealt, budget, ring_rows, minibatch, x_desc, w_gate_up_desc, h_replay_ptr,
                         act_replay_ptr, stride_h_replay, stride_act_replay, tile_expert_ptr, tile_row0_ptr,
-                        tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr, error_ptr, trace_ptr,
-                        comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BK_GU, GROUP_M)
+                        tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
+                        error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M,
+                        BN_GU, BK_GU, GROUP_M)
                 dealt, budget = dact_tasks(
                     j, c, workers, dealt, budget, ring_rows, minibatch, batches, replayed, dy_desc, w_down_desc,
                     ring_h_ptr, h_replay_ptr, stride_ring_h, stride_h_replay, row_w_ptr, d_h_ptr, act_w_ptr,
                     partial_ptr, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
-                    tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr, dact_done_ptr,
-                    dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT,
-                    TRACE, BLOCK_M, BN_GU, BN_DA, BK_DA, GROUP_M)
+                    tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
+                    dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32,
+                    FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DA, BK_DA, GROUP_M)
                 dealt, budget = dx_tasks(
                     j, c, workers, dealt, budget, d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, partial_ptr,
-                    stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                    stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                     minibatch_tiles_ptr, dact_done_ptr, dx_done_ptr, error_ptr, trace_ptr, I, D, DOT_FP32, FENCE,
                     WAIT, TRACE, BLOCK_M, BN_DA, BN_DX, BK_DX, GROUP_M)
             dealt, budget = wgrad_tasks(
@@ -433,19 +431,19 @@ def megakernel_bwd(
         elif PHASE == PHASE_REPLAY:
             replay_tasks(j, pid, workers, 0, budget, ring_rows, minibatch, x_desc, w_gate_up_desc, h_replay_ptr,
                          act_replay_ptr, stride_h_replay, stride_act_replay, tile_expert_ptr, tile_row0_ptr,
-                         tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr, error_ptr, trace_ptr,
-                         comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BK_GU,
-                         GROUP_M)
+                         tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
+                         error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE,
+                         BLOCK_M, BN_GU, BK_GU, GROUP_M)
         elif PHASE == PHASE_DACT:
             dact_tasks(j, pid, workers, 0, budget, ring_rows, minibatch, batches, j >= slots, dy_desc, w_down_desc,
                        ring_h_ptr, h_replay_ptr, stride_ring_h, stride_h_replay, row_w_ptr, d_h_ptr, act_w_ptr,
                        partial_ptr, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
-                       tile_row_end_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr, dact_done_ptr,
-                       dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT,
-                       TRACE, BLOCK_M, BN_GU, BN_DA, BK_DA, GROUP_M)
+                       tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
+                       dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32,
+                       FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DA, BK_DA, GROUP_M)
         elif PHASE == PHASE_DX:
             dx_tasks(j, pid, workers, 0, budget, d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, partial_ptr,
-                     stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                     stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                      minibatch_tiles_ptr, dact_done_ptr, dx_done_ptr, error_ptr, trace_ptr, I, D, DOT_FP32, FENCE,
                      WAIT, TRACE, BLOCK_M, BN_DA, BN_DX, BK_DX, GROUP_M)
         elif PHASE == PHASE_PUSH:

@@ -164,12 +164,13 @@ def _uncut_layout(first, end, valid, lo, hi, block_m):
 
 @triton.jit
 def row_tiles_kernel(counts_ptr, offsets_ptr, cut_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                     num_tiles_ptr, minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m,
+                     tile_run_ptr, num_tiles_ptr, minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m,
                      EXPERTS: tl.constexpr, CUT: tl.constexpr):
     """Program j writes the tiles of minibatch j. CUT 1: every region's tiles inside minibatch j, in
     (minibatch, expert, row) order, so region l's first tile index is every tile of earlier minibatches plus
     minibatch j's in experts < l. CUT 0: the regions' own tiles (expert, row order) that start in minibatch j.
-    CUT -1: as ``cut_ptr[0]`` (nonzero: cut) says. EXPERTS >= L is a power of two."""
+    CUT -1: as ``cut_ptr[0]`` (nonzero: cut) says. Either way a region's tiles in minibatch j are one run
+    ``[base, base + tiles)`` (tile_run). EXPERTS >= L is a power of two."""
     batch = tl.program_id(0).to(tl.int64)
     lo = batch * minibatch
     hi = lo + minibatch
@@ -193,6 +194,8 @@ def row_tiles_kernel(counts_ptr, offsets_ptr, cut_ptr, tile_expert_ptr, tile_row
         tl.store(tile_expert_ptr + base + u, local, mask=keep)
         tl.store(tile_row0_ptr + base + u, row0.to(tl.int32), mask=keep)
         tl.store(tile_row_end_ptr + base + u, tl.minimum(row0 + block_m, seg_end).to(tl.int32), mask=keep)
+        tl.store(tile_run_ptr + 2 * (base + u), base.to(tl.int32), mask=keep)
+        tl.store(tile_run_ptr + 2 * (base + u) + 1, (base + tiles).to(tl.int32), mask=keep)
     tl.store(minibatch_tiles_ptr + batch, before.to(tl.int32))
     if batch == num_batches - 1:
         total = (before + tl.sum(tiles, axis=0)).to(tl.int32)

@@ -110,7 +110,8 @@ class BackwardLauncher:
         values = dict(
             num_rows_ptr=sch.num_rows, src_rank_ptr=sch.src_rank, src_index_ptr=sch.src_index,
             offsets_ptr=sch.offsets, counts_ptr=sch.tokens_per_expert, tile_expert_ptr=tiles.tile_expert,
-            tile_row0_ptr=tiles.tile_row0, tile_row_end_ptr=tiles.tile_row_end, minibatch_tiles_ptr=tiles.minibatch_tiles,
+            tile_row0_ptr=tiles.tile_row0, tile_row_end_ptr=tiles.tile_row_end, tile_run_ptr=tiles.tile_run,
+            minibatch_tiles_ptr=tiles.minibatch_tiles,
             d_out_peer_ptrs=sym.peer_ptrs("d_out"), d_out_ptr=sym.local("d_out"), x_peer_ptrs=sym.peer_ptrs("x"),
             x_ptr=sym.local("x"), stride_rows=D, dy_ptr=b.dy, x_rows_ptr=b.x_rows, stride_pass=D,
             slots_peer_ptrs=sym.peer_ptrs("combine"), slots_ptr=sym.local("combine"),

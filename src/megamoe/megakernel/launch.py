@@ -101,7 +101,7 @@ class Launcher:
         bytes_view = (lambda t: t.view(torch.uint8)) if k.quantized else (lambda t: t)
         args = ordered(
             ScheduleArgs(schedule.num_rows, schedule.src_rank, schedule.src_index, tiles.tile_expert,
-                         tiles.tile_row0, tiles.tile_row_end, tiles.minibatch_tiles),
+                         tiles.tile_row0, tiles.tile_row_end, tiles.tile_run, tiles.minibatch_tiles),
             CommArgs(*self.pulled, bytes_view(buffers.ring_x), buffers.ring_x.stride(0),
                      k.sym.peer_ptrs("combine"), combine, combine.stride(0)),
             RoutedArgs(ring_desc, w_gu_desc, buffers.h, bytes_view(buffers.act), buffers.h.stride(0),

@@ -45,6 +45,7 @@ class ScheduleArgs:
     tile_expert_ptr: object
     tile_row0_ptr: object
     tile_row_end_ptr: object
+    tile_run_ptr: object
     minibatch_tiles_ptr: object
 
 

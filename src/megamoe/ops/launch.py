@@ -64,7 +64,8 @@ def launch_row_tasks(kernel, cfg: TileConfig, programs: int, counts: torch.Tenso
     tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     kernel[(programs,)](
-        *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.tile_row_end, row_tiles.num_tiles, *tail,
+        *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.tile_row_end, row_tiles.tile_run,
+        row_tiles.num_tiles, *tail,
         **{name: value for name, value in tile.items() if name in kernel.arg_names},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )

@@ -30,6 +30,8 @@ class RowTiles:
         tile_expert: int32 `[max_tiles]` local expert of tile t (valid for t < num_tiles).
         tile_row0: int32 `[max_tiles]` first row of tile t.
         tile_row_end: int32 `[max_tiles]` one past its last row (region end, row0 + block_m or, cut, minibatch end).
+        tile_run: int32 `[max_tiles, 2]` the first tile and one past the last of tile t's run: its expert's
+            tiles in its minibatch (consecutive). The kernels group tasks inside runs.
         num_tiles: int32 `[1]` tiles in use.
         minibatch_tiles: int32 `[num_minibatches + 1]` tiles of minibatch j are
             ``[minibatch_tiles[j], minibatch_tiles[j + 1])``.
@@ -39,6 +41,7 @@ class RowTiles:
     tile_expert: torch.Tensor
     tile_row0: torch.Tensor
     tile_row_end: torch.Tensor
+    tile_run: torch.Tensor
     num_tiles: torch.Tensor
     minibatch_tiles: torch.Tensor
     block_m: int
@@ -69,8 +72,8 @@ def build_row_tiles(
     a, b = (_row_tiles_by_torch(counts, offsets, capacity, block_m, minibatch, batches, c) for c in (True, False))
     flag = cut.reshape(1) != 0
     return RowTiles(*(torch.where(flag, x, y) for x, y in zip(
-        (a.tile_expert, a.tile_row0, a.tile_row_end, a.num_tiles, a.minibatch_tiles),
-        (b.tile_expert, b.tile_row0, b.tile_row_end, b.num_tiles, b.minibatch_tiles))), block_m)
+        (a.tile_expert, a.tile_row0, a.tile_row_end, a.tile_run, a.num_tiles, a.minibatch_tiles),
+        (b.tile_expert, b.tile_row0, b.tile_row_end, b.tile_run, b.num_tiles, b.minibatch_tiles))), block_m)
 
 
 def _row_tiles_by_torch(counts, offsets, capacity: int, block_m: int, minibatch: int, batches: int,
@@ -101,8 +104,12 @@ def _row_tiles_by_torch(counts, offsets, capacity: int, block_m: int, minibatch:
         before = ((torch.minimum(end[None, :], lo) - start[None, :]).clamp_min(0) + block_m - 1) // block_m
         minibatch_tiles = before.sum(1).to(torch.int32)
     num_tiles = minibatch_tiles[-1:].clone()
+    # a run is a segment's tiles inside one minibatch's (uncut, a region's tiles may start in several)
+    batch = (torch.searchsorted(minibatch_tiles, tile.to(torch.int32), right=True) - 1).clamp(0, batches - 1)
+    run_first = torch.maximum(first[segment], minibatch_tiles[batch].long()) if experts else tile * 0
+    run_end = torch.minimum(ends[segment], minibatch_tiles[batch + 1].long()) if experts else tile * 0
     return RowTiles((segment % max(experts, 1)).to(torch.int32), row0.to(torch.int32), row_end.to(torch.int32),
-                    num_tiles, minibatch_tiles, block_m)
+                    torch.stack([run_first, run_end], 1).to(torch.int32), num_tiles, minibatch_tiles, block_m)
 
 
 def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch: int, batches: int,
@@ -111,13 +118,14 @@ def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch
     max_tiles = -(-capacity // block_m) + experts + batches
     tile_expert, tile_row0, tile_row_end = (torch.empty(max_tiles, dtype=torch.int32, device=device)
                                             for _ in range(3))
+    tile_run = torch.empty(max_tiles, 2, dtype=torch.int32, device=device)
     new = torch.empty if experts else torch.zeros  # the kernel writes every entry of these two
     num_tiles = new(1, dtype=torch.int32, device=device)
     minibatch_tiles = new(batches + 1, dtype=torch.int32, device=device)
     if experts:
         flag = cut if isinstance(cut, torch.Tensor) else counts  # never read with a constant CUT
         schedule_kernels.row_tiles_kernel[(batches,)](
-            counts, offsets, flag, tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, experts,
+            counts, offsets, flag, tile_expert, tile_row0, tile_row_end, tile_run, num_tiles, minibatch_tiles, experts,
             batches, minibatch, block_m, EXPERTS=triton.next_power_of_2(experts),
             CUT=-1 if isinstance(cut, torch.Tensor) else int(cut))
-    return RowTiles(tile_expert, tile_row0, tile_row_end, num_tiles, minibatch_tiles, block_m)
+    return RowTiles(tile_expert, tile_row0, tile_row_end, tile_run, num_tiles, minibatch_tiles, block_m)

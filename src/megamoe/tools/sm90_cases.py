@@ -22,7 +22,8 @@ from megamoe.precision import FORMATS
 
 #: The SM count the persistent grids are compiled for (H200).
 SMS = 132
-_TILES = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "num_tiles_ptr": "*i32"}
+_TILES = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "tile_run_ptr": "*i32",
+          "num_tiles_ptr": "*i32"}
 
 
 @dataclass(frozen=True)
