@@ -121,6 +121,34 @@ def load_calls(experts: int, routes: int, d: int, i: int, dev) -> tuple[dict, di
     return calls, flops, {"backward": backward}
 
 
+def backward_timeline(fn, path: str, iters: int = 3) -> dict:
+    """One steady call's wall time against its kernels' (CUDA events, then the torch profiler with host
+    activity, whose Chrome trace goes to ``path``): where the backward's time outside its kernels goes."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / iters
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    kernels, host = 0.0, {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += event.device_time_total / 1e3 / iters
+        elif event.key.startswith("cuda") or event.key.startswith("aten::"):
+            host[event.key] = round(event.cpu_time_total / 1e3 / iters, 3)
+    top = dict(sorted(host.items(), key=lambda kv: -kv[1])[:8])
+    return {"wall_ms": wall, "kernels_ms": kernels, "host_ms": top}
+
+
 def machine() -> dict:
     query = "name,driver_version,power.limit,clocks.max.sm"
     try:
@@ -146,12 +174,21 @@ def main() -> None:
     for experts in (int(e) for e in a.experts.split(",")):
         load = f"{experts}x{a.tokens * cfg.top_k // experts}"
         calls, flops, split = load_calls(experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, dev)
+        before = torch.cuda.memory_stats()
         times = interleaved_rounds(calls, a.rounds, a.seconds)
+        after = torch.cuda.memory_stats()
+        # device allocations during the rounds: a cudaMalloc / cudaFree syncs and takes ms (the backward's weight
+        # gradients are 17 GB a call at kimi-k2)
+        allocator = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                                                     "num_device_free", "num_sync_all_streams")}
         kernels = kernel_times(split["backward"])
+        timeline = backward_timeline(split["backward"], os.path.join(a.out, f"backward_trace_{load}.json"))
         for name, ts in times.items():
             ms = statistics.median(ts)
             records.append({"load": load, "call": name, "ms": ms, "ms_rounds": ts, "tflops": flops[name] / ms / 1e9})
-        records.append({"load": load, "call": "backward kernels", "kernels_ms": kernels})
+        records.append({"load": load, "call": "backward kernels", "kernels_ms": kernels,
+                        "allocator_in_rounds": allocator,
+                        "timeline": timeline})
         by = {r["call"]: r for r in records if r["load"] == load and "ms" in r}
         for name, r in by.items():
             base = name.removesuffix(" dense").removesuffix(" grouped_mm").removesuffix(" bmm")
@@ -161,6 +198,9 @@ def main() -> None:
                          f"| {r['tflops']:.0f} | {dense} | {bmm} |")
         lines.append(f"| {load} | backward kernels | " + ", ".join(f"{k[:28]} {v:.2f}" for k, v in
                                                                  list(kernels.items())[:6]) + " | | | |")
+        lines.append(f"| {load} | backward timeline | wall {timeline['wall_ms']:.2f} ms/call, kernels "
+                     f"{timeline['kernels_ms']:.2f}, host calls {timeline['host_ms']} | allocator in rounds "
+                     f"{allocator} | | |")
         del calls, split
         torch.cuda.empty_cache()
     with open(os.path.join(a.out, "gemm_vs_dense.json"), "w") as f:
