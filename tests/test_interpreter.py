@@ -1,0 +1,58 @@
+"""megamoe.runtime's interpreter patch: the language is patched once per launch, not once per helper call."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+import megamoe.runtime  # noqa: F401  (installs the patch)
+from megamoe.runtime import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="the CPU interpreter's path")
+
+
+@triton.jit
+def _scaled(x, k):
+    return x * k
+
+
+@triton.jit
+def _twice(x):
+    return _scaled(x, 2.0) + _scaled(x, 0.0)
+
+
+@triton.jit
+def _helpers_kernel(x_ptr, out_ptr, calls, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.load(x_ptr + offs)
+    for _ in range(calls):
+        acc = _twice(acc)
+    tl.store(out_ptr + offs, acc)
+
+
+def _run(calls: int) -> torch.Tensor:
+    x = torch.randn(64)
+    out = torch.full_like(x, float("nan"))
+    _helpers_kernel[(4,)](x, out, calls, BLOCK=16)
+    return x, out
+
+
+def test_nested_helpers_give_the_kernels_values_and_the_language_is_restored():
+    load, store = tl.load, tl.store
+    x, out = _run(3)
+    assert torch.equal(out, x * 8)
+    assert tl.load is load and tl.store is store  # nothing left patched after the launch
+    x, out = _run(0)
+    assert torch.equal(out, x)
+
+
+def test_helper_calls_do_not_patch_the_language_again(monkeypatch):
+    scans = []
+    original = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: (scans.append(1), original(*a))[1])
+    _run(1)
+    one = len(scans)
+    scans.clear()
+    _run(6)  # 12 more helper calls per program
+    assert one > 0 and len(scans) == one
