@@ -2,13 +2,15 @@
 
     PYTHONPATH=src python3 benchmarks/wgrad_ab.py [--preset kimi-k2] [--experts 384,192] [--rounds 5]
         [--variants plan,...] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/wgrad_ab.py --check     # the CPU interpreter: the flat variant's bits
 
 The gate/up weight gradient of ``tokens x k`` rows spread evenly over each expert count (kimi-k2 at 8192 tokens:
 384 x ~171 at EP 1, 192 x ~341 at EP 2): ``dW[l] = d_h[rows of l]ᵀ · x[rows of l]`` `[2I, D]` per expert (K =
 the expert's rows, a few K steps per block, so the output's store weighs as much as the MMAs). Our
 ``wgrad_kernel`` per variant (tile shape, stages, programs per SM) and ``torch._grouped_mm`` with offsets along
 K (what torch's grouped GEMM backward runs), in interleaved rounds; each variant's result compared with the plan's
-bit for bit. Prints ms, TFLOP/s, the store's share (the output's bytes at 4.8 TB/s) and % of the peer; writes
+bit for bit. ``flat`` is the plan's tile in ``wgrad_flat_kernel``: one task loop over every expert's blocks (the
+plan's loop is flattened only inside an expert). Prints ms, TFLOP/s, the store's share (the output's bytes at 4.8 TB/s) and % of the peer; writes
 DIR/wgrad_ab.json.
 """
 
@@ -20,6 +22,8 @@ import os
 import statistics
 
 import torch
+import triton
+import triton.language as tl
 
 from megamoe.bench.experts import make_load
 from megamoe.config import preset
@@ -30,6 +34,29 @@ from megamoe.runtime import num_programs
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 
+
+@triton.jit
+def wgrad_flat_kernel(
+    a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """``wgrad_kernel``'s blocks (the same tasks, dealt the same way) in one task loop over every expert, the
+    descriptors made per block: the plan's loop is flattened only inside an expert (3-7 blocks per program at
+    192 experts), so its pipeline drains at every expert."""
+    num_n = tl.cdiv(OUT_N, BLOCK_N)
+    per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n
+    for task in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS, flatten=FLATTEN):
+        expert = task // per_expert
+        block = task - expert * per_expert
+        row0 = tl.load(offsets_ptr + expert)
+        row_end = row0 + tl.load(counts_ptr + expert)
+        a_desc, b_desc, out_desc = expert_gemm_bwd.wgrad_descriptors(a_ptr, b_ptr, out_ptr, expert, row_end, OUT_M,
+                                                                     OUT_N, BLOCK_M, BLOCK_N, BLOCK_K)
+        expert_gemm_bwd.wgrad_block(a_desc, b_desc, out_desc, row0, row_end, block // num_n * BLOCK_M,
+                                    block % num_n * BLOCK_N, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 #: name -> (TileConfig or None for the plan's, programs per SM)
 VARIANTS = {
     "plan": (None, 1),
@@ -38,7 +65,33 @@ VARIANTS = {
     "128x128x32x3-2cta": (TileConfig(128, 128, 32, num_warps=8, num_stages=3, flatten=True), 2),
     "128x128x32x3-2cta-w4": (TileConfig(128, 128, 32, num_warps=4, num_stages=3, flatten=True), 2),
     "128x256x32x3-unflat": (TileConfig(128, 256, 32, num_warps=8, num_stages=3, flatten=False), 1),
+    "flat": (None, 1),  # the plan's tile, wgrad_flat_kernel
 }
+#: variants that run another kernel than expert_gemm_bwd.wgrad_kernel
+KERNELS = {"flat": wgrad_flat_kernel}
+
+
+def check_flat() -> None:
+    """wgrad_flat_kernel against wgrad_kernel on small loads (an empty expert, partial K steps), bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for counts in ([40, 0, 17, 33], [5, 70]):
+        counts = torch.tensor(counts, dtype=torch.int32)
+        offsets = (counts.cumsum(0) - counts).to(torch.int32)
+        rows, out_m, out_n = int(counts.sum()), 64, 96
+        a = torch.randn(rows, out_m, generator=g).bfloat16()
+        b = torch.randn(rows, out_n, generator=g).bfloat16()
+        outs = []
+        for kernel in (expert_gemm_bwd.wgrad_kernel, wgrad_flat_kernel):
+            out = torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16)
+            with scratch_allocator():
+                kernel[(3,)](a, b, out, offsets, counts, len(counts), out_m, out_n, DOT_FP32=True, NUM_PROGRAMS=3,
+                             BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, FLATTEN=True)
+            outs.append(out)
+        want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float()
+                            for o, c in zip(offsets.tolist(), counts.tolist())])
+        assert torch.equal(outs[0], outs[1]), "wgrad_flat_kernel's bits differ from wgrad_kernel's"
+        assert (outs[1].float() - want).abs().max() <= 0.02 * want.abs().max(), "wgrad_flat_kernel is wrong"
+    print("wgrad_flat_kernel: the same bits as wgrad_kernel")
 
 
 def main() -> None:
@@ -49,8 +102,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--check", action="store_true",
+                        help="the CPU interpreter: wgrad_flat_kernel's bits against wgrad_kernel's, small shapes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
+    if a.check:
+        check_flat()
+        return
     cfg, dev = preset(a.preset), torch.device("cuda")
     d, i = cfg.hidden, cfg.intermediate
     records, lines = [], []
@@ -67,9 +125,9 @@ def main() -> None:
             programs = per_sm * num_programs(dev)
             out = plan_out if name == "plan" else other_out  # the variants share one buffer (GBs each)
 
-            def call(c=c, programs=programs, out=out):
+            def call(c=c, programs=programs, out=out, kernel=KERNELS.get(name, expert_gemm_bwd.wgrad_kernel)):
                 with scratch_allocator():
-                    expert_gemm_bwd.wgrad_kernel[(programs,)](
+                    kernel[(programs,)](
                         d_h, x, out, offsets, counts, experts, 2 * i, d, DOT_FP32=False, NUM_PROGRAMS=programs,
                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
                         num_warps=c.num_warps, num_stages=c.num_stages)

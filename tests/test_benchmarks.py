@@ -350,3 +350,9 @@ def test_gpu_ep_sh_calls_megamoe_bench_with_options_that_exist(tmp_path):
         assert opts["--preset"] in PRESETS and opts["--ep"] == "2" and opts["--tokens"] == "64"
         assert all(impl in help_text for impl in opts["--impl"].split(","))
         assert all(fmt in help_text for fmt in opts["--experts"].split(","))
+
+
+def test_wgrad_ab_flat_kernel_gives_the_plans_bits():
+    """wgrad_ab.py's probe kernel (one task loop over every expert) under the interpreter: wgrad_kernel's bits."""
+    done = _script("wgrad_ab.py", "--check")
+    assert "the same bits as wgrad_kernel" in done.stdout, done.stdout
