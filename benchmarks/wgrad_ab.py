@@ -10,8 +10,8 @@ the expert's rows, a few K steps per block, so the output's store weighs as much
 ``wgrad_kernel`` per variant (tile shape, stages, programs per SM) and ``torch._grouped_mm`` with offsets along
 K (what torch's grouped GEMM backward runs), in interleaved rounds; each variant's result compared with the plan's
 bit for bit. ``flat`` is the plan's tile in ``wgrad_flat_kernel``: one task loop over every expert's blocks (the
-plan's loop is flattened only inside an expert). Prints ms, TFLOP/s, the store's share (the output's bytes at 4.8 TB/s) and % of the peer; writes
-DIR/wgrad_ab.json.
+plan's loop is flattened only inside an expert). Prints ms, TFLOP/s, the store's share (the output's bytes at
+4.8 TB/s) and % of the peer; writes DIR/wgrad_ab.json.
 """
 
 from __future__ import annotations
