@@ -9,7 +9,6 @@ its CPU path (phased megakernel, fp32 dots, software E4M3 rounding).
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import torch
@@ -79,13 +78,16 @@ def _patch_language_once_per_launch() -> None:
     if not triton.__version__.startswith("3.6.") or original is None or getattr(original, "_megamoe", False):
         return
     patched: set[int] = set()  # the language modules the running launch has patched
+    langs_of: dict = {}  # function -> ids of the language modules in its globals (as _patch_lang finds them)
 
     class Unpatched:
         def restore(self) -> None:
             pass
 
     def patch_lang(fn):
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
         if patched and langs <= patched:
             return Unpatched()
         launch = not patched
