@@ -356,3 +356,11 @@ def test_wgrad_ab_flat_kernel_gives_the_plans_bits():
     """wgrad_ab.py's probe kernel (one task loop over every expert) under the interpreter: wgrad_kernel's bits."""
     done = _script("wgrad_ab.py", "--check")
     assert "the same bits as wgrad_kernel" in done.stdout, done.stdout
+
+
+@pytest.mark.slow  # a GPU tool's CPU smoke run (~30 s): `pytest -m slow`, before a GPU session
+def test_task_order_ab_orders_give_the_same_bits():
+    """task_order_ab.py --check: every row-tile kernel in both task orders (runs; one run over all tiles), the same
+    bits under the interpreter."""
+    done = _script("task_order_ab.py", "--check", timeout=300)
+    assert '"gate_up": true' in done.stdout and "false" not in done.stdout, done.stdout
