@@ -69,7 +69,7 @@ def _patch_language_once_per_launch() -> None:
 
     A launch patches the language modules its kernel sees (``inspect.getmembers`` over ``tl``, ``tl.tensor``,
     ``tl.math``: ~0.7 ms) and restores them when it ends; every ``@triton.jit`` helper call inside it patches them
-    again, with the same builder, and drops that scope unrestored. Those repeats were ~40 % of a CPU training
+    again, with the same builder, and drops that scope unrestored. Those repeats were a third of a CPU training
     step. Here a helper call whose language modules the running launch has patched already is not patched again.
     Other Triton versions are left as they are."""
     from triton.runtime import interpreter
