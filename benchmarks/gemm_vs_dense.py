@@ -32,11 +32,10 @@ import subprocess
 
 import torch
 
-from megamoe.bench.experts import kernel_times, make_load
+from megamoe.bench.experts import fp8_block_operands, kernel_times, make_load
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, gate_up
+from megamoe.ops.experts import ExpertForward, down, expert_backward, gate_up
 from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
-from megamoe.ops.quant import quantize_activations, quantize_weights
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 
@@ -96,12 +95,8 @@ def load_calls(experts: int, routes: int, d: int, i: int, dev) -> tuple[dict, di
     }
     flops = {"gate_up": 2 * fwd, "down": fwd, "backward": 6 * fwd}  # dact 1, dx 2, wgrads 1 + 2
     # fp8-block: operands quantised once, untimed
-    x_q, x_s = quantize_activations(x, "fp8-block")
-    wgu_q, wgu_s = quantize_weights(wgu, "fp8-block")
-    wd_q, wd_s = quantize_weights(wd, "fp8-block")
-    q_out = ExpertForwardQuantized(torch.empty_like(out.h), torch.empty(rows, i, dtype=torch.float8_e4m3fn, device=dev),
-                                   torch.empty(rows, i // 128, device=dev), torch.empty_like(x))
-    gate_up_fp8(x_q, x_s, counts, offsets, wgu_q, wgu_s, q_out)
+    q = fp8_block_operands(x, counts, offsets, wgu, wd)
+    x_q, x_s, wgu_q, wgu_s, wd_q, wd_s, q_out = q.x_q, q.x_s, q.wgu_q, q.wgu_s, q.wd_q, q.wd_s, q.fwd
     a_gu, a_dn = x_q, q_out.act_q
     b_gu = wgu_q[0].T  # [D, 2I] column-major, as cuBLAS takes B
     b_dn = wd_q[0].T   # [I, D]

@@ -27,10 +27,10 @@ from unittest import mock
 import torch
 
 import megamoe.ops.launch as launch
+from megamoe.bench.experts import fp8_block_operands
 from megamoe.config import preset
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, gate_up
 from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
-from megamoe.ops.quant import quantize_activations, quantize_weights
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import interpreting
 
@@ -82,12 +82,8 @@ def calls_of(load, dense: bool) -> tuple[dict, dict]:
 
     fwd = ExpertForward(poisoned(rows, 2 * i), poisoned(rows, i), poisoned(rows, d))
     gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
-    x_q, x_s = quantize_activations(x, "fp8-block")
-    wgu_q, wgu_s = quantize_weights(wgu, "fp8-block")
-    wd_q, wd_s = quantize_weights(wd, "fp8-block")
-    q_in = ExpertForwardQuantized(torch.empty_like(fwd.h), torch.empty(rows, i, dtype=torch.float8_e4m3fn, device=dev),
-                                  torch.empty(rows, i // 128, device=dev), torch.empty_like(x))
-    gate_up_fp8(x_q, x_s, counts, offsets, wgu_q, wgu_s, q_in)
+    ops = fp8_block_operands(x, counts, offsets, wgu, wd)
+    x_q, x_s, wgu_q, wgu_s, wd_q, wd_s, q_in = ops.x_q, ops.x_s, ops.wgu_q, ops.wgu_s, ops.wd_q, ops.wd_s, ops.fwd
     calls, outputs = {}, {}
     for order in ("runs", "one run"):
         h, act, y, y8 = poisoned(rows, 2 * i), poisoned(rows, i), poisoned(rows, d), poisoned(rows, d)

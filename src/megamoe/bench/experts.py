@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from megamoe.config import MoEConfig
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, expert_forward, gate_up
 from megamoe.ops.tiles import TileConfig, plan_tiles
-from megamoe.ops.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_block_reference
+from megamoe.ops.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_block_reference, gate_up_fp8
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, expert_forward_mxfp8_reference
 from megamoe.ops.quant import quantize_activations, quantize_weights
 
@@ -66,6 +66,31 @@ def make_load(experts: int, routes: int, d: int, i: int, device):
     wgu = (torch.randn(experts, 2 * i, d, generator=g, device=device) / d**0.5).bfloat16()
     wd = (torch.randn(experts, d, i, generator=g, device=device) / i**0.5).bfloat16()
     return x, counts, offsets, wgu, wd
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8BlockOperands:
+    """A load's FP8-block operands, quantised once (untimed), and their gate/up's outputs (the down's input)."""
+
+    x_q: torch.Tensor
+    x_s: torch.Tensor
+    wgu_q: torch.Tensor
+    wgu_s: torch.Tensor
+    wd_q: torch.Tensor
+    wd_s: torch.Tensor
+    fwd: ExpertForwardQuantized
+
+
+def fp8_block_operands(x, counts, offsets, wgu, wd) -> Fp8BlockOperands:
+    rows, i = x.shape[0], wd.shape[2]
+    x_q, x_s = quantize_activations(x, "fp8-block")
+    wgu_q, wgu_s = quantize_weights(wgu, "fp8-block")
+    wd_q, wd_s = quantize_weights(wd, "fp8-block")
+    fwd = ExpertForwardQuantized(torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=x.device),
+                                 torch.empty(rows, i, dtype=torch.float8_e4m3fn, device=x.device),
+                                 torch.empty(rows, i // 128, device=x.device), torch.empty_like(x))
+    gate_up_fp8(x_q, x_s, counts, offsets, wgu_q, wgu_s, fwd)
+    return Fp8BlockOperands(x_q, x_s, wgu_q, wgu_s, wd_q, wd_s, fwd)
 
 
 def torch_path(x, counts, wgu, wd):
