@@ -57,6 +57,36 @@ def wgrad_flat_kernel(
                                     block % num_n * BLOCK_N, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
+@triton.jit
+def wgrad_grouped_kernel(
+    a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    """``wgrad_kernel`` with the programs split into GROUPS groups, group g taking experts g, g + GROUPS, ...
+    (each dealt round-robin over the group's programs, as the plan deals an expert over all of them): a program
+    switches experts num_experts / GROUPS times instead of num_experts (each switch drains its pipeline, waits
+    for its last store and makes three descriptors), while GROUPS experts' operands share the L2."""
+    num_n = tl.cdiv(OUT_N, BLOCK_N)
+    per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n
+    group_size: tl.constexpr = NUM_PROGRAMS // GROUPS
+    pid = tl.program_id(0)
+    group = pid // group_size
+    local = pid - group * group_size
+    for j in range(0, tl.cdiv(num_experts - group, GROUPS)):
+        expert = group + j * GROUPS
+        first = (local - (j * per_expert) % group_size + group_size) % group_size
+        if first < per_expert:
+            row0 = tl.load(offsets_ptr + expert)
+            row_end = row0 + tl.load(counts_ptr + expert)
+            a_desc, b_desc, out_desc = expert_gemm_bwd.wgrad_descriptors(a_ptr, b_ptr, out_ptr, expert, row_end,
+                                                                         OUT_M, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K)
+            for task in tl.range(first, per_expert, group_size, flatten=FLATTEN):
+                expert_gemm_bwd.wgrad_block(a_desc, b_desc, out_desc, row0, row_end, task // num_n * BLOCK_M,
+                                            task % num_n * BLOCK_N, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 #: name -> (TileConfig or None for the plan's, programs per SM)
 VARIANTS = {
     "plan": (None, 1),
@@ -66,32 +96,41 @@ VARIANTS = {
     "128x128x32x3-2cta-w4": (TileConfig(128, 128, 32, num_warps=4, num_stages=3, flatten=True), 2),
     "128x256x32x3-unflat": (TileConfig(128, 256, 32, num_warps=8, num_stages=3, flatten=False), 1),
     "flat": (None, 1),  # the plan's tile, wgrad_flat_kernel
+    "groups2": (None, 1),  # the plan's tile, wgrad_grouped_kernel with GROUPS programs groups
+    "groups4": (None, 1),
+    "groups6": (None, 1),
+    "groups12": (None, 1),
 }
 #: variants that run another kernel than expert_gemm_bwd.wgrad_kernel
-KERNELS = {"flat": wgrad_flat_kernel}
+KERNELS = {"flat": wgrad_flat_kernel, **{f"groups{g}": wgrad_grouped_kernel for g in (2, 4, 6, 12)}}
+#: extra constexprs of a variant's kernel
+EXTRA = {f"groups{g}": {"GROUPS": g} for g in (2, 4, 6, 12)}
 
 
 def check_flat() -> None:
-    """wgrad_flat_kernel against wgrad_kernel on small loads (an empty expert, partial K steps), bit for bit."""
+    """wgrad_flat_kernel and wgrad_grouped_kernel against wgrad_kernel on small loads (an empty expert, partial K
+    steps, expert counts the groups do not divide), bit for bit."""
     g = torch.Generator().manual_seed(0)
-    for counts in ([40, 0, 17, 33], [5, 70]):
+    variants = [(wgrad_flat_kernel, {}), (wgrad_grouped_kernel, {"GROUPS": 2}), (wgrad_grouped_kernel, {"GROUPS": 3})]
+    for counts in ([40, 0, 17, 33, 9], [5, 70]):
         counts = torch.tensor(counts, dtype=torch.int32)
         offsets = (counts.cumsum(0) - counts).to(torch.int32)
         rows, out_m, out_n = int(counts.sum()), 64, 96
         a = torch.randn(rows, out_m, generator=g).bfloat16()
         b = torch.randn(rows, out_n, generator=g).bfloat16()
         outs = []
-        for kernel in (expert_gemm_bwd.wgrad_kernel, wgrad_flat_kernel):
+        for kernel, extra in [(expert_gemm_bwd.wgrad_kernel, {})] + variants:
             out = torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16)
             with scratch_allocator():
-                kernel[(3,)](a, b, out, offsets, counts, len(counts), out_m, out_n, DOT_FP32=True, NUM_PROGRAMS=3,
-                             BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, FLATTEN=True)
+                kernel[(6,)](a, b, out, offsets, counts, len(counts), out_m, out_n, DOT_FP32=True, NUM_PROGRAMS=6,
+                             BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, FLATTEN=True, **extra)
             outs.append(out)
         want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float()
                             for o, c in zip(offsets.tolist(), counts.tolist())])
-        assert torch.equal(outs[0], outs[1]), "wgrad_flat_kernel's bits differ from wgrad_kernel's"
-        assert (outs[1].float() - want).abs().max() <= 0.02 * want.abs().max(), "wgrad_flat_kernel is wrong"
-    print("wgrad_flat_kernel: the same bits as wgrad_kernel")
+        assert (outs[0].float() - want).abs().max() <= 0.02 * want.abs().max(), "wgrad_kernel is wrong"
+        for (kernel, extra), out in zip(variants, outs[1:]):
+            assert torch.equal(outs[0], out), f"{kernel.fn.__name__} {extra}: bits differ from wgrad_kernel's"
+    print("wgrad_flat_kernel, wgrad_grouped_kernel: the same bits as wgrad_kernel")
 
 
 def main() -> None:
@@ -125,12 +164,13 @@ def main() -> None:
             programs = per_sm * num_programs(dev)
             out = plan_out if name == "plan" else other_out  # the variants share one buffer (GBs each)
 
-            def call(c=c, programs=programs, out=out, kernel=KERNELS.get(name, expert_gemm_bwd.wgrad_kernel)):
+            def call(c=c, programs=programs, out=out, kernel=KERNELS.get(name, expert_gemm_bwd.wgrad_kernel),
+                     extra=EXTRA.get(name, {})):
                 with scratch_allocator():
                     kernel[(programs,)](
                         d_h, x, out, offsets, counts, experts, 2 * i, d, DOT_FP32=False, NUM_PROGRAMS=programs,
                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
-                        num_warps=c.num_warps, num_stages=c.num_stages)
+                        num_warps=c.num_warps, num_stages=c.num_stages, **extra)
             try:
                 call()
                 torch.cuda.synchronize()
