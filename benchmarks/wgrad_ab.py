@@ -95,6 +95,8 @@ VARIANTS = {
     "128x128x32x3-2cta": (TileConfig(128, 128, 32, num_warps=8, num_stages=3, flatten=True), 2),
     "128x128x32x3-2cta-w4": (TileConfig(128, 128, 32, num_warps=4, num_stages=3, flatten=True), 2),
     "128x256x32x3-unflat": (TileConfig(128, 256, 32, num_warps=8, num_stages=3, flatten=False), 1),
+    "128x256x32x5": (TileConfig(128, 256, 32, num_warps=8, num_stages=5, flatten=True), 1),
+    "128x256x32x6": (TileConfig(128, 256, 32, num_warps=8, num_stages=6, flatten=True), 1),
     "flat": (None, 1),  # the plan's tile, wgrad_flat_kernel
     "groups2": (None, 1),  # the plan's tile, wgrad_grouped_kernel with GROUPS programs groups
     "groups4": (None, 1),
