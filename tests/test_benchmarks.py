@@ -352,8 +352,9 @@ def test_gpu_ep_sh_calls_megamoe_bench_with_options_that_exist(tmp_path):
         assert all(fmt in help_text for fmt in opts["--experts"].split(","))
 
 
-def test_wgrad_ab_flat_kernel_gives_the_plans_bits():
-    """wgrad_ab.py's probe kernel (one task loop over every expert) under the interpreter: wgrad_kernel's bits."""
+def test_wgrad_ab_probe_kernels_give_the_plans_bits():
+    """wgrad_ab.py's probe kernels (one task loop over every expert; program groups) under the interpreter:
+    wgrad_kernel's bits."""
     done = _script("wgrad_ab.py", "--check")
     assert "the same bits as wgrad_kernel" in done.stdout, done.stdout
 
