@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default=os.environ.get("OUT", ""))
     a = parser.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # before the run: its records go there
     cfg = preset(a.preset)
     dev = torch.device("cuda")
     d, i = cfg.hidden, cfg.intermediate

@@ -163,6 +163,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.5)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # before the run: its records go there
     cfg = preset(a.preset)
     dev = torch.device("cuda")
     records, lines = [], []

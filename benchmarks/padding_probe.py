@@ -87,6 +87,7 @@ def main() -> None:
                              "--profile-from-start off`), after a warm-up call")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # before the run: its records go there
     cfg = preset(a.preset)
     dev = torch.device("cuda")
     groups = tuple(int(v) for v in a.groups.split(",") if v)

@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="small shapes, outputs only (CPU interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # before the run: its records go there
     if a.check:
         found = {}
         for spec in ("5x40", "5x40r", "2x130"):
