@@ -1,13 +1,14 @@
 """Expert forward tiles A against B at the power cap: interleaved rounds of sustained calls, one GPU.
 
     PYTHONPATH=src python3 benchmarks/tiles_ab.py --preset kimi-k2 --experts 384 [--rounds 6] [--seconds 0.5]
+        [--precision bf16|fp8-block]
 
 A sweep that times candidates one after another drifts: under sustained GEMMs an H200 sits at its 700 W
 cap and its SM clock falls from 1980 to ~1400 MHz over the first second (benchmarks/results/2026-11-30-replay,
 clock_probe), so later candidates run hotter. Here every round runs each variant for --seconds back to back,
 after a first round that only warms up, and the table gives each variant's median ms over the rounds. Variants:
-the planner's tiles (128-row) and 64-row tiles (one warpgroup) for gate/up and down; every variant's output is
-compared with the planner's first.
+128-row tiles (8 warps) and 64-row tiles (one warpgroup) for gate/up and down, in BF16 or FP8-block
+(operands quantised once, untimed); every variant's output is compared with the first's.
 """
 
 from __future__ import annotations
@@ -17,19 +18,28 @@ import statistics
 
 import torch
 
-from megamoe.bench.experts import make_load
+from megamoe.bench.experts import fp8_block_operands, make_load
 from megamoe.config import preset
 from megamoe.ops.experts import ExpertForward, expert_forward
-from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block
+from megamoe.ops.tiles import TileConfig
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 
-VARIANTS = {
-    "128-row (planner)": None,
-    "64-row gate/up": {"gate_up": TileConfig(64, 128, 64, 4, 4, 8)},
-    "64-row down": {"down": TileConfig(64, 256, 64, 4, 4, 8, True)},
-    "64-row both": {"gate_up": TileConfig(64, 128, 64, 4, 4, 8), "down": TileConfig(64, 256, 64, 4, 4, 8, True)},
-}
+BF16_128 = {"gate_up": TileConfig(128, 128, 64, 8, 3, 4), "down": TileConfig(128, 256, 64, 8, 3, 8, True)}
+BF16_64 = {"gate_up": TileConfig(64, 128, 64, 4, 4, 8), "down": TileConfig(64, 256, 64, 4, 4, 8, True)}
+FP8_128 = {"gate_up": TileConfig(128, 128, 128, 8, 3, 4), "down": TileConfig(128, 128, 128, 8, 4, 8)}
+# one warpgroup: a 64x128 product per K step beside its 64x128 accumulator (64 + 64 registers a thread)
+FP8_64 = {"gate_up": TileConfig(64, 128, 128, 4, 4, 8), "down": TileConfig(64, 128, 128, 4, 4, 8)}
+
+
+def variants(big: dict, small: dict) -> dict[str, dict]:
+    """128-row tiles, 64-row gate/up, 64-row down, 64-row both."""
+    return {"128-row": big, "64-row gate/up": {**big, "gate_up": small["gate_up"]},
+            "64-row down": {**big, "down": small["down"]}, "64-row both": small}
+
+
+VARIANTS = {"bf16": variants(BF16_128, BF16_64), "fp8-block": variants(FP8_128, FP8_64)}
 
 
 def main() -> None:
@@ -39,25 +49,37 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=384)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=0.5)
+    parser.add_argument("--precision", choices=tuple(VARIANTS), default="bf16")
     a = parser.parse_args()
     cfg = preset(a.preset)
     device = torch.device("cuda")
     x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, device)
     rows, d, i = x.shape[0], cfg.hidden, cfg.intermediate
+    q = fp8_block_operands(x, counts, offsets, wgu, wd) if a.precision == "fp8-block" else None
     outs, calls = {}, {}
-    for name, tiles in VARIANTS.items():
-        tiles = {stage: (tiles or {}).get(stage, plan_tiles(stage, device)) for stage in ("gate_up", "down")}
-        out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
-                              for n in (2 * i, i, d)))
-        calls[name] = (lambda out=out, tiles=tiles: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles))
-        calls[name]()
+    for name, tiles in VARIANTS[a.precision].items():
+        if q is None:
+            out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
+                                  for n in (2 * i, i, d)))
+            call = (lambda out=out, tiles=tiles: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles))
+        else:
+            out = ExpertForwardQuantized(
+                torch.full((rows, 2 * i), float("nan"), dtype=torch.bfloat16, device=device),
+                torch.empty(rows, i, dtype=torch.float8_e4m3fn, device=device),
+                torch.full((rows, i // 128), float("nan"), device=device),
+                torch.full((rows, d), float("nan"), dtype=torch.bfloat16, device=device))
+            call = (lambda out=out, tiles=tiles: expert_forward_fp8_block(
+                q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, q.wd_q, q.wd_s, out=out, tiles=tiles))
+        calls[name] = call
+        call()
         outs[name] = out.y
     first = next(iter(outs.values()))
     same = {name: bool(torch.equal(y, first)) for name, y in outs.items()}
     times = interleaved_rounds(calls, a.rounds, a.seconds)
     flops = 6 * rows * d * i
-    print(f"{a.preset}, {a.experts} experts x ~{rows // a.experts} rows, {a.rounds} rounds of {a.seconds} s each")
-    print("| variant | ms (median) | min-max | TFLOP/s | same bits as the planner's |")
+    print(f"{a.preset} {a.precision}, {a.experts} experts x ~{rows // a.experts} rows, {a.rounds} rounds of "
+          f"{a.seconds} s each")
+    print("| variant | ms (median) | min-max | TFLOP/s | same bits as 128-row |")
     print("|---|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
