@@ -81,21 +81,40 @@ def test_tile_shapes_and_grid_size_do_not_change_the_result():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_few_row_tiles_give_the_same_bits():
-    """Experts with few rows get 64-row tiles from the planner: every region row written, the same bits as
-    the 128-row tiles, close to the reference."""
+    """Experts with few rows get 64-row tiles from the planner (by default: this load's mean is 91 rows):
+    every region row written, the same bits as the 128-row tiles, close to the reference."""
     x, counts, offsets, wgu, wd = _problem([170, 0, 171, 3, 64, 65, 128, 129], 5, d=512, i=256)
     few = {kind: plan_tiles(kind, DEVICE, rows_per_expert=100) for kind in ("gate_up", "down")}
     assert few["gate_up"].block_m == few["down"].block_m == 64
     assert plan_tiles("gate_up", DEVICE, rows_per_expert=300).block_m == 128
     ref = expert_forward_reference(x, counts, offsets, wgu, wd)
-    wide = expert_forward(x, counts, offsets, wgu, wd, out=_poisoned_like(ref))
-    narrow = expert_forward(x, counts, offsets, wgu, wd, out=_poisoned_like(ref), tiles=few)
+    wide = expert_forward(x, counts, offsets, wgu, wd, out=_poisoned_like(ref), rows_per_expert=300)
+    narrow = expert_forward(x, counts, offsets, wgu, wd, out=_poisoned_like(ref))
     for name in ("h", "act", "y"):
         a, b, want = getattr(wide, name), getattr(narrow, name), getattr(ref, name)
         assert torch.equal(b.isnan(), want.isnan()), f"{name}: written rows differ from the expert regions"
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
         inside = ~want.isnan()
         assert (b.float()[inside] - want[inside]).abs().max() <= 2e-2 * max(1.0, float(want[inside].abs().max()))
+
+
+def test_forward_ops_plan_their_tiles_for_the_loads_mean_rows(monkeypatch):
+    """gate/up and down ask the planner for rows / experts by default, and for the caller's mean when given
+    (a capacity's rows are not the load's)."""
+    from megamoe.ops import experts as ops
+
+    asked = []
+
+    def planner(kind, device, rows_per_expert=None):
+        asked.append((kind, rows_per_expert))
+        return plan_tiles(kind, device, rows_per_expert)
+
+    monkeypatch.setattr(ops, "plan_tiles", planner)
+    x, counts, offsets, wgu, wd = _problem([40, 0, 17, 33], 3)
+    rows = x.shape[0]
+    expert_forward(x, counts, offsets, wgu, wd)
+    expert_forward(x, counts, offsets, wgu, wd, rows_per_expert=170.0)
+    assert asked == [("gate_up", rows / 4), ("down", rows / 4), ("gate_up", 170.0), ("down", 170.0)], asked
 
 
 TILE_BACKENDS = ("triton", "torch")

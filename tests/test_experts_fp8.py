@@ -116,6 +116,58 @@ def test_store_h_false_and_tile_shapes_do_not_change_the_result():
         assert _rel(o.y[inside], base.y[inside]) <= 1e-2, _rel(o.y[inside], base.y[inside])
 
 
+def test_fp8_plan_takes_64_row_gate_up_tiles_for_few_rows_per_expert(monkeypatch):
+    """The compiled plan (GPU): 64-row gate/up tiles at <= FEW_ROWS_PER_EXPERT rows per expert, 128-row ones
+    above it or without a load; down keeps 128-row tiles (64-row ones gained nothing there)."""
+    from megamoe import runtime
+    from megamoe.ops.experts_fp8 import plan_tiles_fp8
+    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
+
+    monkeypatch.setattr(runtime, "compiled_gpu", lambda device: True)
+    gpu = torch.device("cuda")
+    assert plan_tiles_fp8("gate_up", gpu, 170).block_m == 64
+    assert plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT).block_m == 64
+    assert plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT + 1).block_m == 128
+    assert plan_tiles_fp8("gate_up", gpu).block_m == 128
+    assert {plan_tiles_fp8("down", gpu, r).block_m for r in (None, 100, 341)} == {128}
+    assert plan_tiles_fp8("gate_up", gpu, 170).num_warps == 4  # one warpgroup for 64 rows
+
+
+def test_fp8_forward_plans_its_tiles_for_the_loads_mean_rows(monkeypatch):
+    """gate/up and down ask the planner for rows / experts by default, and for the caller's mean when given."""
+    from megamoe.ops import experts_fp8 as ops
+
+    asked, plan = [], ops.plan_tiles_fp8
+
+    def planner(kind, device, rows_per_expert=None):
+        asked.append((kind, rows_per_expert))
+        return plan(kind, device, rows_per_expert)
+
+    monkeypatch.setattr(ops, "plan_tiles_fp8", planner)
+    args = _problem(*LOADS["mixed"], seed=1)
+    rows = args[0].shape[0]
+    expert_forward_fp8_block(*args)
+    expert_forward_fp8_block(*args, rows_per_expert=170.0)
+    assert asked == [("gate_up", rows / 4), ("down", rows / 4), ("gate_up", 170.0), ("down", 170.0)], asked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_fp8_few_row_tiles_give_the_same_bits():
+    """64-row gate/up tiles (the plan for few rows per expert) write every region row with the 128-row tiles'
+    bits: h, act, its scales and y."""
+    args = _problem([170, 0, 171, 3, 64, 65, 128, 129], 5, d=512, i=256, seed=4)
+    rows, d, i = args[0].shape[0], 512, 256
+    wide = expert_forward_fp8_block(*args, out=_poisoned(rows, d, i), rows_per_expert=300)
+    narrow = expert_forward_fp8_block(*args, out=_poisoned(rows, d, i))  # a mean of 91 rows: 64-row gate/up
+    inside = _inside(args[2], args[3], rows)
+    for name in ("h", "act_scale", "y"):
+        a, b = getattr(wide, name), getattr(narrow, name)
+        assert not a[inside].isnan().any() and torch.equal(a.isnan(), b.isnan()), name
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
+    assert torch.equal(wide.act_q.view(torch.uint8), narrow.act_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -167,7 +219,8 @@ def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: FP8 (e4m3 x e4m3) wgmma and TMA bulk copies in the PTX, forward and
     backward (dact, wgrad; dx is the down kernel); down, dact and wgrad do not spill (gate/up does, ~0.9 KB, a known Triton 3.6 register limit: see expert_gemm_fp8.summary)."""
     summary = sm90_report("fp8")
-    assert set(summary) == {"gate_up_fp8_kernel", "down_fp8_kernel", "dact_fp8_kernel", "wgrad_fp8_kernel"}
+    assert set(summary) == {"gate_up_fp8_kernel", "gate_up_fp8_kernel (few rows per expert)", "down_fp8_kernel",
+                            "dact_fp8_kernel", "wgrad_fp8_kernel"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_fp8"] and facts["tma"], (name, facts)
         assert not facts["local_memory"], (name, facts)

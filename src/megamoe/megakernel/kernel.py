@@ -204,8 +204,8 @@ class MegaKernel:
         ints = dict(dtype=torch.int32, device=dev)
         if self.direct:
             self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)
-            per_expert = shape.capacity / shape.experts_per_rank
-            self._direct_tiles = {kind: plan_tiles(kind, dev, per_expert) for kind in ("gate_up", "down")}
+            # the load's mean for the expert kernels' tile plan (their rows are the capacity)
+            self._rows_per_expert = shape.capacity / shape.experts_per_rank
         self._broken: str | None = None
         self._scratch: LayerBuffers | None = None
         self._backward: object | None = None  # the backward's launcher and buffers, made at the first backward
@@ -427,14 +427,19 @@ class MegaKernel:
             q = experts_q  # never None here: forward quantises before the device work when the caller did not
             torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
             torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
-            forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
-            forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
-                    q.w_down, q.w_down_scale, swiglu_limit=swiglu_limit,
-                    out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]))
+            out = ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows])
+            operands = (b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
+                        q.w_down, q.w_down_scale)
+            if self.precision == "fp8-block":
+                expert_forward_fp8_block(*operands, swiglu_limit=swiglu_limit, out=out,
+                                         rows_per_expert=self._rows_per_expert)
+            else:
+                expert_forward_mxfp8(*operands, swiglu_limit=swiglu_limit, out=out)
         else:
             torch.index_select(self.sym.local("x"), 0, token, out=b.ring_x[rows])
             expert_forward(b.ring_x[rows], counts, offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit,
-                           out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]), tiles=self._direct_tiles)
+                           out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
+                           rows_per_expert=self._rows_per_expert)
         if shared is not None and n:
             self._shared_rows.fill_(n)
             expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],

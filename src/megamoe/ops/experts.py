@@ -20,7 +20,7 @@ import torch
 from megamoe import checks
 from megamoe.kernels import expert_gemm, expert_gemm_bwd
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import expert_ffn, swiglu
 from megamoe import runtime
 from megamoe.runtime import interpreting
@@ -108,6 +108,7 @@ def expert_forward(
     out: ExpertForward | None = None,
     tiles: dict[str, TileConfig] | None = None,
     minibatch: int | None = None,
+    rows_per_expert: float | None = None,
 ) -> ExpertForward:
     """Gate/up + SwiGLU and down for every expert region of ``x_rows`` (BF16).
 
@@ -120,6 +121,9 @@ def expert_forward(
         tiles: {"gate_up": TileConfig, "down": TileConfig} to pin tile shapes.
         minibatch: also cut tiles at multiples of this many rows (the megakernel's minibatches);
             the result is the same bits.
+        rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
+            experts; a caller whose rows are a worst-case capacity gives the expected mean). The tiles do
+            not change the bits.
     """
     experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
@@ -132,9 +136,10 @@ def expert_forward(
         )
     tiles = tiles or {}
     gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, swiglu_limit=swiglu_limit,
-            num_programs=num_programs, tiles=tiles.get("gate_up"), minibatch=minibatch)
+            num_programs=num_programs, tiles=tiles.get("gate_up"), minibatch=minibatch,
+            rows_per_expert=rows_per_expert)
     down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"),
-         minibatch=minibatch)
+         minibatch=minibatch, rows_per_expert=rows_per_expert)
     return out
 
 
@@ -150,14 +155,16 @@ def gate_up(
     num_programs: int | None = None,
     tiles: TileConfig | None = None,
     minibatch: int | None = None,
+    rows_per_expert: float | None = None,
 ) -> None:
-    """h = x_rows · w_gate_upᵀ and act = SwiGLU(h) on every expert region (one persistent launch)."""
+    """h = x_rows · w_gate_upᵀ and act = SwiGLU(h) on every expert region (one persistent launch); the tiles
+    are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
     experts, two_i, d = w_gate_up.shape
     i = two_i // 2
     rows = x_rows.shape[0]
     if rows == 0 or experts == 0:
         return
-    cfg = tiles or plan_tiles("gate_up", x_rows.device)
+    cfg = tiles or plan_tiles("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
     launch_row_tasks(
         expert_gemm.gate_up_kernel, cfg, runtime.num_programs(x_rows.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
@@ -180,13 +187,15 @@ def down(
     num_programs: int | None = None,
     tiles: TileConfig | None = None,
     minibatch: int | None = None,
+    rows_per_expert: float | None = None,
 ) -> None:
-    """y = act · w_downᵀ on every expert region (one persistent launch)."""
+    """y = act · w_downᵀ on every expert region (one persistent launch); the tiles are ``tiles`` or planned
+    for ``rows_per_expert`` (default: rows / experts)."""
     experts, d, i = w_down.shape
     rows = act.shape[0]
     if rows == 0 or experts == 0:
         return
-    cfg = tiles or plan_tiles("down", act.device)
+    cfg = tiles or plan_tiles("down", act.device, mean_rows(rows, experts, rows_per_expert))
     launch_row_tasks(
         expert_gemm.down_kernel, cfg, runtime.num_programs(act.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,
@@ -270,7 +279,7 @@ def expert_backward(
                           ("row_weights", row_weights, (rows,), torch.float32),
                           ("h", h, (rows, 2 * i), torch.bfloat16)), device)
     tiles = tiles or {}
-    per_expert = rows_per_expert if rows_per_expert is not None else x_rows.shape[0] / max(experts, 1)
+    per_expert = mean_rows(rows, experts, rows_per_expert)
     cfg = {kind: tiles.get(kind) or plan_tiles(kind, device, per_expert) for kind in ("dact", "dx", "wgrad")}
     grads = ExpertGrads(
         d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),

@@ -19,7 +19,7 @@ from megamoe import checks
 from megamoe import runtime
 from megamoe.ops.experts import ExpertForwardQuantized
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks
-from megamoe.ops.tiles import TileConfig
+from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, mean_rows
 from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8
 from megamoe.ops.quant import soft_e4m3_default
@@ -28,17 +28,22 @@ from megamoe.reference import swiglu
 FP8 = torch.float8_e4m3fn
 
 
-def plan_tiles_fp8(kind: str, device: torch.device) -> TileConfig:
+def plan_tiles_fp8(kind: str, device: torch.device, rows_per_expert: float | None = None) -> TileConfig:
     """Tile shape of the FP8 ``kind`` ("gate_up" or "down"); BLOCK_K is always 128 (one scale per K step).
 
     GPU: 128-row tiles, 8 warps (two warpgroups of 64 rows); gate/up BLOCK_N = 128 act columns (a gate
     and an up tile, one 1x128 act block per row); down 128x128 (a fresh 128x256 fp32 product per K step
-    next to the accumulator would not fit the registers). Interpreter: small row tiles.
+    next to the accumulator would not fit the registers). Where ``rows_per_expert`` (the load's mean) is at
+    most :data:`~megamoe.ops.tiles.FEW_ROWS_PER_EXPERT`, gate/up takes 64-row tiles (one warpgroup): 10.6 %
+    off the forward on ~170-row experts, while 64-row down tiles gained nothing there and both lost 11-21 %
+    on 256- and 341-row experts (benchmarks/results/2026-12-03-fp8-few-rows). Interpreter: small row tiles.
     """
     if kind not in ("gate_up", "down"):
         raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
     if not runtime.compiled_gpu(device):
         return TileConfig(32, 128, 128, num_warps=4, num_stages=1)
+    if kind == "gate_up" and rows_per_expert is not None and rows_per_expert <= FEW_ROWS_PER_EXPERT:
+        return TileConfig(64, 128, 128, num_warps=4, num_stages=4, group_m=8)
     if kind == "gate_up":
         return TileConfig(128, 128, 128, num_warps=8, num_stages=3, group_m=4)
     return TileConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=8)
@@ -68,6 +73,7 @@ def expert_forward_fp8_block(
     tiles: dict[str, TileConfig] | None = None,
     store_h: bool = True,
     out: ExpertForwardQuantized | None = None,
+    rows_per_expert: float | None = None,
 ) -> ExpertForwardQuantized:
     """FP8-block gate/up + SwiGLU (+ act quantisation) and down for every expert region.
 
@@ -81,25 +87,31 @@ def expert_forward_fp8_block(
         tiles: {"gate_up": TileConfig, "down": TileConfig}; block_k must be 128, gate/up block_n 128.
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
         out: preallocated outputs to fill (rows outside regions are left alone).
+        rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
+            experts; a caller whose rows are a worst-case capacity gives the expected mean). The tiles do
+            not change the bits.
     """
     experts, i, d = checks.check_quantized_experts("fp8-block", x_q, x_scale, counts, offsets, w_gate_up_q,
                                                    w_gate_up_scale, w_down_q, w_down_scale)
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, FP8_BLOCK, torch.float32, x_q.device, store_h)
     tiles = tiles or {}
     gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, swiglu_limit=swiglu_limit,
-                num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h)
+                num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h,
+                rows_per_expert=rows_per_expert)
     down_fp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y,
-             num_programs=num_programs, tiles=tiles.get("down"))
+             num_programs=num_programs, tiles=tiles.get("down"), rows_per_expert=rows_per_expert)
     return out
 
 
 def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
-                swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None, store_h: bool = True) -> None:
-    """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch."""
+                swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None, store_h: bool = True,
+                rows_per_expert: float | None = None) -> None:
+    """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch; the
+    tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
     experts, two_i, d = w_gate_up_q.shape
     i = two_i // 2
     rows = x_q.shape[0]
-    c = tiles or plan_tiles_fp8("gate_up", x_q.device)
+    c = tiles or plan_tiles_fp8("gate_up", x_q.device, mean_rows(rows, experts, rows_per_expert))
     _check_tiles("gate_up", c)
     if rows == 0 or experts == 0:
         return
@@ -118,11 +130,12 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
 
 
 def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
-             tiles: TileConfig | None = None) -> None:
-    """y = dequant(act_q) · dequant(w_down_q)ᵀ on every expert region: one persistent launch."""
+             tiles: TileConfig | None = None, rows_per_expert: float | None = None) -> None:
+    """y = dequant(act_q) · dequant(w_down_q)ᵀ on every expert region: one persistent launch; the tiles are
+    ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
     experts, d, i = w_down_q.shape
     rows = act_q.shape[0]
-    c = tiles or plan_tiles_fp8("down", act_q.device)
+    c = tiles or plan_tiles_fp8("down", act_q.device, mean_rows(rows, experts, rows_per_expert))
     _check_tiles("down", c)
     if rows == 0 or experts == 0:
         return

@@ -45,6 +45,12 @@ GEMM_KINDS = ("gate_up", "down", "dact", "dx", "wgrad")
 FEW_ROWS_PER_EXPERT = 192
 
 
+def mean_rows(rows: int, experts: int, rows_per_expert: float | None = None) -> float:
+    """The load's mean rows per expert for a tile plan: ``rows_per_expert`` when a caller knows it (its rows
+    are a worst-case capacity), else ``rows`` over ``experts``."""
+    return rows_per_expert if rows_per_expert is not None else rows / max(experts, 1)
+
+
 def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = None) -> TileConfig:
     """The tile shape for ``kind`` (one of :data:`GEMM_KINDS`) on ``device``.
 

@@ -110,16 +110,19 @@ def gemm_cases() -> dict[str, Case]:
 def fp8_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm_fp8 as k
     from megamoe.ops.experts_fp8 import plan_tiles_fp8
+    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
 
     gpu = torch.device("cuda")
-    t = plan_tiles_fp8("gate_up", gpu)
-    kinds, values = _row_task_consts(k.gate_up_fp8_kernel, t, HAS_LIMIT=True, STORE_H=True, SOFT_E4M3=False)
-    gate_up = Case(k.gate_up_fp8_kernel, {
-        "x_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
-        "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "h_ptr": "*bf16", "act_q_ptr": "*u8",
-        "act_scale_ptr": "*fp32", "stride_xs": "i32", "stride_ws_n": "i32", "stride_h": "i32",
-        "stride_act": "i32", "stride_as": "i32", **_TILES, **kinds, "I": "i32", "K": "i32", "limit": "fp32"},
-        values, t.num_warps, t.num_stages)
+    cases = {}
+    for name, t in (("gate_up_fp8_kernel", plan_tiles_fp8("gate_up", gpu)),
+                    ("gate_up_fp8_kernel (few rows per expert)", plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT))):
+        kinds, values = _row_task_consts(k.gate_up_fp8_kernel, t, HAS_LIMIT=True, STORE_H=True, SOFT_E4M3=False)
+        cases[name] = Case(k.gate_up_fp8_kernel, {
+            "x_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
+            "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "h_ptr": "*bf16", "act_q_ptr": "*u8",
+            "act_scale_ptr": "*fp32", "stride_xs": "i32", "stride_ws_n": "i32", "stride_h": "i32",
+            "stride_act": "i32", "stride_as": "i32", **_TILES, **kinds, "I": "i32", "K": "i32", "limit": "fp32"},
+            values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8("down", gpu)
     kinds, values = _row_task_consts(k.down_fp8_kernel, t)
     down = Case(k.down_fp8_kernel, {
@@ -127,7 +130,7 @@ def fp8_cases() -> dict[str, Case]:
         "act_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "y_ptr": "*bf16", "stride_as": "i32",
         "stride_ws_n": "i32", "stride_y": "i32", **_TILES, **kinds, "D": "i32", "K": "i32"},
         values, t.num_warps, t.num_stages)
-    return {"gate_up_fp8_kernel": gate_up, "down_fp8_kernel": down, **fp8_backward_cases()}
+    return {**cases, "down_fp8_kernel": down, **fp8_backward_cases()}
 
 
 def fp8_backward_cases() -> dict[str, Case]:
