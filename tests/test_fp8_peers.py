@@ -95,3 +95,16 @@ def test_bench_runs_the_peers_fp8_experts_beside_megamoes_and_skips_deepep_with_
     if dt.unavailable() is not None:
         assert not any(name.startswith("deepep-torch") for name in by_impl)
         assert "deepep-torch skipped: deep_ep is not importable" in capfd.readouterr().err
+
+
+def test_expert_weights_quantise_one_expert_at_a_time_with_the_whole_tensors_bits():
+    """quantize_expert_weights goes expert by expert (bounded FP32 temporaries) and gives rowwise_e4m3's bits
+    of the whole tensor."""
+    g = torch.Generator().manual_seed(5)
+    wgu = torch.randn(3, 64, 32, generator=g).bfloat16()
+    wd = torch.randn(3, 32, 16, generator=g).bfloat16() * torch.tensor([0.0, 1.0, 300.0]).view(3, 1, 1).bfloat16()
+    q = quantize_expert_weights(wgu, wd)
+    for (got_q, got_s), w in (((q.w_gate_up, q.w_gate_up_scale), wgu), ((q.w_down, q.w_down_scale), wd)):
+        want_q, want_s = rowwise_e4m3(w)
+        assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == w.shape[:-1]
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_s, want_s)

@@ -40,7 +40,17 @@ class RowwiseExperts:
 
 def quantize_expert_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> RowwiseExperts:
     """Both routed weights row-wise along their reduction axis (K = D for gate/up, I for down)."""
-    return RowwiseExperts(*rowwise_e4m3(w_gate_up.detach()), *rowwise_e4m3(w_down.detach()))
+    return RowwiseExperts(*_rowwise_by_expert(w_gate_up.detach()), *_rowwise_by_expert(w_down.detach()))
+
+
+def _rowwise_by_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rowwise_e4m3` of ``w`` `[L, N, K]`, one expert at a time: the FP32 copy of all of kimi-k2's 384
+    experts' gate/up weights at once is 42 GiB (an EP 1 bench ran out of memory on it)."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(w.shape[:-1], dtype=torch.float32, device=w.device)
+    for expert in range(w.shape[0]):
+        q[expert], scale[expert] = rowwise_e4m3(w[expert])
+    return q, scale
 
 
 def scaled_grouped_mm(a: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
