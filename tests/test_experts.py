@@ -98,6 +98,22 @@ def test_gpu_few_row_tiles_give_the_same_bits():
         assert (b.float()[inside] - want[inside]).abs().max() <= 2e-2 * max(1.0, float(want[inside].abs().max()))
 
 
+def test_compiled_plan_by_rows_per_expert(monkeypatch):
+    """The GPU plan: at <= FEW_ROWS_PER_EXPERT rows per expert 64-row forward and dx tiles and BK 64 wgrad
+    blocks; above it, or without a load, 128-row tiles and BK 32."""
+    from megamoe.ops import tiles as plan
+    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
+
+    monkeypatch.setattr(plan, "compiled_gpu", lambda device: True)
+    gpu = torch.device("cuda")
+    for rows in (170, FEW_ROWS_PER_EXPERT):
+        assert {plan_tiles(kind, gpu, rows).block_m for kind in ("gate_up", "down", "dx")} == {64}
+        assert plan_tiles("wgrad", gpu, rows).block_k == 64
+    for rows in (None, FEW_ROWS_PER_EXPERT + 1, 341):
+        assert {plan_tiles(kind, gpu, rows).block_m for kind in ("gate_up", "down", "dx", "wgrad")} == {128}
+        assert plan_tiles("wgrad", gpu, rows).block_k == 32
+
+
 def test_forward_ops_plan_their_tiles_for_the_loads_mean_rows(monkeypatch):
     """gate/up and down ask the planner for rows / experts by default, and for the caller's mean when given
     (a capacity's rows are not the load's)."""
@@ -313,7 +329,7 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX."""
     summary = sm90_report("gemm")
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
-                            "dx_kernel (few rows per expert)", "wgrad_kernel"}
+                            "dx_kernel (few rows per expert)", "wgrad_kernel", "wgrad_kernel (few rows per expert)"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)

@@ -60,7 +60,8 @@ def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = 
     4 row tiles; down 128x256, 3 stages, groups of 8, and the flattened task
     loop (+2-5 %; it costs gate/up 15-20 %). 64-row tiles lost 25-35 % there
     (341- and 4096-row experts); the forward and the backward's dx take them when
-    ``rows_per_expert`` (the load's mean) is at most :data:`FEW_ROWS_PER_EXPERT`. The
+    ``rows_per_expert`` (the load's mean) is at most :data:`FEW_ROWS_PER_EXPERT`, and the wgrad takes
+    BK 64 there. The
     interpreter gets small tiles: it runs one program at a time.
     """
     if kind not in GEMM_KINDS:
@@ -81,6 +82,11 @@ def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = 
     if kind in ("down", "dx"):
         # dx flattened too: with 4-stage wgrads 1.6 % off the 341-row backward, 0.6 % off the 4096-row one
         # (2026-12-02-backward-tiles)
+        return TileConfig(128, 256, 64, num_warps=8, num_stages=3, group_m=8, flatten=True)
+    if kind == "wgrad" and few:
+        # a <= 192-row expert pads to 192 rows with BK 32 or 64 alike: half the K steps (and their CTA
+        # barriers), 3 stages to fit the shared memory (2026-12-03-wgrad-variants: -5.5 and -5.9 % on ~170-row experts;
+        # +4 % on 341-row ones, which BK 64 pads to 384)
         return TileConfig(128, 256, 64, num_warps=8, num_stages=3, group_m=8, flatten=True)
     if kind == "wgrad":
         # K runs over an expert's rows: 128x256 blocks halve the fills and stores per FLOP of 128x128

@@ -99,11 +99,12 @@ def gemm_cases() -> dict[str, Case]:
             "d_h_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
             "w_gate_up_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "d_x_ptr": "*bf16", "stride_d_x": "i32",
             **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps, t.num_stages)
-    t = plan_tiles("wgrad", gpu)
-    kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, t)
-    cases["wgrad_kernel"] = Case(expert_gemm_bwd.wgrad_kernel, {
-        "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-        "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **kinds}, values, t.num_warps, t.num_stages)
+    for name, t in (("wgrad_kernel", plan_tiles("wgrad", gpu)),
+                    ("wgrad_kernel (few rows per expert)", plan_tiles("wgrad", gpu, FEW_ROWS_PER_EXPERT))):
+        kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, t)
+        cases[name] = Case(expert_gemm_bwd.wgrad_kernel, {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **kinds}, values, t.num_warps, t.num_stages)
     return cases
 
 
