@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from megamoe.cli import app
+from megamoe.parallel.world import launch
 
 FIELDS = {"impl", "preset", "precision", "pass", "ep", "tokens_per_rank", "device", "machine", "commit", "run_id",
           "time_ms", "time_ms_p10", "time_ms_p90", "tflops", "max_abs_err", "rel_err", "correct",
@@ -57,6 +58,23 @@ def test_bench_megamoe_with_fp8_experts(tmp_path, experts):
     assert r["impl"] == f"megamoe ({experts} experts)" and r["correct"], r
     assert 1e-3 < r["rel_err"] < 6e-2, r  # FP8 rounding shows; a wrong row would not pass the row check
     assert r["weights_quantize_ms"] > 0 and "quantised once before the passes" in result.output
+
+
+def _fp8_packs(world):
+    from megamoe.bench.problem import make_problem
+    from megamoe.bench.runners import _MegamoeRunner
+    from megamoe.config import MoEConfig
+
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(), swiglu_limit=None)
+    p = make_problem(cfg, world.rank, world.size, 16, dtype=torch.bfloat16, device=world.device)
+    return [_MegamoeRunner(world, p, "fp8-block", **kw).experts_q.transposed is not None
+            for kw in ({"backward": False}, {})]
+
+
+def test_bench_quantises_the_backwards_fp8_weights_only_when_it_times_a_backward():
+    """A forward-only bench's FP8 pack has no dgrad transposes (as large as the pack: kimi-k2 on one H200 ran
+    out of memory with them); the runner's default keeps them for bwd and step."""
+    assert launch(_fp8_packs, 1, device="cpu")[0] == [False, True]
 
 
 def test_bench_rejects_unknown_expert_format():

@@ -296,6 +296,7 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     machine = world.all_gather_object(machine_info(device) if world.rank == 0 else None)[0]
     runs = []
     fp8 = any(fmt != "bf16" for fmt in opts.experts)
+    backward = any(name in opts.passes for name in ("bwd", "step"))  # FP8 packs with the dgrads' transposes
     for impl in opts.impls:  # every runner first: they coexist for the rounds
         if impl == "deepep-torch" and (reason := deepep_torch.unavailable()) is not None:
             if world.rank == 0:
@@ -306,7 +307,7 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
         for fmt in formats:
             quantized = fmt != "bf16"
             runner = (_FP8PeerRunner(world, p, FP8_PEERS[impl]) if fmt == PEER_FP8 else
-                      RUNNERS[impl](world, p, fmt) if quantized else RUNNERS[impl](world, p))
+                      RUNNERS[impl](world, p, fmt, backward=backward) if quantized else RUNNERS[impl](world, p))
             runs.append(_Run(impl, fmt, f"{impl} ({fmt} experts)" if quantized else impl, runner,
                              "fp8" if quantized else opts.precision))
     records = {}

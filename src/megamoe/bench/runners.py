@@ -114,18 +114,19 @@ class _MegamoeRunner(_ForwardOnlyRunner):
     (expert ids, the kernels' error words) run on the first pass of each kind (the one compared). fwd times
     ``megamoe_forward`` (nothing kept), bwd and step ``megamoe.moe`` (in the same expert format)."""
 
-    def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
+    def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16", backward: bool = True):
         super().__init__(world, p, megamoe_forward)
         self.experts = experts
         self.passes = ("fwd", "bwd", "step")
         self.max_tokens, self.passes_run, self.trained = world.largest(p.tokens), 0, 0
-        # FP8 experts: the weights are quantised once (with the backward's transposes), as after a training step's
-        # optimizer step, and that quantisation is timed on its own (the second call: the first compiles) and
-        # recorded beside the pass; forward and backward read the pack, as under megamoe.MoE
+        # FP8 experts: the weights are quantised once (with the backward's transposes when a backward is timed:
+        # they are as large again, and kimi-k2's all on one GPU ran a forward-only bench out of memory), as after
+        # a training step's optimizer step, and that quantisation is timed on its own (the second call: the first
+        # compiles) and recorded beside the pass; forward and backward read the pack, as under megamoe.MoE
         self.experts_q, self.weights_quantize_ms = None, None
         if experts != "bf16":
             quantize = partial(quantize_experts, self.leaves["w_gate_up"], self.leaves["w_down"], experts,
-                               backward=True)
+                               backward=backward)
             for _ in range(2):
                 self.experts_q = None  # freed first: the second call reuses its memory, as a training step would
                 self.weights_quantize_ms, self.experts_q = timed_pass(world, quantize)
@@ -151,8 +152,8 @@ class _UnfusedRunner(_MegamoeRunner):
     down and pushes run one launch after another, ordered on the device (``KernelConfig.overlap`` off: no host
     barrier between them, each compute step on every SM); the backward is megamoe's (its composed kernels)."""
 
-    def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
-        super().__init__(world, p, experts)
+    def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16", backward: bool = True):
+        super().__init__(world, p, experts, backward)
         shape = LayerShape.of(p.config, world.size, self.max_tokens)
         self.config = replace(default_config(world, shape, experts), overlap=False)
 
@@ -170,8 +171,8 @@ class _MegamoeGraphRunner(_MegamoeRunner):
     """megamoe with the pass captured in a CUDA graph once (after a checked eager pass) and replayed:
     what a training step that graphs its layers pays. The graph reads the problem's tensors in place."""
 
-    def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16"):
-        super().__init__(world, p, experts)
+    def __init__(self, world: EPWorld, p: RankProblem, experts: str = "bf16", backward: bool = False):
+        super().__init__(world, p, experts, backward=False)  # forward only
         self.passes = ("fwd",)
         self.graph, self.static_out = None, None
 
