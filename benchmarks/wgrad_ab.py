@@ -10,7 +10,8 @@ the expert's rows, a few K steps per block, so the output's store weighs as much
 ``wgrad_kernel`` per variant (tile shape, stages, programs per SM) and ``torch._grouped_mm`` with offsets along
 K (what torch's grouped GEMM backward runs), in interleaved rounds; each variant's result compared with the plan's
 bit for bit. ``flat`` is the plan's tile in ``wgrad_flat_kernel``: one task loop over every expert's blocks (the
-plan's loop is flattened only inside an expert). Prints ms, TFLOP/s, the store's share (the output's bytes at
+plan's loop is flattened only inside an expert); ``groupsG`` splits the programs into G groups that each walk a
+share of the experts; ``ws`` is the plan's tile in ``wgrad_ws.py``'s warp-specialised Gluon kernel (GPU only). Prints ms, TFLOP/s, the store's share (the output's bytes at
 4.8 TB/s) and % of the peer; writes DIR/wgrad_ab.json.
 """
 
@@ -33,6 +34,7 @@ from megamoe.ops.tiles import TileConfig, plan_tiles
 from megamoe.runtime import num_programs
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
+from wgrad_ws import wgrad_ws  # benchmarks/, beside this script
 
 
 @triton.jit
@@ -98,6 +100,7 @@ VARIANTS = {
     "128x256x32x5": (TileConfig(128, 256, 32, num_warps=8, num_stages=5, flatten=True), 1),
     "128x256x32x6": (TileConfig(128, 256, 32, num_warps=8, num_stages=6, flatten=True), 1),
     "flat": (None, 1),  # the plan's tile, wgrad_flat_kernel
+    "ws": (None, 1),  # the plan's tile (128x256x32, 4 stages) in wgrad_ws.py's warp-specialised Gluon kernel
     "groups2": (None, 1),  # the plan's tile, wgrad_grouped_kernel with GROUPS programs groups
     "groups4": (None, 1),
     "groups6": (None, 1),
@@ -167,7 +170,9 @@ def main() -> None:
             out = plan_out if name == "plan" else other_out  # the variants share one buffer (GBs each)
 
             def call(c=c, programs=programs, out=out, kernel=KERNELS.get(name, expert_gemm_bwd.wgrad_kernel),
-                     extra=EXTRA.get(name, {})):
+                     extra=EXTRA.get(name, {}), ws=name == "ws"):
+                if ws:
+                    return wgrad_ws(d_h, x, out, offsets, counts, programs, c.block_n, c.block_k, c.num_stages)
                 with scratch_allocator():
                     kernel[(programs,)](
                         d_h, x, out, offsets, counts, experts, 2 * i, d, DOT_FP32=False, NUM_PROGRAMS=programs,

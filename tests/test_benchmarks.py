@@ -43,7 +43,7 @@ GPU_TOOLS = {
     "tiles_ab.py", "weighted_sum_bench.py", "wgrad_ab.py", "zero_rows_power.py",
 }
 #: Modules the scripts import (benchmarks/ is on their path), tested by calling them.
-HELPERS = {"ab_record.py", "megakernel_args.py", "sustained.py"}
+HELPERS = {"ab_record.py", "megakernel_args.py", "sustained.py", "wgrad_ws.py"}
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 
@@ -357,6 +357,19 @@ def test_wgrad_ab_probe_kernels_give_the_plans_bits():
     wgrad_kernel's bits."""
     done = _script("wgrad_ab.py", "--check")
     assert "the same bits as wgrad_kernel" in done.stdout, done.stdout
+
+
+def test_wgrad_ws_builds_for_sm90_with_wgmma_tma_and_no_spills():
+    """wgrad_ws.py's Gluon kernel (GPU only: Gluon has no interpreter mode) compiled for Hopper: bf16 wgmma and TMA
+    in the code, no local memory, within the shared memory."""
+    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}  # the interpreter must be off to compile
+    done = subprocess.run([sys.executable, str(BENCH / "wgrad_ws.py"), "--sm90"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], facts
+    assert not facts["local_memory"] and facts["stack_bytes"] in (0, None), facts
+    assert facts["shared_bytes"] <= 227 * 1024, facts
 
 
 @pytest.mark.slow  # a GPU tool's CPU smoke run (~30 s): `pytest -m slow`, before a GPU session

@@ -1,0 +1,179 @@
+"""The expert wgrad, warp-specialised in Gluon: a TMA producer warp and two consumer warpgroups tied by mbarriers.
+
+A probe beside ``wgrad_ab.py`` (its ``ws`` variant), not a kernel of the library: issue 28's ncu samples of
+``wgrad_kernel`` (benchmarks/results/2026-12-03-wgrad-variants) show its warps waiting on each K step's TMA data
+and on the CTA barriers Triton puts around every TMA issue, not on the tensor cores. Here the same blocks, dealt
+the same way (expert by expert, each expert's blocks round-robin from a rotating first program), with
+
+- a producer warp that makes each expert's descriptors (ending at its last row: the hardware zero-fills the
+  partial last K step) and issues the K steps' TMA loads into STAGES slots (``full`` barriers with the bytes
+  expected), waiting only for a slot's ``empty`` barrier;
+- two consumer warpgroups, rows 0-63 and 64-127 of a block's 128 rows (each its own A half, a 64-wide TMA box),
+  each waiting for a slot, running its wgmma over the whole 256 columns, waiting for it and releasing the slot;
+  then converting its 64 x 256 half and storing it by TMA, waited for only before that buffer's next use.
+
+The rows are reduced in the same order with the same wgmma shape (m64n256k16) as ``wgrad_kernel``'s, so the bits
+are meant to be its; ``wgrad_ab.py`` compares them. GPU only (Gluon has no interpreter mode); the CPU test compiles
+it for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
+
+
+@gluon.jit
+def _first_task(expert, per_expert, NUM_PROGRAMS: gl.constexpr):
+    """This program's first block of ``expert``: blocks are numbered expert-major and dealt round-robin."""
+    return (gl.program_id(0) - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+
+
+@gluon.jit
+def _producer(a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty,
+              NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    num_n = gl.cdiv(OUT_N, BLOCK_N)
+    per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
+    step_bytes: gl.constexpr = 2 * BLOCK_K * HALF_M * 2 + BLOCK_K * BLOCK_N * 2
+    g = 0  # the program's K steps across its blocks: slot g % STAGES, phase (g // STAGES) & 1
+    for expert in range(0, num_experts):
+        first = _first_task(expert, per_expert, NUM_PROGRAMS)
+        if first < per_expert:
+            row0 = gl.load(offsets_ptr + expert)
+            row_end = row0 + gl.load(counts_ptr + expert)
+            rows = gl.maximum(row_end, 1)
+            a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+            b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+            for task in range(first, per_expert, NUM_PROGRAMS):
+                m0 = task // num_n * (2 * HALF_M)
+                n0 = task % num_n * BLOCK_N
+                for k in range(row0, row_end, BLOCK_K):
+                    s = g % STAGES
+                    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
+                    mbarrier.expect(full.index(s), step_bytes)
+                    tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
+                    tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
+                    tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
+                    g += 1
+
+
+@gluon.jit
+def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c_smem, full, empty,
+              HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
+    num_n = gl.cdiv(OUT_N, BLOCK_N)
+    per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
+    g = 0
+    for expert in range(0, num_experts):
+        first = _first_task(expert, per_expert, NUM_PROGRAMS)
+        if first < per_expert:
+            row0 = gl.load(offsets_ptr + expert)
+            row_end = row0 + gl.load(counts_ptr + expert)
+            out_desc = tma.make_tensor_descriptor(out_ptr + expert.to(gl.int64) * OUT_M * OUT_N, [OUT_M, OUT_N],
+                                                  [OUT_N, 1], [HALF_M, BLOCK_N], c_layout)
+            for task in range(first, per_expert, NUM_PROGRAMS):
+                m0 = task // num_n * (2 * HALF_M)
+                n0 = task % num_n * BLOCK_N
+                acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+                for k in range(row0, row_end, BLOCK_K):
+                    s = g % STAGES
+                    mbarrier.wait(full.index(s), (g // STAGES) & 1)
+                    acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    g += 1
+                tma.store_wait(pendings=0)  # this half's previous block has left c_smem
+                c_smem.store(acc.to(gl.bfloat16))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [m0 + HALF * HALF_M, n0], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
+                    NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract), blocks of 128 x BLOCK_N; 4 warps here
+    (the first consumer), 4 + 1 in the worker partitions. Launch with a scratch allocator (the descriptors)."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, HALF_M], a_layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
+    c0 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
+    c1 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(full.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=2)  # one arrive per consumer warpgroup
+    # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
+    gl.warp_specialize(
+        [(_consumer, (out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c0, full, empty,
+                      gl.constexpr(0),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                      gl.constexpr(STAGES))),
+         (_consumer, (out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c1, full, empty,
+                      gl.constexpr(1),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                      gl.constexpr(STAGES))),
+         (_producer, (a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty,
+                      gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES)))],
+        [4, 1], [232, 40])
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(slot))
+        mbarrier.invalidate(empty.index(slot))
+
+
+def wgrad_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+             programs: int, block_n: int = 256, block_k: int = 32, stages: int = 4) -> None:
+    """``wgrad_ws_kernel`` on `wgrad_kernel`'s arguments (A `[R, OUT_M]`, B `[R, OUT_N]`, out `[L, OUT_M, OUT_N]`,
+    all contiguous bf16), one program per SM given."""
+    from megamoe.ops.launch import scratch_allocator
+
+    experts, out_m, out_n = out.shape
+    with scratch_allocator():
+        wgrad_ws_kernel[(programs,)](a, b, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
+                                     BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4)
+
+
+def sm90_facts(block_n: int = 256, block_k: int = 32, stages: int = 4, programs: int = 132) -> dict:
+    """The sm_90 build's facts (`megamoe.tools.sm90.facts`), compiled on any machine with the interpreter off."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megamoe.tools.sm90 import facts
+
+    consts = {"NUM_PROGRAMS": programs, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
+    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **{name: "constexpr" for name in consts}}
+    # a launch's specialisation: 16-divisible pointers and sizes (num_experts is any count)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if name not in consts and name != "num_experts"}
+    compiled = triton.compile(GluonASTSource(fn=wgrad_ws_kernel, signature=signature, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return facts(compiled)
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sm90", action="store_true", help="print the sm_90 build's facts as JSON (no GPU needed)")
+    if parser.parse_args().sm90:
+        print(json.dumps(sm90_facts()))
