@@ -56,3 +56,20 @@ def test_helper_calls_do_not_patch_the_language_again(monkeypatch):
     scans.clear()
     _run(6)  # 12 more helper calls per program
     assert one > 0 and len(scans) == one
+
+
+@triton.jit
+def _int32_sum_kernel(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(a_ptr + offs) + tl.load(b_ptr + offs))
+
+
+def test_int32_arithmetic_wraps_as_compiled_code_does():
+    """The interpreter's int32 add wraps, as a compiled (non-debug) kernel's does, and its overflow check is off:
+    outside debug mode it never raised, and it took a third of a CPU training step."""
+    assert not interpreter.interpreter_builder.options.sanitize_overflow
+    a = torch.tensor([2**31 - 1, -(2**31), 5, -7], dtype=torch.int32)
+    b = torch.tensor([1, -1, 6, 2**31 - 1], dtype=torch.int32)
+    out = torch.empty_like(a)
+    _int32_sum_kernel[(1,)](a, b, out, BLOCK=4)
+    assert torch.equal(out, a + b), (out, a + b)  # torch's int32 add wraps too
