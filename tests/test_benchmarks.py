@@ -372,6 +372,35 @@ def test_wgrad_ws_builds_for_sm90_with_wgmma_tma_and_no_spills():
     assert facts["shared_bytes"] <= 227 * 1024, facts
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(monkeypatch):
+    """wgrad_ws.py's warp-specialised Gluon kernel against wgrad_kernel with the same blocks (128x256, BK 32):
+    the same bits on a load with an empty expert, partial K steps and more blocks than programs, NaN-poisoned."""
+    import torch
+
+    from megamoe.kernels import expert_gemm_bwd
+    from megamoe.ops.launch import scratch_allocator
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    wgrad_ws = importlib.import_module("wgrad_ws")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    counts = torch.tensor([70, 0, 33, 129, 5], dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    rows, out_m, out_n, programs = int(counts.sum()), 384, 512, 5
+    a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
+    b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
+    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "ab"]
+    with scratch_allocator():
+        expert_gemm_bwd.wgrad_kernel[(programs,)](a, b, outs[0], offsets, counts, len(counts), out_m, out_n,
+                                                  DOT_FP32=False, NUM_PROGRAMS=programs, BLOCK_M=128, BLOCK_N=256,
+                                                  BLOCK_K=32, FLATTEN=True, num_warps=8, num_stages=4)
+    wgrad_ws.wgrad_ws(a, b, outs[1], offsets, counts, programs)
+    torch.cuda.synchronize()
+    assert not outs[0].isnan().any() and outs[0][1].eq(0).all()
+    assert torch.equal(outs[0], outs[1]), float((outs[0].float() - outs[1].float()).abs().max())
+
+
 @pytest.mark.slow  # a GPU tool's CPU smoke run (~30 s): `pytest -m slow`, before a GPU session
 def test_task_order_ab_orders_give_the_same_bits():
     """task_order_ab.py --check: every row-tile kernel in both task orders (runs; one run over all tiles), the same
