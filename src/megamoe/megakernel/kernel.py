@@ -427,14 +427,11 @@ class MegaKernel:
             q = experts_q  # never None here: forward quantises before the device work when the caller did not
             torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
             torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
-            out = ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows])
-            operands = (b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
-                        q.w_down, q.w_down_scale)
-            if self.precision == "fp8-block":
-                expert_forward_fp8_block(*operands, swiglu_limit=swiglu_limit, out=out,
-                                         rows_per_expert=self._rows_per_expert)
-            else:
-                expert_forward_mxfp8(*operands, swiglu_limit=swiglu_limit, out=out)
+            forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
+            plan = {"rows_per_expert": self._rows_per_expert} if forward is expert_forward_fp8_block else {}
+            forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
+                    q.w_down, q.w_down_scale, swiglu_limit=swiglu_limit,
+                    out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), **plan)
         else:
             torch.index_select(self.sym.local("x"), 0, token, out=b.ring_x[rows])
             expert_forward(b.ring_x[rows], counts, offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit,
