@@ -1,14 +1,14 @@
 """Expert forward tiles A against B at the power cap: interleaved rounds of sustained calls, one GPU.
 
     PYTHONPATH=src python3 benchmarks/tiles_ab.py --preset kimi-k2 --experts 384 [--rounds 6] [--seconds 0.5]
-        [--precision bf16|fp8-block]
+        [--precision bf16|fp8-block|mxfp8]
 
 A sweep that times candidates one after another drifts: under sustained GEMMs an H200 sits at its 700 W
 cap and its SM clock falls from 1980 to ~1400 MHz over the first second (benchmarks/results/2026-11-30-replay,
 clock_probe), so later candidates run hotter. Here every round runs each variant for --seconds back to back,
 after a first round that only warms up, and the table gives each variant's median ms over the rounds. Variants:
-128-row tiles (8 warps) and 64-row tiles (one warpgroup) for gate/up and down, in BF16 or FP8-block
-(operands quantised once, untimed); every variant's output is compared with the first's.
+128-row tiles (8 warps) and 64-row tiles (one warpgroup) for gate/up and down, in BF16, FP8-block or MXFP8
+(its dequant kernels; operands quantised once, untimed); every variant's output is compared with the first's.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ import statistics
 
 import torch
 
-from megamoe.bench.experts import fp8_block_operands, make_load
+from megamoe.bench.experts import make_load
 from megamoe.config import preset
+from megamoe.megakernel.buffers import scale_dtype
 from megamoe.ops.experts import ExpertForward, expert_forward
 from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block
+from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8
+from megamoe.ops.quant import quantize_activations, quantize_weights
 from megamoe.ops.tiles import TileConfig
+from megamoe.precision import SCALE_BLOCK
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 
@@ -31,6 +35,8 @@ BF16_64 = {"gate_up": TileConfig(64, 128, 64, 4, 4, 8), "down": TileConfig(64, 2
 FP8_128 = {"gate_up": TileConfig(128, 128, 128, 8, 3, 4), "down": TileConfig(128, 128, 128, 8, 4, 8)}
 # one warpgroup: a 64x128 product per K step beside its 64x128 accumulator (64 + 64 registers a thread)
 FP8_64 = {"gate_up": TileConfig(64, 128, 128, 4, 4, 8), "down": TileConfig(64, 128, 128, 4, 4, 8)}
+MX_128 = {"gate_up": TileConfig(128, 64, 64, 8, 3, 4), "down": TileConfig(128, 128, 64, 8, 3, 8)}  # the dequant plan
+MX_64 = {"gate_up": TileConfig(64, 64, 64, 4, 4, 8), "down": TileConfig(64, 128, 64, 4, 4, 8)}
 
 
 def variants(big: dict, small: dict) -> dict[str, dict]:
@@ -39,7 +45,27 @@ def variants(big: dict, small: dict) -> dict[str, dict]:
             "64-row down": {**big, "down": small["down"]}, "64-row both": small}
 
 
-VARIANTS = {"bf16": variants(BF16_128, BF16_64), "fp8-block": variants(FP8_128, FP8_64)}
+VARIANTS = {"bf16": variants(BF16_128, BF16_64), "fp8-block": variants(FP8_128, FP8_64),
+            "mxfp8": variants(MX_128, MX_64)}
+FORWARD = {"fp8-block": expert_forward_fp8_block, "mxfp8": expert_forward_mxfp8}
+
+
+def quantized_call(fmt: str, x, counts, offsets, wgu, wd):
+    """A function of (out, tiles) that runs ``fmt``'s expert forward on operands quantised here, once, and a
+    function making NaN-poisoned outputs (the E4M3 act is fully written by any tile shape)."""
+    rows, i, d = x.shape[0], wd.shape[2], wd.shape[1]
+    operands = (*quantize_activations(x, fmt), counts, offsets, *quantize_weights(wgu, fmt), *quantize_weights(wd, fmt))
+
+    def make_out():
+        nan = float("nan")
+        return ExpertForwardQuantized(
+            torch.full((rows, 2 * i), nan, dtype=torch.bfloat16, device=x.device),
+            torch.empty(rows, i, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.zeros(rows, i // SCALE_BLOCK[fmt], dtype=scale_dtype(fmt), device=x.device).fill_(
+                nan if scale_dtype(fmt).is_floating_point else 0xFF),
+            torch.full((rows, d), nan, dtype=torch.bfloat16, device=x.device))
+
+    return (lambda out, tiles: FORWARD[fmt](*operands, out=out, tiles=tiles)), make_out
 
 
 def main() -> None:
@@ -55,21 +81,17 @@ def main() -> None:
     device = torch.device("cuda")
     x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, device)
     rows, d, i = x.shape[0], cfg.hidden, cfg.intermediate
-    q = fp8_block_operands(x, counts, offsets, wgu, wd) if a.precision == "fp8-block" else None
+    quantized = quantized_call(a.precision, x, counts, offsets, wgu, wd) if a.precision in FORWARD else None
     outs, calls = {}, {}
     for name, tiles in VARIANTS[a.precision].items():
-        if q is None:
+        if quantized is None:
             out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
                                   for n in (2 * i, i, d)))
             call = (lambda out=out, tiles=tiles: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles))
         else:
-            out = ExpertForwardQuantized(
-                torch.full((rows, 2 * i), float("nan"), dtype=torch.bfloat16, device=device),
-                torch.empty(rows, i, dtype=torch.float8_e4m3fn, device=device),
-                torch.full((rows, i // 128), float("nan"), device=device),
-                torch.full((rows, d), float("nan"), dtype=torch.bfloat16, device=device))
-            call = (lambda out=out, tiles=tiles: expert_forward_fp8_block(
-                q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, q.wd_q, q.wd_s, out=out, tiles=tiles))
+            forward, make_out = quantized
+            out = make_out()
+            call = (lambda out=out, tiles=tiles: forward(out, tiles))
         calls[name] = call
         call()
         outs[name] = out.y
