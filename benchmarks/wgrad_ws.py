@@ -7,10 +7,13 @@ the same way (expert by expert, each expert's blocks round-robin from a rotating
 
 - a producer warp that makes each expert's descriptors (ending at its last row: the hardware zero-fills the
   partial last K step) and issues the K steps' TMA loads into STAGES slots (``full`` barriers with the bytes
-  expected), waiting only for a slot's ``empty`` barrier;
+  expected), waiting only for a slot's ``empty`` barrier. A descriptor lives in a global scratch slot that a load
+  reads until it lands, so even and odd experts take turns in two slots and a slot is rewritten only after its last
+  load has landed (a rewrite under loads in flight sends them to the wrong expert's rows);
 - two consumer warpgroups, rows 0-63 and 64-127 of a block's 128 rows (each its own A half, a 64-wide TMA box),
   each waiting for a slot, running its wgmma over the whole 256 columns, waiting for it and releasing the slot;
-  then converting its 64 x 256 half and storing it by TMA, waited for only before that buffer's next use.
+  then converting its 64 x 256 half and storing it by TMA through one descriptor over every expert, made once,
+  the store waited for only before that buffer's next use.
 
 The rows are reduced in the same order with the same wgmma shape (m64n256k16) as ``wgrad_kernel``'s, so the bits
 are meant to be its; ``wgrad_ab.py`` compares them. GPU only (Gluon has no interpreter mode); the CPU test compiles
@@ -35,33 +38,57 @@ def _first_task(expert, per_expert, NUM_PROGRAMS: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty,
-              NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, expert, OUT_M, OUT_N, a_smem, b_smem, full, empty, g,
+                 site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Issue this program's K steps of ``expert``'s blocks from ``g`` on; its descriptors go where the descriptors
+    of this call site's previous expert were (one global scratch slot per call site), whose last load was step
+    ``site_last``. Returns the next step and this site's last one."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     step_bytes: gl.constexpr = 2 * BLOCK_K * HALF_M * 2 + BLOCK_K * BLOCK_N * 2
+    first = _first_task(expert, per_expert, NUM_PROGRAMS)
+    if first < per_expert:
+        # the TMA unit reads a descriptor until its load lands: wait for the site's last load before rewriting it,
+        # unless a later load into the same slot was issued (that one waited for the slot's release, so it landed)
+        if (site_last >= 0) & (g - site_last <= STAGES):
+            mbarrier.wait(full.index(site_last % STAGES), (site_last // STAGES) & 1)
+        row0 = gl.load(offsets_ptr + expert)
+        row_end = row0 + gl.load(counts_ptr + expert)
+        rows = gl.maximum(row_end, 1)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+        for task in range(first, per_expert, NUM_PROGRAMS):
+            m0 = task // num_n * (2 * HALF_M)
+            n0 = task % num_n * BLOCK_N
+            for k in range(row0, row_end, BLOCK_K):
+                s = g % STAGES
+                mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
+                mbarrier.expect(full.index(s), step_bytes)
+                tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
+                tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
+                tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
+                g += 1
+        site_last = g - 1
+    return g, site_last
+
+
+@gluon.jit
+def _producer(a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty,
+              NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Experts in pairs through two call sites of ``_load_expert``: each rewrites its own descriptors every other
+    expert, so the loads of one expert's last blocks stay in flight while the next expert's are issued."""
     g = 0  # the program's K steps across its blocks: slot g % STAGES, phase (g // STAGES) & 1
-    for expert in range(0, num_experts):
-        first = _first_task(expert, per_expert, NUM_PROGRAMS)
-        if first < per_expert:
-            row0 = gl.load(offsets_ptr + expert)
-            row_end = row0 + gl.load(counts_ptr + expert)
-            rows = gl.maximum(row_end, 1)
-            a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
-            b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
-            for task in range(first, per_expert, NUM_PROGRAMS):
-                m0 = task // num_n * (2 * HALF_M)
-                n0 = task % num_n * BLOCK_N
-                for k in range(row0, row_end, BLOCK_K):
-                    s = g % STAGES
-                    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
-                    mbarrier.expect(full.index(s), step_bytes)
-                    tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
-                    tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
-                    tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
-                    g += 1
+    last_even = -1
+    last_odd = -1
+    for pair in range(0, num_experts, 2):
+        g, last_even = _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, pair, OUT_M, OUT_N, a_smem, b_smem, full,
+                                    empty, g, last_even, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES)
+        if pair + 1 < num_experts:
+            g, last_odd = _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, pair + 1, OUT_M, OUT_N, a_smem, b_smem,
+                                       full, empty, g, last_odd, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES)
 
 
 @gluon.jit
@@ -74,14 +101,16 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
+    # one descriptor over every expert's rows (OUT_M a multiple of 128: no block crosses an expert), made once: a
+    # store in flight reads it until it lands, so it is never rewritten
+    out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts * OUT_M, OUT_N], [OUT_N, 1], [HALF_M, BLOCK_N],
+                                          c_layout)
     g = 0
     for expert in range(0, num_experts):
         first = _first_task(expert, per_expert, NUM_PROGRAMS)
         if first < per_expert:
             row0 = gl.load(offsets_ptr + expert)
             row_end = row0 + gl.load(counts_ptr + expert)
-            out_desc = tma.make_tensor_descriptor(out_ptr + expert.to(gl.int64) * OUT_M * OUT_N, [OUT_M, OUT_N],
-                                                  [OUT_N, 1], [HALF_M, BLOCK_N], c_layout)
             for task in range(first, per_expert, NUM_PROGRAMS):
                 m0 = task // num_n * (2 * HALF_M)
                 n0 = task % num_n * BLOCK_N
@@ -97,7 +126,7 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
                 tma.store_wait(pendings=0)  # this half's previous block has left c_smem
                 c_smem.store(acc.to(gl.bfloat16))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [m0 + HALF * HALF_M, n0], c_smem)
+                tma.async_copy_shared_to_global(out_desc, [expert * OUT_M + m0 + HALF * HALF_M, n0], c_smem)
     tma.store_wait(pendings=0)
 
 
@@ -145,6 +174,7 @@ def wgrad_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch
     from megamoe.ops.launch import scratch_allocator
 
     experts, out_m, out_n = out.shape
+    assert out_m % 128 == 0, f"the output's rows per expert ({out_m}) must be a multiple of the 128-row block"
     with scratch_allocator():
         wgrad_ws_kernel[(programs,)](a, b, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
                                      BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4)
