@@ -101,10 +101,11 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
-    # one descriptor over every expert's rows (OUT_M a multiple of 128: no block crosses an expert), made once: a
+    # one descriptor over every expert's block (3-D: a partial block is clipped at its expert's edge), made once: a
     # store in flight reads it until it lands, so it is never rewritten
-    out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts * OUT_M, OUT_N], [OUT_N, 1], [HALF_M, BLOCK_N],
-                                          c_layout)
+    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_M, BLOCK_N], gl.bfloat16)
+    out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_M, OUT_N], [OUT_M * OUT_N, OUT_N, 1],
+                                          [1, HALF_M, BLOCK_N], out_layout)
     g = 0
     for expert in range(0, num_experts):
         first = _first_task(expert, per_expert, NUM_PROGRAMS)
@@ -126,7 +127,7 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
                 tma.store_wait(pendings=0)  # this half's previous block has left c_smem
                 c_smem.store(acc.to(gl.bfloat16))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [expert * OUT_M + m0 + HALF * HALF_M, n0], c_smem)
+                tma.async_copy_shared_to_global(out_desc, [expert, m0 + HALF * HALF_M, n0], c_smem.reshape([1, HALF_M, BLOCK_N]))
     tma.store_wait(pendings=0)
 
 
@@ -174,7 +175,6 @@ def wgrad_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch
     from megamoe.ops.launch import scratch_allocator
 
     experts, out_m, out_n = out.shape
-    assert out_m % 128 == 0, f"the output's rows per expert ({out_m}) must be a multiple of the 128-row block"
     with scratch_allocator():
         wgrad_ws_kernel[(programs,)](a, b, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
                                      BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4)
