@@ -11,7 +11,9 @@ the expert's rows, a few K steps per block, so the output's store weighs as much
 K (what torch's grouped GEMM backward runs), in interleaved rounds; each variant's result compared with the plan's
 bit for bit. ``flat`` is the plan's tile in ``wgrad_flat_kernel``: one task loop over every expert's blocks (the
 plan's loop is flattened only inside an expert); ``groupsG`` splits the programs into G groups that each walk a
-share of the experts; ``ws`` is the plan's tile in ``wgrad_ws.py``'s warp-specialised Gluon kernel (GPU only). Prints ms, TFLOP/s, the store's share (the output's bytes at
+share of the experts; ``ws`` is the plan's tile in the warp-specialised Gluon kernel that ``expert_backward`` runs on
+Hopper (``megamoe.kernels.wgrad_warp_specialized``; ``plan`` is the Triton ``wgrad_kernel``, the CPU's). Each load
+takes the planner's tile for its rows per expert. Prints ms, TFLOP/s, the store's share (the output's bytes at
 4.8 TB/s) and % of the peer; writes DIR/wgrad_ab.json.
 """
 
@@ -28,13 +30,12 @@ import triton.language as tl
 
 from megamoe.bench.experts import make_load
 from megamoe.config import preset
-from megamoe.kernels import expert_gemm_bwd
+from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
 from megamoe.ops.launch import scratch_allocator
 from megamoe.ops.tiles import TileConfig, plan_tiles
 from megamoe.runtime import num_programs
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
-from wgrad_ws import wgrad_ws  # benchmarks/, beside this script
 
 
 @triton.jit
@@ -100,7 +101,7 @@ VARIANTS = {
     "128x256x32x5": (TileConfig(128, 256, 32, num_warps=8, num_stages=5, flatten=True), 1),
     "128x256x32x6": (TileConfig(128, 256, 32, num_warps=8, num_stages=6, flatten=True), 1),
     "flat": (None, 1),  # the plan's tile, wgrad_flat_kernel
-    "ws": (None, 1),  # the plan's tile (128x256x32, 4 stages) in wgrad_ws.py's warp-specialised Gluon kernel
+    "ws": (None, 1),  # the plan's tile in wgrad_warp_specialized's Gluon kernel
     "groups2": (None, 1),  # the plan's tile, wgrad_grouped_kernel with GROUPS programs groups
     "groups4": (None, 1),
     "groups6": (None, 1),
@@ -165,15 +166,17 @@ def main() -> None:
         plan_out, other_out = (torch.empty(experts, 2 * i, d, dtype=torch.bfloat16, device=dev) for _ in range(2))
         for name in a.variants.split(","):
             tile, per_sm = VARIANTS[name]
-            c = tile or plan_tiles("wgrad", dev)
+            c = tile or plan_tiles("wgrad", dev, rows / experts)
             programs = per_sm * num_programs(dev)
             out = plan_out if name == "plan" else other_out  # the variants share one buffer (GBs each)
 
             def call(c=c, programs=programs, out=out, kernel=KERNELS.get(name, expert_gemm_bwd.wgrad_kernel),
                      extra=EXTRA.get(name, {}), ws=name == "ws"):
-                if ws:
-                    return wgrad_ws(d_h, x, out, offsets, counts, programs, c.block_n, c.block_k, c.num_stages)
                 with scratch_allocator():
+                    if ws:
+                        return wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                            d_h, x, out, offsets, counts, experts, 2 * i, d, NUM_PROGRAMS=programs,
+                            BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.num_stages, num_warps=4)
                     kernel[(programs,)](
                         d_h, x, out, offsets, counts, experts, 2 * i, d, DOT_FP32=False, NUM_PROGRAMS=programs,
                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,

@@ -43,7 +43,7 @@ GPU_TOOLS = {
     "tiles_ab.py", "weighted_sum_bench.py", "wgrad_ab.py", "zero_rows_power.py",
 }
 #: Modules the scripts import (benchmarks/ is on their path), tested by calling them.
-HELPERS = {"ab_record.py", "megakernel_args.py", "sustained.py", "wgrad_ws.py"}
+HELPERS = {"ab_record.py", "megakernel_args.py", "sustained.py"}
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 
@@ -357,52 +357,6 @@ def test_wgrad_ab_probe_kernels_give_the_plans_bits():
     wgrad_kernel's bits."""
     done = _script("wgrad_ab.py", "--check")
     assert "the same bits as wgrad_kernel" in done.stdout, done.stdout
-
-
-def test_wgrad_ws_builds_for_sm90_with_wgmma_tma_and_no_spills():
-    """wgrad_ws.py's Gluon kernel (GPU only: Gluon has no interpreter mode) compiled for Hopper: bf16 wgmma and TMA
-    in the code, no local memory, within the shared memory."""
-    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}  # the interpreter must be off to compile
-    done = subprocess.run([sys.executable, str(BENCH / "wgrad_ws.py"), "--sm90"], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    facts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], facts
-    assert not facts["local_memory"] and facts["stack_bytes"] in (0, None), facts
-    assert facts["shared_bytes"] <= 227 * 1024, facts
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("out_m, out_n", [(384, 512), (320, 448)])
-def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(monkeypatch, out_m, out_n):
-    """wgrad_ws.py's warp-specialised Gluon kernel against wgrad_kernel with the same blocks (128x256, BK 32):
-    the same bits on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than
-    programs, NaN-poisoned."""
-    import torch
-
-    from megamoe.kernels import expert_gemm_bwd
-    from megamoe.ops.launch import scratch_allocator
-
-    monkeypatch.syspath_prepend(str(BENCH))
-    wgrad_ws = importlib.import_module("wgrad_ws")
-    g = torch.Generator(device="cuda").manual_seed(7)
-    counts = torch.tensor([70, 0, 33, 129, 5], dtype=torch.int32, device="cuda")
-    offsets = (counts.cumsum(0) - counts).to(torch.int32)
-    rows, programs = int(counts.sum()), 5
-    a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
-    b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
-    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "ab"]
-    with scratch_allocator():
-        expert_gemm_bwd.wgrad_kernel[(programs,)](a, b, outs[0], offsets, counts, len(counts), out_m, out_n,
-                                                  DOT_FP32=False, NUM_PROGRAMS=programs, BLOCK_M=128, BLOCK_N=256,
-                                                  BLOCK_K=32, FLATTEN=True, num_warps=8, num_stages=4)
-    wgrad_ws.wgrad_ws(a, b, outs[1], offsets, counts, programs)
-    torch.cuda.synchronize()
-    assert not outs[0].isnan().any() and outs[0][1].eq(0).all()
-    differ = torch.nn.functional.pad(outs[0] != outs[1], (0, -out_n % 256, 0, -out_m % 128)).view(
-        len(counts), -(-out_m // 128), 128, -(-out_n // 256), 256).any(4).any(2).nonzero()
-    assert torch.equal(outs[0], outs[1]), f"(expert, m block, n block) differing: {differ.tolist()}"
 
 
 @pytest.mark.slow  # a GPU tool's CPU smoke run (~30 s): `pytest -m slow`, before a GPU session

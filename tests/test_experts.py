@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.expert_gemm import row_tile_task
-from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import expert_forward, expert_forward_reference
 from sm90 import sm90_report  # tests/sm90.py
@@ -325,14 +325,54 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
     assert got.d_w_gate_up.eq(0).all() and got.d_w_down.eq(0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("out_m, out_n", [(384, 512), (320, 448)])
+@pytest.mark.parametrize("rows_per_expert", [None, FEW_ROWS_PER_EXPERT])
+def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
+    """The wgrad that expert_backward runs on Hopper (the warp-specialised Gluon kernel) against wgrad_kernel at the
+    same tile (both of the planner's: BK 32 x 4 stages, BK 64 x 3): the same bits on a load with an empty expert,
+    partial K steps, partial blocks (320 x 448) and more blocks than programs, NaN-poisoned."""
+    from megamoe.kernels import expert_gemm_bwd
+    from megamoe.ops.experts import warp_specialized_wgrad, wgrad
+    from megamoe.ops.launch import scratch_allocator
+
+    gpu = torch.device("cuda")
+    tile = plan_tiles("wgrad", gpu, rows_per_expert)
+    assert warp_specialized_wgrad(gpu, tile) == (torch.cuda.get_device_capability()[0] == 9)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    counts = torch.tensor([70, 0, 33, 129, 5, 200], dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    rows, programs = int(counts.sum()), 5
+    a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
+    b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
+    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "ab"]
+    with scratch_allocator():
+        expert_gemm_bwd.wgrad_kernel[(programs,)](
+            a, b, outs[0], offsets, counts, len(counts), out_m, out_n, DOT_FP32=False, NUM_PROGRAMS=programs,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
+    wgrad(a, b, outs[1], offsets, counts, tile, programs)
+    torch.cuda.synchronize()
+    want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
+    assert _rel(outs[0], want) < 1e-2 and outs[0][1].eq(0).all()
+    differ = torch.nn.functional.pad(outs[0] != outs[1], (0, -out_n % 256, 0, -out_m % 128)).view(
+        len(counts), -(-out_m // 128), 128, -(-out_n // 256), 256).any(4).any(2).nonzero()
+    assert torch.equal(outs[0], outs[1]), f"(expert, m block, n block) differing: {differ.tolist()}"
+
+
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
-    """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX."""
+    """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
+    too, without spills)."""
     summary = sm90_report("gemm")
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
-                            "dx_kernel (few rows per expert)", "wgrad_kernel", "wgrad_kernel (few rows per expert)"}
+                            "dx_kernel (few rows per expert)", "wgrad_kernel", "wgrad_kernel (few rows per expert)",
+                            "wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
+    for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)"):  # the Gluon wgrad: no spill
+        assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
 
 
 def _rel(a, b):

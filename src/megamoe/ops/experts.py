@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import checks
-from megamoe.kernels import expert_gemm, expert_gemm_bwd
+from megamoe.kernels import expert_gemm, expert_gemm_bwd, wgrad_warp_specialized
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import expert_ffn, swiglu
 from megamoe import runtime
-from megamoe.runtime import interpreting
+from megamoe.runtime import compiled_gpu, interpreting
 
 
 # Partial tiles read rows past an expert region (their results are masked at the store); under the
@@ -321,16 +321,35 @@ def expert_backward(
         grads.d_w_gate_up.zero_()
         grads.d_w_down.zero_()
         return grads
-    c = cfg["wgrad"]
-    with scratch_allocator():
-        for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
-            expert_gemm_bwd.wgrad_kernel[(programs,)](
-                a, b, out, offsets, counts, experts, out.shape[1], out.shape[2],
-                DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
-                num_warps=c.num_warps, num_stages=c.num_stages,
-            )
+    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
+        wgrad(a, b, out, offsets, counts, cfg["wgrad"], programs)
     return grads
+
+
+def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
+    """True when :func:`wgrad` runs the warp-specialised Gluon kernel: compiled on Hopper, 128-row blocks (its two
+    64-row consumer warpgroups)."""
+    return compiled_gpu(device) and torch.cuda.get_device_capability(device)[0] == 9 and tile.block_m == 128
+
+
+def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+          tile: TileConfig, programs: int) -> None:
+    """``out[l] = a[rows of l]ᵀ · b[rows of l]`` for every expert l (a `[R, M]`, b `[R, N]`, out `[L, M, N]`,
+    contiguous bf16; int32 offsets and counts): the expert weight gradient, rows reduced in order.
+
+    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`), elsewhere and under
+    the interpreter ``wgrad_kernel``: the same blocks, the same bits (a GPU test holds them to it)."""
+    experts, out_m, out_n = out.shape
+    with scratch_allocator():
+        if warp_specialized_wgrad(a.device, tile):
+            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                a, b, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=4)
+            return
+        expert_gemm_bwd.wgrad_kernel[(programs,)](
+            a, b, out, offsets, counts, experts, out_m, out_n, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def expert_backward_reference(

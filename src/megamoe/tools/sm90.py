@@ -36,7 +36,7 @@ GROUPS = ("gemm", "fp8", "mxfp8", "quant", "megakernel", "backward")
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, *, num_warps: int = 8, num_stages: int = 3,
                  attrs: dict | None = None):
-    """``kernel`` compiled for sm_90 from ``signature`` ({argument: type}) and ``constexprs``.
+    """``kernel`` (Triton or Gluon) compiled for sm_90 from ``signature`` ({argument: type}) and ``constexprs``.
 
     ``attrs`` (the JIT's specialisation) defaults to a launch's with our sizes: 16-divisibility on every
     pointer and i32 the kernel specialises. Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin,
@@ -45,6 +45,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, *, num_warps: int = 
         raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     signature = {name: signature[name] for name in kernel.arg_names}
     consts = {name: value for name, value in constexprs.items() if name in signature}
@@ -52,7 +53,8 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, *, num_warps: int = 
         plain = {kernel.arg_names[p.num] for p in kernel.params if p.do_not_specialize}
         attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
                  if name not in plain and name not in consts and (kind.startswith("*") or kind == "i32")}
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 

@@ -2,8 +2,8 @@
 
 Groups:
 
-- ``gemm``: the BF16 expert kernels (forward gate/up + SwiGLU, down; backward dact + SwiGLU', dx, wgrad) at
-  the planner's GPU tiles;
+- ``gemm``: the BF16 expert kernels (forward gate/up + SwiGLU, down; backward dact + SwiGLU', dx, wgrad, and
+  the wgrad's warp-specialised Gluon kernel) at the planner's GPU tiles;
 - ``fp8``: the FP8-block forward kernels at theirs;
 - ``mxfp8``: the MXFP8 forward kernels, dequantise-on-load and per-32 rescale;
 - ``quant``: the quantiser at every tile the GPU test and the defaults use, hardware and software E4M3
@@ -67,7 +67,7 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 
 def gemm_cases() -> dict[str, Case]:
-    from megamoe.kernels import expert_gemm, expert_gemm_bwd
+    from megamoe.kernels import expert_gemm, expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
     gpu = torch.device("cuda")
@@ -105,6 +105,12 @@ def gemm_cases() -> dict[str, Case]:
         cases[name] = Case(expert_gemm_bwd.wgrad_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
             "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **kinds}, values, t.num_warps, t.num_stages)
+        # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel
+        cases[name.replace("wgrad_kernel", "wgrad_ws_kernel")] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "NUM_PROGRAMS": "constexpr",
+            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr"},
+            dict(NUM_PROGRAMS=SMS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages), num_warps=4)
     return cases
 
 

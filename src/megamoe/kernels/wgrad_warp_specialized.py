@@ -1,28 +1,29 @@
-"""The expert wgrad, warp-specialised in Gluon: a TMA producer warp and two consumer warpgroups tied by mbarriers.
+"""The expert wgrad on Hopper, warp-specialised in Gluon: a TMA producer warp and two MMA warpgroups.
 
-A probe beside ``wgrad_ab.py`` (its ``ws`` variant), not a kernel of the library: issue 28's ncu samples of
-``wgrad_kernel`` (benchmarks/results/2026-12-03-wgrad-variants) show its warps waiting on each K step's TMA data
-and on the CTA barriers Triton puts around every TMA issue, not on the tensor cores. Here the same blocks, dealt
-the same way (expert by expert, each expert's blocks round-robin from a rotating first program), with
+``wgrad_kernel``'s contract and blocks (``out[l] = A[rows of l]ᵀ · B[rows of l]``, 128 x BLOCK_N blocks dealt
+expert by expert, each expert's blocks round-robin from a rotating first program) and its bits: the rows are
+reduced in the same order with the same wgmma shape (m64nNk16). What differs is who waits for what. In the Triton
+kernel every warp waits for each K step's TMA data and for the CTA barriers around every TMA issue
+(benchmarks/results/2026-12-03-wgrad-variants: 30 % and 25 % of the stall samples; the tensor cores wait on
+nothing). Here
 
-- a producer warp that makes each expert's descriptors (ending at its last row: the hardware zero-fills the
-  partial last K step) and issues the K steps' TMA loads into STAGES slots (``full`` barriers with the bytes
-  expected), waiting only for a slot's ``empty`` barrier. A descriptor lives in a global scratch slot that a load
-  reads until it lands, so even and odd experts take turns in two slots and a slot is rewritten only after its last
+- a producer warp makes each expert's descriptors (ending at its last row: the hardware zero-fills the partial
+  last K step) and issues the K steps' TMA loads into STAGES slots (``full`` barriers with the bytes expected),
+  waiting only for a slot's ``empty`` barrier. A descriptor lives in a global scratch slot that a load reads
+  until it lands, so even and odd experts take turns in two slots and a slot is rewritten only after its last
   load has landed (a rewrite under loads in flight sends them to the wrong expert's rows);
-- two consumer warpgroups, rows 0-63 and 64-127 of a block's 128 rows (each its own A half, a 64-wide TMA box),
-  each waiting for a slot, running its wgmma over the whole 256 columns, waiting for it and releasing the slot;
-  then converting its 64 x 256 half and storing it by TMA through one descriptor over every expert, made once,
-  the store waited for only before that buffer's next use.
+- two consumer warpgroups, rows 0-63 and 64-127 of a block (each its own A half, a 64-wide TMA box), each
+  waiting for a slot, running its wgmma over the block's columns, waiting for it and releasing the slot; then
+  converting its 64 x BLOCK_N half and storing it by TMA through one 3-D descriptor over every expert's block
+  (made once, so never rewritten under a store; a partial block is clipped at its expert's edge), the store
+  waited for only before that buffer's next use.
 
-The rows are reduced in the same order with the same wgmma shape (m64n256k16) as ``wgrad_kernel``'s, so the bits
-are meant to be its; ``wgrad_ab.py`` compares them. GPU only (Gluon has no interpreter mode); the CPU test compiles
-it for sm_90.
+GPU only: Gluon has no interpreter mode, so the CPU runs ``wgrad_kernel`` (`megamoe.ops.experts`), and a GPU test
+holds the two to the same bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -135,8 +136,9 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
 def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
                     NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     STAGES: gl.constexpr):
-    """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract), blocks of 128 x BLOCK_N; 4 warps here
-    (the first consumer), 4 + 1 in the worker partitions. Launch with a scratch allocator (the descriptors)."""
+    """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
+    `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
+    the worker partitions."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
@@ -166,44 +168,3 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(slot))
         mbarrier.invalidate(empty.index(slot))
-
-
-def wgrad_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
-             programs: int, block_n: int = 256, block_k: int = 32, stages: int = 4) -> None:
-    """``wgrad_ws_kernel`` on `wgrad_kernel`'s arguments (A `[R, OUT_M]`, B `[R, OUT_N]`, out `[L, OUT_M, OUT_N]`,
-    all contiguous bf16), one program per SM given."""
-    from megamoe.ops.launch import scratch_allocator
-
-    experts, out_m, out_n = out.shape
-    with scratch_allocator():
-        wgrad_ws_kernel[(programs,)](a, b, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
-                                     BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=4)
-
-
-def sm90_facts(block_n: int = 256, block_k: int = 32, stages: int = 4, programs: int = 132) -> dict:
-    """The sm_90 build's facts (`megamoe.tools.sm90.facts`), compiled on any machine with the interpreter off."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from megamoe.tools.sm90 import facts
-
-    consts = {"NUM_PROGRAMS": programs, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
-    signature = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **{name: "constexpr" for name in consts}}
-    # a launch's specialisation: 16-divisible pointers and sizes (num_experts is any count)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
-             if name not in consts and name != "num_experts"}
-    compiled = triton.compile(GluonASTSource(fn=wgrad_ws_kernel, signature=signature, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return facts(compiled)
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sm90", action="store_true", help="print the sm_90 build's facts as JSON (no GPU needed)")
-    if parser.parse_args().sm90:
-        print(json.dumps(sm90_facts()))
