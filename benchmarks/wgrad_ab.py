@@ -102,6 +102,7 @@ VARIANTS = {
     "128x256x32x6": (TileConfig(128, 256, 32, num_warps=8, num_stages=6, flatten=True), 1),
     "flat": (None, 1),  # the plan's tile, wgrad_flat_kernel
     "ws": (None, 1),  # the plan's tile in wgrad_warp_specialized's Gluon kernel
+    "ws-inflight": (None, 1),  # the same, one wgmma left in flight per K step (MMA_IN_FLIGHT)
     "groups2": (None, 1),  # the plan's tile, wgrad_grouped_kernel with GROUPS programs groups
     "groups4": (None, 1),
     "groups6": (None, 1),
@@ -110,7 +111,7 @@ VARIANTS = {
 #: variants that run another kernel than expert_gemm_bwd.wgrad_kernel
 KERNELS = {"flat": wgrad_flat_kernel, **{f"groups{g}": wgrad_grouped_kernel for g in (2, 4, 6, 12)}}
 #: extra constexprs of a variant's kernel
-EXTRA = {f"groups{g}": {"GROUPS": g} for g in (2, 4, 6, 12)}
+EXTRA = {**{f"groups{g}": {"GROUPS": g} for g in (2, 4, 6, 12)}, "ws-inflight": {"MMA_IN_FLIGHT": True}}
 
 
 def check_flat() -> None:
@@ -171,12 +172,12 @@ def main() -> None:
             out = plan_out if name == "plan" else other_out  # the variants share one buffer (GBs each)
 
             def call(c=c, programs=programs, out=out, kernel=KERNELS.get(name, expert_gemm_bwd.wgrad_kernel),
-                     extra=EXTRA.get(name, {}), ws=name == "ws"):
+                     extra=EXTRA.get(name, {}), ws=name.startswith("ws")):
                 with scratch_allocator():
                     if ws:
                         return wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                             d_h, x, out, offsets, counts, experts, 2 * i, d, NUM_PROGRAMS=programs,
-                            BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.num_stages, num_warps=4)
+                            BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.num_stages, num_warps=4, **extra)
                     kernel[(programs,)](
                         d_h, x, out, offsets, counts, experts, 2 * i, d, DOT_FP32=False, NUM_PROGRAMS=programs,
                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,

@@ -333,7 +333,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     """The wgrad that expert_backward runs on Hopper (the warp-specialised Gluon kernel) against wgrad_kernel at the
     same tile (both of the planner's: BK 32 x 4 stages, BK 64 x 3): the same bits on a load with an empty expert,
     partial K steps, partial blocks (320 x 448) and more blocks than programs, NaN-poisoned."""
-    from megamoe.kernels import expert_gemm_bwd
+    from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.experts import warp_specialized_wgrad, wgrad
     from megamoe.ops.launch import scratch_allocator
 
@@ -346,19 +346,23 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     rows, programs = int(counts.sum()), 5
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
-    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "ab"]
+    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "abc"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, DOT_FP32=False, NUM_PROGRAMS=programs,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten,
             num_warps=tile.num_warps, num_stages=tile.num_stages)
+        wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](  # one wgmma left in flight per K step
+            a, b, outs[2], offsets, counts, len(counts), out_m, out_n, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA_IN_FLIGHT=True, num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
     assert _rel(outs[0], want) < 1e-2 and outs[0][1].eq(0).all()
-    differ = torch.nn.functional.pad(outs[0] != outs[1], (0, -out_n % 256, 0, -out_m % 128)).view(
-        len(counts), -(-out_m // 128), 128, -(-out_n // 256), 256).any(4).any(2).nonzero()
-    assert torch.equal(outs[0], outs[1]), f"(expert, m block, n block) differing: {differ.tolist()}"
+    for got in outs[1:]:
+        differ = torch.nn.functional.pad(outs[0] != got, (0, -out_n % 256, 0, -out_m % 128)).view(
+            len(counts), -(-out_m // 128), 128, -(-out_n // 256), 256).any(4).any(2).nonzero()
+        assert torch.equal(outs[0], got), f"(expert, m block, n block) differing: {differ.tolist()}"
 
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():

@@ -95,7 +95,7 @@ def _producer(a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, 
 @gluon.jit
 def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c_smem, full, empty,
               HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -122,9 +122,19 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
                     mbarrier.wait(full.index(s), (g // STAGES) & 1)
                     acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc,
                                         is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(empty.index(s), count=1)
+                    if MMA_IN_FLIGHT:
+                        # the previous step's wgmma is done once one is left in flight: its slot goes back
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                        if k > row0:
+                            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                        mbarrier.arrive(empty.index(s), count=1)
                     g += 1
+                if MMA_IN_FLIGHT:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    if row_end > row0:
+                        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
                 tma.store_wait(pendings=0)  # this half's previous block has left c_smem
                 c_smem.store(acc.to(gl.bfloat16))
                 fence_async_shared()
@@ -135,7 +145,7 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
 @gluon.jit
 def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
                     NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions."""
@@ -156,11 +166,11 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
         [(_consumer, (out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c0, full, empty,
                       gl.constexpr(0),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES))),
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
          (_consumer, (out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c1, full, empty,
                       gl.constexpr(1),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES))),
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
          (_producer, (a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty,
                       gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES)))],
