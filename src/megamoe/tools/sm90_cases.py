@@ -109,8 +109,9 @@ def gemm_cases() -> dict[str, Case]:
         cases[name.replace("wgrad_kernel", "wgrad_ws_kernel")] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
             "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "NUM_PROGRAMS": "constexpr",
-            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr"},
-            dict(NUM_PROGRAMS=SMS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages), num_warps=4)
+            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr"},
+            dict(NUM_PROGRAMS=SMS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages, MMA_IN_FLIGHT=False),
+            num_warps=4)
     return cases
 
 
