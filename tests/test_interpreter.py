@@ -73,3 +73,26 @@ def test_int32_arithmetic_wraps_as_compiled_code_does():
     out = torch.empty_like(a)
     _int32_sum_kernel[(1,)](a, b, out, BLOCK=4)
     assert torch.equal(out, a + b), (out, a + b)  # torch's int32 add wraps too
+
+
+@triton.jit
+def _loop_to_loaded_count_kernel(count_ptr, out_ptr):
+    acc = 0
+    for i in range(0, tl.load(count_ptr)):  # a loop bound loaded from a pointer argument, as the row tasks' are
+        acc += i
+    tl.store(out_ptr, acc)
+
+
+def test_a_loop_to_a_loaded_count_runs_where_numpy_refuses_int_of_1_element_arrays():
+    """A scalar loaded from a pointer argument is a 1-element array under the interpreter; Triton 3.6 turns it into
+    a loop bound with int(array), which NumPy deprecated in 1.25 and later versions refuse (a GPU machine's NumPy
+    failed every interpreted launch with it). The patch indexes with the element; nothing is left patched."""
+    import warnings
+
+    count = torch.tensor([5], dtype=torch.int32)
+    out = torch.full((1,), -1, dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        _loop_to_loaded_count_kernel[(1,)](count, out)
+    assert int(out) == 10
+    assert not hasattr(tl.core.tensor, "__index__")

@@ -64,14 +64,19 @@ def resolve_wait_budget(budget: object = None) -> int:
     return budget
 
 
+def _index_of_interpreted(self) -> int:
+    return int(self.handle.data.item())
+
+
 def _patch_language_once_per_launch() -> None:
     """Make Triton 3.6's interpreter patch ``triton.language`` once per launch, not once per device-function call.
 
     A launch patches the language modules its kernel sees (``inspect.getmembers`` over ``tl``, ``tl.tensor``,
     ``tl.math``: ~0.7 ms) and restores them when it ends; every ``@triton.jit`` helper call inside it patches them
     again, with the same builder, and drops that scope unrestored. Those repeats were a third of a CPU training
-    step. Here a helper call whose language modules the running launch has patched already is not patched again.
-    Other Triton versions are left as they are."""
+    step. Here a helper call whose language modules the running launch has patched already is not patched again,
+    and a launch's tensors index with their one element (not int() of a 1-element array, which newer NumPy
+    refuses). Other Triton versions are left as they are."""
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_patch_lang", None)
@@ -93,6 +98,9 @@ def _patch_language_once_per_launch() -> None:
         launch = not patched
         scope = original(fn)
         patched.update(langs)
+        # Triton 3.6 indexes with int(data) of a 1-element array (a scalar load from a pointer argument):
+        # deprecated since NumPy 1.25, an error in later NumPy. The launch scope's restore puts the original back.
+        tl.core.tensor.__index__ = _index_of_interpreted
         if launch:  # the launch's own scope: its restore ends the launch
             restore = scope.restore
 
