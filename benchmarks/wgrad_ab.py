@@ -1,7 +1,7 @@
 """The expert weight-gradient GEMM alone: tile variants against CUTLASS's K-grouped GEMM, at the power cap.
 
     PYTHONPATH=src python3 benchmarks/wgrad_ab.py [--preset kimi-k2] [--experts 384,192] [--rounds 5]
-        [--variants plan,...] [--out DIR]
+        [--variants plan,...] [--kind gate_up|down] [--out DIR]
     PYTHONPATH=src python3 benchmarks/wgrad_ab.py --check     # the CPU interpreter: the flat variant's bits
 
 The gate/up weight gradient of ``tokens x k`` rows spread evenly over each expert count (kimi-k2 at 8192 tokens:
@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--kind", choices=("gate_up", "down"), default="gate_up",
+                        help="the gate/up wgrad (d_hᵀ·x, [2I, D] per expert) or the down one (dyᵀ·act_w, [D, I])")
     parser.add_argument("--check", action="store_true",
                         help="the CPU interpreter: wgrad_flat_kernel's bits against wgrad_kernel's, small shapes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -162,9 +164,12 @@ def main() -> None:
         x, counts, offsets, _, _ = make_load(experts, a.tokens * cfg.top_k, d, i, dev)
         rows = x.shape[0]
         d_h = torch.randn(rows, 2 * i, generator=torch.Generator(device=dev).manual_seed(3), device=dev).bfloat16()
+        if a.kind == "down":  # dy [R, D] and act_w [R, I] in the places of d_h and x
+            d_h, x = x, d_h[:, :i].contiguous()
+        out_m, out_n = d_h.shape[1], x.shape[1]
         ends = counts.cumsum(0).to(torch.int32)
         outs, calls, status = {}, {}, {}
-        plan_out, other_out = (torch.empty(experts, 2 * i, d, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        plan_out, other_out = (torch.empty(experts, out_m, out_n, dtype=torch.bfloat16, device=dev) for _ in range(2))
         for name in a.variants.split(","):
             tile, per_sm = VARIANTS[name]
             c = tile or plan_tiles("wgrad", dev, rows / experts)
@@ -176,10 +181,10 @@ def main() -> None:
                 with scratch_allocator():
                     if ws:
                         return wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                            d_h, x, out, offsets, counts, experts, 2 * i, d, NUM_PROGRAMS=programs,
+                            d_h, x, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
                             BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.num_stages, num_warps=4, **extra)
                     kernel[(programs,)](
-                        d_h, x, out, offsets, counts, experts, 2 * i, d, DOT_FP32=False, NUM_PROGRAMS=programs,
+                        d_h, x, out, offsets, counts, experts, out_m, out_n, DOT_FP32=False, NUM_PROGRAMS=programs,
                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
                         num_warps=c.num_warps, num_stages=c.num_stages, **extra)
             try:
@@ -201,8 +206,8 @@ def main() -> None:
             status["torch._grouped_mm"] = f"failed: {type(e).__name__}: {str(e)[:100]}"
             del calls["torch._grouped_mm"]
         times = interleaved_rounds(calls, a.rounds, a.seconds)
-        flops = 2 * rows * d * 2 * i
-        store_ms = experts * 2 * i * d * 2 / 4.8e12 * 1e3
+        flops = 2 * rows * out_m * out_n
+        store_ms = experts * out_m * out_n * 2 / 4.8e12 * 1e3
         peer_ms = statistics.median(times["torch._grouped_mm"]) if "torch._grouped_mm" in times else None
         for name, st in status.items():
             ts = times.get(name)
@@ -221,7 +226,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "wgrad_ab.json"), "w") as f:
         json.dump({"args": vars(a), "records": records}, f, indent=1)
-    print(f"{a.preset} gate/up wgrad, {a.rounds} interleaved rounds of {a.seconds} s")
+    print(f"{a.preset} {a.kind} wgrad, {a.rounds} interleaved rounds of {a.seconds} s")
     print("| load | variant | ms | TFLOP/s | store floor ms | % of grouped_mm's rate | result |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(lines))
