@@ -346,15 +346,16 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     rows, programs = int(counts.sum()), 5
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
-    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "abc"]
+    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "abcd"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, DOT_FP32=False, NUM_PROGRAMS=programs,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten,
             num_warps=tile.num_warps, num_stages=tile.num_stages)
-        wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](  # one wgmma left in flight per K step
-            a, b, outs[2], offsets, counts, len(counts), out_m, out_n, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA_IN_FLIGHT=True, num_warps=4)
+        for out, in_flight in zip(outs[2:], (False, True)):  # waiting for each wgmma, or one left in flight
+            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                a, b, out, offsets, counts, len(counts), out_m, out_n, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
+                BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA_IN_FLIGHT=in_flight, num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])

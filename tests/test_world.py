@@ -1,5 +1,7 @@
 """The EP world: ranks see each other's symmetric buffers, from torch and from Triton."""
 
+import os
+
 import pytest
 import torch
 import triton
@@ -122,3 +124,21 @@ def test_launch_rejects_bad_arguments():
         launch(_fail_on_rank_one, 0)
     with pytest.raises(ValueError, match="device"):
         launch(_fail_on_rank_one, 1, device="tpu")
+
+
+def _interpreter_state(world):
+    from megamoe.runtime import interpreting
+
+    return os.environ.get("TRITON_INTERPRET"), interpreting()
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_cpu_ranks_interpret_and_the_callers_environment_is_left_as_it_was(monkeypatch, before):
+    """CPU ranks run under the interpreter whatever the caller has; the caller's TRITON_INTERPRET comes back as it
+    was (a CPU launch that left it set made a later GPU launch in the same process interpret, and its ranks die)."""
+    if before is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", before)
+    assert launch(_interpreter_state, 1, device="cpu") == [("1", True)]
+    assert os.environ.get("TRITON_INTERPRET") == before

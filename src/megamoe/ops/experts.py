@@ -342,9 +342,12 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
     experts, out_m, out_n = out.shape
     with scratch_allocator():
         if warp_specialized_wgrad(a.device, tile):
+            # one wgmma left in flight holds its slot a step longer: with 4 stages (BK 32) -1.2 to -1.4 %, with 3
+            # (BK 64, few rows per expert) +2.6 to +4.2 % (benchmarks/results/2026-12-03-wgrad-warp-specialized)
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
-                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=4)
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages,
+                MMA_IN_FLIGHT=tile.num_stages >= 4, num_warps=4)
             return
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, out, offsets, counts, experts, out_m, out_n, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,

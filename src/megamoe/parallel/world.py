@@ -12,6 +12,7 @@ and :func:`init_world` joins a group started by torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -283,6 +284,26 @@ def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable,
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _interpreter_for_ranks(device: str):
+    """``TRITON_INTERPRET`` as the ranks spawned inside need it, the caller's own back on exit: CPU ranks run Triton
+    under the interpreter, GPU ranks compiled. A rank reads it when it imports the kernels (``triton.jit`` picks
+    the interpreter then), so it must be in the environment it is spawned with. Left set in the caller, a CPU
+    launch made every later GPU launch of the same process interpret (its ranks died on device pointers)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
 def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device: str = "cpu") -> list[Any]:
     """Run ``fn(world, *args)`` on ``nprocs`` local ranks; returns each rank's result, by rank.
 
@@ -302,12 +323,11 @@ def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device
         os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     for key, value in _NO_MULTICAST.items():
         os.environ.setdefault(key, value)
-    if device == "cpu":  # CPU ranks run Triton kernels under the interpreter
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     with tempfile.TemporaryDirectory(prefix="megamoe-launch-") as result_dir:
-        context = mp.start_processes(
-            _rank_main, args=(nprocs, device, result_dir, fn, args), nprocs=nprocs, join=False, start_method="spawn"
-        )
+        with _interpreter_for_ranks(device):
+            context = mp.start_processes(
+                _rank_main, args=(nprocs, device, result_dir, fn, args), nprocs=nprocs, join=False,
+                start_method="spawn")
         died = None
         try:
             while not context.join():
