@@ -103,6 +103,9 @@ VARIANTS = {
     "flat": (None, 1),  # the plan's tile, wgrad_flat_kernel
     "ws": (None, 1),  # the plan's tile in wgrad_warp_specialized's Gluon kernel
     "ws-inflight": (None, 1),  # the same, one wgmma left in flight per K step (MMA_IN_FLIGHT)
+    # the Gluon kernel's ring deeper at BK 32, one wgmma in flight (184 / 208 KB of shared memory)
+    "ws-32x5": (TileConfig(128, 256, 32, num_warps=4, num_stages=5, flatten=True), 1),
+    "ws-32x6": (TileConfig(128, 256, 32, num_warps=4, num_stages=6, flatten=True), 1),
     "groups2": (None, 1),  # the plan's tile, wgrad_grouped_kernel with GROUPS programs groups
     "groups4": (None, 1),
     "groups6": (None, 1),
@@ -111,7 +114,8 @@ VARIANTS = {
 #: variants that run another kernel than expert_gemm_bwd.wgrad_kernel
 KERNELS = {"flat": wgrad_flat_kernel, **{f"groups{g}": wgrad_grouped_kernel for g in (2, 4, 6, 12)}}
 #: extra constexprs of a variant's kernel
-EXTRA = {**{f"groups{g}": {"GROUPS": g} for g in (2, 4, 6, 12)}, "ws-inflight": {"MMA_IN_FLIGHT": True}}
+EXTRA = {**{f"groups{g}": {"GROUPS": g} for g in (2, 4, 6, 12)},
+         **{name: {"MMA_IN_FLIGHT": True} for name in ("ws-inflight", "ws-32x5", "ws-32x6")}}
 
 
 def check_flat() -> None:
