@@ -332,6 +332,14 @@ def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
     return compiled_gpu(device) and torch.cuda.get_device_capability(device)[0] == 9 and tile.block_m == 128
 
 
+def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
+    """The Gluon wgrad's constexprs at ``tile``. One wgmma left in flight holds its slot a step longer: with 4
+    stages (BK 32) -1.2 to -1.4 %, with 3 (BK 64, few rows per expert) +2.6 to +4.2 %
+    (benchmarks/results/2026-12-03-wgrad-warp-specialized)."""
+    return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages,
+                MMA_IN_FLIGHT=tile.num_stages >= 4)
+
+
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
           tile: TileConfig, programs: int) -> None:
     """``out[l] = a[rows of l]ᵀ · b[rows of l]`` for every expert l (a `[R, M]`, b `[R, N]`, out `[L, M, N]`,
@@ -342,12 +350,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
     experts, out_m, out_n = out.shape
     with scratch_allocator():
         if warp_specialized_wgrad(a.device, tile):
-            # one wgmma left in flight holds its slot a step longer: with 4 stages (BK 32) -1.2 to -1.4 %, with 3
-            # (BK 64, few rows per expert) +2.6 to +4.2 % (benchmarks/results/2026-12-03-wgrad-warp-specialized)
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
-                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages,
-                MMA_IN_FLIGHT=tile.num_stages >= 4, num_warps=4)
+                a, b, out, offsets, counts, experts, out_m, out_n, **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, out, offsets, counts, experts, out_m, out_n, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,

@@ -68,6 +68,7 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm, expert_gemm_bwd, wgrad_warp_specialized
+    from megamoe.ops.experts import wgrad_ws_constexprs
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
     gpu = torch.device("cuda")
@@ -110,8 +111,7 @@ def gemm_cases() -> dict[str, Case]:
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
             "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "NUM_PROGRAMS": "constexpr",
             "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr"},
-            dict(NUM_PROGRAMS=SMS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages, MMA_IN_FLIGHT=False),
-            num_warps=4)
+            wgrad_ws_constexprs(t, SMS), num_warps=4)
     return cases
 
 
