@@ -331,8 +331,8 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
 @pytest.mark.parametrize("rows_per_expert", [None, FEW_ROWS_PER_EXPERT])
 def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     """The wgrad that expert_backward runs on Hopper (the warp-specialised Gluon kernel) against wgrad_kernel at the
-    same tile (both of the planner's: BK 32 x 4 stages, BK 64 x 3): the same bits on a load with an empty expert,
-    partial K steps, partial blocks (320 x 448) and more blocks than programs, NaN-poisoned."""
+    same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
+    on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs, NaN-poisoned."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.experts import warp_specialized_wgrad, wgrad
     from megamoe.ops.launch import scratch_allocator
@@ -355,7 +355,8 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
         for out, in_flight in zip(outs[2:], (False, True)):  # waiting for each wgmma, or one left in flight
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, len(counts), out_m, out_n, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
-                BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA_IN_FLIGHT=in_flight, num_warps=4)
+                BLOCK_K=tile.block_k, STAGES=wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k),
+                MMA_IN_FLIGHT=in_flight, num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])

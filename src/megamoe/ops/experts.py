@@ -333,11 +333,14 @@ def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
 
 
 def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
-    """The Gluon wgrad's constexprs at ``tile``. One wgmma left in flight holds its slot a step longer: with 4
-    stages (BK 32) -1.2 to -1.4 %, with 3 (BK 64, few rows per expert) +2.6 to +4.2 %
-    (benchmarks/results/2026-12-03-wgrad-warp-specialized)."""
-    return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages,
-                MMA_IN_FLIGHT=tile.num_stages >= 4)
+    """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
+    (``ring_stages``: at BK 32 6 stages, -10.0 / -10.2 % gate/up / down against 4 at ~341 rows per expert, equal to
+    BK 64 x 3 at ~170; benchmarks/results/2026-12-03-wgrad-ring-depth). One wgmma left in flight holds its slot a step
+    longer: it pays from 4 stages on (-1.2 to -1.4 % at 4), not at 3 (+2.6 to +4.2 %;
+    2026-12-03-wgrad-warp-specialized)."""
+    stages = wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k)
+    return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
+                MMA_IN_FLIGHT=stages >= 4)
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
