@@ -8,7 +8,7 @@ import triton.language as tl
 from megamoe.kernels.expert_gemm import row_tile_task
 from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles
 from megamoe.routing.row_tiles import build_row_tiles
-from megamoe.ops.experts import expert_forward, expert_forward_reference
+from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
 from sm90 import sm90_report  # tests/sm90.py
 
 # On a GPU machine the same tests run compiled on the GPU; on the CPU under the interpreter.
@@ -365,6 +365,42 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
         differ = torch.nn.functional.pad(outs[0] != got, (0, -out_n % 256, 0, -out_m % 128)).view(
             len(counts), -(-out_m // 128), 128, -(-out_n // 256), 256).any(4).any(2).nonzero()
         assert torch.equal(outs[0], got), f"(expert, m block, n block) differing: {differ.tolist()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_k, stages, in_flight", [(64, None, False), (64, 3, True), (32, None, True)])
+def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
+    """The warp-specialised Gluon forward (``forward_ws``) against gate_up_kernel and down_kernel at the planner's
+    128-row tiles: the same bits on a load with an empty expert, partial row tiles, partial n-tiles (I 320, D 448)
+    and partial K steps, NaN-poisoned outputs, the SwiGLU clamp on."""
+    import dataclasses
+    from megamoe.ops.experts import forward_ws
+
+    gpu = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    counts = torch.tensor([70, 0, 33, 129, 5, 200, 131], dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    rows, d, i, programs = int(counts.sum()), 448, 320, 5
+    x = torch.randn(rows, d, generator=g, device="cuda").bfloat16()
+    wgu = (torch.randn(len(counts), 2 * i, d, generator=g, device="cuda") / d**0.5).bfloat16()
+    wd = (torch.randn(len(counts), d, i, generator=g, device="cuda") / i**0.5).bfloat16()
+    nan = lambda *shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    h, act, y = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
+    gate_up(x, counts, offsets, wgu, h, act, swiglu_limit=2.5, tiles=plan_tiles("gate_up", gpu), num_programs=programs)
+    down(act, counts, offsets, wd, y, tiles=plan_tiles("down", gpu), num_programs=programs)
+    h_ws, act_ws, y_ws = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
+    for kind, args in (("gate_up", (x, wgu, h_ws)), ("down", (act, wd, y_ws))):
+        tile = dataclasses.replace(plan_tiles(kind, gpu), block_k=block_k)
+        forward_ws(*args, counts, offsets, tile, programs, stages=stages, mma_in_flight=in_flight,
+                   **({"act": act_ws, "swiglu_limit": 2.5} if kind == "gate_up" else {}))
+    torch.cuda.synchronize()
+    ref = expert_forward_reference(x, counts, offsets, wgu, wd, swiglu_limit=2.5)
+    assert _rel(y, ref.y) < 2e-2
+    for name, want, got in (("h", h, h_ws), ("act", act, act_ws), ("y", y, y_ws)):
+        assert not got.isnan().any(), f"{name}: rows left unwritten"
+        assert torch.equal(want, got), f"{name}: rows differing {(want != got).any(1).nonzero().flatten().tolist()[:20]}"
 
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import checks
-from megamoe.kernels import expert_gemm, expert_gemm_bwd, wgrad_warp_specialized
+from megamoe.kernels import expert_gemm, expert_gemm_bwd, forward_warp_specialized, wgrad_warp_specialized
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import expert_ffn, swiglu
 from megamoe import runtime
@@ -204,6 +205,30 @@ def down(
         tail=(d, i),
         minibatch=minibatch,
     )
+
+
+def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+               tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, swiglu_limit: float | None = None,
+               stages: int | None = None, mma_in_flight: bool = False) -> None:
+    """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles, ``tile``'s BLOCK_N,
+    BLOCK_K and GROUP_M): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out h `[R, 2I]`), else down
+    (w `[L, D, I]`, out y `[R, D]`). ``stages``: the ring's depth (default: as deep as shared memory allows)."""
+    gate_up = act is not None
+    experts, w_n, k = w.shape
+    n = w_n // 2 if gate_up else w_n
+    rows = a.shape[0]
+    if rows == 0 or experts == 0:
+        return
+    tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
+    stages = stages or forward_warp_specialized.ring_stages(tile.block_n, tile.block_k, gate_up)
+    act = act if gate_up else out
+    with scratch_allocator():
+        forward_warp_specialized.forward_ws_kernel[(programs,)](
+            a, w, out, act, a.stride(0), out.stride(0), act.stride(0), tiles.tile_expert, tiles.tile_row0,
+            tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
+            float(swiglu_limit or 0.0), GATE_UP=gate_up, HAS_LIMIT=swiglu_limit is not None, NUM_PROGRAMS=programs,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=stages,
+            MMA_IN_FLIGHT=mma_in_flight, num_warps=4)
 
 
 def expert_forward_reference(

@@ -1,0 +1,188 @@
+"""The forward expert tiles on Hopper, warp-specialised in Gluon: a TMA producer warp and two MMA warpgroups.
+
+``gate_up_kernel`` and ``down_kernel``'s contracts, tasks (``row_tile_task`` order over the device-built tile map)
+and bits: each row's K loop is the same sequence of m64nNk16 wgmmas. What differs is who waits for what, as in
+``wgrad_warp_specialized``: under ncu the Triton gate/up kernel's warps wait on the CTA barriers around each TMA
+issue in 32 % of stall samples (benchmarks/results/2026-12-03-wgrad-ring-depth). Here
+
+- a producer warp walks the program's tasks and issues each K step's TMA loads (the tile's two 64-row halves of A
+  and the weight slice: gate and up slices for gate/up) into a ring of STAGES slots, waiting only for a slot's
+  ``empty`` barrier. Both descriptors span whole tensors and are made once, so nothing is rewritten under a load;
+- two consumer warpgroups, rows 0-63 and 64-127 of each tile, wait for a slot's ``full`` barrier, run their
+  wgmmas, release the slot and, at the tile's end, store their half with masked stores (rows of the tile's
+  region only: the rows past it belong to the next expert, which another program may be writing).
+
+GPU only (Gluon has no interpreter); `megamoe.ops.experts` runs it on Hopper, and a GPU test holds it to the
+Triton kernels' bits. Launch with a scratch allocator (the descriptors), 4 warps.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from megamoe.kernels.expert_gemm import row_tile_task, swiglu_tile
+
+HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
+HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a Hopper block can have
+
+
+def ring_stages(block_n: int, block_k: int, gate_up: bool) -> int:
+    """The deepest ring of K steps that fits beside the epilogue's layout conversion (a 64 x BLOCK_N bf16 buffer,
+    and 1 KB to spare): a step holds the two A halves and the weight slice (gate and up slices for gate/up)."""
+    half_m = HALF_M.value
+    step = (2 * half_m * block_k + (2 if gate_up else 1) * block_n * block_k) * 2
+    return (HOPPER_SHARED_BYTES - half_m * block_n * 2 - 1024) // (step + 16)
+
+
+@gluon.jit
+def _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: gl.constexpr):
+    tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
+    return gl.load(tile_expert_ptr + tile), gl.load(tile_row0_ptr + tile), gl.load(tile_row_end_ptr + tile), n
+
+
+@gluon.jit
+def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+              num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """The K steps of this program's tasks. Weight rows: gate/up's expert l holds gate rows l*2N .. and up rows
+    l*2N + N ..; down's holds rows l*N .."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+    a_desc = tma.make_tensor_descriptor(a_ptr, [rows, K], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [BLOCK_N, BLOCK_K], w_layout)
+    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
+    step_bytes: gl.constexpr = (2 * HALF_M + W_SLICES * BLOCK_N) * BLOCK_K * 2
+    num_n = gl.cdiv(N, BLOCK_N)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0  # the program's K steps: slot g % STAGES, phase (g // STAGES) & 1
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                                         GROUP_M)
+        w_row = expert * W_SLICES * N + n * BLOCK_N
+        for k in range(0, K, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
+            mbarrier.expect(full.index(s), step_bytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w_smem.index(W_SLICES * s))
+            if GATE_UP:
+                tma.async_copy_global_to_shared(w_desc, [w_row + N, k], full.index(s), w_smem.index(2 * s + 1))
+            g += 1
+
+
+@gluon.jit
+def _store(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: gl.constexpr):
+    """Masked store of a [64, BLOCK_N] FP32 half tile as bf16, rows row0.. of which ``rows_ok``, columns col0.. of
+    which ``cols_ok``, through a layout of 16-byte row runs."""
+    tile = gl.convert_layout(values.to(gl.bfloat16), layout)
+    r = gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, layout))
+    base = ptr + row0.to(gl.int64) * stride + col0
+    gl.store(base + (r[:, None] * stride + c[None, :]), tile, mask=(r < rows_ok)[:, None] & (c < cols_ok)[None, :])
+
+
+@gluon.jit
+def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+              tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty,
+              HALF: gl.constexpr, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              MMA_IN_FLIGHT: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
+    columns 0..N-1, up columns N..2N-1) and act_ptr act; down: out is y."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    runs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
+    num_n = gl.cdiv(N, BLOCK_N)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                                         GROUP_M)
+        acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+        acc_up = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+        for k in range(0, K, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            a = a_smem.index(2 * s + HALF)
+            if GATE_UP:
+                acc = warpgroup_mma(a, w_smem.index(2 * s).permute((1, 0)), acc, is_async=True)
+                acc_up = warpgroup_mma(a, w_smem.index(2 * s + 1).permute((1, 0)), acc_up, is_async=True)
+            else:
+                acc = warpgroup_mma(a, w_smem.index(s).permute((1, 0)), acc, is_async=True)
+            if MMA_IN_FLIGHT:
+                # the previous step's wgmmas are done once this step's are the only ones in flight: its slot goes back
+                if GATE_UP:
+                    acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k > 0:
+                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+            else:
+                if GATE_UP:
+                    acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(s), count=1)
+            g += 1
+        if MMA_IN_FLIGHT:
+            if GATE_UP:
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+        first = row0 + HALF * HALF_M
+        rows_ok = row_end - first
+        col0 = n * BLOCK_N
+        if GATE_UP:
+            _store(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
+            _store(out_ptr, stride_out, acc_up, first, rows_ok, N + col0, N - col0, runs)
+            _store(act_ptr, stride_act, swiglu_tile(acc, acc_up, limit, HAS_LIMIT), first, rows_ok, col0, N - col0,
+                   runs)
+        else:
+            _store(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
+
+
+@gluon.jit
+def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stride_act,
+                      tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
+                      rows, w_rows, N, K, limit,
+                      GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      MMA_IN_FLIGHT: gl.constexpr = False):
+    """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
+
+    gate/up (GATE_UP): A = x_rows `[rows, K=D]`, w = w_gate_up `[w_rows = L*2N, K]`, out = h `[rows, 2N]`, act
+    `[rows, N]` (N = I); ``gate_up_kernel``'s BLOCK_N gate and BLOCK_N up columns per tile. down: A = act
+    `[rows, K=I]`, w = w_down `[w_rows = L*N, K]`, out = y `[rows, N=D]`; act_ptr unused. bf16, rows contiguous."""
+    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [W_SLICES * STAGES, BLOCK_N, BLOCK_K], w_layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(full.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=2)  # one arrive per consumer warpgroup
+    gl.warp_specialize(
+        [(_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                      gl.constexpr(MMA_IN_FLIGHT))),
+         (_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                      gl.constexpr(MMA_IN_FLIGHT))),
+         (_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                      tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
+        [4, 1], [232, 40])
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(slot))
+        mbarrier.invalidate(empty.index(slot))
