@@ -4,9 +4,9 @@
         [--variants plan,ws,...] [--out DIR]
 
 ``tokens x k`` rows spread evenly over --experts experts (kimi-k2 at 8192 tokens: 192 x ~341). ``plan`` is
-``experts.gate_up`` / ``experts.down`` at the planner's tile (the Triton kernels); ``ws*`` the same 128-row tasks in
+``experts.gate_up(warp_specialized=False)`` / ``experts.down`` at the planner's tile (the Triton kernels); ``ws*`` the same 128-row tasks in
 ``megamoe.kernels.forward_warp_specialized`` (``experts.forward_ws``) at the plan's BLOCK_N and GROUP_M, with a BLOCK_K,
-a ring depth (default: as deep as shared memory allows) and one wgmma group left in flight or not; ``dense`` cuBLAS
+a ring depth (default: the plan's stages) and one wgmma left in flight or not; ``dense`` cuBLAS
 on all rows at once (the same N and K), ``torch._grouped_mm`` the grouped problem. Every ws variant's outputs are
 compared with the plan's bit for bit. One expert count per process (the outputs take GBs). Prints ms, TFLOP/s and %
 of dense; writes DIR/forward_ws_ab.json.
@@ -32,11 +32,12 @@ from sustained import interleaved_rounds  # benchmarks/, beside this script
 
 #: name -> (BLOCK_K, stages or None for the deepest ring, one wgmma group left in flight)
 VARIANTS = {
-    "ws": (64, None, False),
-    "ws-inflight": (64, None, True),
-    "ws-s3": (64, 3, False),
-    "ws-32": (32, None, False),
-    "ws-32-inflight": (32, None, True),
+    "ws": (64, None, True),  # what gate_up runs on Hopper: the planner's stages, one wgmma in flight
+    "ws-wait": (64, None, False),
+    "ws-s4": (64, 4, False),
+    "ws-s4-inflight": (64, 4, True),
+    "ws-s2": (64, 2, False),
+    "ws-32": (32, 6, False),
 }
 
 
@@ -62,7 +63,8 @@ def main() -> None:
         a_in, w, n, k = x, wgu, 2 * i, d
         outs = {name: (torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=dev),
                        torch.empty(rows, i, dtype=torch.bfloat16, device=dev)) for name in ("plan", "ws")}
-        plan = lambda: gate_up(x, counts, offsets, wgu, *outs["plan"], swiglu_limit=limit)  # noqa: E731
+        plan = lambda: gate_up(x, counts, offsets, wgu, *outs["plan"], swiglu_limit=limit,  # noqa: E731
+                               warp_specialized=False)
     else:
         a_in = torch.randn(rows, i, generator=torch.Generator(device=dev).manual_seed(5), device=dev).bfloat16()
         w, n, k = wd, d, i

@@ -370,13 +370,13 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("block_k, stages, in_flight", [(64, None, False), (64, 3, True), (32, None, True)])
+@pytest.mark.parametrize("block_k, stages, in_flight", [(64, None, True), (64, 4, False), (32, 6, True)])
 def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
     """The warp-specialised Gluon forward (``forward_ws``) against gate_up_kernel and down_kernel at the planner's
     128-row tiles: the same bits on a load with an empty expert, partial row tiles, partial n-tiles (I 320, D 448)
-    and partial K steps, NaN-poisoned outputs, the SwiGLU clamp on."""
+    and partial K steps, NaN-poisoned outputs, the SwiGLU clamp on; once through ``gate_up`` itself."""
     import dataclasses
-    from megamoe.ops.experts import forward_ws
+    from megamoe.ops.experts import forward_ws, warp_specialized_forward
 
     gpu = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -388,11 +388,17 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
     wd = (torch.randn(len(counts), d, i, generator=g, device="cuda") / i**0.5).bfloat16()
     nan = lambda *shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
     h, act, y = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
-    gate_up(x, counts, offsets, wgu, h, act, swiglu_limit=2.5, tiles=plan_tiles("gate_up", gpu), num_programs=programs)
+    gate_up(x, counts, offsets, wgu, h, act, swiglu_limit=2.5, tiles=plan_tiles("gate_up", gpu), num_programs=programs,
+            warp_specialized=False)
     down(act, counts, offsets, wd, y, tiles=plan_tiles("down", gpu), num_programs=programs)
     h_ws, act_ws, y_ws = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
     for kind, args in (("gate_up", (x, wgu, h_ws)), ("down", (act, wd, y_ws))):
         tile = dataclasses.replace(plan_tiles(kind, gpu), block_k=block_k)
+        if kind == "gate_up" and stages is None:  # the library's path, tiles also cut at minibatches of 96 rows
+            assert warp_specialized_forward(gpu, tile)
+            gate_up(x, counts, offsets, wgu, h_ws, act_ws, swiglu_limit=2.5, tiles=tile, num_programs=programs,
+                    minibatch=96)
+            continue
         forward_ws(*args, counts, offsets, tile, programs, stages=stages, mma_in_flight=in_flight,
                    **({"act": act_ws, "swiglu_limit": 2.5} if kind == "gate_up" else {}))
     torch.cuda.synchronize()
@@ -409,11 +415,11 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     summary = sm90_report("gemm")
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "wgrad_kernel", "wgrad_kernel (few rows per expert)",
-                            "wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)"}
+                            "wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
-    for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)"):  # the Gluon wgrad: no spill
+    for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)"):  # Gluon
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
 
 

@@ -12,8 +12,11 @@ issue in 32 % of stall samples (benchmarks/results/2026-12-03-wgrad-ring-depth).
   wgmmas, release the slot and, at the tile's end, store their half with masked stores (rows of the tile's
   region only: the rows past it belong to the next expert, which another program may be writing).
 
-GPU only (Gluon has no interpreter); `megamoe.ops.experts` runs it on Hopper, and a GPU test holds it to the
-Triton kernels' bits. Launch with a scratch allocator (the descriptors), 4 warps.
+gate/up's gate and up slices share a ring slot ([2 x BLOCK_N, BLOCK_K]), so one m64n256k16 wgmma computes both
+(two m64n128 wgmmas read the A half twice from shared memory). GPU only (Gluon has no interpreter);
+`megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.3 % on 341-row experts; down stays Triton,
+2 % faster there: benchmarks/results/2026-12-03-forward-warp-specialized), and a GPU test holds it to the Triton
+kernels' bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
 
 from __future__ import annotations
@@ -25,15 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from megamoe.kernels.expert_gemm import row_tile_task, swiglu_tile
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
-HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a Hopper block can have
+REGS_PRODUCER = gl.constexpr(80)  # the producer warp's registers: at 40-64 the sm_90 build spills 16-72 bytes
 
 
-def ring_stages(block_n: int, block_k: int, gate_up: bool) -> int:
-    """The deepest ring of K steps that fits beside the epilogue's layout conversion (a 64 x BLOCK_N bf16 buffer,
-    and 1 KB to spare): a step holds the two A halves and the weight slice (gate and up slices for gate/up)."""
-    half_m = HALF_M.value
-    step = (2 * half_m * block_k + (2 if gate_up else 1) * block_n * block_k) * 2
-    return (HOPPER_SHARED_BYTES - half_m * block_n * 2 - 1024) // (step + 16)
 
 
 @gluon.jit
@@ -67,9 +64,10 @@ def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_p
             mbarrier.expect(full.index(s), step_bytes)
             tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
             tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w_smem.index(W_SLICES * s))
-            if GATE_UP:
-                tma.async_copy_global_to_shared(w_desc, [w_row + N, k], full.index(s), w_smem.index(2 * s + 1))
+            w = w_smem.index(s)
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK_N))
+            if GATE_UP:  # the up slice in the slot's second half: one wgmma computes both
+                tma.async_copy_global_to_shared(w_desc, [w_row + N, k], full.index(s), w.slice(BLOCK_N, BLOCK_N))
             g += 1
 
 
@@ -92,8 +90,9 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
               MMA_IN_FLIGHT: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
     columns 0..N-1, up columns N..2N-1) and act_ptr act; down: out is y."""
+    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
+                                                  instr_shape=[16, W_SLICES * BLOCK_N, 16])
     runs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
     num_n = gl.cdiv(N, BLOCK_N)
     num_tasks = gl.load(num_tiles_ptr) * num_n
@@ -101,46 +100,31 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                                          GROUP_M)
-        acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
-        acc_up = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+        acc = gl.zeros((HALF_M, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
-            a = a_smem.index(2 * s + HALF)
-            if GATE_UP:
-                acc = warpgroup_mma(a, w_smem.index(2 * s).permute((1, 0)), acc, is_async=True)
-                acc_up = warpgroup_mma(a, w_smem.index(2 * s + 1).permute((1, 0)), acc_up, is_async=True)
-            else:
-                acc = warpgroup_mma(a, w_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s).permute((1, 0)), acc, is_async=True)
             if MMA_IN_FLIGHT:
-                # the previous step's wgmmas are done once this step's are the only ones in flight: its slot goes back
-                if GATE_UP:
-                    acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # the previous step's wgmma is done once this step's is the only one in flight: its slot goes back
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if k > 0:
                     mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
             else:
-                if GATE_UP:
-                    acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(s), count=1)
             g += 1
         if MMA_IN_FLIGHT:
-            if GATE_UP:
-                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
         first = row0 + HALF * HALF_M
         rows_ok = row_end - first
         col0 = n * BLOCK_N
         if GATE_UP:
-            _store(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
-            _store(out_ptr, stride_out, acc_up, first, rows_ok, N + col0, N - col0, runs)
-            _store(act_ptr, stride_act, swiglu_tile(acc, acc_up, limit, HAS_LIMIT), first, rows_ok, col0, N - col0,
-                   runs)
+            gate, up = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK_N)), (0, 2, 1)))
+            _store(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
+            _store(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
+            _store(act_ptr, stride_act, swiglu_tile(gate, up, limit, HAS_LIMIT), first, rows_ok, col0, N - col0, runs)
         else:
             _store(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
 
@@ -161,7 +145,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
-    w_smem = gl.allocate_shared_memory(gl.bfloat16, [W_SLICES * STAGES, BLOCK_N, BLOCK_K], w_layout)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(STAGES):
@@ -182,7 +166,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
-        [4, 1], [232, 40])
+        [4, 1], [232, REGS_PRODUCER])
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(slot))
         mbarrier.invalidate(empty.index(slot))

@@ -157,17 +157,25 @@ def gate_up(
     tiles: TileConfig | None = None,
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
+    warp_specialized: bool | None = None,
 ) -> None:
     """h = x_rows · w_gate_upᵀ and act = SwiGLU(h) on every expert region (one persistent launch); the tiles
-    are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
+    are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128-row tiles run in the
+    warp-specialised Gluon kernel (:func:`forward_ws`), elsewhere ``gate_up_kernel``: the same bits.
+    ``warp_specialized=False`` runs ``gate_up_kernel`` there too (A/B runs, tests)."""
     experts, two_i, d = w_gate_up.shape
     i = two_i // 2
     rows = x_rows.shape[0]
     if rows == 0 or experts == 0:
         return
     cfg = tiles or plan_tiles("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
+    programs = runtime.num_programs(x_rows.device, num_programs)
+    if warp_specialized is not False and warp_specialized_forward(x_rows.device, cfg):
+        forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, swiglu_limit=swiglu_limit,
+                   minibatch=minibatch)
+        return
     launch_row_tasks(
-        expert_gemm.gate_up_kernel, cfg, runtime.num_programs(x_rows.device, num_programs),
+        expert_gemm.gate_up_kernel, cfg, programs,
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(descriptor(x_rows, [cfg.block_m, cfg.block_k]),
               descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
@@ -207,27 +215,33 @@ def down(
     )
 
 
+def warp_specialized_forward(device: torch.device, tile: TileConfig) -> bool:
+    """True when :func:`gate_up` runs the warp-specialised Gluon kernel: compiled on Hopper, 128-row tiles (its two
+    64-row consumer warpgroups)."""
+    return compiled_gpu(device) and torch.cuda.get_device_capability(device)[0] == 9 and tile.block_m == 128
+
+
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, swiglu_limit: float | None = None,
-               stages: int | None = None, mma_in_flight: bool = False) -> None:
-    """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles, ``tile``'s BLOCK_N,
-    BLOCK_K and GROUP_M): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out h `[R, 2I]`), else down
-    (w `[L, D, I]`, out y `[R, D]`). ``stages``: the ring's depth (default: as deep as shared memory allows)."""
+               minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True) -> None:
+    """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles of ``tile``'s BLOCK_N,
+    BLOCK_K, GROUP_M and, unless ``stages``, ring depth): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out
+    h `[R, 2I]`), else down (w `[L, D, I]`, out y `[R, D]`). One wgmma is left in flight per K step unless
+    ``mma_in_flight`` is False. The same tasks and bits as the Triton kernels."""
     gate_up = act is not None
     experts, w_n, k = w.shape
     n = w_n // 2 if gate_up else w_n
     rows = a.shape[0]
     if rows == 0 or experts == 0:
         return
-    tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
-    stages = stages or forward_warp_specialized.ring_stages(tile.block_n, tile.block_k, gate_up)
+    tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128, minibatch=minibatch)
     act = act if gate_up else out
     with scratch_allocator():
         forward_warp_specialized.forward_ws_kernel[(programs,)](
             a, w, out, act, a.stride(0), out.stride(0), act.stride(0), tiles.tile_expert, tiles.tile_row0,
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
             float(swiglu_limit or 0.0), GATE_UP=gate_up, HAS_LIMIT=swiglu_limit is not None, NUM_PROGRAMS=programs,
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=stages,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=stages or tile.num_stages,
             MMA_IN_FLIGHT=mma_in_flight, num_warps=4)
 
 

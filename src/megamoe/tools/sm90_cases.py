@@ -67,7 +67,7 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 
 def gemm_cases() -> dict[str, Case]:
-    from megamoe.kernels import expert_gemm, expert_gemm_bwd, wgrad_warp_specialized
+    from megamoe.kernels import expert_gemm, expert_gemm_bwd, forward_warp_specialized, wgrad_warp_specialized
     from megamoe.ops.experts import wgrad_ws_constexprs
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
@@ -79,6 +79,14 @@ def gemm_cases() -> dict[str, Case]:
         "x_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>", "w_desc": f"tensordesc<bf16[{t.block_n},{t.block_k}]>",
         "h_ptr": "*bf16", "act_ptr": "*bf16", "stride_h": "i32", "stride_act": "i32", **_TILES, **kinds,
         "I": "i32", "K": "i32", "limit": "fp32"}, values, t.num_warps, t.num_stages)
+    # what gate_up runs on Hopper at the same tile: the warp-specialised Gluon kernel
+    cases["forward_ws_kernel (gate/up)"] = Case(forward_warp_specialized.forward_ws_kernel, {
+        "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "stride_a": "i32",
+        "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32", "K": "i32",
+        "limit": "fp32", **{name: "constexpr" for name in ("GATE_UP", "HAS_LIMIT", "NUM_PROGRAMS", "BLOCK_N", "BLOCK_K",
+                                                          "GROUP_M", "STAGES", "MMA_IN_FLIGHT")}},
+        dict(GATE_UP=True, HAS_LIMIT=True, NUM_PROGRAMS=SMS, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+             GROUP_M=t.group_m, STAGES=t.num_stages, MMA_IN_FLIGHT=True), num_warps=4)
     t = plan_tiles("down", gpu)
     kinds, values = _row_task_consts(expert_gemm.down_kernel, t)
     cases["down_kernel"] = Case(expert_gemm.down_kernel, {
