@@ -4,12 +4,12 @@
         [--variants plan,ws,...] [--out DIR]
 
 ``tokens x k`` rows spread evenly over --experts experts (kimi-k2 at 8192 tokens: 192 x ~341). ``plan`` is
-``experts.gate_up(warp_specialized=False)`` / ``experts.down`` at the planner's tile (the Triton kernels); ``ws*`` the same 128-row tasks in
-``megamoe.kernels.forward_warp_specialized`` (``experts.forward_ws``) at the plan's BLOCK_N and GROUP_M, with a BLOCK_K,
-a ring depth (default: the plan's stages) and one wgmma left in flight or not; ``dense`` cuBLAS
-on all rows at once (the same N and K), ``torch._grouped_mm`` the grouped problem. Every ws variant's outputs are
-compared with the plan's bit for bit. One expert count per process (the outputs take GBs). Prints ms, TFLOP/s and %
-of dense; writes DIR/forward_ws_ab.json.
+``experts.gate_up(warp_specialized=False)`` / ``experts.down`` at the planner's tile (the Triton kernels); ``ws*``
+the same 128-row tasks in ``megamoe.kernels.forward_warp_specialized`` (``experts.forward_ws``) at the plan's
+BLOCK_N and GROUP_M, with a BLOCK_K, a ring depth (default: the plan's stages) and one wgmma left in flight or not;
+``dense`` cuBLAS on all rows at once (the same N and K), ``torch._grouped_mm`` the grouped problem. Every ws
+variant's outputs are compared with the plan's bit for bit. One expert count per process (the outputs take GBs).
+Prints ms, TFLOP/s and % of dense; writes DIR/forward_ws_ab.json.
 """
 
 from __future__ import annotations
@@ -93,9 +93,8 @@ def main() -> None:
             status[name] = f"failed: {type(e).__name__}: {str(e)[:160]}"
             continue
         same = all(torch.equal(p, q) for p, q in zip(outs["plan"], outs["ws"]))
-        status[name] = "same bits" if same else (
-            "DIFFERENT bits: max |diff| " + ", ".join(f"{float((p.float() - q.float()).abs().nan_to_num(1e9).max()):.3g}"
-                                                       for p, q in zip(outs["plan"], outs["ws"])))
+        diffs = [float((p.float() - q.float()).abs().nan_to_num(1e9).max()) for p, q in zip(outs["plan"], outs["ws"])]
+        status[name] = "same bits" if same else "DIFFERENT bits: max |diff| " + ", ".join(f"{v:.3g}" for v in diffs)
         calls[name] = call
     w_dense = w[0].T.contiguous()  # [K, N]: one expert's weights as a dense peer of the same N and K
     dense_out = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)

@@ -332,7 +332,8 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
 def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     """The wgrad that expert_backward runs on Hopper (the warp-specialised Gluon kernel) against wgrad_kernel at the
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
-    on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs, NaN-poisoned."""
+    on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
+    NaN-poisoned."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.experts import warp_specialized_wgrad, wgrad
     from megamoe.ops.launch import scratch_allocator
@@ -406,7 +407,8 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
     assert _rel(y, ref.y) < 2e-2
     for name, want, got in (("h", h, h_ws), ("act", act, act_ws), ("y", y, y_ws)):
         assert not got.isnan().any(), f"{name}: rows left unwritten"
-        assert torch.equal(want, got), f"{name}: rows differing {(want != got).any(1).nonzero().flatten().tolist()[:20]}"
+        differ = (want != got).any(1).nonzero().flatten().tolist()[:20]
+        assert torch.equal(want, got), f"{name}: rows differing {differ}"
 
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():

@@ -14,7 +14,7 @@ issue in 32 % of stall samples (benchmarks/results/2026-12-03-wgrad-ring-depth).
 
 gate/up's gate and up slices share a ring slot ([2 x BLOCK_N, BLOCK_K]), so one m64n256k16 wgmma computes both
 (two m64n128 wgmmas read the A half twice from shared memory). GPU only (Gluon has no interpreter);
-`megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.3 % on 341-row experts; down stays Triton,
+`megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.1 to -3.4 % on 341-row experts; down stays Triton,
 2 % faster there: benchmarks/results/2026-12-03-forward-warp-specialized), and a GPU test holds it to the Triton
 kernels' bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
@@ -31,10 +31,9 @@ HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 REGS_PRODUCER = gl.constexpr(80)  # the producer warp's registers: at 40-64 the sm_90 build spills 16-72 bytes
 
 
-
-
 @gluon.jit
 def _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: gl.constexpr):
+    """Task -> (expert, row0, row_end, n-tile), in the Triton kernels' order."""
     tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
     return gl.load(tile_expert_ptr + tile), gl.load(tile_row0_ptr + tile), gl.load(tile_row_end_ptr + tile), n
 

@@ -157,7 +157,7 @@ def gate_up(
     tiles: TileConfig | None = None,
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
-    warp_specialized: bool | None = None,
+    warp_specialized: bool = True,
 ) -> None:
     """h = x_rows · w_gate_upᵀ and act = SwiGLU(h) on every expert region (one persistent launch); the tiles
     are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128-row tiles run in the
@@ -170,7 +170,7 @@ def gate_up(
         return
     cfg = tiles or plan_tiles("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
     programs = runtime.num_programs(x_rows.device, num_programs)
-    if warp_specialized is not False and warp_specialized_forward(x_rows.device, cfg):
+    if warp_specialized and warp_specialized_forward(x_rows.device, cfg):
         forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, swiglu_limit=swiglu_limit,
                    minibatch=minibatch)
         return
