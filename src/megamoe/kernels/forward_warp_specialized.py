@@ -10,9 +10,7 @@ issue in 32 % of stall samples (benchmarks/results/2026-12-03-wgrad-ring-depth).
   ``empty`` barrier. Both descriptors span whole tensors and are made once, so nothing is rewritten under a load;
 - two consumer warpgroups, rows 0-63 and 64-127 of each tile, wait for a slot's ``full`` barrier, run their
   wgmmas, release the slot and, at the tile's end, store their half with masked stores (rows of the tile's
-  region only: the rows past it belong to the next expert, which another program may be writing). A half with no
-  rows of its region (a region's last tile of <= 64 rows) is neither loaded nor multiplied: the other half's
-  wgmmas then have the tensor cores alone, so a region's tail costs 64-row, not 128-row, granularity.
+  region only: the rows past it belong to the next expert, which another program may be writing).
 
 gate/up's gate and up slices share a ring slot ([2 x BLOCK_N, BLOCK_K]), so one m64n256k16 wgmma computes both
 (two m64n128 wgmmas read the A half twice from shared memory). GPU only (Gluon has no interpreter);
@@ -59,16 +57,12 @@ def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_p
         expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                                          GROUP_M)
         w_row = expert * W_SLICES * N + n * BLOCK_N
-        both_halves = row0 + HALF_M < row_end  # else the second consumer skips the tile: nothing to load for it
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
-            if both_halves:
-                mbarrier.expect(full.index(s), step_bytes)
-                tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
-            else:
-                mbarrier.expect(full.index(s), step_bytes - HALF_M * BLOCK_K * 2)
+            mbarrier.expect(full.index(s), step_bytes)
             tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
             w = w_smem.index(s)
             tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK_N))
             if GATE_UP:  # the up slice in the slot's second half: one wgmma computes both
@@ -105,44 +99,33 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                                          GROUP_M)
-        first = row0 + HALF * HALF_M
-        if first < row_end:
-            acc = gl.zeros((HALF_M, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
-            for k in range(0, K, BLOCK_K):
-                s = g % STAGES
-                mbarrier.wait(full.index(s), (g // STAGES) & 1)
-                acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s).permute((1, 0)), acc, is_async=True)
-                if MMA_IN_FLIGHT:
-                    # the previous step's wgmma is done once this step's is the only one in flight: its slot is free
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if k > 0:
-                        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                g += 1
+        acc = gl.zeros((HALF_M, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
+        for k in range(0, K, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s).permute((1, 0)), acc, is_async=True)
             if MMA_IN_FLIGHT:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
-            rows_ok = row_end - first
-            col0 = n * BLOCK_N
-            if GATE_UP:
-                gate, up = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK_N)), (0, 2, 1)))
-                _store(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
-                _store(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
-                act = swiglu_tile(gate, up, limit, HAS_LIMIT)
-                _store(act_ptr, stride_act, act, first, rows_ok, col0, N - col0, runs)
+                # the previous step's wgmma is done once this step's is the only one in flight: its slot goes back
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k > 0:
+                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
             else:
-                _store(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
-        else:
-            # the second half of a region's last tile, past its rows: no wgmmas, so the first half's run at the
-            # tensor cores' whole rate (64-row granularity for the tail). Waiting for each step's data keeps this
-            # warpgroup's releases in the round of the other's.
-            for k in range(0, K, BLOCK_K):
-                s = g % STAGES
-                mbarrier.wait(full.index(s), (g // STAGES) & 1)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(s), count=1)
-                g += 1
+            g += 1
+        if MMA_IN_FLIGHT:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+        first = row0 + HALF * HALF_M
+        rows_ok = row_end - first
+        col0 = n * BLOCK_N
+        if GATE_UP:
+            gate, up = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK_N)), (0, 2, 1)))
+            _store(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
+            _store(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
+            _store(act_ptr, stride_act, swiglu_tile(gate, up, limit, HAS_LIMIT), first, rows_ok, col0, N - col0, runs)
+        else:
+            _store(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
 
 
 @gluon.jit
