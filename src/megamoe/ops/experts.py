@@ -20,9 +20,9 @@ import torch
 from megamoe import checks
 from megamoe.kernels import expert_gemm, expert_gemm_bwd, forward_warp_specialized, wgrad_warp_specialized
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import expert_ffn, swiglu
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe import runtime
 from megamoe.runtime import compiled_gpu, interpreting
 
@@ -221,6 +221,16 @@ def warp_specialized_forward(device: torch.device, tile: TileConfig) -> bool:
     return compiled_gpu(device) and torch.cuda.get_device_capability(device)[0] == 9 and tile.block_m == 128
 
 
+def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, has_limit: bool,
+                          stages: int | None = None, mma_in_flight: bool = True) -> dict:
+    """The Gluon forward's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs):
+    the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3), one wgmma in flight
+    (benchmarks/results/2026-12-03-forward-warp-specialized)."""
+    return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
+                BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=stages or tile.num_stages,
+                MMA_IN_FLIGHT=mma_in_flight)
+
+
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, swiglu_limit: float | None = None,
                minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True) -> None:
@@ -240,9 +250,9 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
         forward_warp_specialized.forward_ws_kernel[(programs,)](
             a, w, out, act, a.stride(0), out.stride(0), act.stride(0), tiles.tile_expert, tiles.tile_row0,
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
-            float(swiglu_limit or 0.0), GATE_UP=gate_up, HAS_LIMIT=swiglu_limit is not None, NUM_PROGRAMS=programs,
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=stages or tile.num_stages,
-            MMA_IN_FLIGHT=mma_in_flight, num_warps=4)
+            float(swiglu_limit or 0.0), num_warps=4,
+            **forward_ws_constexprs(tile, programs, gate_up=gate_up, has_limit=swiglu_limit is not None, stages=stages,
+                                    mma_in_flight=mma_in_flight))
 
 
 def expert_forward_reference(

@@ -68,7 +68,7 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm, expert_gemm_bwd, forward_warp_specialized, wgrad_warp_specialized
-    from megamoe.ops.experts import wgrad_ws_constexprs
+    from megamoe.ops.experts import forward_ws_constexprs, wgrad_ws_constexprs
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
     gpu = torch.device("cuda")
@@ -83,10 +83,8 @@ def gemm_cases() -> dict[str, Case]:
     cases["forward_ws_kernel (gate/up)"] = Case(forward_warp_specialized.forward_ws_kernel, {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "stride_a": "i32",
         "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32", "K": "i32",
-        "limit": "fp32", **{name: "constexpr" for name in ("GATE_UP", "HAS_LIMIT", "NUM_PROGRAMS", "BLOCK_N", "BLOCK_K",
-                                                          "GROUP_M", "STAGES", "MMA_IN_FLIGHT")}},
-        dict(GATE_UP=True, HAS_LIMIT=True, NUM_PROGRAMS=SMS, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-             GROUP_M=t.group_m, STAGES=t.num_stages, MMA_IN_FLIGHT=True), num_warps=4)
+        "limit": "fp32", **dict.fromkeys(forward_ws_constexprs(t, SMS, gate_up=True, has_limit=True), "constexpr")},
+        forward_ws_constexprs(t, SMS, gate_up=True, has_limit=True), num_warps=4)
     t = plan_tiles("down", gpu)
     kinds, values = _row_task_consts(expert_gemm.down_kernel, t)
     cases["down_kernel"] = Case(expert_gemm.down_kernel, {
