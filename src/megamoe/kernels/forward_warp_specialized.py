@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.expert_gemm import row_tile_task, swiglu_tile
+from megamoe.kernels.gluon_ring import drain_steps, release_step
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 REGS_PRODUCER = gl.constexpr(80)  # the producer warp's registers: at 40-64 the sm_90 build spills 16-72 bytes
@@ -104,18 +105,9 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
             acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s).permute((1, 0)), acc, is_async=True)
-            if MMA_IN_FLIGHT:
-                # the previous step's wgmma is done once this step's is the only one in flight: its slot goes back
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if k > 0:
-                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(s), count=1)
+            acc = release_step(acc, empty, s, k == 0, STAGES, MMA_IN_FLIGHT)
             g += 1
-        if MMA_IN_FLIGHT:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+        acc = drain_steps(acc, empty, g, K > 0, STAGES, MMA_IN_FLIGHT)
         first = row0 + HALF * HALF_M
         rows_ok = row_end - first
         col0 = n * BLOCK_N

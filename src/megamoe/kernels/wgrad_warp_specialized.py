@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from megamoe.kernels.gluon_ring import drain_steps, release_step
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a Hopper block can have
@@ -130,19 +131,9 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
                     mbarrier.wait(full.index(s), (g // STAGES) & 1)
                     acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc,
                                         is_async=True)
-                    if MMA_IN_FLIGHT:
-                        # the previous step's wgmma is done once one is left in flight: its slot goes back
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                        if k > row0:
-                            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
-                    else:
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                        mbarrier.arrive(empty.index(s), count=1)
+                    acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
                     g += 1
-                if MMA_IN_FLIGHT:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    if row_end > row0:
-                        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+                acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
                 tma.store_wait(pendings=0)  # this half's previous block has left c_smem
                 c_smem.store(acc.to(gl.bfloat16))
                 fence_async_shared()

@@ -1,0 +1,34 @@
+"""The MMA side of a warp-specialised ring of K steps (the Gluon kernels' consumers): after a step's wgmma, wait for
+it (or, with one left in flight, for the previous step's) and give its slot back to the producer."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+
+
+@gluon.jit
+def release_step(acc, empty, slot, first_step, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr):
+    """After issuing a step's wgmma into ``acc`` from ring ``slot``: wait for it and free the slot, or (MMA_IN_FLIGHT)
+    leave it in flight and free the previous step's slot, which is done once this one is the only wgmma outstanding (nothing to
+    free at a block's ``first_step``). An arrive per consumer warpgroup frees a slot."""
+    if MMA_IN_FLIGHT:
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if not first_step:
+            mbarrier.arrive(empty.index((slot + STAGES - 1) % STAGES), count=1)
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(slot), count=1)
+    return acc
+
+
+@gluon.jit
+def drain_steps(acc, empty, g, any_step, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr):
+    """At a block's end (``g`` one past its last step): with MMA_IN_FLIGHT wait for the last wgmma and free its slot
+    (if the block had ``any_step``)."""
+    if MMA_IN_FLIGHT:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if any_step:
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+    return acc
