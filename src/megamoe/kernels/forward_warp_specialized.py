@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.expert_gemm import row_tile_task, swiglu_tile
-from megamoe.kernels.gluon_ring import drain_steps, release_step
+from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 REGS_PRODUCER = gl.constexpr(80)  # the producer warp's registers: at 40-64 the sm_90 build spills 16-72 bytes
@@ -137,11 +137,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(full.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=2)  # one arrive per consumer warpgroup
+    full, empty = ring_barriers(STAGES)
     gl.warp_specialize(
         [(_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
@@ -158,6 +154,4 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
         [4, 1], [232, REGS_PRODUCER])
-    for slot in gl.static_range(STAGES):
-        mbarrier.invalidate(full.index(slot))
-        mbarrier.invalidate(empty.index(slot))
+    invalidate_ring(full, empty, STAGES)

@@ -1,5 +1,5 @@
-"""The MMA side of a warp-specialised ring of K steps (the Gluon kernels' consumers): after a step's wgmma, wait for
-it (or, with one left in flight, for the previous step's) and give its slot back to the producer."""
+"""A warp-specialised ring of K steps, shared by the Gluon kernels: its barriers, and the consumers' side (after a
+step's wgmma, wait for it, or with one left in flight for the previous step's, and give its slot back)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,23 @@ def drain_steps(acc, empty, g, any_step, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl
         if any_step:
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
     return acc
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """A ring's ``full`` barriers (one TMA arrival with the step's bytes) and ``empty`` ones (an arrive per consumer
+    warpgroup, two)."""
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(full.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=2)
+    return full, empty
+
+
+@gluon.jit
+def invalidate_ring(full, empty, STAGES: gl.constexpr):
+    """The ring's barriers invalidated at the kernel's end, after every partition has joined."""
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(slot))
+        mbarrier.invalidate(empty.index(slot))

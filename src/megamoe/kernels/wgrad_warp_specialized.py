@@ -28,7 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from megamoe.kernels.gluon_ring import drain_steps, release_step
+from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a Hopper block can have
@@ -155,11 +155,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
     c0 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
     c1 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(full.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=2)  # one arrive per consumer warpgroup
+    full, empty = ring_barriers(STAGES)
     # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
     gl.warp_specialize(
         [(_consumer, (out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c0, full, empty,
@@ -174,6 +170,4 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                       gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES)))],
         [4, 1], [232, 40])
-    for slot in gl.static_range(STAGES):
-        mbarrier.invalidate(full.index(slot))
-        mbarrier.invalidate(empty.index(slot))
+    invalidate_ring(full, empty, STAGES)
