@@ -85,13 +85,17 @@ def _store(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: gl.constex
 
 @gluon.jit
 def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-              tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty,
+              tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, turn,
               WARPGROUP: gl.constexpr, PING_PONG: gl.constexpr, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr,
               NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr):
     """One consumer warpgroup: rows WARPGROUP * 64 .. + 63 of every task of this program, or (PING_PONG) all 128 rows
     of every other task, from the program's WARPGROUP-th on. gate/up: out is h (gate columns 0..N-1, up columns
-    N..2N-1) and act_ptr act; down: out is y."""
+    N..2N-1) and act_ptr act; down: out is y.
+
+    In ping-pong the warpgroups' K loops take turns (``turn``: the barrier the other warpgroup arrives on when its
+    K loop has had its last slot): a ``full`` wait by phase parity holds only for a slot at most one ring round
+    ahead of the loads, and a warpgroup's next task starts a whole task's steps ahead of them."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     ROWS: gl.constexpr = 2 * HALF_M if PING_PONG else HALF_M
     TURN: gl.constexpr = 2 if PING_PONG else 1  # the program's tasks between two of this warpgroup's
@@ -103,9 +107,14 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
     steps = gl.cdiv(K, BLOCK_K)  # a task's K steps
     first_task = gl.program_id(0) + (WARPGROUP * NUM_PROGRAMS if PING_PONG else 0)
     g = WARPGROUP * steps if PING_PONG else 0  # as the producer counts
+    turns = WARPGROUP - 1  # the other warpgroup's K loops this one waits for before its next
     for task in range(first_task, num_tasks, TURN * NUM_PROGRAMS):
         expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                                          GROUP_M)
+        if PING_PONG:
+            if turns >= 0:
+                mbarrier.wait(turn.index(WARPGROUP), turns & 1)
+            turns += 1
         acc = gl.zeros((ROWS, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
@@ -114,6 +123,8 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
             acc = warpgroup_mma(a, w_smem.index(s).permute((1, 0)), acc, is_async=True)
             acc = release_step(acc, empty, s, k == 0, STAGES, MMA_IN_FLIGHT)
             g += 1
+        if PING_PONG:
+            mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
         acc = drain_steps(acc, empty, g, K > 0, STAGES, MMA_IN_FLIGHT)
         g += (TURN - 1) * steps  # the other warpgroup's task
         first = row0 if PING_PONG else row0 + WARPGROUP * HALF_M
@@ -147,14 +158,17 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * HALF_M, BLOCK_K], a_layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
     full, empty = ring_barriers(STAGES, 1 if PING_PONG else 2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: a K loop's end
+    for warpgroup in gl.static_range(2):
+        mbarrier.init(turn.index(warpgroup), count=1)
     gl.warp_specialize(
         [(_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, turn, gl.constexpr(0),
                       gl.constexpr(PING_PONG), gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
          (_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, turn, gl.constexpr(1),
                       gl.constexpr(PING_PONG), gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
@@ -164,3 +178,5 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
         [4, 1], [232, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)
+    for warpgroup in gl.static_range(2):
+        mbarrier.invalidate(turn.index(warpgroup))
