@@ -44,6 +44,8 @@ VARIANTS = {
     "pp-s5": (64, 5, True, True),
     "pp-s6": (64, 6, True, True),
     "pp-s4-wait": (64, 4, False, True),
+    "pp-32-s10": (32, 10, True, True),
+    "pp-32-s12": (32, 12, True, True),
 }
 
 
