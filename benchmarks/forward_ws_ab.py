@@ -7,7 +7,6 @@
 ``experts.gate_up(warp_specialized=False)`` / ``experts.down`` at the planner's tile (the Triton kernels); ``ws*``
 the same 128-row tasks in ``megamoe.kernels.forward_warp_specialized`` (``experts.forward_ws``) at the plan's
 BLOCK_N and GROUP_M, with a BLOCK_K, a ring depth (default: the plan's stages) and one wgmma left in flight or not;
-``pp*`` its ping-pong mode (each warpgroup a whole tile of half the plan's BLOCK_N, in turn);
 ``dense`` cuBLAS on all rows at once (the same N and K), ``torch._grouped_mm`` the grouped problem. Every ws
 variant's outputs are compared with the plan's bit for bit. One expert count per process (the outputs take GBs).
 Prints ms, TFLOP/s and % of dense; writes DIR/forward_ws_ab.json.
@@ -31,21 +30,14 @@ from megamoe.runtime import num_programs
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
 
-#: name -> (BLOCK_K, stages or None for the plan's, one wgmma group left in flight, ping-pong warpgroups)
+#: name -> (BLOCK_K, stages or None for the deepest ring, one wgmma group left in flight)
 VARIANTS = {
-    "ws": (64, None, True, False),  # what gate_up runs on Hopper: the planner's stages, one wgmma in flight
-    "ws-wait": (64, None, False, False),
-    "ws-s4": (64, 4, False, False),
-    "ws-s4-inflight": (64, 4, True, False),
-    "ws-s2": (64, 2, False, False),
-    "ws-32": (32, 6, False, False),
-    "pp-s3": (64, 3, True, True),  # each warpgroup a whole tile of half the plan's BLOCK_N, in turn
-    "pp-s4": (64, 4, True, True),
-    "pp-s5": (64, 5, True, True),
-    "pp-s6": (64, 6, True, True),
-    "pp-s4-wait": (64, 4, False, True),
-    "pp-32-s10": (32, 10, True, True),
-    "pp-32-s12": (32, 12, True, True),
+    "ws": (64, None, True),  # what gate_up runs on Hopper: the planner's stages, one wgmma in flight
+    "ws-wait": (64, None, False),
+    "ws-s4": (64, 4, False),
+    "ws-s4-inflight": (64, 4, True),
+    "ws-s2": (64, 2, False),
+    "ws-32": (32, 6, False),
 }
 
 
@@ -85,14 +77,13 @@ def main() -> None:
             calls[name], status[name] = plan, f"planner's tile {plan_tiles(a.kind, dev, rows / experts)}"
             plan()
             continue
-        bk, stages, in_flight, ping_pong = VARIANTS[name]
+        bk, stages, in_flight = VARIANTS[name]
         t = dataclasses.replace(tile, block_k=bk)
 
-        def call(t=t, stages=stages, in_flight=in_flight, ping_pong=ping_pong):
+        def call(t=t, stages=stages, in_flight=in_flight):
             out = outs["ws"]
             forward_ws(a_in, w, out[0], counts, offsets, t, programs, act=out[1] if len(out) > 1 else None,
-                       swiglu_limit=limit if len(out) > 1 else None, stages=stages, mma_in_flight=in_flight,
-                       ping_pong=ping_pong)
+                       swiglu_limit=limit if len(out) > 1 else None, stages=stages, mma_in_flight=in_flight)
         for out in outs["ws"]:
             out.fill_(float("nan"))
         try:

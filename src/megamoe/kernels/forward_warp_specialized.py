@@ -43,8 +43,8 @@ def _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_ru
 def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
               num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """The K steps of this program's tasks, in order. Weight rows: gate/up's expert l holds gate rows l*2N .. and up
-    rows l*2N + N ..; down's holds rows l*N .."""
+    """The K steps of this program's tasks. Weight rows: gate/up's expert l holds gate rows l*2N .. and up rows
+    l*2N + N ..; down's holds rows l*N .."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
     a_desc = tma.make_tensor_descriptor(a_ptr, [rows, K], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
@@ -62,9 +62,8 @@ def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_p
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
             mbarrier.expect(full.index(s), step_bytes)
-            a = a_smem.index(s)
-            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a.slice(0, HALF_M))
-            tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a.slice(HALF_M, HALF_M))
+            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
             w = w_smem.index(s)
             tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK_N))
             if GATE_UP:  # the up slice in the slot's second half: one wgmma computes both
@@ -74,7 +73,7 @@ def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_p
 
 @gluon.jit
 def _store(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: gl.constexpr):
-    """Masked store of a [rows, BLOCK_N] FP32 tile as bf16, rows row0.. of which ``rows_ok``, columns col0.. of
+    """Masked store of a [64, BLOCK_N] FP32 half tile as bf16, rows row0.. of which ``rows_ok``, columns col0.. of
     which ``cols_ok``, through a layout of 16-byte row runs."""
     tile = gl.convert_layout(values.to(gl.bfloat16), layout)
     r = gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, layout))
@@ -85,53 +84,35 @@ def _store(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: gl.constex
 
 @gluon.jit
 def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-              tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, turn,
-              WARPGROUP: gl.constexpr, PING_PONG: gl.constexpr, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-              NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr):
-    """One consumer warpgroup: rows WARPGROUP * 64 .. + 63 of every task of this program, or (PING_PONG) all 128 rows
-    of every other task, from the program's WARPGROUP-th on. gate/up: out is h (gate columns 0..N-1, up columns
-    N..2N-1) and act_ptr act; down: out is y.
-
-    In ping-pong the warpgroups' K loops take turns (``turn``: the barrier the other warpgroup arrives on when its
-    K loop has had its last slot): a ``full`` wait by phase parity holds only for a slot at most one ring round
-    ahead of the loads, and a warpgroup's next task starts a whole task's steps ahead of them."""
+              tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty,
+              HALF: gl.constexpr, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              MMA_IN_FLIGHT: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
+    columns 0..N-1, up columns N..2N-1) and act_ptr act; down: out is y."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
-    ROWS: gl.constexpr = 2 * HALF_M if PING_PONG else HALF_M
-    TURN: gl.constexpr = 2 if PING_PONG else 1  # the program's tasks between two of this warpgroup's
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, W_SLICES * BLOCK_N, 16])
     runs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
     num_n = gl.cdiv(N, BLOCK_N)
     num_tasks = gl.load(num_tiles_ptr) * num_n
-    steps = gl.cdiv(K, BLOCK_K)  # a task's K steps
-    first_task = gl.program_id(0) + (WARPGROUP * NUM_PROGRAMS if PING_PONG else 0)
-    g = WARPGROUP * steps if PING_PONG else 0  # as the producer counts
-    turns = WARPGROUP - 1  # the other warpgroup's K loops this one waits for before its next
-    for task in range(first_task, num_tasks, TURN * NUM_PROGRAMS):
+    g = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                                          GROUP_M)
-        if PING_PONG:
-            if turns >= 0:
-                mbarrier.wait(turn.index(WARPGROUP), turns & 1)
-            turns += 1
-        acc = gl.zeros((ROWS, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
+        acc = gl.zeros((HALF_M, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
-            a = a_smem.index(s) if PING_PONG else a_smem.index(s).slice(WARPGROUP * HALF_M, HALF_M)
-            acc = warpgroup_mma(a, w_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s).permute((1, 0)), acc, is_async=True)
             acc = release_step(acc, empty, s, k == 0, STAGES, MMA_IN_FLIGHT)
             g += 1
-        if PING_PONG:
-            mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
         acc = drain_steps(acc, empty, g, K > 0, STAGES, MMA_IN_FLIGHT)
-        g += (TURN - 1) * steps  # the other warpgroup's task
-        first = row0 if PING_PONG else row0 + WARPGROUP * HALF_M
+        first = row0 + HALF * HALF_M
         rows_ok = row_end - first
         col0 = n * BLOCK_N
         if GATE_UP:
-            gate, up = gl.split(gl.permute(gl.reshape(acc, (ROWS, 2, BLOCK_N)), (0, 2, 1)))
+            gate, up = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK_N)), (0, 2, 1)))
             _store(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
             _store(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
             _store(act_ptr, stride_act, swiglu_tile(gate, up, limit, HAS_LIMIT), first, rows_ok, col0, N - col0, runs)
@@ -145,38 +126,32 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
                       rows, w_rows, N, K, limit,
                       GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      MMA_IN_FLIGHT: gl.constexpr = False, PING_PONG: gl.constexpr = False):
+                      MMA_IN_FLIGHT: gl.constexpr = False):
     """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): A = x_rows `[rows, K=D]`, w = w_gate_up `[w_rows = L*2N, K]`, out = h `[rows, 2N]`, act
     `[rows, N]` (N = I); ``gate_up_kernel``'s BLOCK_N gate and BLOCK_N up columns per tile. down: A = act
-    `[rows, K=I]`, w = w_down `[w_rows = L*N, K]`, out = y `[rows, N=D]`; act_ptr unused. bf16, rows contiguous.
-    PING_PONG: each warpgroup takes whole tiles in turn, so one's stores run under the other's wgmmas."""
+    `[rows, K=I]`, w = w_down `[w_rows = L*N, K]`, out = y `[rows, N=D]`; act_ptr unused. bf16, rows contiguous."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * HALF_M, BLOCK_K], a_layout)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
-    full, empty = ring_barriers(STAGES, 1 if PING_PONG else 2)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: a K loop's end
-    for warpgroup in gl.static_range(2):
-        mbarrier.init(turn.index(warpgroup), count=1)
+    full, empty = ring_barriers(STAGES)
     gl.warp_specialize(
         [(_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, turn, gl.constexpr(0),
-                      gl.constexpr(PING_PONG), gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                      gl.constexpr(MMA_IN_FLIGHT))),
          (_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, turn, gl.constexpr(1),
-                      gl.constexpr(PING_PONG), gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                      gl.constexpr(MMA_IN_FLIGHT))),
          (_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
         [4, 1], [232, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)
-    for warpgroup in gl.static_range(2):
-        mbarrier.invalidate(turn.index(warpgroup))

@@ -35,14 +35,14 @@ def drain_steps(acc, empty, g, any_step, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl
 
 
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr, RELEASES: gl.constexpr = 2):
-    """A ring's ``full`` barriers (one TMA arrival with the step's bytes) and ``empty`` ones (RELEASES arrives: one
-    per consumer warpgroup reading the slot)."""
+def ring_barriers(STAGES: gl.constexpr):
+    """A ring's ``full`` barriers (one TMA arrival with the step's bytes) and ``empty`` ones (an arrive per consumer
+    warpgroup, two)."""
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(STAGES):
         mbarrier.init(full.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=RELEASES)
+        mbarrier.init(empty.index(slot), count=2)
     return full, empty
 
 

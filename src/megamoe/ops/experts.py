@@ -222,25 +222,22 @@ def warp_specialized_forward(device: torch.device, tile: TileConfig) -> bool:
 
 
 def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, has_limit: bool,
-                          stages: int | None = None, mma_in_flight: bool = True, ping_pong: bool = False) -> dict:
+                          stages: int | None = None, mma_in_flight: bool = True) -> dict:
     """The Gluon forward's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs):
     the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3), one wgmma in flight
-    (benchmarks/results/2026-12-03-forward-warp-specialized). ``ping_pong``: each warpgroup a whole tile of half
-    the plan's BLOCK_N in turn (the same 128 x 128 accumulator as a 64-row half of the plan's tile)."""
-    return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, NUM_PROGRAMS=programs,
-                BLOCK_N=tile.block_n // 2 if ping_pong else tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                STAGES=stages or tile.num_stages, MMA_IN_FLIGHT=mma_in_flight, PING_PONG=ping_pong)
+    (benchmarks/results/2026-12-03-forward-warp-specialized)."""
+    return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
+                BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=stages or tile.num_stages,
+                MMA_IN_FLIGHT=mma_in_flight)
 
 
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, swiglu_limit: float | None = None,
-               minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True,
-               ping_pong: bool = False) -> None:
+               minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True) -> None:
     """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles of ``tile``'s BLOCK_N,
     BLOCK_K, GROUP_M and, unless ``stages``, ring depth): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out
     h `[R, 2I]`), else down (w `[L, D, I]`, out y `[R, D]`). One wgmma is left in flight per K step unless
-    ``mma_in_flight`` is False; ``ping_pong``: see :func:`forward_ws_constexprs`. The same tasks and bits as the
-    Triton kernels."""
+    ``mma_in_flight`` is False. The same tasks and bits as the Triton kernels."""
     gate_up = act is not None
     experts, w_n, k = w.shape
     n = w_n // 2 if gate_up else w_n
@@ -255,7 +252,7 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
             float(swiglu_limit or 0.0), num_warps=4,
             **forward_ws_constexprs(tile, programs, gate_up=gate_up, has_limit=swiglu_limit is not None, stages=stages,
-                                    mma_in_flight=mma_in_flight, ping_pong=ping_pong))
+                                    mma_in_flight=mma_in_flight))
 
 
 def expert_forward_reference(
