@@ -117,13 +117,14 @@ def _store_t(out_ptr, stride_out, acc, row0, rows_ok, col0, cols_ok, T: gl.const
 def _consumer(out_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
               N, K, w_smem, x0, x1, x2, full, empty, WARPGROUP: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               T0: gl.constexpr, T1: gl.constexpr, T2: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr):
     m0: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, T0, 16])
     m1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, T1 if T1 > 0 else 16, 16])
     m2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, T2 if T2 > 0 else 16, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m0, k_width=2)
+    PRODUCTS: gl.constexpr = 1 + (T1 > 0) + (T2 > 0)  # wgmma groups per K step
     num_n = gl.cdiv(N, SLAB)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
@@ -140,9 +141,18 @@ def _consumer(out_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_
             acc0 = warpgroup_mma(a, x0.index(s).permute((1, 0)), acc0, is_async=True)
             acc1 = _product(a, x1.index(s), acc1, T1, m1)
             acc2 = _product(a, x2.index(s), acc2, T2, m2)
-            acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
-            mbarrier.arrive(empty.index(s), count=1)
+            if IN_FLIGHT:  # this step's products left running; the previous step's slot freed
+                acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=PRODUCTS, deps=(acc0, acc1, acc2))
+                if k > 0:
+                    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+            else:
+                acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
+                mbarrier.arrive(empty.index(s), count=1)
             g += 1
+        if IN_FLIGHT:
+            acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
+            if K > 0:
+                mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
         col0 = n * SLAB + WARPGROUP * HALF
         rows_ok = row_end - row0
         _store_t(out_ptr, stride_out, acc0, row0, rows_ok, col0, N - col0, T0)
@@ -154,7 +164,8 @@ def _consumer(out_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_
 def token_tile_kernel(a_ptr, w_ptr, out_ptr, stride_a, stride_out,
                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                       rows, w_rows, N, K, NUM_PROGRAMS: gl.constexpr, T0: gl.constexpr, T1: gl.constexpr,
-                      T2: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      T2: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      IN_FLIGHT: gl.constexpr):
     """out[r, c] = sum_k a[r, k] w[expert(r) * N + c, k] over (T-row tile, 128-column slab) tasks."""
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, SLAB, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_K], gl.bfloat16))
@@ -175,11 +186,11 @@ def token_tile_kernel(a_ptr, w_ptr, out_ptr, stride_a, stride_out,
         [(_consumer, (out_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                       num_tiles_ptr, N, K, w_smem, x0, x1, x2, full, empty, gl.constexpr(0),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(T0), gl.constexpr(T1), gl.constexpr(T2),
-                      gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+                      gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(IN_FLIGHT))),
          (_consumer, (out_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                       num_tiles_ptr, N, K, w_smem, x0, x1, x2, full, empty, gl.constexpr(1),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(T0), gl.constexpr(T1), gl.constexpr(T2),
-                      gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+                      gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(IN_FLIGHT))),
          (_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, w_smem, x0, x1, x2, full, empty,
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(T0), gl.constexpr(T1), gl.constexpr(T2),
@@ -190,28 +201,33 @@ def token_tile_kernel(a_ptr, w_ptr, out_ptr, stride_a, stride_out,
         mbarrier.invalidate(empty.index(s))
 
 
-#: name -> (T0, T1, T2, stages)
+#: name -> (T0, T1, T2, stages, one K step's products left in flight)
 VARIANTS = {
-    "t176": (128, 32, 16, 4),
-    "t176-s5": (128, 32, 16, 5),
-    "t192": (128, 64, 0, 4),
-    "t128": (128, 0, 0, 4),
-    "t160": (128, 32, 0, 4),
+    "t176": (128, 32, 16, 4, False),
+    "t176-s5": (128, 32, 16, 5, False),
+    "t192": (128, 64, 0, 4, False),
+    "t128": (128, 0, 0, 4, False),
+    "t160": (128, 32, 0, 4, False),
+    "t176-inflight": (128, 32, 16, 4, True),
+    "t192-inflight": (128, 64, 0, 4, True),
+    "t128-inflight": (128, 0, 0, 4, True),
 }
 
 
-def constexprs(programs: int, t0: int, t1: int, t2: int, stages: int, group_m: int = 8, block_k: int = 64) -> dict:
-    return dict(NUM_PROGRAMS=programs, T0=t0, T1=t1, T2=t2, BLOCK_K=block_k, GROUP_M=group_m, STAGES=stages)
+def constexprs(programs: int, t0: int, t1: int, t2: int, stages: int, in_flight: bool, group_m: int = 8,
+               block_k: int = 64) -> dict:
+    return dict(NUM_PROGRAMS=programs, T0=t0, T1=t1, T2=t2, BLOCK_K=block_k, GROUP_M=group_m, STAGES=stages,
+                IN_FLIGHT=in_flight)
 
 
-def launch(a, w, out, counts, offsets, programs, t0, t1, t2, stages):
+def launch(a, w, out, counts, offsets, programs, t0, t1, t2, stages, in_flight):
     experts, n, k = w.shape
     tiles = build_row_tiles(counts, offsets, a.shape[0], t0 + t1 + t2)
     with scratch_allocator():
         token_tile_kernel[(programs,)](
             a, w, out, a.stride(0), out.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end,
             tiles.tile_run, tiles.num_tiles, a.shape[0], experts * n, n, k, num_warps=4,
-            **constexprs(programs, t0, t1, t2, stages))
+            **constexprs(programs, t0, t1, t2, stages, in_flight))
 
 
 def main() -> None:
@@ -248,9 +264,7 @@ def main() -> None:
             plan()
             torch.cuda.synchronize()
             continue
-        t0, t1, t2, stages = VARIANTS[name]
-        call = lambda t0=t0, t1=t1, t2=t2, stages=stages: launch(a_in, w, out, counts, offsets, programs,  # noqa: E731
-                                                                  t0, t1, t2, stages)
+        call = lambda v=VARIANTS[name]: launch(a_in, w, out, counts, offsets, programs, *v)  # noqa: E731
         out.fill_(float("nan"))
         try:
             call()
