@@ -1,0 +1,268 @@
+"""The FP8-block gate/up tiles warp-specialised in Gluon, against the Triton plan (issue 28's FP8 promotion lever).
+
+    PYTHONPATH=src python3 benchmarks/fp8_ws_probe.py [--experts 192] [--rounds 5] [--variants plan,s3,...]
+        [--out DIR]
+
+The Triton kernel (``gate_up_fp8_kernel``: 8 warps, two warpgroups of 64 rows) waits for each 128-K step's
+products and promotes them (``acc += p * (a_scale ⊗ w_scale)``) with the tensor cores idle, both warpgroups at
+once (their TMA issues are CTA barriers); its sm_90 build spills (255 registers, 136 bytes of stack). Here a TMA
+producer warp fills a ring of [x rows 128 x 128 | gate 128 x 128 | up 128 x 128] fp8 slots and two consumer
+warpgroups (rows 0-63 / 64-127 of each tile), tied by mbarriers only, each run a K step's gate product, promote
+it, then the up product and promote it; so one warpgroup's promotion can run under the other's wgmmas. The
+epilogue is the Triton kernel's: h (bf16), SwiGLU, act quantised 1 x 128 (act_q, act_scale).
+
+Outputs are compared bit for bit with ``experts_fp8.gate_up_fp8`` (the plan); timed in interleaved rounds at the
+power cap with ``torch._scaled_mm`` (row / column scales) on all rows at once (same N and K). GPU only (Hopper).
+Writes DIR/fp8_ws_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from megamoe.bench.experts import fp8_block_operands, make_load
+from megamoe.config import preset
+from megamoe.kernels.expert_gemm import row_tile_task, swiglu_tile
+from megamoe.kernels.quant import fp8_block_quantize_tile
+from megamoe.ops.experts import ExpertForwardQuantized
+from megamoe.ops.experts_fp8 import gate_up_fp8
+from megamoe.ops.launch import flat_row_stride, scratch_allocator
+from megamoe.routing.row_tiles import build_row_tiles
+from megamoe.runtime import num_programs
+
+from sustained import interleaved_rounds  # benchmarks/, beside this script
+
+HALF = gl.constexpr(64)
+BLOCK = gl.constexpr(128)  # K step, act columns per tile, scale block
+
+
+@gluon.jit
+def _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: gl.constexpr):
+    tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
+    return gl.load(tile_expert_ptr + tile), gl.load(tile_row0_ptr + tile), gl.load(tile_row_end_ptr + tile), n
+
+
+@gluon.jit
+def _producer(x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+              num_tiles_ptr, I, K, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    a_desc = tma.make_tensor_descriptor(x_ptr, [rows, K], [stride_x, 1], [HALF, BLOCK],
+                                        gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
+    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [BLOCK, BLOCK],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv))
+    step_bytes: gl.constexpr = 4 * BLOCK * BLOCK  # x 128 rows, gate 128, up 128; one byte each
+    num_n = gl.cdiv(I, BLOCK)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                                         GROUP_M)
+        w_row = expert * 2 * I + n * BLOCK
+        for k in range(0, K, BLOCK):
+            s = g % STAGES
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+            mbarrier.expect(full.index(s), step_bytes)
+            a = a_smem.index(s)
+            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a.slice(0, HALF))
+            tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k], full.index(s), a.slice(HALF, HALF))
+            w = w_smem.index(s)
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK))
+            tma.async_copy_global_to_shared(w_desc, [w_row + I, k], full.index(s), w.slice(BLOCK, BLOCK))
+            g += 1
+
+
+@gluon.jit
+def _store(ptr, stride, values, rows, row_ok, col0, cols_ok, layout: gl.constexpr):
+    """Masked store of a [64, 128] tile (already in its stored dtype) at rows ``rows`` (int64, the tile's 64) and
+    columns col0.., through ``layout`` (16-byte row runs)."""
+    tile = gl.convert_layout(values, layout)
+    r = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    ok = gl.convert_layout(row_ok, gl.SliceLayout(1, layout))
+    c = gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(ptr + (r[:, None] * stride + col0 + c[None, :]), tile, mask=ok[:, None] & (c < cols_ok)[None, :])
+
+
+@gluon.jit
+def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
+              stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
+              I, K, limit, a_smem, w_smem, full, empty, WARPGROUP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+              STORE_H: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
+    runs16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # bf16: 8 per thread
+    runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # fp8: 16 per thread
+    num_n = gl.cdiv(I, BLOCK)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                                         GROUP_M)
+        n0 = n * BLOCK
+        rows = row0 + WARPGROUP * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
+        row_ok = rows < row_end
+        xs_rows = x_scale_ptr + rows.to(gl.int64) * stride_xs
+        ws_base = w_scale_ptr + expert.to(gl.int64) * (2 * I // 128) * stride_ws_n
+        acc_gate = gl.zeros((HALF, BLOCK), gl.float32, mma)
+        acc_up = gl.zeros((HALF, BLOCK), gl.float32, mma)
+        for k in range(0, K, BLOCK):
+            kb = k // BLOCK
+            a_s = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
+            sg = gl.load(ws_base + (n0 // 128) * stride_ws_n + kb)
+            su = gl.load(ws_base + ((I + n0) // 128) * stride_ws_n + kb)
+            s = g % STAGES
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            a = a_smem.index(s).slice(WARPGROUP * HALF, HALF)
+            w = w_smem.index(s)
+            p = warpgroup_mma(a, w.slice(0, BLOCK).permute((1, 0)), gl.zeros((HALF, BLOCK), gl.float32, mma),
+                              use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+            acc_gate += p * (a_s[:, None] * sg)
+            p = warpgroup_mma(a, w.slice(BLOCK, BLOCK).permute((1, 0)), gl.zeros((HALF, BLOCK), gl.float32, mma),
+                              use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc_up += p * (a_s[:, None] * su)
+            g += 1
+        rows64 = rows.to(gl.int64)
+        if STORE_H:
+            _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, n0, I - n0, runs16)
+            _store(h_ptr, stride_h, acc_up.to(gl.bfloat16), rows64, row_ok, I + n0, I - n0, runs16)
+        act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+        act_q, act_s = fp8_block_quantize_tile(act, 1, 128, False)  # [64, 128], [64, 1]
+        _store(act_q_ptr, stride_act, act_q.to(gl.uint8, bitcast=True), rows64, row_ok, n0, I - n0, runs8)
+        s_ptrs = act_scale_ptr + rows64[:, None] * stride_as + n0 // 128
+        gl.store(s_ptrs, act_s, mask=row_ok[:, None])
+
+
+@gluon.jit
+def gate_up_fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+                          stride_x, stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
+                          tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
+                          rows, w_rows, I, K, limit, HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr,
+                          NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """``gate_up_fp8_kernel``'s contract and 128-row x 128-act-column tiles, warp-specialised."""
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK],
+                                       gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK, BLOCK],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    gl.warp_specialize(
+        [(_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
+                      stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                      num_tiles_ptr, I, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
+                      stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                      num_tiles_ptr, I, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (_producer, (x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                      tile_run_ptr, num_tiles_ptr, I, K, a_smem, w_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
+        [4, 1], [232, 40])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(full.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+#: name -> ring stages
+VARIANTS = {"s2": 2, "s3": 3, "s4": 4}
+
+
+def constexprs(programs: int, stages: int, has_limit: bool = False, store_h: bool = True, group_m: int = 4) -> dict:
+    return dict(HAS_LIMIT=has_limit, STORE_H=store_h, NUM_PROGRAMS=programs, GROUP_M=group_m, STAGES=stages)
+
+
+def launch(x_q, x_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, stages: int) -> None:
+    experts, two_i, d = w_q.shape
+    rows = x_q.shape[0]
+    tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
+    with scratch_allocator():
+        gate_up_fp8_ws_kernel[(programs,)](
+            x_q, w_q, x_s, w_s, out.h, out.act_q.view(torch.uint8), out.act_scale,
+            x_q.stride(0), x_s.stride(0), flat_row_stride(w_s), out.h.stride(0), out.act_q.stride(0),
+            out.act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
+            tiles.num_tiles, rows, experts * two_i, two_i // 2, d, 0.0, num_warps=4,
+            **constexprs(programs, stages))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="kimi-k2")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--experts", type=int, default=192)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.3)
+    parser.add_argument("--variants", default="plan," + ",".join(VARIANTS))
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = parser.parse_args()
+    cfg, dev = preset(a.preset), torch.device("cuda")
+    d, i = cfg.hidden, cfg.intermediate
+    x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, d, i, dev)
+    rows = x.shape[0]
+    q = fp8_block_operands(x, counts, offsets, wgu, wd)
+    del x, wgu, wd
+    programs = num_programs(dev)
+    plan_out = q.fwd
+    out = ExpertForwardQuantized(torch.empty_like(plan_out.h), torch.empty_like(plan_out.act_q),
+                                 torch.empty_like(plan_out.act_scale), plan_out.y)
+    calls = {"plan": lambda: gate_up_fp8(q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, plan_out)}
+    status = {"plan": "gate_up_fp8 (Triton)"}
+    for name in a.variants.split(","):
+        if name == "plan":
+            continue
+        call = lambda st=VARIANTS[name]: launch(q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, out,  # noqa: E731
+                                                programs, st)
+        out.h.fill_(float("nan"))
+        out.act_q.view(torch.uint8).fill_(0x7F)
+        out.act_scale.fill_(float("nan"))
+        try:
+            call()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 -- a compile error or shared memory: reported, not timed
+            status[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            continue
+        same = {f: torch.equal(getattr(out, f).view(torch.uint8) if f == "act_q" else getattr(out, f),
+                               getattr(plan_out, f).view(torch.uint8) if f == "act_q" else getattr(plan_out, f))
+                for f in ("h", "act_q", "act_scale")}
+        status[name] = "same bits" if all(same.values()) else "DIFFERENT bits: " + ", ".join(
+            f for f, ok in same.items() if not ok)
+        calls[name] = call
+    a_gu, b_gu = q.x_q, q.wgu_q[0].T
+    r_gu, s_gu = torch.rand(rows, 1, device=dev) + 0.5, torch.rand(1, 2 * i, device=dev) + 0.5
+    calls["dense"] = lambda: torch._scaled_mm(a_gu, b_gu, r_gu, s_gu, out_dtype=torch.bfloat16)
+    status["dense"] = "torch._scaled_mm, row / column scales"
+    times = interleaved_rounds(calls, a.rounds, a.seconds)
+    flops = 2 * rows * 2 * i * d
+    dense_ms = statistics.median(times["dense"])
+    records, lines = [], []
+    for name, st in status.items():
+        ts = times.get(name)
+        ms = statistics.median(ts) if ts else None
+        records.append({"experts": a.experts, "rows": rows, "variant": name, "ms": ms, "ms_rounds": ts,
+                        "status": st, "stages": VARIANTS.get(name)})
+        lines.append(f"| {a.experts} x {rows // a.experts} | {name} | " + (
+            f"{ms:.3f} | {flops / ms / 1e9:.0f} | {100 * dense_ms / ms:.0f} % |" if ms else "— | | |") + f" {st} |")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "fp8_ws_probe.json"), "w") as f:
+        json.dump({"args": vars(a), "records": records}, f, indent=1)
+    print(f"{a.preset} fp8-block gate/up, {a.rounds} interleaved rounds of {a.seconds} s")
+    print("| load | variant | ms | TFLOP/s | % of dense | result |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
