@@ -58,7 +58,7 @@ def _producer(x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_p
                                         gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
     w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [BLOCK, BLOCK],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv))
-    step_bytes: gl.constexpr = 4 * BLOCK * BLOCK  # x 128 rows, gate 128, up 128; one byte each
+    step_bytes: gl.constexpr = 3 * BLOCK * BLOCK  # x 128 rows, gate 128 rows, up 128 rows of 128 bytes
     num_n = gl.cdiv(I, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
