@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/backward_tiles_ab.py --preset kimi-k2 --experts 192 [--rounds 5]
         [--seconds 0.5] [--variants plan,dact-256x3,...] [--out DIR]
 
-Every variant runs `megamoe.ops.experts.expert_backward` with the planner's tiles but for the kinds it names;
+Every variant runs `megamoe.ops.experts_bwd.expert_backward` with the planner's tiles but for the kinds it names;
 all of them and the dense peer (the backward's four GEMMs as cuBLAS `torch.mm` with M = all rows) run in
 interleaved rounds (`sustained.interleaved_rounds`). Each variant's gradients are compared with the plan's:
 bitwise, and as the largest relative difference. Then one steady-state call of the plan is profiled: its
@@ -24,7 +24,8 @@ import torch
 
 from megamoe.bench.experts import make_load
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, expert_backward, gate_up
+from megamoe.ops.experts import ExpertForward, gate_up
+from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.tiles import TileConfig
 
 from sustained import interleaved_rounds, run_for  # benchmarks/, beside this script

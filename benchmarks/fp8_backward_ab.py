@@ -24,7 +24,8 @@ import torch
 from megamoe.bench.experts import make_load
 from megamoe.bench.harness import error_stats
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, expert_backward, gate_up
+from megamoe.ops.experts import ExpertForward, gate_up
+from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.expert_weights import transposed_weights
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.tiles import TileConfig

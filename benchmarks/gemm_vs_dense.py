@@ -34,7 +34,8 @@ import torch
 
 from megamoe.bench.experts import fp8_block_operands, kernel_times, make_load
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, down, expert_backward, gate_up
+from megamoe.ops.experts import ExpertForward, down, gate_up
+from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script

@@ -29,7 +29,8 @@ import torch
 import megamoe.ops.launch as launch
 from megamoe.bench.experts import fp8_block_operands
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_backward, gate_up
+from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, gate_up
+from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import interpreting

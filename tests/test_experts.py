@@ -301,7 +301,7 @@ def test_bad_arguments_raise_value_error(mutate, message):
 
 
 def test_backward_bad_arguments_raise_value_error():
-    from megamoe.ops.experts import expert_backward
+    from megamoe.ops.experts_bwd import expert_backward
 
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"])
     dy, w = torch.randn_like(x), torch.rand(x.shape[0], device=DEVICE)
@@ -315,7 +315,7 @@ def test_backward_bad_arguments_raise_value_error():
 
 
 def test_backward_with_no_rows_gives_zero_weight_gradients():
-    from megamoe.ops.experts import expert_backward
+    from megamoe.ops.experts_bwd import expert_backward
 
     _, counts, offsets, wgu, wd = _problem([0, 0], 0)
     x = torch.empty(0, wgu.shape[2], dtype=torch.bfloat16, device=DEVICE)
@@ -335,7 +335,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
     NaN-poisoned."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts import warp_specialized_wgrad, wgrad
+    from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad
     from megamoe.ops.launch import scratch_allocator
 
     gpu = torch.device("cuda")
@@ -433,7 +433,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("limit", [None, 0.6])
 def test_backward_tiles_match_reference(load, limit, shape):
-    from megamoe.ops.experts import expert_backward, expert_backward_reference
+    from megamoe.ops.experts_bwd import expert_backward, expert_backward_reference
 
     x, counts, offsets, wgu, wd = _problem(*LOADS[load], *SHAPES[shape], seed=5)
     g = torch.Generator().manual_seed(6)
@@ -461,7 +461,7 @@ def test_backward_tiles_match_reference(load, limit, shape):
 
 
 def test_backward_is_bitwise_deterministic_across_grid_sizes():
-    from megamoe.ops.experts import expert_backward
+    from megamoe.ops.experts_bwd import expert_backward
 
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=8)
     dy, row_weights = torch.randn(x.shape, device=DEVICE).bfloat16(), torch.rand(x.shape[0], device=DEVICE)

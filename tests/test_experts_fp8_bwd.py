@@ -4,7 +4,7 @@ kernel, token-axis-quantised wgrads) against their torch twins, and against the 
 import pytest
 import torch
 
-from megamoe.ops.experts import expert_backward_reference
+from megamoe.ops.experts_bwd import expert_backward_reference
 from megamoe.ops.experts_fp8_bwd import (expert_backward_fp8_block, expert_backward_fp8_block_reference,
                                          expert_backward_mxfp8, expert_backward_mxfp8_reference, quantize_tokens,
                                          token_blocks)

@@ -13,7 +13,7 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    each row's router weight read from its home rank;
 3. the routed rows' pre-activation h: the ring's, and the rows past the ring (those a wrapped ring lost)
    recomputed from the pulled x (the same bits; nothing to do when the ring held every row);
-4. the expert backward (:func:`~megamoe.ops.experts.expert_backward`): ``d_act = d_out_row · W_down``, the
+4. the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`): ``d_act = d_out_row · W_down``, the
    SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no
    division by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients
    over each expert's rows in one fixed order (FP32 accumulation);
@@ -38,7 +38,8 @@ from megamoe.megakernel.buffers import scale_dtype
 from megamoe.ops.comm import (CommShape, QuantRows, comm_workspace, device_barrier, dispatch_pull,
                               reverse_combine_pull, reverse_dispatch_push)
 from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
-from megamoe.ops.experts import ExpertForwardQuantized, expert_backward, gate_up
+from megamoe.ops.experts import ExpertForwardQuantized, gate_up
+from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8 import gate_up_fp8
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.experts_mxfp8 import gate_up_mxfp8

@@ -5,9 +5,8 @@ lays them out: expert l owns rows ``[offsets[l], offsets[l] + counts[l])``.
 :func:`expert_forward` runs gate/up + SwiGLU and down on every region with
 persistent Triton kernels (`megamoe.kernels.expert_gemm`); the task list is
 built on the device, so empty experts cost nothing and nothing syncs the
-host. :func:`expert_forward_reference` is the plain-PyTorch twin;
-:func:`expert_backward` and :func:`expert_backward_reference` the same for the
-backward. Tile shapes: :mod:`megamoe.ops.tiles`.
+host. :func:`expert_forward_reference` is the plain-PyTorch twin; the
+backward is :mod:`megamoe.ops.experts_bwd`. Tile shapes: :mod:`megamoe.ops.tiles`.
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe import checks
-from megamoe.kernels import expert_gemm, expert_gemm_bwd, forward_warp_specialized, wgrad_warp_specialized
+from megamoe.kernels import expert_gemm, forward_warp_specialized
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import expert_ffn, swiglu
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe import runtime
-from megamoe.runtime import compiled_gpu, interpreting
+from megamoe.runtime import compiled_gpu
 
 
 # Partial tiles read rows past an expert region (their results are masked at the store); under the
@@ -75,7 +73,8 @@ class ExpertForwardQuantized:
         return out
 
 
-def _check(x_rows, counts, offsets, w_gate_up, w_down) -> tuple[int, int, int]:
+def check_operands(x_rows, counts, offsets, w_gate_up, w_down) -> tuple[int, int, int]:
+    """The expert operands' shapes, dtypes and devices checked (ValueError); returns (experts, I, D)."""
     if x_rows.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError("x_rows must be [R, D], w_gate_up [L, 2I, D] and w_down [L, D, I]")
     experts, two_i, d = w_gate_up.shape
@@ -126,7 +125,7 @@ def expert_forward(
             experts; a caller whose rows are a worst-case capacity gives the expected mean). The tiles do
             not change the bits.
     """
-    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
+    experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
     device = x_rows.device
     if out is None:
@@ -277,168 +276,3 @@ def expert_forward_reference(
         out.act[start : start + count] = swiglu(h, swiglu_limit)
         out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), swiglu_limit)
     return out
-
-
-#: Rows per program of the router-gradient sum (a few loads per row: any size does).
-ROUTER_GRAD_ROWS = 128
-
-
-@dataclass
-class ExpertGrads:
-    """Gradients of the expert FFNs: `d_x [R, D]` and `d_router [R]` per routed row (rows outside
-    regions undefined), `d_w_gate_up [L, 2I, D]` and `d_w_down [L, D, I]` (every expert written)."""
-
-    d_x: torch.Tensor
-    d_router: torch.Tensor
-    d_w_gate_up: torch.Tensor
-    d_w_down: torch.Tensor
-
-
-def expert_backward(
-    dy_rows: torch.Tensor,
-    row_weights: torch.Tensor,
-    x_rows: torch.Tensor,
-    h: torch.Tensor,
-    counts: torch.Tensor,
-    offsets: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    *,
-    swiglu_limit: float | None = None,
-    num_programs: int | None = None,
-    tiles: dict[str, TileConfig] | None = None,
-    rows_per_expert: float | None = None,
-) -> ExpertGrads:
-    """Backward of :func:`expert_forward` for routed rows (BF16; see `megamoe.kernels.expert_gemm_bwd`).
-
-    Args:
-        dy_rows: bf16 `[R, D]` upstream gradient of each row's token, not scaled by its router weight.
-        row_weights: float32 `[R]` router weight of each row's route.
-        x_rows: bf16 `[R, D]` the forward's input rows; h: bf16 `[R, 2I]` its saved pre-activation.
-        counts, offsets, w_gate_up, w_down: as in :func:`expert_forward`.
-        rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
-            experts; a caller whose rows are a worst-case capacity gives the expected mean).
-    """
-    experts, i, d = _check(x_rows, counts, offsets, w_gate_up, w_down)
-    rows = x_rows.shape[0]
-    device = x_rows.device
-    # contiguous: the wgrad kernel addresses x_rows and dy_rows by row length
-    checks.check_tensors((("x_rows", x_rows, (rows, d), torch.bfloat16),
-                          ("dy_rows", dy_rows, (rows, d), torch.bfloat16),
-                          ("row_weights", row_weights, (rows,), torch.float32),
-                          ("h", h, (rows, 2 * i), torch.bfloat16)), device)
-    tiles = tiles or {}
-    per_expert = mean_rows(rows, experts, rows_per_expert)
-    cfg = {kind: tiles.get(kind) or plan_tiles(kind, device, per_expert) for kind in ("dact", "dx", "wgrad")}
-    grads = ExpertGrads(
-        d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
-        d_router=torch.zeros(rows, dtype=torch.float32, device=device),
-        d_w_gate_up=torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=device),
-        d_w_down=torch.empty(w_down.shape, dtype=torch.bfloat16, device=device),
-    )
-    if experts == 0:
-        return grads
-    programs = runtime.num_programs(device, num_programs)
-    counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
-    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
-    if rows:
-        c = cfg["dact"]
-        num_n = -(-i // c.block_n)
-        partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-        launch_row_tasks(
-            expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
-            head=(descriptor(dy_rows, [c.block_m, c.block_k]),
-                  descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
-                  h, row_weights, d_h, act_w, partial,
-                  h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
-            tail=(d, i, float(swiglu_limit or 0.0)),
-            HAS_LIMIT=swiglu_limit is not None,
-        )
-        # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
-        expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
-            partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
-        c = cfg["dx"]
-        launch_row_tasks(
-            expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, rows,
-            head=(descriptor(d_h, [c.block_m, c.block_k]),
-                  descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
-                  grads.d_x, grads.d_x.stride(0)),
-            tail=(d, i),
-        )
-    if rows == 0:
-        grads.d_w_gate_up.zero_()
-        grads.d_w_down.zero_()
-        return grads
-    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
-        wgrad(a, b, out, offsets, counts, cfg["wgrad"], programs)
-    return grads
-
-
-def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
-    """True when :func:`wgrad` runs the warp-specialised Gluon kernel: compiled on Hopper, 128-row blocks (its two
-    64-row consumer warpgroups)."""
-    return compiled_gpu(device) and torch.cuda.get_device_capability(device)[0] == 9 and tile.block_m == 128
-
-
-def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
-    """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
-    (``ring_stages``: at BK 32 6 stages, -10.0 / -10.2 % gate/up / down against 4 at ~341 rows per expert, equal to
-    BK 64 x 3 at ~170; benchmarks/results/2026-12-03-wgrad-ring-depth). One wgmma left in flight holds its slot a step
-    longer: it pays from 4 stages on (-1.2 to -1.4 % at 4), not at 3 (+2.6 to +4.2 %;
-    2026-12-03-wgrad-warp-specialized)."""
-    stages = wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k)
-    return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                MMA_IN_FLIGHT=stages >= 4)
-
-
-def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
-          tile: TileConfig, programs: int) -> None:
-    """``out[l] = a[rows of l]ᵀ · b[rows of l]`` for every expert l (a `[R, M]`, b `[R, N]`, out `[L, M, N]`,
-    contiguous bf16; int32 offsets and counts): the expert weight gradient, rows reduced in order.
-
-    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`), elsewhere and under
-    the interpreter ``wgrad_kernel``: the same blocks, the same bits (a GPU test holds them to it)."""
-    experts, out_m, out_n = out.shape
-    with scratch_allocator():
-        if warp_specialized_wgrad(a.device, tile):
-            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, experts, out_m, out_n, **wgrad_ws_constexprs(tile, programs), num_warps=4)
-            return
-        expert_gemm_bwd.wgrad_kernel[(programs,)](
-            a, b, out, offsets, counts, experts, out_m, out_n, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten,
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
-
-
-def expert_backward_reference(
-    dy_rows: torch.Tensor,
-    row_weights: torch.Tensor,
-    x_rows: torch.Tensor,
-    h: torch.Tensor,
-    counts: torch.Tensor,
-    offsets: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    *,
-    swiglu_limit: float | None = None,
-) -> ExpertGrads:
-    """The torch twin of :func:`expert_backward` in FP32, from the same saved ``h``.
-
-    Autograd runs from h (as the kernels do: the clamp masks see the saved
-    BF16 pre-activation), then d_x = d_h · w_gate_up and dW_gate_up = d_hᵀ · x.
-    Rows outside expert regions are NaN.
-    """
-    rows, d = x_rows.shape
-    nan = dict(dtype=torch.float32, device=x_rows.device)
-    grads = ExpertGrads(torch.full((rows, d), float("nan"), **nan), torch.full((rows,), float("nan"), **nan),
-                        torch.zeros(w_gate_up.shape, **nan), torch.zeros(w_down.shape, **nan))
-    for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
-        sl = slice(start, start + count)
-        h_l, w_down_l, w = (t.float().requires_grad_() for t in (h[sl], w_down[l], row_weights[sl]))
-        y = swiglu(h_l, swiglu_limit) @ w_down_l.T
-        d_h, grads.d_w_down[l], grads.d_router[sl] = torch.autograd.grad(
-            (y * w[:, None] * dy_rows[sl].float()).sum(), [h_l, w_down_l, w])
-        grads.d_x[sl] = d_h @ w_gate_up[l].float()
-        grads.d_w_gate_up[l] = d_h.T @ x_rows[sl].float()
-    return grads

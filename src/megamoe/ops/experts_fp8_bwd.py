@@ -28,7 +28,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import runtime
 from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd
-from megamoe.ops.experts import ROUTER_GRAD_ROWS, ExpertGrads, _check
+from megamoe.ops.experts import check_operands
+from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
@@ -115,7 +116,7 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
                               swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
                               num_programs: int | None = None,
                               tiles: dict[str, TileConfig] | None = None) -> ExpertGrads:
-    """:func:`megamoe.ops.experts.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
+    """:func:`megamoe.ops.experts_bwd.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
     h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). ``dy_rows``
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
     format: the pulled upstream gradient, the forward ring's x): dact reads dy's as they are, the wgrads
@@ -143,7 +144,7 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     # E4M3 rows: the checks of BF16 rows of their shape (a broadcast scalar: no memory)
     like_x = x_rows if x_data is x_rows else torch.zeros((), dtype=torch.bfloat16, device=x_data.device).expand(
         x_data.shape)
-    experts, i, d = _check(like_x, counts, offsets, w_gate_up, w_down)
+    experts, i, d = check_operands(like_x, counts, offsets, w_gate_up, w_down)
     if tuple(dy_data.shape) != tuple(x_data.shape):
         raise ValueError(f"dy_rows {tuple(dy_data.shape)} and x_rows {tuple(x_data.shape)} must have one shape")
     block = FP8_BLOCK if fmt == "fp8-block" else MX_BLOCK

@@ -68,7 +68,8 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm, expert_gemm_bwd, forward_warp_specialized, wgrad_warp_specialized
-    from megamoe.ops.experts import forward_ws_constexprs, wgrad_ws_constexprs
+    from megamoe.ops.experts import forward_ws_constexprs
+    from megamoe.ops.experts_bwd import wgrad_ws_constexprs
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
     gpu = torch.device("cuda")
