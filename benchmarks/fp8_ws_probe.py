@@ -30,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from megamoe.bench.experts import fp8_block_operands, make_load
 from megamoe.config import preset
-from megamoe.kernels.expert_gemm import row_tile_task, swiglu_tile
+from megamoe.kernels.expert_gemm import swiglu_tile
+from megamoe.kernels.forward_warp_specialized import tile_task
 from megamoe.kernels.quant import fp8_block_quantize_tile
 from megamoe.ops.experts import ExpertForwardQuantized
 from megamoe.ops.experts_fp8 import gate_up_fp8
@@ -42,12 +43,6 @@ from sustained import interleaved_rounds  # benchmarks/, beside this script
 
 HALF = gl.constexpr(64)
 BLOCK = gl.constexpr(128)  # K step, act columns per tile, scale block
-
-
-@gluon.jit
-def _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: gl.constexpr):
-    tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
-    return gl.load(tile_expert_ptr + tile), gl.load(tile_row0_ptr + tile), gl.load(tile_row_end_ptr + tile), n
 
 
 @gluon.jit
@@ -63,8 +58,8 @@ def _producer(x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_p
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
-        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                                         GROUP_M)
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
         w_row = expert * 2 * I + n * BLOCK
         for k in range(0, K, BLOCK):
             s = g % STAGES
@@ -102,8 +97,8 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
-        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                                         GROUP_M)
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
         n0 = n * BLOCK
         rows = row0 + WARPGROUP * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
         row_ok = rows < row_end

@@ -33,7 +33,7 @@ REGS_PRODUCER = gl.constexpr(80)  # the producer warp's registers: at 40-64 the 
 
 
 @gluon.jit
-def _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: gl.constexpr):
+def tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: gl.constexpr):
     """Task -> (expert, row0, row_end, n-tile), in the Triton kernels' order."""
     tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
     return gl.load(tile_expert_ptr + tile), gl.load(tile_row0_ptr + tile), gl.load(tile_row_end_ptr + tile), n
@@ -55,8 +55,8 @@ def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_p
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0  # the program's K steps: slot g % STAGES, phase (g // STAGES) & 1
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
-        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                                         GROUP_M)
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
         w_row = expert * W_SLICES * N + n * BLOCK_N
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
@@ -98,8 +98,8 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
-        expert, row0, row_end, n = _task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                                         GROUP_M)
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
         acc = gl.zeros((HALF_M, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
