@@ -89,7 +89,8 @@ def _store(ptr, stride, values, rows, row_ok, col0, cols_ok, layout: gl.constexp
 def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
               stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
               I, K, limit, a_smem, w_smem, full, empty, WARPGROUP: gl.constexpr, HAS_LIMIT: gl.constexpr,
-              STORE_H: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+              STORE_H: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              PREFETCH: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     runs16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # bf16: 8 per thread
     runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # fp8: 16 per thread
@@ -106,11 +107,22 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
         ws_base = w_scale_ptr + expert.to(gl.int64) * (2 * I // 128) * stride_ws_n
         acc_gate = gl.zeros((HALF, BLOCK), gl.float32, mma)
         acc_up = gl.zeros((HALF, BLOCK), gl.float32, mma)
+        ws_gate = ws_base + (n0 // 128) * stride_ws_n
+        ws_up = ws_base + ((I + n0) // 128) * stride_ws_n
+        a_s = gl.load(xs_rows, mask=row_ok & (K > 0), other=0.0)  # K block 0's scales
+        sg = gl.load(ws_gate, mask=K > 0, other=0.0)
+        su = gl.load(ws_up, mask=K > 0, other=0.0)
         for k in range(0, K, BLOCK):
             kb = k // BLOCK
-            a_s = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
-            sg = gl.load(ws_base + (n0 // 128) * stride_ws_n + kb)
-            su = gl.load(ws_base + ((I + n0) // 128) * stride_ws_n + kb)
+            if PREFETCH:  # the next K block's scales, a step ahead (their latency under this step's wgmmas)
+                more = k + BLOCK < K
+                a_s_next = gl.load(xs_rows + kb + 1, mask=row_ok & more, other=0.0)
+                sg_next = gl.load(ws_gate + kb + 1, mask=more, other=0.0)
+                su_next = gl.load(ws_up + kb + 1, mask=more, other=0.0)
+            else:
+                a_s = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
+                sg = gl.load(ws_gate + kb)
+                su = gl.load(ws_up + kb)
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
             a = a_smem.index(s).slice(WARPGROUP * HALF, HALF)
@@ -124,6 +136,8 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
             mbarrier.arrive(empty.index(s), count=1)
             acc_up += p * (a_s[:, None] * su)
+            if PREFETCH:
+                a_s, sg, su = a_s_next, sg_next, su_next
             g += 1
         rows64 = rows.to(gl.int64)
         if STORE_H:
@@ -141,7 +155,8 @@ def gate_up_fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_p
                           stride_x, stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
                           tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                           rows, w_rows, I, K, limit, HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr,
-                          NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                          NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                          PREFETCH: gl.constexpr):
     """``gate_up_fp8_kernel``'s contract and 128-row x 128-act-column tiles, warp-specialised."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK],
                                        gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
@@ -157,12 +172,12 @@ def gate_up_fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_p
                       stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                       num_tiles_ptr, I, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(PREFETCH))),
          (_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
                       stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                       num_tiles_ptr, I, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(PREFETCH))),
          (_producer, (x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, I, K, a_smem, w_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
@@ -172,15 +187,18 @@ def gate_up_fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_p
         mbarrier.invalidate(empty.index(s))
 
 
-#: name -> ring stages
-VARIANTS = {"s2": 2, "s3": 3, "s4": 4}
+#: name -> (ring stages, scales loaded a K step ahead)
+VARIANTS = {"s3": (3, True), "s4": (4, True), "s2": (2, True), "s3-late": (3, False)}
 
 
-def constexprs(programs: int, stages: int, has_limit: bool = False, store_h: bool = True, group_m: int = 4) -> dict:
-    return dict(HAS_LIMIT=has_limit, STORE_H=store_h, NUM_PROGRAMS=programs, GROUP_M=group_m, STAGES=stages)
+def constexprs(programs: int, stages: int, prefetch: bool, has_limit: bool = False, store_h: bool = True,
+               group_m: int = 4) -> dict:
+    return dict(HAS_LIMIT=has_limit, STORE_H=store_h, NUM_PROGRAMS=programs, GROUP_M=group_m, STAGES=stages,
+                PREFETCH=prefetch)
 
 
-def launch(x_q, x_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, stages: int) -> None:
+def launch(x_q, x_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, stages: int,
+           prefetch: bool) -> None:
     experts, two_i, d = w_q.shape
     rows = x_q.shape[0]
     tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
@@ -190,7 +208,7 @@ def launch(x_q, x_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, pro
             x_q.stride(0), x_s.stride(0), flat_row_stride(w_s), out.h.stride(0), out.act_q.stride(0),
             out.act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
             tiles.num_tiles, rows, experts * two_i, two_i // 2, d, 0.0, num_warps=4,
-            **constexprs(programs, stages))
+            **constexprs(programs, stages, prefetch))
 
 
 def main() -> None:
@@ -218,8 +236,8 @@ def main() -> None:
     for name in a.variants.split(","):
         if name == "plan":
             continue
-        call = lambda st=VARIANTS[name]: launch(q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, out,  # noqa: E731
-                                                programs, st)
+        call = lambda v=VARIANTS[name]: launch(q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, out,  # noqa: E731
+                                               programs, *v)
         out.h.fill_(float("nan"))
         out.act_q.view(torch.uint8).fill_(0x7F)
         out.act_scale.fill_(float("nan"))
@@ -247,7 +265,7 @@ def main() -> None:
         ts = times.get(name)
         ms = statistics.median(ts) if ts else None
         records.append({"experts": a.experts, "rows": rows, "variant": name, "ms": ms, "ms_rounds": ts,
-                        "status": st, "stages": VARIANTS.get(name)})
+                        "status": st, "stages_prefetch": VARIANTS.get(name)})
         lines.append(f"| {a.experts} x {rows // a.experts} | {name} | " + (
             f"{ms:.3f} | {flops / ms / 1e9:.0f} | {100 * dense_ms / ms:.0f} % |" if ms else "— | | |") + f" {st} |")
     os.makedirs(a.out, exist_ok=True)
