@@ -1,5 +1,12 @@
 """A warp-specialised ring of K steps, shared by the Gluon kernels: its barriers, and the consumers' side (after a
-step's wgmma, wait for it, or with one left in flight for the previous step's, and give its slot back)."""
+step's wgmma, wait for it, or with one left in flight for the previous step's, and give its slot back).
+
+Step g lives in slot g % STAGES; its ``full`` wait is for phase parity (g // STAGES) & 1, which only tells the right
+phase from the wrong one while the waiter is at most one ring round ahead of the loads: a consumer must not wait
+for step g before step g - STAGES has landed (each consumer of today's kernels reads every step in order, so it
+cannot). A consumer that skipped ahead by a whole task would pass a stale phase, read an empty slot and free it
+early (2026-12-04-forward-ping-pong: the GPU test hung). The ``expect`` bytes must be the step's exact TMA bytes, or
+the ``full`` phase never completes."""
 
 from __future__ import annotations
 
