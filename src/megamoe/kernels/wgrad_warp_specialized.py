@@ -18,7 +18,7 @@ nothing). Here
   (made once, so never rewritten under a store; a partial block is clipped at its expert's edge), the store
   waited for only before that buffer's next use.
 
-GPU only: Gluon has no interpreter mode, so the CPU runs ``wgrad_kernel`` (`megamoe.ops.experts`), and a GPU test
+GPU only: Gluon has no interpreter mode, so the CPU runs ``wgrad_kernel`` (`megamoe.ops.experts_bwd`), and a GPU test
 holds the two to the same bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
 
