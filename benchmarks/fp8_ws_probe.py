@@ -1,19 +1,20 @@
-"""The FP8-block gate/up tiles warp-specialised in Gluon, against the Triton plan (issue 28's FP8 promotion lever).
+"""The FP8-block expert tiles warp-specialised in Gluon, against the Triton plan (issue 28's FP8 promotion lever).
 
-    PYTHONPATH=src python3 benchmarks/fp8_ws_probe.py [--experts 192] [--rounds 5] [--variants plan,s3,...]
-        [--out DIR]
+    PYTHONPATH=src python3 benchmarks/fp8_ws_probe.py [--kind gate_up|down] [--experts 192] [--rounds 5]
+        [--variants plan,s3,...] [--out DIR]
 
-The Triton kernel (``gate_up_fp8_kernel``: 8 warps, two warpgroups of 64 rows) waits for each 128-K step's
-products and promotes them (``acc += p * (a_scale ⊗ w_scale)``) with the tensor cores idle, both warpgroups at
-once (their TMA issues are CTA barriers); its sm_90 build spills (255 registers, 136 bytes of stack). Here a TMA
-producer warp fills a ring of [x rows 128 x 128 | gate 128 x 128 | up 128 x 128] fp8 slots and two consumer
-warpgroups (rows 0-63 / 64-127 of each tile), tied by mbarriers only, each run a K step's gate product, promote
-it, then the up product and promote it; so one warpgroup's promotion can run under the other's wgmmas. The
-epilogue is the Triton kernel's: h (bf16), SwiGLU, act quantised 1 x 128 (act_q, act_scale).
+The Triton kernels (``gate_up_fp8_kernel`` / ``down_fp8_kernel``: 8 warps, two warpgroups of 64 rows) wait for
+each 128-K step's products and promote them (``acc += p * (a_scale ⊗ w_scale)``) with the tensor cores idle, both
+warpgroups at once (their TMA issues are CTA barriers); gate/up's sm_90 build spills (255 registers, 136 bytes of
+stack). Here a TMA producer warp fills a ring of [rows 128 x 128 | weights 128 (gate/up: gate and up, 256) x 128]
+fp8 slots and two consumer warpgroups (rows 0-63 / 64-127 of each tile), tied by mbarriers only, each run a K
+step's product and promote it (gate/up: the gate product, then the up product), so one warpgroup's promotion can
+run under the other's wgmmas; the scales are loaded a step ahead. The epilogues are the Triton kernels': gate/up
+h (bf16), SwiGLU, act quantised 1 x 128 (act_q, act_scale); down y (bf16).
 
-Outputs are compared bit for bit with ``experts_fp8.gate_up_fp8`` (the plan); timed in interleaved rounds at the
-power cap with ``torch._scaled_mm`` (row / column scales) on all rows at once (same N and K). GPU only (Hopper).
-Writes DIR/fp8_ws_probe.json.
+Outputs are compared bit for bit with ``experts_fp8.gate_up_fp8`` / ``down_fp8`` (the plan; down runs on the
+plan's act); timed in interleaved rounds at the power cap with ``torch._scaled_mm`` (row / column scales) on all
+rows at once (same N and K). GPU only (Hopper). Writes DIR/fp8_ws_probe.json.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from megamoe.kernels.expert_gemm import swiglu_tile
 from megamoe.kernels.forward_warp_specialized import tile_task
 from megamoe.kernels.quant import fp8_block_quantize_tile
 from megamoe.ops.experts import ExpertForwardQuantized
-from megamoe.ops.experts_fp8 import gate_up_fp8
+from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
 from megamoe.ops.launch import flat_row_stride, scratch_allocator
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import num_programs
@@ -47,20 +48,21 @@ BLOCK = gl.constexpr(128)  # K step, act columns per tile, scale block
 
 @gluon.jit
 def _producer(x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-              num_tiles_ptr, I, K, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr):
+              num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     a_desc = tma.make_tensor_descriptor(x_ptr, [rows, K], [stride_x, 1], [HALF, BLOCK],
                                         gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
     w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [BLOCK, BLOCK],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv))
-    step_bytes: gl.constexpr = 3 * BLOCK * BLOCK  # x 128 rows, gate 128 rows, up 128 rows of 128 bytes
-    num_n = gl.cdiv(I, BLOCK)
+    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
+    step_bytes: gl.constexpr = (1 + W_SLICES) * BLOCK * BLOCK  # x 128 rows, gate (and up) 128 rows of 128 bytes
+    num_n = gl.cdiv(N, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                                              tile_run_ptr, GROUP_M)
-        w_row = expert * 2 * I + n * BLOCK
+        w_row = expert * W_SLICES * N + n * BLOCK
         for k in range(0, K, BLOCK):
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
@@ -70,7 +72,8 @@ def _producer(x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_p
             tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k], full.index(s), a.slice(HALF, HALF))
             w = w_smem.index(s)
             tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK))
-            tma.async_copy_global_to_shared(w_desc, [w_row + I, k], full.index(s), w.slice(BLOCK, BLOCK))
+            if GATE_UP:
+                tma.async_copy_global_to_shared(w_desc, [w_row + N, k], full.index(s), w.slice(BLOCK, BLOCK))
             g += 1
 
 
@@ -88,13 +91,15 @@ def _store(ptr, stride, values, rows, row_ok, col0, cols_ok, layout: gl.constexp
 @gluon.jit
 def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
               stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-              I, K, limit, a_smem, w_smem, full, empty, WARPGROUP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+              N, K, limit, a_smem, w_smem, full, empty, WARPGROUP: gl.constexpr, GATE_UP: gl.constexpr,
+              HAS_LIMIT: gl.constexpr,
               STORE_H: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               PREFETCH: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     runs16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # bf16: 8 per thread
     runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # fp8: 16 per thread
-    num_n = gl.cdiv(I, BLOCK)
+    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
+    num_n = gl.cdiv(N, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -104,25 +109,30 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
         rows = row0 + WARPGROUP * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
         row_ok = rows < row_end
         xs_rows = x_scale_ptr + rows.to(gl.int64) * stride_xs
-        ws_base = w_scale_ptr + expert.to(gl.int64) * (2 * I // 128) * stride_ws_n
+        ws_base = w_scale_ptr + expert.to(gl.int64) * (W_SLICES * N // 128) * stride_ws_n
         acc_gate = gl.zeros((HALF, BLOCK), gl.float32, mma)
         acc_up = gl.zeros((HALF, BLOCK), gl.float32, mma)
         ws_gate = ws_base + (n0 // 128) * stride_ws_n
-        ws_up = ws_base + ((I + n0) // 128) * stride_ws_n
+        ws_up = ws_base + ((N + n0) // 128) * stride_ws_n  # gate/up only
         a_s = gl.load(xs_rows, mask=row_ok & (K > 0), other=0.0)  # K block 0's scales
         sg = gl.load(ws_gate, mask=K > 0, other=0.0)
-        su = gl.load(ws_up, mask=K > 0, other=0.0)
+        su = sg  # down: unused
+        if GATE_UP:
+            su = gl.load(ws_up, mask=K > 0, other=0.0)
         for k in range(0, K, BLOCK):
             kb = k // BLOCK
             if PREFETCH:  # the next K block's scales, a step ahead (their latency under this step's wgmmas)
                 more = k + BLOCK < K
                 a_s_next = gl.load(xs_rows + kb + 1, mask=row_ok & more, other=0.0)
                 sg_next = gl.load(ws_gate + kb + 1, mask=more, other=0.0)
-                su_next = gl.load(ws_up + kb + 1, mask=more, other=0.0)
+                su_next = sg_next
+                if GATE_UP:
+                    su_next = gl.load(ws_up + kb + 1, mask=more, other=0.0)
             else:
                 a_s = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
                 sg = gl.load(ws_gate + kb)
-                su = gl.load(ws_up + kb)
+                if GATE_UP:
+                    su = gl.load(ws_up + kb)
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
             a = a_smem.index(s).slice(WARPGROUP * HALF, HALF)
@@ -130,37 +140,45 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
             p = warpgroup_mma(a, w.slice(0, BLOCK).permute((1, 0)), gl.zeros((HALF, BLOCK), gl.float32, mma),
                               use_acc=False, is_async=True)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            acc_gate += p * (a_s[:, None] * sg)
-            p = warpgroup_mma(a, w.slice(BLOCK, BLOCK).permute((1, 0)), gl.zeros((HALF, BLOCK), gl.float32, mma),
-                              use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc_up += p * (a_s[:, None] * su)
+            if GATE_UP:
+                acc_gate += p * (a_s[:, None] * sg)
+                p = warpgroup_mma(a, w.slice(BLOCK, BLOCK).permute((1, 0)),
+                                  gl.zeros((HALF, BLOCK), gl.float32, mma), use_acc=False, is_async=True)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_up += p * (a_s[:, None] * su)
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_gate += p * (a_s[:, None] * sg)
             if PREFETCH:
                 a_s, sg, su = a_s_next, sg_next, su_next
             g += 1
         rows64 = rows.to(gl.int64)
-        if STORE_H:
-            _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, n0, I - n0, runs16)
-            _store(h_ptr, stride_h, acc_up.to(gl.bfloat16), rows64, row_ok, I + n0, I - n0, runs16)
-        act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
-        act_q, act_s = fp8_block_quantize_tile(act, 1, 128, False)  # [64, 128], [64, 1]
-        _store(act_q_ptr, stride_act, act_q.to(gl.uint8, bitcast=True), rows64, row_ok, n0, I - n0, runs8)
-        s_ptrs = act_scale_ptr + rows64[:, None] * stride_as + n0 // 128
-        gl.store(s_ptrs, act_s, mask=row_ok[:, None])
+        if not GATE_UP:  # down: h_ptr is y
+            _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, n0, N - n0, runs16)
+        else:
+            if STORE_H:
+                _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, n0, N - n0, runs16)
+                _store(h_ptr, stride_h, acc_up.to(gl.bfloat16), rows64, row_ok, N + n0, N - n0, runs16)
+            act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+            act_q, act_s = fp8_block_quantize_tile(act, 1, 128, False)  # [64, 128], [64, 1]
+            _store(act_q_ptr, stride_act, act_q.to(gl.uint8, bitcast=True), rows64, row_ok, n0, N - n0, runs8)
+            s_ptrs = act_scale_ptr + rows64[:, None] * stride_as + n0 // 128
+            gl.store(s_ptrs, act_s, mask=row_ok[:, None])
 
 
 @gluon.jit
-def gate_up_fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
-                          stride_x, stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
-                          tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-                          rows, w_rows, I, K, limit, HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr,
-                          NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          PREFETCH: gl.constexpr):
-    """``gate_up_fp8_kernel``'s contract and 128-row x 128-act-column tiles, warp-specialised."""
+def fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
+                  stride_x, stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
+                  tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
+                  rows, w_rows, N, K, limit, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr,
+                  NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+    """``gate_up_fp8_kernel``'s (GATE_UP: N = I, h_ptr h) or ``down_fp8_kernel``'s (N = D, h_ptr y; the act
+    pointers unused) contract and 128 x 128 tiles, warp-specialised."""
+    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK],
                                        gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
-    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK, BLOCK],
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W_SLICES * BLOCK, BLOCK],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -170,17 +188,19 @@ def gate_up_fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_p
     gl.warp_specialize(
         [(_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
                       stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                      num_tiles_ptr, I, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
-                      gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(PREFETCH))),
+                      num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                      gl.constexpr(PREFETCH))),
          (_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
                       stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                      num_tiles_ptr, I, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
-                      gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(PREFETCH))),
+                      num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                      gl.constexpr(PREFETCH))),
          (_producer, (x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, I, K, a_smem, w_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
+                      tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
         [4, 1], [232, 40])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
@@ -188,27 +208,30 @@ def gate_up_fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_p
 
 
 #: name -> (ring stages, scales loaded a K step ahead)
-VARIANTS = {"s3": (3, True), "s4": (4, True), "s2": (2, True), "s3-late": (3, False)}
+VARIANTS = {"s3": (3, True), "s4": (4, True), "s2": (2, True), "s3-late": (3, False), "s6": (6, True)}  # s6: down only
 
 
-def constexprs(programs: int, stages: int, prefetch: bool, has_limit: bool = False, store_h: bool = True,
-               group_m: int = 4) -> dict:
-    return dict(HAS_LIMIT=has_limit, STORE_H=store_h, NUM_PROGRAMS=programs, GROUP_M=group_m, STAGES=stages,
-                PREFETCH=prefetch)
+def constexprs(programs: int, stages: int, prefetch: bool, gate_up: bool = True, has_limit: bool = False,
+               store_h: bool = True) -> dict:
+    """The plans' GROUP_M: 4 for gate/up, 8 for down (``experts_fp8.plan_tiles_fp8``)."""
+    return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, STORE_H=store_h, NUM_PROGRAMS=programs,
+                GROUP_M=4 if gate_up else 8, STAGES=stages, PREFETCH=prefetch)
 
 
-def launch(x_q, x_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, stages: int,
-           prefetch: bool) -> None:
-    experts, two_i, d = w_q.shape
-    rows = x_q.shape[0]
+def launch(a_q, a_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, stages: int,
+           prefetch: bool, gate_up: bool) -> None:
+    """gate/up: a = x, w = w_gate_up (out.h, act_q, act_scale); down: a = act_q, w = w_down (out.y)."""
+    experts, w_n, k = w_q.shape
+    rows = a_q.shape[0]
     tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
+    first = out.h if gate_up else out.y
     with scratch_allocator():
-        gate_up_fp8_ws_kernel[(programs,)](
-            x_q, w_q, x_s, w_s, out.h, out.act_q.view(torch.uint8), out.act_scale,
-            x_q.stride(0), x_s.stride(0), flat_row_stride(w_s), out.h.stride(0), out.act_q.stride(0),
+        fp8_ws_kernel[(programs,)](
+            a_q, w_q, a_s, w_s, first, out.act_q.view(torch.uint8), out.act_scale,
+            a_q.stride(0), a_s.stride(0), flat_row_stride(w_s), first.stride(0), out.act_q.stride(0),
             out.act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
-            tiles.num_tiles, rows, experts * two_i, two_i // 2, d, 0.0, num_warps=4,
-            **constexprs(programs, stages, prefetch))
+            tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, 0.0, num_warps=4,
+            **constexprs(programs, stages, prefetch, gate_up))
 
 
 def main() -> None:
@@ -216,6 +239,7 @@ def main() -> None:
     parser.add_argument("--preset", default="kimi-k2")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--experts", type=int, default=192)
+    parser.add_argument("--kind", choices=("gate_up", "down"), default="gate_up")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.3)
     parser.add_argument("--variants", default="plan," + ",".join(VARIANTS))
@@ -225,53 +249,61 @@ def main() -> None:
     d, i = cfg.hidden, cfg.intermediate
     x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, d, i, dev)
     rows = x.shape[0]
-    q = fp8_block_operands(x, counts, offsets, wgu, wd)
+    q = fp8_block_operands(x, counts, offsets, wgu, wd)  # the plan's gate/up outputs: down's inputs
     del x, wgu, wd
     programs = num_programs(dev)
+    gate_up = a.kind == "gate_up"
     plan_out = q.fwd
     out = ExpertForwardQuantized(torch.empty_like(plan_out.h), torch.empty_like(plan_out.act_q),
-                                 torch.empty_like(plan_out.act_scale), plan_out.y)
-    calls = {"plan": lambda: gate_up_fp8(q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, plan_out)}
-    status = {"plan": "gate_up_fp8 (Triton)"}
+                                 torch.empty_like(plan_out.act_scale), torch.empty_like(plan_out.y))
+    if gate_up:
+        a_q, a_s, w_q, w_s, n, k = q.x_q, q.x_s, q.wgu_q, q.wgu_s, 2 * i, d
+        fields = ("h", "act_q", "act_scale")
+        plan = lambda: gate_up_fp8(q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, plan_out)  # noqa: E731
+    else:
+        a_q, a_s, w_q, w_s, n, k = plan_out.act_q, plan_out.act_scale, q.wd_q, q.wd_s, d, i
+        fields = ("y",)
+        plan = lambda: down_fp8(a_q, a_s, counts, offsets, w_q, w_s, plan_out.y)  # noqa: E731
+    calls, status = {"plan": plan}, {"plan": f"{a.kind}_fp8 (Triton)"}
+    plan()
+    torch.cuda.synchronize()
     for name in a.variants.split(","):
         if name == "plan":
             continue
-        call = lambda v=VARIANTS[name]: launch(q.x_q, q.x_s, counts, offsets, q.wgu_q, q.wgu_s, out,  # noqa: E731
-                                               programs, *v)
-        out.h.fill_(float("nan"))
-        out.act_q.view(torch.uint8).fill_(0x7F)
-        out.act_scale.fill_(float("nan"))
+        call = lambda v=VARIANTS[name]: launch(a_q, a_s, counts, offsets, w_q, w_s, out, programs,  # noqa: E731
+                                               *v, gate_up)
+        for f in fields:
+            getattr(out, f).view(torch.uint8).fill_(0x7F) if f == "act_q" else getattr(out, f).fill_(float("nan"))
         try:
             call()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 -- a compile error or shared memory: reported, not timed
             status[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             continue
-        same = {f: torch.equal(getattr(out, f).view(torch.uint8) if f == "act_q" else getattr(out, f),
-                               getattr(plan_out, f).view(torch.uint8) if f == "act_q" else getattr(plan_out, f))
-                for f in ("h", "act_q", "act_scale")}
+        bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+        same = {f: torch.equal(bits(getattr(out, f)), bits(getattr(plan_out, f))) for f in fields}
         status[name] = "same bits" if all(same.values()) else "DIFFERENT bits: " + ", ".join(
             f for f, ok in same.items() if not ok)
         calls[name] = call
-    a_gu, b_gu = q.x_q, q.wgu_q[0].T
-    r_gu, s_gu = torch.rand(rows, 1, device=dev) + 0.5, torch.rand(1, 2 * i, device=dev) + 0.5
-    calls["dense"] = lambda: torch._scaled_mm(a_gu, b_gu, r_gu, s_gu, out_dtype=torch.bfloat16)
+    b = w_q[0].T  # [K, N] column-major, as cuBLAS takes B
+    r, c = torch.rand(rows, 1, device=dev) + 0.5, torch.rand(1, n, device=dev) + 0.5
+    calls["dense"] = lambda: torch._scaled_mm(a_q, b, r, c, out_dtype=torch.bfloat16)
     status["dense"] = "torch._scaled_mm, row / column scales"
     times = interleaved_rounds(calls, a.rounds, a.seconds)
-    flops = 2 * rows * 2 * i * d
+    flops = 2 * rows * n * k
     dense_ms = statistics.median(times["dense"])
     records, lines = [], []
     for name, st in status.items():
         ts = times.get(name)
         ms = statistics.median(ts) if ts else None
-        records.append({"experts": a.experts, "rows": rows, "variant": name, "ms": ms, "ms_rounds": ts,
-                        "status": st, "stages_prefetch": VARIANTS.get(name)})
+        records.append({"experts": a.experts, "rows": rows, "kind": a.kind, "variant": name, "ms": ms,
+                        "ms_rounds": ts, "status": st, "stages_prefetch": VARIANTS.get(name)})
         lines.append(f"| {a.experts} x {rows // a.experts} | {name} | " + (
             f"{ms:.3f} | {flops / ms / 1e9:.0f} | {100 * dense_ms / ms:.0f} % |" if ms else "— | | |") + f" {st} |")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fp8_ws_probe.json"), "w") as f:
         json.dump({"args": vars(a), "records": records}, f, indent=1)
-    print(f"{a.preset} fp8-block gate/up, {a.rounds} interleaved rounds of {a.seconds} s")
+    print(f"{a.preset} fp8-block {a.kind}, {a.rounds} interleaved rounds of {a.seconds} s")
     print("| load | variant | ms | TFLOP/s | % of dense | result |")
     print("|---|---|---|---|---|---|")
     print("\n".join(lines))
