@@ -230,3 +230,28 @@ def test_the_opt_in_finite_check_names_the_token():
             "token 4 has a NaN or Inf in x", "token 4 has a NaN or Inf in x",
             "token 9 has a NaN or Inf in router_weights"], messages
         assert "(2 such tokens in all)" in messages[0] and "(1 such token in all)" in messages[2], messages
+
+
+def test_gpu_tests_time_out_by_a_thread_that_a_blocked_kernel_cannot_hold(monkeypatch):
+    """A GPU kernel that never finishes blocks its test in C: with a GPU, conftest gives every GPU test
+    pytest-timeout's thread method (the signal method would never run); without one, they are skipped."""
+    import conftest
+
+    class Item:
+        def __init__(self, gpu):
+            self.keywords = {"gpu": True} if gpu else {}
+            self.markers = []
+
+        def add_marker(self, marker):
+            self.markers.append(marker)
+
+    for cuda in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        gpu, cpu = Item(True), Item(False)
+        conftest.pytest_collection_modifyitems(None, [gpu, cpu])
+        assert cpu.markers == []
+        (marker,) = gpu.markers
+        if cuda:
+            assert marker.name == "timeout" and marker.kwargs == {"method": "thread"} and not marker.args
+        else:
+            assert marker.name == "skip"
