@@ -9,7 +9,8 @@ warpgroups at once (their TMA issues are CTA barriers); gate/up's sm_90 build sp
 stack). Here a TMA producer warp fills a ring of [rows 128 x 128 | weights 128 (gate/up: gate and up, 256) x 128]
 fp8 slots and two consumer warpgroups (rows 0-63 / 64-127 of each tile), tied by mbarriers only, each run a K
 step's product and promote it (gate/up: the gate product, then the up product), so one warpgroup's promotion can
-run under the other's wgmmas; the scales are loaded a step ahead. The epilogues are the Triton kernels': gate/up
+run under the other's wgmmas; the scales are loaded a step ahead. Down's ``*-pairs`` variants also overlap within
+a warpgroup: two K steps' products issued, the first promoted while the second's wgmmas run. The epilogues are the Triton kernels': gate/up
 h (bf16), SwiGLU, act quantised 1 x 128 (act_q, act_scale); down y (bf16).
 
 Outputs are compared bit for bit with ``experts_fp8.gate_up_fp8`` / ``down_fp8`` (the plan; down runs on the
@@ -94,7 +95,8 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
               N, K, limit, a_smem, w_smem, full, empty, WARPGROUP: gl.constexpr, GATE_UP: gl.constexpr,
               HAS_LIMIT: gl.constexpr,
               STORE_H: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              PREFETCH: gl.constexpr):
+              PREFETCH: gl.constexpr, PAIRS: gl.constexpr):
+    gl.static_assert(not (PAIRS and GATE_UP), "pairs of K steps: down only")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     runs16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # bf16: 8 per thread
     runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # fp8: 16 per thread
@@ -119,7 +121,29 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
         su = sg  # down: unused
         if GATE_UP:
             su = gl.load(ws_up, mask=K > 0, other=0.0)
-        for k in range(0, K, BLOCK):
+        if PAIRS:  # down, K a multiple of 256: step 2j's promotion runs under step 2j+1's wgmmas
+            for k in range(0, K, 2 * BLOCK):
+                kb = k // BLOCK
+                a_s0 = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
+                a_s1 = gl.load(xs_rows + kb + 1, mask=row_ok, other=0.0)
+                s0_w = gl.load(ws_gate + kb)
+                s1_w = gl.load(ws_gate + kb + 1)
+                s0 = g % STAGES
+                s1 = (g + 1) % STAGES
+                mbarrier.wait(full.index(s0), (g // STAGES) & 1)
+                pa = warpgroup_mma(a_smem.index(s0).slice(WARPGROUP * HALF, HALF), w_smem.index(s0).permute((1, 0)),
+                                   gl.zeros((HALF, BLOCK), gl.float32, mma), use_acc=False, is_async=True)
+                mbarrier.wait(full.index(s1), ((g + 1) // STAGES) & 1)
+                pb = warpgroup_mma(a_smem.index(s1).slice(WARPGROUP * HALF, HALF), w_smem.index(s1).permute((1, 0)),
+                                   gl.zeros((HALF, BLOCK), gl.float32, mma), use_acc=False, is_async=True)
+                pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+                mbarrier.arrive(empty.index(s0), count=1)
+                acc_gate += pa * (a_s0[:, None] * s0_w)
+                pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+                mbarrier.arrive(empty.index(s1), count=1)
+                acc_gate += pb * (a_s1[:, None] * s1_w)
+                g += 2
+        for k in range(0, 0 if PAIRS else K, BLOCK):
             kb = k // BLOCK
             if PREFETCH:  # the next K block's scales, a step ahead (their latency under this step's wgmmas)
                 more = k + BLOCK < K
@@ -172,7 +196,8 @@ def fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_
                   stride_x, stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
                   tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                   rows, w_rows, N, K, limit, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr,
-                  NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+                  NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr,
+                  PAIRS: gl.constexpr = False):
     """``gate_up_fp8_kernel``'s (GATE_UP: N = I, h_ptr h) or ``down_fp8_kernel``'s (N = D, h_ptr y; the act
     pointers unused) contract and 128 x 128 tiles, warp-specialised."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
@@ -191,13 +216,13 @@ def fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_
                       num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(PREFETCH))),
+                      gl.constexpr(PREFETCH), gl.constexpr(PAIRS))),
          (_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
                       stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                       num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(PREFETCH))),
+                      gl.constexpr(PREFETCH), gl.constexpr(PAIRS))),
          (_producer, (x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
@@ -208,20 +233,23 @@ def fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_
 
 
 #: name -> (ring stages, scales loaded a K step ahead)
-VARIANTS = {"s3": (3, True), "s4": (4, True), "s2": (2, True), "s3-late": (3, False), "s6": (6, True)}  # s6: down only
+VARIANTS = {"s3": (3, True), "s4": (4, True), "s2": (2, True), "s3-late": (3, False), "s6": (6, True),  # s6: down
+            "s4-pairs": (4, False, True), "s6-pairs": (6, False, True)}  # down, K % 256 == 0: pairs of K steps
 
 
-def constexprs(programs: int, stages: int, prefetch: bool, gate_up: bool = True, has_limit: bool = False,
-               store_h: bool = True) -> dict:
+def constexprs(programs: int, stages: int, prefetch: bool, pairs: bool = False, *, gate_up: bool = True,
+               has_limit: bool = False, store_h: bool = True) -> dict:
     """The plans' GROUP_M: 4 for gate/up, 8 for down (``experts_fp8.plan_tiles_fp8``)."""
     return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, STORE_H=store_h, NUM_PROGRAMS=programs,
-                GROUP_M=4 if gate_up else 8, STAGES=stages, PREFETCH=prefetch)
+                GROUP_M=4 if gate_up else 8, STAGES=stages, PREFETCH=prefetch, PAIRS=pairs)
 
 
-def launch(a_q, a_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, stages: int,
-           prefetch: bool, gate_up: bool) -> None:
+def launch(a_q, a_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, gate_up: bool,
+           stages: int, prefetch: bool, pairs: bool = False) -> None:
     """gate/up: a = x, w = w_gate_up (out.h, act_q, act_scale); down: a = act_q, w = w_down (out.y)."""
     experts, w_n, k = w_q.shape
+    if pairs and (gate_up or k % 256):
+        raise ValueError("pairs of K steps: down with K a multiple of 256 only")
     rows = a_q.shape[0]
     tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
     first = out.h if gate_up else out.y
@@ -231,7 +259,7 @@ def launch(a_q, a_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, pro
             a_q.stride(0), a_s.stride(0), flat_row_stride(w_s), first.stride(0), out.act_q.stride(0),
             out.act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
             tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, 0.0, num_warps=4,
-            **constexprs(programs, stages, prefetch, gate_up))
+            **constexprs(programs, stages, prefetch, pairs, gate_up=gate_up))
 
 
 def main() -> None:
@@ -271,7 +299,7 @@ def main() -> None:
         if name == "plan":
             continue
         call = lambda v=VARIANTS[name]: launch(a_q, a_s, counts, offsets, w_q, w_s, out, programs,  # noqa: E731
-                                               *v, gate_up)
+                                               gate_up, *v)
         for f in fields:
             getattr(out, f).view(torch.uint8).fill_(0x7F) if f == "act_q" else getattr(out, f).fill_(float("nan"))
         try:
