@@ -10,8 +10,8 @@ stack). Here a TMA producer warp fills a ring of [rows 128 x 128 | weights 128 (
 fp8 slots and two consumer warpgroups (rows 0-63 / 64-127 of each tile), tied by mbarriers only, each run a K
 step's product and promote it (gate/up: the gate product, then the up product), so one warpgroup's promotion can
 run under the other's wgmmas; the scales are loaded a step ahead. Down's ``*-pairs`` variants also overlap within
-a warpgroup: two K steps' products issued, the first promoted while the second's wgmmas run. The epilogues are the Triton kernels': gate/up
-h (bf16), SwiGLU, act quantised 1 x 128 (act_q, act_scale); down y (bf16).
+a warpgroup: two K steps' products issued, the first promoted while the second's wgmmas run. The epilogues are
+the Triton kernels': gate/up h (bf16), SwiGLU, act quantised 1 x 128 (act_q, act_scale); down y (bf16).
 
 Outputs are compared bit for bit with ``experts_fp8.gate_up_fp8`` / ``down_fp8`` (the plan; down runs on the
 plan's act); timed in interleaved rounds at the power cap with ``torch._scaled_mm`` (row / column scales) on all
@@ -116,11 +116,6 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
         acc_up = gl.zeros((HALF, BLOCK), gl.float32, mma)
         ws_gate = ws_base + (n0 // 128) * stride_ws_n
         ws_up = ws_base + ((N + n0) // 128) * stride_ws_n  # gate/up only
-        a_s = gl.load(xs_rows, mask=row_ok & (K > 0), other=0.0)  # K block 0's scales
-        sg = gl.load(ws_gate, mask=K > 0, other=0.0)
-        su = sg  # down: unused
-        if GATE_UP:
-            su = gl.load(ws_up, mask=K > 0, other=0.0)
         if PAIRS:  # down, K a multiple of 256: step 2j's promotion runs under step 2j+1's wgmmas
             for k in range(0, K, 2 * BLOCK):
                 kb = k // BLOCK
@@ -143,40 +138,46 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
                 mbarrier.arrive(empty.index(s1), count=1)
                 acc_gate += pb * (a_s1[:, None] * s1_w)
                 g += 2
-        for k in range(0, 0 if PAIRS else K, BLOCK):
-            kb = k // BLOCK
-            if PREFETCH:  # the next K block's scales, a step ahead (their latency under this step's wgmmas)
-                more = k + BLOCK < K
-                a_s_next = gl.load(xs_rows + kb + 1, mask=row_ok & more, other=0.0)
-                sg_next = gl.load(ws_gate + kb + 1, mask=more, other=0.0)
-                su_next = sg_next
-                if GATE_UP:
-                    su_next = gl.load(ws_up + kb + 1, mask=more, other=0.0)
-            else:
-                a_s = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
-                sg = gl.load(ws_gate + kb)
-                if GATE_UP:
-                    su = gl.load(ws_up + kb)
-            s = g % STAGES
-            mbarrier.wait(full.index(s), (g // STAGES) & 1)
-            a = a_smem.index(s).slice(WARPGROUP * HALF, HALF)
-            w = w_smem.index(s)
-            p = warpgroup_mma(a, w.slice(0, BLOCK).permute((1, 0)), gl.zeros((HALF, BLOCK), gl.float32, mma),
-                              use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+        else:
+            a_s = gl.load(xs_rows, mask=row_ok & (K > 0), other=0.0)  # K block 0's scales
+            sg = gl.load(ws_gate, mask=K > 0, other=0.0)
+            su = sg  # down: unused
             if GATE_UP:
-                acc_gate += p * (a_s[:, None] * sg)
-                p = warpgroup_mma(a, w.slice(BLOCK, BLOCK).permute((1, 0)),
-                                  gl.zeros((HALF, BLOCK), gl.float32, mma), use_acc=False, is_async=True)
+                su = gl.load(ws_up, mask=K > 0, other=0.0)
+            for k in range(0, K, BLOCK):
+                kb = k // BLOCK
+                if PREFETCH:  # the next K block's scales, a step ahead (their latency under this step's wgmmas)
+                    more = k + BLOCK < K
+                    a_s_next = gl.load(xs_rows + kb + 1, mask=row_ok & more, other=0.0)
+                    sg_next = gl.load(ws_gate + kb + 1, mask=more, other=0.0)
+                    su_next = sg_next
+                    if GATE_UP:
+                        su_next = gl.load(ws_up + kb + 1, mask=more, other=0.0)
+                else:
+                    a_s = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
+                    sg = gl.load(ws_gate + kb)
+                    if GATE_UP:
+                        su = gl.load(ws_up + kb)
+                s = g % STAGES
+                mbarrier.wait(full.index(s), (g // STAGES) & 1)
+                a = a_smem.index(s).slice(WARPGROUP * HALF, HALF)
+                w = w_smem.index(s)
+                p = warpgroup_mma(a, w.slice(0, BLOCK).permute((1, 0)), gl.zeros((HALF, BLOCK), gl.float32, mma),
+                                  use_acc=False, is_async=True)
                 p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc_up += p * (a_s[:, None] * su)
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-                acc_gate += p * (a_s[:, None] * sg)
-            if PREFETCH:
-                a_s, sg, su = a_s_next, sg_next, su_next
-            g += 1
+                if GATE_UP:
+                    acc_gate += p * (a_s[:, None] * sg)
+                    p = warpgroup_mma(a, w.slice(BLOCK, BLOCK).permute((1, 0)),
+                                      gl.zeros((HALF, BLOCK), gl.float32, mma), use_acc=False, is_async=True)
+                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc_up += p * (a_s[:, None] * su)
+                else:
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc_gate += p * (a_s[:, None] * sg)
+                if PREFETCH:
+                    a_s, sg, su = a_s_next, sg_next, su_next
+                g += 1
         rows64 = rows.to(gl.int64)
         if not GATE_UP:  # down: h_ptr is y
             _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, n0, N - n0, runs16)

@@ -51,13 +51,14 @@ def expert_backward(
     tiles: dict[str, TileConfig] | None = None,
     rows_per_expert: float | None = None,
 ) -> ExpertGrads:
-    """Backward of :func:`expert_forward` for routed rows (BF16; see `megamoe.kernels.expert_gemm_bwd`).
+    """Backward of :func:`megamoe.ops.experts.expert_forward` for routed rows (BF16; see
+    `megamoe.kernels.expert_gemm_bwd`).
 
     Args:
         dy_rows: bf16 `[R, D]` upstream gradient of each row's token, not scaled by its router weight.
         row_weights: float32 `[R]` router weight of each row's route.
         x_rows: bf16 `[R, D]` the forward's input rows; h: bf16 `[R, 2I]` its saved pre-activation.
-        counts, offsets, w_gate_up, w_down: as in :func:`expert_forward`.
+        counts, offsets, w_gate_up, w_down: as in :func:`megamoe.ops.experts.expert_forward`.
         rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
             experts; a caller whose rows are a worst-case capacity gives the expected mean).
     """
