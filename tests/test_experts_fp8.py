@@ -168,6 +168,44 @@ def test_gpu_fp8_few_row_tiles_give_the_same_bits():
     assert torch.equal(wide.act_q.view(torch.uint8), narrow.act_q.view(torch.uint8))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("d, i, limit, store_h", [(384, 384, 0.6, True), (512, 256, None, False)])
+def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, limit, store_h):
+    """The warp-specialised Gluon kernel (what gate_up_fp8 / down_fp8 run on Hopper at 128-row tiles) against
+    ``gate_up_fp8_kernel`` and ``down_fp8_kernel``: the same bits on a load with an empty expert and partial row
+    tiles, more tasks than programs, an odd number of K steps (384: down's pairs and a single step), NaN-poisoned
+    outputs; and close to the torch twin."""
+    from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8, plan_tiles_fp8, warp_specialized_fp8
+
+    args = _problem([70, 0, 33, 129, 5, 200, 131], 3, d=d, i=i, seed=12)
+    x_q, x_s, counts, offsets, gu_q, gu_s, dn_q, dn_s = args
+    rows = x_q.shape[0]
+    assert all(warp_specialized_fp8(DEVICE, plan_tiles_fp8(kind, DEVICE, 300)) for kind in ("gate_up", "down"))
+    outs = []
+    for ws in (False, True):
+        out = _poisoned(rows, d, i)
+        gate_up_fp8(x_q, x_s, counts, offsets, gu_q, gu_s, out, swiglu_limit=limit, num_programs=5, store_h=store_h,
+                    rows_per_expert=300, warp_specialized=ws)
+        down_fp8(out.act_q, out.act_scale, counts, offsets, dn_q, dn_s, out.y, num_programs=5, rows_per_expert=300,
+                 warp_specialized=ws)
+        outs.append(out)
+    torch.cuda.synchronize()
+    plan, ws = outs
+    inside = _inside(counts, offsets, rows)
+    for name in ("h", "act_scale", "y") if store_h else ("act_scale", "y"):
+        a, b = getattr(plan, name), getattr(ws, name)
+        assert not b[inside].isnan().any() and torch.equal(a.isnan(), b.isnan()), f"{name}: written rows differ"
+        differ = (a.nan_to_num() != b.nan_to_num()).any(1).nonzero().flatten().tolist()[:20]
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name}: rows differing {differ}"
+    assert torch.equal(plan.act_q.view(torch.uint8), ws.act_q.view(torch.uint8))
+    if not store_h:
+        assert ws.h.isnan().all(), "h written without store_h"
+    ref = expert_forward_fp8_block_reference(*args, swiglu_limit=limit)
+    assert _rel(ws.y[inside], ref.y[inside]) < 2e-2
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -217,10 +255,15 @@ def test_bad_tiles_raise_value_error():
 
 def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: FP8 (e4m3 x e4m3) wgmma and TMA bulk copies in the PTX, forward and
-    backward (dact, wgrad; dx is the down kernel); down, dact and wgrad do not spill (gate/up does, ~0.9 KB, a known Triton 3.6 register limit: see expert_gemm_fp8.summary)."""
+    backward (dact, wgrad; dx is the down kernel); down, dact and wgrad do not spill (gate/up does, ~0.9 KB, a known
+    Triton 3.6 register limit: see expert_gemm_fp8.summary). The Gluon kernel that runs them on Hopper: gate/up's
+    consumers hold a register or two around the epilogue's quantisation on the stack (16 bytes), down none."""
     summary = sm90_report("fp8")
     assert set(summary) == {"gate_up_fp8_kernel", "gate_up_fp8_kernel (few rows per expert)", "down_fp8_kernel",
-                            "dact_fp8_kernel", "wgrad_fp8_kernel"}
+                            "dact_fp8_kernel", "wgrad_fp8_kernel", "forward_fp8_ws_kernel (gate/up)",
+                            "forward_fp8_ws_kernel (down)"}
+    assert summary["forward_fp8_ws_kernel (down)"]["stack_bytes"] in (0, None), summary["forward_fp8_ws_kernel (down)"]
+    assert summary["forward_fp8_ws_kernel (gate/up)"]["stack_bytes"] <= 16, summary["forward_fp8_ws_kernel (gate/up)"]
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_fp8"] and facts["tma"], (name, facts)
         assert not facts["local_memory"], (name, facts)

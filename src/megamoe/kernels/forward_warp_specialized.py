@@ -40,17 +40,19 @@ def tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, til
 
 
 @gluon.jit
-def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-              num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """The K steps of this program's tasks. Weight rows: gate/up's expert l holds gate rows l*2N .. and up rows
-    l*2N + N ..; down's holds rows l*N .."""
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                     tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr,
+                     NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """The K steps of this program's tasks, in the operands' dtype (bf16 here, e4m3 for the FP8-block kernel). Weight
+    rows: gate/up's expert l holds gate rows l*2N .. and up rows l*2N + N ..; down's holds rows l*N .."""
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
     a_desc = tma.make_tensor_descriptor(a_ptr, [rows, K], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
     w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [BLOCK_N, BLOCK_K], w_layout)
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
-    step_bytes: gl.constexpr = (2 * HALF_M + W_SLICES * BLOCK_N) * BLOCK_K * 2
+    step_bytes: gl.constexpr = (2 * HALF_M + W_SLICES * BLOCK_N) * BLOCK_K * dtype.primitive_bitwidth // 8
     num_n = gl.cdiv(N, BLOCK_N)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0  # the program's K steps: slot g % STAGES, phase (g // STAGES) & 1
@@ -72,10 +74,10 @@ def _producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_p
 
 
 @gluon.jit
-def _store(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: gl.constexpr):
-    """Masked store of a [64, BLOCK_N] FP32 half tile as bf16, rows row0.. of which ``rows_ok``, columns col0.. of
-    which ``cols_ok``, through a layout of 16-byte row runs."""
-    tile = gl.convert_layout(values.to(gl.bfloat16), layout)
+def store_half_tile(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: gl.constexpr):
+    """Masked store of a [64, BLOCK_N] half tile in ``ptr``'s dtype, rows row0.. of which ``rows_ok``, columns col0..
+    of which ``cols_ok``, through a layout of 16-byte row runs."""
+    tile = gl.convert_layout(values.to(ptr.dtype.element_ty), layout)
     r = gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, layout))
     c = gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, layout))
     base = ptr + row0.to(gl.int64) * stride + col0
@@ -113,11 +115,12 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
         col0 = n * BLOCK_N
         if GATE_UP:
             gate, up = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK_N)), (0, 2, 1)))
-            _store(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
-            _store(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
-            _store(act_ptr, stride_act, swiglu_tile(gate, up, limit, HAS_LIMIT), first, rows_ok, col0, N - col0, runs)
+            store_half_tile(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
+            store_half_tile(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
+            act = swiglu_tile(gate, up, limit, HAS_LIMIT)
+            store_half_tile(act_ptr, stride_act, act, first, rows_ok, col0, N - col0, runs)
         else:
-            _store(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
+            store_half_tile(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
 
 
 @gluon.jit
@@ -149,7 +152,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
                       gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
                       gl.constexpr(MMA_IN_FLIGHT))),
-         (_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+         (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],

@@ -4,7 +4,8 @@
 expert weights quantised in 128x128 blocks (``megamoe.ops.quant``'s
 ``quantize_activations(x, "fp8-block")`` / ``quantize_weights(w, "fp8-block")``)
 and runs gate/up + SwiGLU (act quantised 1x128 along I in the epilogue) and
-down with the persistent FP8 kernels of `megamoe.kernels.expert_gemm_fp8`.
+down with the persistent FP8 kernels of `megamoe.kernels.expert_gemm_fp8` (on Hopper, 128-row tiles: their
+warp-specialised Gluon twin, `megamoe.kernels.forward_fp8_warp_specialized`, the same bits).
 Row tiles and the launch come from `megamoe.ops.launch`, the grid size from `megamoe.runtime`.
 :func:`expert_forward_fp8_block_reference` is the plain-PyTorch twin.
 """
@@ -17,11 +18,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
 from megamoe import runtime
-from megamoe.ops.experts import ExpertForwardQuantized
-from megamoe.ops.launch import flat_row_stride, launch_row_tasks
+from megamoe.ops.experts import ExpertForwardQuantized, warp_specialized_forward
+from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, mean_rows
 from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
-from megamoe.kernels import expert_gemm_fp8
+from megamoe.kernels import expert_gemm_fp8, forward_fp8_warp_specialized
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.quant import soft_e4m3_default
 from megamoe.reference import swiglu
 
@@ -105,9 +107,11 @@ def expert_forward_fp8_block(
 
 def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
                 swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None, store_h: bool = True,
-                rows_per_expert: float | None = None) -> None:
+                rows_per_expert: float | None = None, warp_specialized: bool = True) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch; the
-    tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
+    tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run
+    in the warp-specialised Gluon kernel (:func:`forward_fp8_ws`), elsewhere ``gate_up_fp8_kernel``: the same bits;
+    ``warp_specialized=False`` runs ``gate_up_fp8_kernel`` there too (A/B runs, tests)."""
     experts, two_i, d = w_gate_up_q.shape
     i = two_i // 2
     rows = x_q.shape[0]
@@ -116,8 +120,13 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
     if rows == 0 or experts == 0:
         return
     h = out.h if store_h else out.act_scale  # any pointer: never touched without STORE_H
+    programs = runtime.num_programs(x_q.device, num_programs)
+    if warp_specialized and warp_specialized_fp8(x_q.device, c):
+        forward_fp8_ws(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, h, c, programs, act_q=out.act_q,
+                       act_scale=out.act_scale, swiglu_limit=swiglu_limit, store_h=store_h)
+        return
     launch_row_tasks(
-        expert_gemm_fp8.gate_up_fp8_kernel, c, runtime.num_programs(x_q.device, num_programs),
+        expert_gemm_fp8.gate_up_fp8_kernel, c, programs,
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(TensorDescriptor.from_tensor(x_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_gate_up_q.view(experts * 2 * i, d), [c.block_n, FP8_BLOCK]),
@@ -130,23 +139,65 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
 
 
 def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
-             tiles: TileConfig | None = None, rows_per_expert: float | None = None) -> None:
+             tiles: TileConfig | None = None, rows_per_expert: float | None = None,
+             warp_specialized: bool = True) -> None:
     """y = dequant(act_q) · dequant(w_down_q)ᵀ on every expert region: one persistent launch; the tiles are
-    ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
+    ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run in the
+    warp-specialised Gluon kernel, elsewhere (and with ``warp_specialized=False``) ``down_fp8_kernel``: the same
+    bits."""
     experts, d, i = w_down_q.shape
     rows = act_q.shape[0]
     c = tiles or plan_tiles_fp8("down", act_q.device, mean_rows(rows, experts, rows_per_expert))
     _check_tiles("down", c)
     if rows == 0 or experts == 0:
         return
+    programs = runtime.num_programs(act_q.device, num_programs)
+    if warp_specialized and warp_specialized_fp8(act_q.device, c):
+        forward_fp8_ws(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, c, programs)
+        return
     launch_row_tasks(
-        expert_gemm_fp8.down_fp8_kernel, c, runtime.num_programs(act_q.device, num_programs),
+        expert_gemm_fp8.down_fp8_kernel, c, programs,
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
               act_scale, w_down_scale, y, act_scale.stride(0), flat_row_stride(w_down_scale), y.stride(0)),
         tail=(d, i),
     )
+
+
+def warp_specialized_fp8(device: torch.device, tile: TileConfig) -> bool:
+    """True when :func:`gate_up_fp8` / :func:`down_fp8` run the warp-specialised Gluon kernel: Hopper, 128 x 128
+    tiles (two 64-row consumer warpgroups, one scale block of columns)."""
+    return warp_specialized_forward(device, tile) and tile.block_n == FP8_BLOCK
+
+
+def forward_fp8_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, has_limit: bool = False,
+                              store_h: bool = True) -> dict:
+    """The Gluon kernel's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs): the
+    plan's ring depth (gate/up 3, down 4: the fastest measured) and task order."""
+    return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
+                NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=tile.num_stages)
+
+
+def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileConfig, programs: int, *,
+                   act_q=None, act_scale=None, swiglu_limit=None, store_h: bool = True) -> None:
+    """An FP8-block forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128 x 128 tiles of ``tile``'s
+    GROUP_M and ring depth): gate/up + SwiGLU + act quantisation when ``act_q`` is given (w `[L, 2I, D]`, out h
+    `[R, 2I]`, written with ``store_h``), else down (w `[L, D, I]`, out y `[R, D]`). The Triton kernels' tasks and
+    bits."""
+    gate_up = act_q is not None
+    experts, w_n, k = w_q.shape
+    rows = a_q.shape[0]
+    tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
+    act_q, act_scale = (act_q.view(torch.uint8), act_scale) if gate_up else (out, out)  # down: never touched
+    with scratch_allocator():
+        forward_fp8_warp_specialized.forward_fp8_ws_kernel[(programs,)](
+            a_q, w_q, a_scale, w_scale, out, act_q, act_scale,
+            a_q.stride(0), a_scale.stride(0), flat_row_stride(w_scale), out.stride(0), act_q.stride(0),
+            act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
+            tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, float(swiglu_limit or 0.0),
+            num_warps=4, **forward_fp8_ws_constexprs(tile, programs, gate_up=gate_up,
+                                                     has_limit=swiglu_limit is not None, store_h=store_h))
 
 
 def expert_forward_fp8_block_reference(

@@ -123,8 +123,8 @@ def gemm_cases() -> dict[str, Case]:
 
 
 def fp8_cases() -> dict[str, Case]:
-    from megamoe.kernels import expert_gemm_fp8 as k
-    from megamoe.ops.experts_fp8 import plan_tiles_fp8
+    from megamoe.kernels import expert_gemm_fp8 as k, forward_fp8_warp_specialized as ws
+    from megamoe.ops.experts_fp8 import forward_fp8_ws_constexprs, plan_tiles_fp8
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
 
     gpu = torch.device("cuda")
@@ -145,7 +145,19 @@ def fp8_cases() -> dict[str, Case]:
         "act_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "y_ptr": "*bf16", "stride_as": "i32",
         "stride_ws_n": "i32", "stride_y": "i32", **_TILES, **kinds, "D": "i32", "K": "i32"},
         values, t.num_warps, t.num_stages)
-    return {**cases, "down_fp8_kernel": down, **fp8_backward_cases()}
+    cases["down_fp8_kernel"] = down
+    # what gate_up_fp8 / down_fp8 run on Hopper at the same tiles: the warp-specialised Gluon kernel
+    for kind, gate_up in (("gate/up", True), ("down", False)):
+        t = plan_tiles_fp8("gate_up" if gate_up else "down", gpu)
+        consts = forward_fp8_ws_constexprs(t, SMS, gate_up=gate_up, has_limit=True)
+        consts["SOFT_E4M3"] = False
+        cases[f"forward_fp8_ws_kernel ({kind})"] = Case(ws.forward_fp8_ws_kernel, {
+            "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+            "out_ptr": "*bf16", "act_q_ptr": "*u8" if gate_up else "*bf16", "act_scale_ptr": "*fp32" if gate_up
+            else "*bf16", "stride_a": "i32", "stride_as_in": "i32", "stride_ws_n": "i32", "stride_out": "i32",
+            "stride_act": "i32", "stride_as": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32",
+            "K": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+    return {**cases, **fp8_backward_cases()}
 
 
 def fp8_backward_cases() -> dict[str, Case]:
