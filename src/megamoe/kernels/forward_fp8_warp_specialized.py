@@ -13,8 +13,8 @@ two consumer warpgroups, rows 0-63 and 64-127 of each tile, are tied by the ring
 - down: pairs of K steps, both products in flight; the first is promoted while the second's wgmmas run (one
   warpgroup overlaps with itself too), then a single step if K / 128 is odd.
 
-Measured against the Triton kernels and ``torch._scaled_mm`` (benchmarks/results/2026-12-04-fp8-warp-specialized):
-gate/up 64 vs 61 % of dense on 341-row experts (74 vs 67 % on 383-row ones), down 70 vs 61 % (82 vs 68 %).
+Measured against the Triton kernels, % of ``torch._scaled_mm`` (benchmarks/results/2026-12-04-fp8-warp-specialized):
+gate/up 65 vs 64 on 341-row experts, 76 vs 71 on 383-row ones; down 77 vs 63 and 87 vs 69.
 `megamoe.ops.experts_fp8` runs it on Hopper for 128-row tiles; a GPU test holds it to the Triton kernels' bits.
 GPU only (Gluon has no interpreter). Launch with a scratch allocator (the descriptors), 4 warps.
 """
