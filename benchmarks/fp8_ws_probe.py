@@ -13,6 +13,13 @@ run under the other's wgmmas; the scales are loaded a step ahead. Down's ``*-pai
 a warpgroup: two K steps' products issued, the first promoted while the second's wgmmas run. The epilogues are
 the Triton kernels': gate/up h (bf16), SwiGLU, act quantised 1 x 128 (act_q, act_scale); down y (bf16).
 
+Gate/up cannot pair K steps at 128 act columns (two 64 x 128 fp32 accumulators and two products in flight: 256
+registers of a consumer's 232), so its ``halves-*`` variants run a task's act columns as two halves of 64, a K loop
+each: a slot holds x and 128 weight rows (the half's 64 gate rows, then its 64 up rows), one m64n128k32 wgmma chain
+per step gives gate and up at once, and steps are paired as in down (accumulators 2 x 32 + products 2 x 64
+registers). Half 0's act waits in shared memory (fp32) until half 1's, then the [64, 128] act is quantised as
+above. Same tasks, order and bits; x crosses the ring twice per task.
+
 Outputs are compared bit for bit with ``experts_fp8.gate_up_fp8`` / ``down_fp8`` (the plan; down runs on the
 plan's act); timed in interleaved rounds at the power cap with ``torch._scaled_mm`` (row / column scales) on all
 rows at once (same N and K). GPU only (Hopper). Writes DIR/fp8_ws_probe.json.
@@ -50,37 +57,42 @@ BLOCK = gl.constexpr(128)  # K step, act columns per tile, scale block
 @gluon.jit
 def _producer(x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
               num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr):
+    """The ring's K steps, task by task. HALVES: each task's K steps twice, column half j's weight slice in a slot
+    (gate rows n0 + 64j .. + 63, then up rows N + n0 + 64j ..)."""
+    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
+    W_ROWS: gl.constexpr = HALF if HALVES else BLOCK  # weight rows of one slice
+    PASSES: gl.constexpr = 2 if HALVES else 1  # K loops per task
     a_desc = tma.make_tensor_descriptor(x_ptr, [rows, K], [stride_x, 1], [HALF, BLOCK],
                                         gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
-    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [BLOCK, BLOCK],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv))
-    W_SLICES: gl.constexpr = 2 if GATE_UP else 1
-    step_bytes: gl.constexpr = (1 + W_SLICES) * BLOCK * BLOCK  # x 128 rows, gate (and up) 128 rows of 128 bytes
+    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [W_ROWS, BLOCK],
+                                        gl.NVMMASharedLayout.get_default_for([W_ROWS, BLOCK], gl.float8e4nv))
+    step_bytes: gl.constexpr = (BLOCK + W_SLICES * W_ROWS) * BLOCK  # x 128 rows, then weight rows, of 128 bytes
     num_n = gl.cdiv(N, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                                              tile_run_ptr, GROUP_M)
-        w_row = expert * W_SLICES * N + n * BLOCK
-        for k in range(0, K, BLOCK):
-            s = g % STAGES
-            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-            mbarrier.expect(full.index(s), step_bytes)
-            a = a_smem.index(s)
-            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a.slice(0, HALF))
-            tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k], full.index(s), a.slice(HALF, HALF))
-            w = w_smem.index(s)
-            tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK))
-            if GATE_UP:
-                tma.async_copy_global_to_shared(w_desc, [w_row + N, k], full.index(s), w.slice(BLOCK, BLOCK))
-            g += 1
+        for j in gl.static_range(PASSES):
+            w_row = expert * W_SLICES * N + n * BLOCK + j * W_ROWS
+            for k in range(0, K, BLOCK):
+                s = g % STAGES
+                mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+                mbarrier.expect(full.index(s), step_bytes)
+                a = a_smem.index(s)
+                tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a.slice(0, HALF))
+                tma.async_copy_global_to_shared(a_desc, [row0 + HALF, k], full.index(s), a.slice(HALF, HALF))
+                w = w_smem.index(s)
+                tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, W_ROWS))
+                if GATE_UP:
+                    tma.async_copy_global_to_shared(w_desc, [w_row + N, k], full.index(s), w.slice(W_ROWS, W_ROWS))
+                g += 1
 
 
 @gluon.jit
 def _store(ptr, stride, values, rows, row_ok, col0, cols_ok, layout: gl.constexpr):
-    """Masked store of a [64, 128] tile (already in its stored dtype) at rows ``rows`` (int64, the tile's 64) and
+    """Masked store of a [64, C] tile (already in its stored dtype) at rows ``rows`` (int64, the tile's 64) and
     columns col0.., through ``layout`` (16-byte row runs)."""
     tile = gl.convert_layout(values, layout)
     r = gl.convert_layout(rows, gl.SliceLayout(1, layout))
@@ -90,13 +102,117 @@ def _store(ptr, stride, values, rows, row_ok, col0, cols_ok, layout: gl.constexp
 
 
 @gluon.jit
+def _gate_and_up(p):
+    """A halves product [64, 128] -> its gate columns 0-63 and up columns 64-127, [64, 64] each: each thread's own
+    registers (no data moves)."""
+    return gl.split(gl.permute(gl.reshape(p, (HALF, 2, HALF)), (0, 2, 1)))
+
+
+@gluon.jit
+def _halves_product(a_smem, w_smem, slot, WARPGROUP: gl.constexpr, mma: gl.constexpr):
+    """Issue one step's [64 x 128] product of this warpgroup's rows and the slot's 128 weight rows (gate, up)."""
+    return warpgroup_mma(a_smem.index(slot).slice(WARPGROUP * HALF, HALF), w_smem.index(slot).permute((1, 0)),
+                         gl.zeros((HALF, BLOCK), gl.float32, mma), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _halves_promote(acc_gate, acc_up, p, a_s, s_gate, s_up):
+    """The plan's promotion of one K step, per column half: ``acc += p * (a_scale * w_scale)`` with one scalar per
+    row (the gate block's weight scale for gate columns, the up block's for up columns)."""
+    gate, up = _gate_and_up(p)
+    return acc_gate + gate * (a_s[:, None] * s_gate), acc_up + up * (a_s[:, None] * s_up)
+
+
+@gluon.jit
+def _halves_k_loop(xs_rows, row_ok, ws_gate, ws_up, K, g, a_smem, w_smem, full, empty, WARPGROUP: gl.constexpr,
+                   STAGES: gl.constexpr, mma: gl.constexpr):
+    """One column half's K loop from ring step ``g``, in pairs of K steps (step k+1's wgmmas run while step k is
+    promoted), then a single step if K / 128 is odd: (acc_gate, acc_up [64, 64] fp32, the next step)."""
+    gl.static_assert(STAGES >= 2, "pairs of K steps hold two ring slots")
+    acc_gate, acc_up = _gate_and_up(gl.zeros((HALF, BLOCK), gl.float32, mma))
+    for k in range(0, K - BLOCK, 2 * BLOCK):  # while two steps remain
+        kb = k // BLOCK
+        a_s0 = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
+        a_s1 = gl.load(xs_rows + kb + 1, mask=row_ok, other=0.0)
+        sg0 = gl.load(ws_gate + kb)
+        su0 = gl.load(ws_up + kb)
+        sg1 = gl.load(ws_gate + kb + 1)
+        su1 = gl.load(ws_up + kb + 1)
+        s0 = g % STAGES
+        s1 = (g + 1) % STAGES
+        mbarrier.wait(full.index(s0), (g // STAGES) & 1)
+        pa = _halves_product(a_smem, w_smem, s0, WARPGROUP, mma)
+        mbarrier.wait(full.index(s1), ((g + 1) // STAGES) & 1)
+        pb = _halves_product(a_smem, w_smem, s1, WARPGROUP, mma)
+        pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+        mbarrier.arrive(empty.index(s0), count=1)
+        acc_gate, acc_up = _halves_promote(acc_gate, acc_up, pa, a_s0, sg0, su0)
+        pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+        mbarrier.arrive(empty.index(s1), count=1)
+        acc_gate, acc_up = _halves_promote(acc_gate, acc_up, pb, a_s1, sg1, su1)
+        g += 2
+    if (K // BLOCK) % 2 == 1:  # the last step alone
+        kb = K // BLOCK - 1
+        a_s = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
+        sg = gl.load(ws_gate + kb)
+        su = gl.load(ws_up + kb)
+        s = g % STAGES
+        mbarrier.wait(full.index(s), (g // STAGES) & 1)
+        p = warpgroup_mma_wait(num_outstanding=0, deps=(_halves_product(a_smem, w_smem, s, WARPGROUP, mma),))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc_gate, acc_up = _halves_promote(acc_gate, acc_up, p, a_s, sg, su)
+        g += 1
+    return acc_gate, acc_up, g
+
+
+@gluon.jit
+def _gate_up_halves(x_scale_ptr, stride_xs, first, row_end, ws_gate, ws_up, n0, N, K, g, limit, h_ptr, act_q_ptr,
+                    act_scale_ptr, stride_h, stride_act, stride_as, a_smem, w_smem, full, empty, act_stash,
+                    WARPGROUP: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr, STAGES: gl.constexpr,
+                    mma: gl.constexpr):
+    """One gate/up task by column halves (64 act columns each, a K loop each) for rows first .. first + 63: h and
+    act of each half, act quantised 1 x 128 over both. Half 0's act waits in ``act_stash`` (this warpgroup's
+    [64, 64] fp32: in registers it spills under half 1's K loop); each thread reads back what it wrote. Returns the
+    next ring step."""
+    runs16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # bf16 [64, 64]: 8 per thread
+    runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # fp8 [64, 128]: 16 per thread
+    half_layout: gl.constexpr = _gate_and_up(gl.zeros((HALF, BLOCK), gl.float32, mma))[0].type.layout
+    rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, half_layout))
+    row_ok = rows < row_end
+    rows64 = rows.to(gl.int64)
+    xs_rows = x_scale_ptr + rows64 * stride_xs
+    act = gl.zeros((HALF, HALF), gl.float32, half_layout)  # after the loop: half 1's
+    # A loop, not static_range: unrolled, half 1's stores reuse half 0's masks, kept live (spilled) across its K loop
+    for j in range(2):
+        acc_gate, acc_up, g = _halves_k_loop(xs_rows, row_ok, ws_gate, ws_up, K, g, a_smem, w_smem, full, empty,
+                                             WARPGROUP, STAGES, mma)
+        col0 = n0 + j * HALF
+        if STORE_H:
+            _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, col0, N - col0, runs16)
+            _store(h_ptr, stride_h, acc_up.to(gl.bfloat16), rows64, row_ok, N + col0, N - col0, runs16)
+        act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+        if j == 0:
+            act_stash.store(act)
+    # [64, 128], columns 0-63 half 0's: the mma layout again, so the quantisation is the other variants'
+    act = gl.join(act_stash.load(half_layout), act)
+    act = gl.convert_layout(gl.reshape(gl.permute(act, (0, 2, 1)), (HALF, BLOCK)), mma, assert_trivial=True)
+    act_q, act_s = fp8_block_quantize_tile(act, 1, 128, False)  # [64, 128], [64, 1]
+    _store(act_q_ptr, stride_act, act_q.to(gl.uint8, bitcast=True), rows64, row_ok, n0, N - n0, runs8)
+    rows64 = gl.convert_layout(rows64, gl.SliceLayout(1, mma), assert_trivial=True)
+    row_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, mma), assert_trivial=True)
+    gl.store(act_scale_ptr + rows64[:, None] * stride_as + n0 // 128, act_s, mask=row_ok[:, None])
+    return g
+
+
+@gluon.jit
 def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
               stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-              N, K, limit, a_smem, w_smem, full, empty, WARPGROUP: gl.constexpr, GATE_UP: gl.constexpr,
+              N, K, limit, a_smem, w_smem, full, empty, act_stash, WARPGROUP: gl.constexpr, GATE_UP: gl.constexpr,
               HAS_LIMIT: gl.constexpr,
               STORE_H: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              PREFETCH: gl.constexpr, PAIRS: gl.constexpr):
-    gl.static_assert(not (PAIRS and GATE_UP), "pairs of K steps: down only")
+              PREFETCH: gl.constexpr, PAIRS: gl.constexpr, HALVES: gl.constexpr):
+    gl.static_assert(not (PAIRS and GATE_UP), "pairs of K steps: down only (gate/up: HALVES)")
+    gl.static_assert(GATE_UP or not HALVES, "column halves: gate/up only")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     runs16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # bf16: 8 per thread
     runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # fp8: 16 per thread
@@ -116,7 +232,12 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
         acc_up = gl.zeros((HALF, BLOCK), gl.float32, mma)
         ws_gate = ws_base + (n0 // 128) * stride_ws_n
         ws_up = ws_base + ((N + n0) // 128) * stride_ws_n  # gate/up only
-        if PAIRS:  # down, K a multiple of 256: step 2j's promotion runs under step 2j+1's wgmmas
+        if HALVES:  # its own K loops and epilogue
+            g = _gate_up_halves(x_scale_ptr, stride_xs, row0 + WARPGROUP * HALF, row_end, ws_gate, ws_up, n0, N, K, g,
+                                limit, h_ptr, act_q_ptr, act_scale_ptr, stride_h, stride_act, stride_as, a_smem,
+                                w_smem, full, empty, act_stash.index(WARPGROUP), WARPGROUP, HAS_LIMIT, STORE_H,
+                                STAGES, mma)
+        elif PAIRS:  # down, K a multiple of 256: step 2j's promotion runs under step 2j+1's wgmmas
             for k in range(0, K, 2 * BLOCK):
                 kb = k // BLOCK
                 a_s0 = gl.load(xs_rows + kb, mask=row_ok, other=0.0)
@@ -181,7 +302,7 @@ def _consumer(x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_
         rows64 = rows.to(gl.int64)
         if not GATE_UP:  # down: h_ptr is y
             _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, n0, N - n0, runs16)
-        else:
+        elif not HALVES:  # (halves: stored by _gate_up_halves)
             if STORE_H:
                 _store(h_ptr, stride_h, acc_gate.to(gl.bfloat16), rows64, row_ok, n0, N - n0, runs16)
                 _store(h_ptr, stride_h, acc_up.to(gl.bfloat16), rows64, row_ok, N + n0, N - n0, runs16)
@@ -198,14 +319,21 @@ def fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_
                   tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                   rows, w_rows, N, K, limit, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr,
                   NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr,
-                  PAIRS: gl.constexpr = False):
+                  PAIRS: gl.constexpr = False, HALVES: gl.constexpr = False):
     """``gate_up_fp8_kernel``'s (GATE_UP: N = I, h_ptr h) or ``down_fp8_kernel``'s (N = D, h_ptr y; the act
-    pointers unused) contract and 128 x 128 tiles, warp-specialised."""
+    pointers unused) contract and 128 x 128 tiles, warp-specialised. PAIRS (down) or HALVES (gate/up, by 64-column
+    halves): two K steps' products in flight per warpgroup."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
+    W_ROWS: gl.constexpr = HALF if HALVES else BLOCK  # weight rows of one slice
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * HALF, BLOCK],
                                        gl.NVMMASharedLayout.get_default_for([HALF, BLOCK], gl.float8e4nv))
-    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W_SLICES * BLOCK, BLOCK],
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W_SLICES * W_ROWS, BLOCK],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv))
+    if HALVES:  # column half 0's act, [64, 64] fp32 per consumer warpgroup; rows padded by 32 bytes: no bank conflicts
+        padded: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HALF, 8]], [HALF, HALF], [1, 0])
+        act_stash = gl.allocate_shared_memory(gl.float32, [2, HALF, HALF], padded)
+    else:  # unused
+        act_stash = gl.allocate_shared_memory(gl.float32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -214,43 +342,48 @@ def fp8_ws_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_
     gl.warp_specialize(
         [(_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
                       stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                      num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, act_stash, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(PREFETCH), gl.constexpr(PAIRS))),
+                      gl.constexpr(PREFETCH), gl.constexpr(PAIRS), gl.constexpr(HALVES))),
          (_consumer, (x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_h,
                       stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                      num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, act_stash, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(PREFETCH), gl.constexpr(PAIRS))),
+                      gl.constexpr(PREFETCH), gl.constexpr(PAIRS), gl.constexpr(HALVES))),
          (_producer, (x_ptr, w_ptr, rows, w_rows, stride_x, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                      gl.constexpr(HALVES)))],
         [4, 1], [232, 40])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(s))
         mbarrier.invalidate(empty.index(s))
 
 
-#: name -> (ring stages, scales loaded a K step ahead)
+#: name -> (ring stages, scales loaded a K step ahead, pairs of K steps, column halves)
 VARIANTS = {"s3": (3, True), "s4": (4, True), "s2": (2, True), "s3-late": (3, False), "s6": (6, True),  # s6: down
-            "s4-pairs": (4, False, True), "s6-pairs": (6, False, True)}  # down, K % 256 == 0: pairs of K steps
+            "s4-pairs": (4, False, True), "s6-pairs": (6, False, True),  # down, K % 256 == 0: pairs of K steps
+            "halves-s3": (3, False, False, True), "halves-s4": (4, False, False, True),  # gate/up by column halves
+            "halves-s5": (5, False, False, True)}  # s6: over 227 KB of shared memory with the act stash
 
 
-def constexprs(programs: int, stages: int, prefetch: bool, pairs: bool = False, *, gate_up: bool = True,
-               has_limit: bool = False, store_h: bool = True) -> dict:
+def constexprs(programs: int, stages: int, prefetch: bool, pairs: bool = False, halves: bool = False, *,
+               gate_up: bool = True, has_limit: bool = False, store_h: bool = True) -> dict:
     """The plans' GROUP_M: 4 for gate/up, 8 for down (``experts_fp8.plan_tiles_fp8``)."""
     return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, STORE_H=store_h, NUM_PROGRAMS=programs,
-                GROUP_M=4 if gate_up else 8, STAGES=stages, PREFETCH=prefetch, PAIRS=pairs)
+                GROUP_M=4 if gate_up else 8, STAGES=stages, PREFETCH=prefetch, PAIRS=pairs, HALVES=halves)
 
 
 def launch(a_q, a_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, programs: int, gate_up: bool,
-           stages: int, prefetch: bool, pairs: bool = False) -> None:
+           stages: int, prefetch: bool, pairs: bool = False, halves: bool = False) -> None:
     """gate/up: a = x, w = w_gate_up (out.h, act_q, act_scale); down: a = act_q, w = w_down (out.y)."""
     experts, w_n, k = w_q.shape
     if pairs and (gate_up or k % 256):
         raise ValueError("pairs of K steps: down with K a multiple of 256 only")
+    if halves and not gate_up:
+        raise ValueError("column halves: gate/up only")
     rows = a_q.shape[0]
     tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
     first = out.h if gate_up else out.y
@@ -260,7 +393,7 @@ def launch(a_q, a_s, counts, offsets, w_q, w_s, out: ExpertForwardQuantized, pro
             a_q.stride(0), a_s.stride(0), flat_row_stride(w_s), first.stride(0), out.act_q.stride(0),
             out.act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
             tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, 0.0, num_warps=4,
-            **constexprs(programs, stages, prefetch, pairs, gate_up=gate_up))
+            **constexprs(programs, stages, prefetch, pairs, halves, gate_up=gate_up))
 
 
 def main() -> None:
