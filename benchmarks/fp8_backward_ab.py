@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--mx-variants", default=",".join(MX_VARIANTS))
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
+    os.makedirs(a.out, exist_ok=True)  # before the run: the profiled call's trace goes there
     cfg, dev = preset(a.preset), torch.device("cuda")
     d, i = cfg.hidden, cfg.intermediate
     x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, d, i, dev)
