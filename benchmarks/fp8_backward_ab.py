@@ -140,7 +140,6 @@ def main() -> None:
     times = interleaved_rounds(calls, a.rounds, a.seconds)
     ms = {k: statistics.median(v) for k, v in times.items()}
     timelines = {name: gaps(calls[name], a.out) for name in ("bf16", "fp8-block plan", "mxfp8 plan") if name in calls}
-    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fp8_backward_ab.json"), "w") as f:
         json.dump({"args": vars(a), "ms": ms, "rounds": times, "status": status, "vs_bf16": errors,
                    "timelines": timelines,
