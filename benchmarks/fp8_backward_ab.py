@@ -1,7 +1,7 @@
 """The FP8 expert backwards (fp8-block, mxfp8) against the BF16 one on the same load, at the power cap (one GPU).
 
     PYTHONPATH=src python3 benchmarks/fp8_backward_ab.py [--preset kimi-k2] [--experts 192] [--rounds 5]
-        [--variants plan,wgrad-128x128x3,...] [--mx-variants plan,...] [--out DIR]
+        [--variants plan,triton,wgrad-128x128x3,...] [--mx-variants plan,...] [--out DIR]
 
 ``tokens x k`` rows spread evenly over --experts experts (kimi-k2 at 8192 tokens: 192 x 341, EP 2's per-rank
 load). In interleaved rounds: `expert_backward` (BF16); `expert_backward_fp8_block` and
@@ -39,6 +39,7 @@ VARIANTS = {
     "wgrad-128x128x3": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=3)},
     "wgrad-128x128x4-flat": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True)},
 }
+#: (and "triton": the planner's tiles in the Triton kernels where Hopper runs Gluon ones, warp_specialized=False)
 #: mxfp8 variants, as VARIANTS
 MX_VARIANTS = {
     "plan": {},
@@ -107,8 +108,8 @@ def main() -> None:
     args = (dy, row_w, x, fwd.h, counts, offsets, wgu, wd)
     calls = {"bf16": lambda: expert_backward(*args)}
     for name in a.variants.split(","):
-        calls[f"fp8-block {name}"] = (lambda t=VARIANTS[name]: expert_backward_fp8_block(
-            *args, weights_t=wt["fp8-block"], tiles=t))
+        kw = {"warp_specialized": False} if name == "triton" else {"tiles": VARIANTS[name]}
+        calls[f"fp8-block {name}"] = (lambda kw=kw: expert_backward_fp8_block(*args, weights_t=wt["fp8-block"], **kw))
     for name in a.mx_variants.split(","):
         calls[f"mxfp8 {name}"] = (lambda t=MX_VARIANTS[name]: expert_backward_mxfp8(
             *args, weights_t=wt["mxfp8"], tiles=t))
@@ -143,7 +144,8 @@ def main() -> None:
     with open(os.path.join(a.out, "fp8_backward_ab.json"), "w") as f:
         json.dump({"args": vars(a), "ms": ms, "rounds": times, "status": status, "vs_bf16": errors,
                    "timelines": timelines,
-                   "variants": {n: {k: vars(c) for k, c in VARIANTS[n].items()} for n in a.variants.split(",")},
+                   "variants": {n: {k: vars(c) for k, c in VARIANTS[n].items()} for n in a.variants.split(",")
+                                if n in VARIANTS},
                    "mx_variants": {n: {k: vars(c) for k, c in MX_VARIANTS[n].items()}
                                    for n in a.mx_variants.split(",")}},
                   f, indent=1, default=str)

@@ -116,6 +116,28 @@ def test_fp8_block_backward_is_bitwise_deterministic():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits():
+    """On Hopper the wgrads and dx run warp-specialised in Gluon (``wgrad_fp8_ws_kernel``, ``forward_fp8_ws_kernel``):
+    every gradient bit for bit as ``warp_specialized=False`` (the Triton kernels), on a load with an empty expert,
+    partial and several token blocks per expert (1-3 K steps), more blocks than programs (D 384, I 384: wgrad
+    blocks 3 x 3 and 6 x 3 per expert, dx's K 768 in pairs)."""
+    p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=384, seed=9)
+    got = [expert_backward_fp8_block(*_args(p), swiglu_limit=0.8, num_programs=5, warp_specialized=ws)
+           for ws in (False, True)]
+    inside = _inside(p)
+    for name in ("d_x", "d_router", "d_w_gate_up", "d_w_down"):
+        a, b = (getattr(g, name) for g in got)
+        if name in ("d_x", "d_router"):
+            a, b = a[inside], b[inside]
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
+    assert got[1].d_w_down[1].eq(0).all() and got[1].d_w_gate_up[1].eq(0).all()  # the empty expert
+    ref = expert_backward_fp8_block_reference(*_args(p), swiglu_limit=0.8)
+    assert _rel(got[1].d_w_gate_up, ref.d_w_gate_up) < 2e-2
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])  # mxfp8: ~1 min
 def test_fp8_backward_takes_e4m3_rows(fmt):
     """dy and x as E4M3 rows quantised along D (the pulled upstream gradient, the forward ring's x): the same

@@ -43,7 +43,7 @@ def ring_stages(block_n: int, block_k: int) -> int:
 
 
 @gluon.jit
-def _first_task(expert, per_expert, NUM_PROGRAMS: gl.constexpr):
+def first_task(expert, per_expert, NUM_PROGRAMS: gl.constexpr):
     """This program's first block of ``expert``: blocks are numbered expert-major and dealt round-robin."""
     return (gl.program_id(0) - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
 
@@ -60,7 +60,7 @@ def _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, expert, OUT_M, OUT_N, a_
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     step_bytes: gl.constexpr = 2 * BLOCK_K * HALF_M * 2 + BLOCK_K * BLOCK_N * 2
-    first = _first_task(expert, per_expert, NUM_PROGRAMS)
+    first = first_task(expert, per_expert, NUM_PROGRAMS)
     if first < per_expert:
         # the TMA unit reads a descriptor until its load lands: wait for the site's last load before rewriting it,
         # unless a later load into the same slot was issued (that one waited for the slot's release, so it landed)
@@ -118,7 +118,7 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
                                           [1, HALF_M, BLOCK_N], out_layout)
     g = 0
     for expert in range(0, num_experts):
-        first = _first_task(expert, per_expert, NUM_PROGRAMS)
+        first = first_task(expert, per_expert, NUM_PROGRAMS)
         if first < per_expert:
             row0 = gl.load(offsets_ptr + expert)
             row_end = row0 + gl.load(counts_ptr + expert)

@@ -27,10 +27,10 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import runtime
-from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd
+from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd, wgrad_fp8_warp_specialized
 from megamoe.ops.experts import check_operands
 from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads
-from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8
+from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8, warp_specialized_fp8
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
@@ -62,6 +62,13 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
         # 341-row backward; 128x256 blocks, 4 stages and 64-row blocks were slower (2026-12-02-fp8-backward-tiles)
         return TileConfig(128, 128, bk, num_warps=8, num_stages=3, group_m=8, flatten=True)
     return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
+
+
+def wgrad_fp8_ws_constexprs(programs: int) -> dict:
+    """The Gluon FP8 wgrad's constexprs (shared with the sm_90 build check): the deepest ring that fits beside the
+    two output buffers, 6 slots of 32 KB (an expert's K loop is short: the producer runs ahead into the next
+    blocks)."""
+    return dict(NUM_PROGRAMS=programs, STAGES=6)
 
 
 @dataclass(frozen=True)
@@ -115,14 +122,18 @@ def _rows_of(rows: torch.Tensor | QuantRows, fmt: str, name: str) -> torch.Tenso
 def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                               swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
                               num_programs: int | None = None,
-                              tiles: dict[str, TileConfig] | None = None) -> ExpertGrads:
+                              tiles: dict[str, TileConfig] | None = None,
+                              warp_specialized: bool = True) -> ExpertGrads:
     """:func:`megamoe.ops.experts_bwd.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
     h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). ``dy_rows``
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
     format: the pulled upstream gradient, the forward ring's x): dact reads dy's as they are, the wgrads
-    dequantise both and quantise them again along the tokens. D and I must be multiples of 128."""
+    dequantise both and quantise them again along the tokens. D and I must be multiples of 128. On Hopper the
+    wgrads' and dx's 128 x 128 tiles run in warp-specialised Gluon kernels (`megamoe.kernels.
+    wgrad_fp8_warp_specialized`, `forward_fp8_warp_specialized`), the same bits as the Triton ones, which
+    ``warp_specialized=False`` runs there too (A/B runs, tests)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                swiglu_limit, weights_t, num_programs, tiles)
+                                swiglu_limit, weights_t, num_programs, tiles, warp_specialized)
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
@@ -136,7 +147,7 @@ def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_ga
 
 
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, swiglu_limit,
-                         weights_t, num_programs, tiles) -> ExpertGrads:
+                         weights_t, num_programs, tiles, warp_specialized: bool = False) -> ExpertGrads:
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
     that format) and mxfp8's flattened weight scales. ``tiles``: {"dact" | "dx" | "wgrad": TileConfig} pins
     a kind's tiles (the planner's otherwise)."""
@@ -191,13 +202,19 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
     d_h_q, d_h_s = quantize_activations(d_h, fmt)
     (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
-                                     grads.d_x, num_programs=programs,
-                                     tiles=tiles.get("dx"))
+                                     grads.d_x, num_programs=programs, tiles=tiles.get("dx"),
+                                     **({} if mx else {"warp_specialized": warp_specialized}))
     blocks = token_blocks(counts, offsets, rows)
     c = tiles.get("wgrad") or plan_tiles_fp8_bwd("wgrad", device, fmt)
     for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
         a_t, a_s = quantize_tokens(a, blocks, fmt)
         b_t, b_s = quantize_tokens(b, blocks, fmt)
+        if not mx and warp_specialized and warp_specialized_fp8(device, c):
+            with scratch_allocator():
+                wgrad_fp8_warp_specialized.wgrad_fp8_ws_kernel[(programs,)](
+                    a_t, b_t, a_s, b_s, out, blocks.block0, counts, experts, out.shape[1], out.shape[2], a_t.shape[1],
+                    a_s.stride(0), b_s.stride(0), num_warps=4, **wgrad_fp8_ws_constexprs(programs))
+            continue
         descs = (TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
                  TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]))
         tail = (out, blocks.block0, counts, experts, out.shape[1], out.shape[2])

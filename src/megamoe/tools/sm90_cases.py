@@ -161,8 +161,8 @@ def fp8_cases() -> dict[str, Case]:
 
 
 def fp8_backward_cases() -> dict[str, Case]:
-    from megamoe.kernels import expert_gemm_fp8_bwd as k
-    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd
+    from megamoe.kernels import expert_gemm_fp8_bwd as k, wgrad_fp8_warp_specialized as ws
+    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8_ws_constexprs
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu)
@@ -181,7 +181,14 @@ def fp8_backward_cases() -> dict[str, Case]:
         "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "out_ptr": "*bf16", "block0_ptr": "*i32",
         "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "stride_as": "i32",
         "stride_bs": "i32", **kinds}, values, t.num_warps, t.num_stages)
-    return {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad}
+    # what expert_backward_fp8_block runs on Hopper at the same blocks: the warp-specialised Gluon wgrad
+    consts = wgrad_fp8_ws_constexprs(SMS)
+    wgrad_ws = Case(ws.wgrad_fp8_ws_kernel, {
+        "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "out_ptr": "*bf16",
+        "block0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32",
+        "K_PAD": "i32", "stride_as": "i32", "stride_bs": "i32", **dict.fromkeys(consts, "constexpr")}, consts,
+        num_warps=4)
+    return {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad, "wgrad_fp8_ws_kernel": wgrad_ws}
 
 
 def mxfp8_cases() -> dict[str, Case]:
