@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--experts", type=int, default=192)
     parser.add_argument("--precision", choices=("bf16", "fp8-block", "mxfp8"), default="fp8-block")
+    parser.add_argument("--triton", action="store_true",
+                        help="fp8-block: the Triton kernels where Hopper runs Gluon ones (warp_specialized=False)")
     a = parser.parse_args()
     cfg, dev = preset(a.preset), torch.device("cuda")
     x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, dev)
@@ -43,7 +45,8 @@ def main() -> None:
     else:
         wt = transposed_weights(wgu, wd, a.precision)
         fn = expert_backward_fp8_block if a.precision == "fp8-block" else expert_backward_mxfp8
-        call = lambda: fn(*args, weights_t=wt)  # noqa: E731
+        kw = {"warp_specialized": False} if a.triton and a.precision == "fp8-block" else {}
+        call = lambda: fn(*args, weights_t=wt, **kw)  # noqa: E731
     for _ in range(2):
         call()
     torch.cuda.synchronize()
