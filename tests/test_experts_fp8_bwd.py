@@ -138,6 +138,29 @@ def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits():
     assert _rel(got[1].d_w_gate_up, ref.d_w_gate_up) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("knobs", [{}, {"stages": 4}, {"stages": 5, "scales_by_tma": True}])
+def test_gpu_fp8_wgrad_ws_knobs_give_the_triton_bits(knobs):
+    """The Gluon FP8 wgrad at its ring depths and with the scales loaded by TMA into the ring (the A/B knob):
+    ``wgrad_fp8_kernel``'s bits on a load with an empty expert and 1-3 token blocks per expert, outputs
+    of 256 x 384, more blocks than programs."""
+    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8
+
+    p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=128, seed=10)
+    blocks = token_blocks(p["counts"], p["offsets"], p["x"].shape[0])
+    a_t, a_s = quantize_tokens(p["h"], blocks)  # [2I = 256, R_pad]
+    b_t, b_s = quantize_tokens(p["x"], blocks)  # [D = 384, R_pad]
+    tile = plan_tiles_fp8_bwd("wgrad", DEVICE)
+    outs = [torch.full((7, 256, 384), float("nan"), dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    for out, ws in zip(outs, (False, True)):
+        wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks, p["counts"], tile, 5, warp_specialized=ws, **(knobs if ws else {}))
+    torch.cuda.synchronize()
+    assert not outs[1].isnan().any() and outs[1][1].eq(0).all()
+    assert torch.equal(outs[0], outs[1]), f"{int((outs[0] != outs[1]).sum())} elements differ"
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])  # mxfp8: ~1 min
 def test_fp8_backward_takes_e4m3_rows(fmt):
     """dy and x as E4M3 rows quantised along D (the pulled upstream gradient, the forward ring's x): the same

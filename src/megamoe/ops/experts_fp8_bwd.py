@@ -64,11 +64,38 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
     return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
 
 
-def wgrad_fp8_ws_constexprs(programs: int) -> dict:
-    """The Gluon FP8 wgrad's constexprs (shared with the sm_90 build check): the deepest ring that fits beside the
-    two output buffers, 6 slots of 32 KB (an expert's K loop is short: the producer runs ahead into the next
-    blocks)."""
-    return dict(NUM_PROGRAMS=programs, STAGES=6)
+def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 6, scales_by_tma: bool = False) -> dict:
+    """The Gluon FP8 wgrad's constexprs (shared with the sm_90 build check): by default the deepest ring that fits
+    beside the two output buffers, 6 slots of 32 KB (an expert's K loop is short: the producer runs ahead into
+    the next blocks), the scales loaded by the consumers. ``scales_by_tma`` (the producer loads them into the
+    slots: at most 5 stages) is an A/B knob, not measured yet."""
+    return dict(NUM_PROGRAMS=programs, STAGES=stages, SCALES_BY_TMA=scales_by_tma)
+
+
+def wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks: TokenBlocks, counts, tile: TileConfig, programs: int,
+              fmt: str = "fp8-block", *, warp_specialized: bool = True, **ws_knobs) -> None:
+    """out[l] = A[rows of l]ᵀ · B[rows of l] from :func:`quantize_tokens`' operands in ``fmt``: on Hopper for
+    fp8-block's 128 x 128 tiles the Gluon kernel (``ws_knobs``: :func:`wgrad_fp8_ws_constexprs`' keywords), else
+    (and with ``warp_specialized=False``) the Triton one; the same bits."""
+    experts = out.shape[0]
+    if fmt == "fp8-block" and warp_specialized and warp_specialized_fp8(a_t.device, tile):
+        with scratch_allocator():
+            wgrad_fp8_warp_specialized.wgrad_fp8_ws_kernel[(programs,)](
+                a_t, b_t, a_s, b_s, out, blocks.block0, counts, experts, out.shape[1], out.shape[2], a_t.shape[1],
+                a_s.stride(0), b_s.stride(0), num_warps=4, **wgrad_fp8_ws_constexprs(programs, **ws_knobs))
+        return
+    descs = (TensorDescriptor.from_tensor(a_t, [tile.block_m, tile.block_k]),
+             TensorDescriptor.from_tensor(b_t, [tile.block_n, tile.block_k]))
+    tail = (out, blocks.block0, counts, experts, out.shape[1], out.shape[2])
+    consts = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                  FLATTEN=tile.flatten, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    with scratch_allocator():
+        if fmt == "mxfp8":
+            expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
+                *descs, a_s, b_s, *tail, a_t.shape[1], a_s.stride(0), b_s.stride(0), BLOCK_K=tile.block_k, **consts)
+        else:
+            expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*descs, a_s, b_s, *tail, a_s.stride(0), b_s.stride(0),
+                                                              **consts)
 
 
 @dataclass(frozen=True)
@@ -209,24 +236,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
         a_t, a_s = quantize_tokens(a, blocks, fmt)
         b_t, b_s = quantize_tokens(b, blocks, fmt)
-        if not mx and warp_specialized and warp_specialized_fp8(device, c):
-            with scratch_allocator():
-                wgrad_fp8_warp_specialized.wgrad_fp8_ws_kernel[(programs,)](
-                    a_t, b_t, a_s, b_s, out, blocks.block0, counts, experts, out.shape[1], out.shape[2], a_t.shape[1],
-                    a_s.stride(0), b_s.stride(0), num_warps=4, **wgrad_fp8_ws_constexprs(programs))
-            continue
-        descs = (TensorDescriptor.from_tensor(a_t, [c.block_m, c.block_k]),
-                 TensorDescriptor.from_tensor(b_t, [c.block_n, c.block_k]))
-        tail = (out, blocks.block0, counts, experts, out.shape[1], out.shape[2])
-        tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                    FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages)
-        with scratch_allocator():
-            if mx:
-                expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
-                    *descs, a_s, b_s, *tail, a_t.shape[1], a_s.stride(0), b_s.stride(0), BLOCK_K=c.block_k, **tile)
-            else:
-                expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*descs, a_s, b_s, *tail, a_s.stride(0),
-                                                                  b_s.stride(0), **tile)
+        wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks, counts, c, programs, fmt,
+                  warp_specialized=warp_specialized and not mx)
     return grads
 
 

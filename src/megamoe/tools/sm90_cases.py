@@ -182,13 +182,17 @@ def fp8_backward_cases() -> dict[str, Case]:
         "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "stride_as": "i32",
         "stride_bs": "i32", **kinds}, values, t.num_warps, t.num_stages)
     # what expert_backward_fp8_block runs on Hopper at the same blocks: the warp-specialised Gluon wgrad
-    consts = wgrad_fp8_ws_constexprs(SMS)
-    wgrad_ws = Case(ws.wgrad_fp8_ws_kernel, {
-        "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "out_ptr": "*bf16",
-        "block0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32",
-        "K_PAD": "i32", "stride_as": "i32", "stride_bs": "i32", **dict.fromkeys(consts, "constexpr")}, consts,
-        num_warps=4)
-    return {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad, "wgrad_fp8_ws_kernel": wgrad_ws}
+    # (and its A/B knob: the scales by TMA into the ring's slots)
+    cases = {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad}
+    for name, consts in (("wgrad_fp8_ws_kernel", wgrad_fp8_ws_constexprs(SMS)),
+                         ("wgrad_fp8_ws_kernel (scales by TMA)",
+                          wgrad_fp8_ws_constexprs(SMS, stages=5, scales_by_tma=True))):
+        cases[name] = Case(ws.wgrad_fp8_ws_kernel, {
+            "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+            "out_ptr": "*bf16", "block0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32",
+            "OUT_N": "i32", "K_PAD": "i32", "stride_as": "i32", "stride_bs": "i32",
+            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+    return cases
 
 
 def mxfp8_cases() -> dict[str, Case]:
