@@ -14,6 +14,11 @@ kernel every block pays the pipeline's fill and its store. Here
   block are loaded a step ahead), then store their 64 x 128 half by TMA through one 3-D descriptor over every
   expert's block (a partial block is clipped at its expert's edge), waited for only before the buffer's next use.
 
+With SCALES_BY_TMA (an A/B knob, not measured yet) the producer also loads each step's two scale rows into the
+slot, so the consumers read them from shared memory instead of waiting on global loads at every block's start.
+Measured (benchmarks/results/2026-12-04-fp8-backward-warp-specialized): both wgrads 14.8 -> 12.2 ms on kimi-k2's
+341-row experts, latency-bound (the promotion costs two FP32 operations per element).
+
 GPU only (Gluon has no interpreter); `megamoe.ops.experts_fp8_bwd` runs it on Hopper for 128 x 128 blocks and a GPU
 test holds it to ``wgrad_fp8_kernel``'s bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
