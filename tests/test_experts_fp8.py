@@ -168,6 +168,19 @@ def test_gpu_fp8_few_row_tiles_give_the_same_bits():
     assert torch.equal(wide.act_q.view(torch.uint8), narrow.act_q.view(torch.uint8))
 
 
+def test_warp_specialized_rings_have_two_slots_at_least():
+    """A tile asking for one stage still gets a two-slot ring in the Gluon kernels: FP8 down holds two steps' slots
+    at once, the BF16 forward one wgmma in flight, and one slot would deadlock both (a hang, not an error)."""
+    from megamoe.ops.experts import forward_ws_constexprs
+    from megamoe.ops.experts_fp8 import forward_fp8_ws_constexprs
+
+    one = TileConfig(128, 128, 128, num_warps=8, num_stages=1)
+    for gate_up in (True, False):
+        assert forward_fp8_ws_constexprs(one, 132, gate_up=gate_up)["STAGES"] == 2
+        assert forward_ws_constexprs(one, 132, gate_up=gate_up, has_limit=False)["STAGES"] == 2
+    assert forward_fp8_ws_constexprs(TileConfig(128, 128, 128, num_stages=4), 132, gate_up=False)["STAGES"] == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")

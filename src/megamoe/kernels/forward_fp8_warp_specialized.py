@@ -77,6 +77,7 @@ def _gate_up_steps(xs_rows, row_ok, ws_gate, ws_up, K, g, a_smem, w_smem, full, 
 def _down_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF: gl.constexpr, STAGES: gl.constexpr,
                 layout: gl.constexpr):
     """The task's K loop for down from ring step ``g``, in pairs of steps: (acc, the next step)."""
+    gl.static_assert(STAGES >= 2, "pairs of K steps hold two ring slots")
     acc = gl.zeros((HALF_M, BLOCK), gl.float32, layout)
     steps = K // BLOCK
     for kb in range(0, steps - 1, 2):
