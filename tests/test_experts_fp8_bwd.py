@@ -120,7 +120,8 @@ def test_fp8_block_backward_is_bitwise_deterministic():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits():
-    """On Hopper the wgrads and dx run warp-specialised in Gluon (``wgrad_fp8_ws_kernel``, ``forward_fp8_ws_kernel``):
+    """On Hopper the dact, dx and wgrads run warp-specialised in Gluon (``dact_fp8_ws_kernel``,
+    ``forward_fp8_ws_kernel``, ``wgrad_fp8_ws_kernel``):
     every gradient bit for bit as ``warp_specialized=False`` (the Triton kernels), on a load with an empty expert,
     partial and several token blocks per expert (1-3 K steps), more blocks than programs (D 384, I 384: wgrad
     blocks 3 x 3 and 6 x 3 per expert, dx's K 768 in pairs)."""

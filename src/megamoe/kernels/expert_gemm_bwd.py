@@ -150,6 +150,20 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
     h_tile = h_ptr + (local[:, None] * stride_h + cols[None, :])
     gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+    part, act_w, d_gate, d_up = swiglu_bwd(g, gate, up, w[:, None], limit, HAS_LIMIT)
+    act_w_tile = act_w_ptr + (local[:, None] * stride_act_w + cols[None, :])
+    tl.store(act_w_tile, to_bf16(act_w, EXACT), mask=mask)
+    d_h_tile = d_h_ptr + (local[:, None] * stride_d_h + cols[None, :])
+    tl.store(d_h_tile, to_bf16(d_gate, EXACT), mask=mask)
+    tl.store(d_h_tile + I, to_bf16(d_up, EXACT), mask=mask)
+    return part
+
+
+@triton.jit
+def swiglu_bwd(g, gate, up, w, limit, HAS_LIMIT: tl.constexpr):
+    """The SwiGLU backward of a tile from g = dy · w_down (fp32), the saved pre-activation's gate and up halves
+    (fp32) and the rows' router weights ``w`` ([BM, 1]): (the rows' router-gradient partial <g, act>, act·w,
+    d_gate, d_up). Elementwise and a row sum only, so any layout's tiles call it (the Triton and Gluon dacts)."""
     gate_c, up_c = gate, up
     if HAS_LIMIT:
         gate_c = tl.minimum(gate, limit)
@@ -158,18 +172,13 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
     silu = gate_c * sig
     act = silu * up_c
     part = tl.sum(g * act, axis=1)
-    d_act = g * w[:, None]
-    act_w_tile = act_w_ptr + (local[:, None] * stride_act_w + cols[None, :])
-    tl.store(act_w_tile, to_bf16(act * w[:, None], EXACT), mask=mask)
+    d_act = g * w
     d_up = d_act * silu
     d_gate = d_act * up_c * (sig * (1.0 + gate_c * (1.0 - sig)))
     if HAS_LIMIT:  # clamp passes the gradient inside [min, max] (inclusive), as torch.clamp does
         d_gate = tl.where(gate <= limit, d_gate, 0.0)
         d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
-    d_h_tile = d_h_ptr + (local[:, None] * stride_d_h + cols[None, :])
-    tl.store(d_h_tile, to_bf16(d_gate, EXACT), mask=mask)
-    tl.store(d_h_tile + I, to_bf16(d_up, EXACT), mask=mask)
-    return part
+    return part, act * w, d_gate, d_up
 
 
 @triton.jit

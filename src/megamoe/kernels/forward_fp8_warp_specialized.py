@@ -74,9 +74,10 @@ def _gate_up_steps(xs_rows, row_ok, ws_gate, ws_up, K, g, a_smem, w_smem, full, 
 
 
 @gluon.jit
-def _down_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF: gl.constexpr, STAGES: gl.constexpr,
-                layout: gl.constexpr):
-    """The task's K loop for down from ring step ``g``, in pairs of steps: (acc, the next step)."""
+def paired_k_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF: gl.constexpr,
+                   STAGES: gl.constexpr, layout: gl.constexpr):
+    """A task's K loop with one weight slice (down; the FP8 dact's too) from ring step ``g``, in pairs of steps:
+    (acc, the next step). ``xs_rows``: this warpgroup's rows' scale pointers, ``ws_n`` the weight block's."""
     gl.static_assert(STAGES >= 2, "pairs of K steps hold two ring slots")
     acc = gl.zeros((HALF_M, BLOCK), gl.float32, layout)
     steps = K // BLOCK
@@ -149,7 +150,7 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, strid
                             N - col0, runs8)
             gl.store(act_scale_ptr + rows.to(gl.int64)[:, None] * stride_as + n, act_s, mask=row_ok[:, None])
         else:
-            acc, g = _down_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
+            acc, g = paired_k_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
             store_half_tile(out_ptr, stride_out, acc, first, row_end - first, col0, N - col0, runs16)
 
 

@@ -27,7 +27,8 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import runtime
-from megamoe.kernels import expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd, wgrad_fp8_warp_specialized
+from megamoe.kernels import (dact_fp8_warp_specialized, expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd,
+                             wgrad_fp8_warp_specialized)
 from megamoe.ops.experts import check_operands
 from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8, warp_specialized_fp8
@@ -36,6 +37,7 @@ from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.ops.quant import quantize_activations
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.tiles import TileConfig
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
@@ -62,6 +64,12 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
         # 341-row backward; 128x256 blocks, 4 stages and 64-row blocks were slower (2026-12-02-fp8-backward-tiles)
         return TileConfig(128, 128, bk, num_warps=8, num_stages=3, group_m=8, flatten=True)
     return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
+
+
+def dact_fp8_ws_constexprs(tile: TileConfig, programs: int, *, has_limit: bool = False) -> dict:
+    """The Gluon FP8 dact's constexprs at ``tile`` (shared with the sm_90 build check): the plan's ring depth (at
+    least 2: its K loop holds two steps' slots) and task order."""
+    return dict(HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=max(2, tile.num_stages))
 
 
 def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 6, scales_by_tma: bool = False) -> dict:
@@ -156,9 +164,9 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
     format: the pulled upstream gradient, the forward ring's x): dact reads dy's as they are, the wgrads
     dequantise both and quantise them again along the tokens. D and I must be multiples of 128. On Hopper the
-    wgrads' and dx's 128 x 128 tiles run in warp-specialised Gluon kernels (`megamoe.kernels.
-    wgrad_fp8_warp_specialized`, `forward_fp8_warp_specialized`), the same bits as the Triton ones, which
-    ``warp_specialized=False`` runs there too (A/B runs, tests)."""
+    dact's, dx's and wgrads' 128 x 128 tiles run in warp-specialised Gluon kernels (`megamoe.kernels.
+    dact_fp8_warp_specialized`, `forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`), the same bits as
+    the Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 swiglu_limit, weights_t, num_programs, tiles, warp_specialized)
 
@@ -215,16 +223,26 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
     # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
     w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK) if mx else wt.w_down_t_scale
-    launch_row_tasks(
-        expert_gemm_mxfp8_bwd.dact_mxfp8_kernel if mx else expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs,
-        counts, offsets, rows,
-        head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, c.block_k]),
-              TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
-              dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0),
-              flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
-        tail=(d, i, experts * i, float(swiglu_limit or 0.0)) if mx else (d, i, float(swiglu_limit or 0.0)),
-        HAS_LIMIT=swiglu_limit is not None,
-    )
+    if not mx and warp_specialized and warp_specialized_fp8(device, c):
+        tile_map = build_row_tiles(counts, offsets, rows, 128)
+        with scratch_allocator():
+            dact_fp8_warp_specialized.dact_fp8_ws_kernel[(programs,)](
+                dy_q, wt.w_down_t, dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_q.stride(0),
+                dy_s.stride(0), flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0),
+                partial.stride(0), tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end, tile_map.tile_run,
+                tile_map.num_tiles, rows, experts * i, d, i, float(swiglu_limit or 0.0), num_warps=4,
+                **dact_fp8_ws_constexprs(c, programs, has_limit=swiglu_limit is not None))
+    else:
+        launch_row_tasks(
+            expert_gemm_mxfp8_bwd.dact_mxfp8_kernel if mx else expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs,
+            counts, offsets, rows,
+            head=(TensorDescriptor.from_tensor(dy_q, [c.block_m, c.block_k]),
+                  TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
+                  dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0),
+                  flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+            tail=(d, i, experts * i, float(swiglu_limit or 0.0)) if mx else (d, i, float(swiglu_limit or 0.0)),
+            HAS_LIMIT=swiglu_limit is not None,
+        )
     expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
         partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
     d_h_q, d_h_s = quantize_activations(d_h, fmt)

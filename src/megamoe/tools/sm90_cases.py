@@ -161,8 +161,9 @@ def fp8_cases() -> dict[str, Case]:
 
 
 def fp8_backward_cases() -> dict[str, Case]:
-    from megamoe.kernels import expert_gemm_fp8_bwd as k, wgrad_fp8_warp_specialized as ws
-    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8_ws_constexprs
+    from megamoe.kernels import dact_fp8_warp_specialized as dact_ws, expert_gemm_fp8_bwd as k
+    from megamoe.kernels import wgrad_fp8_warp_specialized as ws
+    from megamoe.ops.experts_fp8_bwd import dact_fp8_ws_constexprs, plan_tiles_fp8_bwd, wgrad_fp8_ws_constexprs
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu)
@@ -182,8 +183,15 @@ def fp8_backward_cases() -> dict[str, Case]:
         "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "stride_as": "i32",
         "stride_bs": "i32", **kinds}, values, t.num_warps, t.num_stages)
     # what expert_backward_fp8_block runs on Hopper at the same blocks: the warp-specialised Gluon wgrad
-    # (and its A/B knob: the scales by TMA into the ring's slots)
+    # (and its A/B knob: the scales by TMA into the ring's slots), and the Gluon dact at the dact's tile
     cases = {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad}
+    consts = dact_fp8_ws_constexprs(plan_tiles_fp8_bwd("dact", gpu), SMS, has_limit=True)
+    cases["dact_fp8_ws_kernel"] = Case(dact_ws.dact_fp8_ws_kernel, {
+        "dy_ptr": "*fp8e4nv", "w_t_ptr": "*fp8e4nv", "dy_scale_ptr": "*fp32", "w_t_scale_ptr": "*fp32",
+        "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32",
+        "stride_dy": "i32", "stride_dys": "i32", "stride_ws_n": "i32", "stride_h": "i32", "stride_d_h": "i32",
+        "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
+        "I": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     for name, consts in (("wgrad_fp8_ws_kernel", wgrad_fp8_ws_constexprs(SMS)),
                          ("wgrad_fp8_ws_kernel (scales by TMA)",
                           wgrad_fp8_ws_constexprs(SMS, stages=5, scales_by_tma=True))):

@@ -1,0 +1,127 @@
+"""The FP8-block dact on Hopper, warp-specialised in Gluon: the down kernel's ring and K loop, the dact epilogue.
+
+``dact_fp8_kernel``'s contract (`megamoe.kernels.expert_gemm_fp8_bwd`), 128 x 128 tiles, tasks and bits: g = dy_q ·
+w_down_t_q[l]ᵀ is down's GEMM shape (K = D, N = I, the transposed weights K-major in 128 x 128 blocks), so the
+producer is the forward's (``forward_producer``) and each consumer warpgroup's K loop is FP8 down's
+(``paired_k_steps``: two K steps' products in flight, one promoted under the other's wgmmas). The epilogue is the
+Triton dact's, on this warpgroup's 64 rows: the tile split into column halves and quarters in the same order (so
+the router-gradient partials are summed in the same order: their bits), each quarter's SwiGLU backward by the
+shared ``swiglu_bwd`` from the saved h, stores of d_h (gate and up columns) and act·w in bf16, and the rows'
+partial for this n-tile.
+
+GPU only (Gluon has no interpreter); `megamoe.ops.experts_fp8_bwd` runs it on Hopper for 128 x 128 tiles and a GPU
+test holds it to ``dact_fp8_kernel``'s bits. Not measured yet. Launch with a scratch allocator, 4 warps.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from megamoe.kernels.convert import to_bf16
+from megamoe.kernels.expert_gemm_bwd import swiglu_bwd
+from megamoe.kernels.forward_fp8_warp_specialized import BLOCK, REGS_CONSUMER, REGS_PRODUCER, paired_k_steps
+from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer, tile_task
+from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
+
+
+@gluon.jit
+def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I,
+             limit, HAS_LIMIT: gl.constexpr):
+    """The SwiGLU backward of columns c0.. of rows first.. (``g`` [64, 32], in its split layout): d_h and act·w
+    stored, the rows' partial returned. Memory is read and written in 16-byte row runs (``io``), as the Triton
+    dact's coalesced layout does; the math runs in ``g``'s layout."""
+    layout: gl.constexpr = g.type.layout
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # bf16 [64, 32]: 8 per thread
+    rows = first + gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, io))
+    cols = c0 + gl.arange(0, g.shape[1], layout=gl.SliceLayout(0, io))
+    mask = (rows < row_end)[:, None] & (cols < I)[None, :]
+    rows64 = rows.to(gl.int64)
+    h_tile = h_ptr + (rows64[:, None] * stride_h + cols[None, :])
+    gate = gl.convert_layout(gl.load(h_tile, mask=mask, other=0.0), layout).to(gl.float32)
+    up = gl.convert_layout(gl.load(h_tile + I, mask=mask, other=0.0), layout).to(gl.float32)
+    w_rows = first + gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, layout))
+    w = gl.load(row_w_ptr + w_rows, mask=w_rows < row_end, other=0.0)
+    part, act_w, d_gate, d_up = swiglu_bwd(g, gate, up, w[:, None], limit, HAS_LIMIT)
+    act_w_tile = act_w_ptr + (rows64[:, None] * stride_act_w + cols[None, :])
+    gl.store(act_w_tile, gl.convert_layout(to_bf16(act_w, False), io), mask=mask)
+    d_h_tile = d_h_ptr + (rows64[:, None] * stride_d_h + cols[None, :])
+    gl.store(d_h_tile, gl.convert_layout(to_bf16(d_gate, False), io), mask=mask)
+    gl.store(d_h_tile + I, gl.convert_layout(to_bf16(d_up, False), io), mask=mask)
+    return part
+
+
+@gluon.jit
+def _half(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I, limit,
+          HAS_LIMIT: gl.constexpr):
+    """Columns c0.. of ``g`` [64, 64] as two quarters, the Triton dact's ``_dact_quarters`` order."""
+    lo, hi = gl.split(gl.permute(gl.reshape(g, (g.shape[0], 2, g.shape[1] // 2)), (0, 2, 1)))
+    part = _quarter(lo, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
+                    stride_act_w, I, limit, HAS_LIMIT)
+    part += _quarter(hi, c0 + g.shape[1] // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h,
+                     stride_d_h, stride_act_w, I, limit, HAS_LIMIT)
+    return part
+
+
+@gluon.jit
+def _consumer(dy_scale_ptr, w_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_dys,
+              stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
+              tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem, full, empty,
+              HALF: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
+    num_n = gl.cdiv(I, BLOCK)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0  # the program's K steps, in the producer's order
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
+        first = row0 + HALF * HALF_M
+        rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
+        row_ok = rows < row_end
+        ds_rows = dy_scale_ptr + rows.to(gl.int64) * stride_dys
+        ws_n = w_scale_ptr + (expert.to(gl.int64) * (I // BLOCK) + n) * stride_ws_n
+        acc, g = paired_k_steps(ds_rows, row_ok, ws_n, D, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
+        # the Triton dact's epilogue order: column halves, each as two quarters (the partials' sum order)
+        lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK // 2)), (0, 2, 1)))
+        n0 = n * BLOCK
+        part = _half(lo, n0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
+                     stride_act_w, I, limit, HAS_LIMIT)
+        part += _half(hi, n0 + BLOCK // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h,
+                      stride_d_h, stride_act_w, I, limit, HAS_LIMIT)
+        part_rows = first + gl.arange(0, HALF_M, layout=part.type.layout)
+        gl.store(d_w_partial_ptr + part_rows.to(gl.int64) * stride_partial + n, part, mask=part_rows < row_end)
+
+
+@gluon.jit
+def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr,
+                       d_w_partial_ptr, stride_dy, stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w,
+                       stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
+                       rows, w_rows, D, I, limit, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One persistent launch of 128 x 128 dact tiles: dy `[rows, D]` e4m3 with dy_scale `[rows, D/128]`, w_t =
+    w_down_t_q `[w_rows = L*I, D]` with scales `[L*I/128, D/128]` rows of stride_ws_n; h `[rows, 2I]` bf16, row_w
+    `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]` fp32."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HALF_M, BLOCK], a_layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK, BLOCK], w_layout)
+    full, empty = ring_barriers(STAGES)
+    gl.warp_specialize(
+        [(_consumer, (dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+                      stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
+                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem,
+                      full, empty, gl.constexpr(0), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (_consumer, (dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+                      stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
+                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem,
+                      full, empty, gl.constexpr(1), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (forward_producer, (dy_ptr, w_t_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr,
+                             tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, a_smem, w_smem, full, empty,
+                             gl.constexpr(False), gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M),
+                             gl.constexpr(STAGES)))],
+        [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
+    invalidate_ring(full, empty, STAGES)
