@@ -1,7 +1,7 @@
 """The FP8 expert backwards (fp8-block, mxfp8) against the BF16 one on the same load, at the power cap (one GPU).
 
     PYTHONPATH=src python3 benchmarks/fp8_backward_ab.py [--preset kimi-k2] [--experts 192] [--rounds 5]
-        [--variants plan,triton,wgrad-128x128x3,...] [--mx-variants plan,...] [--out DIR]
+        [--variants plan,triton,gluon-dact,wgrad-128x128x3,...] [--mx-variants plan,...] [--out DIR]
 
 ``tokens x k`` rows spread evenly over --experts experts (kimi-k2 at 8192 tokens: 192 x 341, EP 2's per-rank
 load). In interleaved rounds: `expert_backward` (BF16); `expert_backward_fp8_block` and
@@ -27,6 +27,7 @@ from megamoe.config import preset
 from megamoe.ops.experts import ExpertForward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.expert_weights import transposed_weights
+from megamoe.ops import experts_fp8_bwd
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.tiles import TileConfig
 
@@ -39,7 +40,8 @@ VARIANTS = {
     "wgrad-128x128x3": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=3)},
     "wgrad-128x128x4-flat": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True)},
 }
-#: (and "triton": the planner's tiles in the Triton kernels where Hopper runs Gluon ones, warp_specialized=False)
+#: (and "triton": the planner's tiles in the Triton kernels where Hopper runs Gluon ones, warp_specialized=False;
+#: "gluon-dact": the plan with the Gluon FP8 dact, experts_fp8_bwd.GLUON_DACT)
 #: mxfp8 variants, as VARIANTS
 MX_VARIANTS = {
     "plan": {},
@@ -107,9 +109,19 @@ def main() -> None:
     wt = {"fp8-block": transposed_weights(wgu, wd), "mxfp8": transposed_weights(wgu, wd, "mxfp8")}
     args = (dy, row_w, x, fwd.h, counts, offsets, wgu, wd)
     calls = {"bf16": lambda: expert_backward(*args)}
+
+    def gluon_dact(*args, **kw):
+        experts_fp8_bwd.GLUON_DACT = True
+        try:
+            return expert_backward_fp8_block(*args, **kw)
+        finally:
+            experts_fp8_bwd.GLUON_DACT = False
+
     for name in a.variants.split(","):
-        kw = {"warp_specialized": False} if name == "triton" else {"tiles": VARIANTS[name]}
-        calls[f"fp8-block {name}"] = (lambda kw=kw: expert_backward_fp8_block(*args, weights_t=wt["fp8-block"], **kw))
+        tiles = {} if name in ("triton", "gluon-dact") else VARIANTS[name]
+        kw = {"warp_specialized": False} if name == "triton" else {"tiles": tiles}
+        fn = gluon_dact if name == "gluon-dact" else expert_backward_fp8_block
+        calls[f"fp8-block {name}"] = (lambda kw=kw, fn=fn: fn(*args, weights_t=wt["fp8-block"], **kw))
     for name in a.mx_variants.split(","):
         calls[f"mxfp8 {name}"] = (lambda t=MX_VARIANTS[name]: expert_backward_mxfp8(
             *args, weights_t=wt["mxfp8"], tiles=t))

@@ -9,8 +9,9 @@ the router-gradient partials are summed in the same order: their bits), each qua
 shared ``swiglu_bwd`` from the saved h, stores of d_h (gate and up columns) and act·w in bf16, and the rows'
 partial for this n-tile.
 
-GPU only (Gluon has no interpreter); `megamoe.ops.experts_fp8_bwd` runs it on Hopper for 128 x 128 tiles and a GPU
-test holds it to ``dact_fp8_kernel``'s bits. Not measured yet. Launch with a scratch allocator, 4 warps.
+GPU only (Gluon has no interpreter). Built and checked for sm_90 (no spills) but not yet run on a GPU, so
+`megamoe.ops.experts_fp8_bwd` runs it only with ``GLUON_DACT`` (off); a GPU test holds it to ``dact_fp8_kernel``'s
+bits. Launch with a scratch allocator, 4 warps.
 """
 
 from __future__ import annotations
