@@ -27,7 +27,7 @@ from megamoe.config import preset
 from megamoe.ops.experts import ExpertForward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.expert_weights import transposed_weights
-from megamoe.ops import experts_fp8_bwd
+from megamoe.ops import experts_bwd
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.tiles import TileConfig
 
@@ -41,7 +41,7 @@ VARIANTS = {
     "wgrad-128x128x4-flat": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True)},
 }
 #: (and "triton": the planner's tiles in the Triton kernels where Hopper runs Gluon ones, warp_specialized=False;
-#: "gluon-dact": the plan with the Gluon FP8 dact, experts_fp8_bwd.GLUON_DACT)
+#: "gluon-dact": the plan with the Gluon FP8 dact, experts_bwd.GLUON_DACT)
 #: mxfp8 variants, as VARIANTS
 MX_VARIANTS = {
     "plan": {},
@@ -111,11 +111,11 @@ def main() -> None:
     calls = {"bf16": lambda: expert_backward(*args)}
 
     def gluon_dact(*args, **kw):
-        experts_fp8_bwd.GLUON_DACT = True
+        experts_bwd.GLUON_DACT = True
         try:
             return expert_backward_fp8_block(*args, **kw)
         finally:
-            experts_fp8_bwd.GLUON_DACT = False
+            experts_bwd.GLUON_DACT = False
 
     for name in a.variants.split(","):
         tiles = {} if name in ("triton", "gluon-dact") else VARIANTS[name]

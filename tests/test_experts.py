@@ -411,17 +411,49 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
         assert torch.equal(want, got), f"{name}: rows differing {differ}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+def test_gpu_dact_ws_gives_the_triton_tiles_bits(monkeypatch):
+    """The Gluon BF16 dact (``experts_bwd.GLUON_DACT``) against ``dact_swiglu_bwd_kernel``: every gradient bit for
+    bit (d_h and act_w feed dx and the wgrads; the router partials are summed in the Triton order) on a load with
+    an empty expert, partial row tiles, a partial n-tile (I 320) and the SwiGLU clamp, more tasks than programs."""
+    from megamoe.ops import experts_bwd
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    counts = torch.tensor([70, 0, 33, 129, 5, 200, 131], dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    rows, d, i = int(counts.sum()), 448, 320
+    x = torch.randn(rows, d, generator=g, device="cuda").bfloat16()
+    wgu = (torch.randn(len(counts), 2 * i, d, generator=g, device="cuda") / d**0.5).bfloat16()
+    wd = (torch.randn(len(counts), d, i, generator=g, device="cuda") / i**0.5).bfloat16()
+    h = (torch.randn(rows, 2 * i, generator=g, device="cuda") * 2).bfloat16()
+    dy = torch.randn(rows, d, generator=g, device="cuda").bfloat16()
+    w = torch.rand(rows, generator=g, device="cuda")
+    got = []
+    for gluon in (False, True):
+        monkeypatch.setattr(experts_bwd, "GLUON_DACT", gluon)
+        got.append(experts_bwd.expert_backward(dy, w, x, h, counts, offsets, wgu, wd, swiglu_limit=2.5,
+                                               num_programs=5))
+    torch.cuda.synchronize()
+    for name in ("d_x", "d_router", "d_w_gate_up", "d_w_down"):
+        a, b = getattr(got[0], name), getattr(got[1], name)
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
+
+
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
     too, without spills)."""
     summary = sm90_report("gemm")
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "wgrad_kernel", "wgrad_kernel (few rows per expert)",
-                            "wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)"}
+                            "wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)",
+                            "dact_ws_kernel"}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
-    for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)"):  # Gluon
+    for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)",
+                 "dact_ws_kernel"):  # Gluon
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
 
 

@@ -126,9 +126,9 @@ def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits(gluon_dact, monke
     every gradient bit for bit as ``warp_specialized=False`` (the Triton kernels), on a load with an empty expert,
     partial and several token blocks per expert (1-3 K steps), more blocks than programs (D 384, I 384: wgrad
     blocks 3 x 3 and 6 x 3 per expert, dx's K 768 in pairs)."""
-    from megamoe.ops import experts_fp8_bwd
+    from megamoe.ops import experts_bwd
 
-    monkeypatch.setattr(experts_fp8_bwd, "GLUON_DACT", gluon_dact)
+    monkeypatch.setattr(experts_bwd, "GLUON_DACT", gluon_dact)
     p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=384, seed=9)
     got = [expert_backward_fp8_block(*_args(p), swiglu_limit=0.8, num_programs=5, warp_specialized=ws)
            for ws in (False, True)]

@@ -13,16 +13,22 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import checks, runtime
-from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-from megamoe.ops.experts import check_operands
+from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, wgrad_warp_specialized
+from megamoe.ops.experts import check_operands, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import swiglu
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import compiled_gpu, interpreting
 
 
 #: Rows per program of the router-gradient sum (a few loads per row: any size does).
 ROUTER_GRAD_ROWS = 128
+
+#: The Gluon dacts (`megamoe.kernels.dact_warp_specialized`, BF16 and FP8-block) are built and checked for sm_90 but
+#: have not run on a GPU yet: off until their GPU bits tests (tests/test_experts.py, test_experts_fp8_bwd.py) pass
+#: and an A/B measures them.
+GLUON_DACT = False
 
 
 @dataclass
@@ -89,15 +95,25 @@ def expert_backward(
         c = cfg["dact"]
         num_n = -(-i // c.block_n)
         partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-        launch_row_tasks(
-            expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
-            head=(descriptor(dy_rows, [c.block_m, c.block_k]),
-                  descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
-                  h, row_weights, d_h, act_w, partial,
-                  h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
-            tail=(d, i, float(swiglu_limit or 0.0)),
-            HAS_LIMIT=swiglu_limit is not None,
-        )
+        if GLUON_DACT and warp_specialized_forward(device, c) and c.block_n == 128:
+            tile_map = build_row_tiles(counts, offsets, rows, 128)
+            with scratch_allocator():
+                dact_warp_specialized.dact_ws_kernel[(programs,)](
+                    dy_rows, w_down, h, row_weights, d_h, act_w, partial, dy_rows.stride(0), h.stride(0),
+                    d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert, tile_map.tile_row0,
+                    tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
+                    float(swiglu_limit or 0.0), num_warps=4,
+                    **dact_ws_constexprs(c, programs, has_limit=swiglu_limit is not None))
+        else:
+            launch_row_tasks(
+                expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
+                head=(descriptor(dy_rows, [c.block_m, c.block_k]),
+                      descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
+                      h, row_weights, d_h, act_w, partial,
+                      h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+                tail=(d, i, float(swiglu_limit or 0.0)),
+                HAS_LIMIT=swiglu_limit is not None,
+            )
         # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
         expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
             partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
@@ -116,6 +132,13 @@ def expert_backward(
     for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
         wgrad(a, b, out, offsets, counts, cfg["wgrad"], programs)
     return grads
+
+
+def dact_ws_constexprs(tile: TileConfig, programs: int, *, has_limit: bool = False) -> dict:
+    """The Gluon BF16 dact's constexprs at ``tile`` (shared with the sm_90 build check): the plan's BLOCK_K, ring
+    depth (at least 2: one wgmma group stays in flight) and task order."""
+    return dict(HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                STAGES=max(2, tile.num_stages))
 
 
 def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:

@@ -27,9 +27,10 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import runtime
-from megamoe.kernels import (dact_fp8_warp_specialized, expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd,
+from megamoe.kernels import (dact_warp_specialized, expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd,
                              wgrad_fp8_warp_specialized)
 from megamoe.ops.experts import check_operands
+from megamoe.ops import experts_bwd
 from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8, warp_specialized_fp8
 from megamoe.ops.comm import QuantRows
@@ -64,11 +65,6 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
         # 341-row backward; 128x256 blocks, 4 stages and 64-row blocks were slower (2026-12-02-fp8-backward-tiles)
         return TileConfig(128, 128, bk, num_warps=8, num_stages=3, group_m=8, flatten=True)
     return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
-
-
-#: The Gluon FP8 dact (`megamoe.kernels.dact_fp8_warp_specialized`) is built and checked for sm_90 but has not run
-#: on a GPU yet: off until its GPU bits test (tests/test_experts_fp8_bwd.py) passes and an A/B measures it.
-GLUON_DACT = False
 
 
 def dact_fp8_ws_constexprs(tile: TileConfig, programs: int, *, has_limit: bool = False) -> dict:
@@ -169,8 +165,8 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
     format: the pulled upstream gradient, the forward ring's x): dact reads dy's as they are, the wgrads
     dequantise both and quantise them again along the tokens. D and I must be multiples of 128. On Hopper the
-    dx's and wgrads' 128 x 128 tiles (and the dact's with :data:`GLUON_DACT`) run in warp-specialised Gluon kernels
-    (`megamoe.kernels.forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`, `dact_fp8_warp_specialized`),
+    dx's and wgrads' 128 x 128 tiles (and the dact's with ``experts_bwd.GLUON_DACT``) run in warp-specialised Gluon
+    kernels (`megamoe.kernels.forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`, `dact_warp_specialized`),
     the same bits as the Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 swiglu_limit, weights_t, num_programs, tiles, warp_specialized)
@@ -228,10 +224,10 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
     # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
     w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK) if mx else wt.w_down_t_scale
-    if not mx and warp_specialized and GLUON_DACT and warp_specialized_fp8(device, c):
+    if not mx and warp_specialized and experts_bwd.GLUON_DACT and warp_specialized_fp8(device, c):
         tile_map = build_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
-            dact_fp8_warp_specialized.dact_fp8_ws_kernel[(programs,)](
+            dact_warp_specialized.dact_fp8_ws_kernel[(programs,)](
                 dy_q, wt.w_down_t, dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_q.stride(0),
                 dy_s.stride(0), flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0),
                 partial.stride(0), tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end, tile_map.tile_run,

@@ -67,9 +67,10 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 
 def gemm_cases() -> dict[str, Case]:
-    from megamoe.kernels import expert_gemm, expert_gemm_bwd, forward_warp_specialized, wgrad_warp_specialized
+    from megamoe.kernels import dact_warp_specialized, expert_gemm, expert_gemm_bwd, forward_warp_specialized
+    from megamoe.kernels import wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
-    from megamoe.ops.experts_bwd import wgrad_ws_constexprs
+    from megamoe.ops.experts_bwd import dact_ws_constexprs, wgrad_ws_constexprs
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
     gpu = torch.device("cuda")
@@ -100,6 +101,13 @@ def gemm_cases() -> dict[str, Case]:
         "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_h": "i32",
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
         "limit": "fp32"}, values, t.num_warps, t.num_stages)
+    # the Gluon dact at the same tile (behind experts_bwd.GLUON_DACT until it has run on a GPU)
+    consts = dact_ws_constexprs(t, SMS, has_limit=True)
+    cases["dact_ws_kernel"] = Case(dact_warp_specialized.dact_ws_kernel, {
+        "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
+        "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32", "stride_d_h": "i32",
+        "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
+        "I": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     for name, t in (("dx_kernel", plan_tiles("dx", gpu)),
                     ("dx_kernel (few rows per expert)", plan_tiles("dx", gpu, FEW_ROWS_PER_EXPERT))):
         kinds, values = _row_task_consts(expert_gemm_bwd.dx_kernel, t)
@@ -161,7 +169,7 @@ def fp8_cases() -> dict[str, Case]:
 
 
 def fp8_backward_cases() -> dict[str, Case]:
-    from megamoe.kernels import dact_fp8_warp_specialized as dact_ws, expert_gemm_fp8_bwd as k
+    from megamoe.kernels import dact_warp_specialized as dact_ws, expert_gemm_fp8_bwd as k
     from megamoe.kernels import wgrad_fp8_warp_specialized as ws
     from megamoe.ops.experts_fp8_bwd import dact_fp8_ws_constexprs, plan_tiles_fp8_bwd, wgrad_fp8_ws_constexprs
 

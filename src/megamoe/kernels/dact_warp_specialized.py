@@ -1,0 +1,223 @@
+"""The dact on Hopper, warp-specialised in Gluon (BF16 and FP8-block): a TMA producer warp, two MMA warpgroups.
+
+``dact_swiglu_bwd_kernel``'s and ``dact_fp8_kernel``'s contracts (`megamoe.kernels.expert_gemm_bwd`,
+`expert_gemm_fp8_bwd`), 128 x 128 tiles, tasks and bits: g = dy · w_down[l] (K = D, N = I), then the SwiGLU
+backward from the saved h. FP8-block: g's GEMM is down's shape (the transposed weights K-major in 128 x 128
+blocks), so the producer is the forward's (``forward_producer``) and each warpgroup's K loop FP8 down's
+(``paired_k_steps``: two K steps' products in flight, one promoted under the other's wgmmas). BF16: a producer
+of [64 x BK] dy halves and [BK x 128] w_down slices (N-major, as stored), the K loop the forward's (one wgmma group
+left in flight). The epilogue (:func:`dact_epilogue`) is the Triton dact's on a warpgroup's 64 rows: the tile split
+into column halves and quarters in the same order (so the router-gradient partials are summed in the same order:
+their bits), each quarter's SwiGLU backward by the shared ``swiglu_bwd``, d_h (gate and up columns) and act·w
+stored in bf16 through 16-byte row runs, the rows' partial for the n-tile.
+
+GPU only (Gluon has no interpreter). Built and checked for sm_90 (no spills) but not yet run on a GPU, so
+`megamoe.ops.experts_bwd` / `experts_fp8_bwd` run them only with ``experts_bwd.GLUON_DACT`` (off); GPU tests hold
+them to the Triton dacts' bits. Launch with a scratch allocator (the descriptors), 4 warps.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+
+from megamoe.kernels.convert import to_bf16
+from megamoe.kernels.expert_gemm_bwd import swiglu_bwd
+from megamoe.kernels.forward_fp8_warp_specialized import BLOCK, REGS_CONSUMER, REGS_PRODUCER, paired_k_steps
+from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer, tile_task
+from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
+
+
+@gluon.jit
+def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I,
+             limit, HAS_LIMIT: gl.constexpr):
+    """The SwiGLU backward of columns c0.. of rows first.. (``g`` [64, 32], in its split layout): d_h and act·w
+    stored, the rows' partial returned. Memory is read and written in 16-byte row runs (``io``), as the Triton
+    dact's coalesced layout does; the math runs in ``g``'s layout."""
+    layout: gl.constexpr = g.type.layout
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # bf16 [64, 32]: 8 per thread
+    rows = first + gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, io))
+    cols = c0 + gl.arange(0, g.shape[1], layout=gl.SliceLayout(0, io))
+    mask = (rows < row_end)[:, None] & (cols < I)[None, :]
+    rows64 = rows.to(gl.int64)
+    h_tile = h_ptr + (rows64[:, None] * stride_h + cols[None, :])
+    gate = gl.convert_layout(gl.load(h_tile, mask=mask, other=0.0), layout).to(gl.float32)
+    up = gl.convert_layout(gl.load(h_tile + I, mask=mask, other=0.0), layout).to(gl.float32)
+    w_rows = first + gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, layout))
+    w = gl.load(row_w_ptr + w_rows, mask=w_rows < row_end, other=0.0)
+    part, act_w, d_gate, d_up = swiglu_bwd(g, gate, up, w[:, None], limit, HAS_LIMIT)
+    act_w_tile = act_w_ptr + (rows64[:, None] * stride_act_w + cols[None, :])
+    gl.store(act_w_tile, gl.convert_layout(to_bf16(act_w, False), io), mask=mask)
+    d_h_tile = d_h_ptr + (rows64[:, None] * stride_d_h + cols[None, :])
+    gl.store(d_h_tile, gl.convert_layout(to_bf16(d_gate, False), io), mask=mask)
+    gl.store(d_h_tile + I, gl.convert_layout(to_bf16(d_up, False), io), mask=mask)
+    return part
+
+
+@gluon.jit
+def _half(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I, limit,
+          HAS_LIMIT: gl.constexpr):
+    """Columns c0.. of ``g`` [64, 64] as two quarters, the Triton dact's ``_dact_quarters`` order."""
+    lo, hi = gl.split(gl.permute(gl.reshape(g, (g.shape[0], 2, g.shape[1] // 2)), (0, 2, 1)))
+    part = _quarter(lo, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
+                    stride_act_w, I, limit, HAS_LIMIT)
+    part += _quarter(hi, c0 + g.shape[1] // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h,
+                     stride_d_h, stride_act_w, I, limit, HAS_LIMIT)
+    return part
+
+
+@gluon.jit
+def _fp8_consumer(dy_scale_ptr, w_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_dys,
+              stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
+              tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem, full, empty,
+              HALF: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    """FP8-block: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
+    num_n = gl.cdiv(I, BLOCK)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0  # the program's K steps, in the producer's order
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
+        first = row0 + HALF * HALF_M
+        rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
+        row_ok = rows < row_end
+        ds_rows = dy_scale_ptr + rows.to(gl.int64) * stride_dys
+        ws_n = w_scale_ptr + (expert.to(gl.int64) * (I // BLOCK) + n) * stride_ws_n
+        acc, g = paired_k_steps(ds_rows, row_ok, ws_n, D, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
+        dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h,
+                      stride_d_h, stride_act_w, stride_partial, I, limit, HAS_LIMIT)
+
+
+@gluon.jit
+def dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h,
+                  stride_d_h, stride_act_w, stride_partial, I, limit, HAS_LIMIT: gl.constexpr):
+    """The dact epilogue of g = ``acc`` [64, 128] (rows first.., n-tile n) in the Triton dact's order: column
+    halves, each as two quarters (the router-gradient partials' sum order), then the rows' partial stored."""
+    lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK // 2)), (0, 2, 1)))
+    n0 = n * BLOCK
+    part = _half(lo, n0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
+                 I, limit, HAS_LIMIT)
+    part += _half(hi, n0 + BLOCK // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
+                  stride_act_w, I, limit, HAS_LIMIT)
+    part_rows = first + gl.arange(0, HALF_M, layout=part.type.layout)
+    gl.store(d_w_partial_ptr + part_rows.to(gl.int64) * stride_partial + n, part, mask=part_rows < row_end)
+
+
+@gluon.jit
+def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr,
+                       d_w_partial_ptr, stride_dy, stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w,
+                       stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
+                       rows, w_rows, D, I, limit, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One persistent launch of 128 x 128 dact tiles: dy `[rows, D]` e4m3 with dy_scale `[rows, D/128]`, w_t =
+    w_down_t_q `[w_rows = L*I, D]` with scales `[L*I/128, D/128]` rows of stride_ws_n; h `[rows, 2I]` bf16, row_w
+    `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]` fp32."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HALF_M, BLOCK], a_layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK, BLOCK], w_layout)
+    full, empty = ring_barriers(STAGES)
+    gl.warp_specialize(
+        [(_fp8_consumer, (dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+                      stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
+                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem,
+                      full, empty, gl.constexpr(0), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (_fp8_consumer, (dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+                      stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
+                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem,
+                      full, empty, gl.constexpr(1), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (forward_producer, (dy_ptr, w_t_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr,
+                             tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, a_smem, w_smem, full, empty,
+                             gl.constexpr(False), gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M),
+                             gl.constexpr(STAGES)))],
+        [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
+    invalidate_ring(full, empty, STAGES)
+
+
+@gluon.jit
+def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                   tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
+                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x 128],
+    N-major; the descriptor spans every expert's rows as the Triton dact's does)."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
+    a_desc = tma.make_tensor_descriptor(dy_ptr, [rows, D], [stride_dy, 1], [HALF_M, BLOCK_K], a_layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, I], [I, 1], [BLOCK_K, BLOCK], w_layout)
+    step_bytes: gl.constexpr = (2 * HALF_M + BLOCK) * BLOCK_K * 2
+    num_n = gl.cdiv(I, BLOCK)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
+        for k in range(0, D, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
+            mbarrier.expect(full.index(s), step_bytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
+            tma.async_copy_global_to_shared(w_desc, [expert * D + k, n * BLOCK], full.index(s), w_smem.index(s))
+            g += 1
+
+
+@gluon.jit
+def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
+                   stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D,
+                   limit, a_smem, w_smem, full, empty, HALF: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """BF16: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup); the K loop the BF16
+    forward's (one wgmma group in flight), the same m64n128k16 sequence as the Triton dact's."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
+    num_n = gl.cdiv(I, BLOCK)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    g = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
+        acc = gl.zeros((HALF_M, BLOCK), gl.float32, mma)
+        for k in range(0, D, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s), acc, is_async=True)
+            acc = release_step(acc, empty, s, k == 0, STAGES, True)
+            g += 1
+        acc = drain_steps(acc, empty, g, D > 0, STAGES, True)
+        dact_epilogue(acc, n, row0 + HALF * HALF_M, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+                      stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, HAS_LIMIT)
+
+
+@gluon.jit
+def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_dy, stride_h,
+                   stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                   tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, HAS_LIMIT: gl.constexpr,
+                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One persistent launch of 128 x 128 BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows = L*D, I]`, h `[rows,
+    2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK], w_layout)
+    full, empty = ring_barriers(STAGES)
+    gl.warp_specialize(
+        [(_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
+                           stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                           num_tiles_ptr, I, D, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
+                           gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
+                           stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                           num_tiles_ptr, I, D, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
+                           gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+         (_bf16_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                           tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
+                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
+                           gl.constexpr(STAGES)))],
+        [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
+    invalidate_ring(full, empty, STAGES)
