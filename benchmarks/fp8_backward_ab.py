@@ -41,7 +41,7 @@ VARIANTS = {
     "wgrad-128x128x4-flat": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True)},
 }
 #: (and "triton": the planner's tiles in the Triton kernels where Hopper runs Gluon ones, warp_specialized=False;
-#: "gluon-dact": the plan with the Gluon FP8 dact, experts_bwd.GLUON_DACT)
+#: "gluon-dact": the plan with the Gluon dact, experts_bwd.GLUON_DACT, in FP8-block and in BF16)
 #: mxfp8 variants, as VARIANTS
 MX_VARIANTS = {
     "plan": {},
@@ -110,18 +110,22 @@ def main() -> None:
     args = (dy, row_w, x, fwd.h, counts, offsets, wgu, wd)
     calls = {"bf16": lambda: expert_backward(*args)}
 
-    def gluon_dact(*args, **kw):
-        experts_bwd.GLUON_DACT = True
-        try:
-            return expert_backward_fp8_block(*args, **kw)
-        finally:
-            experts_bwd.GLUON_DACT = False
+    def gluon_dact(fn):
+        def call(*args, **kw):
+            experts_bwd.GLUON_DACT = True
+            try:
+                return fn(*args, **kw)
+            finally:
+                experts_bwd.GLUON_DACT = False
+        return call
 
     for name in a.variants.split(","):
         tiles = {} if name in ("triton", "gluon-dact") else VARIANTS[name]
         kw = {"warp_specialized": False} if name == "triton" else {"tiles": tiles}
-        fn = gluon_dact if name == "gluon-dact" else expert_backward_fp8_block
+        fn = gluon_dact(expert_backward_fp8_block) if name == "gluon-dact" else expert_backward_fp8_block
         calls[f"fp8-block {name}"] = (lambda kw=kw, fn=fn: fn(*args, weights_t=wt["fp8-block"], **kw))
+        if name == "gluon-dact":  # BF16's Gluon dact too
+            calls["bf16 gluon-dact"] = lambda: gluon_dact(expert_backward)(*args)
     for name in a.mx_variants.split(","):
         calls[f"mxfp8 {name}"] = (lambda t=MX_VARIANTS[name]: expert_backward_mxfp8(
             *args, weights_t=wt["mxfp8"], tiles=t))
@@ -143,6 +147,10 @@ def main() -> None:
                             for k in ("d_x", "d_router", "d_w_gate_up", "d_w_down")}
         if name.endswith("plan"):
             plan_grads = got
+        elif name.startswith("bf16 "):
+            same = all(torch.equal(getattr(got, k), getattr(ref, k)) for k in ("d_x", "d_router", "d_w_gate_up",
+                                                                             "d_w_down"))
+            status[name] = f"same bits as bf16: {same}"
         else:
             same = all(torch.equal(getattr(got, k), getattr(plan_grads, k))
                        for k in ("d_x", "d_router", "d_w_gate_up", "d_w_down"))
