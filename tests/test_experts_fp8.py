@@ -168,6 +168,21 @@ def test_gpu_fp8_few_row_tiles_give_the_same_bits():
     assert torch.equal(wide.act_q.view(torch.uint8), narrow.act_q.view(torch.uint8))
 
 
+def test_warp_specialized_launch_refuses_strided_rows(monkeypatch):
+    """The Gluon kernel's descriptors take rows of unit column stride: a transposed view is a ValueError before
+    any launch (the CPU stands in for Hopper here), not a silently wrong result."""
+    from megamoe.ops import experts_fp8
+
+    monkeypatch.setattr(experts_fp8, "warp_specialized_fp8", lambda device, tile: True)
+    x_q, x_s, counts, offsets, gu_q, gu_s, dn_q, dn_s = _problem(*LOADS["mixed"])
+    rows, d = x_q.shape
+    i = dn_q.shape[2]
+    strided = x_q.view(torch.uint8).t().contiguous().t().view(FP8)  # the same values, column-major
+    assert torch.equal(strided.view(torch.uint8), x_q.view(torch.uint8)) and strided.stride(1) != 1
+    with pytest.raises(ValueError, match="a_q must have unit column stride"):
+        experts_fp8.gate_up_fp8(strided, x_s, counts, offsets, gu_q, gu_s, _poisoned(rows, d, i))
+
+
 def test_warp_specialized_rings_have_two_slots_at_least():
     """A tile asking for one stage still gets a two-slot ring in the Gluon kernels: FP8 down holds two steps' slots
     at once, the BF16 forward one wgmma in flight, and one slot would deadlock both (a hang, not an error)."""

@@ -99,7 +99,7 @@ def expert_backward(
             tile_map = build_row_tiles(counts, offsets, rows, 128)
             with scratch_allocator():
                 dact_warp_specialized.dact_ws_kernel[(programs,)](
-                    dy_rows, w_down, h, row_weights, d_h, act_w, partial, dy_rows.stride(0), h.stride(0),
+                    dy_rows, w_down.view(experts * d, i), h, row_weights, d_h, act_w, partial, dy_rows.stride(0), h.stride(0),
                     d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert, tile_map.tile_row0,
                     tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
                     float(swiglu_limit or 0.0), num_warps=4,

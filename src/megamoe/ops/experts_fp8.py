@@ -189,6 +189,11 @@ def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileC
     gate_up = act_q is not None
     experts, w_n, k = w_q.shape
     rows = a_q.shape[0]
+    # the kernel's descriptors and scale loads take rows of unit column stride and the weights as [L * N, K]
+    for name, t in (("a_q", a_q), ("a_scale", a_scale), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
+    w_q = w_q.view(experts * w_n, k)  # raises where the weights are not one [L * N, K] block
     tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
     act_q, act_scale = (act_q.view(torch.uint8), act_scale) if gate_up else (out, out)  # down: never touched
     with scratch_allocator():

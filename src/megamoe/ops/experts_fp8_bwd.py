@@ -228,7 +228,7 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         tile_map = build_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
             dact_warp_specialized.dact_fp8_ws_kernel[(programs,)](
-                dy_q, wt.w_down_t, dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_q.stride(0),
+                dy_q, wt.w_down_t.view(experts * i, d), dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_q.stride(0),
                 dy_s.stride(0), flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0),
                 partial.stride(0), tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end, tile_map.tile_run,
                 tile_map.num_tiles, rows, experts * i, d, i, float(swiglu_limit or 0.0), num_warps=4,
