@@ -15,6 +15,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 
+#: The fewest ring slots a kernel may get: a consumer that holds one step while it waits for the next (a wgmma
+#: group left in flight, FP8's paired K steps) deadlocks a single slot, a hang rather than an error.
+MIN_STAGES = 2
+
+
 @gluon.jit
 def release_step(acc, empty, slot, first_step, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr):
     """After issuing a step's wgmma into ``acc`` from ring ``slot``: wait for it and free the slot, or (MMA_IN_FLIGHT)

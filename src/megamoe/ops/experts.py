@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe.kernels import expert_gemm, forward_warp_specialized
+from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import expert_ffn, swiglu
@@ -223,11 +223,12 @@ def warp_specialized_forward(device: torch.device, tile: TileConfig) -> bool:
 def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, has_limit: bool,
                           stages: int | None = None, mma_in_flight: bool = True) -> dict:
     """The Gluon forward's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs):
-    the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3; at least 2: with one wgmma in
-    flight a single slot would deadlock), one wgmma in flight
+    the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3; at least ``gluon_ring.MIN_STAGES``),
+    one wgmma in flight
     (benchmarks/results/2026-12-03-forward-warp-specialized)."""
     return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
-                BLOCK_K=tile.block_k, GROUP_M=tile.group_m, STAGES=max(2, stages or tile.num_stages),
+                BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                STAGES=max(gluon_ring.MIN_STAGES, stages or tile.num_stages),
                 MMA_IN_FLIGHT=mma_in_flight)
 
 

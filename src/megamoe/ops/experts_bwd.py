@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import checks, runtime
-from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, wgrad_warp_specialized
+from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
 from megamoe.ops.experts import check_operands, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
@@ -99,8 +99,9 @@ def expert_backward(
             tile_map = build_row_tiles(counts, offsets, rows, 128)
             with scratch_allocator():
                 dact_warp_specialized.dact_ws_kernel[(programs,)](
-                    dy_rows, w_down.view(experts * d, i), h, row_weights, d_h, act_w, partial, dy_rows.stride(0), h.stride(0),
-                    d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert, tile_map.tile_row0,
+                    dy_rows, w_down.view(experts * d, i), h, row_weights, d_h, act_w, partial, dy_rows.stride(0),
+                    h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert,
+                    tile_map.tile_row0,
                     tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
                     float(swiglu_limit or 0.0), num_warps=4,
                     **dact_ws_constexprs(c, programs, has_limit=swiglu_limit is not None))
@@ -135,10 +136,11 @@ def expert_backward(
 
 
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, has_limit: bool = False) -> dict:
-    """The Gluon BF16 dact's constexprs at ``tile`` (shared with the sm_90 build check): the plan's BLOCK_K, ring
-    depth (at least 2: one wgmma group stays in flight) and task order."""
+    """The Gluon dacts' constexprs at ``tile`` (BF16's and FP8-block's; shared with the sm_90 build check): the
+    plan's BLOCK_K (FP8-block's is its scale block, 128), ring depth (at least ``gluon_ring.MIN_STAGES``: a wgmma
+    group, or FP8's second K step, stays in flight) and task order."""
     return dict(HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                STAGES=max(2, tile.num_stages))
+                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
 
 
 def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:

@@ -22,7 +22,7 @@ from megamoe.ops.experts import ExpertForwardQuantized, warp_specialized_forward
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, mean_rows
 from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
-from megamoe.kernels import expert_gemm_fp8, forward_fp8_warp_specialized
+from megamoe.kernels import expert_gemm_fp8, forward_fp8_warp_specialized, gluon_ring
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.quant import soft_e4m3_default
 from megamoe.reference import swiglu
@@ -174,10 +174,10 @@ def warp_specialized_fp8(device: torch.device, tile: TileConfig) -> bool:
 def forward_fp8_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, has_limit: bool = False,
                               store_h: bool = True) -> dict:
     """The Gluon kernel's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs): the
-    plan's ring depth (gate/up 3, down 4: the fastest measured; at least 2, since down holds two steps' slots at
-    once and one slot would deadlock) and task order."""
+    plan's ring depth (gate/up 3, down 4: the fastest measured; at least ``gluon_ring.MIN_STAGES``: down holds two
+    steps' slots at once) and task order."""
     return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
-                NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=max(2, tile.num_stages))
+                NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
 
 
 def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileConfig, programs: int, *,

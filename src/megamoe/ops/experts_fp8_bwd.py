@@ -67,12 +67,6 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
     return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
 
 
-def dact_fp8_ws_constexprs(tile: TileConfig, programs: int, *, has_limit: bool = False) -> dict:
-    """The Gluon FP8 dact's constexprs at ``tile`` (shared with the sm_90 build check): the plan's ring depth (at
-    least 2: its K loop holds two steps' slots) and task order."""
-    return dict(HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=max(2, tile.num_stages))
-
-
 def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 6, scales_by_tma: bool = False) -> dict:
     """The Gluon FP8 wgrad's constexprs (shared with the sm_90 build check): by default the deepest ring that fits
     beside the two output buffers, 6 slots of 32 KB (an expert's K loop is short: the producer runs ahead into
@@ -228,11 +222,11 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         tile_map = build_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
             dact_warp_specialized.dact_fp8_ws_kernel[(programs,)](
-                dy_q, wt.w_down_t.view(experts * i, d), dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_q.stride(0),
-                dy_s.stride(0), flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0),
-                partial.stride(0), tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end, tile_map.tile_run,
-                tile_map.num_tiles, rows, experts * i, d, i, float(swiglu_limit or 0.0), num_warps=4,
-                **dact_fp8_ws_constexprs(c, programs, has_limit=swiglu_limit is not None))
+                dy_q, wt.w_down_t.view(experts * i, d), dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial,
+                dy_q.stride(0), dy_s.stride(0), flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0),
+                act_w.stride(0), partial.stride(0), tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end,
+                tile_map.tile_run, tile_map.num_tiles, rows, experts * i, d, i, float(swiglu_limit or 0.0), num_warps=4,
+                **experts_bwd.dact_ws_constexprs(c, programs, has_limit=swiglu_limit is not None))
     else:
         launch_row_tasks(
             expert_gemm_mxfp8_bwd.dact_mxfp8_kernel if mx else expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs,

@@ -171,7 +171,8 @@ def fp8_cases() -> dict[str, Case]:
 def fp8_backward_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized as dact_ws, expert_gemm_fp8_bwd as k
     from megamoe.kernels import wgrad_fp8_warp_specialized as ws
-    from megamoe.ops.experts_fp8_bwd import dact_fp8_ws_constexprs, plan_tiles_fp8_bwd, wgrad_fp8_ws_constexprs
+    from megamoe.ops.experts_bwd import dact_ws_constexprs
+    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8_ws_constexprs
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu)
@@ -193,7 +194,7 @@ def fp8_backward_cases() -> dict[str, Case]:
     # what expert_backward_fp8_block runs on Hopper at the same blocks: the warp-specialised Gluon wgrad
     # (and its A/B knob: the scales by TMA into the ring's slots), and the Gluon dact at the dact's tile
     cases = {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad}
-    consts = dact_fp8_ws_constexprs(plan_tiles_fp8_bwd("dact", gpu), SMS, has_limit=True)
+    consts = dact_ws_constexprs(plan_tiles_fp8_bwd("dact", gpu), SMS, has_limit=True)
     cases["dact_fp8_ws_kernel"] = Case(dact_ws.dact_fp8_ws_kernel, {
         "dy_ptr": "*fp8e4nv", "w_t_ptr": "*fp8e4nv", "dy_scale_ptr": "*fp32", "w_t_scale_ptr": "*fp32",
         "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32",
