@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=192)
     parser.add_argument("--precision", choices=("bf16", "fp8-block", "mxfp8"), default="fp8-block")
     parser.add_argument("--triton", action="store_true",
-                        help="fp8-block: the Triton kernels where Hopper runs Gluon ones (warp_specialized=False)")
+                        help="bf16, fp8-block: the Triton kernels where Hopper runs Gluon ones (warp_specialized=False)")
     a = parser.parse_args()
     cfg, dev = preset(a.preset), torch.device("cuda")
     x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, dev)
@@ -40,12 +40,12 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(7)
     dy = torch.randn(rows, cfg.hidden, generator=g, device=dev).bfloat16()
     args = (dy, torch.rand(rows, generator=g, device=dev), x, fwd.h, counts, offsets, wgu, wd)
+    kw = {"warp_specialized": False} if a.triton and a.precision != "mxfp8" else {}
     if a.precision == "bf16":
-        call = lambda: expert_backward(*args)  # noqa: E731
+        call = lambda: expert_backward(*args, **kw)  # noqa: E731
     else:
         wt = transposed_weights(wgu, wd, a.precision)
         fn = expert_backward_fp8_block if a.precision == "fp8-block" else expert_backward_mxfp8
-        kw = {"warp_specialized": False} if a.triton and a.precision == "fp8-block" else {}
         call = lambda: fn(*args, weights_t=wt, **kw)  # noqa: E731
     for _ in range(2):
         call()

@@ -1,7 +1,7 @@
 """The FP8 expert backwards (fp8-block, mxfp8) against the BF16 one on the same load, at the power cap (one GPU).
 
     PYTHONPATH=src python3 benchmarks/fp8_backward_ab.py [--preset kimi-k2] [--experts 192] [--rounds 5]
-        [--variants plan,triton,gluon-dact,wgrad-128x128x3,...] [--mx-variants plan,...] [--out DIR]
+        [--variants plan,triton,wgrad-128x128x3,...] [--mx-variants plan,...] [--out DIR]
 
 ``tokens x k`` rows spread evenly over --experts experts (kimi-k2 at 8192 tokens: 192 x 341, EP 2's per-rank
 load). In interleaved rounds: `expert_backward` (BF16); `expert_backward_fp8_block` and
@@ -27,7 +27,6 @@ from megamoe.config import preset
 from megamoe.ops.experts import ExpertForward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.expert_weights import transposed_weights
-from megamoe.ops import experts_bwd
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.tiles import TileConfig
 
@@ -40,8 +39,8 @@ VARIANTS = {
     "wgrad-128x128x3": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=3)},
     "wgrad-128x128x4-flat": {"wgrad": TileConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True)},
 }
-#: (and "triton": the planner's tiles in the Triton kernels where Hopper runs Gluon ones, warp_specialized=False;
-#: "gluon-dact": the plan with the Gluon dact, experts_bwd.GLUON_DACT, in FP8-block and in BF16)
+#: (and "triton": the planner's tiles in the Triton kernels where Hopper runs Gluon ones, warp_specialized=False,
+#: in FP8-block and in BF16)
 #: mxfp8 variants, as VARIANTS
 MX_VARIANTS = {
     "plan": {},
@@ -110,23 +109,12 @@ def main() -> None:
     args = (dy, row_w, x, fwd.h, counts, offsets, wgu, wd)
     calls = {"bf16": lambda: expert_backward(*args)}
 
-    def gluon_dact(fn):
-        def call(*args, **kw):
-            experts_bwd.GLUON_DACT = True
-            try:
-                return fn(*args, **kw)
-            finally:
-                experts_bwd.GLUON_DACT = False
-        return call
-
     for name in a.variants.split(","):
-        tiles = {} if name in ("triton", "gluon-dact") else VARIANTS[name]
-        kw = {"warp_specialized": False} if name == "triton" else {"tiles": tiles}
-        fn = gluon_dact(expert_backward_fp8_block) if name == "gluon-dact" else expert_backward_fp8_block
-        calls[f"fp8-block {name}"] = (lambda kw=kw, fn=fn: fn(*args, weights_t=wt["fp8-block"], **kw))
-        if name == "gluon-dact":  # BF16's Gluon dact too
-            calls["bf16 gluon-dact"] = lambda: gluon_dact(expert_backward)(*args)
-    for name in a.mx_variants.split(","):
+        kw = {"warp_specialized": False} if name == "triton" else {"tiles": VARIANTS[name]}
+        if name == "triton":
+            calls["bf16 triton"] = lambda: expert_backward(*args, warp_specialized=False)
+        calls[f"fp8-block {name}"] = (lambda kw=kw: expert_backward_fp8_block(*args, weights_t=wt["fp8-block"], **kw))
+    for name in filter(None, a.mx_variants.split(",")):
         calls[f"mxfp8 {name}"] = (lambda t=MX_VARIANTS[name]: expert_backward_mxfp8(
             *args, weights_t=wt["mxfp8"], tiles=t))
     ref = calls["bf16"]()
@@ -160,14 +148,15 @@ def main() -> None:
     calls.update(dense_calls(dy, fwd.act, d_h, x, wd, wgu))
     times = interleaved_rounds(calls, a.rounds, a.seconds)
     ms = {k: statistics.median(v) for k, v in times.items()}
-    timelines = {name: gaps(calls[name], a.out) for name in ("bf16", "fp8-block plan", "mxfp8 plan") if name in calls}
+    timelines = {name: gaps(calls[name], a.out) for name in ("bf16", "bf16 triton", "fp8-block plan",
+                                                             "fp8-block triton", "mxfp8 plan") if name in calls}
     with open(os.path.join(a.out, "fp8_backward_ab.json"), "w") as f:
         json.dump({"args": vars(a), "ms": ms, "rounds": times, "status": status, "vs_bf16": errors,
                    "timelines": timelines,
                    "variants": {n: {k: vars(c) for k, c in VARIANTS[n].items()} for n in a.variants.split(",")
                                 if n in VARIANTS},
                    "mx_variants": {n: {k: vars(c) for k, c in MX_VARIANTS[n].items()}
-                                   for n in a.mx_variants.split(",")}},
+                                   for n in filter(None, a.mx_variants.split(","))}},
                   f, indent=1, default=str)
     flops = 12 * rows * d * i
     print(f"{a.preset}, {a.experts} experts x ~{rows // a.experts} rows, {a.rounds} rounds of {a.seconds} s")

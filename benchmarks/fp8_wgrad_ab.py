@@ -6,8 +6,8 @@
 kimi-k2's two weight gradients of one expert backward (dW_gate_up = d_hᵀ · x, dW_down = dyᵀ · act_w) on
 ``tokens x k`` rows spread evenly over --experts experts, from operands quantised along each expert's tokens
 once (``quantize_tokens``, untimed). A call is both wgrads through ``experts_fp8_bwd.wgrad_fp8``: ``triton`` with
-``warp_specialized=False``, ``ws`` as the backward runs it, ``ws-*`` with ring depths and the scales loaded by TMA
-into the ring's slots (``wgrad_fp8_ws_constexprs``' knobs). ``dense``: ``torch._scaled_mm`` on the same two GEMMs
+``warp_specialized=False``, ``ws`` as the backward runs it, ``ws-*`` at other ring depths
+(``wgrad_fp8_ws_constexprs``' knob). ``dense``: ``torch._scaled_mm`` on the same two GEMMs
 with every row in one K (row / column scales). Each variant's gradients are compared with ``triton``'s bit for
 bit. Prints ms, TFLOP/s and % of dense; writes DIR/fp8_wgrad_ab.json.
 """
@@ -32,9 +32,7 @@ VARIANTS = {
     "triton": {"warp_specialized": False},
     "ws": {},
     "ws-s4": {"stages": 4},
-    "ws-s5": {"stages": 5},
-    "ws-tma-s5": {"stages": 5, "scales_by_tma": True},
-    "ws-tma-s4": {"stages": 4, "scales_by_tma": True},
+    "ws-s3": {"stages": 3},
 }
 
 

@@ -414,10 +414,11 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-def test_gpu_dact_ws_gives_the_triton_tiles_bits(monkeypatch):
-    """The Gluon BF16 dact (``experts_bwd.GLUON_DACT``) against ``dact_swiglu_bwd_kernel``: every gradient bit for
-    bit (d_h and act_w feed dx and the wgrads; the router partials are summed in the Triton order) on a load with
-    an empty expert, partial row tiles, a partial n-tile (I 320) and the SwiGLU clamp, more tasks than programs."""
+def test_gpu_dact_ws_gives_the_triton_tiles_bits():
+    """The Gluon BF16 dact and wgrads (``warp_specialized``, Hopper's default) against ``dact_swiglu_bwd_kernel``
+    and ``wgrad_kernel``: every gradient bit for bit (d_h and act_w feed dx and the wgrads; the router partials are
+    summed in the Triton order) on a load with an empty expert, partial row tiles, a partial n-tile (I 320) and the
+    SwiGLU clamp, more tasks than programs."""
     from megamoe.ops import experts_bwd
 
     g = torch.Generator(device="cuda").manual_seed(12)
@@ -431,10 +432,9 @@ def test_gpu_dact_ws_gives_the_triton_tiles_bits(monkeypatch):
     dy = torch.randn(rows, d, generator=g, device="cuda").bfloat16()
     w = torch.rand(rows, generator=g, device="cuda")
     got = []
-    for gluon in (False, True):
-        monkeypatch.setattr(experts_bwd, "GLUON_DACT", gluon)
+    for ws in (False, True):
         got.append(experts_bwd.expert_backward(dy, w, x, h, counts, offsets, wgu, wd, swiglu_limit=2.5,
-                                               num_programs=5))
+                                               num_programs=5, warp_specialized=ws))
     torch.cuda.synchronize()
     for name in ("d_x", "d_router", "d_w_gate_up", "d_w_down"):
         a, b = getattr(got[0], name), getattr(got[1], name)

@@ -7,13 +7,17 @@ blocks), so the producer is the forward's (``forward_producer``) and each warpgr
 (``paired_k_steps``: two K steps' products in flight, one promoted under the other's wgmmas). BF16: a producer
 of [64 x BK] dy halves and [BK x 128] w_down slices (N-major, as stored), the K loop the forward's (one wgmma group
 left in flight). The epilogue (:func:`dact_epilogue`) is the Triton dact's on a warpgroup's 64 rows: the tile split
-into column halves and quarters in the same order (so the router-gradient partials are summed in the same order:
-their bits), each quarter's SwiGLU backward by the shared ``swiglu_bwd``, d_h (gate and up columns) and act·w
-stored in bf16 through 16-byte row runs, the rows' partial for the n-tile.
+into column halves and quarters in the same order, each quarter's SwiGLU backward by the shared ``swiglu_bwd`` in
+the Triton dact's register layout (its row sums reduce in the same order: the router-gradient partials' bits; in
+the MMA's layout 400-600 of them differed on the GPU), d_h (gate and up columns) and act·w stored in bf16 through
+16-byte row runs, the rows' partial for the n-tile.
 
-GPU only (Gluon has no interpreter). Built and checked for sm_90 (no spills) but not yet run on a GPU, so
-`megamoe.ops.experts_bwd` / `experts_fp8_bwd` run them only with ``experts_bwd.GLUON_DACT`` (off); GPU tests hold
-them to the Triton dacts' bits. Launch with a scratch allocator (the descriptors), 4 warps.
+Measured (benchmarks/results/2026-12-04-fp8-dact-warp-specialized): the FP8 dact 3.87 -> 2.92 ms and the BF16 one
+4.56 -> 4.13 ms on kimi-k2's 341-row experts (3.69 -> 3.09 on glm-5's 256-row ones), the Triton dacts' bits.
+
+GPU only (Gluon has no interpreter); `megamoe.ops.experts_bwd` / `experts_fp8_bwd` run them on Hopper for
+128 x 128 tiles, and GPU tests hold them to the Triton dacts' bits. Launch with a scratch allocator (the
+descriptors), 4 warps.
 """
 
 from __future__ import annotations
@@ -33,25 +37,26 @@ from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_ste
 def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I,
              limit, HAS_LIMIT: gl.constexpr):
     """The SwiGLU backward of columns c0.. of rows first.. (``g`` [64, 32], in its split layout): d_h and act·w
-    stored, the rows' partial returned. Memory is read and written in 16-byte row runs (``io``), as the Triton
-    dact's coalesced layout does; the math runs in ``g``'s layout."""
-    layout: gl.constexpr = g.type.layout
+    stored, the rows' partial returned. The math runs in the Triton dact's layout (``io``: 16-byte row runs, 8
+    columns per thread, 4 lanes per row), so the rows' sums reduce in its order and give its bits; the loads and
+    stores are coalesced there too."""
     io: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # bf16 [64, 32]: 8 per thread
+    g = gl.convert_layout(g, io)
     rows = first + gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, io))
     cols = c0 + gl.arange(0, g.shape[1], layout=gl.SliceLayout(0, io))
-    mask = (rows < row_end)[:, None] & (cols < I)[None, :]
+    row_ok = rows < row_end
+    mask = row_ok[:, None] & (cols < I)[None, :]
     rows64 = rows.to(gl.int64)
     h_tile = h_ptr + (rows64[:, None] * stride_h + cols[None, :])
-    gate = gl.convert_layout(gl.load(h_tile, mask=mask, other=0.0), layout).to(gl.float32)
-    up = gl.convert_layout(gl.load(h_tile + I, mask=mask, other=0.0), layout).to(gl.float32)
-    w_rows = first + gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, layout))
-    w = gl.load(row_w_ptr + w_rows, mask=w_rows < row_end, other=0.0)
+    gate = gl.load(h_tile, mask=mask, other=0.0).to(gl.float32)
+    up = gl.load(h_tile + I, mask=mask, other=0.0).to(gl.float32)
+    w = gl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
     part, act_w, d_gate, d_up = swiglu_bwd(g, gate, up, w[:, None], limit, HAS_LIMIT)
     act_w_tile = act_w_ptr + (rows64[:, None] * stride_act_w + cols[None, :])
-    gl.store(act_w_tile, gl.convert_layout(to_bf16(act_w, False), io), mask=mask)
+    gl.store(act_w_tile, to_bf16(act_w, False), mask=mask)
     d_h_tile = d_h_ptr + (rows64[:, None] * stride_d_h + cols[None, :])
-    gl.store(d_h_tile, gl.convert_layout(to_bf16(d_gate, False), io), mask=mask)
-    gl.store(d_h_tile + I, gl.convert_layout(to_bf16(d_up, False), io), mask=mask)
+    gl.store(d_h_tile, to_bf16(d_gate, False), mask=mask)
+    gl.store(d_h_tile + I, to_bf16(d_up, False), mask=mask)
     return part
 
 

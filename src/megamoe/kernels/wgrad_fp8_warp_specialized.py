@@ -9,15 +9,15 @@ kernel every block pays the pipeline's fill and its store. Here
 - a producer warp walks the program's blocks and issues every K step's TMA loads (the A block's two 64-row halves
   and the B block) into a ring that runs on across blocks and experts; the descriptors span the whole padded
   operands, are made once and never rewritten (the padding is real zeros, so no expert needs its own);
-- two consumer warpgroups, rows 0-63 and 64-127 of each block, each wait for a step, run its product, wait for it,
-  release the slot and promote it (one warpgroup's promotion under the other's wgmmas; the scales of the next K
-  block are loaded a step ahead), then store their 64 x 128 half by TMA through one 3-D descriptor over every
-  expert's block (a partial block is clipped at its expert's edge), waited for only before the buffer's next use.
+  with the step's two scale rows (A's 128, B's 128) beside them, so no consumer waits on a global load;
+- two consumer warpgroups, rows 0-63 and 64-127 of each block, each wait for a step, run its product, read the
+  scales from the slot, wait for the product, release the slot and promote it (one warpgroup's promotion under the
+  other's wgmmas), then store their 64 x 128 half by TMA through one 3-D descriptor over every expert's block (a
+  partial block is clipped at its expert's edge), waited for only before the buffer's next use.
 
-With SCALES_BY_TMA (an A/B knob, not measured yet) the producer also loads each step's two scale rows into the
-slot, so the consumers read them from shared memory instead of waiting on global loads at every block's start.
-Measured (benchmarks/results/2026-12-04-fp8-backward-warp-specialized): both wgrads 14.8 -> 12.2 ms on kimi-k2's
-341-row experts, latency-bound (the promotion costs two FP32 operations per element).
+Measured (benchmarks/results/2026-12-04-fp8-backward-warp-specialized, 2026-12-04-fp8-dact-warp-specialized): both
+wgrads 14.8 -> 12.2 ms on kimi-k2's 341-row experts with the scales loaded by the consumers a step ahead, 10.5 ms
+with them in the ring; latency-bound (the promotion costs two FP32 operations per element).
 
 GPU only (Gluon has no interpreter); `megamoe.ops.experts_fp8_bwd` runs it on Hopper for 128 x 128 blocks and a GPU
 test holds it to ``wgrad_fp8_kernel``'s bits. Launch with a scratch allocator (the descriptors), 4 warps.
@@ -41,9 +41,9 @@ REGS_CONSUMER, REGS_PRODUCER = gl.constexpr(232), gl.constexpr(40)  # 232 for th
 @gluon.jit
 def _producer(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, K_PAD,
               stride_as, stride_bs, a_smem, b_smem, as_smem, bs_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
-              STAGES: gl.constexpr, SCALES_BY_TMA: gl.constexpr):
-    """This program's K steps, block by block, expert by expert: slot g % STAGES, phase (g // STAGES) & 1.
-    SCALES_BY_TMA: a step's scale rows (A's 128, B's 128) land in the slot too."""
+              STAGES: gl.constexpr):
+    """This program's K steps, block by block, expert by expert: slot g % STAGES, phase (g // STAGES) & 1; a
+    step's operand blocks and scale rows land in the slot."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
     s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK], gl.float32)
@@ -51,8 +51,7 @@ def _producer(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, nu
     b_desc = tma.make_tensor_descriptor(b_ptr, [OUT_N, K_PAD], [K_PAD, 1], [BLOCK, BLOCK], b_layout)
     as_desc = tma.make_tensor_descriptor(a_scale_ptr, [K_PAD // BLOCK, OUT_M], [stride_as, 1], [1, BLOCK], s_layout)
     bs_desc = tma.make_tensor_descriptor(b_scale_ptr, [K_PAD // BLOCK, OUT_N], [stride_bs, 1], [1, BLOCK], s_layout)
-    # A 128 x 128 and B 128 x 128, one byte each (and two fp32 scale rows of 128)
-    step_bytes: gl.constexpr = 2 * BLOCK * BLOCK + (2 * BLOCK * 4 if SCALES_BY_TMA else 0)
+    step_bytes: gl.constexpr = 2 * BLOCK * BLOCK + 2 * BLOCK * 4  # A and B 128 x 128 e4m3, two fp32 scale rows
     num_n = gl.cdiv(OUT_N, BLOCK)
     per_expert = gl.cdiv(OUT_M, BLOCK) * num_n
     g = 0
@@ -70,16 +69,14 @@ def _producer(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, nu
                 tma.async_copy_global_to_shared(a_desc, [m0 + HALF_M, kb * BLOCK], full.index(s),
                                                 a_smem.index(2 * s + 1))
                 tma.async_copy_global_to_shared(b_desc, [n0, kb * BLOCK], full.index(s), b_smem.index(s))
-                if SCALES_BY_TMA:
-                    tma.async_copy_global_to_shared(as_desc, [kb, m0], full.index(s), as_smem.index(s))
-                    tma.async_copy_global_to_shared(bs_desc, [kb, n0], full.index(s), bs_smem.index(s))
+                tma.async_copy_global_to_shared(as_desc, [kb, m0], full.index(s), as_smem.index(s))
+                tma.async_copy_global_to_shared(bs_desc, [kb, n0], full.index(s), bs_smem.index(s))
                 g += 1
 
 
 @gluon.jit
-def _consumer(a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, stride_as,
-              stride_bs, a_smem, b_smem, as_smem, bs_smem, c_smem, full, empty, HALF: gl.constexpr,
-              NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, SCALES_BY_TMA: gl.constexpr):
+def _consumer(out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, as_smem, bs_smem, c_smem,
+              full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     num_n = gl.cdiv(OUT_N, BLOCK)
@@ -96,35 +93,19 @@ def _consumer(a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_exp
         for task in range(first_task(expert, per_expert, NUM_PROGRAMS), per_expert, NUM_PROGRAMS):
             m0 = task // num_n * BLOCK + HALF * HALF_M
             n0 = task % num_n * BLOCK
-            ms = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
-            ns = n0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma))
-            a_s_ptrs = a_scale_ptr + ms
-            b_s_ptrs = b_scale_ptr + ns
-            m_ok = ms < OUT_M
-            n_ok = ns < OUT_N
             acc = gl.zeros((HALF_M, BLOCK), gl.float32, mma)
-            sa = gl.load(a_s_ptrs + kb0 * stride_as, mask=m_ok & (kb0 < kb_end) & (not SCALES_BY_TMA), other=0.0)
-            sb = gl.load(b_s_ptrs + kb0 * stride_bs, mask=n_ok & (kb0 < kb_end) & (not SCALES_BY_TMA), other=0.0)
             for kb in range(kb0, kb_end):
-                more = (kb + 1 < kb_end) & (not SCALES_BY_TMA)  # the next K block's scales, under this step's MMAs
-                sa_next = gl.load(a_s_ptrs + (kb + 1) * stride_as, mask=m_ok & more, other=0.0)
-                sb_next = gl.load(b_s_ptrs + (kb + 1) * stride_bs, mask=n_ok & more, other=0.0)
                 s = g % STAGES
                 mbarrier.wait(full.index(s), (g // STAGES) & 1)
                 p = warpgroup_mma(a_smem.index(2 * s + HALF), b_smem.index(s).permute((1, 0)),
                                   gl.zeros((HALF_M, BLOCK), gl.float32, mma), use_acc=False, is_async=True)
-                if SCALES_BY_TMA:  # from the slot: [64, 1] and [1, 128] in the product's layout
-                    sa_col = as_smem.index(s).slice(HALF * HALF_M, HALF_M, dim=1).permute((1, 0)).load(mma)
-                    sb_row = bs_smem.index(s).load(mma)
-                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                    scale = sa_col * sb_row
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc += p * scale
-                else:
-                    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc += p * (sa[:, None] * sb[None, :])
-                    sa, sb = sa_next, sb_next
+                # the scales from the slot, [64, 1] and [1, 128] in the product's layout, under its wgmmas
+                sa_col = as_smem.index(s).slice(HALF * HALF_M, HALF_M, dim=1).permute((1, 0)).load(mma)
+                sb_row = bs_smem.index(s).load(mma)
+                p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+                scale = sa_col * sb_row
+                mbarrier.arrive(empty.index(s), count=1)
+                acc += p * scale
                 g += 1
             tma.store_wait(pendings=0)  # this half's previous block has left c_smem
             c_smem.store(acc.to(gl.bfloat16))
@@ -135,11 +116,10 @@ def _consumer(a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_exp
 
 @gluon.jit
 def wgrad_fp8_ws_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M,
-                        OUT_N, K_PAD, stride_as, stride_bs, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
-                        SCALES_BY_TMA: gl.constexpr = False):
+                        OUT_N, K_PAD, stride_as, stride_bs, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
     """out[l] = Σ_kb (a_t[:, kb] · b_t[:, kb]ᵀ) * (a_scale[kb] ⊗ b_scale[kb]) over expert l's token blocks: a_t
     `[OUT_M, K_PAD]`, b_t `[OUT_N, K_PAD]` e4m3, a_scale `[K_PAD/128, OUT_M]`, b_scale `[K_PAD/128, OUT_N]` fp32
-    (rows stride_as / stride_bs apart), out `[L, OUT_M, OUT_N]` bf16; 128 x 128 blocks. 4 warps here (the first
+    (rows stride_as / stride_bs apart, multiples of 4 for TMA), out `[L, OUT_M, OUT_N]` bf16; 128 x 128 blocks. 4 warps here (the first
     consumer), 4 + 1 in the worker partitions: warp_specialize's default partition gets the registers the workers
     leave, 232 with a producer of 40."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
@@ -148,21 +128,18 @@ def wgrad_fp8_ws_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, block0_
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, HALF_M, BLOCK], a_layout)
     b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK, BLOCK], b_layout)
     s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK], gl.float32)
-    SCALE_SLOTS: gl.constexpr = STAGES if SCALES_BY_TMA else 1
-    as_smem = gl.allocate_shared_memory(gl.float32, [SCALE_SLOTS, 1, BLOCK], s_layout)
-    bs_smem = gl.allocate_shared_memory(gl.float32, [SCALE_SLOTS, 1, BLOCK], s_layout)
+    as_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK], s_layout)
+    bs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK], s_layout)
     c0 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK], c_layout)
     c1 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK], c_layout)
     full, empty = ring_barriers(STAGES)
     gl.warp_specialize(
-        [(_consumer, (a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, stride_as,
-                      stride_bs, a_smem, b_smem, as_smem, bs_smem, c0, full, empty, gl.constexpr(0),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES), gl.constexpr(SCALES_BY_TMA))),
-         (_consumer, (a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, stride_as,
-                      stride_bs, a_smem, b_smem, as_smem, bs_smem, c1, full, empty, gl.constexpr(1),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES), gl.constexpr(SCALES_BY_TMA))),
+        [(_consumer, (out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, as_smem, bs_smem,
+                      c0, full, empty, gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES))),
+         (_consumer, (out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, as_smem, bs_smem,
+                      c1, full, empty, gl.constexpr(1), gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES))),
          (_producer, (a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
                       K_PAD, stride_as, stride_bs, a_smem, b_smem, as_smem, bs_smem, full, empty,
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES), gl.constexpr(SCALES_BY_TMA)))],
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES)))],
         [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -25,12 +25,6 @@ from megamoe.runtime import compiled_gpu, interpreting
 #: Rows per program of the router-gradient sum (a few loads per row: any size does).
 ROUTER_GRAD_ROWS = 128
 
-#: The Gluon dacts (`megamoe.kernels.dact_warp_specialized`, BF16 and FP8-block) are built and checked for sm_90 but
-#: have not run on a GPU yet: off until their GPU bits tests (tests/test_experts.py, test_experts_fp8_bwd.py) pass
-#: and an A/B measures them.
-GLUON_DACT = False
-
-
 @dataclass
 class ExpertGrads:
     """Gradients of the expert FFNs: `d_x [R, D]` and `d_router [R]` per routed row (rows outside
@@ -56,6 +50,7 @@ def expert_backward(
     num_programs: int | None = None,
     tiles: dict[str, TileConfig] | None = None,
     rows_per_expert: float | None = None,
+    warp_specialized: bool = True,
 ) -> ExpertGrads:
     """Backward of :func:`megamoe.ops.experts.expert_forward` for routed rows (BF16; see
     `megamoe.kernels.expert_gemm_bwd`).
@@ -67,6 +62,10 @@ def expert_backward(
         counts, offsets, w_gate_up, w_down: as in :func:`megamoe.ops.experts.expert_forward`.
         rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
             experts; a caller whose rows are a worst-case capacity gives the expected mean).
+        warp_specialized: on Hopper, the dact's 128 x 128 tiles and the wgrads' 128-row blocks run in
+            warp-specialised Gluon kernels (`megamoe.kernels.dact_warp_specialized`, `wgrad_warp_specialized`;
+            dact -9 to -16 %, benchmarks/results/2026-12-04-fp8-dact-warp-specialized); False runs the Triton
+            kernels there too (A/B runs, tests). The same bits either way.
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
@@ -95,7 +94,7 @@ def expert_backward(
         c = cfg["dact"]
         num_n = -(-i // c.block_n)
         partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-        if GLUON_DACT and warp_specialized_forward(device, c) and c.block_n == 128:
+        if warp_specialized and warp_specialized_forward(device, c) and c.block_n == 128:
             tile_map = build_row_tiles(counts, offsets, rows, 128)
             with scratch_allocator():
                 dact_warp_specialized.dact_ws_kernel[(programs,)](
@@ -131,7 +130,7 @@ def expert_backward(
         grads.d_w_down.zero_()
         return grads
     for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
-        wgrad(a, b, out, offsets, counts, cfg["wgrad"], programs)
+        wgrad(a, b, out, offsets, counts, cfg["wgrad"], programs, warp_specialized)
     return grads
 
 
@@ -161,15 +160,16 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
-          tile: TileConfig, programs: int) -> None:
+          tile: TileConfig, programs: int, warp_specialized: bool = True) -> None:
     """``out[l] = a[rows of l]ᵀ · b[rows of l]`` for every expert l (a `[R, M]`, b `[R, N]`, out `[L, M, N]`,
     contiguous bf16; int32 offsets and counts): the expert weight gradient, rows reduced in order.
 
-    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`), elsewhere and under
-    the interpreter ``wgrad_kernel``: the same blocks, the same bits (a GPU test holds them to it)."""
+    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`), elsewhere, under
+    the interpreter and with ``warp_specialized=False`` ``wgrad_kernel``: the same blocks, the same bits (a GPU test
+    holds them to it)."""
     experts, out_m, out_n = out.shape
     with scratch_allocator():
-        if warp_specialized_wgrad(a.device, tile):
+        if warp_specialized and warp_specialized_wgrad(a.device, tile):
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return

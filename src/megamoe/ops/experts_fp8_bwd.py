@@ -67,12 +67,11 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
     return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
 
 
-def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 6, scales_by_tma: bool = False) -> dict:
+def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 5) -> dict:
     """The Gluon FP8 wgrad's constexprs (shared with the sm_90 build check): by default the deepest ring that fits
-    beside the two output buffers, 6 slots of 32 KB (an expert's K loop is short: the producer runs ahead into
-    the next blocks), the scales loaded by the consumers. ``scales_by_tma`` (the producer loads them into the
-    slots: at most 5 stages) is an A/B knob, not measured yet."""
-    return dict(NUM_PROGRAMS=programs, STAGES=stages, SCALES_BY_TMA=scales_by_tma)
+    beside the two output buffers, 5 slots of 33 KB (an expert's K loop is short: the producer runs ahead into
+    the next blocks; 4 measured as fast, 2026-12-04-fp8-dact-warp-specialized)."""
+    return dict(NUM_PROGRAMS=programs, STAGES=stages)
 
 
 def wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks: TokenBlocks, counts, tile: TileConfig, programs: int,
@@ -81,7 +80,8 @@ def wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks: TokenBlocks, counts, tile: TileCo
     fp8-block's 128 x 128 tiles the Gluon kernel (``ws_knobs``: :func:`wgrad_fp8_ws_constexprs`' keywords), else
     (and with ``warp_specialized=False``) the Triton one; the same bits."""
     experts = out.shape[0]
-    if fmt == "fp8-block" and warp_specialized and warp_specialized_fp8(a_t.device, tile):
+    tma_scales = a_s.stride(0) % 4 == 0 and b_s.stride(0) % 4 == 0  # 16-byte rows for the Gluon kernel's TMA
+    if fmt == "fp8-block" and warp_specialized and tma_scales and warp_specialized_fp8(a_t.device, tile):
         with scratch_allocator():
             wgrad_fp8_warp_specialized.wgrad_fp8_ws_kernel[(programs,)](
                 a_t, b_t, a_s, b_s, out, blocks.block0, counts, experts, out.shape[1], out.shape[2], a_t.shape[1],
@@ -159,9 +159,9 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
     format: the pulled upstream gradient, the forward ring's x): dact reads dy's as they are, the wgrads
     dequantise both and quantise them again along the tokens. D and I must be multiples of 128. On Hopper the
-    dx's and wgrads' 128 x 128 tiles (and the dact's with ``experts_bwd.GLUON_DACT``) run in warp-specialised Gluon
-    kernels (`megamoe.kernels.forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`, `dact_warp_specialized`),
-    the same bits as the Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests)."""
+    dact's, dx's and wgrads' 128 x 128 tiles run in warp-specialised Gluon kernels (`megamoe.kernels.
+    dact_warp_specialized`, `forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`), the same bits as the
+    Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 swiglu_limit, weights_t, num_programs, tiles, warp_specialized)
 
@@ -218,7 +218,7 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
     # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
     w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK) if mx else wt.w_down_t_scale
-    if not mx and warp_specialized and experts_bwd.GLUON_DACT and warp_specialized_fp8(device, c):
+    if not mx and warp_specialized and warp_specialized_fp8(device, c):
         tile_map = build_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
             dact_warp_specialized.dact_fp8_ws_kernel[(programs,)](

@@ -101,7 +101,7 @@ def gemm_cases() -> dict[str, Case]:
         "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_h": "i32",
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
         "limit": "fp32"}, values, t.num_warps, t.num_stages)
-    # the Gluon dact at the same tile (behind experts_bwd.GLUON_DACT until it has run on a GPU)
+    # the Gluon dact that Hopper runs at the same tile
     consts = dact_ws_constexprs(t, SMS, has_limit=True)
     cases["dact_ws_kernel"] = Case(dact_warp_specialized.dact_ws_kernel, {
         "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
@@ -202,8 +202,7 @@ def fp8_backward_cases() -> dict[str, Case]:
         "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
         "I": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     for name, consts in (("wgrad_fp8_ws_kernel", wgrad_fp8_ws_constexprs(SMS)),
-                         ("wgrad_fp8_ws_kernel (scales by TMA)",
-                          wgrad_fp8_ws_constexprs(SMS, stages=5, scales_by_tma=True))):
+                         ("wgrad_fp8_ws_kernel (4 stages)", wgrad_fp8_ws_constexprs(SMS, stages=4))):
         cases[name] = Case(ws.wgrad_fp8_ws_kernel, {
             "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
             "out_ptr": "*bf16", "block0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32",
