@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU batch: Gluon dact bits + A/B, FP8 wgrad knobs A/B. Steps as arguments: tests wgrad192 wgrad384 backward
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$OUT/gpu.txt"
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    tests) PYTHONPATH=src:tests timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_experts_fp8_bwd.py tests/test_experts_fp8.py tests/test_experts.py -k gpu 2>&1 | tail -25 > "$OUT/tests.log";;
+    wgrad*) e=${step#wgrad}; mkdir -p "$OUT/wgrad_$e"; (cd benchmarks && PYTHONPATH=../src timeout 200 python3 fp8_wgrad_ab.py --experts $e --rounds 5 --out "$OUT/wgrad_$e" 2>&1 | tail -20 > "$OUT/wgrad_$e.log");;
+    backward) (cd benchmarks && PYTHONPATH=../src timeout 500 python3 fp8_backward_ab.py --variants plan,triton,gluon-dact,triton-dact --mx-variants plan --rounds 5 --out "$OUT" 2>&1 | tail -30 > "$OUT/backward.log");;
+    glm5) PYTHONPATH=src timeout 400 python3 -m megamoe bench --preset glm-5 --tokens 8192 --ep 1 --impl megamoe --experts bf16,fp8-block --passes fwd,bwd,step --iters 5 > "$OUT/glm5.log" 2>&1;;
+    vsdense) (cd benchmarks && PYTHONPATH=../src timeout 300 python3 gemm_vs_dense.py --rounds 3 --seconds 0.4 --out "$OUT" 2>&1 | tail -20 > "$OUT/vsdense.log");;
+    glm5ab) (cd benchmarks && PYTHONPATH=../src timeout 400 python3 fp8_backward_ab.py --preset glm-5 --experts 256 --variants plan,gluon-dact,triton-dact --mx-variants "" --rounds 5 --out "$OUT/glm5ab" 2>&1 | tail -30 > "$OUT/glm5ab.log");;
+    final) PYTHONPATH=src:tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_experts_fp8_bwd.py tests/test_experts_fp8.py tests/test_experts.py -k gpu 2>&1 | tail -5 > "$OUT/final.log"
+      (cd benchmarks && PYTHONPATH=../src timeout 300 python3 fp8_backward_ab.py --variants plan,triton --mx-variants "" --rounds 5 --out "$OUT/final" 2>&1 | tail -40 >> "$OUT/final.log");;
+  esac
+  echo "== $step $(( $(date +%s) - start )) s"; tail -12 "$OUT"/${step/wgrad/wgrad_}.log 2>/dev/null
+done
