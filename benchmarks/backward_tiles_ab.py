@@ -22,9 +22,8 @@ import time
 
 import torch
 
-from megamoe.bench.experts import make_load
+from megamoe.bench.experts import backward_load
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.tiles import TileConfig
 
@@ -119,15 +118,10 @@ def main() -> None:
     cfg = preset(a.preset)
     dev = torch.device("cuda")
     d, i = cfg.hidden, cfg.intermediate
-    x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, d, i, dev)
-    rows = x.shape[0]
-    fwd = ExpertForward(torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=dev),
-                        torch.empty(rows, i, dtype=torch.bfloat16, device=dev), None)
-    gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
-    g = torch.Generator(device=dev).manual_seed(7)
-    dy = torch.randn(rows, d, generator=g, device=dev).bfloat16()
-    row_w = torch.rand(rows, generator=g, device=dev)
-    d_h = torch.randn(rows, 2 * i, generator=g, device=dev).bfloat16()
+    load = backward_load(cfg, a.experts, a.tokens, dev)
+    dy, x, wgu, wd, rows = load.dy, load.x, load.w_gate_up, load.w_down, load.x.shape[0]
+    g = torch.Generator(device=dev).manual_seed(8)
+    d_h = torch.randn(rows, 2 * i, generator=g, device=dev).bfloat16()  # the dense peer's dgrad operand
     c_dact, c_dx = torch.empty(rows, i, dtype=torch.bfloat16, device=dev), torch.empty_like(x)
     c_wd, c_wgu = torch.empty(d, i, dtype=torch.bfloat16, device=dev), torch.empty(2 * i, d, dtype=torch.bfloat16,
                                                                                    device=dev)
@@ -135,14 +129,14 @@ def main() -> None:
     def dense():
         torch.mm(dy, wd[0], out=c_dact)
         torch.mm(d_h, wgu[0], out=c_dx)
-        torch.mm(dy.T, fwd.act, out=c_wd)
+        torch.mm(dy.T, load.act, out=c_wd)
         torch.mm(d_h.T, x, out=c_wgu)
 
     calls, status = {"dense (cuBLAS)": dense}, {}
     ref = None
     for name in a.variants.split(","):
         tiles = VARIANTS[name]
-        call = (lambda tiles=tiles: expert_backward(dy, row_w, x, fwd.h, counts, offsets, wgu, wd, tiles=tiles))
+        call = (lambda tiles=tiles: expert_backward(*load.args, tiles=tiles))
         try:
             grads = call()
             torch.cuda.synchronize()

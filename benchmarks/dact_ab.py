@@ -19,10 +19,9 @@ import statistics
 
 import torch
 
-from megamoe.bench.experts import make_load
+from megamoe.bench.experts import backward_load
 from megamoe.config import preset
 from megamoe.ops.expert_weights import transposed_weights
-from megamoe.ops.experts import ExpertForward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block
 from megamoe.ops.tiles import TileConfig
@@ -69,17 +68,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.3)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
-    cfg, dev = preset(a.preset), torch.device("cuda")
-    d, i = cfg.hidden, cfg.intermediate
-    x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, d, i, dev)
-    rows = x.shape[0]
-    fwd = ExpertForward(torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=dev),
-                        torch.empty(rows, i, dtype=torch.bfloat16, device=dev), None)
-    gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
-    g = torch.Generator(device=dev).manual_seed(7)
-    args = (torch.randn(rows, d, generator=g, device=dev).bfloat16(), torch.rand(rows, generator=g, device=dev), x,
-            fwd.h, counts, offsets, wgu, wd)
-    wt = transposed_weights(wgu, wd)
+    load = backward_load(preset(a.preset), a.experts, a.tokens, torch.device("cuda"))
+    args, rows = load.args, load.x.shape[0]
+    wt = transposed_weights(load.w_gate_up, load.w_down)
     calls = {}
     for name, tile in BF16.items():
         calls[f"bf16 {name}"] = lambda t=tile: expert_backward(*args, tiles={"dact": t} if t else None)

@@ -14,9 +14,8 @@ import argparse
 
 import torch
 
-from megamoe.bench.experts import make_load
+from megamoe.bench.experts import backward_load
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.expert_weights import transposed_weights
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
@@ -32,19 +31,13 @@ def main() -> None:
                         help="bf16, fp8-block: the Triton kernels where Hopper runs Gluon ones (warp_specialized=False)")
     a = parser.parse_args()
     cfg, dev = preset(a.preset), torch.device("cuda")
-    x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, dev)
-    rows = x.shape[0]
-    fwd = ExpertForward(torch.empty(rows, 2 * cfg.intermediate, dtype=torch.bfloat16, device=dev),
-                        torch.empty(rows, cfg.intermediate, dtype=torch.bfloat16, device=dev), None)
-    gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
-    g = torch.Generator(device=dev).manual_seed(7)
-    dy = torch.randn(rows, cfg.hidden, generator=g, device=dev).bfloat16()
-    args = (dy, torch.rand(rows, generator=g, device=dev), x, fwd.h, counts, offsets, wgu, wd)
+    load = backward_load(cfg, a.experts, a.tokens, dev)
+    args = load.args
     kw = {"warp_specialized": False} if a.triton and a.precision != "mxfp8" else {}
     if a.precision == "bf16":
         call = lambda: expert_backward(*args, **kw)  # noqa: E731
     else:
-        wt = transposed_weights(wgu, wd, a.precision)
+        wt = transposed_weights(load.w_gate_up, load.w_down, a.precision)
         fn = expert_backward_fp8_block if a.precision == "fp8-block" else expert_backward_mxfp8
         call = lambda: fn(*args, weights_t=wt, **kw)  # noqa: E731
     for _ in range(2):

@@ -21,10 +21,9 @@ import statistics
 
 import torch
 
-from megamoe.bench.experts import make_load
+from megamoe.bench.experts import backward_load
 from megamoe.bench.harness import error_stats
 from megamoe.config import preset
-from megamoe.ops.experts import ExpertForward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.expert_weights import transposed_weights
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
@@ -96,17 +95,11 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)  # before the run: the profiled call's trace goes there
     cfg, dev = preset(a.preset), torch.device("cuda")
     d, i = cfg.hidden, cfg.intermediate
-    x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, d, i, dev)
-    rows = x.shape[0]
-    fwd = ExpertForward(torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=dev),
-                        torch.empty(rows, i, dtype=torch.bfloat16, device=dev), None)
-    gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
-    g = torch.Generator(device=dev).manual_seed(7)
-    dy = torch.randn(rows, d, generator=g, device=dev).bfloat16()
-    row_w = torch.rand(rows, generator=g, device=dev)
-    d_h = torch.randn(rows, 2 * i, generator=g, device=dev).bfloat16()
+    load = backward_load(cfg, a.experts, a.tokens, dev)
+    args, x, wgu, wd, rows = load.args, load.x, load.w_gate_up, load.w_down, load.x.shape[0]
+    g = torch.Generator(device=dev).manual_seed(8)
+    d_h = torch.randn(rows, 2 * i, generator=g, device=dev).bfloat16()  # the dense peers' dgrad operand
     wt = {"fp8-block": transposed_weights(wgu, wd), "mxfp8": transposed_weights(wgu, wd, "mxfp8")}
-    args = (dy, row_w, x, fwd.h, counts, offsets, wgu, wd)
     calls = {"bf16": lambda: expert_backward(*args)}
 
     for name in a.variants.split(","):
@@ -145,7 +138,7 @@ def main() -> None:
             status[name] = f"same bits as plan: {same}"
         del got
     del ref, plan_grads
-    calls.update(dense_calls(dy, fwd.act, d_h, x, wd, wgu))
+    calls.update(dense_calls(load.dy, load.act, d_h, x, wd, wgu))
     times = interleaved_rounds(calls, a.rounds, a.seconds)
     ms = {k: statistics.median(v) for k, v in times.items()}
     timelines = {name: gaps(calls[name], a.out) for name in ("bf16", "bf16 triton", "fp8-block plan",

@@ -70,6 +70,39 @@ def make_load(experts: int, routes: int, d: int, i: int, device):
 
 
 @dataclasses.dataclass(frozen=True)
+class BackwardLoad:
+    """An expert backward's operands on :func:`make_load`'s load: the forward run once for h and act, a random
+    upstream gradient and router weights (seed 7). ``args``: :func:`~megamoe.ops.experts_bwd.expert_backward`'s."""
+
+    dy: torch.Tensor
+    row_weights: torch.Tensor
+    x: torch.Tensor
+    h: torch.Tensor
+    act: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+    @property
+    def args(self) -> tuple:
+        return (self.dy, self.row_weights, self.x, self.h, self.counts, self.offsets, self.w_gate_up, self.w_down)
+
+
+def backward_load(cfg: MoEConfig, experts: int, tokens: int, device) -> BackwardLoad:
+    """``tokens x top_k`` rows of ``cfg``'s expert shapes over ``experts`` experts, ready for a backward."""
+    d, i = cfg.hidden, cfg.intermediate
+    x, counts, offsets, wgu, wd = make_load(experts, tokens * cfg.top_k, d, i, device)
+    rows = x.shape[0]
+    fwd = ExpertForward(torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device),
+                        torch.empty(rows, i, dtype=torch.bfloat16, device=device), None)
+    gate_up(x, counts, offsets, wgu, fwd.h, fwd.act)
+    g = torch.Generator(device=device).manual_seed(7)
+    dy = torch.randn(rows, d, generator=g, device=device).bfloat16()
+    return BackwardLoad(dy, torch.rand(rows, generator=g, device=device), x, fwd.h, fwd.act, counts, offsets, wgu, wd)
+
+
+@dataclasses.dataclass(frozen=True)
 class Fp8BlockOperands:
     """A load's FP8-block operands, quantised once (untimed), and their gate/up's outputs (the down's input)."""
 
