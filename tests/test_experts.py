@@ -443,7 +443,8 @@ def test_gpu_dact_ws_gives_the_triton_tiles_bits():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills)."""
+    too, without spills); the Gluon dact sums its rows' router-gradient partials in the Triton dact's register
+    layout (their order, so their bits: in another layout 400 of them differed on the GPU)."""
     summary = sm90_report("gemm")
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "wgrad_kernel", "wgrad_kernel (few rows per expert)",
@@ -455,6 +456,8 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel"):  # Gluon
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
+    triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]
+    assert len(triton_sums) == 1 and summary["dact_ws_kernel"]["reduce_layouts"] == triton_sums, summary
 
 
 def _rel(a, b):

@@ -286,7 +286,7 @@ def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
     backward (dact, wgrad; dx is the down kernel); down, dact and wgrad do not spill (gate/up does, ~0.9 KB, a known
     Triton 3.6 register limit: see expert_gemm_fp8.summary). The Gluon kernels that run them on Hopper: gate/up's
     consumers hold a register or two around the epilogue's quantisation on the stack (16 bytes), down, the wgrad
-    and the dact none."""
+    and the dact none; the Gluon dact sums its router-gradient partials in the Triton dact's layout (their bits)."""
     summary = sm90_report("fp8")
     assert set(summary) == {"gate_up_fp8_kernel", "gate_up_fp8_kernel (few rows per expert)", "down_fp8_kernel",
                             "dact_fp8_kernel", "wgrad_fp8_kernel", "forward_fp8_ws_kernel (gate/up)",
@@ -302,3 +302,5 @@ def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("down_fp8_kernel", "dact_fp8_kernel", "wgrad_fp8_kernel"):  # the backward's build without spills
         assert summary[name]["stack_bytes"] in (0, None), summary[name]
+    triton_sums = summary["dact_fp8_kernel"]["reduce_layouts"]
+    assert len(triton_sums) == 1 and summary["dact_fp8_ws_kernel"]["reduce_layouts"] == triton_sums, summary

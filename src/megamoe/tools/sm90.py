@@ -72,6 +72,19 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": int(reg.group(1)) if reg else None, "stack_bytes": int(stack.group(1)) if stack else None}
 
 
+def reduce_layouts(ttgir: str) -> list[str]:
+    """The register layouts the build's reductions (``tt.reduce``) run in, per thread and warp (``warpsPerCTA``
+    left out: kernels of 4 and 8 warps compare), with their axis: a row sum reduces in the same order, so to the same
+    bits, where these agree."""
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    found = set()
+    for axis, layout in re.findall(r'"tt\.reduce"\([^)]*\) <\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<[^,]*, (#[\w.]+(?:<.*?>)?)>\)',
+                                   ttgir, re.S):
+        layout = aliases.get(layout, layout)
+        found.add(f"axis {axis}: " + re.sub(r",? ?warpsPerCTA = \[[\d, ]*\],?", ",", layout).replace("{,", "{"))
+    return sorted(found)
+
+
 def facts(compiled) -> dict:
     """What one sm_90 build holds: tensor-core and copy instructions, memory, vector widths."""
     ptx = compiled.asm["ptx"]
@@ -91,6 +104,7 @@ def facts(compiled) -> dict:
         "loads_b16": len(re.findall(r"ld\.global(?:\.\w+)*\.b16", ptx)),
         "loads_v4": ptx.count("ld.global.v4"),
         "barriers": ptx.count("bar.sync"),
+        "reduce_layouts": reduce_layouts(compiled.asm["ttgir"]),
         **resource_usage(compiled.asm["cubin"]),
     }
 
