@@ -119,9 +119,9 @@ def wgrad_fp8_ws_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, block0_
                         OUT_N, K_PAD, stride_as, stride_bs, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
     """out[l] = Σ_kb (a_t[:, kb] · b_t[:, kb]ᵀ) * (a_scale[kb] ⊗ b_scale[kb]) over expert l's token blocks: a_t
     `[OUT_M, K_PAD]`, b_t `[OUT_N, K_PAD]` e4m3, a_scale `[K_PAD/128, OUT_M]`, b_scale `[K_PAD/128, OUT_N]` fp32
-    (rows stride_as / stride_bs apart, multiples of 4 for TMA), out `[L, OUT_M, OUT_N]` bf16; 128 x 128 blocks. 4 warps here (the first
-    consumer), 4 + 1 in the worker partitions: warp_specialize's default partition gets the registers the workers
-    leave, 232 with a producer of 40."""
+    (rows stride_as / stride_bs apart, multiples of 4 for TMA), out `[L, OUT_M, OUT_N]` bf16; 128 x 128 blocks.
+    4 warps here (the first consumer), 4 + 1 in the worker partitions: warp_specialize's default partition gets the
+    registers the workers leave, 232 with a producer of 40."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.bfloat16)

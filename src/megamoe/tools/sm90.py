@@ -78,8 +78,8 @@ def reduce_layouts(ttgir: str) -> list[str]:
     bits, where these agree."""
     aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
     found = set()
-    for axis, layout in re.findall(r'"tt\.reduce"\([^)]*\) <\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<[^,]*, (#[\w.]+(?:<.*?>)?)>\)',
-                                   ttgir, re.S):
+    reduce = r'"tt\.reduce"\([^)]*\) <\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<[^,]*, (#[\w.]+(?:<.*?>)?)>\)'
+    for axis, layout in re.findall(reduce, ttgir, re.S):
         layout = aliases.get(layout, layout)
         found.add(f"axis {axis}: " + re.sub(r",? ?warpsPerCTA = \[[\d, ]*\],?", ",", layout).replace("{,", "{"))
     return sorted(found)
