@@ -12,12 +12,14 @@ import torch
 
 from megamoe.bench.harness import compare
 from megamoe.bench.problem import make_problem
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, preset
 from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, default_config, fuse_shared, megamoe_forward
+from megamoe.megakernel.launch import MAX_TILE_STAGES, tile_stages
 from megamoe.planner import KernelConfig
 from megamoe.ops.expert_weights import quantize_experts
+from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
 from megamoe.reference import moe_forward
 from megamoe.parallel.world import launch
 
@@ -106,6 +108,23 @@ def _ring_wraps(world):
     # rows of the first minibatches still in the ring are the pulled x rows
     expect = _pulled_rows(world, p.x, 40, ctx.schedule, resident)
     return rows, resident, torch.equal(ctx.buffers.ring_x[:resident], expect)
+
+
+def test_tile_ring_depth_follows_the_rows_per_expert():
+    """One more stage where experts hold more rows than the few-rows plan's bound (kimi-k2 at EP 2 and up: 341
+    rows), the plan's three below it (EP 1: 170 rows), and the launch takes it."""
+    kimi = preset("kimi-k2")
+    assert [tile_stages(LayerShape.of(kimi, ranks, 8192)) for ranks in (1, 2, 4, 8)] == [3, 4, 4, 4]
+    assert tile_stages(LayerShape.of(kimi, 2, 2048)) == 3  # 85 rows per expert
+    edge = LayerShape.of(kimi, 2, FEW_ROWS_PER_EXPERT * 192 // kimi.top_k)  # exactly the bound: the plan's depth
+    assert tile_stages(edge) == 3 and MAX_TILE_STAGES == 4
+    for tokens, depth in ((40, 3), (1024, 4)):  # CONFIG: 15 and 384 rows per expert
+        assert launch(_launch_stages, 1, tokens) == [(depth, depth)]
+
+
+def _launch_stages(world, tokens):
+    shape = LayerShape.of(CONFIG, world.size, tokens)
+    return MegaKernel(world, shape, ROOMY, one_rank_megakernel=True).launcher.consts["num_stages"], tile_stages(shape)
 
 
 def test_ring_wraps_and_keeps_first_minibatches():

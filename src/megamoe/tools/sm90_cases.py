@@ -321,6 +321,7 @@ def megakernel_case(fmt: str) -> Case:
     """The forward megakernel for routed format ``fmt`` (FP8: the comm workers copy the owners' E4M3 rows and
     scales)."""
     from megamoe.kernels import megakernel as mk
+    from megamoe.megakernel.launch import MAX_TILE_STAGES
     from megamoe.megakernel.launch_args import copy_tile_consts
     from megamoe.precision import SCALE_BLOCK
 
@@ -359,7 +360,7 @@ def megakernel_case(fmt: str) -> Case:
             signature[name] = "*i32"
         else:
             signature[name] = "fp32" if name == "limit" else "i32"
-    return Case(mk.megakernel, signature, consts)
+    return Case(mk.megakernel, signature, consts, num_stages=MAX_TILE_STAGES)  # the deepest ring must fit
 
 
 def backward_megakernel_case() -> Case:
