@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.bench.harness import BenchOptions, percentile
+from megamoe.bench.harness import (FP8_WEIGHT_GRAD_GROUP_TOL, ROW_GROUP, BenchOptions, compare, error_stats,
+                                     percentile)
 
 
 @pytest.mark.parametrize("values, q, want", [
@@ -60,3 +61,36 @@ def test_bench_options_refuse_bad_values(kwargs, match):
 def test_bench_options_on_cuda_without_a_gpu():
     with pytest.raises(ValueError, match="no CUDA GPU is visible"):
         BenchOptions(preset="tiny", tokens=(8,), ep=1, device="cuda")
+
+
+def _weight_grads(rows=1024, cols=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(rows, cols, generator=g)
+    return ref, ref + 0.06 * torch.randn(rows, cols, generator=g)  # FP8's typical row error
+
+
+def test_fp8_weight_gradients_are_judged_by_groups_of_rows():
+    """One amplified row (an outlier token's quantisation error) passes in a routed weight gradient and fails a
+    per-token gradient; a group of rows off together (a missing wgrad block) fails."""
+    ref, got = _weight_grads()
+    assert error_stats(got, ref)["row_group"] < 0.1
+    lone = got.clone()
+    typical = ref.norm(dim=1).pow(2).mean().sqrt()
+    lone[70] = ref[70] + 0.6 * torch.maximum(ref[70].norm(), typical) * torch.ones(ref.shape[1]) / ref.shape[1] ** 0.5
+    st = error_stats(lone, ref)
+    assert st["row"] > 0.5 > FP8_WEIGHT_GRAD_GROUP_TOL > st["row_group"]
+    assert compare({"w_gate_up": lone}, {"w_gate_up": ref}, "fp8-grads")["correct"]
+    assert not compare({"x": lone}, {"x": ref}, "fp8-grads")["correct"]  # per-token rows keep the row bound
+    assert not compare({"w_gate_up": lone}, {"w_gate_up": ref}, "bf16")["correct"]
+    block = got.clone()
+    block[ROW_GROUP: 2 * ROW_GROUP] *= 0.6  # a tile of rows missing 40 % of their tokens
+    st = error_stats(block, ref)
+    assert st["row_group"] > FP8_WEIGHT_GRAD_GROUP_TOL and st["rel"] < 0.1  # L1 alone would not see it
+    result = compare({"w_down": block}, {"w_down": ref}, "fp8-grads")
+    assert not result["correct"] and result["worst_tensor"] == "w_down"
+
+
+def test_row_groups_never_straddle_chunks():
+    ref, got = _weight_grads(rows=200)
+    got[128:192] = 0  # the third group of 64 rows, cut by 100-row chunks were they not rounded to groups
+    assert error_stats(got, ref, chunk_rows=100)["row_group"] == error_stats(got, ref)["row_group"] > 0.9

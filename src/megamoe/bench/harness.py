@@ -47,6 +47,16 @@ TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3),
               # (tests/test_training_fp8.py), 0.39 with 2 (tiny, 8 tokens): an expert's few rows average nothing
               # (its kernels equal the recipe's twin there, tests/test_experts_fp8_bwd.py)
               "fp8-grads": (1e-1, 5e-1, 2.0)}
+#: FP8 routed experts' weight gradients are judged by groups of rows, not row by row. Each row of an expert's
+#: d w_gate_up / d w_down sums that expert's tokens, and a token whose activation is an outlier carries its own
+#: quantisation error into the row amplified (tiny on CPU: d w_gate_up's worst row 0.29, 0.03 without the one
+#: token whose silu(gate) is 10x the feature's next largest; glm-5 on an H200: 0.55, MXFP8 1.9, against a median
+#: of 0.06-0.08: benchmarks/results/2026-12-02-fp8-layer-ep1). A missing or wrong block moves a wgrad tile's
+#: rows together, so each group of ``ROW_GROUP`` consecutive rows must have its median row error within this
+#: bound (the per-token gradients keep the row bound).
+FP8_WEIGHT_GRAD_GROUP_TOL = 0.25
+ROW_GROUP = 64
+ROUTED_WEIGHTS = ("w_gate_up", "w_down")
 #: Routed-expert formats of the megamoe implementations (the others are BF16 throughout).
 EXPERT_FORMATS = ("bf16", "fp8-block", "mxfp8")
 DEVICES = ("cpu", "cuda")
@@ -148,22 +158,28 @@ def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14)
 
     max_abs = max|out-ref|; rel = sum|out-ref| / sum|ref|; row = the largest
     ||out_row - ref_row|| / max(||ref_row||, typical row norm), the typical
-    norm being the RMS of ||ref_row||; finite = out has no NaN or inf.
+    norm being the RMS of ||ref_row||; row_group = the largest median of those
+    row errors over groups of :data:`ROW_GROUP` consecutive rows; finite = out
+    has no NaN or inf.
     """
     a, b = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    chunk_rows = -(-chunk_rows // ROW_GROUP) * ROW_GROUP  # groups never straddle chunks
     chunks = range(0, a.shape[0], chunk_rows)
     ref_sq = sum(float(b[i : i + chunk_rows].float().pow(2).sum(dtype=torch.float64)) for i in chunks)
     typical_row = max((ref_sq / max(a.shape[0], 1)) ** 0.5, torch.finfo(torch.float32).tiny)
-    max_abs, abs_sum, ref_sum, row, finite = 0.0, 0.0, 0.0, 0.0, True
+    max_abs, abs_sum, ref_sum, row, row_group, finite = 0.0, 0.0, 0.0, 0.0, 0.0, True
     for start in chunks:
         x, y = a[start : start + chunk_rows].float(), b[start : start + chunk_rows].float()
         diff = x - y
         max_abs = max(max_abs, float(diff.abs().max()))
         abs_sum += float(diff.abs().sum(dtype=torch.float64))
         ref_sum += float(y.abs().sum(dtype=torch.float64))
-        row = max(row, float((diff.norm(dim=1) / y.norm(dim=1).clamp_min(typical_row)).max()))
+        rows = diff.norm(dim=1) / y.norm(dim=1).clamp_min(typical_row)
+        row = max(row, float(rows.max()))
+        row_group = max(row_group, max(float(g.median()) for g in rows.split(ROW_GROUP)))
         finite = finite and bool(torch.isfinite(x).all())
-    return {"max_abs": max_abs, "rel": abs_sum / max(ref_sum, 1e-30), "row": row, "finite": finite}
+    return {"max_abs": max_abs, "rel": abs_sum / max(ref_sum, 1e-30), "row": row, "row_group": row_group,
+            "finite": finite}
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precision: str) -> dict:
@@ -175,10 +191,13 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precisi
     stays near 1e-2). The layer output ``out`` also meets the max-abs bound;
     gradients do not, as their magnitudes grow with the rows summed and a
     BF16 result carries half an ULP of its magnitude (measured on kimi-k2:
-    weight gradients up to ~120, router-weight gradients up to ~500).
+    weight gradients up to ~120, router-weight gradients up to ~500). FP8 routed
+    experts' weight gradients meet :data:`FP8_WEIGHT_GRAD_GROUP_TOL` on groups
+    of rows in place of the row bound.
     """
     rel_tol, row_tol, abs_tol = TOLERANCES[precision]
-    worst = {"max_abs_err": 0.0, "rel_err": 0.0, "row_err": 0.0, "correct": True, "worst_tensor": None}
+    worst = {"max_abs_err": 0.0, "rel_err": 0.0, "row_err": 0.0, "row_group_err": 0.0, "correct": True,
+             "worst_tensor": None}
     for name, ref in want.items():
         out = got.get(name)
         if out is None or out.shape != ref.shape:
@@ -187,7 +206,9 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precisi
         if ref.numel() == 0:
             continue
         st = error_stats(out, ref)
-        ok = st["rel"] <= rel_tol and st["row"] <= row_tol and st["finite"]
+        grouped = precision == "fp8-grads" and name in ROUTED_WEIGHTS
+        rows_ok = st["row_group"] <= FP8_WEIGHT_GRAD_GROUP_TOL if grouped else st["row"] <= row_tol
+        ok = st["rel"] <= rel_tol and rows_ok and st["finite"]
         ok = ok and (name != "out" or st["max_abs"] <= abs_tol)
         if worst["worst_tensor"] is None or (not ok and worst["correct"]) or (
                 ok == worst["correct"] and st["rel"] > worst["rel_err"]):
@@ -195,6 +216,7 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precisi
         worst["max_abs_err"] = max(worst["max_abs_err"], st["max_abs"])
         worst["rel_err"] = max(worst["rel_err"], st["rel"])
         worst["row_err"] = max(worst["row_err"], st["row"])
+        worst["row_group_err"] = max(worst["row_group_err"], st["row_group"])
         worst["correct"] = worst["correct"] and ok
     return worst
 
@@ -396,6 +418,7 @@ def _gather_record(world, opts: BenchOptions, run: _Run, name: str, work, shared
         "max_abs_err": max(r["check"]["max_abs_err"] for r in everyone),
         "rel_err": max(r["check"]["rel_err"] for r in everyone),
         "row_err": max(r["check"]["row_err"] for r in everyone),
+        "row_group_err": max(r["check"]["row_group_err"] for r in everyone),
         "correct": all(r["check"]["correct"] for r in everyone),
         "worst_tensor": max(everyone, key=lambda r: r["check"]["rel_err"])["check"]["worst_tensor"],
         "iters": len(times),
