@@ -98,14 +98,19 @@ def test_cli_converts_a_record_and_refuses_a_run_without_a_gpu(tmp_path):
     if not torch.cuda.is_available():
         result = runner.invoke(app, ["trace", "--out", str(tmp_path)])
         assert result.exit_code == 2 and "CUDA GPU" in result.output and "--from" in result.output
+    for steady in ("-1", "nan", "inf"):  # refused before any pass, on any machine
+        result = runner.invoke(app, ["trace", "--steady", steady, "--out", str(tmp_path)])
+        assert result.exit_code == 2 and "--steady must be" in result.output, result.output
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_trace_records_every_task(tmp_path):
-    result = CliRunner().invoke(app, ["trace", "--preset", "qwen3.5-397b", "--tokens", "512", "--out", str(tmp_path)])
+    result = CliRunner().invoke(app, ["trace", "--preset", "qwen3.5-397b", "--tokens", "512", "--steady", "0.2",
+                                      "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     record = tr.load(str(tmp_path / "trace_record.json.gz"))
+    assert all(r["passes"] > 3 for r in record["ranks"])  # the steady passes ran before the traced one
     for r in record["ranks"]:
         counts = Counter(tr.event_name(k)[0] for p in r["programs"] for _, _, k, _ in p["events"])
         assert all(counts[name] == want for name, want in r["expected"].items()), (counts, r["expected"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import NoReturn
@@ -268,10 +269,10 @@ def train(
     console.print(skipped or f"loss curves written to {plot}")
 
 
-def _trace_rank(world, preset: str, tokens: int, precision: str, passes: int) -> dict:
+def _trace_rank(world, preset: str, tokens: int, precision: str, passes: int, steady: float) -> dict:
     from megamoe.tools.trace import record_rank
 
-    return record_rank(world, preset, tokens, precision, passes)
+    return record_rank(world, preset, tokens, precision, passes, steady)
 
 
 @app.command()
@@ -281,6 +282,8 @@ def trace(
     precision: str = typer.Option("bf16", help="bf16, fp8-block or mxfp8."),
     ranks: int = typer.Option(None, help="Expert-parallel ranks (default: every visible GPU)."),
     passes: int = typer.Option(3, help="Passes to run; the last one is traced (the first compile)."),
+    steady: float = typer.Option(1.0, help="Then seconds of passes back to back before the traced one (the "
+                                           "GPU at its power cap, as in training; 0: none)."),
     out: str = typer.Option("megamoe-trace", help="Folder for trace_record.json.gz, trace.json and trace.png."),
     from_record: str = typer.Option(None, "--from", help="Convert a recorded trace_record.json[.gz] instead of "
                                                          "running a pass (no GPU needed)."),
@@ -294,9 +297,6 @@ def trace(
         except (OSError, ValueError) as exc:
             _fail(str(exc))
     else:
-        if not torch.cuda.is_available():
-            _fail("megamoe trace runs a pass on a CUDA GPU (the TRACE build reads the GPU's globaltimer); "
-                  "convert a recorded trace with --from trace_record.json.gz")
         from megamoe.config import PRESETS
         from megamoe.parallel.world import launch
         from megamoe.precision import check_precision
@@ -309,8 +309,13 @@ def trace(
             _fail(str(exc))
         if tokens < 1 or passes < 1 or (ranks is not None and ranks < 1):
             _fail("--tokens, --passes and --ranks must be positive")
+        if not math.isfinite(steady) or steady < 0:
+            _fail(f"--steady must be a finite number of seconds >= 0, got {steady}")
+        if not torch.cuda.is_available():
+            _fail("megamoe trace runs a pass on a CUDA GPU (the TRACE build reads the GPU's globaltimer); "
+                  "convert a recorded trace with --from trace_record.json.gz")
         ranks = ranks or torch.cuda.device_count()
-        results = launch(_trace_rank, ranks, preset, tokens, precision, passes, device="cuda")
+        results = launch(_trace_rank, ranks, preset, tokens, precision, passes, steady, device="cuda")
         record = tr.new_record(results, preset, tokens, precision, torch.cuda.get_device_name())
     os.makedirs(out, exist_ok=True)
     if from_record is None:
