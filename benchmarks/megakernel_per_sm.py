@@ -108,7 +108,7 @@ def _measure(world, a) -> dict:
             stamps.append(("/".join(key), start, end))
             if r:
                 standalone[key].append(1e3 * (end - start) / n)
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     table = []
     for depth, runs in passes.items():
         for (kind, variant), times in standalone.items():
@@ -120,8 +120,7 @@ def _measure(world, a) -> dict:
     return {"rank": world.rank, "preset": a.preset, "tokens": a.tokens, "precision": a.precision, "rows": rows,
             "experts": int(counts.numel()), "sms": sms, "compute_sms": compute_sms, "config": str(kernel.config),
             "passes": passes, "standalone_ms_rounds": {f"{k}/{v}": t for (k, v), t in standalone.items()},
-            "stamps": stamps,
-            "table": table}
+            "stamps": stamps, "table": table}
 
 
 def main() -> None:
