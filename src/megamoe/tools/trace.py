@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import time
 from collections import Counter
 
@@ -69,11 +70,11 @@ def decode(trace: torch.Tensor, comm_sms: int) -> list[dict]:
 def record_rank(world, preset_name: str, tokens: int, precision: str = "bf16", passes: int = 3,
                 steady_s: float = 0.0) -> dict:
     """``passes`` forward passes of ``preset_name`` at ``tokens`` per rank with the TRACE build (GPU; one rank runs
-    the megakernel too), then more back to back until ``steady_s`` seconds have passed (the GPU at its power cap,
-    as in training: a pass traced right after the first ones runs at a clock it will not hold; one that ran into
-    the cap while being traced slowed 20 % midway, benchmarks/results/2026-12-04-megakernel-stages); the last
-    pass's record of this rank, with the task counts the schedule implied."""
-
+    the megakernel too), then as many more back to back as fill ``steady_s`` seconds at the last one's pace, a
+    count every rank agrees on (the GPU at its power cap, as in training: a pass traced right after the first ones
+    runs at a clock it will not hold; one that ran into the cap while being traced slowed 20 % midway,
+    benchmarks/results/2026-12-04-megakernel-stages); the last pass's record of this rank, with the task counts
+    the schedule implied."""
     from megamoe.bench.problem import make_problem
     from megamoe.config import preset
     from megamoe.megakernel import MegaKernel, fuse_shared
@@ -86,23 +87,26 @@ def record_rank(world, preset_name: str, tokens: int, precision: str = "bf16", p
     fused = fuse_shared(p.shared)
     kernel = MegaKernel(world, LayerShape.of(cfg, world.size, tokens), precision=precision, trace=True,
                         one_rank_megakernel=True, replay=False)
+
     def one_pass():
-        return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
-                              buffers=kernel.scratch_buffers())[1]
+        ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
+                             buffers=kernel.scratch_buffers())[1]
+        torch.cuda.synchronize()  # the host never runs far ahead of the clock
+        return ctx
 
     for _ in range(passes):
+        start = time.perf_counter()
         ctx = one_pass()
-    torch.cuda.synchronize()
-    ran, start = passes, time.perf_counter()
-    while time.perf_counter() - start < steady_s:  # a sync per pass: the host never runs far ahead of the clock
+    # the steady passes by count, the same on every rank (each pass meets the others at its barriers)
+    per_pass = time.perf_counter() - start
+    steady = max(world.all_gather_object(math.ceil(steady_s / per_pass))) if steady_s > 0 else 0
+    for _ in range(steady):
         ctx = one_pass()
-        torch.cuda.synchronize()
-        ran += 1
     c = kernel.config
     gate_up, down = kernel.tiles()
     tiles = int(ctx.row_tiles.num_tiles.item())
     batches = -(-int(ctx.schedule.num_rows.item()) // c.minibatch)
-    return {"rank": world.rank, "programs": decode(kernel.trace, c.comm_sms), "passes": ran,
+    return {"rank": world.rank, "programs": decode(kernel.trace, c.comm_sms), "passes": passes + steady,
             "expected": {"gate/up + SwiGLU": tiles * -(-cfg.intermediate // gate_up.block_n),
                          "down": tiles * -(-cfg.hidden // down.block_n),
                          "pull rows": c.comm_sms * batches, "push rows home": c.comm_sms * batches},
