@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import statistics
-from collections import Counter
 
 import torch
 
@@ -34,21 +33,18 @@ from megamoe.ops.experts import down, gate_up
 from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
 from megamoe.parallel.world import launch
 from megamoe.planner import LayerShape
-from megamoe.tools.trace import decode, event_name
+from megamoe.tools.trace import decode, summary
 
 from sustained import run_for  # benchmarks/, beside this script
 
 
 def _role_ms(kernel: MegaKernel) -> dict[str, float]:
-    """The last pass's compute workers: mean ms per program in gate/up and down tasks; the pass's end."""
-    programs = [p for p in decode(kernel.trace, kernel.config.comm_sms) if p["role"] == "compute"]
-    busy = Counter()
-    for p in programs:
-        for start, end, kind, _ in p["events"]:
-            busy[event_name(kind)[1]] += end - start
-    return {"gate_up": busy["gate_up"] / len(programs) / 1e6, "down": busy["down"] / len(programs) / 1e6,
-            "end": max(p["end"] for p in programs) / 1e6,
-            "dropped_events": sum(p["dropped"] for p in programs)}
+    """The last pass's compute workers (`megamoe.tools.trace.summary`): mean ms per program in gate/up and down
+    tasks; the pass's end."""
+    record = {"ranks": [{"rank": 0, "programs": decode(kernel.trace, kernel.config.comm_sms)}]}
+    row = next(r for r in summary(record) if r["role"] == "compute")
+    return {"gate_up": row.get("gate_up_ms", 0.0), "down": row.get("down_ms", 0.0), "end": row["end_ms"],
+            "dropped_events": row["dropped_events"]}
 
 
 def _standalone_calls(precision: str, counts, offsets, rows: int, w_gate_up, w_down) -> dict:
