@@ -5,9 +5,9 @@
 ``tokens x k`` rows over --experts experts. Each variant is the expert backward with the planner's tiles but
 for the dact's (`TileConfig` stages and BLOCK_K, which `experts_bwd.dact_ws_constexprs` turns into the Gluon
 kernel's ring); its gradients are compared with the plan's bit for bit. In interleaved rounds every variant runs
-back to back for --seconds at the power cap, then two calls under the torch profiler give the dact kernel's
-device time (the backward's other kernels are the same in every variant). Prints the median dact ms per
-variant; writes DIR/dact_ab.json.
+back to back for --seconds at the power cap, then two calls under the torch profiler
+(`bench.experts.kernel_times`) give the dact kernel's device time (the backward's other kernels are the same in
+every variant). Prints the median dact ms per variant; writes DIR/dact_ab.json.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from megamoe.bench.experts import backward_load
+from megamoe.bench.experts import backward_load, kernel_times
 from megamoe.config import preset
 from megamoe.ops.expert_weights import transposed_weights
 from megamoe.ops.experts_bwd import expert_backward
@@ -44,19 +44,9 @@ FP8 = {
 GRADS = ("d_x", "d_router", "d_w_gate_up", "d_w_down")
 
 
-def dact_ms(fn, out_dir: str) -> float:
-    """The dact kernel's device ms in the second of two profiled calls (from the profiler's trace)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-    path = os.path.join(out_dir, "dact_ab_trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    times = [e["dur"] / 1e3 for e in sorted(events, key=lambda e: e.get("ts", 0))
-             if e.get("cat") == "kernel" and "dact" in e["name"]]
-    return times[-1] if times else float("nan")
+def dact_ms(fn) -> float:
+    """The dact kernel's device ms per call (two profiled calls after one more)."""
+    return sum(ms for name, ms in kernel_times(fn, iters=2).items() if "dact" in name) or float("nan")
 
 
 def main() -> None:
@@ -98,7 +88,7 @@ def main() -> None:
     for r in range(a.rounds + 1):
         for name, fn in calls.items():
             run_for(fn, a.seconds, 2)
-            ms = dact_ms(fn, a.out)
+            ms = dact_ms(fn)
             if r:
                 times[name].append(ms)
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -9,10 +9,10 @@ EP 2 and beyond). Each round runs megakernel passes for --seconds, then each sta
 megakernel schedule's own expert counts (random rows, the same counts and offsets): ``library`` is the call the
 one-rank layer makes (on Hopper the Gluon kernels where they are adopted), ``triton`` the same with
 ``warp_specialized=False`` (the tiles the megakernel inlines). The round's last pass is decoded
-(`megamoe.tools.trace.decode`): the compute workers' mean time in gate/up and in down tasks, waits excluded.
+(`megamoe.tools.trace.summary`): the compute workers' mean time in gate/up and in down tasks, waits excluded.
 Per-SM rate of the megakernel against a standalone call = (standalone ms x SMs) / (megakernel ms x compute SMs).
 --stages A/Bs the ring depth of the megakernel's tiles (each depth runs its passes in every round).
-Prints one table; writes DIR/megakernel_per_sm.json.
+Prints one table; writes DIR/megakernel_per_sm_<precision>_<tokens>[_<experts>].json.
 """
 
 from __future__ import annotations
