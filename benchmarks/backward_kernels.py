@@ -1,19 +1,30 @@
-"""Where each implementation's backward pass goes on the GPU: milliseconds per kernel name, side by side.
+"""Where a training step (or its backward) goes on the GPU: every kernel named and grouped, side by side.
 
     PYTHONPATH=src python3 benchmarks/backward_kernels.py [--preset kimi-k2] [--tokens 8192] [--ranks 1]
-        [--impl nccl-torch,megamoe] [--warmup 3] [--out DIR]
+        [--impl nccl-torch,megamoe] [--pass step|bwd] [--steady 2] [--rounds 3] [--out DIR]
 
-`megamoe bench`'s problem (seed 0, uniform routing) and runners: each implementation runs --warmup steps, then
-one forward untimed and its backward under torch.profiler (CUDA activity only). Rank 0 prints, per
-implementation, the backward's wall time between CUDA events, its kernels' busy time and the largest kernels;
-writes DIR/backward_kernels.json. Also prints the pull schedule's rows per local expert (the grouped GEMMs' M).
+`megamoe bench`'s problem (seed 0, uniform routing) and runners. Each implementation first runs training steps
+back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
+profiled passes, the implementations interleaved round by round. A pass is a whole step (forward + backward,
+the default) or a backward after an untimed forward (``--pass bwd``), under torch.profiler (CUDA activity).
+Rank 0 prints, per implementation, the pass's wall time between CUDA events (median of the rounds), its
+kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weighted sums, schedule, elementwise,
+memsets and copies), the time no kernel ran (launch gaps, host work, allocations) and the largest kernels;
+writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the median round) and
+DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (that round's Chrome / Perfetto trace). Each runner's gradients are
+dropped after its pass, so that two implementations' gradients need not fit at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import re
+import statistics
+import tempfile
+import time
 from collections import defaultdict
 
 import torch
@@ -23,6 +34,67 @@ from megamoe.bench.runners import RUNNERS
 from megamoe.config import preset
 from megamoe.parallel.world import launch
 
+#: Kernel kinds by name, first match wins (Triton kernels keep their function names; cuBLAS's and PyTorch's are
+#: matched by their families).
+KINDS = (
+    ("expert GEMM tiles", r"gate_up|down_|_down|dact|dx_|wgrad|grouped|gemm|_mm|nvjet|cutlass|xmma|sm90|megakernel"),
+    ("quantisers", r"quant|scale|e4m3|fp8|mx"),
+    ("schedule / routing", r"schedule|row_tiles|routing|sort|histc|bincount|cumsum|scan"),
+    ("row copies (pull / push / all-to-all)", r"pull|push|dispatch|combine|copy_rows|all_to_all|nccl|gather|scatter"),
+    ("weighted sums", r"weighted_sum"),
+    ("memsets / copies", r"memset|memcpy|fill|zero"),
+    ("elementwise / reductions", r"elementwise|vectorized|reduce|silu|mul|add|index"),
+)
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    for label, pattern in KINDS:
+        if re.search(pattern, low):
+            return label
+    return "other"
+
+
+def profiled(fn) -> tuple[float, list[dict], dict]:
+    """``fn()`` under torch.profiler: its wall ms between CUDA events, its kernels (name, start and duration in
+    µs) and the Chrome trace."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = [dict(name=e["name"], ts=float(e["ts"]), dur=float(e["dur"]))
+               for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    return start.elapsed_time(end), kernels, trace
+
+
+def account(ms: float, kernels: list[dict]) -> dict:
+    """The pass's kernel time by kind and name, and the time no kernel ran (wall - union of kernel spans)."""
+    spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels)
+    busy, reach = 0.0, float("-inf")
+    for a, b in spans:
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    by_kind, by_name, launches = defaultdict(float), defaultdict(float), defaultdict(int)
+    for k in kernels:
+        by_kind[kind(k["name"])] += k["dur"] / 1e3
+        by_name[k["name"][:100]] += k["dur"] / 1e3
+        launches[k["name"][:100]] += 1
+    return {"ms": ms, "busy_ms": busy / 1e3, "idle_ms": max(ms - busy / 1e3, 0.0), "launches": len(kernels),
+            "kinds": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "kernels": [{"name": n, "kind": kind(n), "ms": t, "launches": launches[n]}
+                        for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])]}
+
+
+def drop_grads(runner) -> None:
+    for t in getattr(runner, "_all_leaves", tuple)():
+        t.grad = None
+
 
 def run_rank(world, opts: dict) -> dict:
     cfg = preset(opts["preset"])
@@ -30,29 +102,35 @@ def run_rank(world, opts: dict) -> dict:
     per_expert = torch.bincount(p.top_experts[p.top_experts >= 0].flatten(), minlength=cfg.num_experts)
     out = {"rows_per_expert": {"min": int(per_expert.min()), "median": float(per_expert.float().median()),
                                "max": int(per_expert.max()), "experts": cfg.num_experts}}
-    for impl in opts["impl"]:
-        runner = RUNNERS[impl](world, p)
-        for _ in range(opts["warmup"]):
+    runners = {impl: RUNNERS[impl](world, p) for impl in opts["impl"]}
+    for impl, runner in runners.items():  # compile, then the steady state a training loop sees
+        t0, steps = time.perf_counter(), 0
+        while time.perf_counter() - t0 < opts["steady"] or steps < 3:
             runner.step()
-        y = runner.train_forward()
+            drop_grads(runner)
+            steps += 1
         torch.cuda.synchronize()
-        world.barrier("profile")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            start.record()
-            runner.backward(y)
-            end.record()
-            torch.cuda.synchronize()
-        kernels, launches = defaultdict(float), defaultdict(int)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                kernels[e.name[:90]] += e.device_time / 1e3
-                launches[e.name[:90]] += 1
-        top = sorted(kernels.items(), key=lambda kv: -kv[1])
-        out[impl] = {"ms": start.elapsed_time(end), "busy_ms": sum(kernels.values()),
-                     "kernels": [{"name": n, "ms": ms, "launches": launches[n]} for n, ms in top]}
-        del runner, y
-        torch.cuda.empty_cache()
+    rounds = defaultdict(list)
+    for _ in range(opts["rounds"]):
+        for impl, runner in runners.items():
+            world.barrier("profile")
+            if opts["pass"] == "step":
+                ms, kernels, trace = profiled(runner.step)
+            else:
+                y = runner.train_forward()
+                torch.cuda.synchronize()
+                ms, kernels, trace = profiled(lambda: runner.backward(y))
+                del y
+            rounds[impl].append((ms, kernels, trace))
+            drop_grads(runner)
+    for impl, got in rounds.items():
+        ms, kernels, trace = sorted(got, key=lambda r: r[0])[len(got) // 2]
+        out[impl] = account(ms, kernels)
+        out[impl]["rounds_ms"] = [r[0] for r in got]
+        if world.rank == 0 and opts["out"]:
+            name = f"{opts['preset']}_{opts['tokens']}_{opts['pass']}_{impl}.json.gz"
+            with gzip.open(os.path.join(opts["out"], name), "wt") as f:
+                json.dump(trace, f)
     return out
 
 
@@ -62,21 +140,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--impl", default="nccl-torch,megamoe")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--pass", dest="pass_", choices=("step", "bwd"), default="step")
+    parser.add_argument("--steady", type=float, default=2.0, help="seconds of steps before the profiled rounds")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
-    opts = dict(preset=a.preset, tokens=a.tokens, impl=a.impl.split(","), warmup=a.warmup)
-    r = launch(run_rank, a.ranks, opts, device="cuda")[0]
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "backward_kernels.json"), "w") as f:
+    opts = dict(preset=a.preset, tokens=a.tokens, impl=a.impl.split(","), pass_=a.pass_, steady=a.steady,
+                rounds=a.rounds, out=a.out)
+    opts["pass"] = opts.pop("pass_")
+    r = launch(run_rank, a.ranks, opts, device="cuda")[0]
+    name = f"backward_kernels_{a.preset}_{a.tokens}_{a.pass_}.json"
+    with open(os.path.join(a.out, name), "w") as f:
         json.dump({"args": vars(a), "rank0": r}, f, indent=1)
-    print(f"{a.preset}, {a.tokens} tokens/rank, {a.ranks} rank(s); routed rows per expert: {r['rows_per_expert']}")
+    print(f"{a.preset}, {a.tokens} tokens/rank, {a.ranks} rank(s), pass {a.pass_}; routed rows per expert: "
+          f"{r['rows_per_expert']}")
     for impl in opts["impl"]:
         x = r[impl]
-        print(f"{impl}: backward {x['ms']:.2f} ms between events, kernels busy {x['busy_ms']:.2f} ms")
+        print(f"{impl}: {x['ms']:.2f} ms between events (rounds {', '.join(f'{v:.2f}' for v in x['rounds_ms'])}; "
+              f"median of {statistics.median(x['rounds_ms']):.2f}), kernels busy {x['busy_ms']:.2f} ms, no kernel "
+              f"{x['idle_ms']:.2f} ms, {x['launches']} launches")
+        for label, ms in x["kinds"].items():
+            print(f"  {ms:8.3f} ms  {100 * ms / x['ms']:5.1f} %  {label}")
         for k in x["kernels"][: a.top]:
-            print(f"  {k['ms']:8.3f} ms  x{k['launches']:<4} {k['name']}")
+            print(f"    {k['ms']:8.3f} ms  x{k['launches']:<4} {k['name']}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ def test_presets_match_the_benchmark_shapes():
     kimi = preset("kimi-k2")
     assert (kimi.hidden, kimi.intermediate, kimi.num_experts, kimi.top_k, kimi.shared) == (7168, 2048, 384, 8, (2048,))
     assert preset("mixtral-8x7b").shared == ()
-    assert set(PRESETS) == {"kimi-k2", "glm-5", "qwen3.5-397b", "deepseek-v4-pro", "mixtral-8x7b", "tiny"}
+    assert set(PRESETS) == {"kimi-k2", "glm-5", "qwen3.5-397b", "deepseek-v4-pro", "mixtral-8x7b", "deepseek-v3",
+                            "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "sonic-7b", "sonic-d4096",
+                            "sonic-120b", "tiny"}
     for cfg in PRESETS.values():
         assert cfg.hidden % 64 == 0
 

@@ -85,6 +85,15 @@ PRESETS: dict[str, MoEConfig] = {
     "qwen3.5-397b": MoEConfig(hidden=4096, intermediate=1024, num_experts=512, top_k=10, shared=(1024,)),
     "deepseek-v4-pro": MoEConfig(hidden=7168, intermediate=3072, num_experts=384, top_k=6, shared=(3072,)),
     "mixtral-8x7b": MoEConfig(hidden=4096, intermediate=14336, num_experts=8, top_k=2),
+    "deepseek-v3": MoEConfig(hidden=7168, intermediate=2048, num_experts=256, top_k=8, shared=(2048,)),
+    "qwen3-30b-a3b": MoEConfig(hidden=2048, intermediate=768, num_experts=128, top_k=8),
+    "qwen3-235b-a22b": MoEConfig(hidden=4096, intermediate=1536, num_experts=128, top_k=8),
+    # gpt-oss's clamped SwiGLU (limit 7); its alpha-scaled sigmoid and the expert biases are not modelled
+    "gpt-oss-120b": MoEConfig(hidden=2880, intermediate=2880, num_experts=128, top_k=4, swiglu_limit=7.0),
+    # SonicMoE's published H100 shapes (arXiv 2512.14080): its 7B (T 24576), 30B-style (T 32768) and 120B
+    "sonic-7b": MoEConfig(hidden=1536, intermediate=256, num_experts=128, top_k=8),
+    "sonic-d4096": MoEConfig(hidden=4096, intermediate=512, num_experts=128, top_k=8),
+    "sonic-120b": MoEConfig(hidden=4096, intermediate=2048, num_experts=64, top_k=4),
     "tiny": MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=2, shared=(128,)),
 }
 
