@@ -37,9 +37,10 @@ from megamoe.parallel.world import launch
 #: Kernel kinds by name, first match wins (Triton kernels keep their function names; cuBLAS's and PyTorch's are
 #: matched by their families).
 KINDS = (
-    ("expert GEMM tiles", r"gate_up|down_|_down|dact|dx_|wgrad|grouped|gemm|_mm|nvjet|cutlass|xmma|sm90|megakernel"),
+    ("expert GEMM tiles", r"gate_up|down_|_down|dact|dx_|wgrad|forward_ws|grouped|gemm|_mm|nvjet|cutlass|xmma|sm90|"
+                          r"megakernel"),
     ("quantisers", r"quant|scale|e4m3|fp8|mx"),
-    ("schedule / routing", r"schedule|row_tiles|routing|sort|histc|bincount|cumsum|scan"),
+    ("schedule / routing", r"schedule|row_tiles|rout|histogram|sort|bincount|cumsum|scan|barrier"),
     ("row copies (pull / push / all-to-all)", r"pull|push|dispatch|combine|copy_rows|all_to_all|nccl|gather|scatter"),
     ("weighted sums", r"weighted_sum"),
     ("memsets / copies", r"memset|memcpy|fill|zero"),
