@@ -22,7 +22,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.kernels import sync
 from megamoe.megakernel import MegaKernel, fuse_shared
-from megamoe.megakernel.backward_composed import SavedForward
+from megamoe.megakernel.saved import SavedForward
 from megamoe.parallel.world import launch
 from megamoe.planner import LayerShape, plan
 

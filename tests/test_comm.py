@@ -110,7 +110,7 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
     # forward combine, push into a filled slot buffer: untouched slots keep the fill
     ys = [torch.randn(s.capacity, D, generator=torch.Generator().manual_seed(case["seed"] + 100 + r)).bfloat16()
           for r, s in enumerate(scheds)]
-    for dst, fn in (("combine", comm.combine_push), ("d_x", comm.reverse_dispatch_push)):
+    for dst, fn in (("combine", comm.combine_push), ("combine", comm.reverse_dispatch_push)):
         ws.local(dst).fill_(-3.0)
         got = fn(ws, sched, ys[me].to(device), num_sms=3)
         slots = torch.full((shape.max_tokens * k, D), -3.0, dtype=torch.bfloat16)

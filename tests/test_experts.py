@@ -350,14 +350,15 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "abcd"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
-            a, b, outs[0], offsets, counts, len(counts), out_m, out_n, DOT_FP32=False, NUM_PROGRAMS=programs,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten,
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
+            a, b, outs[0], offsets, counts, len(counts), out_m, out_n, counts, outs[0], outs[0], DOT_FP32=False,
+            NUM_PROGRAMS=programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            FLATTEN=tile.flatten, num_warps=tile.num_warps, num_stages=tile.num_stages)  # no window: unread
         for out, in_flight in zip(outs[2:], (False, True)):  # waiting for each wgmma, or one left in flight
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, len(counts), out_m, out_n, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
-                BLOCK_K=tile.block_k, STAGES=wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k),
-                MMA_IN_FLIGHT=in_flight, num_warps=4)
+                a, b, out, offsets, counts, len(counts), out_m, out_n, counts, out, out, NUM_PROGRAMS=programs,
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                STAGES=wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k), MMA_IN_FLIGHT=in_flight,
+                num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
@@ -366,6 +367,84 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
         differ = torch.nn.functional.pad(outs[0] != got, (0, -out_n % 256, 0, -out_m % 128)).view(
             len(counts), -(-out_m // 128), 128, -(-out_n // 256), 256).any(4).any(2).nonzero()
         assert torch.equal(outs[0], got), f"(expert, m block, n block) differing: {differ.tolist()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("rows_per_expert", [None, FEW_ROWS_PER_EXPERT])
+def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_per_expert):
+    """The backward's windows (``megamoe.kernels.wgrad_carry``): an expert's rows cut at 256 of them into two
+    launches, the first leaving its FP32 carry (CARRY_OUT), the second starting from it (CARRY_IN | STORE), beside
+    experts stored in one window (STORE; an empty one in the first) and skipped in the other (mode 0, no rows). The
+    Gluon wgrad (both of the planner's blocks: BK 32 with a wgmma left in flight, BK 64 without) gives
+    ``wgrad_kernel``'s bits, gradients and carry, and the unsplit launch's gradients; nothing is written that a mode
+    leaves out (NaN-poisoned); every expert STORE in one launch with CARRY is the launch without it."""
+    from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
+    from megamoe.ops.experts_bwd import wgrad_ws_constexprs
+    from megamoe.ops.launch import scratch_allocator
+    from megamoe.routing.windows import CARRY_IN, CARRY_OUT, STORE
+
+    gpu = torch.device("cuda")
+    tile = plan_tiles("wgrad", gpu, rows_per_expert)
+    out_m, out_n, programs = 320, 448, 5  # partial blocks, more blocks than programs
+    g = torch.Generator(device="cuda").manual_seed(8)
+    counts = torch.tensor([70, 0, 33, 300, 5, 200], dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    split, cut = 3, 256  # expert 3's rows: 256 in the first window (a multiple of 128), 44 in the second
+    a = torch.randn(int(counts.sum()), out_m, generator=g, device="cuda").bfloat16()
+    b = torch.randn(int(counts.sum()), out_n, generator=g, device="cuda").bfloat16()
+    experts = len(counts)
+    windows = []  # (counts, offsets, modes) of each window: the split expert's second part starts at its row 256
+    for rows, skip, modes in (([70, 0, 33, 256, 0, 0], 0, [STORE, STORE, STORE, CARRY_OUT, 0, 0]),
+                              ([0, 0, 0, 44, 5, 200], cut, [0, 0, 0, CARRY_IN | STORE, STORE, STORE])):
+        o = offsets.clone()
+        o[split] += skip
+        windows.append(tuple(torch.tensor(t, dtype=torch.int32, device="cuda") for t in (rows, o.tolist(), modes)))
+    nan = lambda *shape, dtype=torch.float32: torch.full(shape, float("nan"), dtype=dtype, device="cuda")  # noqa: E731
+
+    def launch(gluon, out, c, o, window=None):
+        carry = window is not None
+        window = window if carry else (c, out, out)  # unread without CARRY
+        if gluon:
+            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                a, b, out, o, c, experts, out_m, out_n, *window, CARRY=carry, **wgrad_ws_constexprs(tile, programs),
+                num_warps=4)
+        else:
+            expert_gemm_bwd.wgrad_kernel[(programs,)](
+                a, b, out, o, c, experts, out_m, out_n, *window, DOT_FP32=False, NUM_PROGRAMS=programs,
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten, CARRY=carry,
+                num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+    got = {}
+    with scratch_allocator():
+        for gluon in (False, True):
+            whole, stored = (nan(experts, out_m, out_n, dtype=torch.bfloat16) for _ in range(2))
+            launch(gluon, whole, counts, offsets)
+            every = torch.full((experts,), STORE, dtype=torch.int32, device="cuda")
+            launch(gluon, stored, counts, offsets, (every, nan(out_m, out_n), nan(out_m, out_n)))
+            out, carry_in, carry, carry_end = (nan(experts, out_m, out_n, dtype=torch.bfloat16), nan(out_m, out_n),
+                                               nan(out_m, out_n), nan(out_m, out_n))
+            launch(gluon, out, *windows[0][:2], (windows[0][2], carry_in, carry))  # carry_in unread: no CARRY_IN
+            torch.cuda.synchronize()
+            after_first = out.clone()
+            launch(gluon, out, *windows[1][:2], (windows[1][2], carry, carry_end))
+            got[gluon] = dict(whole=whole, stored=stored, after_first=after_first, out=out, carry=carry,
+                              carry_end=carry_end)
+    torch.cuda.synchronize()
+    want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
+    o3 = int(offsets[split])
+    assert _rel(got[True]["carry"], a[o3:o3 + cut].float().T @ b[o3:o3 + cut].float()) < 1e-5
+    for gluon, run in got.items():
+        assert _rel(run["whole"], want) < 1e-2 and run["whole"][1].eq(0).all(), gluon
+        assert run["after_first"][split:].isnan().all() and not run["after_first"][:split].isnan().any(), gluon
+        assert run["carry_end"].isnan().all(), gluon  # no CARRY_OUT in the second window
+        for name in ("stored", "out"):
+            differ = (run[name] != run["whole"]).flatten(1).any(1).nonzero().flatten().tolist()
+            assert torch.equal(run[name], run["whole"]), f"{gluon} {name}: experts differing {differ}"
+    for name, t in got[False].items():
+        same = torch.equal(t, got[True][name]) if name != "carry_end" else True
+        assert same, f"{name}: {int((t != got[True][name]).sum())} elements differ from wgrad_kernel's"
 
 
 @pytest.mark.gpu
@@ -443,17 +522,20 @@ def test_gpu_dact_ws_gives_the_triton_tiles_bits():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills); the Gluon dact sums its rows' router-gradient partials in the Triton dact's register
-    layout (their order, so their bits: in another layout 400 of them differed on the GPU)."""
+    too, without spills, also with the backward window's carry); the Gluon dact sums its rows' router-gradient
+    partials in the Triton dact's register layout (their order, so their bits: in another layout 400 of them
+    differed on the GPU)."""
     summary = sm90_report("gemm")
+    wgrads = {f"{kernel}{tile}" for kernel in ("wgrad_kernel", "wgrad_ws_kernel")
+              for tile in ("", " (few rows per expert)", " (carry)", " (few rows per expert, carry)")}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
-                            "dx_kernel (few rows per expert)", "wgrad_kernel", "wgrad_kernel (few rows per expert)",
-                            "wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)",
-                            "dact_ws_kernel"}
+                            "dx_kernel (few rows per expert)", "forward_ws_kernel (gate/up)", "dact_ws_kernel",
+                            *wgrads}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
-    for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "forward_ws_kernel (gate/up)",
+    for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
+                 "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel"):  # Gluon
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]

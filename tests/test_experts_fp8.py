@@ -286,14 +286,16 @@ def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
     backward (dact, wgrad; dx is the down kernel); down, dact and wgrad do not spill (gate/up does, ~0.9 KB, a known
     Triton 3.6 register limit: see expert_gemm_fp8.summary). The Gluon kernels that run them on Hopper: gate/up's
     consumers hold a register or two around the epilogue's quantisation on the stack (16 bytes), down, the wgrad
-    and the dact none; the Gluon dact sums its router-gradient partials in the Triton dact's layout (their bits)."""
+    (with the backward window's carry too) and the dact none; the Gluon dact sums its router-gradient partials in
+    the Triton dact's layout (their bits)."""
     summary = sm90_report("fp8")
     assert set(summary) == {"gate_up_fp8_kernel", "gate_up_fp8_kernel (few rows per expert)", "down_fp8_kernel",
                             "dact_fp8_kernel", "wgrad_fp8_kernel", "forward_fp8_ws_kernel (gate/up)",
                             "forward_fp8_ws_kernel (down)", "wgrad_fp8_ws_kernel",
-                            "wgrad_fp8_ws_kernel (4 stages)", "dact_fp8_ws_kernel"}
+                            "wgrad_fp8_ws_kernel (4 stages)", "dact_fp8_ws_kernel", "wgrad_fp8_kernel (carry)",
+                            "wgrad_fp8_ws_kernel (carry)"}
     for name in ("forward_fp8_ws_kernel (down)", "wgrad_fp8_ws_kernel", "wgrad_fp8_ws_kernel (4 stages)",
-                 "dact_fp8_ws_kernel"):
+                 "wgrad_fp8_ws_kernel (carry)", "dact_fp8_ws_kernel"):
         assert summary[name]["stack_bytes"] in (0, None), summary[name]
     assert summary["forward_fp8_ws_kernel (gate/up)"]["stack_bytes"] <= 16, summary["forward_fp8_ws_kernel (gate/up)"]
     for name, facts in summary.items():

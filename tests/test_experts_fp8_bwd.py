@@ -162,6 +162,70 @@ def test_gpu_fp8_wgrad_ws_knobs_give_the_triton_bits(knobs):
     assert torch.equal(outs[0], outs[1]), f"{int((outs[0] != outs[1]).sum())} elements differ"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+def test_gpu_fp8_wgrad_ws_carry_gives_the_triton_bits_and_the_unsplit_ones():
+    """The backward's windows (``megamoe.kernels.wgrad_carry``): expert 2's rows cut after two token blocks into two
+    launches, each window's operands quantised from its own rows (the cut on a 128-row block, so the same blocks
+    and scales), the first leaving the FP32 carry (CARRY_OUT), the second promoting onto it (CARRY_IN | STORE),
+    beside experts stored in one window (STORE; an empty one in the first) and skipped in the other (mode 0, no
+    rows). The Gluon FP8 wgrad gives ``wgrad_fp8_kernel``'s bits, gradients and carry, and the unsplit launch's
+    gradients; nothing is written that a mode leaves out (NaN-poisoned); every expert STORE in one launch with
+    CARRY is the launch without it."""
+    from megamoe.ops.experts_fp8 import warp_specialized_fp8
+    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8
+    from megamoe.routing.windows import CARRY_IN, CARRY_OUT, STORE
+
+    p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=128, seed=11)
+    tile = plan_tiles_fp8_bwd("wgrad", DEVICE)
+    assert warp_specialized_fp8(DEVICE, tile)
+    rows, experts, split, cut = p["x"].shape[0], 7, 2, 256  # expert 2's 300 rows: 256 in the first window, 44 after
+
+    def operands(counts, offsets):
+        """(a_t, a_s, b_t, b_s, blocks) of these rows: dW_gate_up's `[2I = 256, D = 384]` per expert."""
+        blocks = token_blocks(counts, offsets, rows)
+        return (*quantize_tokens(p["h"], blocks), *quantize_tokens(p["x"], blocks), blocks)
+
+    windows = []  # (operands, counts, modes) of each window: the split expert's second part from its row 256
+    for counts, skip, modes in (([70, 0, 256, 0, 0, 0, 0], 0, [STORE, STORE, CARRY_OUT, 0, 0, 0, 0]),
+                                ([0, 0, 44, 129, 5, 200, 131], cut, [0, 0, CARRY_IN | STORE] + [STORE] * 4)):
+        offsets = p["offsets"].clone()
+        offsets[split] += skip
+        counts = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+        windows.append((operands(counts, offsets), counts, torch.tensor(modes, dtype=torch.int32, device=DEVICE)))
+    whole_ops = operands(p["counts"], p["offsets"])
+    nan = lambda *shape, dtype=torch.float32: torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)  # noqa: E731
+
+    def launch(ws, ops, out, counts, carry=None):
+        wgrad_fp8(*ops[:4], out, ops[4], counts, tile, 5, warp_specialized=ws, carry=carry)
+
+    got = {}
+    for ws in (False, True):
+        whole, stored, out = (nan(experts, 256, 384, dtype=torch.bfloat16) for _ in range(3))
+        launch(ws, whole_ops, whole, p["counts"])
+        every = torch.full((experts,), STORE, dtype=torch.int32, device=DEVICE)
+        launch(ws, whole_ops, stored, p["counts"], (every, nan(256, 384), nan(256, 384)))
+        carry_in, carry, carry_end = nan(256, 384), nan(256, 384), nan(256, 384)
+        (ops0, counts0, modes0), (ops1, counts1, modes1) = windows
+        launch(ws, ops0, out, counts0, (modes0, carry_in, carry))  # carry_in unread: no CARRY_IN
+        torch.cuda.synchronize()
+        after_first = out.clone()
+        launch(ws, ops1, out, counts1, (modes1, carry, carry_end))
+        got[ws] = dict(whole=whole, stored=stored, after_first=after_first, out=out, carry=carry, carry_end=carry_end)
+    torch.cuda.synchronize()
+    for ws, run in got.items():
+        assert not run["whole"].isnan().any() and run["whole"][1].eq(0).all(), ws
+        assert run["after_first"][split:].isnan().all() and not run["after_first"][:split].isnan().any(), ws
+        assert not run["carry"].isnan().any() and run["carry_end"].isnan().all(), ws
+        for name in ("stored", "out"):
+            differ = (run[name] != run["whole"]).flatten(1).any(1).nonzero().flatten().tolist()
+            assert torch.equal(run[name], run["whole"]), f"ws={ws} {name}: experts differing {differ}"
+    for name, t in got[False].items():
+        if name != "carry_end":  # NaN on both sides
+            assert torch.equal(t, got[True][name]), f"{name}: {int((t != got[True][name]).sum())} elements differ"
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])  # mxfp8: ~1 min
 def test_fp8_backward_takes_e4m3_rows(fmt):
     """dy and x as E4M3 rows quantised along D (the pulled upstream gradient, the forward ring's x): the same

@@ -70,7 +70,7 @@ def test_bench_unfused_forward_and_backward_match_the_oracle():
 def test_home_sums_are_the_fp32_sum_of_the_valid_slots_bit_for_bit():
     """The backward's home sums (one weighted-sum launch, weights 1) against the plain FP32 sum in slot order:
     the same bits; slots of -1 routes (never pushed: NaN here) are not read."""
-    from megamoe.megakernel.backward_composed import home_sums
+    from megamoe.megakernel.saved import home_sums
 
     g = torch.Generator().manual_seed(1)
     for n, k, D, with_shared in ((37, 3, 128, True), (20, 8, 96, False), (1, 2, 64, True)):

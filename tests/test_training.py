@@ -282,7 +282,7 @@ def test_torch_compile_fullgraph_traces_a_moe_block(tmp_path, monkeypatch):
 def _backward_error_word(world):
     from megamoe.kernels import megakernel_bwd as mkb
     from megamoe.megakernel import MegaKernel, fuse_shared
-    from megamoe.megakernel.backward_composed import SavedForward
+    from megamoe.megakernel.saved import SavedForward
     from megamoe.planner import LayerShape
 
     p = _problem(world, CONFIG, (12, 9), "uniform", 0.0, 8, False)

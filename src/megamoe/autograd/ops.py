@@ -10,7 +10,8 @@ them.
 
 Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.worlds`), ``max_tokens`` the
 group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
-ring_rows,tile_m,tile_n,backward_comm_sms,backward_minibatch" (an empty field for None; "" for the planner's),
+ring_rows,tile_m,tile_n,backward_comm_sms,backward_minibatch,overlap,backward_ring_rows" (an empty field for None;
+"" for the planner's),
 ``check`` (read the kernels' error words: host syncs), ``fused_backward`` (the backward megakernel, or the
 standalone kernels composed: the same bits). ``experts_q``, the FP8 weight pack flattened, is a list of tensors
 the autograd context keeps for the backward.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.autograd.worlds import world_of
-from megamoe.megakernel.backward_composed import SavedForward
+from megamoe.megakernel.saved import SavedForward
 from megamoe.megakernel.forward import fuse_shared, layer_kernel
 from megamoe.megakernel.kernel import default_config
 from megamoe.megakernel.buffers import scale_dtype
@@ -38,15 +39,15 @@ def config_string(config: KernelConfig | None) -> str:
     if config is None:
         return ""
     values = [config.num_sms, config.comm_sms, config.minibatch, config.ring_rows, config.tile_m, config.tile_n,
-              config.backward_comm_sms, config.backward_minibatch, int(config.overlap)]
+              config.backward_comm_sms, config.backward_minibatch, int(config.overlap), config.backward_ring_rows]
     return ",".join("" if v is None else str(v) for v in values)
 
 
 def _config(text: str) -> KernelConfig | None:
     if not text:
         return None
-    *values, overlap = (int(v) if v else None for v in text.split(","))
-    return KernelConfig(*values, overlap=bool(overlap))
+    *values, overlap, ring = (int(v) if v else None for v in text.split(","))
+    return KernelConfig(*values, overlap=bool(overlap), backward_ring_rows=ring)
 
 
 def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down: list[Tensor],

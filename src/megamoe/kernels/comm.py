@@ -265,6 +265,25 @@ def release_claims(claims_ptr):
         tl.atomic_xchg(claims_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def route_scalars_kernel(num_rows_ptr, src_rank_ptr, src_index_ptr, peer_ptrs, anchor_ptr, rows_ptr,
+                         PUSH: tl.constexpr, BLOCK: tl.constexpr):
+    """One fp32 per route between a schedule's rows and the routes' home ranks: rows ``t < num_rows``, program p
+    takes ``[p * BLOCK, (p + 1) * BLOCK)``. Pull (``PUSH`` off): ``rows[t] = home_{src_rank[t]}[src_index[t]]``
+    (0 where ``src_rank`` is -1); push: ``home_{src_rank[t]}[src_index[t]] = rows[t]`` (-1 rows skipped). The
+    home buffers are ``[N*k]`` slots on every rank (``anchor_ptr`` this rank's)."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = t < tl.load(num_rows_ptr)
+    rank = tl.load(src_rank_ptr + t, mask=in_range, other=-1)
+    index = tl.load(src_index_ptr + t, mask=in_range, other=0)
+    valid = rank >= 0
+    home = anchor_ptr + peer_offset(rank, index, valid, peer_ptrs, anchor_ptr, 1)
+    if PUSH:
+        tl.store(home, tl.load(rows_ptr + t, mask=valid), mask=valid)
+    else:
+        tl.store(rows_ptr + t, tl.load(home, mask=valid, other=0.0), mask=in_range)
+
+
 # Per-call scalars are not specialised on (value 1, multiples of 16): a new
 # epoch or row limit must not trigger a recompile inside a timed loop.
 @triton.jit(do_not_specialize=["row_limit"])

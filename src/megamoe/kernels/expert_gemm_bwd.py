@@ -25,6 +25,7 @@ import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import _tile_task, tile_dot
+from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
 
 
 @triton.jit
@@ -215,9 +216,11 @@ def dx_kernel(
 
 @triton.jit
 def wgrad_kernel(
-    a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, modes_ptr, carry_in_ptr,
+    carry_out_ptr,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    CARRY: tl.constexpr = False,
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l]: `[OUT_M, OUT_N]` per expert, rows reduced in order.
 
@@ -228,6 +231,8 @@ def wgrad_kernel(
     masked register path) and every K step streams from shared memory to the
     tensor cores; the output descriptor ends at the expert's block, so the
     TMA store clips partial tiles. An expert with no rows gets zeros.
+    CARRY: one window of the backward's rows (``megamoe.kernels.wgrad_carry``: ``modes [L]``, the fp32 blocks
+    ``carry_in`` / ``carry_out`` `[OUT_M, OUT_N]`; unread without CARRY).
     Launch with a scratch allocator for the descriptors (`megamoe.ops.launch.scratch_allocator`).
     """
     num_n = tl.cdiv(OUT_N, BLOCK_N)
@@ -236,14 +241,16 @@ def wgrad_kernel(
     for expert in range(0, num_experts):
         # this program's first task of the expert: tasks are numbered expert-major, dealt round-robin
         first = (pid - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
-        if first < per_expert:
+        mode = wgrad_mode(modes_ptr, expert, CARRY)
+        if (first < per_expert) & (mode != 0):
             row0 = tl.load(offsets_ptr + expert)
             row_end = row0 + tl.load(counts_ptr + expert)
             a_desc, b_desc, out_desc = wgrad_descriptors(a_ptr, b_ptr, out_ptr, expert, row_end, OUT_M, OUT_N,
                                                          BLOCK_M, BLOCK_N, BLOCK_K)
             for task in tl.range(first, per_expert, NUM_PROGRAMS, flatten=FLATTEN):
                 wgrad_block(a_desc, b_desc, out_desc, row0, row_end, task // num_n * BLOCK_M,
-                            task % num_n * BLOCK_N, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                            task % num_n * BLOCK_N, mode, carry_in_ptr, carry_out_ptr, OUT_M, OUT_N, DOT_FP32,
+                            CARRY, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -261,13 +268,16 @@ def wgrad_descriptors(a_ptr, b_ptr, out_ptr, expert, row_end, OUT_M, OUT_N,
 
 
 @triton.jit
-def wgrad_block(a_desc, b_desc, out_desc, row0, row_end, m0, n0, DOT_FP32: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def wgrad_block(a_desc, b_desc, out_desc, row0, row_end, m0, n0, mode, carry_in_ptr, carry_out_ptr, OUT_M, OUT_N,
+                DOT_FP32: tl.constexpr, CARRY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     """out[m0:, n0:] = A[row0:row_end, m0:]ᵀ · B[row0:row_end, n0:]: the rows reduced in order, K steps of
-    BLOCK_K rows from row0, FP32 accumulation, one rounding."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    BLOCK_K rows from row0, FP32 accumulation, one rounding; with CARRY from and to the window carry (``mode``:
+    ``megamoe.kernels.wgrad_carry``)."""
+    acc = carry_start(mode, carry_in_ptr, m0, n0, OUT_M, OUT_N, CARRY, BLOCK_M, BLOCK_N)
     for k in range(row0, row_end, BLOCK_K):
         a = a_desc.load([k, m0])
         b = b_desc.load([k, n0])
         acc = tile_dot(a.T, b, acc, DOT_FP32)
-    out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))
+    if carry_end(acc, mode, carry_out_ptr, m0, n0, OUT_M, OUT_N, CARRY, BLOCK_M, BLOCK_N):
+        out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))

@@ -21,6 +21,7 @@ import triton.language as tl
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import _tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_epilogue
+from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
 from megamoe.kernels.expert_gemm_fp8 import _dot_block, _w_scales
 
 
@@ -61,13 +62,14 @@ def dact_fp8_kernel(
 @triton.jit
 def wgrad_fp8_kernel(
     a_desc, b_desc, a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
-    stride_as, stride_bs,
+    stride_as, stride_bs, modes_ptr, carry_in_ptr, carry_out_ptr,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, CARRY: tl.constexpr = False,
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l] from the token-axis-quantised transposes (module docstring):
     expert l's rows are its ``cdiv(counts[l], 128)`` blocks from block ``block0[l]``, reduced in order; an
-    expert with no rows gets zeros. Tasks are (expert, m-tile, n-tile) blocks dealt round-robin. A K step's
+    expert with no rows gets zeros. CARRY: one window of the backward's rows, as ``wgrad_kernel``
+    (``megamoe.kernels.wgrad_carry``). Tasks are (expert, m-tile, n-tile) blocks dealt round-robin. A K step's
     scales are ``[R_pad/128, C]`` rows (``stride_as`` / ``stride_bs`` apart), contiguous along the block's
     rows or columns. Each expert's output block is stored through a TMA descriptor made here (launch with
     ``megamoe.ops.launch.scratch_allocator``): it clips partial blocks and leaves the registers to the next
@@ -79,7 +81,8 @@ def wgrad_fp8_kernel(
     pid = tl.program_id(0)
     for expert in range(0, num_experts):
         first = (pid - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
-        if first < per_expert:
+        mode = wgrad_mode(modes_ptr, expert, CARRY)
+        if (first < per_expert) & (mode != 0):
             kb0 = tl.load(block0_ptr + expert)
             kb_end = kb0 + tl.cdiv(tl.load(counts_ptr + expert), 128)
             out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N,
@@ -90,11 +93,12 @@ def wgrad_fp8_kernel(
                 n0 = task % num_n * BLOCK_N
                 ms = m0 + tl.arange(0, BLOCK_M)
                 ns = n0 + tl.arange(0, BLOCK_N)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc = carry_start(mode, carry_in_ptr, m0, n0, OUT_M, OUT_N, CARRY, BLOCK_M, BLOCK_N)
                 for kb in range(kb0, kb_end):
                     a = a_desc.load([m0, kb * 128])
                     b = b_desc.load([n0, kb * 128])
                     sa = tl.load(a_scale_ptr + kb * stride_as + ms, mask=ms < OUT_M, other=0.0)
                     sb = tl.load(b_scale_ptr + kb * stride_bs + ns, mask=ns < OUT_N, other=0.0)
                     acc += _dot_block(a, b, DOT_FP32) * (sa[:, None] * sb[None, :])
-                out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))
+                if carry_end(acc, mode, carry_out_ptr, m0, n0, OUT_M, OUT_N, CARRY, BLOCK_M, BLOCK_N):
+                    out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))

@@ -22,6 +22,7 @@ import triton.language as tl
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import _tile_task, tile_dot
 from megamoe.kernels.expert_gemm_bwd import dact_epilogue
+from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
 from megamoe.kernels.expert_gemm_mxfp8 import _block_scales, _dequant, _mx_gemm_pair
 
 #: The rows each expert's token span is padded to (a multiple of every BLOCK_K the wgrad takes).
@@ -57,13 +58,14 @@ def dact_mxfp8_kernel(
 @triton.jit
 def wgrad_mxfp8_kernel(
     a_desc, b_desc, a_scale_ptr, b_scale_ptr, out_ptr, span0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, K,
-    stride_as, stride_bs,
+    stride_as, stride_bs, modes_ptr, carry_in_ptr, carry_out_ptr,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, CARRY: tl.constexpr = False,
 ):
     """out[l] = A[rows of l]ᵀ · B[rows of l] from the token-axis-quantised transposes (module docstring):
     expert l's rows are its ``cdiv(counts[l], 128)`` spans from span ``span0[l]``, reduced in order; an expert
-    with no rows gets zeros. K: the padded rows (R_pad). Tasks are (expert, m-tile, n-tile) blocks dealt
+    with no rows gets zeros. CARRY: one window of the backward's rows, as ``wgrad_kernel``
+    (``megamoe.kernels.wgrad_carry``). K: the padded rows (R_pad). Tasks are (expert, m-tile, n-tile) blocks dealt
     round-robin; each expert's output block is stored through a TMA descriptor made here, as the fp8-block
     wgrad's (launch with ``megamoe.ops.launch.scratch_allocator``)."""
     tl.static_assert(SPAN % BLOCK_K == 0, "a K step must not cross a span")
@@ -72,7 +74,8 @@ def wgrad_mxfp8_kernel(
     pid = tl.program_id(0)
     for expert in range(0, num_experts):
         first = (pid - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
-        if first < per_expert:
+        mode = wgrad_mode(modes_ptr, expert, CARRY)
+        if (first < per_expert) & (mode != 0):
             k0 = tl.load(span0_ptr + expert) * SPAN
             k_end = k0 + tl.cdiv(tl.load(counts_ptr + expert), SPAN) * SPAN
             out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(expert, tl.int64) * OUT_M * OUT_N,
@@ -83,11 +86,12 @@ def wgrad_mxfp8_kernel(
                 n0 = task % num_n * BLOCK_N
                 ms = m0 + tl.arange(0, BLOCK_M)
                 ns = n0 + tl.arange(0, BLOCK_N)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc = carry_start(mode, carry_in_ptr, m0, n0, OUT_M, OUT_N, CARRY, BLOCK_M, BLOCK_N)
                 for k in range(k0, k_end, BLOCK_K):
                     a = _dequant(a_desc.load([m0, k]), _block_scales(a_scale_ptr, ms.to(tl.int64), stride_as, k, K,
                                                                      ms < OUT_M, BLOCK_K), DOT_FP32)
                     b = _dequant(b_desc.load([n0, k]), _block_scales(b_scale_ptr, ns.to(tl.int64), stride_bs, k, K,
                                                                      ns < OUT_N, BLOCK_K), DOT_FP32)
                     acc = tile_dot(a, b.T, acc, DOT_FP32)
-                out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))
+                if carry_end(acc, mode, carry_out_ptr, m0, n0, OUT_M, OUT_N, CARRY, BLOCK_M, BLOCK_N):
+                    out_desc.store([m0, n0], to_bf16(acc, DOT_FP32))

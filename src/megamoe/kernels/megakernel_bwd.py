@@ -49,6 +49,7 @@ from megamoe.kernels.comm import pull_tile, signal_and_wait
 from megamoe.kernels.expert_gemm import gate_up_swiglu_tile, grouped_task, row_tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_tile, dx_tile, router_grad_rows, wgrad_block, wgrad_descriptors
 from megamoe.kernels.megakernel import comm_push, first_task
+from megamoe.kernels.wgrad_carry import STORE, wgrad_mode
 from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_BWD_PULL, TRACE_KIND_DACT, TRACE_KIND_DX, TRACE_KIND_REPLAY,
                                   TRACE_KIND_SHARED_DACT, TRACE_KIND_SHARED_DX, TRACE_KIND_WGRAD, TRACE_ROW,
                                   TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END, fence_async_proxy,
@@ -248,14 +249,17 @@ def shared_dx(
 @triton.jit
 def wgrad_tasks(
     c, workers, dealt, budget, minibatch_tiles_ptr, batches, offsets_ptr, counts_ptr, experts, shared_rows,
-    dy_ptr, act_w_ptr, d_h_ptr, x_ptr, d_w_down_ptr, d_w_gate_up_ptr,
+    dy_ptr, act_w_ptr, d_h_ptr, x_ptr, d_w_down_ptr, d_w_gate_up_ptr, modes_ptr, down_in_ptr, down_out_ptr,
+    gate_up_in_ptr, gate_up_out_ptr,
     shared_dy_ptr, shared_act_w_ptr, shared_d_h_ptr, shared_x_ptr, d_shared_down_ptr, d_shared_gate_up_ptr,
     dgrads_done_ptr, error_ptr, trace_ptr, I, D, shared_I,
     DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, HAS_SHARED: tl.constexpr,
     BN_DA: tl.constexpr, BM_W: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr,
 ):
     """Worker c's weight-gradient blocks (after every dact task): per routed expert dW_down `[D, I]` = dyᵀ act_w
-    then dW_gate_up `[2I, D]` = d_hᵀ x over its rows; then the shared expert's over this rank's tokens."""
+    then dW_gate_up `[2I, D]` = d_hᵀ x over its rows in this window, from and to the FP32 carries as its mode
+    says (``megamoe.kernels.wgrad_carry``; an expert with nothing here is skipped); then the shared expert's over
+    this rank's tokens."""
     first = first_task(c, workers, dealt)
     down_tasks = tl.cdiv(D, BM_W) * tl.cdiv(I, BN_W)
     gate_up_tasks = tl.cdiv(2 * I, BM_W) * tl.cdiv(D, BN_W)
@@ -273,19 +277,23 @@ def wgrad_tasks(
         if task < routed:
             expert = task // per_expert
             within = task - expert * per_expert
+            mode = wgrad_mode(modes_ptr, expert, True)
             row0 = tl.load(offsets_ptr + expert)
             row_end = row0 + tl.load(counts_ptr + expert)
             if within < down_tasks:
                 a_desc, b_desc, out_desc = wgrad_descriptors(dy_ptr, act_w_ptr, d_w_down_ptr, expert, row_end, D, I,
                                                              BM_W, BN_W, BK_W)
                 num_n = tl.cdiv(I, BN_W)
+                out_m, out_n, carry_in, carry_out = D, I, down_in_ptr, down_out_ptr
             else:
                 within -= down_tasks
                 a_desc, b_desc, out_desc = wgrad_descriptors(d_h_ptr, x_ptr, d_w_gate_up_ptr, expert, row_end, 2 * I,
                                                              D, BM_W, BN_W, BK_W)
                 num_n = tl.cdiv(D, BN_W)
+                out_m, out_n, carry_in, carry_out = 2 * I, D, gate_up_in_ptr, gate_up_out_ptr
         else:
             within = task - routed
+            mode = task * 0 + STORE
             row0 = 0
             row_end = shared_rows
             shared_down = tl.cdiv(D, BM_W) * tl.cdiv(shared_I, BN_W)
@@ -293,13 +301,17 @@ def wgrad_tasks(
                 a_desc, b_desc, out_desc = wgrad_descriptors(shared_dy_ptr, shared_act_w_ptr, d_shared_down_ptr, 0,
                                                              row_end, D, shared_I, BM_W, BN_W, BK_W)
                 num_n = tl.cdiv(shared_I, BN_W)
+                out_m, out_n = D, shared_I
             else:
                 within -= shared_down
                 a_desc, b_desc, out_desc = wgrad_descriptors(shared_d_h_ptr, shared_x_ptr, d_shared_gate_up_ptr, 0,
                                                              row_end, 2 * shared_I, D, BM_W, BN_W, BK_W)
                 num_n = tl.cdiv(D, BN_W)
-        wgrad_block(a_desc, b_desc, out_desc, row0, row_end, within // num_n * BM_W, within % num_n * BN_W,
-                    DOT_FP32, BM_W, BN_W, BK_W)
+                out_m, out_n = 2 * shared_I, D
+            carry_in, carry_out = down_in_ptr, down_out_ptr  # never read: STORE alone
+        if mode != 0:
+            wgrad_block(a_desc, b_desc, out_desc, row0, row_end, within // num_n * BM_W, within % num_n * BN_W,
+                        mode, carry_in, carry_out, out_m, out_n, DOT_FP32, True, BM_W, BN_W, BK_W)
         trace_event(trace_ptr, start, TRACE_KIND_WGRAD, task, TRACE)
     return dealt + tasks, budget
 
@@ -317,6 +329,8 @@ def megakernel_bwd(
     dy_desc, w_down_desc, ring_h_ptr, stride_ring_h, h_replay_ptr, act_replay_ptr, stride_h_replay, stride_act_replay,
     x_desc, w_gate_up_desc, row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h, stride_act_w, stride_partial,
     d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, d_router_ptr, d_w_down_ptr, d_w_gate_up_ptr,
+    # the weight gradients' carries across windows (megamoe.kernels.wgrad_carry)
+    modes_ptr, down_in_ptr, down_out_ptr, gate_up_in_ptr, gate_up_out_ptr,
     # the shared expert over this rank's tokens
     shared_dy_desc, shared_w_down_desc, shared_h_ptr, stride_shared_h, ones_ptr, shared_d_h_ptr, shared_act_w_ptr,
     shared_partial_ptr, stride_shared_d_h, stride_shared_act_w, stride_shared_partial, shared_d_h_desc,
@@ -405,9 +419,10 @@ def megakernel_bwd(
                     WAIT, TRACE, BLOCK_M, BN_DA, BN_DX, BK_DX, GROUP_M)
             dealt, budget = wgrad_tasks(
                 c, workers, dealt, budget, minibatch_tiles_ptr, batches, offsets_ptr, counts_ptr, experts, tokens,
-                dy_ptr, act_w_ptr, d_h_ptr, x_rows_ptr, d_w_down_ptr, d_w_gate_up_ptr, d_out_ptr, shared_act_w_ptr,
-                shared_d_h_ptr, x_ptr, d_shared_down_ptr, d_shared_gate_up_ptr, dgrads_done_ptr, error_ptr, trace_ptr,
-                I, D, shared_I, DOT_FP32, FENCE, WAIT, TRACE, HAS_SHARED, BN_DA, BM_W, BN_W, BK_W)
+                dy_ptr, act_w_ptr, d_h_ptr, x_rows_ptr, d_w_down_ptr, d_w_gate_up_ptr, modes_ptr, down_in_ptr,
+                down_out_ptr, gate_up_in_ptr, gate_up_out_ptr, d_out_ptr, shared_act_w_ptr, shared_d_h_ptr, x_ptr,
+                d_shared_down_ptr, d_shared_gate_up_ptr, dgrads_done_ptr, error_ptr, trace_ptr, I, D, shared_I,
+                DOT_FP32, FENCE, WAIT, TRACE, HAS_SHARED, BN_DA, BM_W, BN_W, BK_W)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
@@ -453,7 +468,7 @@ def megakernel_bwd(
                       ALIGN, WAIT, TRACE, WAIT_DX)
         elif PHASE == PHASE_WGRAD:
             wgrad_tasks(pid, workers, 0, budget, minibatch_tiles_ptr, batches, offsets_ptr, counts_ptr, experts, tokens,
-                        dy_ptr, act_w_ptr, d_h_ptr, x_rows_ptr, d_w_down_ptr, d_w_gate_up_ptr, d_out_ptr,
-                        shared_act_w_ptr, shared_d_h_ptr, x_ptr, d_shared_down_ptr, d_shared_gate_up_ptr,
-                        dgrads_done_ptr, error_ptr, trace_ptr, I, D, shared_I, DOT_FP32, FENCE, WAIT, TRACE, HAS_SHARED,
-                        BN_DA, BM_W, BN_W, BK_W)
+                        dy_ptr, act_w_ptr, d_h_ptr, x_rows_ptr, d_w_down_ptr, d_w_gate_up_ptr, modes_ptr,
+                        down_in_ptr, down_out_ptr, gate_up_in_ptr, gate_up_out_ptr, d_out_ptr, shared_act_w_ptr,
+                        shared_d_h_ptr, x_ptr, d_shared_down_ptr, d_shared_gate_up_ptr, dgrads_done_ptr, error_ptr,
+                        trace_ptr, I, D, shared_I, DOT_FP32, FENCE, WAIT, TRACE, HAS_SHARED, BN_DA, BM_W, BN_W, BK_W)

@@ -19,6 +19,10 @@ Measured (benchmarks/results/2026-12-04-fp8-backward-warp-specialized, 2026-12-0
 wgrads 14.8 -> 12.2 ms on kimi-k2's 341-row experts with the scales loaded by the consumers a step ahead, 10.5 ms
 with them in the ring; latency-bound (the promotion costs two FP32 operations per element).
 
+With CARRY (one window of the backward's rows, ``megamoe.kernels.wgrad_carry``) both sides skip an expert
+without a mode, and a block's accumulator starts from ``carry_in`` and ends in ``carry_out`` as
+``wgrad_fp8_kernel``'s (the promotion adds to it), through the BF16 wgrad's helpers.
+
 GPU only (Gluon has no interpreter); `megamoe.ops.experts_fp8_bwd` runs it on Hopper for 128 x 128 blocks and a GPU
 test holds it to ``wgrad_fp8_kernel``'s bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
@@ -27,11 +31,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
-from megamoe.kernels.wgrad_warp_specialized import first_task
+from megamoe.kernels.wgrad_warp_specialized import carry_end_half, carry_start_half, store_half, window_task
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 BLOCK = gl.constexpr(128)  # the K step (a scale block of tokens) and the block's columns
@@ -39,9 +42,9 @@ REGS_CONSUMER, REGS_PRODUCER = gl.constexpr(232), gl.constexpr(40)  # 232 for th
 
 
 @gluon.jit
-def _producer(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, K_PAD,
-              stride_as, stride_bs, a_smem, b_smem, as_smem, bs_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
-              STAGES: gl.constexpr):
+def _producer(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N,
+              K_PAD, stride_as, stride_bs, a_smem, b_smem, as_smem, bs_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
+              STAGES: gl.constexpr, CARRY: gl.constexpr):
     """This program's K steps, block by block, expert by expert: slot g % STAGES, phase (g // STAGES) & 1; a
     step's operand blocks and scale rows land in the slot."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
@@ -58,7 +61,8 @@ def _producer(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, nu
     for expert in range(0, num_experts):
         kb0 = gl.load(block0_ptr + expert)
         kb_end = kb0 + gl.cdiv(gl.load(counts_ptr + expert), BLOCK)
-        for task in range(first_task(expert, per_expert, NUM_PROGRAMS), per_expert, NUM_PROGRAMS):
+        first, _ = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
+        for task in range(first, per_expert, NUM_PROGRAMS):
             m0 = task // num_n * BLOCK
             n0 = task % num_n * BLOCK
             for kb in range(kb0, kb_end):
@@ -75,8 +79,9 @@ def _producer(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, nu
 
 
 @gluon.jit
-def _consumer(out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, as_smem, bs_smem, c_smem,
-              full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(out_ptr, block0_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
+              a_smem, b_smem, as_smem, bs_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              STAGES: gl.constexpr, CARRY: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     num_n = gl.cdiv(OUT_N, BLOCK)
@@ -90,10 +95,14 @@ def _consumer(out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem
     for expert in range(0, num_experts):
         kb0 = gl.load(block0_ptr + expert)
         kb_end = kb0 + gl.cdiv(gl.load(counts_ptr + expert), BLOCK)
-        for task in range(first_task(expert, per_expert, NUM_PROGRAMS), per_expert, NUM_PROGRAMS):
+        first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
+        for task in range(first, per_expert, NUM_PROGRAMS):
             m0 = task // num_n * BLOCK + HALF * HALF_M
             n0 = task % num_n * BLOCK
-            acc = gl.zeros((HALF_M, BLOCK), gl.float32, mma)
+            if CARRY:
+                acc = carry_start_half(mode, carry_in_ptr, m0, n0, OUT_M, OUT_N, mma, HALF_M, BLOCK)
+            else:
+                acc = gl.zeros((HALF_M, BLOCK), gl.float32, mma)
             for kb in range(kb0, kb_end):
                 s = g % STAGES
                 mbarrier.wait(full.index(s), (g // STAGES) & 1)
@@ -107,21 +116,25 @@ def _consumer(out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem
                 mbarrier.arrive(empty.index(s), count=1)
                 acc += p * scale
                 g += 1
-            tma.store_wait(pendings=0)  # this half's previous block has left c_smem
-            c_smem.store(acc.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [expert, m0, n0], c_smem.reshape([1, HALF_M, BLOCK]))
+            if CARRY:
+                if carry_end_half(acc, mode, carry_out_ptr, m0, n0, OUT_M, OUT_N, HALF_M, BLOCK):
+                    store_half(acc, out_desc, c_smem, expert, m0, n0, HALF_M, BLOCK)
+            else:
+                store_half(acc, out_desc, c_smem, expert, m0, n0, HALF_M, BLOCK)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def wgrad_fp8_ws_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M,
-                        OUT_N, K_PAD, stride_as, stride_bs, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
+                        OUT_N, K_PAD, stride_as, stride_bs, modes_ptr, carry_in_ptr, carry_out_ptr,
+                        NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr = False):
     """out[l] = Σ_kb (a_t[:, kb] · b_t[:, kb]ᵀ) * (a_scale[kb] ⊗ b_scale[kb]) over expert l's token blocks: a_t
     `[OUT_M, K_PAD]`, b_t `[OUT_N, K_PAD]` e4m3, a_scale `[K_PAD/128, OUT_M]`, b_scale `[K_PAD/128, OUT_N]` fp32
     (rows stride_as / stride_bs apart, multiples of 4 for TMA), out `[L, OUT_M, OUT_N]` bf16; 128 x 128 blocks.
     4 warps here (the first consumer), 4 + 1 in the worker partitions: warp_specialize's default partition gets the
-    registers the workers leave, 232 with a producer of 40."""
+    registers the workers leave, 232 with a producer of 40. CARRY: one window of the backward's rows, as
+    ``wgrad_fp8_kernel`` (``modes [L]`` int32, the fp32 blocks ``carry_in`` / ``carry_out`` `[OUT_M, OUT_N]`;
+    unread without CARRY)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.bfloat16)
@@ -134,12 +147,14 @@ def wgrad_fp8_ws_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr, block0_
     c1 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK], c_layout)
     full, empty = ring_barriers(STAGES)
     gl.warp_specialize(
-        [(_consumer, (out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, as_smem, bs_smem,
-                      c0, full, empty, gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES))),
-         (_consumer, (out_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, as_smem, bs_smem,
-                      c1, full, empty, gl.constexpr(1), gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES))),
-         (_producer, (a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
-                      K_PAD, stride_as, stride_bs, a_smem, b_smem, as_smem, bs_smem, full, empty,
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES)))],
+        [(_consumer, (out_ptr, block0_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                      OUT_N, a_smem, b_smem, as_smem, bs_smem, c0, full, empty, gl.constexpr(0),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES), gl.constexpr(CARRY))),
+         (_consumer, (out_ptr, block0_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                      OUT_N, a_smem, b_smem, as_smem, bs_smem, c1, full, empty, gl.constexpr(1),
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES), gl.constexpr(CARRY))),
+         (_producer, (a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, block0_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
+                      OUT_N, K_PAD, stride_as, stride_bs, a_smem, b_smem, as_smem, bs_smem, full, empty,
+                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(STAGES), gl.constexpr(CARRY)))],
         [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -18,6 +18,10 @@ nothing). Here
   (made once, so never rewritten under a store; a partial block is clipped at its expert's edge), the store
   waited for only before that buffer's next use.
 
+With CARRY (one window of the backward's rows, ``megamoe.kernels.wgrad_carry``'s modes) both sides skip an
+expert without a mode, the consumers start a block from ``carry_in`` and leave ``carry_out`` (plain global
+loads and stores of the accumulator's registers: one block per window) as ``wgrad_kernel`` does.
+
 GPU only: Gluon has no interpreter mode, so the CPU runs ``wgrad_kernel`` (`megamoe.ops.experts_bwd`), and a GPU test
 holds the two to the same bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
@@ -29,6 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
+from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a Hopper block can have
@@ -49,9 +54,50 @@ def first_task(expert, per_expert, NUM_PROGRAMS: gl.constexpr):
 
 
 @gluon.jit
-def _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, expert, OUT_M, OUT_N, a_smem, b_smem, full, empty, g,
-                 site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr):
+def window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS: gl.constexpr, CARRY: gl.constexpr):
+    """``(first, mode)``: ``first_task``, or ``per_expert`` (no block) for an expert without a mode in this window,
+    and its mode (CARRY; else STORE, the launch without windows). The producer and the consumers skip the same
+    experts, so they agree on the ring's steps whatever the counts say."""
+    first = first_task(expert, per_expert, NUM_PROGRAMS)
+    if CARRY:
+        mode = gl.load(modes_ptr + expert)
+        first = gl.where(mode != 0, first, per_expert)
+    else:
+        mode = STORE
+    return first, mode
+
+
+@gluon.jit
+def carry_start_half(mode, carry_in_ptr, r0, n0, OUT_M, OUT_N, layout: gl.constexpr, ROWS: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
+    """A consumer's starting accumulator (``ROWS x BLOCK_N`` from row ``r0``, in the wgmma's ``layout``): carry_in's
+    with CARRY_IN (``wgrad_carry.carry_start``'s elements), else zeros."""
+    if (mode & CARRY_IN) != 0:
+        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        mask = (rows < OUT_M)[:, None] & (cols < OUT_N)[None, :]
+        acc = gl.load(carry_in_ptr + rows.to(gl.int64)[:, None] * OUT_N + cols[None, :], mask=mask, other=0.0)
+    else:
+        acc = gl.zeros((ROWS, BLOCK_N), gl.float32, layout)
+    return acc
+
+
+@gluon.jit
+def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """With CARRY_OUT the accumulator into carry_out (``wgrad_carry.carry_end``'s elements); returns whether the
+    BF16 gradient is to be written (STORE)."""
+    if (mode & CARRY_OUT) != 0:
+        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc.type.layout))
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        mask = (rows < OUT_M)[:, None] & (cols < OUT_N)[None, :]
+        gl.store(carry_out_ptr + rows.to(gl.int64)[:, None] * OUT_N + cols[None, :], acc, mask=mask)
+    return (mode & STORE) != 0
+
+
+@gluon.jit
+def _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N, a_smem, b_smem, full, empty,
+                 g, site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, CARRY: gl.constexpr):
     """Issue this program's K steps of ``expert``'s blocks from ``g`` on; its descriptors go where the descriptors
     of this call site's previous expert were (one global scratch slot per call site), whose last load was step
     ``site_last``. Returns the next step and this site's last one."""
@@ -60,7 +106,7 @@ def _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, expert, OUT_M, OUT_N, a_
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     step_bytes: gl.constexpr = 2 * BLOCK_K * HALF_M * 2 + BLOCK_K * BLOCK_N * 2
-    first = first_task(expert, per_expert, NUM_PROGRAMS)
+    first, _ = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
     if first < per_expert:
         # the TMA unit reads a descriptor until its load lands: wait for the site's last load before rewriting it,
         # unless a later load into the same slot was issued (that one waited for the slot's release, so it landed)
@@ -87,25 +133,37 @@ def _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, expert, OUT_M, OUT_N, a_
 
 
 @gluon.jit
-def _producer(a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty,
-              NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _producer(a_ptr, b_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full,
+              empty, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              CARRY: gl.constexpr):
     """Experts in pairs through two call sites of ``_load_expert``: each rewrites its own descriptors every other
     expert, so the loads of one expert's last blocks stay in flight while the next expert's are issued."""
     g = 0  # the program's K steps across its blocks: slot g % STAGES, phase (g // STAGES) & 1
     last_even = -1
     last_odd = -1
     for pair in range(0, num_experts, 2):
-        g, last_even = _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, pair, OUT_M, OUT_N, a_smem, b_smem, full,
-                                    empty, g, last_even, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES)
+        g, last_even = _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, modes_ptr, pair, OUT_M, OUT_N, a_smem,
+                                    b_smem, full, empty, g, last_even, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES, CARRY)
         if pair + 1 < num_experts:
-            g, last_odd = _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, pair + 1, OUT_M, OUT_N, a_smem, b_smem,
-                                       full, empty, g, last_odd, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES)
+            g, last_odd = _load_expert(a_ptr, b_ptr, offsets_ptr, counts_ptr, modes_ptr, pair + 1, OUT_M, OUT_N,
+                                       a_smem, b_smem, full, empty, g, last_odd, NUM_PROGRAMS, BLOCK_N, BLOCK_K,
+                                       STAGES, CARRY)
 
 
 @gluon.jit
-def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c_smem, full, empty,
-              HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr):
+def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The half's BF16 gradient by TMA from ``c_smem``, waited for only before the buffer's next use."""
+    tma.store_wait(pendings=0)  # this half's previous block has left c_smem
+    c_smem.store(acc.to(gl.bfloat16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [expert, r0, n0], c_smem.reshape([1, ROWS, BLOCK_N]))
+
+
+@gluon.jit
+def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
+              a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
+              CARRY: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -118,14 +176,18 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
                                           [1, HALF_M, BLOCK_N], out_layout)
     g = 0
     for expert in range(0, num_experts):
-        first = first_task(expert, per_expert, NUM_PROGRAMS)
+        first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
         if first < per_expert:
             row0 = gl.load(offsets_ptr + expert)
             row_end = row0 + gl.load(counts_ptr + expert)
             for task in range(first, per_expert, NUM_PROGRAMS):
                 m0 = task // num_n * (2 * HALF_M)
                 n0 = task % num_n * BLOCK_N
-                acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+                if CARRY:
+                    acc = carry_start_half(mode, carry_in_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, mma, HALF_M,
+                                           BLOCK_N)
+                else:
+                    acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
                 for k in range(row0, row_end, BLOCK_K):
                     s = g % STAGES
                     mbarrier.wait(full.index(s), (g // STAGES) & 1)
@@ -134,20 +196,24 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_sme
                     acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
                     g += 1
                 acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
-                tma.store_wait(pendings=0)  # this half's previous block has left c_smem
-                c_smem.store(acc.to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [expert, m0 + HALF * HALF_M, n0], c_smem.reshape([1, HALF_M, BLOCK_N]))
+                if CARRY:
+                    if carry_end_half(acc, mode, carry_out_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, HALF_M,
+                                      BLOCK_N):
+                        store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N)
+                else:
+                    store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N,
-                    NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr = False):
+def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, modes_ptr,
+                    carry_in_ptr, carry_out_ptr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr = False,
+                    CARRY: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
-    the worker partitions."""
+    the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
+    fp32 blocks ``carry_in`` / ``carry_out`` `[OUT_M, OUT_N]`; unread without CARRY)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
@@ -158,16 +224,16 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     full, empty = ring_barriers(STAGES)
     # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
     gl.warp_specialize(
-        [(_consumer, (out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c0, full, empty,
-                      gl.constexpr(0),
+        [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                      OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
-         (_consumer, (out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c1, full, empty,
-                      gl.constexpr(1),
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY))),
+         (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                      OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT))),
-         (_producer, (a_ptr, b_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty,
-                      gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES)))],
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY))),
+         (_producer, (a_ptr, b_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem,
+                      full, empty, gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY)))],
         [4, 1], [232, 40])
     invalidate_ring(full, empty, STAGES)

@@ -48,12 +48,13 @@ from functools import partial
 import torch
 
 from megamoe import checks
-from megamoe.parallel.symmetric import BufferSpec, workspace
+from megamoe.ops.comm import CommShape, comm_workspace
 from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
 from megamoe.kernels import megakernel_bwd as mkb
 from megamoe.kernels import sync
-from megamoe.megakernel.buffers import ForwardContext, LayerBuffers, scale_dtype
+from megamoe.megakernel.backward_ring import BackwardRing
+from megamoe.megakernel.buffers import ForwardContext, LayerBuffers
 from megamoe.megakernel.launch import Launcher
 from megamoe.megakernel.replay import GraphReplay, layout_key
 from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
@@ -158,24 +159,13 @@ class MegaKernel:
         # and it ran 0.95x of nccl-torch; benchmarks/results/2026-11-30-one-rank). Its weighted sum reads the
         # outputs in place: no combine slots.
         self.direct = R == 1 and not one_rank_megakernel and c.ring_rows >= shape.capacity
-        # FP8: each rank quantises its tokens once while staging them (not once per route on arrival: that
-        # needed 19 comm SMs where copying E4M3 rows needs 12, benchmarks/results/2026-11-30-fp8-experts)
-        quantized_rows = (BufferSpec("x_q", (max(N, 1), D), torch.uint8),
-                          BufferSpec("x_scale", (max(N, 1), D // self.scale_block), scale_dtype(precision)))
-        self.sym = workspace(world, (
-            BufferSpec("x", (max(N, 1), D), torch.bfloat16),
-            BufferSpec("combine", (1 if self.direct else max(N * k, 1), D), torch.bfloat16),
-            BufferSpec("routing", (R, max(N, 1), k), torch.int32),
-            BufferSpec("flags", (2, R), torch.int32),
-            # this rank's barrier epochs: with the flags, shared by every MegaKernel on this workspace
-            BufferSpec("epochs", (2,), torch.int32),
-            # the backward's: this rank's upstream gradient and router weights (peers pull and read them), the
-            # router-weight gradients of its routes (peers push them; the last slot takes the rows homed elsewhere);
-            # its d_x slots are the combine slots
-            BufferSpec("d_out", (max(N, 1), D), torch.bfloat16),
-            BufferSpec("router_weights", (max(N, 1), k), torch.float32),
-            BufferSpec("d_router", (max(N, 1) * k + 1,), torch.float32),
-        ) + (quantized_rows if self.quantized else ()))
+        # the layer shape's one symmetric workspace (megamoe.ops.comm, kept on the world: the standalone launches
+        # share it): this rank's x (FP8: quantised once per token while staging, not once per route on arrival:
+        # that needed 19 comm SMs where copying E4M3 rows needs 12, benchmarks/results/2026-11-30-fp8-experts), the
+        # routing ids, the combine slots (the backward's d_x slots), the backward's d_out and router weights (peers
+        # pull and read them) and router-weight gradient slots, the pass barriers' flags and epochs
+        self.sym = comm_workspace(world, CommShape(R, max(N, 1), D, k, shape.experts_per_rank,
+                                                   row_format=precision))
         dev = world.device
         # the pass's own buffers (shared by the layers using this kernel; read within a pass only)
         self.y = torch.empty(c.ring_rows, D, dtype=torch.bfloat16, device=dev)
@@ -186,7 +176,7 @@ class MegaKernel:
         shared_tiles = -(-max(N, 1) // c.tile_m)
         self.counters = torch.zeros(2 * self.max_batches + self.max_tiles + shared_tiles + 1, dtype=torch.int32,
                                     device=dev)
-        self.epochs = self.sym.local("epochs")
+        self.epochs = self.sym.local("pass_epochs")
         self.error = torch.zeros(4, dtype=torch.int32, device=dev)
         # the first out-of-range expert id a pass saw (token * k + slot) << 32 | id, NO_BAD_ROUTE if none: unchecked
         # passes treat such a route as none, and the next checked call raises on it
@@ -194,7 +184,7 @@ class MegaKernel:
         # trace (GPU only): per program its globaltimer stamps and wait totals, then its event log (kernels.sync)
         self.trace = torch.zeros(c.num_sms, sync.TRACE_ROW.value, dtype=torch.int64, device=dev) if trace else None
         self.budget = resolve_wait_budget(wait_budget)
-        self.flag_ptrs = [self.sym.peer_ptrs("flags") + row * R * 4 for row in range(2)]
+        self.flag_ptrs = [self.sym.peer_ptrs("pass_flags") + row * R * 4 for row in range(2)]
         self.launcher = Launcher(self)
         # A route's output stays in y (the schedule's own_rows; else the weighted sum reads its combine slot):
         # on one rank every route; at EP >= 2 this rank's own routes when the ring holds every row (the kernel
@@ -208,7 +198,8 @@ class MegaKernel:
             self._rows_per_expert = shape.capacity / shape.experts_per_rank
         self._broken: str | None = None
         self._scratch: LayerBuffers | None = None
-        self._backward: object | None = None  # the backward's launcher and buffers, made at the first backward
+        self._backward: object | None = None  # the backward megakernel's launcher, made at its first pass
+        self._backward_ring: BackwardRing | None = None
         # GPU: a pass's device work replays from a CUDA graph once its weights, buffers and token count repeat
         self.replay = GraphReplay() if replay and self.gpu else None
 
@@ -232,12 +223,18 @@ class MegaKernel:
         return self._scratch
 
     def backward_launcher(self):
-        """The backward megakernel's launcher with its pass buffers (made on first use)."""
+        """The backward megakernel's launcher (made on first use)."""
         if self._backward is None:
             from megamoe.megakernel.backward import BackwardLauncher
 
             self._backward = BackwardLauncher(self)
         return self._backward
+
+    def backward_ring(self) -> BackwardRing:
+        """The backward's window buffers, both backwards' (made on first use; read within a pass only)."""
+        if self._backward_ring is None:
+            self._backward_ring = BackwardRing.allocate(self.shape, self.config, self.precision, self.world.device)
+        return self._backward_ring
 
     def backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, *,
                  check: bool = True, fused: bool = True):
@@ -411,7 +408,7 @@ class MegaKernel:
         if not self.gpu:
             self.world.barrier(what)
             return
-        sync.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("flags")[row], self.epochs[row:],
+        sync.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("pass_flags")[row], self.epochs[row:],
                                      self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
 
     def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:

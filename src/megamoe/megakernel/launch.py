@@ -123,7 +123,7 @@ class Launcher:
             scales,
             shared_args,
             SyncArgs(self.rows_ready, self.tile_done, self.y_done, self.shared_done, self.comm_done,
-                     k.flag_ptrs[1], k.sym.local("flags")[1], k.epochs[1:], k.error,
+                     k.flag_ptrs[1], k.sym.local("pass_flags")[1], k.epochs[1:], k.error,
                      k.error if k.trace is None else k.trace),
             SizeArgs(n, k.world.rank, k.world.size, c.comm_sms, c.minibatch, c.ring_rows // c.minibatch, L, I, D,
                      s.shared_intermediate, float(swiglu_limit or 0.0), k.budget, int(k.keep_own_outputs)),

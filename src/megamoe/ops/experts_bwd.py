@@ -25,6 +25,23 @@ from megamoe.runtime import compiled_gpu, interpreting
 #: Rows per program of the router-gradient sum (a few loads per row: any size does).
 ROUTER_GRAD_ROWS = 128
 
+@dataclass(frozen=True)
+class WgradCarry:
+    """One backward window's share of the weight gradients' reductions (``megamoe.routing.windows``): ``modes``
+    int32 `[L]` (``megamoe.kernels.wgrad_carry``'s bits) and the FP32 carries of the expert that straddles a
+    window boundary, read (``*_in``) and written (``*_out``): dW_down's `[D, I]`, dW_gate_up's `[2I, D]`."""
+
+    modes: torch.Tensor
+    down_in: torch.Tensor
+    down_out: torch.Tensor
+    gate_up_in: torch.Tensor
+    gate_up_out: torch.Tensor
+
+    def pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """((dW_down in, out), (dW_gate_up in, out)): the order the backwards launch their wgrads in."""
+        return (self.down_in, self.down_out), (self.gate_up_in, self.gate_up_out)
+
+
 @dataclass
 class ExpertGrads:
     """Gradients of the expert FFNs: `d_x [R, D]` and `d_router [R]` per routed row (rows outside
@@ -51,6 +68,8 @@ def expert_backward(
     tiles: dict[str, TileConfig] | None = None,
     rows_per_expert: float | None = None,
     warp_specialized: bool = True,
+    carry: WgradCarry | None = None,
+    out: ExpertGrads | None = None,
 ) -> ExpertGrads:
     """Backward of :func:`megamoe.ops.experts.expert_forward` for routed rows (BF16; see
     `megamoe.kernels.expert_gemm_bwd`).
@@ -66,6 +85,10 @@ def expert_backward(
             warp-specialised Gluon kernels (`megamoe.kernels.dact_warp_specialized`, `wgrad_warp_specialized`;
             dact -9 to -16 %, benchmarks/results/2026-12-04-fp8-dact-warp-specialized); False runs the Triton
             kernels there too (A/B runs, tests). The same bits either way.
+        carry: the rows are one window of the backward's ring: the weight gradients start from and leave FP32
+            carries as its modes say (:class:`WgradCarry`); None: every expert's gradient from its rows here.
+        out: where to write (``d_x`` and ``d_router`` of ``rows`` rows, the weight gradients of every expert);
+            None allocates them.
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
     rows = x_rows.shape[0]
@@ -78,12 +101,8 @@ def expert_backward(
     tiles = tiles or {}
     per_expert = mean_rows(rows, experts, rows_per_expert)
     cfg = {kind: tiles.get(kind) or plan_tiles(kind, device, per_expert) for kind in ("dact", "dx", "wgrad")}
-    grads = ExpertGrads(
-        d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
-        d_router=torch.zeros(rows, dtype=torch.float32, device=device),
-        d_w_gate_up=torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=device),
-        d_w_down=torch.empty(w_down.shape, dtype=torch.bfloat16, device=device),
-    )
+    grads = out or new_grads(rows, w_gate_up, w_down)
+    check_grads(grads, rows, w_gate_up, w_down, carry)
     if experts == 0:
         return grads
     programs = runtime.num_programs(device, num_programs)
@@ -129,9 +148,36 @@ def expert_backward(
         grads.d_w_gate_up.zero_()
         grads.d_w_down.zero_()
         return grads
-    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
-        wgrad(a, b, out, offsets, counts, cfg["wgrad"], programs, warp_specialized)
+    carries = (None, None) if carry is None else carry.pairs()
+    for (a, b, dw), pair in zip(((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)), carries):
+        wgrad(a, b, dw, offsets, counts, cfg["wgrad"], programs, warp_specialized,
+              carry=None if carry is None else (carry.modes, *pair))
     return grads
+
+
+def new_grads(rows: int, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> ExpertGrads:
+    """Fresh :class:`ExpertGrads` for ``rows`` rows (``d_router`` zeroed: rows outside regions read 0)."""
+    device, bf16 = w_gate_up.device, torch.bfloat16
+    return ExpertGrads(d_x=torch.empty(rows, w_down.shape[1], dtype=bf16, device=device),
+                       d_router=torch.zeros(rows, dtype=torch.float32, device=device),
+                       d_w_gate_up=torch.empty(w_gate_up.shape, dtype=bf16, device=device),
+                       d_w_down=torch.empty(w_down.shape, dtype=bf16, device=device))
+
+
+def check_grads(grads: ExpertGrads, rows: int, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                carry: WgradCarry | None) -> None:
+    """ValueError unless ``grads`` (a caller's ``out``) and ``carry`` fit ``rows`` rows of these experts."""
+    experts, two_i, d = w_gate_up.shape
+    want = [("out.d_x", grads.d_x, (rows, d), torch.bfloat16), ("out.d_router", grads.d_router, (rows,), torch.float32),
+            ("out.d_w_gate_up", grads.d_w_gate_up, tuple(w_gate_up.shape), torch.bfloat16),
+            ("out.d_w_down", grads.d_w_down, tuple(w_down.shape), torch.bfloat16)]
+    if carry is not None:
+        want += [("carry.modes", carry.modes, (experts,), torch.int32),
+                 ("carry.down_in", carry.down_in, (d, two_i // 2), torch.float32),
+                 ("carry.down_out", carry.down_out, (d, two_i // 2), torch.float32),
+                 ("carry.gate_up_in", carry.gate_up_in, (two_i, d), torch.float32),
+                 ("carry.gate_up_out", carry.gate_up_out, (two_i, d), torch.float32)]
+    checks.check_tensors(tuple(want), w_gate_up.device)
 
 
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, has_limit: bool = False) -> dict:
@@ -160,23 +206,27 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
-          tile: TileConfig, programs: int, warp_specialized: bool = True) -> None:
+          tile: TileConfig, programs: int, warp_specialized: bool = True,
+          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """``out[l] = a[rows of l]ᵀ · b[rows of l]`` for every expert l (a `[R, M]`, b `[R, N]`, out `[L, M, N]`,
-    contiguous bf16; int32 offsets and counts): the expert weight gradient, rows reduced in order.
+    contiguous bf16; int32 offsets and counts): the expert weight gradient, rows reduced in order. ``carry``:
+    ``(modes, carry_in, carry_out)`` of a backward window (``megamoe.kernels.wgrad_carry``).
 
     On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`), elsewhere, under
     the interpreter and with ``warp_specialized=False`` ``wgrad_kernel``: the same blocks, the same bits (a GPU test
     holds them to it)."""
     experts, out_m, out_n = out.shape
+    window = carry if carry is not None else (counts, out, out)  # never read without CARRY
     with scratch_allocator():
         if warp_specialized and warp_specialized_wgrad(a.device, tile):
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, experts, out_m, out_n, **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                a, b, out, offsets, counts, experts, out_m, out_n, *window, CARRY=carry is not None,
+                **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
         expert_gemm_bwd.wgrad_kernel[(programs,)](
-            a, b, out, offsets, counts, experts, out_m, out_n, DOT_FP32=interpreting(), NUM_PROGRAMS=programs,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FLATTEN=tile.flatten,
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
+            a, b, out, offsets, counts, experts, out_m, out_n, *window, DOT_FP32=interpreting(),
+            NUM_PROGRAMS=programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            FLATTEN=tile.flatten, CARRY=carry is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def expert_backward_reference(

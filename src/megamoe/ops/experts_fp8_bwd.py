@@ -31,7 +31,7 @@ from megamoe.kernels import (dact_warp_specialized, expert_gemm_bwd, expert_gemm
                              wgrad_fp8_warp_specialized)
 from megamoe.ops.experts import check_operands
 from megamoe.ops import experts_bwd
-from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads
+from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads, WgradCarry, check_grads, new_grads
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8, warp_specialized_fp8
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
@@ -75,30 +75,35 @@ def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 5) -> dict:
 
 
 def wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks: TokenBlocks, counts, tile: TileConfig, programs: int,
-              fmt: str = "fp8-block", *, warp_specialized: bool = True, **ws_knobs) -> None:
+              fmt: str = "fp8-block", *, warp_specialized: bool = True, carry=None, **ws_knobs) -> None:
     """out[l] = A[rows of l]ᵀ · B[rows of l] from :func:`quantize_tokens`' operands in ``fmt``: on Hopper for
     fp8-block's 128 x 128 tiles the Gluon kernel (``ws_knobs``: :func:`wgrad_fp8_ws_constexprs`' keywords), else
-    (and with ``warp_specialized=False``) the Triton one; the same bits."""
+    (and with ``warp_specialized=False``) the Triton one; the same bits. ``carry``: ``(modes, carry_in,
+    carry_out)`` of a backward window (``megamoe.kernels.wgrad_carry``)."""
     experts = out.shape[0]
+    window = carry if carry is not None else (counts, out, out)  # never read without CARRY
     tma_scales = a_s.stride(0) % 4 == 0 and b_s.stride(0) % 4 == 0  # 16-byte rows for the Gluon kernel's TMA
     if fmt == "fp8-block" and warp_specialized and tma_scales and warp_specialized_fp8(a_t.device, tile):
         with scratch_allocator():
             wgrad_fp8_warp_specialized.wgrad_fp8_ws_kernel[(programs,)](
                 a_t, b_t, a_s, b_s, out, blocks.block0, counts, experts, out.shape[1], out.shape[2], a_t.shape[1],
-                a_s.stride(0), b_s.stride(0), num_warps=4, **wgrad_fp8_ws_constexprs(programs, **ws_knobs))
+                a_s.stride(0), b_s.stride(0), *window, CARRY=carry is not None, num_warps=4,
+                **wgrad_fp8_ws_constexprs(programs, **ws_knobs))
         return
     descs = (TensorDescriptor.from_tensor(a_t, [tile.block_m, tile.block_k]),
              TensorDescriptor.from_tensor(b_t, [tile.block_n, tile.block_k]))
     tail = (out, blocks.block0, counts, experts, out.shape[1], out.shape[2])
     consts = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                  FLATTEN=tile.flatten, num_warps=tile.num_warps, num_stages=tile.num_stages)
+                  FLATTEN=tile.flatten, CARRY=carry is not None, num_warps=tile.num_warps,
+                  num_stages=tile.num_stages)
     with scratch_allocator():
         if fmt == "mxfp8":
             expert_gemm_mxfp8_bwd.wgrad_mxfp8_kernel[(programs,)](
-                *descs, a_s, b_s, *tail, a_t.shape[1], a_s.stride(0), b_s.stride(0), BLOCK_K=tile.block_k, **consts)
+                *descs, a_s, b_s, *tail, a_t.shape[1], a_s.stride(0), b_s.stride(0), *window, BLOCK_K=tile.block_k,
+                **consts)
         else:
             expert_gemm_fp8_bwd.wgrad_fp8_kernel[(programs,)](*descs, a_s, b_s, *tail, a_s.stride(0), b_s.stride(0),
-                                                              **consts)
+                                                              *window, **consts)
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,8 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
                               swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
                               num_programs: int | None = None,
                               tiles: dict[str, TileConfig] | None = None,
-                              warp_specialized: bool = True) -> ExpertGrads:
+                              warp_specialized: bool = True, carry: WgradCarry | None = None,
+                              out: ExpertGrads | None = None) -> ExpertGrads:
     """:func:`megamoe.ops.experts_bwd.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
     h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). ``dy_rows``
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
@@ -161,23 +167,27 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     dequantise both and quantise them again along the tokens. D and I must be multiples of 128. On Hopper the
     dact's, dx's and wgrads' 128 x 128 tiles run in warp-specialised Gluon kernels (`megamoe.kernels.
     dact_warp_specialized`, `forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`), the same bits as the
-    Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests)."""
+    Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry`` and ``out`` as
+    :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
+    blocks where the whole rows do: cuts at multiples of 128 rows of an expert)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                swiglu_limit, weights_t, num_programs, tiles, warp_specialized)
+                                swiglu_limit, weights_t, num_programs, tiles, warp_specialized, carry, out)
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                           swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
                           num_programs: int | None = None,
-                          tiles: dict[str, TileConfig] | None = None) -> ExpertGrads:
+                          tiles: dict[str, TileConfig] | None = None, carry: WgradCarry | None = None,
+                          out: ExpertGrads | None = None) -> ExpertGrads:
     """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
     return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                swiglu_limit, weights_t, num_programs, tiles)
+                                swiglu_limit, weights_t, num_programs, tiles, False, carry, out)
 
 
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, swiglu_limit,
-                         weights_t, num_programs, tiles, warp_specialized: bool = False) -> ExpertGrads:
+                         weights_t, num_programs, tiles, warp_specialized: bool = False,
+                         carry: WgradCarry | None = None, out: ExpertGrads | None = None) -> ExpertGrads:
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
     that format) and mxfp8's flattened weight scales. ``tiles``: {"dact" | "dx" | "wgrad": TileConfig} pins
     a kind's tiles (the planner's otherwise)."""
@@ -193,12 +203,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         raise ValueError(f"{fmt} needs D and I multiples of {block}, got D={d}, I={i}")
     mx = fmt == "mxfp8"
     rows, device = x_data.shape[0], x_data.device
-    grads = ExpertGrads(
-        d_x=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
-        d_router=torch.zeros(rows, dtype=torch.float32, device=device),
-        d_w_gate_up=torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=device),
-        d_w_down=torch.empty(w_down.shape, dtype=torch.bfloat16, device=device),
-    )
+    grads = out or new_grads(rows, w_gate_up, w_down)
+    check_grads(grads, rows, w_gate_up, w_down, carry)
     if experts == 0:
         return grads
     if rows == 0:
@@ -246,11 +252,12 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
                                      **({} if mx else {"warp_specialized": warp_specialized}))
     blocks = token_blocks(counts, offsets, rows)
     c = tiles.get("wgrad") or plan_tiles_fp8_bwd("wgrad", device, fmt)
-    for a, b, out in ((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)):
+    carries = (None, None) if carry is None else carry.pairs()
+    for (a, b, dw), pair in zip(((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)), carries):
         a_t, a_s = quantize_tokens(a, blocks, fmt)
         b_t, b_s = quantize_tokens(b, blocks, fmt)
-        wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks, counts, c, programs, fmt,
-                  warp_specialized=warp_specialized and not mx)
+        wgrad_fp8(a_t, a_s, b_t, b_s, dw, blocks, counts, c, programs, fmt,
+                  warp_specialized=warp_specialized and not mx, carry=None if carry is None else (carry.modes, *pair))
     return grads
 
 

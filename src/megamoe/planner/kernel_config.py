@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from megamoe.config import HIDDEN_MULTIPLE, MoEConfig
 from megamoe.precision import SCALE_BLOCK, check_precision
+from megamoe.routing.windows import WINDOW_ALIGN
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,10 @@ class KernelConfig:
         ring_rows: rows of the ring token buffer (a multiple of minibatch).
         tile_m, tile_n: output tile of the expert GEMMs.
         backward_comm_sms: the backward megakernel's communication programs (None: comm_sms).
-        backward_minibatch: the backward megakernel's rows per round (None: minibatch): a multiple of tile_m
-            that divides ring_rows, so that the rows a wrapped ring lost start at a minibatch of their own.
+        backward_minibatch: the backward megakernel's rows per round (None: minibatch): a multiple of tile_m.
+        backward_ring_rows: rows of the backward's ring, a multiple of 128 (None: :func:`default_backward_ring`
+            of ring_rows): both backwards stream the routed rows through it a window at a time
+            (``megamoe.routing.windows``), so their memory does not grow with the EP size.
         overlap: the forward as one persistent launch whose communication and compute workers overlap (True),
             or (False, the `unfused` ablation) the same steps one launch after another, ordered on the device,
             each compute step on every SM.
@@ -73,6 +76,7 @@ class KernelConfig:
     backward_comm_sms: int | None = None
     backward_minibatch: int | None = None
     overlap: bool = True
+    backward_ring_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "comm_sms", "minibatch", "ring_rows", "tile_m", "tile_n"):
@@ -88,10 +92,14 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.backward_comm_sms must be None or an int in [1, num_sms={self.num_sms}), "
                              f"got {bwd!r}")
         bmb = self.backward_minibatch
-        if bmb is not None and (not isinstance(bmb, int) or isinstance(bmb, bool) or bmb < 1 or bmb % self.tile_m
-                                or self.ring_rows % bmb):
-            raise ValueError(f"KernelConfig.backward_minibatch must be None or a multiple of tile_m ({self.tile_m}) "
-                             f"that divides ring_rows ({self.ring_rows}), got {bmb!r}")
+        if bmb is not None and (not isinstance(bmb, int) or isinstance(bmb, bool) or bmb < 1 or bmb % self.tile_m):
+            raise ValueError(f"KernelConfig.backward_minibatch must be None or a multiple of tile_m ({self.tile_m}), "
+                             f"got {bmb!r}")
+        ring = self.backward_ring_rows
+        if ring is not None and (not isinstance(ring, int) or isinstance(ring, bool) or ring < WINDOW_ALIGN
+                                 or ring % WINDOW_ALIGN or ring % self.tile_m):
+            raise ValueError(f"KernelConfig.backward_ring_rows must be None or a positive multiple of {WINDOW_ALIGN} "
+                             f"and of tile_m ({self.tile_m}), got {ring!r}")
         if self.minibatch % self.tile_m:
             raise ValueError(f"minibatch ({self.minibatch}) must be a multiple of tile_m ({self.tile_m})")
         if self.minibatch > self.ring_rows:
@@ -112,6 +120,17 @@ class KernelConfig:
     def bwd_minibatch(self) -> int:
         """The backward's rows per round."""
         return self.minibatch if self.backward_minibatch is None else self.backward_minibatch
+
+    @property
+    def bwd_ring_rows(self) -> int:
+        """The backward's ring rows (its windows hold up to this + 128)."""
+        return default_backward_ring(self.ring_rows) if self.backward_ring_rows is None else self.backward_ring_rows
+
+
+def default_backward_ring(ring_rows: int) -> int:
+    """The backward ring for a forward ring of ``ring_rows``: its windows (``ring + 128`` rows) fit the forward's
+    ring, so a backward whose rows the forward's ring held reads them in place (one window, no copy)."""
+    return max(WINDOW_ALIGN, (ring_rows - WINDOW_ALIGN) // WINDOW_ALIGN * WINDOW_ALIGN)
 
 
 def check_kernel_config(config: KernelConfig, shape: LayerShape, precision: str, *, tile_m: int,

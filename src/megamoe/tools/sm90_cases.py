@@ -3,7 +3,8 @@
 Groups:
 
 - ``gemm``: the BF16 expert kernels (forward gate/up + SwiGLU, down; backward dact + SwiGLU', dx, wgrad, and
-  the wgrad's warp-specialised Gluon kernel) at the planner's GPU tiles;
+  the wgrad's warp-specialised Gluon kernel) at the planner's GPU tiles; the wgrads (here, in ``fp8`` and in
+  ``mxfp8``) also with the backward window's carry (CARRY);
 - ``fp8``: the FP8-block forward kernels at theirs;
 - ``mxfp8``: the MXFP8 forward kernels, dequantise-on-load and per-32 rescale;
 - ``quant``: the quantiser at every tile the GPU test and the defaults use, hardware and software E4M3
@@ -24,6 +25,8 @@ from megamoe.precision import FORMATS
 SMS = 132
 _TILES = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "tile_run_ptr": "*i32",
           "num_tiles_ptr": "*i32"}
+#: The wgrads' window carry (``megamoe.kernels.wgrad_carry``): its runtime arguments, compiled with CARRY on and off.
+_CARRY = {"modes_ptr": "*i32", "carry_in_ptr": "*fp32", "carry_out_ptr": "*fp32", "CARRY": "constexpr"}
 
 
 @dataclass(frozen=True)
@@ -115,18 +118,22 @@ def gemm_cases() -> dict[str, Case]:
             "d_h_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
             "w_gate_up_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "d_x_ptr": "*bf16", "stride_d_x": "i32",
             **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps, t.num_stages)
-    for name, t in (("wgrad_kernel", plan_tiles("wgrad", gpu)),
-                    ("wgrad_kernel (few rows per expert)", plan_tiles("wgrad", gpu, FEW_ROWS_PER_EXPERT))):
-        kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, t)
+    # each wgrad without and with the backward window's carry (the accumulator from and to FP32 blocks)
+    wide, few = plan_tiles("wgrad", gpu), plan_tiles("wgrad", gpu, FEW_ROWS_PER_EXPERT)
+    for name, t, carry in (("wgrad_kernel", wide, False), ("wgrad_kernel (few rows per expert)", few, False),
+                           ("wgrad_kernel (carry)", wide, True),
+                           ("wgrad_kernel (few rows per expert, carry)", few, True)):
+        kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, t, CARRY=carry)
         cases[name] = Case(expert_gemm_bwd.wgrad_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **kinds}, values, t.num_warps, t.num_stages)
+            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, **kinds}, values, t.num_warps,
+            t.num_stages)
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel
         cases[name.replace("wgrad_kernel", "wgrad_ws_kernel")] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "NUM_PROGRAMS": "constexpr",
+            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "NUM_PROGRAMS": "constexpr",
             "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr"},
-            wgrad_ws_constexprs(t, SMS), num_warps=4)
+            {**wgrad_ws_constexprs(t, SMS), "CARRY": carry}, num_warps=4)
     return cases
 
 
@@ -185,15 +192,16 @@ def fp8_backward_cases() -> dict[str, Case]:
         "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "limit": "fp32"},
         values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8_bwd("wgrad", gpu)
-    kinds, values = _row_task_consts(k.wgrad_fp8_kernel, t)
-    wgrad = Case(k.wgrad_fp8_kernel, {
-        "a_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "b_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
-        "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "out_ptr": "*bf16", "block0_ptr": "*i32",
-        "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "stride_as": "i32",
-        "stride_bs": "i32", **kinds}, values, t.num_warps, t.num_stages)
+    cases = {"dact_fp8_kernel": dact}
+    for name, carry in (("wgrad_fp8_kernel", False), ("wgrad_fp8_kernel (carry)", True)):  # the window's carry
+        kinds, values = _row_task_consts(k.wgrad_fp8_kernel, t, CARRY=carry)
+        cases[name] = Case(k.wgrad_fp8_kernel, {
+            "a_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "b_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
+            "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "out_ptr": "*bf16", "block0_ptr": "*i32",
+            "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", "stride_as": "i32",
+            "stride_bs": "i32", **_CARRY, **kinds}, values, t.num_warps, t.num_stages)
     # what expert_backward_fp8_block runs on Hopper at the same blocks: the warp-specialised Gluon wgrad
     # (and its A/B knob: the scales by TMA into the ring's slots), and the Gluon dact at the dact's tile
-    cases = {"dact_fp8_kernel": dact, "wgrad_fp8_kernel": wgrad}
     consts = dact_ws_constexprs(plan_tiles_fp8_bwd("dact", gpu), SMS, has_limit=True)
     cases["dact_fp8_ws_kernel"] = Case(dact_ws.dact_fp8_ws_kernel, {
         "dy_ptr": "*fp8e4nv", "w_t_ptr": "*fp8e4nv", "dy_scale_ptr": "*fp32", "w_t_scale_ptr": "*fp32",
@@ -202,12 +210,13 @@ def fp8_backward_cases() -> dict[str, Case]:
         "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
         "I": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     for name, consts in (("wgrad_fp8_ws_kernel", wgrad_fp8_ws_constexprs(SMS)),
-                         ("wgrad_fp8_ws_kernel (4 stages)", wgrad_fp8_ws_constexprs(SMS, stages=4))):
+                         ("wgrad_fp8_ws_kernel (4 stages)", wgrad_fp8_ws_constexprs(SMS, stages=4)),
+                         ("wgrad_fp8_ws_kernel (carry)", {**wgrad_fp8_ws_constexprs(SMS), "CARRY": True})):
         cases[name] = Case(ws.wgrad_fp8_ws_kernel, {
             "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
             "out_ptr": "*bf16", "block0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32",
-            "OUT_N": "i32", "K_PAD": "i32", "stride_as": "i32", "stride_bs": "i32",
-            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+            "OUT_N": "i32", "K_PAD": "i32", "stride_as": "i32", "stride_bs": "i32", **_CARRY,
+            **dict.fromkeys(consts, "constexpr")}, {"CARRY": False, **consts}, num_warps=4)
     return cases
 
 
@@ -257,14 +266,16 @@ def mxfp8_backward_cases() -> dict[str, Case]:
         "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "W_ROWS": "i32", "limit": "fp32"},
         values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8_bwd("wgrad", gpu, "mxfp8", compiled=True)
-    kinds, values = _row_task_consts(k.wgrad_mxfp8_kernel, t)
-    wgrad = Case(k.wgrad_mxfp8_kernel, {
-        "a_desc": f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>",
-        "b_desc": f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>", "a_scale_ptr": "*u8", "b_scale_ptr": "*u8",
-        "out_ptr": "*bf16", "span0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32",
-        "OUT_N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", **kinds}, values, t.num_warps,
-        t.num_stages)
-    return {"dact_dequant": dact, "wgrad_dequant": wgrad}
+    cases = {"dact_dequant": dact}
+    for name, carry in (("wgrad_dequant", False), ("wgrad_dequant (carry)", True)):  # the window's carry
+        kinds, values = _row_task_consts(k.wgrad_mxfp8_kernel, t, CARRY=carry)
+        cases[name] = Case(k.wgrad_mxfp8_kernel, {
+            "a_desc": f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>",
+            "b_desc": f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>", "a_scale_ptr": "*u8", "b_scale_ptr": "*u8",
+            "out_ptr": "*bf16", "span0_ptr": "*i32", "counts_ptr": "*i32", "num_experts": "i32", "OUT_M": "i32",
+            "OUT_N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", **_CARRY, **kinds}, values,
+            t.num_warps, t.num_stages)
+    return cases
 
 
 def quant_cases() -> dict[str, Case]:

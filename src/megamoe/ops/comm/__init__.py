@@ -7,7 +7,9 @@ between them with the Triton kernels of :mod:`megamoe.kernels.comm`:
     dispatch_pull         routed[t]  = x_{src_rank[t]}[src_index[t] // k]            (forward, pull)
     combine_push          combine_{src_rank[t]}[src_index[t]] = y[t]                  (forward, push)
     reverse_combine_pull  routed[t]  = d_out_{src_rank[t]}[src_index[t] // k]        (backward, pull)
-    reverse_dispatch_push d_x_{src_rank[t]}[src_index[t]] = dx[t]                     (backward, push)
+    reverse_dispatch_push combine_{src_rank[t]}[src_index[t]] = dx[t]                 (backward, push)
+    pull_route_scalars    w[t] = router_weights_{src_rank[t]}[src_index[t]]           (backward, pull)
+    push_route_scalars    d_router_{src_rank[t]}[src_index[t]] = d_w[t]               (backward, push)
     push_dispatch         the push twin of dispatch_pull (the signalling experiment)
     device_barrier        an in-kernel barrier across ranks (flags, bounded wait)
 
@@ -36,8 +38,8 @@ Files: ``workspace`` (the buffers and their shape), ``tile`` (the copy tile),
 (the twins).
 """
 
-from megamoe.ops.comm.launches import (combine_push, device_barrier, dispatch_pull, reverse_combine_pull,
-                                      reverse_dispatch_push)
+from megamoe.ops.comm.launches import (combine_push, device_barrier, dispatch_pull, pull_route_scalars,
+                                      push_route_scalars, reverse_combine_pull, reverse_dispatch_push)
 from megamoe.ops.comm.push import PushSchedule, build_push_schedule, push_dispatch
 from megamoe.ops.comm.reference import combine_reference, dispatch_reference
 from megamoe.ops.comm.tile import CommTuning, copy_tile
@@ -47,6 +49,6 @@ from megamoe.ops.comm.workspace import (ROW_FORMATS, WAITS, CommShape, CommWorks
 __all__ = [
     "ROW_FORMATS", "WAITS", "CommShape", "CommTuning", "CommWorkspace", "PushSchedule", "QuantRows",
     "build_push_schedule", "combine_push", "combine_reference", "comm_shape", "comm_workspace", "copy_tile",
-    "device_barrier", "dispatch_pull", "dispatch_reference", "push_dispatch", "quantize_rows_reference",
-    "reverse_combine_pull", "reverse_dispatch_push",
+    "device_barrier", "dispatch_pull", "dispatch_reference", "pull_route_scalars", "push_dispatch",
+    "push_route_scalars", "quantize_rows_reference", "reverse_combine_pull", "reverse_dispatch_push",
 ]

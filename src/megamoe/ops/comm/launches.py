@@ -128,14 +128,45 @@ def reverse_dispatch_push(
     sync: bool = True,
     tuning: CommTuning | None = None,
 ) -> torch.Tensor:
-    """Backward reverse-dispatch, push: ``d_x_{src_rank[t]}[src_index[t]] = dx_rows[t]``.
+    """Backward reverse-dispatch, push: ``combine_{src_rank[t]}[src_index[t]] = dx_rows[t]``.
 
-    As :func:`combine_push`, into the ``d_x`` slots; the home rank sums a
-    token's k slots in fixed order. Returns this rank's ``d_x`` slots.
+    As :func:`combine_push`: the combine slots hold the routes' d_x in the backward (the forward's outputs are
+    summed by then); the home rank sums a token's k slots in fixed order. Returns this rank's slots.
     """
-    _push_rows(ws, schedule, dx_rows, "d_x", num_sms, sync, tuning)
-    return ws.local("d_x")
+    _push_rows(ws, schedule, dx_rows, "combine", num_sms, sync, tuning)
+    return ws.local("combine")
 
+
+
+#: Routes per program of the route-scalar launches.
+ROUTE_SCALARS_BLOCK = 1024
+
+
+def pull_route_scalars(ws: CommWorkspace, schedule, name: str, out: torch.Tensor) -> torch.Tensor:
+    """``out[t] = name_{src_rank[t]}[src_index[t]]``: one fp32 per route from its home rank's ``[N*k]`` buffer
+    ``name`` (the backward's router weights), for the schedule's rows ``t < num_rows`` (0 on -1 rows; rows past
+    ``num_rows`` untouched). ``schedule``: a PullSchedule or one of its windows. No host sync."""
+    _route_scalars(ws, schedule, name, out, push=False)
+    return out
+
+
+def push_route_scalars(ws: CommWorkspace, schedule, values: torch.Tensor, name: str) -> None:
+    """``name_{src_rank[t]}[src_index[t]] = values[t]``: one fp32 per route into its home rank's ``[N*k]`` slots
+    ``name`` (the router-weight gradients); peers see them after the next barrier. No host sync."""
+    _route_scalars(ws, schedule, name, values, push=True)
+
+
+def _route_scalars(ws: CommWorkspace, schedule, name: str, rows: torch.Tensor, push: bool) -> None:
+    ws.check_usable()
+    home = ws.local(name).view(-1)
+    if rows.dtype != torch.float32 or home.dtype != torch.float32 or rows.dim() != 1 or \
+            rows.shape[0] < schedule.capacity or rows.device != ws.world.device:
+        raise ValueError(f"route scalars must be float32 [>= {schedule.capacity}] on {ws.world.device}, "
+                         f"got {describe(rows)} (home buffer {name!r}: {home.dtype})")
+    blocks = max(1, -(-schedule.capacity // ROUTE_SCALARS_BLOCK))
+    comm_kernels.route_scalars_kernel[(blocks,)](
+        schedule.num_rows, schedule.src_rank, schedule.src_index, ws.peer_ptrs(name), home, rows,
+        PUSH=push, BLOCK=ROUTE_SCALARS_BLOCK, num_warps=4)
 
 
 def device_barrier(ws: CommWorkspace, *, wait_budget: int | None = None, check: bool = True) -> None:
@@ -203,8 +234,7 @@ def _push_rows(
 ) -> None:
 
     ws.check_launch(schedule, num_sms)
-    check_rows(rows, "y_rows" if dst_name == "combine" else "dx_rows", ws.shape.hidden, ws.world.device,
-                exact_rows=schedule.capacity)
+    check_rows(rows, "rows", ws.shape.hidden, ws.world.device, exact_rows=schedule.capacity)
     tuning = tuning or CommTuning()
     dst = ws.local(dst_name)
     chunks, cp, w, rows_per_tile, align = copy_tile(ws.shape.hidden, dst.element_size(), tuning)

@@ -14,6 +14,7 @@ from megamoe.parallel.world import EPWorld
 from megamoe.precision import FORMATS, FP8_BLOCK
 from megamoe.reference.formats import fp8_block_quantize, mxfp8_quantize
 from megamoe.routing.schedule import PullSchedule, build_pull_schedule
+from megamoe.routing.windows import ScheduleWindow
 
 #: Row formats a workspace can hold x in: bf16, or E4M3 + scales (pulled as they are).
 ROW_FORMATS = ("bf16", *FORMATS)
@@ -78,11 +79,12 @@ class CommShape:
             BufferSpec("x", (N, D), bf16),
             BufferSpec("combine", (N * k, D), bf16),
             BufferSpec("d_out", (N, D), bf16),
-            BufferSpec("d_x", (N * k, D), bf16),
             BufferSpec("routing", (R, N, k), i32),
             BufferSpec("router_weights", (N, k), torch.float32),
             BufferSpec("d_router", (N * k + 1,), torch.float32),
             BufferSpec("flags", (len(WAITS), R), i32),
+            BufferSpec("pass_flags", (2, R), i32),
+            BufferSpec("pass_epochs", (2,), i32),
             BufferSpec("counters", (1,), torch.int64),
             BufferSpec("error", (4,), i32),
         ]
@@ -152,22 +154,24 @@ class CommWorkspace:
     x                bf16 `[N, D]`          this rank's tokens, pulled by dispatch
     x_q, x_scale     uint8 `[N, D]`, scales  pre-quantised x (row_format mxfp8 / fp8-block)
     d_out_q, _scale  uint8 `[N, D]`, scales  pre-quantised d_out (the same)
-    combine          bf16 `[N*k, D]`        slot ``i*k + j``: expert output of route j of token i
+    combine          bf16 `[N*k, D]`        slot ``i*k + j``: expert output of route j of token i (forward),
+                                            its d_x (backward: reverse-dispatch pushes here too)
     d_out            bf16 `[N, D]`          upstream gradient, pulled by reverse-combine
-    d_x              bf16 `[N*k, D]`        slot ``i*k + j``: d_x of route j of token i
     routing          int32 `[R, N, k]`      every rank's expert ids (-1 = no route)
     router_weights   fp32 `[N, k]`          this rank's router weights (the backward reads each route's)
     d_router         fp32 `[N*k + 1]`       slot ``i*k + j``: d(router weight) of route j of token i; the last
                                             slot takes the writes of rows that go elsewhere
     flags            int32 `[2, R]`         ``flags[w, r]``: last epoch rank r signalled for wait w
+    pass_flags       int32 `[2, R]`         the megakernels' barriers across ranks (their epochs on the device:
+    pass_epochs      int32 `[2]`            ``megamoe.kernels.sync``), apart from ``flags``' host-counted ones
     counters         int64 `[1]`            arrivals of push-dispatch programs (running total)
     error            int32 `[4]`            ``[wait id, rank, wanted epoch, seen]`` of a timed-out wait
     routed           bf16 `[capacity, D]`   push-dispatch target (``shape.push_dispatch``)
     push_dst_rank/row int32 `[N*k]`         push-dispatch tables (``build_push_schedule``)
     ================ ====================== =========================================
 
-    Get one with :func:`comm_workspace` (kept on the world per shape) and
-    release it with :meth:`free` (collective). Flags carry epochs that only
+    Get one with :func:`comm_workspace` (kept on the world per shape: the layer's one workspace, which the
+    megakernels and the standalone launches share) and release it with :meth:`free` (collective). Flags carry epochs that only
     grow, so buffers are reused across calls without resets; every rank must
     make the same sequence of signalling calls.
     """
@@ -292,12 +296,13 @@ class CommWorkspace:
         if self._broken is not None:
             raise RuntimeError(f"workspace unusable after an earlier timeout: {self._broken}")
 
-    def check_launch(self, schedule: PullSchedule, num_sms: int) -> None:
-        """ValueError unless ``schedule`` fits this workspace and ``num_sms`` is a positive int."""
+    def check_launch(self, schedule: PullSchedule | ScheduleWindow, num_sms: int) -> None:
+        """ValueError unless ``schedule`` (a pull schedule, or one of the backward's windows of one) fits this
+        workspace and ``num_sms`` is a positive int."""
         self.check_usable()
         check_num_sms(num_sms)
-        if not isinstance(schedule, PullSchedule):
-            raise ValueError(f"schedule must be a PullSchedule, got {type(schedule).__name__}")
+        if not isinstance(schedule, (PullSchedule, ScheduleWindow)):
+            raise ValueError(f"schedule must be a PullSchedule or a ScheduleWindow, got {type(schedule).__name__}")
         shape = self.shape
         if schedule.num_ranks != shape.num_ranks or schedule.top_k != shape.top_k:
             raise ValueError(
