@@ -263,8 +263,8 @@ class Bench:
             top_all[r] = t
         scheds = [build_pull_schedule(top_all, r, self.L) for r in range(R)]
         for name, fn, buf in (("combine_push", comm.combine_push, "combine"),
-                              ("reverse_dispatch_push", comm.reverse_dispatch_push, "d_x")):
-            ys = [rows_for(r, s.capacity, D, 2 if buf == "combine" else 3, dev) for r, s in enumerate(scheds)]
+                              ("reverse_dispatch_push", comm.reverse_dispatch_push, "combine")):
+            ys = [rows_for(r, s.capacity, D, 2 if name == "combine_push" else 3, dev) for r, s in enumerate(scheds)]
             ws.local(buf).fill_(float("nan"))
             got = fn(ws, sched, ys[self.me], num_sms=24)
             init = torch.full_like(got, float("nan"))
@@ -295,7 +295,7 @@ class Bench:
         nbytes = ws.local("combine").numel() * 2
         local = torch.empty_like(ws.local("combine"))
         for name, fn in (("peer copy_ pull", lambda: local.copy_(ws.peer("combine", other))),
-                         ("peer copy_ push", lambda: ws.peer("d_x", other).copy_(local))):
+                         ("peer copy_ push", lambda: ws.peer("combine", other).copy_(local))):
             stats = self.timeit(fn, iters=max(5, self.iters // 2))
             self.record(measurement="ceiling", impl=name, **self.rates([nbytes] * R, [nbytes] * R, stats))
         del local

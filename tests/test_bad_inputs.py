@@ -80,8 +80,10 @@ def _cases(world) -> dict:
         ("preset", "an unknown name"): lambda: preset("gpt-5"),
         ("KernelConfig", "comm_sms leaving no compute SM"): lambda: KernelConfig(4, 4, 32, 64, 32, 32),
         ("KernelConfig", "minibatch not a multiple of tile_m"): lambda: KernelConfig(4, 1, 48, 96, 32, 32),
-        ("KernelConfig", "backward_minibatch not dividing the ring"): lambda: KernelConfig(
-            4, 1, 32, 96, 32, 32, backward_minibatch=64),
+        ("KernelConfig", "backward_minibatch not a multiple of tile_m"): lambda: KernelConfig(
+            4, 1, 32, 96, 32, 32, backward_minibatch=48),
+        ("KernelConfig", "backward_ring_rows not a multiple of 128"): lambda: KernelConfig(
+            4, 1, 32, 96, 32, 32, backward_ring_rows=96),
         ("plan", "ep not dividing the experts"): lambda: plan(CFG, 3, 1024),
         ("plan", "an unknown precision"): lambda: plan(CFG, 1, 1024, precision="fp4"),
         ("megamoe_forward", "an unknown precision"): lambda: forward(x, top, w, gu, dn, shared, precision="fp4"),

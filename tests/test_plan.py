@@ -86,16 +86,16 @@ def test_the_backward_gets_its_own_comm_sms():
     for bad in (0, 132, True, 2.0):
         with pytest.raises(ValueError, match="backward_comm_sms"):
             KernelConfig(num_sms=132, comm_sms=8, minibatch=1024, ring_rows=4096, backward_comm_sms=bad)
-    # its own minibatch: a multiple of the row tile that divides the ring (a wrapped ring's lost rows start one)
+    # its own minibatch: a multiple of the row tile
     pinned = plan(kimi, 2, 8192, backward_minibatch=1024).config
     assert pinned.backward_minibatch == pinned.bwd_minibatch == 1024 and c.bwd_minibatch == c.minibatch
-    for bad in (0, 100, 3072 * 5, True):
+    for bad in (0, 100, 2.0, True):
         with pytest.raises(ValueError, match="backward_minibatch"):
             KernelConfig(num_sms=132, comm_sms=8, minibatch=1024, ring_rows=4096, backward_minibatch=bad)
     result = CliRunner().invoke(app, ["plan", "--backward-comm-sms", "10", "--backward-minibatch", "1024"])
-    assert result.exit_code == 0 and "backward_comm_sms=10, backward_minibatch=1024)" in result.output, result.output
+    assert result.exit_code == 0 and "backward_comm_sms=10, backward_minibatch=1024," in result.output, result.output
     for config in (c, one, pinned, replace(c, backward_comm_sms=None, backward_minibatch=512),
-                   replace(c, overlap=False), None):
+                   replace(c, overlap=False), replace(c, backward_ring_rows=1024), None):
         assert _config(config_string(config)) == config
 
 
@@ -139,3 +139,43 @@ def test_memory_splits_the_pass_from_what_each_layer_keeps():
     assert p.memory_for(60) == shared + 60 * per_layer
     with pytest.raises(ValueError, match="layers"):
         p.memory_for(0)
+
+
+def test_backward_memory_does_not_grow_with_the_ep_size():
+    """Issue 48: the backward streams through a ring, so kimi-k2's pass buffers at 8192 tokens per rank stay under
+    12 GiB at EP 64, and 60 layers at EP 64 need at most 1.3x what they need at EP 8 (only the routing all-gather
+    and the schedules grow with R)."""
+    kimi = preset("kimi-k2")
+    plans = {ep: plan(kimi, ep, 8192) for ep in (1, 2, 8, 16, 64)}
+    passes = {ep: sum(p.memory.values()) for ep, p in plans.items()}
+    assert passes[64] <= 12 * 2**30, passes[64] / 2**30
+    assert max(passes.values()) <= 1.05 * min(passes.values()), {ep: b / 2**30 for ep, b in passes.items()}
+    assert plans[64].memory_for(60) <= 1.3 * plans[8].memory_for(60)
+    assert not any("R*N*k" in name and ", D]" in name for p in plans.values() for name in p.memory), \
+        "a capacity-sized row buffer is back"
+    # every balanced row in one window that the forward's ring holds (read in place)
+    c = plans[8].config
+    assert c.bwd_ring_rows + 128 <= c.ring_rows and c.bwd_ring_rows % 128 == 0
+    assert any("1 window for balanced" in line for line in plans[8].reasoning)
+
+
+def test_a_memory_budget_shrinks_the_backward_ring_and_says_what_it_costs():
+    kimi = preset("kimi-k2")
+    free = plan(kimi, 8, 8192, layers=60)
+    full = free.memory_for(60)
+    assert plan(kimi, 8, 8192, memory_gib=full / 2**30 + 1, layers=60).config == free.config
+    tight = plan(kimi, 8, 8192, memory_gib=40.0, layers=60)
+    ring = tight.config.backward_ring_rows
+    assert ring is not None and ring % 128 == 0 and ring < free.config.bwd_ring_rows
+    assert tight.memory_for(60) <= 40 * 2**30 < plan(kimi, 8, 8192, backward_ring_rows=ring + 128).memory_for(60)
+    assert any("shrinks to" in line for line in tight.reasoning)
+    assert any("windows for balanced" in line and "ms more traffic" in line for line in tight.reasoning)
+    with pytest.raises(ValueError, match="need at least .* GiB per rank"):
+        plan(kimi, 8, 8192, memory_gib=20.0, layers=60)
+    for bad in (0, -1.0, True, "8"):
+        with pytest.raises(ValueError, match="memory_gib"):
+            plan(kimi, 8, 8192, memory_gib=bad)
+    result = CliRunner().invoke(app, ["plan", "--ep", "8", "--layers", "60", "--memory", "40"])
+    assert result.exit_code == 0 and f"backward_ring_rows={ring})" in result.output, result.output
+    bad = CliRunner().invoke(app, ["plan", "--ep", "8", "--layers", "60", "--memory", "20"])
+    assert bad.exit_code == 2 and "need at least" in bad.output

@@ -194,7 +194,10 @@ def plan(
     ring_rows: int = typer.Option(None, help="Pin the ring size (rows)."),
     backward_comm_sms: int = typer.Option(None, help="Pin the backward megakernel's communication SMs."),
     backward_minibatch: int = typer.Option(None, help="Pin the backward megakernel's minibatch (rows)."),
+    backward_ring_rows: int = typer.Option(None, help="Pin the backward's ring (rows, a multiple of 128)."),
     layers: int = typer.Option(1, help="MoE layers of this shape in the model: the memory per rank for all of them."),
+    memory: float = typer.Option(None, help="Memory budget per rank in GiB for the pass and --layers layers (besides "
+                                            "the weights): the backward's ring shrinks to fit."),
 ) -> None:
     """The megakernel's minibatch, comm/compute SM split, ring size and memory, with the reasoning."""
     from megamoe.config import preset as get_preset
@@ -209,7 +212,8 @@ def plan(
                 raise ValueError(f"{name} must be >= 1, got {value}")
         result = make_plan(get_preset(preset), ep, tokens, num_sms=sms, precision=precision, comm_sms=comm_sms,
                            minibatch=minibatch, ring_rows=ring_rows, backward_comm_sms=backward_comm_sms,
-                           backward_minibatch=backward_minibatch)
+                           backward_minibatch=backward_minibatch, backward_ring_rows=backward_ring_rows,
+                           memory_gib=memory, layers=layers)
         text = format_plan(result, layers)
     except ValueError as exc:
         _fail(str(exc))

@@ -25,6 +25,11 @@ minibatch at a time. The planner applies three rules and prints why:
    each), in whole minibatches, so a balanced backward replays nothing and
    the rank's own outputs stay in the ring (rule 2); skewed routing wraps the
    ring (never drops).
+4. Backward ring: windows of ``ring + 128`` rows that fit the forward's ring
+   (``default_backward_ring``), so a backward under balanced routing reads
+   every row in place in one window, at any EP size; with a memory budget
+   (``megamoe plan --memory``) the largest ring that fits, and the plan says
+   what its extra windows cost.
 
 Measured inputs (benchmarks/results/2026-11-30-fp8-experts, the megakernel's trace): the expert GEMM
 rates and the comm SMs' copy rate inside the megakernel.
@@ -33,11 +38,13 @@ rates and the comm SMs' copy rate inside the megakernel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megamoe.config import MoEConfig
 from megamoe.precision import check_precision
 from megamoe.planner.kernel_config import KernelConfig, LayerShape, check_kernel_config
+from megamoe.planner.memory import ELEMENT_BYTES, fitting_backward_ring, kept_memory, pass_memory
+from megamoe.routing.windows import WINDOW_ALIGN
 
 #: H200 measurements the rules use. Routed expert GEMM rates on full 128-row tiles, scaled to all 132 SMs, from
 #: the megakernel's trace of kimi-k2 EP 2 (benchmarks/results/2026-11-30-fp8-experts: 5.81 TFLOP of routed
@@ -61,7 +68,6 @@ COMM_SLACK = 0.85
 #: the forward tiles' rate (450 against 501-517 TFLOP/s, benchmarks/results/2026-12-01-gemm-vs-dense); not yet
 #: measured inside the backward megakernel.
 BACKWARD_GEMM_TFLOPS = GEMM_TFLOPS["bf16"] * 0.88
-ELEMENT_BYTES = {"bf16": 2.0, "fp8-block": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
 #: Waves of gate/up tiles per minibatch (rule 1). Interleaved A/B rounds, EP 2, ms per pass (benchmarks/results/
 #: 2026-11-30-pass-prologue), two / three / four waves: qwen3.5-397b bf16 6.20 / 6.14 / 6.24, fp8-block 5.10 /
 #: 4.88 / 4.92; kimi-k2 bf16 15.31 / 15.42 / 15.96, fp8-block 11.57 / 11.41 / 11.73; deepseek-v4-pro bf16 19.53 /
@@ -152,8 +158,13 @@ def plan(
     tile_n: int = 256,
     backward_comm_sms: int | None = None,
     backward_minibatch: int | None = None,
+    backward_ring_rows: int | None = None,
+    memory_gib: float | None = None,
+    layers: int = 1,
 ) -> Plan:
-    """Plan the kernel for ``tokens`` tokens per rank on ``ep`` ranks; explicit knobs override the rules."""
+    """Plan the kernel for ``tokens`` tokens per rank on ``ep`` ranks; explicit knobs override the rules.
+    ``memory_gib``: at most this much per rank for the pass and ``layers`` layers' kept buffers (rule 4): the
+    backward's ring shrinks to fit (ValueError when even its least does not)."""
     check_precision(precision)
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
@@ -215,49 +226,70 @@ def plan(
                    f"{BACKWARD_GEMM_TFLOPS:.0f} TFLOP/s (its minibatches are the forward's)")
     elif backward_comm_sms is not None:
         why.append(f"backward comm_sms {backward_comm_sms}: given")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ValueError(f"layers must be a positive int, got {layers!r}")
+    if memory_gib is not None and (isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float))
+                                   or not memory_gib > 0):
+        raise ValueError(f"memory_gib must be a positive number, got {memory_gib!r}")
     if backward_minibatch is not None:
         why.append(f"backward minibatch {backward_minibatch} rows: given")
     else:
         why.append("backward minibatch: the forward's (no backward sweep measured yet)")
     config = KernelConfig(num_sms, comm_sms, minibatch, ring_rows, tile_m, tile_n, backward_comm_sms,
-                          backward_minibatch)
+                          backward_minibatch, backward_ring_rows=backward_ring_rows)
     check_kernel_config(config, LayerShape.of(cfg, ep, tokens), precision, tile_m=tile_m, available_sms=num_sms)
-    d, i, k = cfg.hidden, cfg.intermediate, cfg.top_k
-    act_bytes = ELEMENT_BYTES[precision]
-    shared = sum(cfg.shared)
-    memory = {
-        "symmetric x [N, D] (bf16)": tokens * d * 2,
-        **({"symmetric quantised x [N, D] + scales (FP8)": int(tokens * d * act_bytes)} if act_bytes < 2 else {}),
-        "symmetric combine slots [N*k, D] (the backward's d_x slots)": tokens * k * d * 2,
-        "symmetric d_out [N, D] (backward)": tokens * d * 2,
-        **({"symmetric quantised d_out [N, D] + scales (FP8 backward)": int(tokens * d * act_bytes)}
-           if act_bytes < 2 else {}),
-        "symmetric router weights and their gradients [N, k] x 2 (backward)": (2 * tokens * k + 1) * 4,
-        "routing all-gather [R, N, k]": ep * tokens * k * 4,
-        "ring rows [ring, D]": int(ring_rows * d * act_bytes),
-        "ring activation [ring, I]": int(ring_rows * i * act_bytes),
-        "ring expert outputs y [ring, D]": ring_rows * d * 2,
-        **({"shared expert activation [N, Is]": tokens * shared * 2, "shared expert y [N, D]": tokens * d * 2}
-           if shared else {}),
-    }
-    if precision == "bf16":  # the backward megakernel's rows (worst case R*N*k), made at the first backward
-        cap = ep * tokens * k
-        memory.update({
-            "backward rows d_out, x, d_x [R*N*k, D] x 3": 3 * cap * d * 2,
-            "backward d_h, w*act [R*N*k, 3I]": cap * 3 * i * 2,
-            "backward replayed h, act [R*N*k - ring, 3I]": max(cap - ring_rows, 1) * 3 * i * 2,
-            **({"backward shared expert d_h, w*act, d_x [N, 3*Is + D]": tokens * (3 * shared + d) * 2}
-               if shared else {}),
-        })
-    kept = {  # BF16 pulls x again: a layer keeps its pre-activations and the schedule (FP8: the ring's E4M3 x)
-        "ring pre-activation h [ring, 2I]": ring_rows * 2 * i * 2,
-        **({"ring rows x, E4M3 + scales [ring, D]": int(ring_rows * d * act_bytes)} if precision != "bf16" else {}),
-        **({"shared expert pre-activation h [N, 2*Is]": tokens * 2 * shared * 2} if shared else {}),
-        "pull schedule (worst case R*N*k rows)": ep * tokens * k * 8,
-    }
+    memory = pass_memory(cfg, ep, tokens, config, precision)
+    kept = kept_memory(cfg, ep, tokens, config, precision)
+    if memory_gib is not None:
+        config, memory, kept = _fit_budget(cfg, ep, tokens, config, precision, memory_gib, layers, memory, kept, why)
+    how = ("given" if backward_ring_rows is not None else "the budget's" if config.backward_ring_rows is not None
+           else "windows of ring + 128 rows that fit the forward ring")
+    why.append(_backward_ring_reason(cfg, tokens, config, how))
     why.append(f"memory per rank besides the weights: {sum(memory.values()) / 2**30:.2f} GiB for the pass (shared "
                f"by the layers of this shape), {sum(kept.values()) / 2**30:.2f} GiB kept per layer for its backward")
     return Plan(config, memory, kept, why)
+
+
+#: HBM bytes per second of a carry's round trip (a copy's rate on the H200: BENCHMARKS.md, 4252 GB/s read + write).
+HBM_BYTES_PER_S = 4252e9
+
+
+def _backward_ring_reason(cfg: MoEConfig, tokens: int, config: KernelConfig, how: str) -> str:
+    ring = config.bwd_ring_rows
+    expected = tokens * cfg.top_k
+    windows = max(1, -(-int(expected + 4 * math.sqrt(expected)) // ring))
+    carry = 2 * 3 * cfg.intermediate * cfg.hidden * 4  # an expert's FP32 blocks, written then read
+    text = (f"backward ring {ring} rows ({how}): {windows} window{'s' if windows > 1 else ''} for balanced routing's "
+            f"rows; the same at any EP size")
+    if windows > 1:
+        text += (f"; each extra window carries one expert's weight gradients in FP32 ({carry / 2**20:.0f} MiB "
+                 f"written and read, ~{carry / HBM_BYTES_PER_S * 1e3:.2f} ms of HBM) and launches its steps once "
+                 f"more: ~{(windows - 1) * carry / HBM_BYTES_PER_S * 1e3:.2f} ms more traffic for the pass, the "
+                 f"expert GEMMs unchanged")
+    return text
+
+
+def _fit_budget(cfg, ep, tokens, config, precision, memory_gib, layers, memory, kept, why):
+    """Rule 4 under a budget: the backward ring shrunk until the pass and ``layers`` layers fit ``memory_gib``."""
+    budget = int(memory_gib * 2**30)
+    total = sum(memory.values()) + layers * sum(kept.values())
+    ring = fitting_backward_ring(cfg, ep, tokens, config, precision, budget, layers)
+    if ring is None:
+        floor = replace(config, backward_ring_rows=WINDOW_ALIGN)
+        need = sum(pass_memory(cfg, ep, tokens, floor, precision).values()) + layers * sum(
+            kept_memory(cfg, ep, tokens, floor, precision).values())
+        raise ValueError(f"{layers} layer(s) of this shape need at least {need / 2**30:.2f} GiB per rank (a backward "
+                         f"ring of 128 rows; the forward's ring {config.ring_rows} rows: pin a smaller ring_rows), "
+                         f"more than the {memory_gib} GiB budget")
+    if ring == config.bwd_ring_rows:
+        why.append(f"memory budget {memory_gib} GiB for {layers} layer(s): {total / 2**30:.2f} GiB fits")
+        return config, memory, kept
+    config = replace(config, backward_ring_rows=ring)
+    memory = pass_memory(cfg, ep, tokens, config, precision)
+    why.append(f"memory budget {memory_gib} GiB for {layers} layer(s): {total / 2**30:.2f} GiB did not fit; the "
+               f"backward ring shrinks to {ring} rows ({(sum(memory.values()) + layers * sum(kept.values())) / 2**30:.2f}"
+               f" GiB)")
+    return config, memory, kept
 
 
 def format_plan(p: Plan, layers: int = 1) -> str:
@@ -265,7 +297,8 @@ def format_plan(p: Plan, layers: int = 1) -> str:
     c = p.config
     lines = [f"KernelConfig(num_sms={c.num_sms}, comm_sms={c.comm_sms}, minibatch={c.minibatch}, "
              f"ring_rows={c.ring_rows}, tile_m={c.tile_m}, tile_n={c.tile_n}, "
-             f"backward_comm_sms={c.backward_comm_sms}, backward_minibatch={c.backward_minibatch})", "", "why:"]
+             f"backward_comm_sms={c.backward_comm_sms}, backward_minibatch={c.backward_minibatch}, "
+             f"backward_ring_rows={c.backward_ring_rows})", "", "why:"]
     lines += [f"  - {line}" for line in p.reasoning]
     width = max(map(len, (*p.memory, *p.kept)))
     lines += ["", "memory per rank, the pass (shared by the layers of this shape):"]
