@@ -36,7 +36,7 @@ CPU_TOOLS = {
 }
 #: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help only.
 GPU_TOOLS = {
-    "backward_kernels.py", "backward_tiles_ab.py", "backward_trace.py", "clock_probe.py", "co_resident_ab.py", "comm_local_rate.py", "experts_fp8_bench.py", "experts_minibatch_bench.py", "expert_backward_once.py", "fp8_backward_ab.py", "fp8_layer_rows.py", "forward_ws_ab.py",
+    "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_tiles_ab.py", "backward_trace.py", "clock_probe.py", "co_resident_ab.py", "comm_local_rate.py", "experts_fp8_bench.py", "experts_minibatch_bench.py", "expert_backward_once.py", "fp8_backward_ab.py", "fp8_layer_rows.py", "forward_ws_ab.py",
     "experts_mxfp8_bench.py", "fp8_dense_ceiling.py", "gemm_ceiling.py", "gemm_vs_dense.py", "megakernel_host.py",
     "megakernel_per_sm.py", "megakernel_profile.py", "megakernel_trace.py", "padding_probe.py", "quant_bench.py", "schedule_bench.py",
     "tail_tiles_ab.py", "task_order_ab.py", "fp8_forward_ab.py", "fp8_wgrad_ab.py", "dact_ab.py", "quant_tokens_sweep.py",

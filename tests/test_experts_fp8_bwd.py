@@ -221,9 +221,10 @@ def test_gpu_fp8_wgrad_ws_carry_gives_the_triton_bits_and_the_unsplit_ones():
         for name in ("stored", "out"):
             differ = (run[name] != run["whole"]).flatten(1).any(1).nonzero().flatten().tolist()
             assert torch.equal(run[name], run["whole"]), f"ws={ws} {name}: experts differing {differ}"
-    for name, t in got[False].items():
-        if name != "carry_end":  # NaN on both sides
-            assert torch.equal(t, got[True][name]), f"{name}: {int((t != got[True][name]).sum())} elements differ"
+    for name, t in got[False].items():  # bit patterns: the NaN left where nothing is written compares too
+        bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype]
+        differ = int((t.view(bits) != got[True][name].view(bits)).sum())
+        assert differ == 0, f"{name}: {differ} elements differ from wgrad_fp8_kernel's"
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])  # mxfp8: ~1 min

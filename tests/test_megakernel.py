@@ -373,10 +373,10 @@ def _one_rank(world, precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp8-block", "mxfp8"])
 def test_one_rank_runs_the_expert_kernels_with_the_megakernels_bits(precision):
     """At one rank a pass gathers the rows and runs the expert kernels on every SM instead of the megakernel: the
-    same output, ring rows, pre-activations and activations, bit for bit, as the megakernel on the same rank, and
-    no combine slots (41 tokens x k 3 = 123 for the megakernel)."""
+    same output, ring rows, pre-activations and activations, bit for bit, as the megakernel on the same rank; both
+    keep the layer shape's combine slots (41 tokens x k 3 = 123: the backward's d_x slots)."""
     r = launch(_one_rank, 1, precision)[0]
-    assert r["paths"] == (True, False) and r["combine_rows"] == (1, 123), r
+    assert r["paths"] == (True, False) and r["combine_rows"] == (123, 123), r
     assert all(r["same_bits"]), r
     assert r["out"]["rel_err"] < (1e-2 if precision == "bf16" else 6e-2), r
 

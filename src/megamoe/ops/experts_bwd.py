@@ -8,6 +8,7 @@ plain-PyTorch twin.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -205,6 +206,18 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
                 MMA_IN_FLIGHT=stages >= 4)
 
 
+#: The Triton wgrad's widest block with a carry: the carry enters the MMA accumulator through a layout
+#: conversion in shared memory beside the K ring (a 128 x 256 fp32 block is 128 KB: 294,944 B in all, over
+#: Hopper's 232,448); 128 wide fits (163,872 B, no spills) and gives the same bits (an element's K sum does not
+#: depend on the block's width; checked on an H200).
+CARRY_BLOCK_N = 128
+
+
+def carry_tile(tile: TileConfig) -> TileConfig:
+    """The Triton wgrad's tile when it carries across windows (:data:`CARRY_BLOCK_N`)."""
+    return dataclasses.replace(tile, block_n=min(tile.block_n, CARRY_BLOCK_N))
+
+
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
           tile: TileConfig, programs: int, warp_specialized: bool = True,
           carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -223,6 +236,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, CARRY=carry is not None,
                 **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
+        tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, out, offsets, counts, experts, out_m, out_n, *window, DOT_FP32=interpreting(),
             NUM_PROGRAMS=programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,

@@ -215,7 +215,7 @@ def plan(
 
     if ep == 1:
         why.append("EP 1: no peers, nothing to overlap: megamoe_forward runs the expert kernels on every SM instead, "
-                   "without the combine slots (MegaKernel(..., one_rank_megakernel=True) runs this config with the "
+                   "reading the outputs in place (MegaKernel(..., one_rank_megakernel=True) runs this config with the "
                    "memory below)")
     if backward_comm_sms is None and ep > 1 and precision == "bf16":
         fitting = [s for s in range(1, num_sms) if _comm_over_compute(cfg, ep, tokens, s, num_sms, precision, tile_m,

@@ -126,7 +126,7 @@ def schedule_window(schedule: PullSchedule, cuts: torch.Tensor, index: int, ring
     last = (end - c0).clamp(0, None).minimum(rows_in)
     modes = torch.where((start < c0) & (end > c0), CARRY_IN, 0)
     continues = (start < c1) & (end > c1)
-    ends_here = (end > c0) & (end <= c1)
+    ends_here = (end > c0) & (end <= c1) & (end > start)
     if index == 0:
         ends_here = ends_here | (end == start)  # experts with no rows get zeros once
     modes = modes | torch.where(continues, CARRY_OUT, torch.where(ends_here, STORE, 0))
@@ -158,7 +158,7 @@ def schedule_window_reference(offsets: list[int], counts: list[int], c0: int, c1
         mode = CARRY_IN if start < c0 < end else 0
         if start < c1 < end:
             mode |= CARRY_OUT
-        elif c0 < end <= c1 or (first_window and count == 0):
+        elif (c0 < end <= c1 and count) or (first_window and count == 0):
             mode |= STORE
         out.append((lo, hi - lo, mode))
     return out

@@ -73,7 +73,7 @@ def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized, expert_gemm, expert_gemm_bwd, forward_warp_specialized
     from megamoe.kernels import wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
-    from megamoe.ops.experts_bwd import dact_ws_constexprs, wgrad_ws_constexprs
+    from megamoe.ops.experts_bwd import carry_tile, dact_ws_constexprs, wgrad_ws_constexprs
     from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
 
     gpu = torch.device("cuda")
@@ -123,11 +123,12 @@ def gemm_cases() -> dict[str, Case]:
     for name, t, carry in (("wgrad_kernel", wide, False), ("wgrad_kernel (few rows per expert)", few, False),
                            ("wgrad_kernel (carry)", wide, True),
                            ("wgrad_kernel (few rows per expert, carry)", few, True)):
-        kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, t, CARRY=carry)
+        triton_tile = carry_tile(t) if carry else t  # what wgrad launches with a carry
+        kinds, values = _row_task_consts(expert_gemm_bwd.wgrad_kernel, triton_tile, CARRY=carry)
         cases[name] = Case(expert_gemm_bwd.wgrad_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, **kinds}, values, t.num_warps,
-            t.num_stages)
+            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, **kinds}, values, triton_tile.num_warps,
+            triton_tile.num_stages)
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel
         cases[name.replace("wgrad_kernel", "wgrad_ws_kernel")] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
@@ -393,7 +394,8 @@ def backward_megakernel_case() -> Case:
              "w_gate_up_k_desc": (dx.block_k, dx.block_n), "shared_dy_desc": (128, da.block_k),
              "shared_w_down_desc": (da.block_k, da.block_n), "shared_d_h_desc": (128, dx.block_k),
              "shared_w_gate_up_k_desc": (dx.block_k, dx.block_n)}
-    fp32 = {"row_w_ptr", "partial_ptr", "d_router_ptr", "ones_ptr", "shared_partial_ptr"}
+    fp32 = {"row_w_ptr", "partial_ptr", "d_router_ptr", "ones_ptr", "shared_partial_ptr", "down_in_ptr", "down_out_ptr",
+            "gate_up_in_ptr", "gate_up_out_ptr"}
     signature = {}
     for name in mkb.megakernel_bwd.arg_names:
         if name in consts:
