@@ -45,9 +45,11 @@ TRACE_EVENTS = tl.constexpr(8)  # events this program logged (more than TRACE_MA
 TRACE_FIELDS = tl.constexpr(9)
 #: After the fields, up to TRACE_MAX_EVENTS events of 4 int64: start, end (globaltimer ns), kind, detail.
 #: Kinds: a wait's WAIT_* id (detail: the counter's index) or a TRACE_KIND_* task.
-TRACE_MAX_EVENTS = tl.constexpr(1024)
+#: 4096: the backward megakernel's compute workers log ~2,300 tasks each for kimi-k2's 192 x 341 rows (its weight
+#: gradients alone ~2,050 blocks per program); 1024 dropped most of them (17 MB of trace for 132 programs).
+TRACE_MAX_EVENTS = tl.constexpr(4096)
 TRACE_EVENT_WORDS = tl.constexpr(4)
-TRACE_ROW = tl.constexpr(9 + 4 * 1024)
+TRACE_ROW = tl.constexpr(9 + 4 * 4096)
 TRACE_KIND_GATE_UP = tl.constexpr(16)  # detail: row tile << 16 | n-tile
 TRACE_KIND_DOWN = tl.constexpr(17)  # detail: row tile << 16 | n-tile
 TRACE_KIND_SHARED_GATE_UP = tl.constexpr(18)  # detail: token tile << 16 | n-tile
