@@ -234,7 +234,7 @@ def run(world, opts: dict):
     local = torch.empty_like(combine)
     nbytes = local.numel() * 2
     for name, fn in (("peer copy_ pull", lambda: local.copy_(ws.peer("combine", other))),
-                     ("peer copy_ push", lambda: ws.peer("d_x", other).copy_(local))):
+                     ("peer copy_ push", lambda: ws.peer("combine", other).copy_(local))):
         stats = b.timeit(fn, iters=max(5, b.iters // 2))
         results.append(dict(study="ceiling", variant=name, **b.rates([nbytes] * b.R, [nbytes] * b.R, stats)))
     checks = {name: b.agree(ok) for name, ok in checks.items()}

@@ -31,6 +31,7 @@ import triton.language as tl
 from megamoe.bench.experts import make_load
 from megamoe.config import preset
 from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
+from megamoe.kernels.wgrad_carry import STORE
 from megamoe.ops.launch import scratch_allocator
 from megamoe.ops.tiles import TileConfig, plan_tiles
 from megamoe.runtime import num_programs
@@ -57,7 +58,8 @@ def wgrad_flat_kernel(
         a_desc, b_desc, out_desc = expert_gemm_bwd.wgrad_descriptors(a_ptr, b_ptr, out_ptr, expert, row_end, OUT_M,
                                                                      OUT_N, BLOCK_M, BLOCK_N, BLOCK_K)
         expert_gemm_bwd.wgrad_block(a_desc, b_desc, out_desc, row0, row_end, block // num_n * BLOCK_M,
-                                    block % num_n * BLOCK_N, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                                    block % num_n * BLOCK_N, row0 * 0 + STORE, out_ptr, out_ptr, OUT_M, OUT_N,
+                                    DOT_FP32, False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -87,7 +89,8 @@ def wgrad_grouped_kernel(
                                                                          OUT_M, OUT_N, BLOCK_M, BLOCK_N, BLOCK_K)
             for task in tl.range(first, per_expert, group_size, flatten=FLATTEN):
                 expert_gemm_bwd.wgrad_block(a_desc, b_desc, out_desc, row0, row_end, task // num_n * BLOCK_M,
-                                            task % num_n * BLOCK_N, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                                            task % num_n * BLOCK_N, row0 * 0 + STORE, out_ptr, out_ptr, OUT_M, OUT_N,
+                                            DOT_FP32, False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 #: name -> (TileConfig or None for the plan's, programs per SM)
@@ -133,8 +136,9 @@ def check_flat() -> None:
         for kernel, extra in [(expert_gemm_bwd.wgrad_kernel, {})] + variants:
             out = torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16)
             with scratch_allocator():
-                kernel[(6,)](a, b, out, offsets, counts, len(counts), out_m, out_n, DOT_FP32=True, NUM_PROGRAMS=6,
-                             BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, FLATTEN=True, **extra)
+                carry = (counts, out, out) if kernel is expert_gemm_bwd.wgrad_kernel else ()  # unread: no CARRY
+                kernel[(6,)](a, b, out, offsets, counts, len(counts), out_m, out_n, *carry, DOT_FP32=True,
+                             NUM_PROGRAMS=6, BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, FLATTEN=True, **extra)
             outs.append(out)
         want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float()
                             for o, c in zip(offsets.tolist(), counts.tolist())])
@@ -185,10 +189,12 @@ def main() -> None:
                 with scratch_allocator():
                     if ws:
                         return wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                            d_h, x, out, offsets, counts, experts, out_m, out_n, NUM_PROGRAMS=programs,
-                            BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.num_stages, num_warps=4, **extra)
+                            d_h, x, out, offsets, counts, experts, out_m, out_n, counts, out, out,
+                            NUM_PROGRAMS=programs, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.num_stages, num_warps=4, **extra)
+                    carry = (counts, out, out) if kernel is expert_gemm_bwd.wgrad_kernel else ()  # unread: no CARRY
                     kernel[(programs,)](
-                        d_h, x, out, offsets, counts, experts, out_m, out_n, DOT_FP32=False, NUM_PROGRAMS=programs,
+                        d_h, x, out, offsets, counts, experts, out_m, out_n, *carry, DOT_FP32=False,
+                        NUM_PROGRAMS=programs,
                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, FLATTEN=c.flatten,
                         num_warps=c.num_warps, num_stages=c.num_stages, **extra)
             try:
