@@ -83,3 +83,21 @@ def test_a_ring_is_a_positive_multiple_of_128():
         with pytest.raises(ValueError, match="multiple of 128"):
             check_ring(bad)
     assert max_windows(1000, 128) == 8 and max_windows(0, 128) == 1
+
+
+def test_gather_rows_copies_the_rows_below_a_device_count_and_nothing_else():
+    """The windows' reads of the forward ring (megamoe.ops.gather_rows) against the torch twin: bf16, E4M3 bytes
+    and fp32 scales, 0 rows, a partial block, every row; rows past the count keep their poison."""
+    from megamoe.ops.gather_rows import gather_rows, gather_rows_reference
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.uint8, torch.float32):
+        src = (torch.randn(50, 96, generator=g) * 10).to(dtype)
+        index = torch.randint(0, 50, (70,), generator=g)
+        for rows in (0, 1, 33, 70):
+            got = torch.full((70, 96), 7).to(dtype)
+            want = gather_rows_reference(src, index, rows, got.clone())
+            gather_rows(src, index, torch.tensor(rows, dtype=torch.int32), got)
+            assert torch.equal(got, want), (dtype, rows)
+    with pytest.raises(ValueError, match="one width and dtype"):
+        gather_rows(torch.zeros(4, 8), torch.zeros(4, dtype=torch.int64), torch.tensor(4), torch.zeros(4, 9))

@@ -29,6 +29,7 @@ from megamoe.ops.experts import ExpertForwardQuantized, gate_up
 from megamoe.ops.experts_bwd import ExpertGrads, WgradCarry
 from megamoe.ops.experts_fp8 import gate_up_fp8
 from megamoe.ops.experts_mxfp8 import gate_up_mxfp8
+from megamoe.ops.gather_rows import gather_rows
 from megamoe.planner import KernelConfig, LayerShape
 from megamoe.precision import SCALE_BLOCK
 from megamoe.routing.schedule import PullSchedule
@@ -121,12 +122,11 @@ class BackwardRing:
         if self.in_forward_ring(saved, window):
             x = QuantRows(saved.ring_x[: self.rows], saved.ring_scale[: self.rows], self.x.format) if fp8 else None
             return saved.h[: self.rows], x
-        last = saved.h.shape[0] - 1
-        index = window.rows.clamp(max=last)
-        torch.index_select(saved.h, 0, index, out=self.h)
+        index = window.rows.clamp(max=saved.h.shape[0] - 1)
+        gather_rows(saved.h, index, window.num_rows, self.h)  # only the window's rows: an empty one copies nothing
         if fp8:
-            torch.index_select(saved.ring_x.view(torch.uint8), 0, index, out=self.x.data.view(torch.uint8))
-            torch.index_select(saved.ring_scale, 0, index, out=self.x.scale)
+            gather_rows(saved.ring_x.view(torch.uint8), index, window.num_rows, self.x.data.view(torch.uint8))
+            gather_rows(saved.ring_scale, index, window.num_rows, self.x.scale)
         return self.h, self.x if fp8 else None
 
     def past_forward_ring(self, window: ScheduleWindow, forward_ring: int) -> ScheduleWindow:
