@@ -1,23 +1,21 @@
-"""The backward megakernel: one persistent launch pulls, differentiates and returns every routed row (BF16).
+"""The backward megakernel: one persistent launch pulls, differentiates and returns a window's routed rows (BF16).
 
-The forward's mirror, driven by its pull schedule and its row tiles (cut at
-minibatch boundaries only when the forward's ring wrapped). Grid = one program
-per SM, co-resident; programs ``0 .. comm_sms-1`` communicate, the others
-compute; they meet through GPU-local int32 counters (zeroed before each pass):
+The forward's mirror, driven by a window of its pull schedule (``megamoe.routing.windows``) and the window's
+row tiles, one launch per window. Grid = one program per SM, co-resident; programs ``0 .. comm_sms-1``
+communicate, the others compute; they meet through GPU-local int32 counters (zeroed before each launch):
 
     rows_ready[j]    comm workers that pulled their share of minibatch j (d_out and x rows)   (target comm_sms)
-    replay_done[t]   recomputed gate/up n-tiles of row tile t (a minibatch the ring lost)     (target cdiv(I, BN_GU))
     dact_done[t]     dact n-tiles finished of row tile t                                      (target cdiv(I, BN_DA))
-    dx_done[j]       dx tasks finished of minibatch j                                         (target tiles(j) * cdiv(D, BN_DX))
+    dx_done[j]       dx tasks finished of minibatch j                          (target tiles(j) * cdiv(D, BN_DX))
     shared_done[t]   dact n-tiles finished of the shared expert's row tile t
     dgrads_done      dact tasks finished, all minibatches (the weight gradients wait for every one)
     comm_done        comm workers finished (the last one opens the end-of-pass barrier across ranks)
 
-Per routed row t (routed rows live at their row in full-size pass buffers, so nothing of a row is overwritten
-before the weight gradients read it):
+Per routed row t of the window (at its row of the window's buffers, so nothing of a row is overwritten before the
+weight gradients read it):
 
     dy[t]   = d_out_{src_rank}[src_index // k]    unscaled (pulled)         x[t] = x_{src_rank}[...] (pulled)
-    h[t]    = the forward's ring row t (t < ring_rows), else recomputed: h = x · W_gate_upᵀ (replay)
+    h[t]    = the window's h row t: the forward ring's, or recomputed before the launch (rows a wrapped ring lost)
     g       = dy · W_down; d_w = <g, act>; d_h = w · SwiGLU'(h) ⊙ g; act_w = w · act        (dact tile)
     dx[t]   = d_h · W_gate_up                                                               (dx tile, pushed home)
     dW_down = Σ dyᵀ act_w, dW_gate_up = Σ d_hᵀ x over each expert's rows, in order           (wgrad blocks)
@@ -25,18 +23,16 @@ before the weight gradients read it):
 Communication worker c: pull its share of every minibatch's d_out and x rows in order (release rows_ready[j]),
 then push each minibatch's dx rows into the home ranks' ``[N*k, D]`` slots once its dx tasks are done, then the
 end-of-pass barrier. Compute worker: the shared expert's dact and dx tiles over this rank's tokens (its d_out is
-local), then per minibatch j in order: the replayed gate/up tiles (j past the ring), dact tasks (each waits for
-rows_ready of the minibatch holding its last row, and its replayed h), dx tasks (each waits for its row tile's
-dact; the first n-tile also adds the tile's router-gradient partials in n order), and last the weight-gradient
-blocks of every routed and shared expert (after every dact task). Tasks are dealt from one global list in that
-order, round robin; every wait targets an earlier task of the list, so the waits cannot cycle.
+local), then per minibatch j in order: dact tasks (each waits for rows_ready of the minibatch holding its last
+row), dx tasks (each waits for its row tile's dact; the first n-tile also adds the tile's router-gradient partials
+in n order), and last the weight-gradient blocks of every routed and shared expert (after every dact task). Tasks
+are dealt from one global list in that order, round robin; every wait targets an earlier task of the list, so the
+waits cannot cycle. The rows a wrapped forward ring lost get their h before the window's launch
+(``megamoe.megakernel.backward_ring.BackwardRing.replay``), so no task here waits for a recomputation.
 
-Every tile is the standalone backward's (``megamoe.kernels.expert_gemm_bwd``) and the replay the forward's gate/up
-tile, at the same K steps and n-tiles: the gradients are the standalone path's bits. PHASE > 0 runs one step of
-one role for all its workers, waits compiled out (CPU mode).
-
-Over 450 lines: the backward megakernel's roles and the persistent kernel that deals them read as one
-program (their shared waits and copies are kernels/sync.py and kernels/comm.py).
+Every tile is the standalone backward's (``megamoe.kernels.expert_gemm_bwd``) at the same K steps and n-tiles: the
+gradients are the standalone path's bits. PHASE > 0 runs one step of one role for all its workers, waits compiled
+out (CPU mode).
 """
 
 from __future__ import annotations
@@ -46,33 +42,31 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from megamoe.kernels.comm import pull_tile, signal_and_wait
-from megamoe.kernels.expert_gemm import gate_up_swiglu_tile, grouped_task, row_tile_task
+from megamoe.kernels.expert_gemm import grouped_task, row_tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_tile, dx_tile, router_grad_rows, wgrad_block, wgrad_descriptors
 from megamoe.kernels.megakernel import comm_push, first_task
 from megamoe.kernels.wgrad_carry import STORE, wgrad_mode
-from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_BWD_PULL, TRACE_KIND_DACT, TRACE_KIND_DX, TRACE_KIND_REPLAY,
+from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_BWD_PULL, TRACE_KIND_DACT, TRACE_KIND_DX,
                                   TRACE_KIND_SHARED_DACT, TRACE_KIND_SHARED_DX, TRACE_KIND_WGRAD, TRACE_ROW,
                                   TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END, fence_async_proxy,
                                   release_add, trace_clock, trace_event, wait_counter)
 
 #: Wait ids of the error word (megamoe.megakernel.kernel names them; 1-6 are the forward's).
 WAIT_BWD_ROWS = tl.constexpr(7)
-WAIT_REPLAY = tl.constexpr(8)
-WAIT_DACT = tl.constexpr(9)
-WAIT_DX = tl.constexpr(10)
-WAIT_SHARED_DACT = tl.constexpr(11)
-WAIT_DGRADS = tl.constexpr(12)
+WAIT_DACT = tl.constexpr(8)
+WAIT_DX = tl.constexpr(9)
+WAIT_SHARED_DACT = tl.constexpr(10)
+WAIT_DGRADS = tl.constexpr(11)
 
 #: PHASE values: 0 the whole pass; the others one step (CPU mode).
 PHASE_ALL = tl.constexpr(0)
 PHASE_SHARED_DACT = tl.constexpr(1)
 PHASE_SHARED_DX = tl.constexpr(2)
 PHASE_PULL = tl.constexpr(3)
-PHASE_REPLAY = tl.constexpr(4)
-PHASE_DACT = tl.constexpr(5)
-PHASE_DX = tl.constexpr(6)
-PHASE_PUSH = tl.constexpr(7)
-PHASE_WGRAD = tl.constexpr(8)
+PHASE_DACT = tl.constexpr(4)
+PHASE_DX = tl.constexpr(5)
+PHASE_PUSH = tl.constexpr(6)
+PHASE_WGRAD = tl.constexpr(7)
 
 
 @triton.jit
@@ -91,52 +85,16 @@ def pull_rows(
 
 
 @triton.jit
-def replay_tasks(
-    j, c, workers, dealt, budget, ring_rows, minibatch,
-    x_desc, w_gate_up_desc, h_replay_ptr, act_replay_ptr, stride_h, stride_act,
-    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-    replay_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """Worker c's recomputed gate/up tasks of minibatch j (its rows were overwritten in the forward's ring):
-    h rows ``t >= ring_rows`` into the replay buffer at ``t - ring_rows``. Returns (dealt, budget)."""
-    t0 = tl.load(minibatch_tiles_ptr + j)
-    tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
-    num_n = tl.cdiv(I, BN_GU)
-    tasks = tiles * num_n
-    first = first_task(c, workers, dealt)
-    if first < tasks:
-        budget = wait_counter(rows_ready_ptr + j, comm_sms, budget, error_ptr, j, trace_ptr, WAIT_BWD_ROWS, WAIT,
-                              TRACE)
-        fence_async_proxy(FENCE)
-    for task in range(first, tasks, workers):
-        start = trace_clock(TRACE)
-        tile, n = row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M)
-        expert = tl.load(tile_expert_ptr + tile)
-        row0 = tl.load(tile_row0_ptr + tile)
-        row_end = tl.load(tile_row_end_ptr + tile)
-        # the tile's rows of h and act at row - ring_rows of the replay buffers (x is read at its own row)
-        shift = -ring_rows.to(tl.int64)
-        gate_up_swiglu_tile(x_desc, w_gate_up_desc, h_replay_ptr + shift * stride_h, act_replay_ptr + shift * stride_act,
-                            stride_h, stride_act, row0, row_end, expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32,
-                            BLOCK_M, BN_GU, BK_GU)
-        release_add(replay_done_ptr + tile)
-        trace_event(trace_ptr, start, TRACE_KIND_REPLAY, tile * 65536 + n, TRACE)
-    return dealt + tasks, budget
-
-
-@triton.jit
 def dact_tasks(
-    j, c, workers, dealt, budget, ring_rows, minibatch, batches, replayed,
-    dy_desc, w_down_desc, ring_h_ptr, h_replay_ptr, stride_ring_h, stride_h_replay, row_w_ptr, d_h_ptr, act_w_ptr,
-    partial_ptr, stride_d_h, stride_act_w, stride_partial,
+    j, c, workers, dealt, budget, minibatch, batches,
+    dy_desc, w_down_desc, ring_h_ptr, stride_ring_h, row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h,
+    stride_act_w, stride_partial,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-    replay_done_ptr, dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
+    dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
     HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Worker c's dact tasks of minibatch j (h from the ring, or from the replay when ``replayed``)."""
+    """Worker c's dact tasks of minibatch j (h at the tile's rows of the window's h)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     num_n = tl.cdiv(I, BN_DA)
@@ -150,19 +108,11 @@ def dact_tasks(
         last = tl.minimum((row_end - 1) // minibatch, batches - 1)
         budget = wait_counter(rows_ready_ptr + last, comm_sms, budget, error_ptr, last, trace_ptr, WAIT_BWD_ROWS,
                               WAIT, TRACE)
-        if replayed:
-            budget = wait_counter(replay_done_ptr + tile, tl.cdiv(I, BN_GU), budget, error_ptr, tile, trace_ptr,
-                                  WAIT_REPLAY, WAIT, TRACE)
-            h_base = h_replay_ptr + (row0 - ring_rows).to(tl.int64) * stride_h_replay
-            stride_h = stride_h_replay
-        else:
-            h_base = ring_h_ptr + row0.to(tl.int64) * stride_ring_h
-            stride_h = stride_ring_h
         fence_async_proxy(FENCE)
         start = trace_clock(TRACE)
-        dact_tile(dy_desc, w_down_desc, h_base, row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_h, stride_d_h,
-                  stride_act_w, stride_partial, row0, row_end, expert, n, D, I, limit, HAS_LIMIT, DOT_FP32,
-                  BLOCK_M, BN_DA, BK_DA)
+        dact_tile(dy_desc, w_down_desc, ring_h_ptr + row0.to(tl.int64) * stride_ring_h, row_w_ptr, d_h_ptr, act_w_ptr,
+                  partial_ptr, stride_ring_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n, D, I,
+                  limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_DA, BK_DA)
         release_add(dact_done_ptr + tile)
         release_add(dgrads_done_ptr)
         trace_event(trace_ptr, start, TRACE_KIND_DACT, tile * 65536 + n, TRACE)
@@ -316,8 +266,7 @@ def wgrad_tasks(
     return dealt + tasks, budget
 
 
-@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "ring_rows", "budget", "phase_minibatch",
-                               "limit"])
+@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "budget", "phase_minibatch", "limit"])
 def megakernel_bwd(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr, offsets_ptr, counts_ptr,
@@ -325,10 +274,10 @@ def megakernel_bwd(
     # communication: the home ranks' staged d_out and x rows, pulled into full-size rows; the home ranks' d_x slots
     d_out_peer_ptrs, d_out_ptr, x_peer_ptrs, x_ptr, stride_rows, dy_ptr, x_rows_ptr, stride_pass,
     slots_peer_ptrs, slots_ptr, stride_slots,
-    # routed experts: dact (h from the ring or the replay), replayed gate/up, dx, weight gradients
-    dy_desc, w_down_desc, ring_h_ptr, stride_ring_h, h_replay_ptr, act_replay_ptr, stride_h_replay, stride_act_replay,
-    x_desc, w_gate_up_desc, row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h, stride_act_w, stride_partial,
-    d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, d_router_ptr, d_w_down_ptr, d_w_gate_up_ptr,
+    # routed experts: dact (h at the window's rows), dx, weight gradients
+    dy_desc, w_down_desc, ring_h_ptr, stride_ring_h, row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h,
+    stride_act_w, stride_partial, d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, d_router_ptr, d_w_down_ptr,
+    d_w_gate_up_ptr,
     # the weight gradients' carries across windows (megamoe.kernels.wgrad_carry)
     modes_ptr, down_in_ptr, down_out_ptr, gate_up_in_ptr, gate_up_out_ptr,
     # the shared expert over this rank's tokens
@@ -336,16 +285,15 @@ def megakernel_bwd(
     shared_partial_ptr, stride_shared_d_h, stride_shared_act_w, stride_shared_partial, shared_d_h_desc,
     shared_w_gate_up_k_desc, shared_dx_ptr, stride_shared_dx, d_shared_down_ptr, d_shared_gate_up_ptr,
     # counters, flags, error word
-    rows_ready_ptr, replay_done_ptr, dact_done_ptr, dx_done_ptr, shared_done_ptr, dgrads_done_ptr, comm_done_ptr,
+    rows_ready_ptr, dact_done_ptr, dx_done_ptr, shared_done_ptr, dgrads_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
-    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, ring_rows, experts, I, D, shared_I, limit, budget,
-    phase_minibatch,
+    tokens, my_rank, num_ranks, comm_sms, minibatch, experts, I, D, shared_I, limit, budget, phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    FENCE: tl.constexpr, BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_DA: tl.constexpr,
-    BK_DA: tl.constexpr, BN_DX: tl.constexpr, BK_DX: tl.constexpr, BM_W: tl.constexpr, BN_W: tl.constexpr,
-    BK_W: tl.constexpr, GROUP_M: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
+    FENCE: tl.constexpr, BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, BN_DX: tl.constexpr,
+    BK_DX: tl.constexpr, BM_W: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr, GROUP_M: tl.constexpr,
+    PHASE: tl.constexpr, TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     trace_ptr = trace_base_ptr + pid * TRACE_ROW
@@ -397,21 +345,12 @@ def megakernel_bwd(
             if TRACE:
                 tl.store(trace_ptr + TRACE_SHARED_END, globaltimer())
             for j in range(batches):
-                replayed = j >= slots
-                if replayed:
-                    dealt, budget = replay_tasks(
-                        j, c, workers, dealt, budget, ring_rows, minibatch, x_desc, w_gate_up_desc, h_replay_ptr,
-                        act_replay_ptr, stride_h_replay, stride_act_replay, tile_expert_ptr, tile_row0_ptr,
-                        tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
-                        error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M,
-                        BN_GU, BK_GU, GROUP_M)
                 dealt, budget = dact_tasks(
-                    j, c, workers, dealt, budget, ring_rows, minibatch, batches, replayed, dy_desc, w_down_desc,
-                    ring_h_ptr, h_replay_ptr, stride_ring_h, stride_h_replay, row_w_ptr, d_h_ptr, act_w_ptr,
-                    partial_ptr, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
-                    tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
-                    dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32,
-                    FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DA, BK_DA, GROUP_M)
+                    j, c, workers, dealt, budget, minibatch, batches, dy_desc, w_down_desc, ring_h_ptr, stride_ring_h,
+                    row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h, stride_act_w, stride_partial,
+                    tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr,
+                    rows_ready_ptr, dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
+                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
                 dealt, budget = dx_tasks(
                     j, c, workers, dealt, budget, d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, partial_ptr,
                     stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
@@ -443,19 +382,12 @@ def megakernel_bwd(
                       src_index_ptr, dy_ptr, stride_pass, TOP_K, CHUNKS, CP, W, ROWS, ALIGN)
             pull_rows(j, pid, workers, num_rows, minibatch, x_peer_ptrs, x_ptr, stride_rows, src_rank_ptr,
                       src_index_ptr, x_rows_ptr, stride_pass, TOP_K, CHUNKS, CP, W, ROWS, ALIGN)
-        elif PHASE == PHASE_REPLAY:
-            replay_tasks(j, pid, workers, 0, budget, ring_rows, minibatch, x_desc, w_gate_up_desc, h_replay_ptr,
-                         act_replay_ptr, stride_h_replay, stride_act_replay, tile_expert_ptr, tile_row0_ptr,
-                         tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
-                         error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE,
-                         BLOCK_M, BN_GU, BK_GU, GROUP_M)
         elif PHASE == PHASE_DACT:
-            dact_tasks(j, pid, workers, 0, budget, ring_rows, minibatch, batches, j >= slots, dy_desc, w_down_desc,
-                       ring_h_ptr, h_replay_ptr, stride_ring_h, stride_h_replay, row_w_ptr, d_h_ptr, act_w_ptr,
-                       partial_ptr, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
-                       tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, replay_done_ptr,
-                       dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, HAS_LIMIT, DOT_FP32,
-                       FENCE, WAIT, TRACE, BLOCK_M, BN_GU, BN_DA, BK_DA, GROUP_M)
+            dact_tasks(j, pid, workers, 0, budget, minibatch, batches, dy_desc, w_down_desc, ring_h_ptr, stride_ring_h,
+                       row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h, stride_act_w, stride_partial,
+                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr,
+                       rows_ready_ptr, dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
+                       HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
         elif PHASE == PHASE_DX:
             dx_tasks(j, pid, workers, 0, budget, d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, partial_ptr,
                      stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,

@@ -56,8 +56,7 @@ TRACE_KIND_SHARED_GATE_UP = tl.constexpr(18)  # detail: token tile << 16 | n-til
 TRACE_KIND_SHARED_DOWN = tl.constexpr(19)  # detail: token tile << 16 | n-tile
 TRACE_KIND_PULL = tl.constexpr(20)  # detail: minibatch
 TRACE_KIND_PUSH = tl.constexpr(21)  # detail: minibatch
-# the backward's (detail: row tile << 16 | n-tile; wgrad: its block; pull: minibatch)
-TRACE_KIND_REPLAY = tl.constexpr(22)
+# the backward's (detail: row tile << 16 | n-tile; wgrad: its block; pull: minibatch); 22 was its replay's, gone
 TRACE_KIND_DACT = tl.constexpr(23)
 TRACE_KIND_DX = tl.constexpr(24)
 TRACE_KIND_SHARED_DACT = tl.constexpr(25)

@@ -78,7 +78,6 @@ FMT = {"bf16": mk.FMT_BF16.value, "mxfp8": mk.FMT_MXFP8.value, "fp8-block": mk.F
 
 WAITS = {
     mkb.WAIT_BWD_ROWS.value: "backward rows_ready of minibatch",
-    mkb.WAIT_REPLAY.value: "backward replayed gate/up of row tile",
     mkb.WAIT_DACT.value: "backward dact done of row tile",
     mkb.WAIT_DX.value: "backward dx done of minibatch",
     mkb.WAIT_SHARED_DACT.value: "backward shared dact done of row tile",

@@ -19,8 +19,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.kernels import megakernel as mk
 from megamoe.megakernel.buffers import LayerBuffers
-from megamoe.megakernel.launch_args import (CommArgs, RoutedArgs, ScaleArgs, ScheduleArgs, SharedArgs, SizeArgs,
-                                            SyncArgs, check_order, copy_tile_consts, ordered)
+from megamoe.megakernel.launch_args import (CommArgs, PassEndArgs, RoutedArgs, RowTileArgs, ScaleArgs, ScheduleArgs,
+                                            SharedArgs, SizeArgs, SyncArgs, check_order, copy_tile_consts, ordered)
 from megamoe.ops.launch import flat_row_stride
 from megamoe.ops.quant import soft_e4m3_default
 from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
@@ -114,17 +114,16 @@ class Launcher:
         combine = k.sym.local("combine")
         bytes_view = (lambda t: t.view(torch.uint8)) if k.quantized else (lambda t: t)
         args = ordered(
-            ScheduleArgs(schedule.num_rows, schedule.src_rank, schedule.src_index, tiles.tile_expert,
-                         tiles.tile_row0, tiles.tile_row_end, tiles.tile_run, tiles.minibatch_tiles),
+            ScheduleArgs(schedule.num_rows, schedule.src_rank, schedule.src_index),
+            RowTileArgs.of(tiles),
             CommArgs(*self.pulled, bytes_view(buffers.ring_x), buffers.ring_x.stride(0),
                      k.sym.peer_ptrs("combine"), combine, combine.stride(0)),
             RoutedArgs(ring_desc, w_gu_desc, buffers.h, bytes_view(buffers.act), buffers.h.stride(0),
                        buffers.act.stride(0), act_desc, w_dn_desc, k.y, k.y.stride(0)),
             scales,
             shared_args,
-            SyncArgs(self.rows_ready, self.tile_done, self.y_done, self.shared_done, self.comm_done,
-                     k.flag_ptrs[1], k.sym.local("pass_flags")[1], k.epochs[1:], k.error,
-                     k.error if k.trace is None else k.trace),
+            SyncArgs(self.rows_ready, self.tile_done, self.y_done, self.shared_done),
+            PassEndArgs.of(k, self.comm_done),
             SizeArgs(n, k.world.rank, k.world.size, c.comm_sms, c.minibatch, c.ring_rows // c.minibatch, L, I, D,
                      s.shared_intermediate, float(swiglu_limit or 0.0), k.budget, int(k.keep_own_outputs)),
         )

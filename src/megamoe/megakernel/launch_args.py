@@ -7,7 +7,9 @@ groups in :data:`GROUPS` order and is the only place that order lives (the
 step index ``phase_minibatch`` follows them: the phased CPU mode changes it per
 launch). :func:`check_order` holds the groups against the kernel's signature.
 The copy-tile constexprs of the communication workers come from
-:func:`copy_tile_consts`.
+:func:`copy_tile_consts`. The backward megakernel's groups
+(:mod:`megamoe.megakernel.backward_args`) share :class:`RowTileArgs` and
+:class:`PassEndArgs` and are ordered and checked by the same functions.
 """
 
 from __future__ import annotations
@@ -37,16 +39,27 @@ def copy_tile_consts(hidden: int, scale_block: int, scale_rows: tuple[int, int] 
 
 @dataclass(frozen=True)
 class ScheduleArgs:
-    """The pull schedule and its minibatch row tiles (device tensors)."""
+    """The pull schedule (device tensors)."""
 
     num_rows_ptr: object
     src_rank_ptr: object
     src_index_ptr: object
+
+
+@dataclass(frozen=True)
+class RowTileArgs:
+    """The schedule's row tiles by minibatch (``megamoe.routing.row_tiles.RowTiles``): the forward's and the
+    backward megakernel's alike."""
+
     tile_expert_ptr: object
     tile_row0_ptr: object
     tile_row_end_ptr: object
     tile_run_ptr: object
     minibatch_tiles_ptr: object
+
+    @classmethod
+    def of(cls, tiles) -> RowTileArgs:
+        return cls(tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run, tiles.minibatch_tiles)
 
 
 @dataclass(frozen=True)
@@ -116,18 +129,33 @@ class SharedArgs:
 
 @dataclass(frozen=True)
 class SyncArgs:
-    """The GPU-local counters, the cross-rank barrier's flags and epoch, the error word, the trace."""
+    """The GPU-local counters the workers hand their tasks over by."""
 
     rows_ready_ptr: object
     tile_done_ptr: object
     y_done_ptr: object
     shared_done_ptr: object
+
+
+@dataclass(frozen=True)
+class PassEndArgs:
+    """The end-of-pass barrier (the comm workers' done counter, the cross-rank flags and epoch), the error word,
+    the trace: the forward's and the backward megakernel's alike."""
+
     comm_done_ptr: object
     flag_peer_ptrs: object
     flags_ptr: object
     epoch_ptr: object
     error_ptr: object
     trace_base_ptr: object
+
+    @classmethod
+    def of(cls, kernel, comm_done) -> PassEndArgs:
+        """A MegaKernel's barrier flags of the pass end (set 1), its error word and trace (the error word stands in
+        for a trace it has not)."""
+        k = kernel
+        return cls(comm_done, k.flag_ptrs[1], k.sym.local("pass_flags")[1], k.epochs[1:], k.error,
+                   k.error if k.trace is None else k.trace)
 
 
 @dataclass(frozen=True)
@@ -150,25 +178,31 @@ class SizeArgs:
 
 
 #: The groups in the kernel's argument order.
-GROUPS = (ScheduleArgs, CommArgs, RoutedArgs, ScaleArgs, SharedArgs, SyncArgs, SizeArgs)
+GROUPS = (ScheduleArgs, RowTileArgs, CommArgs, RoutedArgs, ScaleArgs, SharedArgs, SyncArgs, PassEndArgs, SizeArgs)
 #: The last runtime argument, after the groups: the minibatch of a phased step (0 for the whole pass).
 STEP_ARG = "phase_minibatch"
 
 
-def ordered(*groups) -> tuple:
-    """The runtime arguments of one launch: the fields of ``groups`` (one of each of :data:`GROUPS`, in that
-    order), without the trailing step index."""
-    if tuple(type(g) for g in groups) != GROUPS:
-        raise ValueError(f"the megakernel takes {[g.__name__ for g in GROUPS]} in this order, got "
+def ordered(*groups, kinds: tuple = GROUPS, what: str = "the megakernel") -> tuple:
+    """The runtime arguments of one launch: the fields of ``groups`` (one of each of ``kinds``, :data:`GROUPS` for
+    the forward, in that order), without the trailing step index."""
+    if tuple(type(g) for g in groups) != kinds:
+        raise ValueError(f"{what} takes {[g.__name__ for g in kinds]} in this order, got "
                          f"{[type(g).__name__ for g in groups]}")
     return tuple(getattr(g, f.name) for g in groups for f in fields(g))
 
 
-def check_order() -> None:
-    """RuntimeError unless the groups' fields are the kernel's runtime parameters, in its order."""
-    names = [f.name for group in GROUPS for f in fields(group)] + [STEP_ARG]
+def parameters(kernel, constexpr: bool) -> list[str]:
+    """A jit kernel's runtime (or constexpr) parameter names, in its order."""
     # the annotations of the Python function (the interpreter's wrapper has no parsed params)
-    annotations = mk.megakernel.fn.__annotations__
-    want = [name for name in mk.megakernel.arg_names if "constexpr" not in str(annotations.get(name, ""))]
+    annotations = kernel.fn.__annotations__
+    return [name for name in kernel.arg_names if ("constexpr" in str(annotations.get(name, ""))) == constexpr]
+
+
+def check_order(kernel=mk.megakernel, kinds: tuple = GROUPS, what: str = "the megakernel") -> None:
+    """RuntimeError unless the fields of ``kinds`` and then :data:`STEP_ARG` are ``kernel``'s runtime parameters,
+    in its order."""
+    names = [f.name for group in kinds for f in fields(group)] + [STEP_ARG]
+    want = parameters(kernel, constexpr=False)
     if names != want:
-        raise RuntimeError(f"the megakernel's launch groups {names} do not match its parameters {want}")
+        raise RuntimeError(f"{what}'s launch groups {names} do not match its parameters {want}")

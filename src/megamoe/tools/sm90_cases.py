@@ -383,14 +383,13 @@ def backward_megakernel_case() -> Case:
     from megamoe.ops.tiles import plan_tiles
 
     gpu = torch.device("cuda")
-    gu, da, dx, wg = (plan_tiles(kind, gpu) for kind in ("gate_up", "dact", "dx", "wgrad"))
+    da, dx, wg = (plan_tiles(kind, gpu) for kind in ("dact", "dx", "wgrad"))
     rows = copy_tile_consts(7168, 1, None)
     consts = dict(TOP_K=8, CHUNKS=rows["CHUNKS"], CP=rows["CP"], W=rows["W"], ROWS=rows["ROWS"], ALIGN=rows["ALIGN"],
-                  HAS_SHARED=True, HAS_LIMIT=True, DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=gu.block_n,
-                  BK_GU=gu.block_k, BN_DA=da.block_n, BK_DA=da.block_k, BN_DX=dx.block_n, BK_DX=dx.block_k,
-                  BM_W=wg.block_m, BN_W=wg.block_n, BK_W=wg.block_k, GROUP_M=da.group_m, PHASE=0, TRACE=False)
-    descs = {"dy_desc": (128, da.block_k), "w_down_desc": (da.block_k, da.block_n), "x_desc": (128, gu.block_k),
-             "w_gate_up_desc": (gu.block_n, gu.block_k), "d_h_desc": (128, dx.block_k),
+                  HAS_SHARED=True, HAS_LIMIT=True, DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_DA=da.block_n,
+                  BK_DA=da.block_k, BN_DX=dx.block_n, BK_DX=dx.block_k, BM_W=wg.block_m, BN_W=wg.block_n,
+                  BK_W=wg.block_k, GROUP_M=da.group_m, PHASE=0, TRACE=False)
+    descs = {"dy_desc": (128, da.block_k), "w_down_desc": (da.block_k, da.block_n), "d_h_desc": (128, dx.block_k),
              "w_gate_up_k_desc": (dx.block_k, dx.block_n), "shared_dy_desc": (128, da.block_k),
              "shared_w_down_desc": (da.block_k, da.block_n), "shared_d_h_desc": (128, dx.block_k),
              "shared_w_gate_up_k_desc": (dx.block_k, dx.block_n)}
@@ -406,10 +405,9 @@ def backward_megakernel_case() -> Case:
             signature[name] = "*i64"
         elif name in fp32:
             signature[name] = "*fp32"
-        elif name in ("d_out_ptr", "x_ptr", "dy_ptr", "x_rows_ptr", "slots_ptr", "ring_h_ptr", "h_replay_ptr",
-                      "act_replay_ptr", "d_h_ptr", "act_w_ptr", "dx_ptr", "d_w_down_ptr", "d_w_gate_up_ptr",
-                      "shared_h_ptr", "shared_d_h_ptr", "shared_act_w_ptr", "shared_dx_ptr", "d_shared_down_ptr",
-                      "d_shared_gate_up_ptr"):
+        elif name in ("d_out_ptr", "x_ptr", "dy_ptr", "x_rows_ptr", "slots_ptr", "ring_h_ptr", "d_h_ptr",
+                      "act_w_ptr", "dx_ptr", "d_w_down_ptr", "d_w_gate_up_ptr", "shared_h_ptr", "shared_d_h_ptr",
+                      "shared_act_w_ptr", "shared_dx_ptr", "d_shared_down_ptr", "d_shared_gate_up_ptr"):
             signature[name] = "*bf16"
         elif name.endswith("_ptr"):
             signature[name] = "*i32"

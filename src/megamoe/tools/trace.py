@@ -32,7 +32,6 @@ TASKS = {
     sync.TRACE_KIND_PUSH.value: ("push rows home", "push"),
     # the backward megakernel's
     sync.TRACE_KIND_BWD_PULL.value: ("pull d_out and x rows", "pull"),
-    sync.TRACE_KIND_REPLAY.value: ("replayed gate/up", "gate_up"),
     sync.TRACE_KIND_DACT.value: ("dact + SwiGLU backward", "dact"),
     sync.TRACE_KIND_DX.value: ("dx", "dx"),
     sync.TRACE_KIND_SHARED_DACT.value: ("shared dact", "shared"),
