@@ -261,7 +261,11 @@ def test_backward_megakernel_compiles_for_sm90():
     """Compiled on the CPU for Hopper, every role of the backward megakernel: BF16 wgmma, TMA, the async-proxy
     fences after each wait, 16-byte loads and stores only, and one program fits an SM (shared memory and
     registers: the grid must be resident at once)."""
-    facts = sm90_report("backward")["bf16"]
+    report = sm90_report("backward")
+    gather = report["gather_rows"]  # the windows' read of the forward ring: 16-byte vectors, no spills
+    assert gather["loads_b16"] == 0 and gather["stores_b16"] == 0 and gather["stores_v4"] > 0, gather
+    assert not gather["local_memory"], gather
+    facts = report["bf16"]
     assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"] and facts["fence_proxy_async"], facts
     assert facts["stores_b16"] == 0 and facts["loads_b16"] == 0 and facts["stores_v4"] > 0, facts
     assert facts["shared_bytes"] <= 227 * 1024 and facts["registers"] * 256 <= 65536, facts

@@ -10,7 +10,7 @@ Groups:
 - ``quant``: the quantiser at every tile the GPU test and the defaults use, hardware and software E4M3
   rounding (built from the launch's own arguments on meta tensors);
 - ``megakernel``: the forward megakernel in each routed format (kimi-k2 rows) and its weighted sum;
-- ``backward``: the backward megakernel (BF16), every role.
+- ``backward``: the backward megakernel (BF16), every role; the backward windows' row gather.
 """
 
 from __future__ import annotations
@@ -432,6 +432,18 @@ def weighted_sum_case() -> Case:
                 notes={"top_k": 8, "has_shared": True, "block_t": block_t, "block_d": block_d, "num_warps": warps})
 
 
+def gather_rows_case() -> Case:
+    """The backward windows' read of the forward ring's h (``megamoe.ops.gather_rows``): kimi-k2's 2I = 4096 bf16
+    columns."""
+    from megamoe.kernels.gather_rows import gather_rows_kernel
+    from megamoe.ops.gather_rows import BLOCK_BYTES, BLOCK_ROWS
+
+    consts = dict(BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_BYTES // 2)
+    signature = dict(src_ptr="*bf16", stride_src="i32", index_ptr="*i64", dst_ptr="*bf16", stride_dst="i32",
+                     num_rows_ptr="*i32", width="i32", **dict.fromkeys(consts, "constexpr"))
+    return Case(gather_rows_kernel, signature, consts, 4)
+
+
 def cases(group: str) -> dict[str, Case]:
     """The cases of one group (see the module docstring)."""
     if group == "gemm":
@@ -445,5 +457,5 @@ def cases(group: str) -> dict[str, Case]:
     if group == "megakernel":
         return {"weighted_sum": weighted_sum_case(), **{fmt: megakernel_case(fmt) for fmt in _MEGA_TILES}}
     if group == "backward":
-        return {"bf16": backward_megakernel_case()}
+        return {"bf16": backward_megakernel_case(), "gather_rows": gather_rows_case()}
     raise ValueError(f"unknown group {group!r}")
