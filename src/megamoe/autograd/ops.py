@@ -67,7 +67,7 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
     """(out, h, shared_h, ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows):
     the backward keeps the ring's pre-activation h; with an FP8 precision also the ring's E4M3 x and scales,
     which the gate/up wgrad re-quantises along the tokens (BF16 pulls x again: ring_x and ring_scale are
-    `[0, 0]`, and the ring's rows and act are freed with the pass). ``experts_q``: the step's weight pack
+    `[0, 0]`; the ring's rows and act are the kernel's scratch, read within the pass). ``experts_q``: the step's weight pack
     flattened (``QuantizedExperts.tensors``, checked by the caller), or [] to quantise the weights here."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
@@ -76,7 +76,7 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up, w_down, fused, swiglu_limit,
                               experts_q=QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down),
-                              buffers=kernel.new_buffers(), check=check)
+                              buffers=kernel.training_buffers(), check=check)
     b, s = ctx.buffers, ctx.schedule
     shared_h = b.shared_h if b.shared_h is not None else x.new_empty(0, 0, dtype=torch.bfloat16)
     ring_x, ring_scale = (b.ring_x, b.ring_scale) if precision != "bf16" else (

@@ -42,6 +42,7 @@ Over 400 lines: one class, a pass's steps in their order and the state they shar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -220,6 +221,20 @@ class MegaKernel:
         if self._scratch is None:
             self._scratch = self.new_buffers()
         return self._scratch
+
+    def training_buffers(self) -> LayerBuffers:
+        """Buffers for a pass whose backward keeps only what the training op returns (``megamoe::layer_forward``):
+        new ones for h, the shared expert's h and (FP8) the ring's E4M3 rows and scales, the kernel's scratch for
+        the rest (BF16's ring rows, the activations: written and read within the pass). A layer's pass then
+        allocates and zero-fills no ``[ring, D + I]`` of its own."""
+        scratch = self.scratch_buffers()
+        kept = dict(dtype=torch.bfloat16, device=self.world.device)
+        rows, s = self.config.ring_rows, self.shape
+        fresh = dict(h=torch.empty(rows, 2 * s.intermediate, **kept),
+                     shared_h=None if scratch.shared_h is None else torch.empty_like(scratch.shared_h))
+        if self.quantized:
+            fresh.update(ring_x=torch.zeros_like(scratch.ring_x), ring_scale=torch.zeros_like(scratch.ring_scale))
+        return dataclasses.replace(scratch, **fresh)
 
     def backward_launcher(self):
         """The backward megakernel's launcher (made on first use)."""
