@@ -120,38 +120,10 @@ GPU_LAYER = MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, sh
 
 
 def _gpu_backward_bytes(world, fused):
-    """(what the backward holds beyond its inputs: its ring and launcher buffers plus the peak it adds, less the
-    weight gradients it returns; the planner's backward entries)."""
-    from megamoe.megakernel.forward import layer_kernel
-    from megamoe.planner import LayerShape
-    from megamoe.planner.memory import backward_memory
+    from megamoe.bench.memory import backward_bytes
 
-    tokens = 2048
-    p = make_problem(GPU_LAYER, world.rank, world.size, tokens, dtype=torch.bfloat16, seed=3, device=world.device)
-    leaves = [p.x.clone().requires_grad_(), p.router_weights.clone().requires_grad_(),
-              p.w_gate_up.clone().requires_grad_(), p.w_down.clone().requires_grad_()]
-    shared = [(g.clone().requires_grad_(), d.clone().requires_grad_()) for g, d in p.shared]
-
-    def forward():
-        for t in leaves + [t for pair in shared for t in pair]:
-            t.grad = None
-        return moe(world, leaves[0], p.top_experts, leaves[1], leaves[2], leaves[3], shared, max_tokens=tokens,
-                   check=False, fused_backward=fused)
-
-    forward().backward(p.d_out)
-    kernel = layer_kernel(world, LayerShape.of(GPU_LAYER, world.size, tokens), None, "bf16")
-    out = forward()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out.backward(p.d_out)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    grads = sum(t.numel() * t.element_size() for t in (leaves[2], leaves[3]))
-    launcher = kernel._backward
-    own = 0 if launcher is None else sum(t.numel() * t.element_size() for t in vars(launcher.buffers).values())
-    planned = sum(backward_memory(GPU_LAYER, tokens, kernel.config.bwd_ring_rows, "bf16", world.size).values())
-    return kernel.backward_ring().nbytes + own + peak - grads, planned
+    r = backward_bytes(world, GPU_LAYER, 2048, fused=fused, seed=3)
+    return r["backward_bytes"], r["planned_bytes"]
 
 
 @pytest.mark.gpu

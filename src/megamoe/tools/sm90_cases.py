@@ -11,6 +11,8 @@ Groups:
   rounding (built from the launch's own arguments on meta tensors);
 - ``megakernel``: the forward megakernel in each routed format (kimi-k2 rows) and its weighted sum;
 - ``backward``: the backward megakernel (BF16), every role; the backward windows' row gather.
+
+Over 450 lines: one table of launches, a function per group, each case beside its neighbours' tiles.
 """
 
 from __future__ import annotations
