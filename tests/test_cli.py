@@ -297,3 +297,32 @@ def test_plan_prints_the_memory_for_its_layers():
 ])
 def test_plan_bad_options_are_one_line_errors(args, needles):
     _one_line_error(CliRunner().invoke(app, ["plan", *args]), *needles)
+
+
+def test_plan_takes_a_shape_or_a_huggingface_config_and_help_lists_the_presets(tmp_path):
+    """Issue 51's first step: a user's own layer on `megamoe plan` (and bench, bench-experts, trace: one helper)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from megamoe.cli import app
+    from megamoe.config import PRESETS
+
+    runner = CliRunner()
+    shape = runner.invoke(app, ["plan", "--shape", "hidden=2048,intermediate=768,experts=128,top_k=8", "--ep", "8"])
+    assert shape.exit_code == 0 and "hidden=2048,intermediate=768,experts=128,top_k=8, EP 8" in shape.output, \
+        shape.output
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
+                                "num_experts": 128, "num_experts_per_tok": 8}))
+    hf = runner.invoke(app, ["plan", "--hf-config", str(path), "--ep", "8"])
+    assert hf.exit_code == 0 and hf.output.splitlines()[1:] == shape.output.splitlines()[1:], hf.output
+    for args, message in ((["--preset", "tiny", "--shape", "hidden=64"], "give one of --preset, --shape"),
+                          (["--shape", "hidden=64"], "a shape needs"),
+                          (["--hf-config", str(tmp_path / "none.json")], "--hf-config"),
+                          (["--preset", "gpt-5"], "unknown preset")):
+        bad = runner.invoke(app, ["plan", *args])
+        assert bad.exit_code == 2 and message in bad.output, (args, bad.output)
+    for command in ("plan", "bench", "bench-experts", "trace"):
+        text = " ".join(runner.invoke(app, [command, "--help"], terminal_width=200).output.split())
+        assert all(name in text for name in PRESETS) and "--shape" in text and "--hf-config" in text, command

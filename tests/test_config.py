@@ -62,3 +62,55 @@ def test_bad_bench_options(kwargs, message):
     base = dict(preset="tiny", tokens=(16,), ep=2, device="cpu")
     with pytest.raises(ValueError, match=message):
         BenchOptions(**{**base, **kwargs})
+
+
+def test_a_shape_as_text_is_a_layer_and_round_trips():
+    """`--shape`'s text (megamoe.config.parse_shape) and back (shape_spec); bad text names the keys."""
+    from megamoe.config import parse_shape, shape_spec
+
+    cfg = parse_shape("hidden=2048, intermediate=768,experts=128,top_k=8")
+    assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.shared, cfg.swiglu_limit) == (
+        2048, 768, 128, 8, (), None)
+    full = parse_shape("hidden=2880,intermediate=2880,experts=128,top_k=4,shared=1024+512,limit=7")
+    assert full.shared == (1024, 512) and full.swiglu_limit == 7.0
+    for c in (cfg, full, *PRESETS.values()):
+        assert parse_shape(shape_spec(c)) == c and preset(shape_spec(c)) == c
+    for bad, message in (("hidden=64", "needs intermediate, experts, top_k"),
+                         ("hidden=64,intermediate=8,experts=4,top_k=2,depth=3", "key=value pairs"),
+                         ("hidden=64,hidden=64", "each once"),
+                         ("hidden=x,intermediate=8,experts=4,top_k=2", "bad shape"),
+                         ("hidden=100,intermediate=8,experts=4,top_k=2", "multiple of 64")):
+        with pytest.raises(ValueError, match=message):
+            parse_shape(bad)
+    with pytest.raises(ValueError, match="unknown preset 'gpt-5'; known: kimi-k2"):
+        preset("gpt-5")
+
+
+@pytest.mark.parametrize("config, want", [
+    ({"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+      "num_experts": 128, "num_experts_per_tok": 8}, (2048, 768, 128, 8, (), None)),
+    ({"model_type": "deepseek_v3", "hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+      "num_experts_per_tok": 8, "n_shared_experts": 1}, (7168, 2048, 256, 8, (2048,), None)),
+    ({"model_type": "qwen2_moe", "hidden_size": 3584, "moe_intermediate_size": 2560, "num_experts": 64,
+      "num_experts_per_tok": 8, "shared_expert_intermediate_size": 20480}, (3584, 2560, 64, 8, (20480,), None)),
+    ({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
+      "num_experts_per_tok": 2}, (4096, 14336, 8, 2, (), None)),
+    ({"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 128,
+      "num_experts_per_tok": 4, "swiglu_limit": 7.0}, (2880, 2880, 128, 4, (), 7.0)),
+    ({"model_type": "llama4", "text_config": {"model_type": "llama4_text", "hidden_size": 5120,
+                                              "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                                              "num_local_experts": 16, "num_experts_per_tok": 1}},
+     (5120, 8192, 16, 1, (8192,), None)),
+])
+def test_a_huggingface_config_gives_its_moe_layer(config, want):
+    from megamoe.config import hf_config_shape
+
+    cfg = hf_config_shape(config)
+    assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.shared, cfg.swiglu_limit) == want
+
+
+def test_a_dense_config_is_refused_by_name():
+    from megamoe.config import hf_config_shape
+
+    with pytest.raises(ValueError, match="an expert count, num_experts_per_tok"):
+        hf_config_shape({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008})

@@ -40,9 +40,47 @@ def _fail(message: str) -> NoReturn:
 DEVICES = ("cpu", "cuda")
 
 
+def _presets_help() -> str:
+    from megamoe.config import PRESETS
+
+    return ", ".join(PRESETS)
+
+
+SHAPE_HELP = ("A layer shape instead of a preset: hidden=D,intermediate=I,experts=E,top_k=k[,shared=Is[+Is2]]"
+              "[,limit=L] (limit: the SwiGLU clamp).")
+HF_CONFIG_HELP = ("A HuggingFace model's config.json to take the MoE layer's shape from (Qwen2/3-MoE, DeepSeek-V3, "
+                  "Mixtral, gpt-oss, OLMoE, GLM-4.5-MoE, Llama-4).")
+
+
+def _layer(preset: str | None, shape: str | None, hf_config: str | None, default: str) -> str:
+    """The layer the options name, as ``megamoe.config.preset`` reads it (a preset name or a shape's text);
+    ValueError when more than one is given or one is bad."""
+    import json
+
+    from megamoe.config import hf_config_shape, parse_shape, preset as get_preset, shape_spec
+
+    given = [name for name, v in (("--preset", preset), ("--shape", shape), ("--hf-config", hf_config)) if v]
+    if len(given) > 1:
+        raise ValueError(f"give one of --preset, --shape and --hf-config, got {' and '.join(given)}")
+    if shape:
+        return shape_spec(parse_shape(shape))
+    if hf_config:
+        try:
+            with open(hf_config) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--hf-config {hf_config}: {exc}") from None
+        return shape_spec(hf_config_shape(config))
+    name = preset or default
+    get_preset(name)  # known, or ValueError naming the presets
+    return name
+
+
 @app.command()
 def bench(
-    preset: str = typer.Option(None, help="Model shape (default: kimi-k2 on GPU, tiny on CPU)."),
+    preset: str = typer.Option(None, help=f"Model shape: {_presets_help()} (default: kimi-k2 on GPU, tiny on CPU)."),
+    shape: str = typer.Option(None, help=SHAPE_HELP),
+    hf_config: str = typer.Option(None, "--hf-config", help=HF_CONFIG_HELP),
     tokens: str = typer.Option(None, help="Tokens per rank: one count, or one per rank comma-separated "
                                           "(default: 8192 on GPU, 256 on CPU)."),
     ep: int = typer.Option(None, help="Expert-parallel ranks (default: every GPU, or 4 simulated CPU ranks)."),
@@ -93,7 +131,7 @@ def bench(
     gpu = device == "cuda"
     try:
         opts = BenchOptions(
-            preset=preset or ("kimi-k2" if gpu else "tiny"),
+            preset=_layer(preset, shape, hf_config, "kimi-k2" if gpu else "tiny"),
             tokens=_ints(tokens or ("8192" if gpu else "256"),
                          "tokens must be integers >= 0 (one count, or one per rank comma-separated)"),
             ep=ep if ep is not None else (torch.cuda.device_count() if gpu else 4),
@@ -134,7 +172,10 @@ def bench(
 
 @app.command("bench-experts")
 def bench_experts(
-    preset: str = typer.Option(None, help="Expert shapes (default: kimi-k2 on GPU, tiny on CPU)."),
+    preset: str = typer.Option(None, help=f"Expert shapes: {_presets_help()} (default: kimi-k2 on GPU, tiny on "
+                                          "CPU)."),
+    shape: str = typer.Option(None, help=SHAPE_HELP),
+    hf_config: str = typer.Option(None, "--hf-config", help=HF_CONFIG_HELP),
     tokens: int = typer.Option(None, help="Tokens on the GPU; rows = tokens x k (default 8192 on GPU, 64 on CPU)."),
     experts: str = typer.Option(None, help="Comma-separated expert counts, one load each (default 192,16 on GPU, "
                                            "4 on CPU)."),
@@ -155,7 +196,8 @@ def bench_experts(
 
     console = Console()
     try:
-        cfg = get_preset(preset or ("kimi-k2" if gpu else "tiny"))
+        preset = _layer(preset, shape, hf_config, "kimi-k2" if gpu else "tiny")
+        cfg = get_preset(preset)
         tokens = tokens if tokens is not None else (8192 if gpu else 64)
         if tokens < 1:
             raise ValueError(f"tokens must be >= 1, got {tokens}")
@@ -173,7 +215,7 @@ def bench_experts(
         _fail(str(exc))
     meta = run_metadata("cuda" if gpu else "cpu")
     for record in records:
-        record.update(meta, preset=preset or ("kimi-k2" if gpu else "tiny"))
+        record.update(meta, preset=preset)
     print(bench_module.format_table(records))
     if json_path:
         write_json(records, json_path)
@@ -184,7 +226,9 @@ def bench_experts(
 
 @app.command()
 def plan(
-    preset: str = typer.Option("kimi-k2", help="Model shape."),
+    preset: str = typer.Option(None, help=f"Model shape: {_presets_help()} (default kimi-k2)."),
+    shape: str = typer.Option(None, help=SHAPE_HELP),
+    hf_config: str = typer.Option(None, "--hf-config", help=HF_CONFIG_HELP),
     ep: int = typer.Option(2, help="Expert-parallel ranks."),
     tokens: int = typer.Option(8192, help="Tokens per rank."),
     sms: int = typer.Option(132, help="SMs of the GPU (H200: 132)."),
@@ -210,6 +254,7 @@ def plan(
         for name, value in (("sms", sms), ("minibatch", minibatch)):  # the planner divides by them
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        preset = _layer(preset, shape, hf_config, "kimi-k2")
         result = make_plan(get_preset(preset), ep, tokens, num_sms=sms, precision=precision, comm_sms=comm_sms,
                            minibatch=minibatch, ring_rows=ring_rows, backward_comm_sms=backward_comm_sms,
                            backward_minibatch=backward_minibatch, backward_ring_rows=backward_ring_rows,
@@ -281,7 +326,9 @@ def _trace_rank(world, preset: str, tokens: int, precision: str, passes: int, st
 
 @app.command()
 def trace(
-    preset: str = typer.Option("kimi-k2", help="Layer shape (a preset name, as megamoe bench --preset)."),
+    preset: str = typer.Option(None, help=f"Layer shape: {_presets_help()} (default kimi-k2)."),
+    shape: str = typer.Option(None, help=SHAPE_HELP),
+    hf_config: str = typer.Option(None, "--hf-config", help=HF_CONFIG_HELP),
     tokens: int = typer.Option(8192, help="Tokens per rank."),
     precision: str = typer.Option("bf16", help="bf16, fp8-block or mxfp8."),
     ranks: int = typer.Option(None, help="Expert-parallel ranks (default: every visible GPU)."),
@@ -301,13 +348,11 @@ def trace(
         except (OSError, ValueError) as exc:
             _fail(str(exc))
     else:
-        from megamoe.config import PRESETS
         from megamoe.parallel.world import launch
         from megamoe.precision import check_precision
 
-        if preset not in PRESETS:
-            _fail(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
         try:
+            preset = _layer(preset, shape, hf_config, "kimi-k2")
             check_precision(precision)
         except ValueError as exc:
             _fail(str(exc))

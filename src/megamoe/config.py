@@ -98,9 +98,80 @@ PRESETS: dict[str, MoEConfig] = {
 }
 
 
+#: The keys of a shape given as text (``parse_shape``), in the order ``shape_spec`` writes them.
+SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k", "shared", "limit")
+
+
 def preset(name: str) -> MoEConfig:
-    """The preset called ``name``; ValueError lists the known names otherwise."""
+    """The layer called ``name``: a preset, or a shape as text (``hidden=2048,intermediate=768,experts=128,
+    top_k=8[,shared=1024+512][,limit=7]``, :func:`parse_shape`); ValueError lists the known presets otherwise."""
+    if isinstance(name, str) and "=" in name:
+        return parse_shape(name)
     try:
         return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}, or a shape as "
+                         f"hidden=..,intermediate=..,experts=..,top_k=..[,shared=..][,limit=..]") from None
+
+
+def parse_shape(text: str) -> MoEConfig:
+    """A layer from ``key=value`` pairs separated by commas: hidden (D), intermediate (I), experts (E), top_k (k),
+    optional shared (the shared experts' intermediate sizes joined by ``+``) and limit (the SwiGLU clamp)."""
+    values = {}
+    for item in str(text).split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in SHAPE_KEYS or key in values:
+            raise ValueError(f"a shape is key=value pairs of {', '.join(SHAPE_KEYS)} (each once), got {text!r}")
+        values[key] = value.strip()
+    missing = [key for key in SHAPE_KEYS[:4] if key not in values]
+    if missing:
+        raise ValueError(f"a shape needs {', '.join(missing)}, got {text!r}")
+    try:
+        return MoEConfig(hidden=int(values["hidden"]), intermediate=int(values["intermediate"]),
+                         num_experts=int(values["experts"]), top_k=int(values["top_k"]),
+                         shared=tuple(int(v) for v in values["shared"].split("+")) if values.get("shared") else (),
+                         swiglu_limit=float(values["limit"]) if "limit" in values else None)
+    except ValueError as exc:
+        raise ValueError(f"bad shape {text!r}: {exc}") from None
+
+
+def shape_spec(cfg: MoEConfig) -> str:
+    """``cfg`` as the text :func:`parse_shape` reads."""
+    text = f"hidden={cfg.hidden},intermediate={cfg.intermediate},experts={cfg.num_experts},top_k={cfg.top_k}"
+    if cfg.shared:
+        text += ",shared=" + "+".join(str(s) for s in cfg.shared)
+    if cfg.swiglu_limit is not None:
+        text += f",limit={cfg.swiglu_limit:g}"
+    return text
+
+
+def hf_config_shape(config: dict) -> MoEConfig:
+    """The MoE layer of a HuggingFace transformers model config (its ``config.json`` as a dict): Qwen2/3-MoE,
+    DeepSeek-V3, Mixtral, gpt-oss, OLMoE, GLM-4.5-MoE and Llama-4 (text) name the same things differently. The
+    experts' activation is taken as SwiGLU (gpt-oss: clamped at its ``swiglu_limit``; its alpha and biases are not
+    modelled); ValueError names what is missing."""
+    cfg = config.get("text_config", config)  # Llama-4 nests the language model's
+    def first(*keys):
+        for key in keys:
+            if cfg.get(key) is not None:
+                return cfg[key]
+        return None
+
+    hidden = first("hidden_size")
+    intermediate = first("moe_intermediate_size", "intermediate_size")
+    experts = first("num_experts", "n_routed_experts", "num_local_experts")
+    top_k = first("num_experts_per_tok", "moe_topk")
+    missing = [name for name, v in (("hidden_size", hidden), ("an expert intermediate size", intermediate),
+                                    ("an expert count", experts), ("num_experts_per_tok", top_k)) if v is None]
+    if missing:
+        raise ValueError(f"the config names no {', '.join(missing)}: not a MoE model config megamoe reads")
+    shared = ()
+    if first("shared_expert_intermediate_size"):  # Qwen2-MoE
+        shared = (int(cfg["shared_expert_intermediate_size"]),)
+    elif first("n_shared_experts"):  # DeepSeek-V3, GLM-4.5: each the routed experts' size
+        shared = (int(cfg["n_shared_experts"]) * int(intermediate),)
+    elif cfg.get("model_type") == "llama4_text" and first("intermediate_size") and first("intermediate_size_mlp"):
+        shared = (int(cfg["intermediate_size"]),)
+    limit = first("swiglu_limit")
+    return MoEConfig(hidden=int(hidden), intermediate=int(intermediate), num_experts=int(experts), top_k=int(top_k),
+                     shared=shared, swiglu_limit=float(limit) if limit is not None else None)
