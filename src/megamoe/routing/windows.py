@@ -104,9 +104,9 @@ def window_cuts(schedule: PullSchedule, ring: int, windows: int | None = None) -
     cut = torch.where(inside, first + (nominal - first) // WINDOW_ALIGN * WINDOW_ALIGN, nominal)
     num_rows = schedule.num_rows.long()
     cut = torch.minimum(cut, num_rows)
-    cut[0] = 0
-    cut[-1] = num_rows
-    return cut
+    # the first and last cuts by where, not item assignment (a Python scalar written into a device tensor syncs)
+    index = torch.arange(windows + 1, device=device)
+    return torch.where(index == 0, 0, torch.where(index == windows, num_rows, cut))
 
 
 def schedule_window(schedule: PullSchedule, cuts: torch.Tensor, index: int, ring: int) -> ScheduleWindow:
