@@ -151,6 +151,7 @@ def test_backward_memory_does_not_grow_with_the_ep_size():
     assert passes[64] <= 12 * 2**30, passes[64] / 2**30
     assert max(passes.values()) <= 1.05 * min(passes.values()), {ep: b / 2**30 for ep, b in passes.items()}
     assert plans[64].memory_for(60) <= 1.3 * plans[8].memory_for(60)
+    assert all(sum(p.kept.values()) <= 0.75 * 2**30 for p in plans.values()), "a layer keeps over 0.75 GiB"
     assert not any("R*N*k" in name and ", D]" in name for p in plans.values() for name in p.memory), \
         "a capacity-sized row buffer is back"
     # every balanced row in one window that the forward's ring holds (read in place)
