@@ -37,8 +37,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name, counts, ring", CASES)
-def test_windows_tile_the_rows_and_cut_experts_at_multiples_of_128(name, counts, ring):
+def test_windows_tile_the_rows_and_cut_experts_at_multiples_of_128(name, counts, ring, backend):
+    """Both builders (the kernel under the interpreter here) against the plain-Python twins."""
     s = _schedule(counts)
     offsets, tokens = s.offsets.tolist(), s.tokens_per_expert.tolist()
     num_rows = int(s.num_rows)
@@ -54,7 +56,8 @@ def test_windows_tile_the_rows_and_cut_experts_at_multiples_of_128(name, counts,
                 assert (hi - start) % WINDOW_ALIGN == 0, (name, hi, start)
     starts, stores, rows = {}, {}, {}
     for w in range(windows):
-        win = schedule_window(s, cuts, w, ring)
+        win = schedule_window(s, w, ring, backend=backend)
+        assert torch.equal(win.rows[: win.capacity], (c[w] + torch.arange(win.capacity)).clamp(max=max(s.capacity - 1, 0)))
         assert win.capacity == window_rows(ring) and int(win.start) == c[w] and int(win.num_rows) == c[w + 1] - c[w]
         want = schedule_window_reference(offsets, tokens, c[w], c[w + 1], w == 0)
         got = list(zip(win.offsets.tolist(), win.tokens_per_expert.tolist(), win.wgrad_modes.tolist()))

@@ -33,7 +33,7 @@ from megamoe.ops.gather_rows import gather_rows
 from megamoe.planner import KernelConfig, LayerShape
 from megamoe.precision import SCALE_BLOCK
 from megamoe.routing.schedule import PullSchedule
-from megamoe.routing.windows import ScheduleWindow, max_windows, schedule_window, window_cuts, window_rows
+from megamoe.routing.windows import ScheduleWindow, max_windows, schedule_window, window_rows
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,8 @@ class BackwardRing:
     def windows(self, schedule: PullSchedule):
         """The schedule's windows in order (every rank visits ``max_windows`` of them: the count is static, the
         windows past the last row are empty)."""
-        cuts = window_cuts(schedule, self.ring)
         for w in range(max_windows(schedule.capacity, self.ring)):
-            yield schedule_window(schedule, cuts, w, self.ring)
+            yield schedule_window(schedule, w, self.ring)
 
     def carry(self, window: ScheduleWindow) -> WgradCarry:
         """Window w's weight-gradient carries: pair ``w % 2`` in, pair ``(w + 1) % 2`` out."""

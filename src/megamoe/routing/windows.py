@@ -23,15 +23,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from megamoe import checks
+from megamoe.kernels import wgrad_carry
+from megamoe.kernels.window_table import window_table_kernel
 from megamoe.routing.schedule import PullSchedule
 
 #: Rows an expert region is cut at, counted from its start: a multiple of every wgrad K step (32, 64, 128) and of
 #: the FP8 token blocks (128, MXFP8's 32 inside them).
 WINDOW_ALIGN = 128
-#: ScheduleWindow.wgrad_modes bits.
-CARRY_IN, STORE, CARRY_OUT = 1, 2, 4
+#: ScheduleWindow.wgrad_modes bits (the weight-gradient kernels' own).
+CARRY_IN, STORE, CARRY_OUT = (int(bit.value) for bit in (wgrad_carry.CARRY_IN, wgrad_carry.STORE, wgrad_carry.CARRY_OUT))
+#: Ring rows per program of the window table kernel.
+WINDOW_TABLE_BLOCK = 1024
 
 
 def window_rows(ring: int) -> int:
@@ -109,8 +114,40 @@ def window_cuts(schedule: PullSchedule, ring: int, windows: int | None = None) -
     return torch.where(index == 0, 0, torch.where(index == windows, num_rows, cut))
 
 
-def schedule_window(schedule: PullSchedule, cuts: torch.Tensor, index: int, ring: int) -> ScheduleWindow:
-    """Window ``index`` of ``schedule`` cut at ``cuts`` (:func:`window_cuts` with the same ``ring``)."""
+def schedule_window(schedule: PullSchedule, index: int, ring: int, *, backend: str | None = None) -> ScheduleWindow:
+    """Window ``index`` of ``schedule`` through a ring of ``ring`` rows (cut as :func:`window_cuts` cuts).
+
+    ``backend``: ``"triton"`` (one launch, `megamoe.kernels.window_table`) or ``"torch"`` (~55 small torch
+    ops); None picks triton on a GPU and torch on the CPU. Both give the same window."""
+    if backend is None:
+        backend = "triton" if schedule.offsets.is_cuda else "torch"
+    if backend == "triton":
+        return _window_by_kernel(schedule, index, ring)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+    return _window_by_torch(schedule, window_cuts(schedule, ring), index, ring)
+
+
+def _window_by_kernel(schedule: PullSchedule, index: int, ring: int) -> ScheduleWindow:
+    device, experts = schedule.offsets.device, schedule.tokens_per_expert.numel()
+    capacity = window_rows(ring)
+    ints = dict(dtype=torch.int32, device=device)
+    start = torch.empty((), dtype=torch.int64, device=device)
+    num_rows = torch.empty((), **ints)
+    src_rank, src_index = torch.empty(capacity, **ints), torch.empty(capacity, **ints)
+    rows = torch.empty(capacity, dtype=torch.int64, device=device)
+    counts, offsets, modes = (torch.empty(experts, **ints) for _ in range(3))
+    grid = (triton.cdiv(capacity, WINDOW_TABLE_BLOCK),)
+    window_table_kernel[grid](
+        schedule.offsets, schedule.tokens_per_expert, schedule.num_rows, schedule.src_rank, schedule.src_index,
+        max(schedule.capacity - 1, 0), index, max_windows(schedule.capacity, ring), ring, experts, capacity,
+        start, num_rows, src_rank, src_index, rows, counts, offsets, modes,
+        EXPERTS=triton.next_power_of_2(max(experts, 1)), BLOCK=WINDOW_TABLE_BLOCK, ALIGN=WINDOW_ALIGN)
+    return ScheduleWindow(index, start, num_rows, src_rank, src_index, rows, counts, offsets, modes, capacity,
+                          schedule.num_ranks, schedule.experts_per_rank, schedule.top_k, schedule.max_tokens)
+
+
+def _window_by_torch(schedule: PullSchedule, cuts: torch.Tensor, index: int, ring: int) -> ScheduleWindow:
     device = schedule.offsets.device
     capacity = window_rows(ring)
     c0, c1 = cuts[index], cuts[index + 1]

@@ -446,6 +446,19 @@ def gather_rows_case() -> Case:
     return Case(gather_rows_kernel, signature, consts, 4)
 
 
+def window_table_case() -> Case:
+    """One backward window's table (``megamoe.routing.windows``, one launch per window): kimi-k2's 384 experts
+    of a rank at EP 1."""
+    from megamoe.kernels.window_table import window_table_kernel
+    from megamoe.routing.windows import WINDOW_ALIGN, WINDOW_TABLE_BLOCK
+
+    consts = dict(EXPERTS=512, BLOCK=WINDOW_TABLE_BLOCK, ALIGN=WINDOW_ALIGN)
+    signature = {name: "*i32" for name in window_table_kernel.arg_names if name.endswith("_ptr")}
+    signature.update(start_ptr="*i64", w_rows_ptr="*i64", **dict.fromkeys(consts, "constexpr"))
+    signature.update({name: "i32" for name in window_table_kernel.arg_names if name not in signature})
+    return Case(window_table_kernel, signature, consts, 4)
+
+
 def cases(group: str) -> dict[str, Case]:
     """The cases of one group (see the module docstring)."""
     if group == "gemm":
@@ -459,5 +472,6 @@ def cases(group: str) -> dict[str, Case]:
     if group == "megakernel":
         return {"weighted_sum": weighted_sum_case(), **{fmt: megakernel_case(fmt) for fmt in _MEGA_TILES}}
     if group == "backward":
-        return {"bf16": backward_megakernel_case(), "gather_rows": gather_rows_case()}
+        return {"bf16": backward_megakernel_case(), "gather_rows": gather_rows_case(),
+                "window_table": window_table_case()}
     raise ValueError(f"unknown group {group!r}")
