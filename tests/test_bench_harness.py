@@ -88,6 +88,23 @@ def test_fp8_weight_gradients_are_judged_by_groups_of_rows():
     assert st["row_group"] > FP8_WEIGHT_GRAD_GROUP_TOL and st["rel"] < 0.1  # L1 alone would not see it
     result = compare({"w_down": block}, {"w_down": ref}, "fp8-grads")
     assert not result["correct"] and result["worst_tensor"] == "w_down"
+    assert result["failed"].startswith("w_down: median row err of 64 rows ") and "> 0.25" in result["failed"]
+
+
+def test_compare_names_the_check_that_failed():
+    """What `megamoe bench` prints after NO: the tensor, the check and its bound (the first one failed)."""
+    ref = torch.ones(4, 64)
+    assert compare({"out": ref.clone()}, {"out": ref}, "bf16")["failed"] is None
+    off = ref.clone()
+    off[0, 0] = 1.6  # rel 2.3e-3 and the row 0.075 within bounds; max abs 0.6 > 0.5 (the output's own bound)
+    assert compare({"out": off}, {"out": ref}, "bf16")["failed"] == "out: max abs 6.00e-01 > 0.5"
+    assert compare({"dx": off}, {"dx": ref}, "bf16")["failed"] is None  # no max-abs bound on a gradient
+    assert compare({"out": ref * 1.02}, {"out": ref}, "bf16")["failed"] == "out: rel err 2.00e-02 > 0.01"
+    assert compare({"out": ref[:2]}, {"out": ref}, "bf16")["failed"] == "out: shape (2, 64), want shape (4, 64)"
+    assert compare({}, {"out": ref}, "bf16")["failed"] == "out: missing, want shape (4, 64)"
+    nan = ref.clone()
+    nan[1, 1] = float("nan")
+    assert compare({"out": nan}, {"out": ref}, "bf16")["failed"] == "out: not finite"
 
 
 def test_row_groups_never_straddle_chunks():

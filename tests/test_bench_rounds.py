@@ -183,3 +183,28 @@ def test_table_prints_p50_the_floor_and_the_machine():
     assert "p50 ms" in text and "× floor" in text and "1.60" in text and "2.40" in text
     assert "NVIDIA H200 x 2; driver 580.159.04; power limit 700 W; SM clock 1395–1650 MHz" in text, text
     assert f"commit {'a' * 40} (dirty)" in text and "20 interleaved rounds after 3 warm-up and 2 s steady" in text
+
+
+def test_cpu_table_draws_no_ratio_nor_rate_and_explains_its_columns():
+    """Issue 51: a CPU run's interpreter timings give no × vs nccl-torch, TFLOP/s or GB/s; the error column that
+    decides correct stands beside its bound; × floor is dropped with the reason where no floor is known; a legend
+    explains every column; NO says which check failed."""
+    shared = dict(device="cpu", machine="cpu", device_name="cpu", device_count=2, tflops=3e-5, cross_gbps=5e-5,
+                  floor_ms=None, x_floor=None, tolerance="bf16", rel_tol=1e-2, row_tol=0.1, row_group_tol=None,
+                  max_abs_tol=0.5)
+    records = [_record("nccl-torch", 43.0, **shared), _record("megamoe", 846.0, **shared),
+               _record("megamoe", 900.0, **{**shared, "pass": "bwd", "max_abs_tol": None, "rel_err": 0.5,
+                                            "correct": False, "failed": "rank 1 w_down: rel err 5.00e-01 > 0.01"})]
+    console = Console(file=io.StringIO(), width=250)
+    print_table(records, console)
+    text = console.file.getvalue()
+    rows = [line for line in text.splitlines() if line.startswith("│")]
+    assert len(rows) == 3 and all(line.count("—") == 3 for line in rows), text  # ratio, TFLOP/s, GB/s
+    assert "0.05" not in text and "3e-05" not in text and "5e-05" not in text  # 43 / 846 ms: no speed ratio
+    assert "rel err ≤ tol" in text and "1.00e-03 ≤ 1e-02" in text and "5.00e-01 > 1e-02" in text
+    assert "max abs" not in text.splitlines()[1] and "× floor" not in text.splitlines()[1]  # the header
+    assert "NO: rank 1 w_down: rel err 5.00e-01 > 0.01" in text
+    assert "not GPU timings" in text and "no speed ratio, TFLOP/s or GB/s" in text
+    assert "no × floor column" in text and "bf16 bounds: rel err ≤ 1e-02" in text and "max abs error ≤ 0.5" in text
+    for column in ("p50 ms, p10–p90:", "× vs nccl-torch:", "TFLOP/s:", "cross GB/s:", "rel err ≤ tol:", "correct:"):
+        assert f"  {column}" in text, column

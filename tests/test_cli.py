@@ -36,8 +36,13 @@ def test_bench_writes_correct_records(tmp_path):
         assert r["time_ms_p10"] <= r["time_ms"] == r["time_ms_p50"] <= r["time_ms_p90"]
         assert r["iters"] == 2 and r["warmup"] == 0 and r["steady_s"] == 0 and r["steady_rounds"] == 0  # CPU defaults
         assert r["floor_ms"] is None and r["x_floor"] is None and r["sm_clock_mhz"] is None  # no rates for a CPU
-    assert "| nccl-torch | bwd |" in md.read_text()
-    assert "p50 ms" in result.output and "× floor" in result.output and "interleaved rounds" in result.output
+        assert r["tolerance"] == "bf16" and r["rel_err"] <= r["rel_tol"] == 1e-2 and r["failed"] is None
+        assert r["max_abs_tol"] == (0.5 if r["pass"] == "fwd" else None)  # the output's bound; gradients have none
+    text = md.read_text()
+    assert "| nccl-torch | bwd |" in text and "not GPU timings" in text
+    assert all(line.split("|")[5:8] == [" — "] * 3 for line in text.splitlines()[7:13]), text  # no ratio nor rate
+    assert "p50 ms" in result.output and "interleaved rounds" in result.output and "rel err ≤ tol" in result.output
+    assert "no × floor column" in result.output and "not GPU timings" in result.output  # no floor for a CPU
 
 
 def test_bench_rejects_bad_options_with_exit_code_2():
@@ -65,7 +70,7 @@ def _fp8_packs(world):
     from megamoe.bench.runners import _MegamoeRunner
     from megamoe.config import MoEConfig
 
-    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(), swiglu_limit=None)
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=())
     p = make_problem(cfg, world.rank, world.size, 16, dtype=torch.bfloat16, device=world.device)
     return [_MegamoeRunner(world, p, "fp8-block", **kw).experts_q.transposed is not None
             for kw in ({"backward": False}, {})]

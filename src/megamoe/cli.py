@@ -47,7 +47,7 @@ def _presets_help() -> str:
 
 
 SHAPE_HELP = ("A layer shape instead of a preset: hidden=D,intermediate=I,experts=E,top_k=k[,shared=Is[+Is2]]"
-              "[,limit=L] (limit: the SwiGLU clamp).")
+              "[,activation=KIND[:LIMIT[:ALPHA]]] (swiglu, swiglu-clamped:L, gpt-oss, geglu).")
 HF_CONFIG_HELP = ("A HuggingFace model's config.json to take the MoE layer's shape from (Qwen2/3-MoE, DeepSeek-V3, "
                   "Mixtral, gpt-oss, OLMoE, GLM-4.5-MoE, Llama-4).")
 
@@ -156,10 +156,7 @@ def bench(
     meta = run_metadata(device)
     for record in records:
         record.update(meta)
-    print_table(records, console)
-    if not gpu:
-        console.print("note: CPU run: the Triton kernels ran under the interpreter, so these timings are not GPU "
-                      "timings", soft_wrap=True)
+    print_table(records, console)  # with its legend (and, on the CPU, why no ratio nor rate is shown)
     if json_path:
         write_json(records, json_path)
         console.print(f"records written to {json_path}")

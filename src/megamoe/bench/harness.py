@@ -197,19 +197,28 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precisi
     """
     rel_tol, row_tol, abs_tol = TOLERANCES[precision]
     worst = {"max_abs_err": 0.0, "rel_err": 0.0, "row_err": 0.0, "row_group_err": 0.0, "correct": True,
-             "worst_tensor": None}
+             "worst_tensor": None, "failed": None}
     for name, ref in want.items():
         out = got.get(name)
         if out is None or out.shape != ref.shape:
             return {**worst, "max_abs_err": float("inf"), "rel_err": float("inf"), "correct": False,
-                    "worst_tensor": name}
+                    "worst_tensor": name,
+                    "failed": f"{name}: {'missing' if out is None else f'shape {tuple(out.shape)}'}, want shape "
+                              f"{tuple(ref.shape)}"}
         if ref.numel() == 0:
             continue
         st = error_stats(out, ref)
         grouped = precision == "fp8-grads" and name in ROUTED_WEIGHTS
-        rows_ok = st["row_group"] <= FP8_WEIGHT_GRAD_GROUP_TOL if grouped else st["row"] <= row_tol
-        ok = st["rel"] <= rel_tol and rows_ok and st["finite"]
-        ok = ok and (name != "out" or st["max_abs"] <= abs_tol)
+        # (error, bound, what) of every check of this tensor; the first one out of bounds is the reason reported
+        checks = [(st["rel"], rel_tol, "rel err"),
+                  (st["row_group"], FP8_WEIGHT_GRAD_GROUP_TOL, f"median row err of {ROW_GROUP} rows") if grouped
+                  else (st["row"], row_tol, "worst row err")]
+        if name == "out":
+            checks.append((st["max_abs"], abs_tol, "max abs"))
+        ok = all(err <= bound for err, bound, _ in checks) and st["finite"]
+        if not ok and worst["failed"] is None:
+            worst["failed"] = f"{name}: " + ("not finite" if not st["finite"] else next(
+                f"{what} {err:.2e} > {bound:g}" for err, bound, what in checks if not err <= bound))
         if worst["worst_tensor"] is None or (not ok and worst["correct"]) or (
                 ok == worst["correct"] and st["rel"] > worst["rel_err"]):
             worst["worst_tensor"] = name
@@ -266,6 +275,7 @@ class _Run:
     runner: object
     tolerance: str
     checks: dict = field(default_factory=dict)
+    checked_as: dict = field(default_factory=dict)  # pass -> the TOLERANCES key its check used
     times: dict = field(default_factory=dict)
 
 
@@ -292,6 +302,7 @@ def _iteration(world: EPWorld, run: _Run, name: str, want: dict, timed: bool) ->
     if name not in run.checks:
         tolerance = "fp8-grads" if run.tolerance == "fp8" and name != "fwd" else run.tolerance
         run.checks[name] = compare(got, want[name], tolerance)
+        run.checked_as[name] = tolerance
     del out, got, grads
     if name != "fwd":  # runners coexist: a runner's gradients go before the next one's come (as in a burst)
         for t in getattr(runner, "_all_leaves", lambda: ())():
@@ -382,6 +393,14 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     return [records[k, name] for k in range(len(runs)) for name in opts.passes if (k, name) in records]
 
 
+def _bounds(tolerance: str, name: str) -> dict:
+    """A record's tolerance fields: the TOLERANCES key its check used and its bounds (see :func:`compare`)."""
+    rel_tol, row_tol, abs_tol = TOLERANCES[tolerance]
+    return {"tolerance": tolerance, "rel_tol": rel_tol, "row_tol": row_tol,
+            "row_group_tol": FP8_WEIGHT_GRAD_GROUP_TOL if tolerance == "fp8-grads" else None,
+            "max_abs_tol": abs_tol if name == "fwd" else None}
+
+
 def _over(time_ms: float, floor: float | None) -> float | None:
     return time_ms / floor if floor else None
 
@@ -421,6 +440,12 @@ def _gather_record(world, opts: BenchOptions, run: _Run, name: str, work, shared
         "row_group_err": max(r["check"]["row_group_err"] for r in everyone),
         "correct": all(r["check"]["correct"] for r in everyone),
         "worst_tensor": max(everyone, key=lambda r: r["check"]["rel_err"])["check"]["worst_tensor"],
+        # why not correct: the first failed check of the first rank that failed (None when correct)
+        "failed": next((f"rank {i} {r['check']['failed']}" for i, r in enumerate(everyone)
+                        if r["check"].get("failed")), None),
+        # the bounds the check held this pass to (compare): rel err <= rel_tol on every tensor, the worst row's
+        # error <= row_tol (FP8 weight gradients: groups of rows), the output's max abs <= max_abs_tol (fwd)
+        **_bounds(run.checked_as[name], name),
         "iters": len(times),
         # FP8 experts: one quantisation of the routed weights (once per optimizer step, outside the pass)
         "weights_quantize_ms": None if weights_quantize_ms is None else max(r["quantize"] for r in everyone),
