@@ -58,7 +58,36 @@ def _qwen2():
         attn_implementation="eager"))
 
 
-MODELS = {"qwen3-moe": _qwen3, "deepseek-v3": _deepseek_v3, "mixtral": _mixtral, "qwen2-moe": _qwen2}
+def _olmoe():
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=0,
+        eos_token_id=1, max_position_embeddings=64, attn_implementation="eager"))
+
+
+def _glm4_moe():
+    # layer 0 dense (first_k_dense_replace), layer 1 sparse: sigmoid, grouped top-k, bias, scale, a shared expert
+    model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        use_qk_norm=True, max_position_embeddings=64, attn_implementation="eager"))
+    for block in model.modules():  # a selection bias that matters (it is zeros at init)
+        if type(block).__name__ == "Glm4MoeTopkRouter":
+            block.e_score_correction_bias.copy_(torch.randn(block.e_score_correction_bias.shape) * 0.1)
+    return model
+
+
+def _llama4(top_k: int):
+    return transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4, num_experts_per_tok=top_k,
+        max_position_embeddings=64, attention_chunk_size=8, attn_implementation="eager"))
+
+
+MODELS = {"qwen3-moe": _qwen3, "deepseek-v3": _deepseek_v3, "mixtral": _mixtral, "qwen2-moe": _qwen2,
+          "olmoe": _olmoe, "glm4-moe": _glm4_moe, "llama4": functools.partial(_llama4, 1),
+          "llama4-top2": functools.partial(_llama4, 2)}
 
 
 def _build(name: str, seed: int):
@@ -94,15 +123,19 @@ def _parity(world, name: str):
     got_logits, _ = _step(patched, ids)
     errors = {}
     patched_params = dict(patched.named_parameters())
+    llama4 = name.startswith("llama4")
     for pname, p in model.named_parameters():
         want = p.grad
-        got = patched_params[pname].grad
-        if pname.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        routed = pname.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        if routed:
             # a routed expert's gradient covers every rank's tokens: the sum of the unpatched per-rank ones
             dist.all_reduce(want, group=world.group)
             L = want.shape[0] // world.size
             want = want[world.rank * L:(world.rank + 1) * L]
-        errors[pname] = float("inf") if got is None else _rel(got, want)
+        if routed and llama4:  # held in megamoe's layout: transformers' transposed
+            want = want.transpose(1, 2)
+        got = patched_params[pname].grad
+        errors[pname] = float("inf") if got is None or got.shape != want.shape else _rel(got, want)
     shapes = {n: tuple(m.gate_up_proj.shape) for n, m in patched.named_modules()
               if isinstance(m, ExpertParallelExperts)}
     return _rel(got_logits, want_logits), errors, shapes
@@ -131,9 +164,12 @@ def test_patched_model_gives_hf_outputs_and_gradients(name):
         assert len(shapes) == 2 and all(s[0] == 4 for s in shapes.values()), shapes
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "olmoe", "glm4-moe", "llama4", "llama4-top2"])
 def test_patched_model_gives_hf_outputs_more_families(name):
-    """Mixtral (softmax, renormalised always) and Qwen2-MoE (a gated shared expert), one layer each."""
+    """Mixtral (softmax, renormalised always), Qwen2-MoE (a gated shared expert), OLMoE (softmax then top-k, not
+    renormalised), GLM-4.5 (a dense layer, then sigmoid scores, grouped top-k over a nonzero selection bias,
+    renormalised and scaled, a shared expert) and Llama-4 (its sigmoid score scales the expert's input; a shared
+    expert; top-1 as the model ships, and top-2), one MoE layer each."""
     for rank, per_model in enumerate(_parity_runs()):
         logits, errors, shapes = per_model[name]
         assert logits < LOGITS_TOLERANCE, (rank, logits)
@@ -175,12 +211,16 @@ def _round_trips(world, names):
     return {name: _round_trip(world, name) for name in names}
 
 
+#: Every family (Llama-4 once: its top-2 twin has the same experts' layout).
+ROUND_TRIPS = ("qwen3-moe", "deepseek-v3", "mixtral", "qwen2-moe", "olmoe", "glm4-moe", "llama4")
+
+
 @functools.cache
 def _round_trip_runs() -> list[dict]:
-    return launch(_round_trips, 2, ("qwen3-moe", "deepseek-v3"))
+    return launch(_round_trips, 2, ROUND_TRIPS)
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("name", ROUND_TRIPS)
 def test_state_dict_round_trips_between_patched_and_unpatched(name):
     """patched -> unpatched, unpatched -> patched and patched -> patched: the same outputs, bit for bit."""
     for rank, per_model in enumerate(_round_trip_runs()):
@@ -196,11 +236,26 @@ def _refusals(world):
 
     gelu = _build("qwen3-moe", 0)
     gelu.model.layers[0].mlp.experts.config.hidden_act = "gelu"  # experts not SwiGLU
-    return raised([lambda: patch(torch.nn.Linear(4, 4), world), lambda: patch(gelu, world)])
+    glm_gelu = _build("glm4-moe", 0)
+    glm_gelu.model.layers[1].mlp.experts.config.hidden_act = "gelu"
+    normed = _build("olmoe", 0)
+    normed.model.layers[0].mlp.experts.has_post_expert_norm = True  # a norm after each expert: not megamoe's
+    llama_gelu = _build("llama4", 0)
+    llama_gelu.model.layers[0].feed_forward.experts.act_fn = torch.nn.GELU()  # Llama-4's experts keep no config
+    twice = patch(patch(_build("llama4", 0), world), world)  # patching twice is patching once
+    return raised([lambda: patch(torch.nn.Linear(4, 4), world), lambda: patch(gelu, world),
+                   lambda: patch(glm_gelu, world), lambda: patch(normed, world),
+                   lambda: patch(llama_gelu, world)]), type(twice.model.layers[0].feed_forward)
 
 
 def test_patch_refuses_what_it_cannot_run():
-    """A model without a supported block, and experts that are not SwiGLU, are named."""
-    (no_block, gelu), = launch(_refusals, 1)
+    """A model without a supported block, and experts that are not SwiGLU or that norm their outputs, are named;
+    a patched model patches as it is."""
+    (no_block, gelu, glm_gelu, normed, llama_gelu), twice = launch(_refusals, 1)[0]
     assert no_block is not None and "no MoE block megamoe patches" in no_block, no_block
+    assert "OlmoeSparseMoeBlock" in no_block and "Llama4TextMoe" in no_block, no_block
     assert gelu is not None and "hidden_act='gelu'" in gelu, gelu
+    assert glm_gelu is not None and "hidden_act='gelu'" in glm_gelu, glm_gelu
+    assert normed is not None and "has_post_expert_norm=True" in normed, normed
+    assert llama_gelu is not None and "act_fn=GELU" in llama_gelu, llama_gelu
+    assert twice.__name__ == "Llama4ExpertParallelMoe", twice

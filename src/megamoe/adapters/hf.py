@@ -3,12 +3,14 @@
     model = AutoModelForCausalLM.from_config(config)        # or from_pretrained(...)
     model = megamoe.adapters.hf.patch(model, world)          # every rank, alike
 
-:func:`patch` replaces the ``experts`` of each supported block (:data:`BLOCKS`) with
-:class:`ExpertParallelExperts`, which holds this rank's slice of the experts (experts ``rank*L .. rank*L+L-1``)
-and runs them through :func:`megamoe.moe`. Everything else stays the model's own code: its router (softmax or
-sigmoid, top-k, ``norm_topk_prob``, ``routed_scaling_factor``, DeepSeek-V3's grouped top-k and
-``e_score_correction_bias``), its shared experts and their gates, Mixtral's jitter. So the routing is exactly
-the model's, and the experts compute what transformers' experts compute, in BF16.
+:func:`patch` replaces the ``experts`` of each supported block (:data:`BLOCKS`: Qwen3-MoE, DeepSeek-V3,
+Qwen2-MoE, Mixtral, OLMoE, GLM-4.5) with :class:`ExpertParallelExperts`, which holds this rank's slice of the
+experts (experts ``rank*L .. rank*L+L-1``) and runs them through :func:`megamoe.moe`. Everything else stays the
+model's own code: its router (softmax or sigmoid, top-k, ``norm_topk_prob``, ``routed_scaling_factor``,
+DeepSeek-V3's and GLM-4.5's grouped top-k and ``e_score_correction_bias``), its shared experts and their gates,
+Mixtral's jitter. So the routing is exactly the model's, and the experts compute what transformers' experts
+compute, in BF16. Llama-4's ``Llama4TextMoe`` scales each expert's input (not its output) by the router score;
+:mod:`megamoe.adapters.hf_llama4` replaces the block with one that maps that exactly onto megamoe's layer.
 
 Training: the routed experts' gradients cover every rank's tokens routed to them (complete); every other
 parameter is replicated and its gradient covers this rank's tokens: reduce those over the world (DDP, FSDP over
@@ -31,26 +33,37 @@ from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
 from megamoe.precision import check_precision
 
-#: The transformers blocks patched (class names): each calls ``self.experts(x [N, D], top_k_index [N, k],
-#: top_k_weights [N, k])`` on experts holding ``gate_up_proj [E, 2I, D]`` (gate rows, then up) and
-#: ``down_proj [E, D, I]`` with a SiLU gate: megamoe's layout.
-BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV3MoE")
+#: The transformers blocks whose experts are patched (class names): each calls ``self.experts(x [N, D],
+#: top_k_index [N, k], top_k_weights [N, k])`` and adds ``top_k_weights[j] * expert_j(x)``, on experts holding
+#: ``gate_up_proj [E, 2I, D]`` (gate rows, then up) and ``down_proj [E, D, I]`` with a SiLU gate: megamoe's layout.
+BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV3MoE",
+          "OlmoeSparseMoeBlock", "Glm4MoeMoE")
+
+#: The transformers blocks replaced whole (class names): Llama-4's (:mod:`megamoe.adapters.hf_llama4`).
+REPLACED_BLOCKS = ("Llama4TextMoe",)
 
 
 class ExpertParallelExperts(ExpertSlice):
     """This rank's slice of a transformers experts module, run by megamoe (built by :func:`patch`).
 
-    Parameters ``gate_up_proj [L, 2I, D]`` and ``down_proj [L, D, I]`` keep the model's dtype (the master
-    weights); the layer runs them in BF16 (a cast per call when the model is not BF16) and returns x's dtype.
+    Parameters ``gate_up_proj [L, 2I, D]`` and ``down_proj [L, D, I]`` (megamoe's layout) keep the model's dtype
+    (the master weights); the layer runs them in BF16 (a cast per call when the model is not BF16) and returns
+    x's dtype. ``transposed``: the model stores them transposed (Llama-4's ``[E, D, 2I]`` and ``[E, I, D]``):
+    they are transposed once here, and ``state_dict`` / ``load_state_dict`` speak the model's layout.
     """
 
-    def __init__(self, experts: nn.Module, world: EPWorld, **options):
+    def __init__(self, experts: nn.Module, world: EPWorld, *, transposed: bool = False, **options):
         gate_up, down = experts.gate_up_proj, experts.down_proj
         super().__init__(world, gate_up.shape[0], **options)
-        self.gate_up_proj = nn.Parameter(gate_up.detach()[self.rows].to(world.device).clone(),
-                                         requires_grad=gate_up.requires_grad)
-        self.down_proj = nn.Parameter(down.detach()[self.rows].to(world.device).clone(),
-                                      requires_grad=down.requires_grad)
+        self.transposed = transposed
+
+        def mine(w: torch.Tensor) -> nn.Parameter:
+            rows = w.detach()[self.rows]
+            rows = rows.transpose(1, 2) if transposed else rows
+            return nn.Parameter(rows.to(world.device).clone(memory_format=torch.contiguous_format),
+                                requires_grad=w.requires_grad)
+
+        self.gate_up_proj, self.down_proj = mine(gate_up), mine(down)
         self.register_state_dict_post_hook(_gather_experts)
         self.register_load_state_dict_pre_hook(_slice_experts)
 
@@ -60,38 +73,54 @@ class ExpertParallelExperts(ExpertSlice):
 
 
 def _gather_experts(module: ExpertParallelExperts, state_dict, prefix: str, local_metadata) -> None:
-    """state_dict: every rank's slice gathered into the full ``[E, ...]`` tensors (collective)."""
-    if module.world.size == 1:
-        return
+    """state_dict: every rank's slice gathered into the full ``[E, ...]`` tensors (collective), in the model's
+    layout."""
     for name in ("gate_up_proj", "down_proj"):
         key = prefix + name
         if key in state_dict:
-            state_dict[key] = module.world.gather_rows(state_dict[key])
+            t = state_dict[key] if module.world.size == 1 else module.world.gather_rows(state_dict[key])
+            state_dict[key] = t.transpose(1, 2).contiguous() if module.transposed else t
 
 
 def _slice_experts(module: ExpertParallelExperts, state_dict, prefix: str, local_metadata, strict, missing_keys,
                    unexpected_keys, error_msgs) -> None:
-    """load_state_dict: full ``[E, ...]`` experts become this rank's slice; a slice of L loads as it is."""
+    """load_state_dict: full ``[E, ...]`` experts in the model's layout become this rank's slice; a slice of L
+    loads as it is (transposed to megamoe's layout when the model's is transposed)."""
     for name in ("gate_up_proj", "down_proj"):
         key = prefix + name
         t = state_dict.get(key)
-        if t is not None and t.dim() == 3 and t.shape[0] == module.num_experts != module.local_experts:
-            state_dict[key] = t[module.rows]
+        if t is None or t.dim() != 3:
+            continue  # missing or odd: load_state_dict reports it
+        if t.shape[0] == module.num_experts != module.local_experts:
+            t = t[module.rows]
+        state_dict[key] = t.transpose(1, 2) if module.transposed else t
+
+
+def activation_problem(experts: nn.Module) -> str:
+    """Why ``experts`` do not gate with SiLU (their config's ``hidden_act``, their ``act_fn``), or ``''``."""
+    act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act={act!r}"
+    fn = getattr(experts, "act_fn", None)
+    if fn is not None and type(fn).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"act_fn={type(fn).__name__}"
+    return ""
 
 
 def _check_experts(name: str, experts: nn.Module) -> None:
-    """ValueError unless ``experts`` is the layout megamoe runs (SwiGLU, [gate | up], not transposed, no bias)."""
+    """ValueError unless ``experts`` is the layout megamoe runs (SwiGLU, [gate | up], not transposed, no bias, no
+    norm after each expert)."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         raise ValueError(f"{name}: its experts have no gate_up_proj / down_proj tensors")
-    config = getattr(experts, "config", None)
-    act = getattr(config, "hidden_act", "silu")
-    layout = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True}
+    layout = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
+              "has_post_expert_norm": False}
     off = [f"{key}={getattr(experts, key)!r}" for key, want in layout.items()
            if getattr(experts, key, want) != want]
-    if act != "silu" or off:
+    problem = " ".join([activation_problem(experts)] + off).strip()
+    if problem:
         raise ValueError(f"{name}: megamoe runs SwiGLU experts stored [gate | up] without bias; these have "
-                         f"hidden_act={act!r} {' '.join(off)}".rstrip())
+                         f"{problem}")
     E, two_i, D = gate_up.shape
     if tuple(down.shape) != (E, D, two_i // 2) or two_i % 2:
         raise ValueError(f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
@@ -100,7 +129,8 @@ def _check_experts(name: str, experts: nn.Module) -> None:
 
 def patch(model: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: str = "megamoe",
           max_tokens: int | None = None, kernel_config: KernelConfig | None = None) -> nn.Module:
-    """Run every supported sparse MoE block of ``model`` (:data:`BLOCKS`) on megamoe; returns ``model``.
+    """Run every supported sparse MoE block of ``model`` (:data:`BLOCKS`, :data:`REPLACED_BLOCKS`) on megamoe;
+    returns ``model`` (or, when ``model`` is itself a Llama-4 block, its replacement).
 
     Collective: every rank of ``world`` patches a model built alike (the same config and weights): each keeps
     its slice of every block's experts. The model moves nothing else (put it on ``world.device`` as usual).
@@ -117,19 +147,31 @@ def patch(model: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: st
         kernel_config: the megakernel's knobs (default: the planner's).
 
     Raises ValueError when the model has no supported block, or a block's experts are not SwiGLU in the
-    ``[gate | up]`` layout.
+    ``[gate | up]`` layout (Llama-4: its own transposed layout), or E is not a multiple of the world size.
     """
+    from megamoe.adapters import hf_llama4  # it imports this module
+
     check_precision(precision)
     check_impl(impl, precision)
-    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in BLOCKS]
-    if not blocks:
+    options = {"precision": precision, "impl": impl, "max_tokens": max_tokens, "kernel_config": kernel_config}
+    supported = BLOCKS + REPLACED_BLOCKS
+    blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in supported]
+    if not blocks and not any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
         found = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()})
-        raise ValueError(f"{type(model).__name__} has no MoE block megamoe patches (it patches {', '.join(BLOCKS)}"
+        raise ValueError(f"{type(model).__name__} has no MoE block megamoe patches (it patches {', '.join(supported)}"
                          f"{'; found ' + ', '.join(found) if found else ''})")
     for name, block in blocks:
+        label = name or type(block).__name__
+        if type(block).__name__ == hf_llama4.BLOCK:
+            hf_llama4.check_experts(label, block.experts)
+            twin = hf_llama4.Llama4ExpertParallelMoe(block, world, **options)
+            if not name:
+                return twin
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, twin)
+            continue
         if isinstance(block.experts, ExpertParallelExperts):
             continue  # patched already
-        _check_experts(name or type(block).__name__, block.experts)
-        block.experts = ExpertParallelExperts(block.experts, world, precision=precision, impl=impl,
-                                              max_tokens=max_tokens, kernel_config=kernel_config)
+        _check_experts(label, block.experts)
+        block.experts = ExpertParallelExperts(block.experts, world, **options)
     return model
