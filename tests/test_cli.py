@@ -331,3 +331,22 @@ def test_plan_takes_a_shape_or_a_huggingface_config_and_help_lists_the_presets(t
     for command in ("plan", "bench", "bench-experts", "trace"):
         text = " ".join(runner.invoke(app, [command, "--help"], terminal_width=200).output.split())
         assert all(name in text for name in PRESETS) and "--shape" in text and "--hf-config" in text, command
+
+
+def test_plan_takes_a_train_preset():
+    """Issue 51: `megamoe plan --preset h200x2` (a `megamoe train` preset) plans its MoE layer (Qwen3-30B-A3B's
+    shape) at its tokens per rank and its layer count; the options still override them."""
+    runner = CliRunner()
+    got = runner.invoke(app, ["plan", "--preset", "h200x2"])
+    assert got.exit_code == 0, got.output
+    header = got.output.splitlines()[0]
+    assert header.startswith("megamoe plan: train preset h200x2's MoE layer (hidden=2048,intermediate=768,"
+                             "experts=128,top_k=8), EP 2, 8192 tokens per rank") and "8 MoE layers" in header, header
+    same = runner.invoke(app, ["plan", "--preset", "qwen3-30b-a3b", "--tokens", "8192", "--layers", "8"])
+    assert got.output.splitlines()[1:] == same.output.splitlines()[1:]
+    small = runner.invoke(app, ["plan", "--preset", "h200x2", "--tokens", "1024", "--layers", "2"])
+    assert small.exit_code == 0 and "1024 tokens per rank" in small.output and "2 MoE layers" in small.output
+    _one_line_error(runner.invoke(app, ["plan", "--preset", "h200x2", "--shape", "hidden=64"]), "give one of")
+    default = runner.invoke(app, ["plan"])  # no preset: kimi-k2 at 8192 tokens, one layer, as before
+    assert default.exit_code == 0 and "kimi-k2, EP 2, 8192 tokens per rank" in default.output
+    assert "1 MoE layer" in default.output

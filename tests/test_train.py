@@ -4,9 +4,9 @@ and the plot come out; bad options are refused with a message."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from megamoe.baselines import deepep_torch
 from megamoe.cli import app
-from megamoe.training import MarkovTokens, TrainOptions, get_preset, train
+from megamoe.training import MarkovTokens, TrainOptions, get_preset, memory, plot_losses, train
 from megamoe.training.model import qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
@@ -104,10 +104,70 @@ def test_cli_writes_the_record_the_table_and_the_plot(tmp_path):
     for column in ("impl", "final loss", "tokens/s/GPU", "step ms", "MoE ms", "peak MiB"):
         assert column in result.output
     assert "nccl-torch" in result.output.split("tokens/s/GPU")[1]  # a row of the table
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    else:
-        assert not plot.exists() and "matplotlib is not installed" in result.output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss curves written to {plot}" in result.output
+
+
+def test_plot_losses_writes_a_png(tmp_path):
+    """matplotlib is a dependency (issue 51: the README's install gave `megamoe train` no PNG)."""
+    record = {"preset": {"name": "cpu"}, "world_size": 2, "device": "cpu",
+              "runs": {"megamoe": {"losses": [4.9, 4.1, 3.5]}, "reference": {"losses": [4.9, 4.0, 3.5]}}}
+    path = tmp_path / "sub" / "loss.png"
+    assert plot_losses(record, str(path)) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_without_matplotlib_says_so_before_training(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(app, ["train", "--device", "cpu", "--out", str(out), "--plot", str(tmp_path / "a.png")])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "matplotlib is not installed" in result.output and "pip install matplotlib" in result.output
+    assert "--plot ''" in result.output and "training" not in result.output and not out.exists()
+
+
+def test_cli_refuses_a_preset_too_big_for_the_cpu_before_it_starts(monkeypatch):
+    """Issue 51: `--preset h200x2 --device cpu` grew each rank to ~10 GB before anything said no."""
+    monkeypatch.setattr(memory, "cpu_memory", lambda: (64 * memory.GiB, 50 * memory.GiB))
+    result = CliRunner().invoke(app, ["train", "--preset", "h200x2", "--device", "cpu"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    line = " ".join(result.output.split())
+    assert "preset h200x2 does not fit this machine's RAM: 2 CPU rank(s) would need about" in line, line
+    assert "the machine has 64.0 GiB, 50.0 GiB available now" in line and "--no-check-memory" in line
+    for part in ("weights", "gradients", "AdamW state", "activations"):
+        assert part in line
+    assert "megamoe train:" not in line  # refused before the run's first line
+
+
+def test_memory_estimate_counts_the_models_parameters_and_refuses_what_cannot_fit(monkeypatch):
+    """The closed-form count is the model's (built on the meta device: nothing allocated); h200x2 needs more
+    than an 80 GiB GPU per rank and fits a 141 GiB H200; the cpu preset fits any machine."""
+    for name in ("cpu", "h200x2"):
+        preset = get_preset(name)
+        with torch.device("meta"):
+            model = transformers.Qwen3MoeForCausalLM(qwen3_moe_config(preset))
+        experts = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+        assert memory.parameter_counts(preset) == (sum(p.numel() for p in model.parameters()), experts), name
+    h200x2 = get_preset("h200x2")
+    gpu = memory.estimate(h200x2, 2, "cuda")
+    assert 80 * memory.GiB < gpu.peak < 140 * memory.GiB, gpu
+    assert memory.estimate(h200x2, 2, "cpu").activations > gpu.activations  # eager attention's scores
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(memory, "gpu_free_memory", lambda count: [79 * memory.GiB] * count)
+    with pytest.raises(ValueError, match=r"does not fit the GPUs: each of 2 rank\(s\) would need about .* the "
+                                         r"GPUs have 79.0, 79.0 GiB free"):
+        memory.check_fits(h200x2, 2, "cuda")
+    monkeypatch.setattr(memory, "gpu_free_memory", lambda count: [139 * memory.GiB] * count)
+    memory.check_fits(h200x2, 2, "cuda")
+    with pytest.raises(ValueError, match="2 ranks per GPU"):  # ranks sharing a GPU need its memory together
+        memory.check_fits(h200x2, 4, "cuda")
+    memory.check_fits(get_preset("cpu"), 2, "cpu")  # this machine's own RAM
+
+
+def test_memory_estimate_is_near_the_cpu_ranks_peak(record):
+    """Within a factor of two of the measured max RSS (the `cpu` preset: mostly the process itself)."""
+    want = memory.estimate(get_preset("cpu"), 2, "cpu").peak
+    for impl, run in record["runs"].items():
+        assert 0.5 < want / run["peak_memory_bytes"] < 2, (impl, want, run["peak_memory_bytes"])
 
 
 @pytest.mark.parametrize("args, message", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -221,13 +222,21 @@ def bench_experts(
         raise typer.Exit(1)
 
 
+def _train_presets() -> dict:
+    from megamoe.training.model import PRESETS as TRAIN_PRESETS
+
+    return TRAIN_PRESETS
+
+
 @app.command()
 def plan(
-    preset: str = typer.Option(None, help=f"Model shape: {_presets_help()} (default kimi-k2)."),
+    preset: str = typer.Option(None, help=f"Model shape: {_presets_help()} (default kimi-k2); or a `megamoe train` "
+                                          f"preset ({', '.join(_train_presets())}): its MoE layer, tokens per rank "
+                                          "and layers."),
     shape: str = typer.Option(None, help=SHAPE_HELP),
     hf_config: str = typer.Option(None, "--hf-config", help=HF_CONFIG_HELP),
     ep: int = typer.Option(2, help="Expert-parallel ranks."),
-    tokens: int = typer.Option(8192, help="Tokens per rank."),
+    tokens: int = typer.Option(None, help="Tokens per rank (default 8192, or a train preset's)."),
     sms: int = typer.Option(132, help="SMs of the GPU (H200: 132)."),
     precision: str = typer.Option("bf16", help="bf16, fp8-block or mxfp8."),
     comm_sms: int = typer.Option(None, help="Pin the communication SMs."),
@@ -236,21 +245,33 @@ def plan(
     backward_comm_sms: int = typer.Option(None, help="Pin the backward megakernel's communication SMs."),
     backward_minibatch: int = typer.Option(None, help="Pin the backward megakernel's minibatch (rows)."),
     backward_ring_rows: int = typer.Option(None, help="Pin the backward's ring (rows, a multiple of 128)."),
-    layers: int = typer.Option(1, help="MoE layers of this shape in the model: the memory per rank for all of them."),
+    layers: int = typer.Option(None, help="MoE layers of this shape in the model: the memory per rank for all of "
+                                          "them (default 1, or a train preset's)."),
     memory: float = typer.Option(None, help="Memory budget per rank in GiB for the pass and --layers layers (besides "
                                             "the weights): the backward's ring shrinks to fit."),
 ) -> None:
     """The megakernel's minibatch, comm/compute SM split, ring size and memory, with the reasoning."""
+    from megamoe.config import PRESETS
     from megamoe.config import preset as get_preset
     from megamoe.planner import format_plan
     from megamoe.planner import plan as make_plan
 
+    train_preset = None if preset in PRESETS else _train_presets().get(preset)
+    if train_preset is not None:  # a `megamoe train` model: its MoE layers' shape, tokens per rank and layers
+        tokens = train_preset.tokens_per_rank if tokens is None else tokens
+        layers = train_preset.layers if layers is None else layers
+    tokens, layers = 8192 if tokens is None else tokens, 1 if layers is None else layers
     try:
         if layers < 1:
             raise ValueError(f"layers must be >= 1, got {layers}")
         for name, value in (("sms", sms), ("minibatch", minibatch)):  # the planner divides by them
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        label = None
+        if train_preset is not None and not (shape or hf_config):
+            label = f"train preset {preset}'s MoE layer"
+            preset, shape = None, (f"hidden={train_preset.hidden},intermediate={train_preset.moe_intermediate},"
+                                   f"experts={train_preset.num_experts},top_k={train_preset.top_k}")
         preset = _layer(preset, shape, hf_config, "kimi-k2")
         result = make_plan(get_preset(preset), ep, tokens, num_sms=sms, precision=precision, comm_sms=comm_sms,
                            minibatch=minibatch, ring_rows=ring_rows, backward_comm_sms=backward_comm_sms,
@@ -259,8 +280,8 @@ def plan(
         text = format_plan(result, layers)
     except ValueError as exc:
         _fail(str(exc))
-    print(f"megamoe plan: {preset}, EP {ep}, {tokens} tokens per rank, {precision}, {sms} SMs, "
-          f"{layers} MoE layer{'s' if layers != 1 else ''}")
+    print(f"megamoe plan: {f'{label} ({preset})' if label else preset}, EP {ep}, {tokens} tokens per rank, "
+          f"{precision}, {sms} SMs, {layers} MoE layer{'s' if layers != 1 else ''}")
     print(text)
 
 
@@ -278,7 +299,11 @@ def train(
     seed: int = typer.Option(0, help="Seed of the initial weights and of the synthetic data."),
     lr: float = typer.Option(None, help="AdamW's learning rate (default: the preset's)."),
     out: str = typer.Option("megamoe-train.json", help="Write the run's JSON record here."),
-    plot: str = typer.Option("megamoe-train.png", help="Write the loss curves (PNG) here."),
+    plot: str = typer.Option("megamoe-train.png", help="Write the loss curves (PNG) here ('': no PNG)."),
+    check_memory: bool = typer.Option(True, help="Refuse, before anything is allocated, a preset whose estimated "
+                                                 "memory (weights, gradients, AdamW state, activations: "
+                                                 "megamoe.training.memory) exceeds the device's: the CPU's RAM "
+                                                 "(shared by the ranks) or each GPU's free memory."),
 ) -> None:
     """Train a small decoder end to end with AdamW, expert parallel, its MoE blocks run by each implementation."""
     if device is not None and device not in DEVICES:
@@ -288,22 +313,32 @@ def train(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":  # Triton kernels run under the interpreter on the CPU (set before they are imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from megamoe.training import TrainOptions, format_table, plot_losses
+    from megamoe.training import TrainOptions, format_table, plot_losses, plot_unavailable
+    from megamoe.training import get_preset as get_train_preset
     from megamoe.training import train as run_training
     from megamoe.training import write_json as write_record
+    from megamoe.training.memory import check_fits
 
     console = Console(soft_wrap=True)
     try:
         options = TrainOptions(preset=preset, impls=_csv(impl), steps=steps, device=device, seed=seed, lr=lr,
                                ranks=ranks if ranks is not None else (torch.cuda.device_count() if device == "cuda"
-                                                                      else 2))
+                                                                      else 2), check_memory=check_memory)
     except ValueError as exc:
         _fail(str(exc))
+    if plot and (why := plot_unavailable(plot)) is not None:  # said before the training, not after it
+        _fail(f"{why}; or --plot '' for no PNG")
+    if options.check_memory:  # a preset too big for the device: refused before anything starts
+        try:
+            check_fits(get_train_preset(options.preset), options.ranks, device)
+        except ValueError as exc:
+            _fail(str(exc))
+        options = dataclasses.replace(options, check_memory=False)  # asked once
     console.print(f"[bold]megamoe train[/bold]: {options.preset} on {options.ranks} {device} rank(s), impls "
                   f"{', '.join(options.impls)}, {options.steps} steps, lr {options.lr:g}")
     try:
         record = run_training(options, log=console.print)
-    except ImportError as exc:  # transformers missing
+    except (ImportError, ValueError) as exc:  # transformers missing; the preset does not fit the device
         _fail(str(exc))
     print(format_table(record))
     if device == "cpu":
@@ -311,8 +346,10 @@ def train(
                       "timings; peak memory is each rank's max RSS")
     write_record(record, out)
     console.print(f"record written to {out}")
-    skipped = plot_losses(record, plot)
-    console.print(skipped or f"loss curves written to {plot}")
+    if plot:
+        if (why := plot_losses(record, plot)) is not None:  # matplotlib went missing during the run
+            _fail(why)
+        console.print(f"loss curves written to {plot}")
 
 
 def _trace_rank(world, preset: str, tokens: int, precision: str, passes: int, steady: float) -> dict:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.training.data import MarkovTokens
+from megamoe.training.memory import check_fits
 from megamoe.training.model import build_model, get_preset
 
 DEVICES = ("cpu", "cuda")
@@ -41,6 +42,7 @@ class TrainOptions:
     device: str = "cpu"
     seed: int = 0
     lr: float | None = None
+    check_memory: bool = True  # refuse a run whose estimated memory exceeds the device's (training.memory)
 
     def __post_init__(self) -> None:
         from megamoe.nn.moe import IMPLS, check_impl  # the kernels load here, after the Triton mode is chosen
@@ -220,12 +222,17 @@ def summarise(per_rank: list[dict], tokens_per_rank: int) -> dict:
 
 def train(options: TrainOptions, log: Callable[[str], None] | None = None) -> dict:
     """Train every impl of ``options`` in turn (each on freshly started ranks: its own peak memory); returns the
-    run's record: the preset, world size, device, and per impl its losses, gradient norms, timings, memory."""
+    run's record: the preset, world size, device, and per impl its losses, gradient norms, timings, memory.
+    ImportError without transformers; ValueError, before any rank starts, when the preset's estimated memory
+    exceeds the device's (``options.check_memory``, :func:`megamoe.training.memory.check_fits`)."""
     from megamoe.parallel.world import launch
 
     if importlib.util.find_spec("transformers") is None:  # said here, not as a traceback from every rank
-        raise ImportError("megamoe train builds a transformers model: pip install transformers")
+        raise ImportError("megamoe train builds a transformers model, and transformers is not installed: pip "
+                          "install -e '.[hf]' (or pip install 'transformers>=5.17')")
     preset = get_preset(options.preset)
+    if options.check_memory:  # before any rank starts: a preset too big for the device is refused, not tried
+        check_fits(preset, options.ranks, options.device)
     runs = {}
     for impl in options.impls:
         if log is not None:

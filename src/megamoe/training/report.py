@@ -27,16 +27,27 @@ def write_json(record: dict, path: str) -> None:
         f.write("\n")
 
 
+def plot_unavailable(path: str) -> str | None:
+    """Why no PNG can be written to ``path`` (matplotlib, a dependency of megamoe, not importable), else None:
+    `megamoe train` asks before it trains."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return (f"matplotlib is not installed ({exc}), so no loss plot can be written to {path}: pip install "
+                f"matplotlib (a dependency of megamoe: pip install -e . installs it)")
+    return None
+
+
 def plot_losses(record: dict, path: str) -> str | None:
     """Every impl's loss per step in one PNG at ``path``; returns why not (matplotlib missing), else None."""
-    try:
-        import matplotlib
+    if (why := plot_unavailable(path)) is not None:
+        return why
+    import matplotlib
 
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        return f"matplotlib is not installed: no loss plot written to {path} (pip install matplotlib)"
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for impl, run in record["runs"].items():
         few = len(run["losses"]) < 50  # a marker per step while they can be told apart
