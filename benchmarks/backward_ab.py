@@ -80,14 +80,14 @@ def run_rank(world, opts: dict):
         kernel = kernels[config]
         with torch.no_grad():
             _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, shared,
-                                    cfg.swiglu_limit)
+                                    cfg.activation)
         saved = SavedForward(ctx.buffers.h, ctx.buffers.shared_h, ctx.schedule)
         runs[name] = (kernel, config, saved, fused)
 
     def backward(name, check=False):
         kernel, _, saved, fused = runs[name]
         return kernel.backward(saved, d_out, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, shared,
-                               cfg.swiglu_limit, check=check, fused=fused)
+                               cfg.activation, check=check, fused=fused)
 
     def passes(name):
         for _ in range(opts["passes"]):

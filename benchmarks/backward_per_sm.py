@@ -63,12 +63,12 @@ def _measure(world, a) -> dict:
     kernel = MegaKernel(world, LayerShape.of(cfg, world.size, a.tokens), trace=True, one_rank_megakernel=True,
                         replay=False)
     with torch.no_grad():
-        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
+        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation)
     saved = SavedForward(ctx.buffers.h, ctx.buffers.shared_h, ctx.schedule)
 
     def megakernel_pass():
         return kernel.backward(saved, p.d_out, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused,
-                               cfg.swiglu_limit, check=False, fused=True)
+                               cfg.activation, check=False, fused=True)
 
     megakernel_pass()
     kernel.check_errors()

@@ -35,13 +35,13 @@ def run_rank(world, opts: dict):
     config = plan(cfg, world.size, tokens).config
     kernel = MegaKernel(world, LayerShape.of(cfg, world.size, tokens), config, trace=True, one_rank_megakernel=True)
     with torch.no_grad():
-        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, shared, cfg.swiglu_limit)
+        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, shared, cfg.activation)
     saved = SavedForward(ctx.buffers.h, ctx.buffers.shared_h, ctx.schedule)
     d_out = torch.randn(p.x.shape, generator=torch.Generator().manual_seed(100)).to(p.x)
 
     def backward(fused):
         return kernel.backward(saved, d_out, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, shared,
-                               cfg.swiglu_limit, check=False, fused=fused)
+                               cfg.activation, check=False, fused=fused)
 
     for _ in range(opts["warmup"]):
         backward(True)

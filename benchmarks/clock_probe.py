@@ -44,7 +44,7 @@ def _probe(world, a):
     p = make_problem(cfg, world.rank, world.size, a.tokens, dtype=torch.bfloat16, device=world.device)
     fused = fuse_shared(p.shared)
     shape = LayerShape.of(cfg, world.size, a.tokens)
-    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
+    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation)
     phases = []
     for config in a.configs:
         knobs = None if config == "plan" else KernelConfig(*map(int, config.split(",")), 128, 256)

@@ -23,7 +23,7 @@ import statistics
 import torch
 
 from megamoe.bench.experts import make_load
-from megamoe.config import preset
+from megamoe.config import SWIGLU, Activation, preset
 from megamoe.ops.experts import down, forward_ws, gate_up
 from megamoe.ops.tiles import plan_tiles
 from megamoe.runtime import num_programs
@@ -56,14 +56,14 @@ def main() -> None:
     d, i, experts = cfg.hidden, cfg.intermediate, a.experts
     x, counts, offsets, wgu, wd = make_load(experts, a.tokens * cfg.top_k, d, i, dev)
     rows = x.shape[0]
-    limit = 7.0  # HAS_LIMIT's epilogue (kimi-k2 has none; the clamp costs a few instructions)
+    limit = Activation("swiglu-clamped", limit=7.0)  # the clamp's epilogue (kimi-k2 has none; a few instructions)
     programs = num_programs(dev)
     ends = counts.cumsum(0).to(torch.int32)
     if a.kind == "gate_up":
         a_in, w, n, k = x, wgu, 2 * i, d
         outs = {name: (torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=dev),
                        torch.empty(rows, i, dtype=torch.bfloat16, device=dev)) for name in ("plan", "ws")}
-        plan = lambda: gate_up(x, counts, offsets, wgu, *outs["plan"], swiglu_limit=limit,  # noqa: E731
+        plan = lambda: gate_up(x, counts, offsets, wgu, *outs["plan"], activation=limit,  # noqa: E731
                                warp_specialized=False)
     else:
         a_in = torch.randn(rows, i, generator=torch.Generator(device=dev).manual_seed(5), device=dev).bfloat16()
@@ -83,7 +83,7 @@ def main() -> None:
         def call(t=t, stages=stages, in_flight=in_flight):
             out = outs["ws"]
             forward_ws(a_in, w, out[0], counts, offsets, t, programs, act=out[1] if len(out) > 1 else None,
-                       swiglu_limit=limit if len(out) > 1 else None, stages=stages, mma_in_flight=in_flight)
+                       activation=limit if len(out) > 1 else SWIGLU, stages=stages, mma_in_flight=in_flight)
         for out in outs["ws"]:
             out.fill_(float("nan"))
         try:

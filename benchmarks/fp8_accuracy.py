@@ -40,7 +40,7 @@ def scaled(name: str) -> MoEConfig:
 
     return MoEConfig(hidden=to(cfg.hidden, 128), intermediate=to(cfg.intermediate, 128),
                      num_experts=min(cfg.num_experts, 16), top_k=min(cfg.top_k, 4),
-                     shared=tuple(to(v, 32) for v in cfg.shared), swiglu_limit=cfg.swiglu_limit)
+                     shared=tuple(to(v, 32) for v in cfg.shared), activation=cfg.activation)
 
 
 def run_rank(world, opts: dict) -> dict:
@@ -56,7 +56,7 @@ def run_rank(world, opts: dict) -> dict:
                       for k in ("x", "router_weights", "w_gate_up", "w_down")}
             shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
             y = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"],
-                    leaves["w_down"], shared, cfg.swiglu_limit, precision=precision)
+                    leaves["w_down"], shared, cfg.activation, precision=precision)
             y.backward(p.d_out)
             grads = {k: t.grad for k, t in leaves.items()}
             grads["shared"] = [(a.grad, b.grad) for a, b in shared]

@@ -75,7 +75,7 @@ def run_rank(world, opts: dict):
         kernels[name] = (MegaKernel(world, shape, config, precision=precision, keep_own_outputs=keep), config)
 
     def forward(kernel, check=False):
-        return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
+        return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation,
                               experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check)[0]
 
     first, same = None, {}

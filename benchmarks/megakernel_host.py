@@ -57,7 +57,7 @@ def _host(world, preset_name: str, tokens: int, passes: int, precision: str):
         setattr(kernel, name, timed(name, getattr(kernel, name)))
     for name in ("arguments", "run"):  # the megakernel's launch: its arguments, then the launch itself
         setattr(kernel.launcher, name, timed(f"launcher.{name}", getattr(kernel.launcher, name)))
-    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit)
+    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation)
     kernel.forward(*args, experts_q=experts_q)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")  # names any op of the pass that makes the host wait

@@ -79,7 +79,7 @@ def _measure(world, a) -> dict:
     buffers = kernel.scratch_buffers()
 
     def megakernel_pass():
-        return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
+        return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation,
                               buffers=buffers)
 
     _, ctx = megakernel_pass()

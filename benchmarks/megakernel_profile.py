@@ -47,7 +47,7 @@ def _timeline(prof, passes: int) -> dict:
 def _profile(world, a):
     cfg = preset(a.preset)
     p = make_problem(cfg, world.rank, world.size, a.tokens, dtype=torch.bfloat16, device=world.device)
-    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.activation)
     experts_q = None if a.precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, a.precision)
     config = megakernel_args.config_for(a, world, LayerShape.of(cfg, world.size, a.tokens))
     options = dict(config=config, precision=a.precision, max_tokens=a.tokens, experts_q=experts_q)

@@ -78,7 +78,7 @@ def run_rank(world, args, points) -> list[dict] | None:
     """Time and check every point on this rank; rank 0 returns the points (slowest rank's times)."""
     cfg = preset(args.preset)
     p = make_problem(cfg, world.rank, world.size, args.tokens, dtype=torch.bfloat16, device=world.device, seed=0)
-    inputs = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
+    inputs = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.activation)
     unfused_out = unfused_moe_forward(*inputs)
     if args.impl == "megamoe":
         from megamoe.megakernel import launch as mk_launch, launch_args, megamoe_forward

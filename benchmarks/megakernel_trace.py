@@ -39,7 +39,7 @@ def _trace(world, a):
     c = kernel.config
     summaries = []
     for _ in range(a.passes):
-        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
+        _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation,
                                 buffers=kernel.scratch_buffers())
         t = kernel.trace.cpu()
         start_at = t[:, sync.TRACE_START.value].min()

@@ -63,14 +63,14 @@ def _bench_default(world) -> dict:
     p = make_problem(cfg, world.rank, world.size, 256, dtype=torch.bfloat16, device=world.device, seed=0)
     out, grads = oracle(world, p)
     hashes = {"reference fwd": _digest([out]), "reference bwd": _digest(_grads(grads))}
-    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.activation)
     with torch.no_grad():
         hashes["unfused fwd"] = _digest([unfused(*args)])
         for precision in ("bf16", "fp8-block", "mxfp8"):
             hashes[f"megamoe {precision} fwd"] = _digest([megamoe_forward(*args, precision=precision)])
     leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.router_weights, p.w_gate_up, p.w_down)]
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
-    y = nccl_torch(world, leaves[0], p.top_experts, leaves[1], leaves[2], leaves[3], shared, cfg.swiglu_limit)
+    y = nccl_torch(world, leaves[0], p.top_experts, leaves[1], leaves[2], leaves[3], shared, cfg.activation)
     y.backward(p.d_out)
     hashes["nccl-torch fwd"] = _digest([y])
     hashes["nccl-torch bwd"] = _digest([t.grad for t in leaves] + [t.grad for pair in shared for t in pair])
@@ -86,7 +86,7 @@ def _megakernel_cases(world, cases) -> dict:
     hashes = {}
     for name, tokens, routing, drop, seed, limit, shared in cases:
         experts = 9 if world.size == 3 else t.CONFIG.num_experts
-        cfg = MoEConfig(**{**t.CONFIG.__dict__, "swiglu_limit": limit, "shared": shared, "num_experts": experts})
+        cfg = MoEConfig(**{**t.CONFIG.__dict__, "activation": limit, "shared": shared, "num_experts": experts})
         p = t._problem(world, cfg, tokens, routing, drop, seed)
         args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, limit)
         outs = [megamoe_forward(*args)] + [megamoe_forward(*args, config=c) for c in (t.WRAPPING, *t.OTHERS)]

@@ -17,6 +17,8 @@ from megamoe.parallel.world import launch
 from megamoe.planner import KernelConfig
 from megamoe.reference.ep import ep_reference_forward_backward
 
+from kinds import clamped  # tests/kinds.py
+
 #: the training suite's bounds (tests/test_training.py): BF16 against the FP32 oracle; with the clamp, L1 only
 GRAD_TOLERANCE = (1e-2, 2.5e-2)
 CLAMP_TOLERANCE = (5e-2, float("inf"))
@@ -35,12 +37,12 @@ def _configs(fp8: bool = False):
     return runs
 
 
-def _grads(world, p, limit, config, fused, precision="bf16"):
+def _grads(world, p, activation, config, fused, precision="bf16"):
     leaves = {name: getattr(p, name).detach().clone().requires_grad_()
               for name in ("x", "router_weights", "w_gate_up", "w_down")}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
-              shared, limit, config=config, fused_backward=fused, precision=precision)
+              shared, activation, config=config, fused_backward=fused, precision=precision)
     out.backward(p.d_out)
     grads = {name: t.grad for name, t in leaves.items()}
     grads["shared"] = [(a.grad, b.grad) for a, b in shared]
@@ -61,7 +63,7 @@ def _suite(world, cases, precision):
     results = []
     for name, cfg, tokens, routing, drop, seed, one_expert in cases:
         p = _problem(world, cfg, tokens, routing, drop, seed, one_expert)
-        runs = {label: _grads(world, p, cfg.swiglu_limit, config, fused, precision)
+        runs = {label: _grads(world, p, cfg.activation, config, fused, precision)
                 for label, config, fused in _configs(precision != "bf16") if world.size > 1 or not fused}
         first = runs["default"]
         want = _flatten(ep_reference_forward_backward(world, p)[1])
@@ -79,7 +81,7 @@ BF16 = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32
 CASES = {
     1: [("uniform", BF16, (120,), "uniform", 0.1, 1, False),
         ("one expert", MoEConfig(**{**BF16.__dict__, "shared": ()}), (170,), "uniform", 0.0, 2, True)],
-    2: [("one rank, clamp, two shared", MoEConfig(**{**BF16.__dict__, "shared": (32, 16), "swiglu_limit": 0.8}),
+    2: [("one rank, clamp, two shared", MoEConfig(**{**BF16.__dict__, "shared": (32, 16), "activation": clamped(0.8)}),
          (90, 0), "one-rank", 0.1, 3, False)],
     3: [("zipf, no shared", MoEConfig(**{**BF16.__dict__, "num_experts": 9, "shared": ()}), (40, 70, 13), "zipf",
          0.2, 4, False)],
@@ -94,7 +96,7 @@ def test_gradients_are_the_same_bits_at_every_backward_ring_size(ranks):
     for rank, per_case in enumerate(launch(_suite, ranks, CASES[ranks], "bf16")):
         for r, case in zip(per_case, CASES[ranks]):
             assert not r["differ"], (ranks, rank, r["case"], r["differ"])
-            rel_tol, row_tol = CLAMP_TOLERANCE if case[1].swiglu_limit is not None else GRAD_TOLERANCE
+            rel_tol, row_tol = CLAMP_TOLERANCE if case[1].activation.limit is not None else GRAD_TOLERANCE
             for name, (rel, row) in r["errors"].items():
                 assert rel <= rel_tol and row <= row_tol, (ranks, rank, r["case"], name, rel, row)
 

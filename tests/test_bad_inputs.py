@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
-from megamoe.config import MoEConfig
+from megamoe.config import SWIGLU, MoEConfig
 from megamoe.parallel.world import launch
+
+from kinds import clamped  # tests/kinds.py
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 CFG = MoEConfig(hidden=128, intermediate=64, num_experts=4, top_k=2, shared=(32,))
@@ -47,7 +49,7 @@ def _layer_cases(name, call, bf16_only=True):
         (name, "w_gate_up's D differs from x's"): lambda: call(x, top, w, gu[:, :, :64], dn, shared),
         (name, "w_down's shape differs from w_gate_up's"): lambda: call(x, top, w, gu, dn[:, :, :32], shared),
         (name, "a shared expert not a pair"): lambda: call(x, top, w, gu, dn, [shared[0][0]]),
-        (name, "swiglu_limit not positive"): lambda: call(x, top, w, gu, dn, shared, swiglu_limit=-1.0),
+        (name, "activation a bare number"): lambda: call(x, top, w, gu, dn, shared, activation=-1.0),
         (name, "a weight on another device"): lambda: call(x, top, w, gu.to("meta"), dn, shared),
     }
 
@@ -75,8 +77,8 @@ def _cases(world) -> dict:
                                                                    top_k=2),
         ("MoEConfig", "top_k above num_experts"): lambda: MoEConfig(hidden=128, intermediate=64, num_experts=4,
                                                                     top_k=5),
-        ("MoEConfig", "swiglu_limit not positive"): lambda: MoEConfig(hidden=128, intermediate=64, num_experts=4,
-                                                                      top_k=2, swiglu_limit=0.0),
+        ("MoEConfig", "activation limit not positive"): lambda: MoEConfig(hidden=128, intermediate=64, num_experts=4,
+                                                                          top_k=2, activation=clamped(0.0)),
         ("preset", "an unknown name"): lambda: preset("gpt-5"),
         ("KernelConfig", "comm_sms leaving no compute SM"): lambda: KernelConfig(4, 4, 32, 64, 32, 32),
         ("KernelConfig", "minibatch not a multiple of tile_m"): lambda: KernelConfig(4, 1, 48, 96, 32, 32),
@@ -117,7 +119,7 @@ def _cases(world) -> dict:
         ("nccl_torch_moe", "x's dtype differs from the weights'"): lambda: nccl_torch_moe(world, x.float(), top, w,
                                                                                       gu, dn, shared),
         ("MegaKernel.backward", "d_out not of x's shape"): lambda: kernel.backward(
-            None, x[:2], x, top, w, gu, dn, fused, None),
+            None, x[:2], x, top, w, gu, dn, fused, SWIGLU),
         ("quantize_experts", "weights not bfloat16"): lambda: quantize_experts(gu.float(), dn, "fp8-block"),
         ("quantize_experts", "an unknown format"): lambda: quantize_experts(gu, dn, "int4"),
         ("adapters.hf.patch", "a model without a supported block"): lambda: hf.patch(torch.nn.Linear(4, 4), world),

@@ -70,7 +70,7 @@ def _fp8_packs(world):
     from megamoe.bench.runners import _MegamoeRunner
     from megamoe.config import MoEConfig
 
-    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(), swiglu_limit=None)
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=())
     p = make_problem(cfg, world.rank, world.size, 16, dtype=torch.bfloat16, device=world.device)
     return [_MegamoeRunner(world, p, "fp8-block", **kw).experts_q.transposed is not None
             for kw in ({"backward": False}, {})]

@@ -3,7 +3,7 @@
 import pytest
 
 from megamoe.bench.harness import BenchOptions
-from megamoe.config import PRESETS, MoEConfig, preset
+from megamoe.config import ACTIVATIONS, PRESETS, SWIGLU, Activation, MoEConfig, preset
 
 
 def test_presets_match_the_benchmark_shapes():
@@ -26,8 +26,8 @@ def test_presets_match_the_benchmark_shapes():
         (dict(num_experts=2.5), "num_experts must be a positive int"),
         (dict(top_k=9), r"top_k \(9\) cannot exceed num_experts \(8\)"),
         (dict(shared=(0,)), "shared holds a bad intermediate size 0"),
-        (dict(swiglu_limit=-1.0), "swiglu_limit must be a positive finite number"),
-        (dict(swiglu_limit=float("inf")), "swiglu_limit"),
+        (dict(activation=-1.0), "MoEConfig.activation must be an Activation"),
+        (dict(activation=None), "MoEConfig.activation"),
     ],
 )
 def test_bad_config_raises_value_error_naming_the_field(kwargs, message):
@@ -69,10 +69,10 @@ def test_a_shape_as_text_is_a_layer_and_round_trips():
     from megamoe.config import parse_shape, shape_spec
 
     cfg = parse_shape("hidden=2048, intermediate=768,experts=128,top_k=8")
-    assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.shared, cfg.swiglu_limit) == (
+    assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.shared, cfg.activation.limit) == (
         2048, 768, 128, 8, (), None)
-    full = parse_shape("hidden=2880,intermediate=2880,experts=128,top_k=4,shared=1024+512,limit=7")
-    assert full.shared == (1024, 512) and full.swiglu_limit == 7.0
+    full = parse_shape("hidden=2880,intermediate=2880,experts=128,top_k=4,shared=1024+512,activation=swiglu-clamped:7")
+    assert full.shared == (1024, 512) and full.activation == Activation("swiglu-clamped", limit=7.0)
     for c in (cfg, full, *PRESETS.values()):
         assert parse_shape(shape_spec(c)) == c and preset(shape_spec(c)) == c
     for bad, message in (("hidden=64", "needs intermediate, experts, top_k"),
@@ -106,7 +106,8 @@ def test_a_huggingface_config_gives_its_moe_layer(config, want):
     from megamoe.config import hf_config_shape
 
     cfg = hf_config_shape(config)
-    assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.shared, cfg.swiglu_limit) == want
+    assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.shared, cfg.activation.limit) == want
+    assert cfg.activation.kind == ("gpt-oss" if config["model_type"] == "gpt_oss" else "swiglu")
 
 
 def test_a_dense_config_is_refused_by_name():
@@ -114,3 +115,29 @@ def test_a_dense_config_is_refused_by_name():
 
     with pytest.raises(ValueError, match="an expert count, num_experts_per_tok"):
         hf_config_shape({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008})
+
+
+def test_an_activation_names_its_kind_and_checks_its_numbers():
+    """Activation: the four kinds, their defaults (gpt-oss: limit 7, alpha 1.702), the text form round trip, the
+    kernels' ids (megamoe.kernels.activation's ACT values) and a clear error for each bad input."""
+    from megamoe.kernels import activation as act
+
+    assert [getattr(act, name).value for name in ("SWIGLU", "SWIGLU_CLAMPED", "GPT_OSS", "GEGLU")] == \
+        [Activation(kind, limit=1.0 if kind == "swiglu-clamped" else None).kernel_id for kind in ACTIVATIONS]
+    oss = Activation("gpt-oss")
+    assert (oss.limit, oss.alpha, oss.spec) == (7.0, 1.702, "gpt-oss:7:1.702")
+    assert SWIGLU == Activation() and (SWIGLU.kernel_limit, SWIGLU.kernel_alpha) == (0.0, 1.0)
+    for a in (SWIGLU, oss, Activation("gpt-oss", limit=0.8, alpha=2), Activation("swiglu-clamped", limit=0.6),
+              Activation("geglu")):
+        assert Activation.parse(a.spec) == a
+    for bad, message in ((dict(kind="relu"), "must be one of swiglu, swiglu-clamped, gpt-oss, geglu"),
+                         (dict(kind="swiglu-clamped"), "needs a positive finite limit"),
+                         (dict(kind="swiglu", limit=7.0), "takes no limit"),
+                         (dict(kind="geglu", alpha=1.0), "takes no alpha"),
+                         (dict(kind="gpt-oss", alpha=float("nan")), "positive finite alpha"),
+                         (dict(kind="gpt-oss", limit=True), "positive finite limit")):
+        with pytest.raises(ValueError, match=message):
+            Activation(**bad)
+    for text in ("gpt-oss:7:1.7:3", "swiglu-clamped:x"):
+        with pytest.raises(ValueError, match="kind\\[:limit"):
+            Activation.parse(text)

@@ -15,7 +15,9 @@ from megamoe.config import MoEConfig
 from megamoe.parallel.world import launch
 from megamoe.reference.ep import ep_reference_forward_backward
 
-CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+from kinds import CLAMPED, SWIGLU  # tests/kinds.py
+
+CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,))
 
 
 def test_permute_plan_groups_every_route_by_expert_with_aligned_zeroed_padding():
@@ -44,8 +46,8 @@ def test_permute_plan_groups_every_route_by_expert_with_aligned_zeroed_padding()
         assert int(token_at_row[row_of[t, j]]) == t
 
 
-def _twin_layer(world, tokens, precision, limit):
-    cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit})
+def _twin_layer(world, tokens, precision, activation):
+    cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation})
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=dtype, seed=5, drop=0.15)
     want_out, want_grads = ep_reference_forward_backward(world, p)
@@ -56,11 +58,11 @@ def _twin_layer(world, tokens, precision, limit):
             compare(_flatten(grads), _flatten(want_grads), precision))
 
 
-@pytest.mark.parametrize("tokens, precision, limit", [((29, 0), "fp32", 0.8), ((40, 17), "bf16", None)])
-def test_layer_through_the_dispatch_twin_matches_the_reference(tokens, precision, limit):
+@pytest.mark.parametrize("tokens, precision, activation", [((29, 0), "fp32", CLAMPED), ((40, 17), "bf16", SWIGLU)])
+def test_layer_through_the_dispatch_twin_matches_the_reference(tokens, precision, activation):
     """Every gradient (x, router weights, routed and shared weights) against the oracle with a random upstream
     gradient; fp32 tightly: only summation order differs."""
-    for rank, (fwd, bwd) in enumerate(launch(_twin_layer, len(tokens), tokens, precision, limit)):
+    for rank, (fwd, bwd) in enumerate(launch(_twin_layer, len(tokens), tokens, precision, activation)):
         assert fwd["correct"] and bwd["correct"], (rank, fwd, bwd)
         if precision == "fp32":
             assert fwd["rel_err"] < 1e-5 and bwd["rel_err"] < 1e-5 and bwd["row_err"] < 1e-4, (rank, fwd, bwd)

@@ -14,7 +14,7 @@ from megamoe.parallel.world import launch
 from megamoe.planner import KernelConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-CONFIG = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(32,), swiglu_limit=None)
+CONFIG = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(32,))
 #: a ring of 64 rows: the backward replays the rows past it with the forward's FP8 gate/up
 WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_m=32, tile_n=32, backward_minibatch=64)
 

@@ -9,6 +9,8 @@ from megamoe.kernels.expert_gemm import row_tile_task
 from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
+
+from kinds import EVERY_KIND, clamped  # tests/kinds.py
 from sm90 import sm90_report  # tests/sm90.py
 
 # On a GPU machine the same tests run compiled on the GPU; on the CPU under the interpreter.
@@ -50,11 +52,11 @@ SHAPES = {"aligned": (128, 96), "ragged": (136, 40)}
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("load", LOADS)
-@pytest.mark.parametrize("limit", [None, 0.6])
-def test_forward_tiles_match_reference_and_write_only_their_rows(load, limit, shape):
+@pytest.mark.parametrize("activation", EVERY_KIND, ids=lambda a: a.kind)
+def test_forward_tiles_match_reference_and_write_only_their_rows(load, activation, shape):
     x, counts, offsets, wgu, wd = _problem(*LOADS[load], *SHAPES[shape])
-    ref = expert_forward_reference(x, counts, offsets, wgu, wd, swiglu_limit=limit)
-    out = expert_forward(x, counts, offsets, wgu, wd, swiglu_limit=limit, out=_poisoned_like(ref), num_programs=3)
+    ref = expert_forward_reference(x, counts, offsets, wgu, wd, activation=activation)
+    out = expert_forward(x, counts, offsets, wgu, wd, activation=activation, out=_poisoned_like(ref), num_programs=3)
     for name in ("h", "act", "y"):
         got, want = getattr(out, name).float(), getattr(ref, name)
         inside = ~want.isnan()
@@ -456,7 +458,8 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("block_k, stages, in_flight", [(64, None, True), (64, 4, False), (32, 6, True)])
-def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
+@pytest.mark.parametrize("activation", EVERY_KIND[1:], ids=lambda a: a.kind)
+def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight, activation):
     """The warp-specialised Gluon forward (``forward_ws``) against gate_up_kernel and down_kernel at the planner's
     128-row tiles: the same bits on a load with an empty expert, partial row tiles, partial n-tiles (I 320, D 448)
     and partial K steps, NaN-poisoned outputs, the SwiGLU clamp on; once through ``gate_up`` itself."""
@@ -473,7 +476,7 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
     wd = (torch.randn(len(counts), d, i, generator=g, device="cuda") / i**0.5).bfloat16()
     nan = lambda *shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
     h, act, y = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
-    gate_up(x, counts, offsets, wgu, h, act, swiglu_limit=2.5, tiles=plan_tiles("gate_up", gpu), num_programs=programs,
+    gate_up(x, counts, offsets, wgu, h, act, activation=activation, tiles=plan_tiles("gate_up", gpu), num_programs=programs,
             warp_specialized=False)
     down(act, counts, offsets, wd, y, tiles=plan_tiles("down", gpu), num_programs=programs)
     h_ws, act_ws, y_ws = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
@@ -481,13 +484,13 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
         tile = dataclasses.replace(plan_tiles(kind, gpu), block_k=block_k)
         if kind == "gate_up" and stages is None:  # the library's path, tiles also cut at minibatches of 96 rows
             assert warp_specialized_forward(gpu, tile)
-            gate_up(x, counts, offsets, wgu, h_ws, act_ws, swiglu_limit=2.5, tiles=tile, num_programs=programs,
+            gate_up(x, counts, offsets, wgu, h_ws, act_ws, activation=activation, tiles=tile, num_programs=programs,
                     minibatch=96)
             continue
         forward_ws(*args, counts, offsets, tile, programs, stages=stages, mma_in_flight=in_flight,
-                   **({"act": act_ws, "swiglu_limit": 2.5} if kind == "gate_up" else {}))
+                   **({"act": act_ws, "activation": activation} if kind == "gate_up" else {}))
     torch.cuda.synchronize()
-    ref = expert_forward_reference(x, counts, offsets, wgu, wd, swiglu_limit=2.5)
+    ref = expert_forward_reference(x, counts, offsets, wgu, wd, activation=activation)
     assert _rel(y, ref.y) < 2e-2
     for name, want, got in (("h", h, h_ws), ("act", act, act_ws), ("y", y, y_ws)):
         assert not got.isnan().any(), f"{name}: rows left unwritten"
@@ -498,7 +501,8 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-def test_gpu_dact_ws_gives_the_triton_tiles_bits():
+@pytest.mark.parametrize("activation", EVERY_KIND[1:], ids=lambda a: a.kind)
+def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation):
     """The Gluon BF16 dact and wgrads (``warp_specialized``, Hopper's default) against ``dact_swiglu_bwd_kernel``
     and ``wgrad_kernel``: every gradient bit for bit (d_h and act_w feed dx and the wgrads; the router partials are
     summed in the Triton order) on a load with an empty expert, partial row tiles, a partial n-tile (I 320) and the
@@ -517,7 +521,7 @@ def test_gpu_dact_ws_gives_the_triton_tiles_bits():
     w = torch.rand(rows, generator=g, device="cuda")
     got = []
     for ws in (False, True):
-        got.append(experts_bwd.expert_backward(dy, w, x, h, counts, offsets, wgu, wd, swiglu_limit=2.5,
+        got.append(experts_bwd.expert_backward(dy, w, x, h, counts, offsets, wgu, wd, activation=activation,
                                                num_programs=5, warp_specialized=ws))
     torch.cuda.synchronize()
     for name in ("d_x", "d_router", "d_w_gate_up", "d_w_down"):
@@ -554,22 +558,22 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("load", LOADS)
-@pytest.mark.parametrize("limit", [None, 0.6])
-def test_backward_tiles_match_reference(load, limit, shape):
+@pytest.mark.parametrize("activation", EVERY_KIND, ids=lambda a: a.kind)
+def test_backward_tiles_match_reference(load, activation, shape):
     from megamoe.ops.experts_bwd import expert_backward, expert_backward_reference
 
     x, counts, offsets, wgu, wd = _problem(*LOADS[load], *SHAPES[shape], seed=5)
     g = torch.Generator().manual_seed(6)
     dy = torch.randn(x.shape, generator=g).bfloat16().to(DEVICE)
     row_weights = torch.rand(x.shape[0], generator=g).to(DEVICE)
-    fwd = expert_forward(x, counts, offsets, wgu, wd, swiglu_limit=limit)
+    fwd = expert_forward(x, counts, offsets, wgu, wd, activation=activation)
     outside = torch.ones(x.shape[0], dtype=torch.bool, device=DEVICE)
     for o, c in zip(offsets.tolist(), counts.tolist()):
         outside[o : o + c] = False
     for t in (x, dy, fwd.h):  # rows outside every region must never reach a result
         t[outside] = float("nan")
-    got = expert_backward(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, swiglu_limit=limit, num_programs=3)
-    want = expert_backward_reference(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, swiglu_limit=limit)
+    got = expert_backward(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, activation=activation, num_programs=3)
+    want = expert_backward_reference(dy, row_weights, x, fwd.h, counts, offsets, wgu, wd, activation=activation)
     inside = ~want.d_router.isnan()
     for name, tol in (("d_x", 2e-2), ("d_router", 1e-3), ("d_w_gate_up", 2e-2), ("d_w_down", 2e-2)):
         a, b = getattr(got, name), getattr(want, name)

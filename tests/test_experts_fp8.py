@@ -7,6 +7,8 @@ from megamoe.ops.launch import flat_row_stride
 from megamoe.ops.tiles import TileConfig
 from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block, expert_forward_fp8_block_reference
 from megamoe.reference.formats import fp8_block_quantize
+
+from kinds import EVERY_KIND, clamped  # tests/kinds.py
 from sm90 import sm90_report  # tests/sm90.py
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,14 +62,15 @@ def _rel(a, b):
     return float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("load, limit", [("mixed", None), ("mixed", 0.6), ("one-expert", 0.6), ("no-rows", None)])
-def test_forward_matches_twin_and_writes_only_its_rows(load, limit):
+@pytest.mark.parametrize("load, activation", [("mixed", EVERY_KIND[0]), ("one-expert", EVERY_KIND[1]),
+                                              ("no-rows", EVERY_KIND[0]), *(("mixed", a) for a in EVERY_KIND[1:])])
+def test_forward_matches_twin_and_writes_only_its_rows(load, activation):
     args = _problem(*LOADS[load])
     x_q, counts, offsets = args[0], args[2], args[3]
     rows, d = x_q.shape
     i = args[6].shape[2]
-    out = expert_forward_fp8_block(*args, swiglu_limit=limit, num_programs=3, out=_poisoned(rows, d, i))
-    ref = expert_forward_fp8_block_reference(*args, swiglu_limit=limit)
+    out = expert_forward_fp8_block(*args, activation=activation, num_programs=3, out=_poisoned(rows, d, i))
+    ref = expert_forward_fp8_block_reference(*args, activation=activation)
     inside = _inside(counts, offsets, rows)
     # written exactly inside the expert regions
     assert not out.y[inside].isnan().any() and out.y[~inside].isnan().all()
@@ -192,15 +195,17 @@ def test_warp_specialized_rings_have_two_slots_at_least():
     one = TileConfig(128, 128, 128, num_warps=8, num_stages=1)
     for gate_up in (True, False):
         assert forward_fp8_ws_constexprs(one, 132, gate_up=gate_up)["STAGES"] == 2
-        assert forward_ws_constexprs(one, 132, gate_up=gate_up, has_limit=False)["STAGES"] == 2
+        assert forward_ws_constexprs(one, 132, gate_up=gate_up, act=0)["STAGES"] == 2
     assert forward_fp8_ws_constexprs(TileConfig(128, 128, 128, num_stages=4), 132, gate_up=False)["STAGES"] == 4
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("d, i, limit, store_h", [(384, 384, 0.6, True), (512, 256, None, False)])
-def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, limit, store_h):
+@pytest.mark.parametrize("d, i, activation, store_h", [(384, 384, EVERY_KIND[1], True), (512, 256, EVERY_KIND[0], False),
+                                                       (384, 384, EVERY_KIND[2], True), (512, 256, EVERY_KIND[3], True)],
+                         ids=lambda v: getattr(v, "kind", v))
+def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, activation, store_h):
     """The warp-specialised Gluon kernel (what gate_up_fp8 / down_fp8 run on Hopper at 128-row tiles) against
     ``gate_up_fp8_kernel`` and ``down_fp8_kernel``: the same bits on a load with an empty expert and partial row
     tiles, more tasks than programs, an odd number of K steps (384: down's pairs and a single step), NaN-poisoned
@@ -214,7 +219,7 @@ def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, limit, store_h):
     outs = []
     for ws in (False, True):
         out = _poisoned(rows, d, i)
-        gate_up_fp8(x_q, x_s, counts, offsets, gu_q, gu_s, out, swiglu_limit=limit, num_programs=5, store_h=store_h,
+        gate_up_fp8(x_q, x_s, counts, offsets, gu_q, gu_s, out, activation=activation, num_programs=5, store_h=store_h,
                     rows_per_expert=300, warp_specialized=ws)
         down_fp8(out.act_q, out.act_scale, counts, offsets, dn_q, dn_s, out.y, num_programs=5, rows_per_expert=300,
                  warp_specialized=ws)
@@ -230,7 +235,7 @@ def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, limit, store_h):
     assert torch.equal(plan.act_q.view(torch.uint8), ws.act_q.view(torch.uint8))
     if not store_h:
         assert ws.h.isnan().all(), "h written without store_h"
-    ref = expert_forward_fp8_block_reference(*args, swiglu_limit=limit)
+    ref = expert_forward_fp8_block_reference(*args, activation=activation)
     assert _rel(ws.y[inside], ref.y[inside]) < 2e-2
 
 

@@ -12,6 +12,8 @@ from megamoe.ops.comm import QuantRows
 from megamoe.ops.quant import quantize_activations
 from megamoe.reference.formats import fp8_block_quantize
 
+from kinds import EVERY_KIND, clamped  # tests/kinds.py
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # (counts per expert, gap rows between regions): an empty expert, a partial last 128-row block, regions not
@@ -74,17 +76,18 @@ def test_token_blocks_start_each_expert_at_a_block_and_pad_with_zeros():
 
 
 #: each format on every load, the mixed one with and without the clamp (mxfp8's clamped case slow: ~20 s)
-CASES = ([("fp8-block", "mixed", 0.8), pytest.param("mxfp8", "mixed", 0.8, marks=pytest.mark.slow)]  # one clamp
-         + [(fmt, load, None) for fmt in FORMATS for load in LOADS])  # epilogue (dact_epilogue) serves both
+CASES = ([("fp8-block", "mixed", clamped(0.8)), pytest.param("mxfp8", "mixed", clamped(0.8), marks=pytest.mark.slow)]
+         + [("fp8-block", "mixed", a) for a in EVERY_KIND[2:]]  # gpt-oss, geglu: one epilogue (dact_epilogue)
+         + [(fmt, load, EVERY_KIND[0]) for fmt in FORMATS for load in LOADS])  # serves both formats
 
 
-@pytest.mark.parametrize("fmt, load, limit", CASES)
-def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, limit):
+@pytest.mark.parametrize("fmt, load, activation", CASES)
+def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, activation):
     p = _problem(*LOADS[load], seed=3)
     launch, reference = FORMATS[fmt]
-    got = launch(*_args(p), swiglu_limit=limit)
-    twin = reference(*_args(p), swiglu_limit=limit)
-    oracle = expert_backward_reference(*_args(p), swiglu_limit=limit)
+    got = launch(*_args(p), activation=activation)
+    twin = reference(*_args(p), activation=activation)
+    oracle = expert_backward_reference(*_args(p), activation=activation)
     inside = _inside(p)
     if not inside.any():
         assert got.d_w_gate_up.eq(0).all() and got.d_w_down.eq(0).all()
@@ -108,7 +111,7 @@ def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, limit):
 def test_fp8_block_backward_is_bitwise_deterministic():
     """(mxfp8's bits across reruns and configs: tests/test_training_fp8.py)"""
     p = _problem(*LOADS["mixed"], seed=4)
-    a, b = (expert_backward_fp8_block(*_args(p), swiglu_limit=0.8) for _ in range(2))
+    a, b = (expert_backward_fp8_block(*_args(p), activation=clamped(0.8)) for _ in range(2))
     inside = _inside(p)  # rows outside every region are not written
     for name in ("d_x", "d_router"):
         assert torch.equal(getattr(a, name)[inside], getattr(b, name)[inside]), name
@@ -119,14 +122,15 @@ def test_fp8_block_backward_is_bitwise_deterministic():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits():
+@pytest.mark.parametrize("activation", EVERY_KIND[1:], ids=lambda a: a.kind)
+def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits(activation):
     """On Hopper the dact, dx and wgrads run warp-specialised in Gluon
     (``dact_fp8_ws_kernel``, ``forward_fp8_ws_kernel``, ``wgrad_fp8_ws_kernel``):
     every gradient bit for bit as ``warp_specialized=False`` (the Triton kernels), on a load with an empty expert,
     partial and several token blocks per expert (1-3 K steps), more blocks than programs (D 384, I 384: wgrad
     blocks 3 x 3 and 6 x 3 per expert, dx's K 768 in pairs)."""
     p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=384, seed=9)
-    got = [expert_backward_fp8_block(*_args(p), swiglu_limit=0.8, num_programs=5, warp_specialized=ws)
+    got = [expert_backward_fp8_block(*_args(p), activation=activation, num_programs=5, warp_specialized=ws)
            for ws in (False, True)]
     inside = _inside(p)
     for name in ("d_x", "d_router", "d_w_gate_up", "d_w_down"):
@@ -135,7 +139,7 @@ def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits():
             a, b = a[inside], b[inside]
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
     assert got[1].d_w_down[1].eq(0).all() and got[1].d_w_gate_up[1].eq(0).all()  # the empty expert
-    ref = expert_backward_fp8_block_reference(*_args(p), swiglu_limit=0.8)
+    ref = expert_backward_fp8_block_reference(*_args(p), activation=activation)
     assert _rel(got[1].d_w_gate_up, ref.d_w_gate_up) < 2e-2
 
 

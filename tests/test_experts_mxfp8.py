@@ -6,6 +6,8 @@ import torch
 from megamoe.ops.tiles import TileConfig
 from megamoe.ops.experts_mxfp8 import ExpertForwardQuantized, expert_forward_mxfp8, expert_forward_mxfp8_reference
 from megamoe.reference.formats import mxfp8_dequantize, mxfp8_quantize
+
+from kinds import EVERY_KIND, clamped  # tests/kinds.py
 from sm90 import sm90_report  # tests/sm90.py
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,15 +64,16 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("variant", ["dequant", "rescale"])
-@pytest.mark.parametrize("load, limit", [("mixed", None), ("mixed", 0.6), ("one-expert", 0.6), ("no-rows", None)])
-def test_forward_matches_twin_and_writes_only_its_rows(variant, load, limit):
+@pytest.mark.parametrize("load, activation", [("mixed", EVERY_KIND[0]), ("mixed", EVERY_KIND[1]),
+                                              ("one-expert", EVERY_KIND[2]), ("no-rows", EVERY_KIND[3])])
+def test_forward_matches_twin_and_writes_only_its_rows(variant, load, activation):
     args = _problem(*LOADS[load])
     x_q, counts, offsets = args[0], args[2], args[3]
     rows, d = x_q.shape
     i = args[6].shape[2]
-    out = expert_forward_mxfp8(*args, variant=variant, swiglu_limit=limit, num_programs=3,
+    out = expert_forward_mxfp8(*args, variant=variant, activation=activation, num_programs=3,
                                out=_poisoned(rows, d, i))
-    ref = expert_forward_mxfp8_reference(*args, swiglu_limit=limit)
+    ref = expert_forward_mxfp8_reference(*args, activation=activation)
     inside = _inside(counts, offsets, rows)
     assert not out.y[inside].isnan().any() and out.y[~inside].isnan().all()
     assert not out.h[inside].isnan().any() and out.h[~inside].isnan().all()

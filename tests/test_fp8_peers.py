@@ -11,7 +11,7 @@ from megamoe.baselines.fp8_grouped import E4M3_MAX, quantize_expert_weights, row
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.bench.harness import compare
 from megamoe.bench.problem import make_problem
-from megamoe.config import MoEConfig
+from megamoe.config import SWIGLU, MoEConfig
 from megamoe.parallel.world import launch
 from megamoe.reference.ep import ep_reference_forward_backward
 
@@ -52,7 +52,7 @@ def _fp8_layers(world):
     results = {}
     for impl, fn in (("nccl-torch", nccl_torch_moe),
                      ("deepep-torch", partial(dt.deepep_torch_moe, backend=dt.TorchTwin(world)))):
-        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, None)
+        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, SWIGLU)
         out, bf16 = fn(*args, experts_fp8=experts), fn(*args)
         results[impl] = compare({"out": out}, {"out": want}, "fp8"), compare({"out": bf16.detach()}, {"out": want},
                                                                               "bf16")

@@ -55,6 +55,8 @@ from megamoe.parallel.world import launch
 from megamoe.planner import KernelConfig, LayerShape
 from megamoe.reference.ep import ep_reference_forward_backward
 
+from kinds import clamped  # tests/kinds.py
+
 from test_training import CLAMP_TOLERANCE, GRAD_TOLERANCE  # tests/test_training.py: the gradients' bounds
 
 #: The output's bounds (relative L1, worst row, max-abs): the bench's (megamoe.bench.harness.TOLERANCES), and
@@ -114,7 +116,7 @@ def cases(draw) -> dict:
         "hot_expert": draw(st.integers(0, experts - 1)) if routing == "one-expert" else None,
         "drop": draw(st.sampled_from((0.0, 0.1, 0.4))),
         "shared": tuple(draw(st.lists(st.sampled_from((16, 32)), max_size=2))),
-        "swiglu_limit": draw(st.sampled_from((None, 0.8))),
+        "limit": draw(st.sampled_from((None, 0.8))),
         "config": draw(st.sampled_from(tuple(CONFIGS))),
         "fused_backward": draw(st.booleans()) if precision == "bf16" else False,
         "api": "moe" if precision == "bf16" else draw(st.sampled_from(("moe", "megamoe_forward"))),
@@ -153,7 +155,7 @@ def _problem(world, case):
     placed = {"one-rank": min(k, experts // ranks), "one-expert": 1}.get(case["routing"], min(k, experts))
     routing = "uniform" if case["routing"] == "one-expert" else case["routing"]
     cfg = MoEConfig(hidden=case["hidden"], intermediate=case["intermediate"], num_experts=experts, top_k=placed,
-                    shared=case["shared"], swiglu_limit=case["swiglu_limit"])
+                    shared=case["shared"], activation=clamped(case["limit"]))
     p = make_problem(cfg, world.rank, ranks, case["tokens"][world.rank], dtype=torch.bfloat16, seed=case["seed"],
                      routing=routing, drop=case["drop"], device=world.device)
     top = p.top_experts
@@ -179,7 +181,7 @@ def _grads(world, p, case, config):
               for name in ("x", "router_weights", "w_gate_up", "w_down")}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
-              shared, case["swiglu_limit"], config=config, fused_backward=case["fused_backward"])
+              shared, clamped(case["limit"]), config=config, fused_backward=case["fused_backward"])
     out.backward(p.d_out)
     grads = {name: t.grad for name, t in leaves.items()}
     grads["shared"] = [(a.grad, b.grad) for a, b in shared]
@@ -188,7 +190,7 @@ def _grads(world, p, case, config):
 
 def _forward(world, p, case, config):
     """The forward alone, without autograd (the FP8 precisions have no backward)."""
-    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, case["swiglu_limit"])
+    args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, clamped(case["limit"]))
     with torch.no_grad():
         if case["api"] == "megamoe_forward":
             return megamoe_forward(*args, config=config, precision=case["precision"])
@@ -261,7 +263,7 @@ def problems(case, result) -> list[str]:
     if out is not None and not (out["finite"] and out["rel"] <= rel_tol and out["row"] <= row_tol
                                 and out["max_abs"] <= abs_tol):
         bad.append(f"out {out}")
-    rel_tol, row_tol = CLAMP_TOLERANCE if case["swiglu_limit"] is not None else GRAD_TOLERANCE
+    rel_tol, row_tol = CLAMP_TOLERANCE if case["limit"] is not None else GRAD_TOLERANCE
     for name, e in result["errors"].items():
         alone = _alone(case, e)
         if not (e["finite"] and (not alone or e["rel"] <= rel_tol and e["row"] <= row_tol)):
@@ -275,12 +277,12 @@ def _alone(case, e) -> bool:
     """Whether one rank's gradient is judged alone: enough elements, and no clamp (with the clamp one element of
     h within a BF16 ulp of the limit flips its gradient and moves a whole row of d x: measured 0.39 of a row, 6 %
     of a 7-token rank's d x, in the long fuzz; test_training's CLAMP_TOLERANCE says why) — else over every rank."""
-    return e["nonzero"] >= MIN_ELEMENTS and case["swiglu_limit"] is None
+    return e["nonzero"] >= MIN_ELEMENTS and case["limit"] is None
 
 
 def pooled_problems(case, results) -> list[str]:
     """The gradients some rank cannot be judged alone on (:func:`_alone`), over every rank's elements together."""
-    rel_tol = (CLAMP_TOLERANCE if case["swiglu_limit"] is not None else GRAD_TOLERANCE)[0]
+    rel_tol = (CLAMP_TOLERANCE if case["limit"] is not None else GRAD_TOLERANCE)[0]
     bad = []
     for name in sorted({name for r in results for name in r["errors"]}):
         per_rank = [r["errors"].get(name) for r in results]
@@ -327,7 +329,7 @@ def _check(all_cases):
 #: the backward megakernel and the composed kernels: a BF16 backward that replays lost minibatches, every run.
 WRAPPING_CASES = [
     {"ranks": 2, "tokens": (30, 40), "k": 4, "experts": 6, "hidden": 64, "intermediate": 32, "precision": "bf16",
-     "routing": "one-rank", "hot_expert": None, "drop": 0.1, "shared": (16,), "swiglu_limit": None,
+     "routing": "one-rank", "hot_expert": None, "drop": 0.1, "shared": (16,), "limit": None,
      "config": config, "fused_backward": fused, "api": "moe", "zero_weights": True, "seed": 77}
     for config, fused in (("wrap", True), ("wrap-bwd64", False))]
 

@@ -23,10 +23,12 @@ from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
 from megamoe.reference import moe_forward
 from megamoe.parallel.world import launch
 
+from kinds import GEGLU, GPT_OSS, SWIGLU  # tests/kinds.py
+
 from raised import raised  # tests/raised.py
 from sm90 import sm90_report  # tests/sm90.py
 
-CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,))
 EMPTY_EXPERT = 5
 #: Interpreter tiles are 32 rows: a 32-row minibatch in a 64-row ring wraps for any case with > 64 rows.
 WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_m=32, tile_n=32)
@@ -35,14 +37,14 @@ OTHERS = (KernelConfig(num_sms=5, comm_sms=1, minibatch=96, ring_rows=192, tile_
 
 # (name, tokens per rank, routing, drop, seed, swiglu_limit, shared experts)
 CASES = {
-    1: [("uniform", (37,), "uniform", 0.0, 1, None, (32,)),
-        ("no-tokens", (0,), "uniform", 0.0, 4, None, (32,))],
-    2: [("uneven", (29, 0), "uniform", 0.15, 1, None, (32,)),
-        ("one-rank-limit", (17, 23), "one-rank", 0.1, 3, 0.8, (32,)),
-        ("two-shared", (40, 33), "uniform", 0.0, 5, None, (32, 16))],
-    3: [("zipf", (13, 31, 7), "zipf", 0.2, 2, None, ())],
-    4: [("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, None, (32,))],
-    8: [("uneven", (9, 0, 14, 3, 7, 11, 2, 6), "uniform", 0.1, 2, None, (32,))],
+    1: [("uniform", (37,), "uniform", 0.0, 1, SWIGLU, (32,)),
+        ("no-tokens", (0,), "uniform", 0.0, 4, SWIGLU, (32,))],
+    2: [("uneven", (29, 0), "uniform", 0.15, 1, SWIGLU, (32,)),
+        ("one-rank-limit", (17, 23), "one-rank", 0.1, 3, GPT_OSS, (32,)),
+        ("two-shared", (40, 33), "uniform", 0.0, 5, SWIGLU, (32, 16))],
+    3: [("zipf", (13, 31, 7), "zipf", 0.2, 2, GEGLU, ())],
+    4: [("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, SWIGLU, (32,))],
+    8: [("uneven", (9, 0, 14, 3, 7, 11, 2, 6), "uniform", 0.1, 2, SWIGLU, (32,))],
 }
 
 
@@ -66,12 +68,12 @@ def _pulled_rows(world, x, max_tokens, schedule, rows):
 
 def _suite(world, cases):
     results = []
-    for name, tokens, routing, drop, seed, limit, shared in cases:
+    for name, tokens, routing, drop, seed, activation, shared in cases:
         experts = 9 if world.size == 3 else CONFIG.num_experts
-        cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit, "shared": shared, "num_experts": experts})
+        cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation, "shared": shared, "num_experts": experts})
         p = _problem(world, cfg, tokens, routing, drop, seed)
         want = ep_reference_forward_backward(world, p, with_grads=False)[0]
-        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, limit)
+        args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, activation)
         out = megamoe_forward(*args)
         again = megamoe_forward(*args)
         wrapped = megamoe_forward(*args, config=WRAPPING)
@@ -209,7 +211,7 @@ def test_tiny_preset_same_bits_for_two_minibatches():
         assert torch.equal(a, b)
 
 
-FP8_CONFIG = MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=3, shared=(64,), swiglu_limit=None)
+FP8_CONFIG = MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=3, shared=(64,))
 ROOMY = KernelConfig(num_sms=4, comm_sms=1, minibatch=64, ring_rows=1024, tile_m=32, tile_n=32)  # nothing wraps
 
 
@@ -417,7 +419,7 @@ def test_plan_memory_is_what_the_kernel_allocates(precision):
 
 # --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
 
-GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,), swiglu_limit=None)
+GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,))
 
 
 def _gpu_configs(sms: int):

@@ -11,12 +11,14 @@ from megamoe.config import MoEConfig
 from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.parallel.world import launch
 
-CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+from kinds import GPT_OSS, SWIGLU  # tests/kinds.py
+
+CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,))
 EMPTY_EXPERT = 5
 
 
-def _check_against_reference(world, tokens, precision, limit):
-    cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit})
+def _check_against_reference(world, tokens, precision, activation):
+    cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation})
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=dtype, seed=11, drop=0.15)
     # no token anywhere goes to EMPTY_EXPERT: that expert computes nothing and gets a zero gradient
@@ -36,16 +38,16 @@ def _check_against_reference(world, tokens, precision, limit):
 
 
 @pytest.mark.parametrize(
-    "tokens, precision, limit",
+    "tokens, precision, activation",
     [
-        ((37,), "fp32", None),
-        ((29, 0), "fp32", 0.8),  # a rank with no tokens at all
-        ((23, 5, 41, 1), "fp32", None),
-        ((40, 17), "bf16", None),
+        ((37,), "fp32", SWIGLU),
+        ((29, 0), "fp32", GPT_OSS),  # a rank with no tokens at all
+        ((23, 5, 41, 1), "fp32", SWIGLU),
+        ((40, 17), "bf16", SWIGLU),
     ],
 )
-def test_matches_reference(tokens, precision, limit):
-    results = launch(_check_against_reference, len(tokens), tokens, precision, limit)
+def test_matches_reference(tokens, precision, activation):
+    results = launch(_check_against_reference, len(tokens), tokens, precision, activation)
     for rank, (fwd, bwd, empty_grad_zero) in enumerate(results):
         assert fwd["correct"], (rank, fwd)
         assert bwd["correct"], (rank, bwd)

@@ -5,6 +5,8 @@ import torch
 
 from megamoe.reference import moe_forward, moe_forward_backward
 
+from kinds import EVERY_KIND, clamped  # tests/kinds.py
+
 
 def _inputs(n=13, d=64, i=32, e=5, k=3, dtype=torch.float64, seed=0, shared=(16,)):
     g = torch.Generator().manual_seed(seed)
@@ -42,7 +44,7 @@ def _hand_loop(x, top, rw, wgu, wd, sh, limit):
 @pytest.mark.parametrize("limit", [None, 0.7])
 def test_forward_matches_float64_hand_loop(limit):
     x, top, rw, wgu, wd, sh = _inputs()
-    out = moe_forward(x, top, rw, wgu, wd, sh, swiglu_limit=limit)
+    out = moe_forward(x, top, rw, wgu, wd, sh, activation=clamped(limit))
     torch.testing.assert_close(out, _hand_loop(x, top, rw, wgu, wd, sh, limit), rtol=1e-12, atol=1e-12)
 
 
@@ -69,7 +71,7 @@ def test_gradients_match_float64_autograd(limit):
     out = _hand_loop_autograd(leaves[0], top, rw_leaf, leaves[1], leaves[2], sh_leaves, limit)
     d_out = torch.randn_like(out)
     out.backward(d_out)
-    _, grads = moe_forward_backward(x, top, rw.float(), wgu, wd, d_out, sh, limit)
+    _, grads = moe_forward_backward(x, top, rw.float(), wgu, wd, d_out, sh, clamped(limit))
     torch.testing.assert_close(grads["x"], leaves[0].grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grads["router_weights"], rw_leaf.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grads["w_gate_up"], leaves[1].grad, rtol=1e-6, atol=1e-6)
@@ -148,3 +150,36 @@ def test_bad_input_raises_value_error_naming_the_problem(mutate, message):
     mutate(args)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         moe_forward(**args)
+
+
+@pytest.mark.parametrize("activation", EVERY_KIND, ids=lambda a: a.kind)
+def test_every_activation_is_its_published_formula_and_its_backward_is_autograds(activation):
+    """``activate`` against each kind's published form (torchtitan's SwiGLU, HF gpt-oss's, ``F.gelu``), and
+    ``activation_backward`` (the dact epilogue's twin) against autograd through ``activate``, in FP64."""
+    import torch.nn.functional as F
+
+    from megamoe.reference import activate, activation_backward
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(64, 96, generator=g, dtype=torch.float64) * 2
+    gate, up = h.chunk(2, dim=-1)
+    limit = activation.limit
+    if activation.kind == "gpt-oss":
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        want = (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
+    elif activation.kind == "geglu":
+        want = F.gelu(gate) * up
+    else:
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        want = F.silu(gate) * up
+    torch.testing.assert_close(activate(h, activation), want, rtol=1e-12, atol=1e-12)
+    assert (h.chunk(2, dim=-1)[0] > (limit or float("inf"))).any() or limit is None  # the clamp bites
+    dy, w = torch.randn(64, 48, generator=g, dtype=torch.float64), torch.rand(64, generator=g, dtype=torch.float64)
+    leaf = h.clone().requires_grad_()
+    act = activate(leaf, activation)
+    (act * dy * w[:, None]).sum().backward()
+    d_h, act_twin, d_router = activation_backward(dy, h, w, activation)
+    torch.testing.assert_close(d_h, leaf.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(act_twin, act.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d_router, (dy * act.detach()).sum(1), rtol=1e-12, atol=1e-12)

@@ -19,10 +19,12 @@ from megamoe.parallel.world import launch
 from megamoe.planner import KernelConfig
 from megamoe.reference.ep import ep_reference_forward_backward
 
+from kinds import GEGLU, GPT_OSS, SWIGLU  # tests/kinds.py
+
 from raised import raised  # tests/raised.py
 from sm90 import sm90_report  # tests/sm90.py
 
-CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,))
 EMPTY_EXPERT = 5
 #: Interpreter tiles are 32 rows: a 32-row minibatch in a 64-row ring wraps for any case with > 64 rows.
 #: Its backward takes 64-row minibatches: the ring's end is a boundary of theirs too.
@@ -44,14 +46,14 @@ CLAMP_TOLERANCE = (5e-2, float("inf"))
 
 # (name, tokens per rank, routing, drop, seed, swiglu_limit, shared experts, zero router weights)
 CASES = {
-    1: [("uniform", (37,), "uniform", 0.0, 1, None, (32,), False),
-        ("no-tokens", (0,), "uniform", 0.0, 4, None, (32,), False)],
-    2: [("two-shared", (40, 33), "uniform", 0.0, 5, None, (32, 16), False),  # first: it wraps WRAPPING's ring
-        ("uneven-zero-weights", (29, 0), "uniform", 0.15, 1, None, (32,), True),
-        ("one-rank-clamp", (17, 23), "one-rank", 0.1, 3, 0.8, (32,), False),
-        ("no-shared", (21, 30), "uniform", 0.1, 6, None, (), True)],
-    3: [("zipf", (13, 31, 7), "zipf", 0.2, 2, None, (), False)],
-    4: [("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, None, (32,), False)],
+    1: [("uniform", (37,), "uniform", 0.0, 1, SWIGLU, (32,), False),
+        ("no-tokens", (0,), "uniform", 0.0, 4, SWIGLU, (32,), False)],
+    2: [("two-shared", (40, 33), "uniform", 0.0, 5, SWIGLU, (32, 16), False),  # first: it wraps WRAPPING's ring
+        ("uneven-zero-weights", (29, 0), "uniform", 0.15, 1, SWIGLU, (32,), True),
+        ("one-rank-gpt-oss", (17, 23), "one-rank", 0.1, 3, GPT_OSS, (32,), False),
+        ("no-shared", (21, 30), "uniform", 0.1, 6, SWIGLU, (), True)],
+    3: [("zipf", (13, 31, 7), "zipf", 0.2, 2, GEGLU, (), False)],
+    4: [("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, SWIGLU, (32,), False)],
 }
 
 
@@ -66,13 +68,13 @@ def _problem(world, cfg, tokens, routing, drop, seed, zero_weights):
     return p
 
 
-def _grads(world, p, limit, config=None, fused=True, **options):
+def _grads(world, p, activation, config=None, fused=True, **options):
     """(out, gradients) of megamoe.moe with every input and weight requiring grad (``options`` go to moe)."""
     leaves = {name: getattr(p, name).detach().clone().requires_grad_()
               for name in ("x", "router_weights", "w_gate_up", "w_down")}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
-              shared, limit, config=config, fused_backward=fused, **options)
+              shared, activation, config=config, fused_backward=fused, **options)
     out.backward(p.d_out)
     grads = {name: t.grad for name, t in leaves.items()}
     grads["shared"] = [(a.grad, b.grad) for a, b in shared]
@@ -88,21 +90,21 @@ def _routed_rows(world, top_experts):
 
 def _suite(world, cases):
     results = []
-    for index, (name, tokens, routing, drop, seed, limit, shared, zero) in enumerate(cases):
+    for index, (name, tokens, routing, drop, seed, activation, shared, zero) in enumerate(cases):
         experts = 9 if world.size == 3 else CONFIG.num_experts
-        cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit, "shared": shared, "num_experts": experts})
+        cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation, "shared": shared, "num_experts": experts})
         p = _problem(world, cfg, tokens, routing, drop, seed, zero)
         want_out, want = ep_reference_forward_backward(world, p)
         want = _flatten(want)
-        out, got = _grads(world, p, limit)
+        out, got = _grads(world, p, activation)
         errors = {k: error_stats(got[k].detach(), v) for k, v in want.items() if v.numel()}
         # the standalone kernels composed: the backward megakernel's bits; and on each rank count's first case
         # a rerun, a wrapping ring (replay), other knobs and the composed kernels with a replay (the fuzz and the
         # soak repeat these over many more cases: tests/test_fuzz.py, tests/test_soak.py)
-        runs = [_grads(world, p, limit, fused=False)[1]]
+        runs = [_grads(world, p, activation, fused=False)[1]]
         if index == 0:
-            runs += [_grads(world, p, limit)[1], _grads(world, p, limit, WRAPPING)[1],
-                     _grads(world, p, limit, OTHER)[1], _grads(world, p, limit, WRAPPING, fused=False)[1]]
+            runs += [_grads(world, p, activation)[1], _grads(world, p, activation, WRAPPING)[1],
+                     _grads(world, p, activation, OTHER)[1], _grads(world, p, activation, WRAPPING, fused=False)[1]]
         zero_slots = p.router_weights == 0
         results.append({
             "case": name,
@@ -127,7 +129,7 @@ def test_gradients_match_the_oracle_and_are_bitwise_stable(ranks):
     for rank, per_case in enumerate(launch(_suite, ranks, CASES[ranks])):
         assert len(per_case) == len(CASES[ranks])
         for r, case in zip(per_case, CASES[ranks]):
-            rel_tol, row_tol = CLAMP_TOLERANCE if case[5] is not None else GRAD_TOLERANCE
+            rel_tol, row_tol = CLAMP_TOLERANCE if case[5].limit is not None else GRAD_TOLERANCE
             assert r["out_rel"] < 1e-2, (ranks, rank, r)
             for name, (rel, row, finite) in r["errors"].items():
                 assert finite and rel <= rel_tol and row <= row_tol, (ranks, rank, r["case"], name, rel, row)
@@ -297,7 +299,7 @@ def _backward_error_word(world):
     saved = SavedForward(ctx.buffers.h, ctx.buffers.shared_h, ctx.schedule)
     kernel.error.copy_(torch.tensor([mkb.WAIT_DACT.value, 3, 2, 1], dtype=torch.int32))  # as a timed-out wait leaves it
     backward = lambda: kernel.backward(saved, p.d_out, p.x, p.top_experts, p.router_weights, p.w_gate_up,  # noqa: E731
-                                       p.w_down, fused, None)
+                                       p.w_down, fused, SWIGLU)
     return raised((kernel.check_errors, backward), RuntimeError)
 
 
@@ -308,7 +310,7 @@ def test_a_timed_out_backward_wait_names_its_counter_and_breaks_the_kernel():
         assert later == first
 
 
-GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,), swiglu_limit=None)
+GPU_CONFIG = MoEConfig(hidden=1024, intermediate=384, num_experts=16, top_k=4, shared=(256,))
 GPU_TOKENS = (1000, 700, 1, 999, 0, 640, 333, 900)
 
 
@@ -323,32 +325,32 @@ def _gpu_configs(world):
 def _gpu_suite(world):
     results = []
     ranks = world.size
-    for name, tokens, routing, limit in (("uneven", GPU_TOKENS[:ranks], "uniform", None),
-                                         ("one-rank-clamp", (900,) + (0,) * (ranks - 1), "one-rank", 0.8),
-                                         ("zipf", (2048,) * ranks, "zipf", None)):
-        cfg = MoEConfig(**{**GPU_CONFIG.__dict__, "swiglu_limit": limit})
+    for name, tokens, routing, activation in (("uneven", GPU_TOKENS[:ranks], "uniform", SWIGLU),
+                                              ("one-rank-gpt-oss", (900,) + (0,) * (ranks - 1), "one-rank", GPT_OSS),
+                                              ("zipf-geglu", (2048,) * ranks, "zipf", GEGLU)):
+        cfg = MoEConfig(**{**GPU_CONFIG.__dict__, "activation": activation})
         p = _problem(world, cfg, tokens, routing, 0.1, 11, name == "uneven")
         _, want = ep_reference_forward_backward(world, p)
         want = _flatten(want)
-        got = _grads(world, p, limit)[1]
+        got = _grads(world, p, activation)[1]
         errors = {k: error_stats(got[k].detach(), v) for k, v in want.items() if v.numel()}
-        runs = [_grads(world, p, limit, config=c, fused=f)[1] for c in _gpu_configs(world) for f in (True, False)]
-        results.append({"case": name, "limit": limit,
+        runs = [_grads(world, p, activation, config=c, fused=f)[1] for c in _gpu_configs(world) for f in (True, False)]
+        results.append({"case": name, "activation": activation,
                         "errors": {k: (e["rel"], e["row"], e["finite"]) for k, e in errors.items()},
                         "same_bits": [all(torch.equal(run[k], got[k]) for k in got) for run in runs],
-                        "host_syncs": {f: _host_sync(world, p, limit, max(tokens), f) for f in (True, False)}})
+                        "host_syncs": {f: _host_sync(world, p, activation, max(tokens), f) for f in (True, False)}})
     return results
 
 
-def _host_sync(world, p, limit, max_tokens, fused):
+def _host_sync(world, p, activation, max_tokens, fused):
     """None when a training step with check=False and max_tokens given makes no host sync (CUDA's sync debug
     mode raises on one), else what it raised. Two warm-up steps first: compiles, workspaces, graph captures."""
     for _ in range(2):
-        _grads(world, p, limit, fused=fused, check=False, max_tokens=max_tokens)
+        _grads(world, p, activation, fused=fused, check=False, max_tokens=max_tokens)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _grads(world, p, limit, fused=fused, check=False, max_tokens=max_tokens)
+        _grads(world, p, activation, fused=fused, check=False, max_tokens=max_tokens)
         return None
     except RuntimeError as e:
         return str(e)[:300]
@@ -365,7 +367,7 @@ def test_gpu_gradients_match_the_oracle_and_are_bitwise_stable():
     ranks = max(2, torch.cuda.device_count())
     for rank, per_case in enumerate(launch(_gpu_suite, ranks, device="cuda")):
         for r in per_case:
-            rel_tol, row_tol = CLAMP_TOLERANCE if r["limit"] is not None else GRAD_TOLERANCE
+            rel_tol, row_tol = CLAMP_TOLERANCE if r["activation"].limit is not None else GRAD_TOLERANCE
             for name, (rel, row, finite) in r["errors"].items():
                 assert finite and rel <= rel_tol and row <= row_tol, (rank, r["case"], name, rel, row)
             assert all(r["same_bits"]), (rank, r)

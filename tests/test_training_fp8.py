@@ -12,10 +12,12 @@ from megamoe.parallel.world import launch
 from megamoe.planner import KernelConfig
 from megamoe.reference.ep import ep_reference_forward_backward
 
+from kinds import GEGLU, GPT_OSS, SWIGLU  # tests/kinds.py
+
 from raised import raised  # tests/raised.py
 
 #: fp8-block needs D and I multiples of 128 (mxfp8: 32)
-CONFIG = MoEConfig(hidden=128, intermediate=128, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+CONFIG = MoEConfig(hidden=128, intermediate=128, num_experts=8, top_k=3, shared=(32,))
 WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_m=32, tile_n=32, backward_minibatch=64)
 OTHER = KernelConfig(num_sms=5, comm_sms=1, minibatch=96, ring_rows=1056, tile_m=32, tile_n=32, backward_comm_sms=3,
                      backward_minibatch=32)
@@ -32,17 +34,17 @@ FP8_RAN = 2e-2
 
 # (name, tokens per rank, routing, drop, seed, swiglu_limit)
 CASES = {
-    1: [("uniform", (37,), "uniform", 0.0, 1, None)],
-    2: [("uneven-wraps", (40, 33), "uniform", 0.1, 5, None), ("one-rank-clamp", (17, 23), "one-rank", 0.1, 3, 0.8)],
+    1: [("uniform", (37,), "uniform", 0.0, 1, SWIGLU)],
+    2: [("uneven-wraps", (40, 33), "uniform", 0.1, 5, GEGLU), ("one-rank-gpt-oss", (17, 23), "one-rank", 0.1, 3, GPT_OSS)],
 }
 
 
-def _grads(world, p, limit, precision, config=None):
+def _grads(world, p, activation, precision, config=None):
     leaves = {name: getattr(p, name).detach().clone().requires_grad_()
               for name in ("x", "router_weights", "w_gate_up", "w_down")}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
-              shared, limit, precision=precision, config=config)
+              shared, activation, precision=precision, config=config)
     out.backward(p.d_out)
     grads = {name: t.grad for name, t in leaves.items()}
     grads["shared"] = [(a.grad, b.grad) for a, b in shared]
@@ -53,14 +55,14 @@ def _suite(world, cases, precision, knobs):
     """Each case's errors against the oracle, and whether its gradients are the same bits again: rerun (None),
     and under each config of ``knobs`` for the first case."""
     results = []
-    for index, (name, tokens, routing, drop, seed, limit) in enumerate(cases):
-        cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit})
+    for index, (name, tokens, routing, drop, seed, activation) in enumerate(cases):
+        cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation})
         p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=torch.bfloat16, seed=seed,
                          routing=routing, drop=drop, device=world.device)
         want_out, want = ep_reference_forward_backward(world, p)
         want = _flatten(want)
-        out, got = _grads(world, p, limit, precision)
-        runs = [_grads(world, p, limit, precision, config)[1] for config in (knobs if index == 0 else [None])]
+        out, got = _grads(world, p, activation, precision)
+        runs = [_grads(world, p, activation, precision, config)[1] for config in (knobs if index == 0 else [None])]
         results.append({
             "case": name,
             "out_rel": error_stats(out, want_out)["rel"] if out.numel() else 0.0,
@@ -82,7 +84,7 @@ SUITES = [(1, "fp8-block", CASES[1], [None, WRAPPING]), (2, "fp8-block", CASES[2
 def test_fp8_gradients_match_the_oracle_and_are_bitwise_stable(ranks, precision, cases, knobs):
     for rank, per_case in enumerate(launch(_suite, ranks, cases, precision, knobs)):
         for r, case in zip(per_case, cases):
-            rel_tol, row_tol = CLAMP_TOLERANCE if case[5] is not None else GRAD_TOLERANCE
+            rel_tol, row_tol = CLAMP_TOLERANCE if case[5].limit is not None else GRAD_TOLERANCE
             assert r["out_rel"] < 8e-2, (ranks, rank, r)
             for name, (rel, row, finite) in r["errors"].items():
                 assert finite and rel <= rel_tol and row <= row_tol, (ranks, rank, r["case"], name, rel, row)

@@ -14,29 +14,31 @@ from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.baselines.unfused import unfused_moe_forward
 from megamoe.parallel.world import launch
 
+from kinds import CLAMPED, SWIGLU  # tests/kinds.py
+
 from raised import raised  # tests/raised.py
 
-CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,), swiglu_limit=None)
+CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,))
 EMPTY_EXPERT = 5
 
 # (name, tokens per rank, routing, drop, seed, swiglu_limit). Consecutive cases with the same
 # largest N reuse one workspace: a later case with more -1 routes would pick up stale slots.
 CASES = {
     1: [
-        ("uniform", (37,), "uniform", 0.0, 1, None),
-        ("drops-limit", (37,), "uniform", 0.4, 2, 0.8),
-        ("one-rank", (20,), "one-rank", 0.1, 3, None),
-        ("no-tokens", (0,), "uniform", 0.0, 4, None),
+        ("uniform", (37,), "uniform", 0.0, 1, SWIGLU),
+        ("drops-limit", (37,), "uniform", 0.4, 2, CLAMPED),
+        ("one-rank", (20,), "one-rank", 0.1, 3, SWIGLU),
+        ("no-tokens", (0,), "uniform", 0.0, 4, SWIGLU),
     ],
     2: [
-        ("uneven", (29, 0), "uniform", 0.15, 1, None),
-        ("uneven-again", (29, 3), "uniform", 0.6, 2, 0.8),
-        ("one-rank", (17, 23), "one-rank", 0.1, 3, None),
-        ("swap", (0, 29), "uniform", 0.2, 4, None),
+        ("uneven", (29, 0), "uniform", 0.15, 1, SWIGLU),
+        ("uneven-again", (29, 3), "uniform", 0.6, 2, CLAMPED),
+        ("one-rank", (17, 23), "one-rank", 0.1, 3, SWIGLU),
+        ("swap", (0, 29), "uniform", 0.2, 4, SWIGLU),
     ],
     4: [
-        ("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, None),
-        ("same-ws-new-routing", (21, 0, 7, 12), "zipf", 0.5, 2, None),
+        ("uneven", (13, 5, 21, 0), "uniform", 0.15, 1, SWIGLU),
+        ("same-ws-new-routing", (21, 0, 7, 12), "zipf", 0.5, 2, SWIGLU),
     ],
 }
 
@@ -52,13 +54,13 @@ def _problem(world, cfg, tokens, routing, drop, seed):
 
 def _call(world, p):
     return unfused_moe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down,
-                               p.shared, p.config.swiglu_limit)
+                               p.shared, p.config.activation)
 
 
 def _suite(world, cases):
     results = []
-    for c, (name, tokens, routing, drop, seed, limit) in enumerate(cases):
-        cfg = MoEConfig(**{**CONFIG.__dict__, "swiglu_limit": limit})
+    for c, (name, tokens, routing, drop, seed, activation) in enumerate(cases):
+        cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation})
         p = _problem(world, cfg, tokens, routing, drop, seed)
         want = ep_reference_forward_backward(world, p, with_grads=False)[0]
         out = _call(world, p)
@@ -115,7 +117,7 @@ def _odd_shapes(world):
     cfg = MoEConfig(hidden=192, intermediate=64, num_experts=7, top_k=7, shared=())
     p = make_problem(cfg, world.rank, world.size, 5, dtype=torch.bfloat16, seed=21)
     want, _ = ep_reference_forward_backward(world, p, with_grads=False)
-    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.swiglu_limit)
+    args = (p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.activation)
     return [compare({"out": fn(world, *args).detach()}, {"out": want}, "bf16")
             for fn in (unfused_moe_forward, nccl_torch_moe)]
 

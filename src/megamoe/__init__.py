@@ -4,6 +4,7 @@ What a user calls (loaded on first use, so that ``TRITON_INTERPRET`` can still b
 
     init_world, launch, EPWorld     the expert-parallel world (megamoe.parallel.world)
     MoEConfig, PRESETS, preset      a layer's shape (megamoe.config)
+    Activation                      the experts' activation: swiglu, swiglu-clamped, gpt-oss, geglu
     KernelConfig, plan              the megakernel's knobs and the planner (megamoe.planner)
     moe                             the layer as a differentiable function (megamoe.autograd)
     quantize_experts                FP8 routed weights, once per optimizer step (megamoe.ops.expert_weights)
@@ -21,6 +22,7 @@ _EXPORTS = {
     "EPWorld": "megamoe.parallel.world",
     "init_world": "megamoe.parallel.world",
     "launch": "megamoe.parallel.world",
+    "Activation": "megamoe.config",
     "MoEConfig": "megamoe.config",
     "PRESETS": "megamoe.config",
     "preset": "megamoe.config",

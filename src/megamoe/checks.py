@@ -7,12 +7,11 @@ sync); hot paths call it only when asked to.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from megamoe.config import HIDDEN_MULTIPLE
+from megamoe.config import HIDDEN_MULTIPLE, SWIGLU, Activation
 from megamoe.precision import FP8_BLOCK, MX_BLOCK
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -145,22 +144,22 @@ def check_quantized_experts(fmt: str, x_q, x_scale, counts, offsets, w_gate_up_q
     return experts, i, d
 
 
-def check_swiglu_limit(limit: object) -> None:
-    """None or a positive finite number (the clamp ``gate <= limit``, ``|up| <= limit``)."""
-    if limit is None:
-        return
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
-        raise ValueError(f"swiglu_limit must be None or a positive finite number, got {limit!r}")
+def check_activation(activation: object) -> None:
+    """A :class:`megamoe.config.Activation` (a bare number was the old ``swiglu_limit``: say what replaced it)."""
+    if not isinstance(activation, Activation):
+        hint = (f"; a SwiGLU clamp is Activation('swiglu-clamped', limit={activation!r})"
+                if isinstance(activation, (int, float)) and not isinstance(activation, bool) else "")
+        raise ValueError(f"activation must be a megamoe.Activation, got {activation!r}{hint}")
 
 
-def check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit) -> tuple[int, int, int, int,
+def check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation) -> tuple[int, int, int, int,
                                                                                                   int]:
     """The arguments every implementation of the layer takes, all on x's device; returns (N, D, k, L, I)."""
     n, d = check_tokens(x)
     k = check_routing(top_experts, router_weights, n)
     experts_local, inter = check_expert_weights(w_gate_up, w_down, d)
     check_shared(shared, d)
-    check_swiglu_limit(swiglu_limit)
+    check_activation(activation)
     named = [("top_experts", top_experts), ("router_weights", router_weights), ("w_gate_up", w_gate_up),
              ("w_down", w_down)]
     for s, (gate_up, down) in enumerate(shared):
@@ -173,14 +172,14 @@ def check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, swigl
     return n, d, k, experts_local, inter
 
 
-def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit=None, *,
+def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation=SWIGLU, *,
                      check_ids: bool = True) -> tuple[int, int, int, int, int]:
     """The arguments of a BF16 layer forward over ``world``; returns (N, D, k, L, I).
 
     ``check_ids`` reads the expert ids on the host (one sync).
     """
     n, d, k, experts_local, inter = check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                                swiglu_limit)
+                                                activation)
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if t.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be bfloat16 (the expert kernels are BF16-only), got {t.dtype}")

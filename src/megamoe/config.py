@@ -16,6 +16,83 @@ from dataclasses import dataclass, field
 #: D must be a multiple of this (16-byte rows for bf16 and fp8, whole 32/64 blocks).
 HIDDEN_MULTIPLE = 64
 
+#: Activation kinds, in the order of their kernel ids (``megamoe.kernels.activation``'s ACT values).
+ACTIVATIONS = ("swiglu", "swiglu-clamped", "gpt-oss", "geglu")
+#: gpt-oss's defaults (its HF implementation: ``alpha = 1.702``, ``swiglu_limit = 7.0``).
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The experts' gated activation of ``h = [gate | up]`` (routed and shared experts alike).
+
+    Attributes:
+        kind: ``swiglu`` (``silu(gate) * up``), ``swiglu-clamped`` (gate clamped to ``max=limit`` and up to
+            ``[-limit, limit]`` first), ``gpt-oss`` (the same clamps, then ``gate * sigmoid(alpha * gate) *
+            (up + 1)``) or ``geglu`` (``gelu(gate) * up``, the exact erf GELU).
+        limit: the clamp of ``swiglu-clamped`` (required) and ``gpt-oss`` (default 7.0); None for the others.
+        alpha: gpt-oss's sigmoid scale (default 1.702); None for the others.
+
+    ``megamoe.reference.layer.activate`` is its math in torch, ``megamoe.kernels.activation`` in the kernels.
+    """
+
+    kind: str = "swiglu"
+    limit: float | None = None
+    alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"Activation.kind must be one of {', '.join(ACTIVATIONS)}, got {self.kind!r}")
+        if self.kind == "gpt-oss":
+            object.__setattr__(self, "limit", GPT_OSS_LIMIT if self.limit is None else self.limit)
+            object.__setattr__(self, "alpha", GPT_OSS_ALPHA if self.alpha is None else self.alpha)
+        clamped = self.kind in ("swiglu-clamped", "gpt-oss")
+        for name, value, used in (("limit", self.limit, clamped), ("alpha", self.alpha, self.kind == "gpt-oss")):
+            if not used:
+                if value is not None:
+                    raise ValueError(f"Activation {self.kind!r} takes no {name}, got {value!r}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"Activation {self.kind!r} needs a positive finite {name}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def parse(cls, text: str) -> Activation:
+        """``kind[:limit[:alpha]]``, as :attr:`spec` writes it (``swiglu``, ``swiglu-clamped:7``, ``gpt-oss``,
+        ``gpt-oss:7:1.702``, ``geglu``)."""
+        kind, *numbers = str(text).split(":")
+        if len(numbers) > 2:
+            raise ValueError(f"an activation is kind[:limit[:alpha]], got {text!r}")
+        try:
+            values = [float(v) for v in numbers]
+        except ValueError:
+            raise ValueError(f"an activation is kind[:limit[:alpha]] with numbers, got {text!r}") from None
+        return cls(kind, *values)
+
+    @property
+    def spec(self) -> str:
+        """The text :meth:`parse` reads back."""
+        return ":".join([self.kind] + [f"{v:g}" for v in (self.limit, self.alpha) if v is not None])
+
+    @property
+    def kernel_id(self) -> int:
+        """The kernels' ACT constexpr."""
+        return ACTIVATIONS.index(self.kind)
+
+    @property
+    def kernel_limit(self) -> float:
+        """The kernels' runtime ``limit`` (0.0 where the kind has none: never read)."""
+        return 0.0 if self.limit is None else self.limit
+
+    @property
+    def kernel_alpha(self) -> float:
+        """The kernels' runtime ``alpha`` (1.0 where the kind has none: never read)."""
+        return 1.0 if self.alpha is None else self.alpha
+
+
+SWIGLU = Activation()
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -27,8 +104,7 @@ class MoEConfig:
         num_experts: E, routed experts in the whole layer (across all ranks).
         top_k: k, routes per token.
         shared: intermediate size of each shared expert (empty = none).
-        swiglu_limit: if set, SwiGLU clamps gate to ``max=limit`` and up to
-            ``[-limit, limit]`` before ``silu(gate) * up``.
+        activation: the experts' gated activation (:class:`Activation`; default SwiGLU).
     """
 
     hidden: int
@@ -36,7 +112,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     shared: tuple[int, ...] = field(default=())
-    swiglu_limit: float | None = None
+    activation: Activation = SWIGLU
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_experts", "top_k"):
@@ -56,10 +132,8 @@ class MoEConfig:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"MoEConfig.shared holds a bad intermediate size {size!r}")
         object.__setattr__(self, "shared", shared)
-        limit = self.swiglu_limit
-        if limit is not None and (isinstance(limit, bool) or not (isinstance(limit, (int, float))
-                                                                  and math.isfinite(limit) and limit > 0)):
-            raise ValueError(f"MoEConfig.swiglu_limit must be a positive finite number, got {limit!r}")
+        if not isinstance(self.activation, Activation):
+            raise ValueError(f"MoEConfig.activation must be an Activation, got {self.activation!r}")
 
     def experts_per_rank(self, ep: int) -> int:
         """L for an EP group of ``ep`` ranks; E must divide evenly."""
@@ -88,8 +162,9 @@ PRESETS: dict[str, MoEConfig] = {
     "deepseek-v3": MoEConfig(hidden=7168, intermediate=2048, num_experts=256, top_k=8, shared=(2048,)),
     "qwen3-30b-a3b": MoEConfig(hidden=2048, intermediate=768, num_experts=128, top_k=8),
     "qwen3-235b-a22b": MoEConfig(hidden=4096, intermediate=1536, num_experts=128, top_k=8),
-    # gpt-oss's clamped SwiGLU (limit 7); its alpha-scaled sigmoid and the expert biases are not modelled
-    "gpt-oss-120b": MoEConfig(hidden=2880, intermediate=2880, num_experts=128, top_k=4, swiglu_limit=7.0),
+    # gpt-oss's activation (limit 7, alpha 1.702); its expert biases are not modelled
+    "gpt-oss-120b": MoEConfig(hidden=2880, intermediate=2880, num_experts=128, top_k=4,
+                              activation=Activation("gpt-oss")),
     # SonicMoE's published H100 shapes (arXiv 2512.14080): its 7B (T 24576), 30B-style (T 32768) and 120B
     "sonic-7b": MoEConfig(hidden=1536, intermediate=256, num_experts=128, top_k=8),
     "sonic-d4096": MoEConfig(hidden=4096, intermediate=512, num_experts=128, top_k=8),
@@ -99,24 +174,25 @@ PRESETS: dict[str, MoEConfig] = {
 
 
 #: The keys of a shape given as text (``parse_shape``), in the order ``shape_spec`` writes them.
-SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k", "shared", "limit")
+SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k", "shared", "activation")
 
 
 def preset(name: str) -> MoEConfig:
     """The layer called ``name``: a preset, or a shape as text (``hidden=2048,intermediate=768,experts=128,
-    top_k=8[,shared=1024+512][,limit=7]``, :func:`parse_shape`); ValueError lists the known presets otherwise."""
+    top_k=8[,shared=1024+512][,activation=gpt-oss]``, :func:`parse_shape`); ValueError lists the known presets otherwise."""
     if isinstance(name, str) and "=" in name:
         return parse_shape(name)
     try:
         return PRESETS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}, or a shape as "
-                         f"hidden=..,intermediate=..,experts=..,top_k=..[,shared=..][,limit=..]") from None
+                         f"hidden=..,intermediate=..,experts=..,top_k=..[,shared=..][,activation=..]") from None
 
 
 def parse_shape(text: str) -> MoEConfig:
     """A layer from ``key=value`` pairs separated by commas: hidden (D), intermediate (I), experts (E), top_k (k),
-    optional shared (the shared experts' intermediate sizes joined by ``+``) and limit (the SwiGLU clamp)."""
+    optional shared (the shared experts' intermediate sizes joined by ``+``) and activation
+    (``kind[:limit[:alpha]]``, :meth:`Activation.parse`)."""
     values = {}
     for item in str(text).split(","):
         key, sep, value = item.strip().partition("=")
@@ -130,7 +206,7 @@ def parse_shape(text: str) -> MoEConfig:
         return MoEConfig(hidden=int(values["hidden"]), intermediate=int(values["intermediate"]),
                          num_experts=int(values["experts"]), top_k=int(values["top_k"]),
                          shared=tuple(int(v) for v in values["shared"].split("+")) if values.get("shared") else (),
-                         swiglu_limit=float(values["limit"]) if "limit" in values else None)
+                         activation=Activation.parse(values["activation"]) if "activation" in values else SWIGLU)
     except ValueError as exc:
         raise ValueError(f"bad shape {text!r}: {exc}") from None
 
@@ -140,16 +216,16 @@ def shape_spec(cfg: MoEConfig) -> str:
     text = f"hidden={cfg.hidden},intermediate={cfg.intermediate},experts={cfg.num_experts},top_k={cfg.top_k}"
     if cfg.shared:
         text += ",shared=" + "+".join(str(s) for s in cfg.shared)
-    if cfg.swiglu_limit is not None:
-        text += f",limit={cfg.swiglu_limit:g}"
+    if cfg.activation != SWIGLU:
+        text += f",activation={cfg.activation.spec}"
     return text
 
 
 def hf_config_shape(config: dict) -> MoEConfig:
     """The MoE layer of a HuggingFace transformers model config (its ``config.json`` as a dict): Qwen2/3-MoE,
     DeepSeek-V3, Mixtral, gpt-oss, OLMoE, GLM-4.5-MoE and Llama-4 (text) name the same things differently. The
-    experts' activation is taken as SwiGLU (gpt-oss: clamped at its ``swiglu_limit``; its alpha and biases are not
-    modelled); ValueError names what is missing."""
+    experts' activation: gpt-oss's own (its ``swiglu_limit``), else SwiGLU (clamped where the config names a
+    ``swiglu_limit``); gpt-oss's expert biases are not modelled. ValueError names what is missing."""
     cfg = config.get("text_config", config)  # Llama-4 nests the language model's
     def first(*keys):
         for key in keys:
@@ -173,5 +249,9 @@ def hf_config_shape(config: dict) -> MoEConfig:
     elif cfg.get("model_type") == "llama4_text" and first("intermediate_size") and first("intermediate_size_mlp"):
         shared = (int(cfg["intermediate_size"]),)
     limit = first("swiglu_limit")
+    if cfg.get("model_type") == "gpt_oss":
+        activation = Activation("gpt-oss", limit=None if limit is None else float(limit))
+    else:
+        activation = SWIGLU if limit is None else Activation("swiglu-clamped", limit=float(limit))
     return MoEConfig(hidden=int(hidden), intermediate=int(intermediate), num_experts=int(experts), top_k=int(top_k),
-                     shared=shared, swiglu_limit=float(limit) if limit is not None else None)
+                     shared=shared, activation=activation)

@@ -15,6 +15,7 @@ import torch
 from megamoe import checks
 from megamoe.autograd import ops
 from megamoe.autograd.worlds import handle_of
+from megamoe.config import SWIGLU, Activation
 from megamoe.ops.expert_weights import QuantizedExperts
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
@@ -29,7 +30,7 @@ def moe(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     *,
     precision: str = "bf16",
     config: KernelConfig | None = None,
@@ -51,7 +52,7 @@ def moe(
         w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; w_down: bf16 `[L, D, I]`.
         shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated; their gradients cover this
             rank's tokens (reduce them across ranks as for any replicated weight).
-        swiglu_limit: optional SwiGLU clamp (gate <= limit, |up| <= limit).
+        activation: the experts' activation (:class:`megamoe.Activation`; default SwiGLU).
         precision: the routed experts' precision, ``bf16``, ``fp8-block`` or ``mxfp8``; the FP8 backwards run
             E4M3 dgrads and wgrads (docs/design.md, Precision).
         config: the megakernel's knobs (default: the planner's).
@@ -79,7 +80,7 @@ def moe(
             raise ValueError("check_finite reads the inputs on the host: torch.compile cannot trace it")
         checks.check_finite(x, router_weights)
     n, *_ = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                    swiglu_limit, check_ids=check and not compiling)
+                                    activation, check_ids=check and not compiling)
     shared = [(gu, dn) for gu, dn in shared]
     for name, t in [("shared w_gate_up", gu) for gu, _ in shared] + [("shared w_down", dn) for _, dn in shared]:
         if t.dtype != torch.bfloat16:
@@ -102,6 +103,6 @@ def moe(
     if not checks.is_int(max_tokens) or max_tokens < n:
         raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
     return ops.layer_forward(x, top_experts, router_weights, w_gate_up, w_down, [gu for gu, _ in shared],
-                             [dn for _, dn in shared], swiglu_limit, handle_of(world), max_tokens, precision,
+                             [dn for _, dn in shared], activation.spec, handle_of(world), max_tokens, precision,
                              ops.config_string(config), check, bool(fused_backward),
                              [] if experts_q is None else experts_q.tensors())[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.autograd.worlds import world_of
+from megamoe.config import Activation
 from megamoe.megakernel.saved import SavedForward
 from megamoe.megakernel.forward import fuse_shared, layer_kernel
 from megamoe.megakernel.kernel import default_config
@@ -59,7 +60,7 @@ def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down
 
 @torch.library.custom_op("megamoe::layer_forward", mutates_args=())
 def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                  shared_gate_up: list[Tensor], shared_down: list[Tensor], swiglu_limit: float | None, world: int,
+                  shared_gate_up: list[Tensor], shared_down: list[Tensor], activation: str, world: int,
                   max_tokens: int, precision: str, config: str, check: bool,
                   fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                           Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -74,7 +75,8 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
     kernel = layer_kernel(w, shape, _config(config), precision)
     fused = fuse_shared(list(zip(shared_gate_up, shared_down)))
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
-    out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up, w_down, fused, swiglu_limit,
+    out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up, w_down, fused,
+                              Activation.parse(activation),
                               experts_q=QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down),
                               buffers=kernel.training_buffers(), check=check)
     b, s = ctx.buffers, ctx.schedule
@@ -87,7 +89,7 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
 
 
 @layer_forward.register_fake
-def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, swiglu_limit, world,
+def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, activation, world,
       max_tokens, precision, config, check, fused_backward, experts_q):
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
@@ -112,7 +114,7 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
                    w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], h: Tensor,
                    shared_h: Tensor, ring_x: Tensor, ring_scale: Tensor, src_rank: Tensor, src_index: Tensor,
                    tokens_per_expert: Tensor, counts: Tensor, offsets: Tensor, num_rows: Tensor,
-                   swiglu_limit: float | None, world: int,
+                   activation: str, world: int,
                    max_tokens: int, precision: str, config: str, check: bool,
                    fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor,
                                                                            list[Tensor], list[Tensor]]:
@@ -128,15 +130,15 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     q = QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down)
     g = kernel.backward(SavedForward(h, shared_h, schedule, *ring, q), d_out.to(torch.bfloat16), x.contiguous(),
-                        top_experts, router_weights.contiguous(), w_gate_up, w_down, fused, swiglu_limit,
-                        check=check, fused=fused_backward)
+                        top_experts, router_weights.contiguous(), w_gate_up, w_down, fused,
+                        Activation.parse(activation), check=check, fused=fused_backward)
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
     return g.x, g.router_weights, g.w_gate_up, g.w_down, d_gate_up, d_down
 
 
 @layer_backward.register_fake
 def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, h, shared_h,
-      ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, swiglu_limit, world,
+      ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, activation, world,
       max_tokens, precision, config, check, fused_backward, experts_q):
     return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), [torch.empty_like(t) for t in shared_gate_up],
@@ -165,7 +167,7 @@ def _setup_context(ctx, inputs, output) -> None:
     x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down = inputs[:7]
     experts_q = inputs[14]
     ctx.counts = len(shared_gate_up), len(experts_q)
-    ctx.scalars = inputs[7:14]  # swiglu_limit, world, max_tokens, precision, config, check, fused_backward
+    ctx.scalars = inputs[7:14]  # activation, world, max_tokens, precision, config, check, fused_backward
     ctx.save_for_backward(x, top_experts, router_weights, w_gate_up, w_down, *shared_gate_up, *shared_down,
                           *experts_q, *output[1:])
     ctx.mark_non_differentiable(*output[1:])

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from megamoe import checks
 from megamoe.baselines.fp8_grouped import FP8_GROUP_ALIGN, RowwiseExperts
-from megamoe.baselines.nccl_torch import expert_ffn, torchtitan_swiglu
+from megamoe.baselines.nccl_torch import expert_ffn, torchtitan_activation
+from megamoe.config import SWIGLU, Activation
 from megamoe.parallel.world import EPWorld
 
 #: NVLink buffer of DeepEP's intranode kernels, bytes (its tests use 1 GB; the kernels size their queues to it).
@@ -202,7 +203,7 @@ def deepep_torch_moe(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     *,
     backend=None,
     group_align: int = 8,
@@ -215,7 +216,7 @@ def deepep_torch_moe(
     (forward only). RuntimeError when DeepEP is not importable and no backend is given.
     """
     n, d, k, experts_local, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                                   swiglu_limit)
+                                                   activation)
     num_experts = experts_local * world.size
     checks.check_expert_ids(top_experts, num_experts)
     if backend is None:
@@ -228,7 +229,7 @@ def deepep_torch_moe(
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
-            shared_out = _shared(x, shared, swiglu_limit)
+            shared_out = _shared(x, shared, activation)
     recv_x, recv_w, recv_idx, counts, handle = _Dispatch.apply(
         x, router_weights.float(), top_experts.long(), backend, num_experts)
     if experts_fp8 is not None:
@@ -237,14 +238,14 @@ def deepep_torch_moe(
     x_grouped = recv_x.new_empty(total, d)
     x_grouped[pad_rows] = 0  # only the padding rows: their gradients meet the weights' in the wgrads
     x_grouped[rows] = recv_x[token]
-    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, swiglu_limit, experts_fp8)
+    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, activation, experts_fp8)
     # each received token's local routes with their weights (the other slots' weights are 0: row 0 stands in)
     y_routes = y_grouped[row_of.clamp(min=0)] if total else y_grouped.new_zeros(*row_of.shape, d)
     y_recv = torch.bmm(recv_w.to(x.dtype).unsqueeze(1), y_routes.view(-1, k, d)).squeeze(1)
     out = _Combine.apply(y_recv, backend, handle)
     if shared:
         if side is None:
-            shared_out = _shared(x, shared, swiglu_limit)
+            shared_out = _shared(x, shared, activation)
         else:
             main = torch.cuda.current_stream(x.device)
             main.wait_stream(side)
@@ -253,9 +254,9 @@ def deepep_torch_moe(
     return out
 
 
-def _shared(x, shared, swiglu_limit):
+def _shared(x, shared, activation):
     out = None
     for gate_up, down in shared:
-        y = torchtitan_swiglu(x @ gate_up.T, swiglu_limit) @ down.T
+        y = torchtitan_activation(x @ gate_up.T, activation) @ down.T
         out = y if out is None else out + y
     return out

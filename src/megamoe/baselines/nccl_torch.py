@@ -27,7 +27,9 @@ import torch.nn.functional as F
 
 from megamoe import checks
 from megamoe.baselines.fp8_grouped import FP8_GROUP_ALIGN, RowwiseExperts, scaled_grouped_mm
+from megamoe.config import SWIGLU, Activation
 from megamoe.parallel.world import EPWorld
+from megamoe.reference import activate
 
 
 class _AllToAll(torch.autograd.Function):
@@ -81,7 +83,7 @@ def nccl_torch_moe(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     *,
     group_align: int = 8,
     experts_fp8: RowwiseExperts | None = None,
@@ -96,7 +98,7 @@ def nccl_torch_moe(
         w_gate_up: `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``.
         w_down: `[L, D, I]`.
         shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
-        swiglu_limit: optional SwiGLU clamp.
+        activation: optional SwiGLU clamp.
         group_align: each expert's row group starts on a multiple of this.
         experts_fp8: the routed weights in E4M3 (:func:`megamoe.baselines.fp8_grouped.quantize_expert_weights`):
             the expert GEMMs run `torch._scaled_grouped_mm` with row-wise scales; forward only.
@@ -104,7 +106,7 @@ def nccl_torch_moe(
     Returns `[N, D]` in x's dtype. Syncs the host once (split sizes).
     """
     n, d, k, experts_local, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                                   swiglu_limit)
+                                                   activation)
     for name, t in [("w_gate_up", w_gate_up), ("w_down", w_down)] + [(f"shared[{s}]", gu) for s, (gu, _) in
                                                                        enumerate(shared)]:
         if t.dtype != x.dtype:  # its matmuls run in x's dtype
@@ -131,36 +133,39 @@ def nccl_torch_moe(
         group_align = max(group_align, FP8_GROUP_ALIGN)
     dest, ends, padded_rows = _grouped_destinations(recv_counts.view(ranks, experts_local), recv_host, group_align)
     x_grouped = x_recv.new_zeros(padded_rows, d).index_copy(0, dest, x_recv)
-    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, swiglu_limit, experts_fp8)
+    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, activation, experts_fp8)
     y_back = _AllToAll.apply(y_grouped[dest], input_splits, output_splits, world.group)
 
     y_routes = y_back.new_zeros(n * k, d).index_copy(0, routed, y_back)
     weights = router_weights.to(x.dtype).unsqueeze(1)  # [N, 1, k]
     out = torch.bmm(weights, y_routes.view(n, k, d)).squeeze(1)
     for gate_up, down in shared:
-        out = out + torchtitan_swiglu(x @ gate_up.T, swiglu_limit) @ down.T
+        out = out + torchtitan_activation(x @ gate_up.T, activation) @ down.T
     return out
 
 
 def expert_ffn(x_grouped: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ends: torch.Tensor,
-               swiglu_limit: float | None, experts_fp8: RowwiseExperts | None = None) -> torch.Tensor:
+               activation: Activation, experts_fp8: RowwiseExperts | None = None) -> torch.Tensor:
     """gate/up -> SwiGLU -> down over expert-grouped rows: `torch._grouped_mm` (BF16, differentiable) or, with
     ``experts_fp8``, `torch._scaled_grouped_mm` on row-wise E4M3 (no gradient)."""
     if experts_fp8 is None:
         h = grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
-        return grouped_mm(torchtitan_swiglu(h, swiglu_limit), w_down.transpose(-2, -1), ends)
+        return grouped_mm(torchtitan_activation(h, activation), w_down.transpose(-2, -1), ends)
     e = experts_fp8
     with torch.no_grad():
         h = scaled_grouped_mm(x_grouped, e.w_gate_up, e.w_gate_up_scale, ends)
-        return scaled_grouped_mm(torchtitan_swiglu(h, swiglu_limit), e.w_down, e.w_down_scale, ends)
+        return scaled_grouped_mm(torchtitan_activation(h, activation), e.w_down, e.w_down_scale, ends)
 
 
-def torchtitan_swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+def torchtitan_activation(h: torch.Tensor, activation: Activation) -> torch.Tensor:
     """SwiGLU as torchtitan's experts write it, ``F.silu(gate) * up`` (the baselines' own: in BF16 it rounds
-    fewer times than the kernels' ``gate * sigmoid(gate) * up`` twin would)."""
+    fewer times than the kernels' ``gate * sigmoid(gate) * up`` twin would); the other kinds as the reference
+    writes them."""
+    if activation.kind not in ("swiglu", "swiglu-clamped"):
+        return activate(h, activation)
     gate, up = h.chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    if activation.limit is not None:
+        gate, up = gate.clamp(max=activation.limit), up.clamp(-activation.limit, activation.limit)
     return F.silu(gate) * up
 
 

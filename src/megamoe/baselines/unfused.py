@@ -38,7 +38,7 @@ import torch
 
 from megamoe import checks
 from megamoe.ops.comm import CommShape, comm_shape, comm_workspace, combine_push, dispatch_pull
-from megamoe.config import MoEConfig
+from megamoe.config import SWIGLU, Activation, MoEConfig
 from megamoe.ops.experts import expert_forward
 from megamoe.runtime import interpreting
 from megamoe.reference import expert_ffn
@@ -60,7 +60,7 @@ def unfused_moe_forward(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     *,
     num_sms: int | None = None,
 ) -> torch.Tensor:
@@ -76,14 +76,14 @@ def unfused_moe_forward(
         w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; I a multiple of 8.
         w_down: bf16 `[L, D, I]`.
         shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
-        swiglu_limit: optional SwiGLU clamp.
+        activation: optional SwiGLU clamp.
         num_sms: programs of the communication kernels (default: the SM count; 4 on the CPU).
 
     Returns `[N, D]` in x's dtype (bf16). Raises ValueError on bad inputs.
     Syncs the host (the group's largest N, the id check, the launches' barriers).
     """
     n, d, k, experts_local, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
-                                                            shared, swiglu_limit)
+                                                            shared, activation)
     if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1):
         raise ValueError(f"num_sms must be None or a positive int, got {num_sms!r}")
 
@@ -108,7 +108,7 @@ def unfused_moe_forward(
         routed = dispatch_pull(ws, schedule, num_sms=num_sms)
         # 3. expert FFN over the grouped rows
         y = expert_forward(routed, schedule.tokens_per_expert, schedule.offsets, w_gate_up, w_down,
-                           swiglu_limit=swiglu_limit).y
+                           activation=activation).y
         # 4. push-combine; zero this rank's slots first (the opening barrier orders it before any push)
         slots = ws.local("combine")
         slots[: n * k].zero_()
@@ -120,5 +120,5 @@ def unfused_moe_forward(
             row = torch.where(valid[:, j, None], slots[:, j].float(), 0.0)
             acc += weights[:, j, None] * row
     for gate_up, down in shared:
-        acc += expert_ffn(x, gate_up, down, swiglu_limit).float()
+        acc += expert_ffn(x, gate_up, down, activation).float()
     return acc.to(x.dtype)

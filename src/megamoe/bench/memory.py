@@ -26,7 +26,7 @@ def backward_bytes(world, cfg: MoEConfig, tokens: int, *, fused: bool = False, s
     def forward():
         for t in leaves + [t for pair in shared for t in pair]:
             t.grad = None
-        return moe(world, leaves[0], p.top_experts, leaves[1], leaves[2], leaves[3], shared, cfg.swiglu_limit,
+        return moe(world, leaves[0], p.top_experts, leaves[1], leaves[2], leaves[3], shared, cfg.activation,
                    max_tokens=tokens, check=False, fused_backward=fused)
 
     forward().backward(p.d_out)

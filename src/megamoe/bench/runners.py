@@ -57,7 +57,7 @@ class _AutogradRunner:
         lv = self.leaves
         return self.fn(
             self.world, lv["x"], self.p.top_experts, lv["router_weights"], lv["w_gate_up"], lv["w_down"],
-            self.shared, self.p.config.swiglu_limit,
+            self.shared, self.p.config.activation,
         )
 
     def backward(self, out: torch.Tensor) -> dict:

@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm_bwd import swiglu_bwd
+from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.forward_fp8_warp_specialized import BLOCK, REGS_CONSUMER, REGS_PRODUCER, paired_k_steps
 from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer, tile_task
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
@@ -35,7 +35,7 @@ from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_ste
 
 @gluon.jit
 def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I,
-             limit, HAS_LIMIT: gl.constexpr):
+             limit, alpha, ACT: gl.constexpr):
     """The SwiGLU backward of columns c0.. of rows first.. (``g`` [64, 32], in its split layout): d_h and act·w
     stored, the rows' partial returned. The math runs in the Triton dact's layout (``io``: 16-byte row runs, 8
     columns per thread, 4 lanes per row), so the rows' sums reduce in its order and give its bits; the loads and
@@ -51,7 +51,7 @@ def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride
     gate = gl.load(h_tile, mask=mask, other=0.0).to(gl.float32)
     up = gl.load(h_tile + I, mask=mask, other=0.0).to(gl.float32)
     w = gl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
-    part, act_w, d_gate, d_up = swiglu_bwd(g, gate, up, w[:, None], limit, HAS_LIMIT)
+    part, act_w, d_gate, d_up = activation_bwd(g, gate, up, w[:, None], limit, alpha, ACT)
     act_w_tile = act_w_ptr + (rows64[:, None] * stride_act_w + cols[None, :])
     gl.store(act_w_tile, to_bf16(act_w, False), mask=mask)
     d_h_tile = d_h_ptr + (rows64[:, None] * stride_d_h + cols[None, :])
@@ -62,21 +62,21 @@ def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride
 
 @gluon.jit
 def _half(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I, limit,
-          HAS_LIMIT: gl.constexpr):
+          alpha, ACT: gl.constexpr):
     """Columns c0.. of ``g`` [64, 64] as two quarters, the Triton dact's ``_dact_quarters`` order."""
     lo, hi = gl.split(gl.permute(gl.reshape(g, (g.shape[0], 2, g.shape[1] // 2)), (0, 2, 1)))
     part = _quarter(lo, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                    stride_act_w, I, limit, HAS_LIMIT)
+                    stride_act_w, I, limit, alpha, ACT)
     part += _quarter(hi, c0 + g.shape[1] // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h,
-                     stride_d_h, stride_act_w, I, limit, HAS_LIMIT)
+                     stride_d_h, stride_act_w, I, limit, alpha, ACT)
     return part
 
 
 @gluon.jit
 def _fp8_consumer(dy_scale_ptr, w_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_dys,
               stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
-              tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem, full, empty,
-              HALF: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
+              tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty,
+              HALF: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr):
     """FP8-block: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
@@ -93,20 +93,20 @@ def _fp8_consumer(dy_scale_ptr, w_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_pt
         ws_n = w_scale_ptr + (expert.to(gl.int64) * (I // BLOCK) + n) * stride_ws_n
         acc, g = paired_k_steps(ds_rows, row_ok, ws_n, D, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
         dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h,
-                      stride_d_h, stride_act_w, stride_partial, I, limit, HAS_LIMIT)
+                      stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT)
 
 
 @gluon.jit
 def dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h,
-                  stride_d_h, stride_act_w, stride_partial, I, limit, HAS_LIMIT: gl.constexpr):
+                  stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT: gl.constexpr):
     """The dact epilogue of g = ``acc`` [64, 128] (rows first.., n-tile n) in the Triton dact's order: column
     halves, each as two quarters (the router-gradient partials' sum order), then the rows' partial stored."""
     lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK // 2)), (0, 2, 1)))
     n0 = n * BLOCK
     part = _half(lo, n0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                 I, limit, HAS_LIMIT)
+                 I, limit, alpha, ACT)
     part += _half(hi, n0 + BLOCK // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                  stride_act_w, I, limit, HAS_LIMIT)
+                  stride_act_w, I, limit, alpha, ACT)
     part_rows = first + gl.arange(0, HALF_M, layout=part.type.layout)
     gl.store(d_w_partial_ptr + part_rows.to(gl.int64) * stride_partial + n, part, mask=part_rows < row_end)
 
@@ -115,7 +115,7 @@ def dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, 
 def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr,
                        d_w_partial_ptr, stride_dy, stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w,
                        stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-                       rows, w_rows, D, I, limit, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                       rows, w_rows, D, I, limit, alpha, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """One persistent launch of 128 x 128 dact tiles: dy `[rows, D]` e4m3 with dy_scale `[rows, D/128]`, w_t =
     w_down_t_q `[w_rows = L*I, D]` with scales `[L*I/128, D/128]` rows of stride_ws_n; h `[rows, 2I]` bf16, row_w
@@ -129,13 +129,13 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
     gl.warp_specialize(
         [(_fp8_consumer, (dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
                       stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
-                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem,
-                      full, empty, gl.constexpr(0), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem,
+                      full, empty, gl.constexpr(0), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
          (_fp8_consumer, (dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
                       stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
-                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, a_smem, w_smem,
-                      full, empty, gl.constexpr(1), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem,
+                      full, empty, gl.constexpr(1), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
          (forward_producer, (dy_ptr, w_t_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, a_smem, w_smem, full, empty,
@@ -175,7 +175,7 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
 @gluon.jit
 def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                    stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D,
-                   limit, a_smem, w_smem, full, empty, HALF: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                   limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr, ACT: gl.constexpr,
                    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """BF16: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup); the K loop the BF16
     forward's (one wgmma group in flight), the same m64n128k16 sequence as the Triton dact's."""
@@ -195,13 +195,13 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
             g += 1
         acc = drain_steps(acc, empty, g, D > 0, STAGES, True)
         dact_epilogue(acc, n, row0 + HALF * HALF_M, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
-                      stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, HAS_LIMIT)
+                      stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT)
 
 
 @gluon.jit
 def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_dy, stride_h,
                    stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                   tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, HAS_LIMIT: gl.constexpr,
+                   tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, ACT: gl.constexpr,
                    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """One persistent launch of 128 x 128 BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows = L*D, I]`, h `[rows,
     2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`."""
@@ -213,13 +213,13 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
     gl.warp_specialize(
         [(_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                           num_tiles_ptr, I, D, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
-                           gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
+                           num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
+                           gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
                            gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
          (_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                           num_tiles_ptr, I, D, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
-                           gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
+                           num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
+                           gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
                            gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
          (_bf16_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                            tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,

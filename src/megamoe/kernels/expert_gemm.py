@@ -16,7 +16,7 @@ Tensors (R = capacity rows of the routed buffer):
     x_rows [R, D] bf16         routed tokens           (TMA descriptor, block [BM, BK])
     w_gate_up [L*2I, D] bf16   gate rows, then up rows per expert (descriptor, [BN, BK])
     h [R, 2I] bf16             pre-activation, kept for the backward
-    act [R, I] bf16            silu(gate) * up (clamped with HAS_LIMIT)
+    act [R, I] bf16            the activation of h (ACT: megamoe.kernels.activation)
     w_down [L*D, I] bf16       (descriptor, [BN, BK])
     y [R, D] bf16              expert output rows
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe.kernels.activation import activation
 from megamoe.kernels.convert import to_bf16
 
 @triton.jit
@@ -46,19 +47,10 @@ def tile_dot(a, b, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def swiglu_tile(gate, up, limit, HAS_LIMIT: tl.constexpr):
-    """silu(gate) * up on FP32 tiles; with HAS_LIMIT gate <= limit and |up| <= limit."""
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate * tl.sigmoid(gate) * up
-
-
-@triton.jit
-def gate_up_swiglu_tile(
+def gate_up_act_tile(
     x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
-    row0, row_end, expert, n0, I, K, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    row0, row_end, expert, n0, I, K, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M rows x BLOCK_N act columns] tile of expert ``expert``.
@@ -83,13 +75,13 @@ def gate_up_swiglu_tile(
     row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
     u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-    _gate_up_store(g_lo, u_lo, h_base, act_base, stride_h, stride_act, row_ok, n0, I, limit, HAS_LIMIT, DOT_FP32)
-    _gate_up_store(g_hi, u_hi, h_base, act_base, stride_h, stride_act, row_ok, n0 + BLOCK_N // 2, I, limit,
-                   HAS_LIMIT, DOT_FP32)
+    _gate_up_store(g_lo, u_lo, h_base, act_base, stride_h, stride_act, row_ok, n0, I, limit, alpha, ACT, DOT_FP32)
+    _gate_up_store(g_hi, u_hi, h_base, act_base, stride_h, stride_act, row_ok, n0 + BLOCK_N // 2, I, limit, alpha,
+                   ACT, DOT_FP32)
 
 
 @triton.jit
-def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0, I, limit, HAS_LIMIT: tl.constexpr,
+def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0, I, limit, alpha, ACT: tl.constexpr,
                    DOT_FP32: tl.constexpr):
     """Store h (gate and up columns c0..) and act = SwiGLU for a [BM, W] column chunk of a row tile (DOT_FP32:
     the interpreter, whose bfloat16 cast truncates)."""
@@ -99,7 +91,7 @@ def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0,
     h_tile = h_base + (local[:, None] * stride_h + cols[None, :])
     tl.store(h_tile, to_bf16(gate, DOT_FP32), mask=mask)
     tl.store(h_tile + I, to_bf16(up, DOT_FP32), mask=mask)
-    act = swiglu_tile(gate, up, limit, HAS_LIMIT)
+    act = activation(gate, up, limit, alpha, ACT)
     tl.store(act_base + (local[:, None] * stride_act + cols[None, :]), to_bf16(act, DOT_FP32), mask=mask)
 
 
@@ -162,8 +154,8 @@ def _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, ti
 def gate_up_kernel(
     x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-    I, K, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    I, K, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
@@ -175,9 +167,9 @@ def gate_up_kernel(
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
-        gate_up_swiglu_tile(
+        gate_up_act_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
-            HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+            alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
         )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import _tile_task, tile_dot
 from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
@@ -46,8 +47,8 @@ def rows_times_kn(a_desc, w_desc, row0, w_row0, n0, K, DOT_FP32: tl.constexpr,
 @triton.jit
 def dact_tile(
     dy_desc, w_down_desc, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
-    stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n, D, I, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n, D, I, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M rows x BLOCK_N] tile of g = dy · w_down[l]; epilogue: router-gradient partials, SwiGLU
@@ -55,13 +56,13 @@ def dact_tile(
     dy, row weights, d_h, act_w and the partials are addressed by routed row."""
     g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n * BLOCK_N, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     dact_epilogue(g, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
-                  stride_partial, row0, row_end, n, I, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N)
+                  stride_partial, row0, row_end, n, I, limit, alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def dact_epilogue(
     g, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial,
-    row0, row_end, n, I, limit, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    row0, row_end, n, I, limit, alpha, ACT: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The dact tile's epilogue from g [BLOCK_M, BLOCK_N] (fp32, n-tile n): router-gradient partials, the
@@ -79,9 +80,9 @@ def dact_epilogue(
     act_w_base = act_w_ptr + row0_64 * stride_act_w
     local = tl.arange(0, BLOCK_M)
     part = _dact_quarters(g_lo, w, local, row_ok, n0, h_base, d_h_base, act_w_base, stride_h, stride_d_h,
-                          stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
+                          stride_act_w, I, limit, alpha, ACT, BLOCK_N // 2, DOT_FP32)
     part += _dact_quarters(g_hi, w, local, row_ok, n0 + BLOCK_N // 2, h_base, d_h_base, act_w_base, stride_h,
-                           stride_d_h, stride_act_w, I, limit, HAS_LIMIT, BLOCK_N // 2, DOT_FP32)
+                           stride_d_h, stride_act_w, I, limit, alpha, ACT, BLOCK_N // 2, DOT_FP32)
     tl.store(d_w_partial_ptr + rows.to(tl.int64) * stride_partial + n, part, mask=row_ok)
 
 
@@ -90,8 +91,8 @@ def dact_swiglu_bwd_kernel(
     dy_desc, w_down_desc, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_h, stride_d_h, stride_act_w, stride_partial,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-    D, I, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    D, I, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
@@ -103,7 +104,7 @@ def dact_swiglu_bwd_kernel(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr,
                   d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n,
-                  D, I, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                  D, I, limit, alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -128,20 +129,20 @@ def router_grad_kernel(d_w_partial_ptr, stride_partial, d_router_ptr, rows, num_
 
 @triton.jit
 def _dact_quarters(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                   I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+                   I, limit, alpha, ACT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """:func:`_dact_half` on the two column halves of ``g`` ([BM, HALF]) in turn."""
     BM: tl.constexpr = g.shape[0]
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BM, 2, HALF // 2)), (0, 2, 1)))
     part = _dact_half(g_lo, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                      I, limit, HAS_LIMIT, HALF // 2, EXACT)
+                      I, limit, alpha, ACT, HALF // 2, EXACT)
     part += _dact_half(g_hi, w, local, row_ok, c0 + HALF // 2, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                       stride_act_w, I, limit, HAS_LIMIT, HALF // 2, EXACT)
+                       stride_act_w, I, limit, alpha, ACT, HALF // 2, EXACT)
     return part
 
 
 @triton.jit
 def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-               I, limit, HAS_LIMIT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+               I, limit, alpha, ACT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """SwiGLU backward of columns c0..c0+HALF of a row tile; returns the rows' router-gradient partial.
 
     The pointers point at the tile's first row; ``local`` is 0..BLOCK_M-1.
@@ -151,35 +152,13 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
     h_tile = h_ptr + (local[:, None] * stride_h + cols[None, :])
     gate = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
-    part, act_w, d_gate, d_up = swiglu_bwd(g, gate, up, w[:, None], limit, HAS_LIMIT)
+    part, act_w, d_gate, d_up = activation_bwd(g, gate, up, w[:, None], limit, alpha, ACT)
     act_w_tile = act_w_ptr + (local[:, None] * stride_act_w + cols[None, :])
     tl.store(act_w_tile, to_bf16(act_w, EXACT), mask=mask)
     d_h_tile = d_h_ptr + (local[:, None] * stride_d_h + cols[None, :])
     tl.store(d_h_tile, to_bf16(d_gate, EXACT), mask=mask)
     tl.store(d_h_tile + I, to_bf16(d_up, EXACT), mask=mask)
     return part
-
-
-@triton.jit
-def swiglu_bwd(g, gate, up, w, limit, HAS_LIMIT: tl.constexpr):
-    """The SwiGLU backward of a tile from g = dy · w_down (fp32), the saved pre-activation's gate and up halves
-    (fp32) and the rows' router weights ``w`` ([BM, 1]): (the rows' router-gradient partial <g, act>, act·w,
-    d_gate, d_up). Elementwise and a row sum only, so any layout's tiles call it (the Triton and Gluon dacts)."""
-    gate_c, up_c = gate, up
-    if HAS_LIMIT:
-        gate_c = tl.minimum(gate, limit)
-        up_c = tl.minimum(tl.maximum(up, -limit), limit)
-    sig = tl.sigmoid(gate_c)
-    silu = gate_c * sig
-    act = silu * up_c
-    part = tl.sum(g * act, axis=1)
-    d_act = g * w
-    d_up = d_act * silu
-    d_gate = d_act * up_c * (sig * (1.0 + gate_c * (1.0 - sig)))
-    if HAS_LIMIT:  # clamp passes the gradient inside [min, max] (inclusive), as torch.clamp does
-        d_gate = tl.where(gate <= limit, d_gate, 0.0)
-        d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
-    return part, act * w, d_gate, d_up
 
 
 @triton.jit

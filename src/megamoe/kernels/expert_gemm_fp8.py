@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile
+from megamoe.kernels.activation import activation
+from megamoe.kernels.expert_gemm import _tile_task
 from megamoe.kernels.quant import fp8_block_quantize_tile
 
 
@@ -63,8 +64,8 @@ def _w_scales(w_scale_ptr, w_row0, kb, stride_ws_n, BLOCK_N: tl.constexpr):
 def gate_up_fp8_tile(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
     stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
-    row0, row_end, expert, n0, I, K, limit,
-    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    row0, row_end, expert, n0, I, K, limit, alpha,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One [BLOCK_M rows x 128 act columns] tile: gate and up with per-block promotion, SwiGLU,
@@ -93,7 +94,7 @@ def gate_up_fp8_tile(
         h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
         tl.store(h_tile, to_bf16(acc_gate, DOT_FP32), mask=mask)
         tl.store(h_tile + I, to_bf16(acc_up, DOT_FP32), mask=mask)
-    act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+    act = activation(acc_gate, acc_up, limit, alpha, ACT)
     act_q, act_s = fp8_block_quantize_tile(act, 1, 128, SOFT_E4M3)  # [BM, BN], [BM, BN/128]
     act_tile = act_q_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
     tl.store(act_tile, act_q.to(tl.uint8, bitcast=True), mask=mask)
@@ -133,8 +134,8 @@ def gate_up_fp8_kernel(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
     stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-    I, K, limit,
-    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
+    I, K, limit, alpha,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
@@ -149,8 +150,8 @@ def gate_up_fp8_kernel(
         gate_up_fp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
-            row0, row_end, expert, n * BLOCK_N, I, K, limit,
-            HAS_LIMIT, STORE_H, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N,
+            row0, row_end, expert, n * BLOCK_N, I, K, limit, alpha,
+            ACT, STORE_H, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N,
         )
 
 

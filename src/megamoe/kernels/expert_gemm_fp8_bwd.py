@@ -30,8 +30,8 @@ def dact_fp8_kernel(
     dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-    D, I, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    D, I, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """Persistent FP8 dact over every (row tile, n-tile) task: g = dequant(dy_q) · dequant(w_down_t_q[l])ᵀ
@@ -55,7 +55,7 @@ def dact_fp8_kernel(
             a_s = tl.load(ds_rows + kb, mask=row_ok, other=0.0)
             g += _dot_block(a, w, DOT_FP32) * (a_s[:, None] * _w_scales(ws_base, n0, kb, stride_ws_n, BLOCK_N))
         dact_epilogue(g, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
-                      stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, n, I, limit, HAS_LIMIT,
+                      stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, n, I, limit, alpha, ACT,
                       DOT_FP32, BLOCK_M, BLOCK_N)
 
 

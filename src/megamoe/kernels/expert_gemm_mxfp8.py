@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm import _tile_task, swiglu_tile, tile_dot
+from megamoe.kernels.activation import activation
+from megamoe.kernels.expert_gemm import _tile_task, tile_dot
 from megamoe.kernels.quant import mxfp8_quantize_tile
 
 MX = 32  # elements per E8M0 scale (the jitted code spells it 32)
@@ -178,8 +179,8 @@ def _mx_gemm_pair(
 
 
 @triton.jit
-def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, c0, I, limit,
-               HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, SOFT_E4M3: tl.constexpr, DOT_FP32: tl.constexpr):
+def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, c0, I, limit, alpha,
+               ACT: tl.constexpr, STORE_H: tl.constexpr, SOFT_E4M3: tl.constexpr, DOT_FP32: tl.constexpr):
     """h (optional), act_q and act_scale for a [BM, W] column chunk (W a multiple of 32) of a row tile."""
     W: tl.constexpr = gate.shape[1]
     local = tl.arange(0, gate.shape[0])
@@ -189,7 +190,7 @@ def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as
         h_tile = h_base + (local[:, None] * stride_h + cols[None, :])
         tl.store(h_tile, to_bf16(gate, DOT_FP32), mask=mask)
         tl.store(h_tile + I, to_bf16(up, DOT_FP32), mask=mask)
-    act = swiglu_tile(gate, up, limit, HAS_LIMIT)
+    act = activation(gate, up, limit, alpha, ACT)
     act_q, act_s = mxfp8_quantize_tile(act, 1, False, SOFT_E4M3)  # [BM, W], [BM, W/32]
     tl.store(q_base + (local[:, None] * stride_act + cols[None, :]), act_q.to(tl.uint8, bitcast=True), mask=mask)
     s_cols = c0 // 32 + tl.arange(0, W // 32)
@@ -200,8 +201,8 @@ def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as
 @triton.jit
 def gate_up_mxfp8_tile(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
-    stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n0, I, W_ROWS, K, limit,
-    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
+    stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n0, I, W_ROWS, K, limit, alpha,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -219,10 +220,10 @@ def gate_up_mxfp8_tile(
     s_base = act_scale_ptr + row0.to(tl.int64) * stride_as
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
     u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-    _act_store(g_lo, u_lo, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, n0, I, limit,
-               HAS_LIMIT, STORE_H, SOFT_E4M3, DOT_FP32)
+    _act_store(g_lo, u_lo, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok, n0, I, limit, alpha,
+               ACT, STORE_H, SOFT_E4M3, DOT_FP32)
     _act_store(g_hi, u_hi, h_base, q_base, s_base, stride_h, stride_act, stride_as, row_ok,
-               n0 + BLOCK_N // 2, I, limit, HAS_LIMIT, STORE_H, SOFT_E4M3, DOT_FP32)
+               n0 + BLOCK_N // 2, I, limit, alpha, ACT, STORE_H, SOFT_E4M3, DOT_FP32)
 
 
 @triton.jit
@@ -251,8 +252,8 @@ def gate_up_mxfp8_kernel(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
     stride_xs, stride_ws, stride_h, stride_act, stride_as,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-    I, W_ROWS, K, limit,
-    HAS_LIMIT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
+    I, W_ROWS, K, limit, alpha,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
@@ -268,7 +269,7 @@ def gate_up_mxfp8_kernel(
         gate_up_mxfp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n * BLOCK_N, I, W_ROWS, K,
-            limit, HAS_LIMIT, STORE_H, RESCALE, INT_EXP, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, BLOCK_K)
+            limit, alpha, ACT, STORE_H, RESCALE, INT_EXP, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit

@@ -34,8 +34,8 @@ def dact_mxfp8_kernel(
     dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_dys, stride_ws, stride_h, stride_d_h, stride_act_w, stride_partial,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-    D, I, W_ROWS, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    D, I, W_ROWS, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
@@ -51,7 +51,7 @@ def dact_mxfp8_kernel(
                                    row_ok, expert * I + n * BLOCK_N, 0, W_ROWS, D, False, False, False, DOT_FP32,
                                    BLOCK_M, BLOCK_N, BLOCK_K)
         dact_epilogue(g, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
-                      stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, n, I, limit, HAS_LIMIT,
+                      stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, n, I, limit, alpha, ACT,
                       DOT_FP32, BLOCK_M, BLOCK_N)
 
 

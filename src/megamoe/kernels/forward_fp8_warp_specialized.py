@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from megamoe.kernels.expert_gemm import swiglu_tile
+from megamoe.kernels.activation import activation
 from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer, store_half_tile, tile_task
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.quant import fp8_block_quantize_tile
@@ -116,8 +116,8 @@ def paired_k_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HAL
 @gluon.jit
 def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, stride_xs, stride_ws_n, stride_out,
               stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-              N, K, limit, a_smem, w_smem, full, empty, HALF: gl.constexpr, GATE_UP: gl.constexpr,
-              HAS_LIMIT: gl.constexpr, STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              N, K, limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr, GATE_UP: gl.constexpr,
+              ACT: gl.constexpr, STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
     columns 0..N-1, up columns N..2N-1; written with STORE_H), act_q / act_scale the act quantised 1 x 128; down:
@@ -144,7 +144,7 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, strid
             if STORE_H:
                 store_half_tile(out_ptr, stride_out, acc_gate, first, row_end - first, col0, N - col0, runs16)
                 store_half_tile(out_ptr, stride_out, acc_up, first, row_end - first, N + col0, N - col0, runs16)
-            act = swiglu_tile(acc_gate, acc_up, limit, HAS_LIMIT)
+            act = activation(acc_gate, acc_up, limit, alpha, ACT)
             act_q, act_s = fp8_block_quantize_tile(act, 1, BLOCK, SOFT_E4M3)  # [64, 128], [64, 1]
             store_half_tile(act_q_ptr, stride_act, act_q.to(gl.uint8, bitcast=True), first, row_end - first, col0,
                             N - col0, runs8)
@@ -158,7 +158,7 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, strid
 def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr,
                           stride_a, stride_as_in, stride_ws_n, stride_out, stride_act, stride_as,
                           tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-                          rows, w_rows, N, K, limit, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                          rows, w_rows, N, K, limit, alpha, GATE_UP: gl.constexpr, ACT: gl.constexpr,
                           STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """One persistent launch of 128 x 128 tiles over every (row tile, n-tile) task.
@@ -176,14 +176,14 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
     gl.warp_specialize(
         [(_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, stride_as_in, stride_ws_n,
                       stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
-                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
                       gl.constexpr(STAGES))),
          (_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, stride_as_in, stride_ws_n,
                       stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
-                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(STORE_H),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
                       gl.constexpr(STAGES))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,

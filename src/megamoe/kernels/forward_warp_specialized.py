@@ -25,7 +25,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-from megamoe.kernels.expert_gemm import row_tile_task, swiglu_tile
+from megamoe.kernels.activation import activation
+from megamoe.kernels.expert_gemm import row_tile_task
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
@@ -86,8 +87,8 @@ def store_half_tile(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: g
 
 @gluon.jit
 def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-              tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty,
-              HALF: gl.constexpr, GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty,
+              HALF: gl.constexpr, GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               MMA_IN_FLIGHT: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
@@ -117,7 +118,7 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
             gate, up = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK_N)), (0, 2, 1)))
             store_half_tile(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
             store_half_tile(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
-            act = swiglu_tile(gate, up, limit, HAS_LIMIT)
+            act = activation(gate, up, limit, alpha, ACT)
             store_half_tile(act_ptr, stride_act, act, first, rows_ok, col0, N - col0, runs)
         else:
             store_half_tile(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
@@ -126,8 +127,8 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
 @gluon.jit
 def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stride_act,
                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-                      rows, w_rows, N, K, limit,
-                      GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                      rows, w_rows, N, K, limit, alpha,
+                      GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       MMA_IN_FLIGHT: gl.constexpr = False):
     """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
@@ -143,13 +144,13 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
     full, empty = ring_barriers(STAGES)
     gl.warp_specialize(
         [(_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(0),
-                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
+                      gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
                       gl.constexpr(MMA_IN_FLIGHT))),
          (_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, a_smem, w_smem, full, empty, gl.constexpr(1),
-                      gl.constexpr(GATE_UP), gl.constexpr(HAS_LIMIT), gl.constexpr(NUM_PROGRAMS),
+                      tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
+                      gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
                       gl.constexpr(MMA_IN_FLIGHT))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,

@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from megamoe.kernels.comm import pull_tile, push_tile, signal_and_wait
-from megamoe.kernels.expert_gemm import down_tile, gate_up_swiglu_tile, grouped_task, row_tile_task
+from megamoe.kernels.expert_gemm import down_tile, gate_up_act_tile, grouped_task, row_tile_task
 from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
 from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_tile, gate_up_mxfp8_tile
 from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_DOWN, TRACE_KIND_GATE_UP, TRACE_KIND_PULL, TRACE_KIND_PUSH,
@@ -162,8 +162,8 @@ def compute_gate_up(
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act,
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_act_scale,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr,
-    error_ptr, trace_ptr, comm_sms, experts, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
+    error_ptr, trace_ptr, comm_sms, experts, I, D, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -187,16 +187,16 @@ def compute_gate_up(
         if FMT == FMT_FP8_BLOCK:
             gate_up_fp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
                              act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act, stride_act_scale,
-                             row0, row_end, expert, n * BN_GU, I, D, limit, HAS_LIMIT, True, DOT_FP32, SOFT_E4M3,
+                             row0, row_end, expert, n * BN_GU, I, D, limit, alpha, ACT, True, DOT_FP32, SOFT_E4M3,
                              BLOCK_M, BN_GU)
         elif FMT == FMT_MXFP8:
             gate_up_mxfp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
                                act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act,
-                               stride_act_scale, row0, row_end, expert, n * BN_GU, I, experts * 2 * I, D, limit,
-                               HAS_LIMIT, True, False, False, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K)
+                               stride_act_scale, row0, row_end, expert, n * BN_GU, I, experts * 2 * I, D, limit, alpha,
+                               ACT, True, False, False, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K)
         else:
-            gate_up_swiglu_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
-                                expert, n * BN_GU, I, D, limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
+            gate_up_act_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
+                                expert, n * BN_GU, I, D, limit, alpha, ACT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
         release_add(tile_done_ptr + tile)
         trace_event(trace_ptr, start, TRACE_KIND_GATE_UP, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
@@ -243,8 +243,8 @@ def compute_down(
 
 @triton.jit
 def shared_gate_up(
-    c, workers, tokens, x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, done_ptr, trace_ptr, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
+    c, workers, tokens, x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, done_ptr, trace_ptr, I, D, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's gate/up tasks of the shared expert over this rank's tokens; returns tasks dealt."""
@@ -254,8 +254,8 @@ def shared_gate_up(
         start = trace_clock(TRACE)
         tile, n = grouped_task(task, num_n, tiles, GROUP_M)
         row0 = tile * BLOCK_M
-        gate_up_swiglu_tile(x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, tokens, 0, n * BN_GU, I, D,
-                            limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
+        gate_up_act_tile(x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, tokens, 0, n * BN_GU, I, D,
+                            limit, alpha, ACT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
         release_add(done_ptr + tile)
         trace_event(trace_ptr, start, TRACE_KIND_SHARED_GATE_UP, tile * 65536 + n, TRACE)
     return tiles * num_n
@@ -283,7 +283,7 @@ def shared_down(
 
 
 @triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "keep_own", "phase_minibatch",
-                               "limit"])
+                               "limit", "alpha"])
 def megakernel(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr,
@@ -305,10 +305,10 @@ def megakernel(
     rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
-    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, budget, keep_own,
+    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, alpha, budget, keep_own,
     phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
-    ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_GU: tl.constexpr, GROUP_DN: tl.constexpr, PHASE: tl.constexpr, TRACE: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
@@ -370,7 +370,7 @@ def megakernel(
             if HAS_SHARED:
                 dealt = shared_gate_up(c, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr,
                                        shared_act_ptr, stride_shared_h, stride_shared_act, shared_done_ptr,
-                                       trace_ptr, shared_I, D, limit, HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M,
+                                       trace_ptr, shared_I, D, limit, alpha, ACT, DOT_FP32, TRACE, BLOCK_M,
                                        SHARED_BN_GU, SHARED_BK, GROUP_GU)
                 dealt, budget = shared_down(c, workers, dealt, budget, tokens, shared_act_desc, shared_w_down_desc,
                                             shared_y_ptr, stride_shared_y, shared_done_ptr, error_ptr, trace_ptr,
@@ -386,7 +386,7 @@ def megakernel(
                     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
                     stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                     minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I,
-                    D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
+                    D, limit, alpha, ACT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
                     GROUP_GU)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
@@ -402,8 +402,8 @@ def megakernel(
         j = phase_minibatch
         if PHASE == PHASE_SHARED_GATE_UP:
             shared_gate_up(pid, workers, tokens, shared_x_desc, shared_w_gate_up_desc, shared_h_ptr, shared_act_ptr,
-                           stride_shared_h, stride_shared_act, shared_done_ptr, trace_ptr, shared_I, D, limit,
-                           HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M, SHARED_BN_GU, SHARED_BK, GROUP_GU)
+                           stride_shared_h, stride_shared_act, shared_done_ptr, trace_ptr, shared_I, D, limit, alpha,
+                           ACT, DOT_FP32, TRACE, BLOCK_M, SHARED_BN_GU, SHARED_BK, GROUP_GU)
         elif PHASE == PHASE_SHARED_DOWN:
             shared_down(pid, workers, 0, budget, tokens, shared_act_desc, shared_w_down_desc, shared_y_ptr,
                         stride_shared_y, shared_done_ptr, error_ptr, trace_ptr, shared_I, D,
@@ -420,7 +420,7 @@ def megakernel(
                             ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, stride_ring_scale, stride_wgu_scale,
                             stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                             minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms,
-                            experts, I, D, limit, HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3,
+                            experts, I, D, limit, alpha, ACT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3,
                             BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,

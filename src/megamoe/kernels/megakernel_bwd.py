@@ -90,8 +90,8 @@ def dact_tasks(
     dy_desc, w_down_desc, ring_h_ptr, stride_ring_h, row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h,
     stride_act_w, stride_partial,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr, rows_ready_ptr,
-    dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
+    dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's dact tasks of minibatch j (h at the tile's rows of the window's h)."""
@@ -112,7 +112,7 @@ def dact_tasks(
         start = trace_clock(TRACE)
         dact_tile(dy_desc, w_down_desc, ring_h_ptr + row0.to(tl.int64) * stride_ring_h, row_w_ptr, d_h_ptr, act_w_ptr,
                   partial_ptr, stride_ring_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n, D, I,
-                  limit, HAS_LIMIT, DOT_FP32, BLOCK_M, BN_DA, BK_DA)
+                  limit, alpha, ACT, DOT_FP32, BLOCK_M, BN_DA, BK_DA)
         release_add(dact_done_ptr + tile)
         release_add(dgrads_done_ptr)
         trace_event(trace_ptr, start, TRACE_KIND_DACT, tile * 65536 + n, TRACE)
@@ -155,8 +155,8 @@ def dx_tasks(
 @triton.jit
 def shared_dact(
     c, workers, tokens, dy_desc, w_down_desc, h_ptr, ones_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_h,
-    stride_d_h, stride_act_w, stride_partial, done_ptr, trace_ptr, I, D, limit,
-    HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
+    stride_d_h, stride_act_w, stride_partial, done_ptr, trace_ptr, I, D, limit, alpha,
+    ACT: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's dact tasks of the shared expert over this rank's tokens (weight 1); returns tasks dealt."""
@@ -168,7 +168,7 @@ def shared_dact(
         row0 = tile * BLOCK_M
         dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, ones_ptr, d_h_ptr, act_w_ptr,
                   partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, tokens, 0, n, D, I, limit,
-                  HAS_LIMIT, DOT_FP32, BLOCK_M, BN_DA, BK_DA)
+                  alpha, ACT, DOT_FP32, BLOCK_M, BN_DA, BK_DA)
         release_add(done_ptr + tile)
         trace_event(trace_ptr, start, TRACE_KIND_SHARED_DACT, tile * 65536 + n, TRACE)
     return tiles * num_n
@@ -266,7 +266,7 @@ def wgrad_tasks(
     return dealt + tasks, budget
 
 
-@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "budget", "phase_minibatch", "limit"])
+@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "budget", "phase_minibatch", "limit", "alpha"])
 def megakernel_bwd(
     # schedule and row tiles (device)
     num_rows_ptr, src_rank_ptr, src_index_ptr, offsets_ptr, counts_ptr,
@@ -288,9 +288,9 @@ def megakernel_bwd(
     rows_ready_ptr, dact_done_ptr, dx_done_ptr, shared_done_ptr, dgrads_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
-    tokens, my_rank, num_ranks, comm_sms, minibatch, experts, I, D, shared_I, limit, budget, phase_minibatch,
+    tokens, my_rank, num_ranks, comm_sms, minibatch, experts, I, D, shared_I, limit, alpha, budget, phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
-    ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr, DOT_FP32: tl.constexpr,
     FENCE: tl.constexpr, BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, BN_DX: tl.constexpr,
     BK_DX: tl.constexpr, BM_W: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr, GROUP_M: tl.constexpr,
     PHASE: tl.constexpr, TRACE: tl.constexpr,
@@ -336,7 +336,7 @@ def megakernel_bwd(
                 dealt = shared_dact(c, workers, tokens, shared_dy_desc, shared_w_down_desc, shared_h_ptr, ones_ptr,
                                     shared_d_h_ptr, shared_act_w_ptr, shared_partial_ptr, stride_shared_h,
                                     stride_shared_d_h, stride_shared_act_w, stride_shared_partial, shared_done_ptr,
-                                    trace_ptr, shared_I, D, limit, HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M, BN_DA, BK_DA,
+                                    trace_ptr, shared_I, D, limit, alpha, ACT, DOT_FP32, TRACE, BLOCK_M, BN_DA, BK_DA,
                                     GROUP_M)
                 dealt, budget = shared_dx(c, workers, dealt, budget, tokens, shared_d_h_desc, shared_w_gate_up_k_desc,
                                           shared_dx_ptr, stride_shared_dx, shared_done_ptr, error_ptr, trace_ptr,
@@ -349,8 +349,8 @@ def megakernel_bwd(
                     j, c, workers, dealt, budget, minibatch, batches, dy_desc, w_down_desc, ring_h_ptr, stride_ring_h,
                     row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h, stride_act_w, stride_partial,
                     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr,
-                    rows_ready_ptr, dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-                    HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
+                    rows_ready_ptr, dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit, alpha,
+                    ACT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
                 dealt, budget = dx_tasks(
                     j, c, workers, dealt, budget, d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, partial_ptr,
                     stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
@@ -372,7 +372,7 @@ def megakernel_bwd(
             shared_dact(pid, workers, tokens, shared_dy_desc, shared_w_down_desc, shared_h_ptr, ones_ptr,
                         shared_d_h_ptr, shared_act_w_ptr, shared_partial_ptr, stride_shared_h, stride_shared_d_h,
                         stride_shared_act_w, stride_shared_partial, shared_done_ptr, trace_ptr, shared_I, D, limit,
-                        HAS_LIMIT, DOT_FP32, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
+                        alpha, ACT, DOT_FP32, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
         elif PHASE == PHASE_SHARED_DX:
             shared_dx(pid, workers, 0, budget, tokens, shared_d_h_desc, shared_w_gate_up_k_desc, shared_dx_ptr,
                       stride_shared_dx, shared_done_ptr, error_ptr, trace_ptr, shared_I, D, DOT_FP32, FENCE, WAIT,
@@ -387,7 +387,7 @@ def megakernel_bwd(
                        row_w_ptr, d_h_ptr, act_w_ptr, partial_ptr, stride_d_h, stride_act_w, stride_partial,
                        tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, minibatch_tiles_ptr,
                        rows_ready_ptr, dact_done_ptr, dgrads_done_ptr, error_ptr, trace_ptr, comm_sms, I, D, limit,
-                       HAS_LIMIT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
+                       alpha, ACT, DOT_FP32, FENCE, WAIT, TRACE, BLOCK_M, BN_DA, BK_DA, GROUP_M)
         elif PHASE == PHASE_DX:
             dx_tasks(j, pid, workers, 0, budget, d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, partial_ptr,
                      stride_partial, d_router_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,

@@ -33,6 +33,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import runtime
+from megamoe.config import Activation
 from megamoe.kernels import megakernel_bwd as mkb
 from megamoe.megakernel.backward_args import (BackwardConsts, BackwardSizeArgs, BackwardSyncArgs, CarryArgs,
                                               RoutedGradArgs, RowsArgs, SharedGradArgs, WindowArgs, check_order,
@@ -100,7 +101,7 @@ class BackwardLauncher:
         self.shared_done, self.dgrads_done, self.comm_done = cnt[2 * M + T: -2], cnt[-2:-1], cnt[-1:]
         self.checked_occupancy = set()
 
-    def arguments(self, n, window: ScheduleWindow, h: torch.Tensor, tiles, w_gate_up, w_down, shared, swiglu_limit,
+    def arguments(self, n, window: ScheduleWindow, h: torch.Tensor, tiles, w_gate_up, w_down, shared, activation,
                   d_w_gate_up, d_w_down, shared_grads, carry: WgradCarry,
                   has_shared: bool) -> tuple[tuple, BackwardConsts]:
         """(runtime arguments without the step index, constexprs) of a window's launch."""
@@ -139,12 +140,12 @@ class BackwardLauncher:
             BackwardSyncArgs(self.rows_ready, self.dact_done, self.dx_done, self.shared_done, self.dgrads_done),
             PassEndArgs.of(k, self.comm_done),
             BackwardSizeArgs(n, k.world.rank, k.world.size, c.bwd_comm_sms, c.bwd_minibatch, L, I, D, Is,
-                             float(swiglu_limit or 0.0), k.budget),
+                             activation.kernel_limit, activation.kernel_alpha, k.budget),
         )
         copy = k.launcher.consts  # the forward's copy tile of BF16 rows: the backward pulls and pushes such rows
         consts = BackwardConsts(
             s.top_k, copy["CHUNKS"], copy["CP"], copy["W"], copy["ROWS"], copy["ALIGN"], has_shared,
-            swiglu_limit is not None, interpreting(), k.gpu, bm, da.block_n, da.block_k, dx.block_n, dx.block_k,
+            activation.kernel_id, interpreting(), k.gpu, bm, da.block_n, da.block_k, dx.block_n, dx.block_k,
             wg.block_m, wg.block_n, wg.block_k, da.group_m, k.trace is not None and k.gpu)
         return args, consts
 
@@ -193,7 +194,7 @@ class SharedGrads:
 
 def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor, top_experts: torch.Tensor,
                    router_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   shared: tuple[torch.Tensor, torch.Tensor] | None, swiglu_limit: float | None, *,
+                   shared: tuple[torch.Tensor, torch.Tensor] | None, activation: Activation, *,
                    check: bool = True) -> LayerGrads:
     """The backward of ``kernel``'s forward pass that left ``saved`` (collective; see the module docstring)."""
     k, s, c = kernel, kernel.shape, kernel.config
@@ -221,14 +222,14 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
         if not ring.in_forward_ring(saved, window) and schedule.capacity > forward_ring:
             x_rows = dispatch_pull(sym, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x,
                                    sync=False)
-            ring.replay(window, forward_ring, x_rows, w_gate_up, swiglu_limit, None, rows_per_expert)
+            ring.replay(window, forward_ring, x_rows, w_gate_up, activation, None, rows_per_expert)
         tiles = build_row_tiles(window.tokens_per_expert, window.offsets, window.capacity, c.tile_m,
                                 minibatch=c.bwd_minibatch, cut=False)
         bl.counters.zero_()
         if k.trace is not None:
             k.trace.zero_()
         has_shared = shared is not None and window.index == 0
-        args, consts = bl.arguments(n, window, h, tiles, w_gate_up, w_down, shared, swiglu_limit, d_w_gate_up,
+        args, consts = bl.arguments(n, window, h, tiles, w_gate_up, w_down, shared, activation, d_w_gate_up,
                                     d_w_down, shared_grads, ring.carry(window), has_shared)
         bl.run(args, consts, None if k.gpu else int(window.num_rows))
         if not k.gpu:

@@ -133,6 +133,7 @@ class BackwardSizeArgs:
     D: int
     shared_I: int
     limit: float
+    alpha: float
     budget: int
 
 
@@ -148,7 +149,7 @@ class BackwardConsts:
     ROWS: int
     ALIGN: int
     HAS_SHARED: bool
-    HAS_LIMIT: bool
+    ACT: int
     DOT_FP32: bool
     FENCE: bool
     BLOCK_M: int

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from megamoe import runtime
+from megamoe.config import Activation
 from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
 from megamoe.ops.comm import (dispatch_pull, pull_route_scalars, push_route_scalars, reverse_combine_pull,
                               reverse_dispatch_push)
@@ -44,7 +45,7 @@ from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backwa
 def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor,
                       top_experts: torch.Tensor, router_weights: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
-                      swiglu_limit: float | None, *, check: bool = True) -> LayerGrads:
+                      activation: Activation, *, check: bool = True) -> LayerGrads:
     """The backward of ``kernel``'s forward pass that left ``saved`` (collective; see the module docstring).
     ``kernel`` is the MegaKernel that ran it (not imported here: the kernel imports this module).
 
@@ -79,15 +80,15 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         elif not in_place and schedule.capacity > forward_ring:
             dispatch_pull(ws, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x, sync=False)
         if not in_place and schedule.capacity > forward_ring:
-            ring.replay(window, forward_ring, x_rows, w_gate_up, swiglu_limit, q, rows_per_expert)
+            ring.replay(window, forward_ring, x_rows, w_gate_up, activation, q, rows_per_expert)
         out = ring.grads(d_w_gate_up, d_w_down)
         counts, offsets = window.tokens_per_expert, window.offsets
         if fmt != "bf16":
             fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                         swiglu_limit=swiglu_limit, weights_t=weights_t, carry=ring.carry(window), out=out)
+                         activation=activation, weights_t=weights_t, carry=ring.carry(window), out=out)
         else:
             expert_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                            swiglu_limit=swiglu_limit, rows_per_expert=rows_per_expert, carry=ring.carry(window),
+                            activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
                             out=out)
         reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
         push_route_scalars(ws, window, ring.d_router, "d_router")
@@ -95,7 +96,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
     shared_gate_up = shared_down = shared_dx = None
     if shared is not None:
-        sg = _shared_backward(d_out, x, saved.shared_h, shared, swiglu_limit)
+        sg = _shared_backward(d_out, x, saved.shared_h, shared, activation)
         shared_dx, shared_gate_up, shared_down = sg.d_x, sg.d_w_gate_up[0], sg.d_w_down[0]
     d_x, d_router = home_sums(ws.local("combine"), ws.local("d_router"), top_experts, n, k, D, shared_dx)
     if check:
@@ -103,10 +104,10 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     return LayerGrads(d_x, d_router, d_w_gate_up, d_w_down, shared_gate_up, shared_down)
 
 
-def _shared_backward(d_out, x, shared_h, shared, swiglu_limit):
+def _shared_backward(d_out, x, shared_h, shared, activation):
     """The shared experts (fused into one FFN) over this rank's tokens: one expert of N rows, weight 1."""
     n = x.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
     return expert_backward(d_out.contiguous(), torch.ones(n, dtype=torch.float32, device=x.device),
                            x.contiguous(), shared_h[:n], torch.full((1,), n, **ints), torch.zeros(1, **ints),
-                           shared[0][None], shared[1][None], swiglu_limit=swiglu_limit)
+                           shared[0][None], shared[1][None], activation=activation)

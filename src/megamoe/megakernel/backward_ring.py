@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megamoe.config import Activation
 from megamoe.megakernel.buffers import scale_dtype
 from megamoe.megakernel.saved import SavedForward
 from megamoe.ops.comm import QuantRows
@@ -135,7 +136,7 @@ class BackwardRing:
                        src_index=torch.where(past, window.src_index, -1))
 
     def replay(self, window: ScheduleWindow, forward_ring: int, x: torch.Tensor | QuantRows, w_gate_up: torch.Tensor,
-               swiglu_limit: float | None, experts_q: QuantizedExperts | None, rows_per_expert: float) -> None:
+               activation: Activation, experts_q: QuantizedExperts | None, rows_per_expert: float) -> None:
         """h of the window's rows past the forward's ring, recomputed from their x into ``self.h`` (the forward's
         gate/up tiles: the same bits). Each expert's piece is cut there on the device: a window the forward's
         ring holds launches over empty pieces."""
@@ -149,10 +150,10 @@ class BackwardRing:
             out = ExpertForwardQuantized(self.h, self.act, self.act_scale, None)
             if x.format == "fp8-block":
                 gate_up_fp8(x.data, x.scale, counts, first, q.w_gate_up, q.w_gate_up_scale, out,
-                            swiglu_limit=swiglu_limit, rows_per_expert=rows_per_expert)
+                            activation=activation, rows_per_expert=rows_per_expert)
             else:
                 gate_up_mxfp8(x.data, x.scale, counts, first, q.w_gate_up, q.w_gate_up_scale, out,
-                              swiglu_limit=swiglu_limit)
+                              activation=activation)
             return
-        gate_up(x, counts, first, w_gate_up, self.h, self.act, swiglu_limit=swiglu_limit,
+        gate_up(x, counts, first, w_gate_up, self.h, self.act, activation=activation,
                 rows_per_expert=rows_per_expert)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from megamoe import checks
+from megamoe.config import SWIGLU, Activation
 from megamoe.parallel.world import EPWorld
 from megamoe.megakernel.kernel import MegaKernel
 from megamoe.ops.expert_weights import QuantizedExperts
@@ -38,7 +39,7 @@ def megamoe_forward(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     *,
     config: KernelConfig | None = None,
     precision: str = "bf16",
@@ -57,7 +58,7 @@ def megamoe_forward(
         w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; I a multiple of 8.
         w_down: bf16 `[L, D, I]`.
         shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
-        swiglu_limit: optional SwiGLU clamp.
+        activation: optional SwiGLU clamp.
 
     Args:
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
@@ -88,14 +89,14 @@ def megamoe_forward(
         raise ValueError("megamoe_forward computes no gradients, and an input or weight here requires grad: use "
                          "megamoe.moe (or megamoe.MoE) to train, or call this under torch.no_grad()")
     with torch.no_grad():
-        return _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, config,
+        return _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config,
                         precision, max_tokens, experts_q, check, check_finite)
 
 
-def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, config, precision,
+def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config, precision,
              max_tokens, experts_q, check, check_finite) -> torch.Tensor:
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
-                                                      shared, swiglu_limit, check_ids=check)
+                                                      shared, activation, check_ids=check)
     if check_finite:
         checks.check_finite(x, router_weights)
     if max_tokens is None:
@@ -110,7 +111,7 @@ def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, s
     # experts_q stands for the weights (never read then): keep the tensors it was made from, for its check
     weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (w_gate_up, w_down)]
     out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(), *weights,
-                            fused, swiglu_limit, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check)
+                            fused, activation, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check)
     return out
 
 

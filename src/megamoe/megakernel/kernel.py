@@ -49,6 +49,7 @@ from functools import partial
 import torch
 
 from megamoe import checks
+from megamoe.config import SWIGLU, Activation
 from megamoe.ops.comm import CommShape, comm_workspace
 from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
@@ -250,7 +251,7 @@ class MegaKernel:
             self._backward_ring = BackwardRing.allocate(self.shape, self.config, self.precision, self.world.device)
         return self._backward_ring
 
-    def backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit, *,
+    def backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, *,
                  check: bool = True, fused: bool = True):
         """The backward of a forward pass of this kernel that left ``saved`` (collective): the backward
         megakernel (``megamoe.megakernel.backward``), or with ``fused=False`` (and on one rank, where the forward
@@ -262,11 +263,11 @@ class MegaKernel:
         if self.precision != "bf16" and fused and not self.direct:
             raise ValueError(f"the backward megakernel runs BF16 experts: the {self.precision} backward runs the "
                              f"standalone kernels composed (fused_backward=False, moe()'s default)")
-        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
+        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
         if not isinstance(d_out, torch.Tensor) or d_out.shape != x.shape or d_out.dtype != torch.bfloat16:
             raise ValueError(f"d_out must be bfloat16 of x's shape {tuple(x.shape)}, got {checks.describe(d_out)}")
         run = fused_backward if fused and not self.direct else composed_backward
-        return run(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit,
+        return run(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, activation,
                    check=check)
 
     def check_errors(self) -> None:
@@ -309,7 +310,7 @@ class MegaKernel:
         w_gate_up: torch.Tensor,
         w_down: torch.Tensor,
         shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-        swiglu_limit: float | None = None,
+        activation: Activation = SWIGLU,
         *,
         experts_q: QuantizedExperts | None = None,
         buffers: LayerBuffers | None = None,
@@ -322,7 +323,7 @@ class MegaKernel:
         host sync)."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
-        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
+        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
         if check:  # an earlier unchecked pass's error first
             self.check_errors()
         if experts_q is not None:
@@ -336,13 +337,13 @@ class MegaKernel:
         if self.quantized and experts_q is None:  # quantised in this pass, before the device work (its graph)
             experts_q = quantize_experts(w_gate_up, w_down, self.precision)
         # 2-4: the device work, replayed from a graph when the weights, buffers and token count repeat
-        work = partial(self._device_work, n, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+        work = partial(self._device_work, n, buffers, w_gate_up, w_down, experts_q, shared, activation)
         if self.replay is None:
             schedule, tiles = work()
         else:
             q = () if experts_q is None else (experts_q.w_gate_up, experts_q.w_gate_up_scale, experts_q.w_down,
                                               experts_q.w_down_scale)
-            key = (n, swiglu_limit, layout_key((w_gate_up, w_down, *q, *(shared or (None, None)),
+            key = (n, activation, layout_key((w_gate_up, w_down, *q, *(shared or (None, None)),
                                                 *buffers.tensors())))
             schedule, tiles = self.replay(key, work)
         # 5. the weighted sum
@@ -353,12 +354,12 @@ class MegaKernel:
             self.check_errors()
         return out, ForwardContext(schedule, tiles, self.config, buffers)
 
-    def check_inputs(self, x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit) -> None:
+    def check_inputs(self, x, top_experts, router_weights, w_gate_up, w_down, shared, activation) -> None:
         """ValueError unless a pass's arguments fit this kernel's shape (no host sync: the ids are not read)."""
         s = self.shape
         pairs = () if shared is None else (shared,)
         n, d, k, experts, inter = checks.check_bf16_layer(self.world, x, top_experts, router_weights, w_gate_up,
-                                                          w_down, pairs, swiglu_limit, check_ids=False)
+                                                          w_down, pairs, activation, check_ids=False)
         got = dict(D=d, k=k, L=experts, I=inter, shared_I=sum(dn.shape[1] for _, dn in pairs))
         want = dict(D=s.hidden, k=s.top_k, L=s.experts_per_rank, I=s.intermediate, shared_I=s.shared_intermediate)
         for name in got:
@@ -387,7 +388,7 @@ class MegaKernel:
                 row[n:].fill_(-1)
 
     def _device_work(self, n, buffers, w_gate_up, w_down, experts_q, shared,
-                     swiglu_limit) -> tuple[PullSchedule, RowTiles]:
+                     activation) -> tuple[PullSchedule, RowTiles]:
         """Steps 2-4 of a pass (x and the routing ids staged): reads only this kernel's and the layer's buffers
         and the weights."""
         s, c, me = self.shape, self.config, self.world.rank
@@ -404,13 +405,13 @@ class MegaKernel:
                                 minibatch=c.minibatch, cut=schedule.num_rows > c.ring_rows)
         # 4. the megakernel (one rank: the expert kernels)
         if self.direct:
-            self._run_experts(n, schedule, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit)
+            self._run_experts(n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation)
         else:
             self.counters.zero_()
             if self.trace is not None:
                 self.trace.zero_()
             args, consts = self.launcher.arguments(n, schedule, tiles, buffers, w_gate_up, w_down, experts_q, shared,
-                                                   swiglu_limit)
+                                                   activation)
             self.launcher.run(schedule, args, consts)
             if not self.gpu:
                 self.world.barrier("the end of a forward pass (every push landed)")
@@ -425,7 +426,7 @@ class MegaKernel:
         sync.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("pass_flags")[row], self.epochs[row:],
                                      self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
 
-    def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, swiglu_limit) -> None:
+    def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation) -> None:
         """One rank: the routed rows gathered into the ring, the expert kernels on every SM, and the map from
         each route to its output row (the weighted sum reads the rows in place: no combine copy)."""
         cap = schedule.capacity
@@ -441,17 +442,17 @@ class MegaKernel:
             forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
             plan = {"rows_per_expert": self._rows_per_expert} if forward is expert_forward_fp8_block else {}
             forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
-                    q.w_down, q.w_down_scale, swiglu_limit=swiglu_limit,
+                    q.w_down, q.w_down_scale, activation=activation,
                     out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), **plan)
         else:
             torch.index_select(self.sym.local("x"), 0, token, out=b.ring_x[rows])
-            expert_forward(b.ring_x[rows], counts, offsets, w_gate_up, w_down, swiglu_limit=swiglu_limit,
+            expert_forward(b.ring_x[rows], counts, offsets, w_gate_up, w_down, activation=activation,
                            out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
                            rows_per_expert=self._rows_per_expert)
         if shared is not None and n:
             self._shared_rows.fill_(n)
             expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],
-                           shared[1][None], swiglu_limit=swiglu_limit,
+                           shared[1][None], activation=activation,
                            out=ExpertForward(b.shared_h[:n], b.shared_act[:n], self.shared_y[:n]))
 
     def _weighted_sum(self, out, own_rows, top_experts, router_weights, has_shared: bool) -> None:

@@ -86,7 +86,7 @@ class Launcher:
         return self.desc(buffers.ring_x, [bm, bk]), self.desc(buffers.act, [bm, bk]), shared
 
     def arguments(self, n, schedule, tiles, buffers: LayerBuffers, w_gate_up, w_down, experts_q, shared,
-                  swiglu_limit) -> tuple[tuple, dict]:
+                  activation) -> tuple[tuple, dict]:
         """(runtime arguments without the step index, constexprs) of one pass."""
         k, s, c = self.kernel, self.kernel.shape, self.kernel.config
         (gate_up_tile, down_tile), (shared_gate_up, shared_down) = self.routed_tiles, self.shared_tiles
@@ -125,9 +125,10 @@ class Launcher:
             SyncArgs(self.rows_ready, self.tile_done, self.y_done, self.shared_done),
             PassEndArgs.of(k, self.comm_done),
             SizeArgs(n, k.world.rank, k.world.size, c.comm_sms, c.minibatch, c.ring_rows // c.minibatch, L, I, D,
-                     s.shared_intermediate, float(swiglu_limit or 0.0), k.budget, int(k.keep_own_outputs)),
+                     s.shared_intermediate, activation.kernel_limit, activation.kernel_alpha, k.budget,
+                     int(k.keep_own_outputs)),
         )
-        consts = dict(self.consts, HAS_SHARED=shared is not None, HAS_LIMIT=swiglu_limit is not None)
+        consts = dict(self.consts, HAS_SHARED=shared is not None, ACT=activation.kernel_id)
         return args, consts
 
     def run(self, schedule, args: tuple, consts: dict) -> None:

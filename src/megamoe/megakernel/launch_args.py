@@ -173,6 +173,7 @@ class SizeArgs:
     D: int
     shared_I: int
     limit: float
+    alpha: float
     budget: int
     keep_own: int
 

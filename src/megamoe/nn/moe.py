@@ -48,7 +48,7 @@ def check_impl(impl: str, precision: str) -> None:
 def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelConfig | None = None,
              max_tokens: int | None = None, check_finite: bool = False,
              weights: PackCache | None = None) -> torch.Tensor:
-    """The layer through ``impl``: ``args`` are :func:`megamoe.moe`'s positional ones (world .. swiglu_limit);
+    """The layer through ``impl``: ``args`` are :func:`megamoe.moe`'s positional ones (world .. activation);
     the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs). ``weights``:
     the caller's cache of the FP8 weight pack (made once per optimizer step for the forward and the backward)."""
     if impl == "reference":
@@ -75,7 +75,7 @@ class MoE(nn.Module):
     """This rank's share of one MoE layer (collective: every rank of ``world`` builds one alike).
 
     Args:
-        config: the layer's shape (E, k, D, I, shared sizes, SwiGLU clamp).
+        config: the layer's shape (E, k, D, I, shared sizes) and its experts' activation.
         world: the expert-parallel group; this rank holds experts ``rank*L .. rank*L+L-1``.
         precision: the routed experts' precision (bf16, fp8-block, mxfp8: every one trains).
         device: where the weights live (default: the world's device).
@@ -131,7 +131,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor) -> torch.Tensor:
         shared = list(zip(self.shared_gate_up, self.shared_down))
         args = (self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
-                self.config.swiglu_limit)
+                self.config.activation)
         return run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
                         max_tokens=self.max_tokens, check_finite=self.check_finite, weights=self.weights_q)
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
-from megamoe.reference import expert_ffn, swiglu
+from megamoe.reference import activate, expert_ffn
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe import runtime
 from megamoe.runtime import compiled_gpu
@@ -103,7 +104,7 @@ def expert_forward(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     num_programs: int | None = None,
     out: ExpertForward | None = None,
     tiles: dict[str, TileConfig] | None = None,
@@ -135,7 +136,7 @@ def expert_forward(
             y=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
         )
     tiles = tiles or {}
-    gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, swiglu_limit=swiglu_limit,
+    gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, activation=activation,
             num_programs=num_programs, tiles=tiles.get("gate_up"), minibatch=minibatch,
             rows_per_expert=rows_per_expert)
     down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"),
@@ -151,7 +152,7 @@ def gate_up(
     h: torch.Tensor,
     act: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     num_programs: int | None = None,
     tiles: TileConfig | None = None,
     minibatch: int | None = None,
@@ -170,7 +171,7 @@ def gate_up(
     cfg = tiles or plan_tiles("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
     programs = runtime.num_programs(x_rows.device, num_programs)
     if warp_specialized and warp_specialized_forward(x_rows.device, cfg):
-        forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, swiglu_limit=swiglu_limit,
+        forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, activation=activation,
                    minibatch=minibatch)
         return
     launch_row_tasks(
@@ -179,9 +180,9 @@ def gate_up(
         head=(descriptor(x_rows, [cfg.block_m, cfg.block_k]),
               descriptor(w_gate_up.view(experts * 2 * i, d), [cfg.block_n, cfg.block_k]),
               h, act, h.stride(0), act.stride(0)),
-        tail=(i, d, float(swiglu_limit or 0.0)),
+        tail=(i, d, activation.kernel_limit, activation.kernel_alpha),
         minibatch=minibatch,
-        HAS_LIMIT=swiglu_limit is not None,
+        ACT=activation.kernel_id,
     )
 
 
@@ -220,20 +221,20 @@ def warp_specialized_forward(device: torch.device, tile: TileConfig) -> bool:
     return compiled_gpu(device) and torch.cuda.get_device_capability(device)[0] == 9 and tile.block_m == 128
 
 
-def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, has_limit: bool,
+def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act: int,
                           stages: int | None = None, mma_in_flight: bool = True) -> dict:
     """The Gluon forward's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs):
     the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3; at least ``gluon_ring.MIN_STAGES``),
     one wgmma in flight
     (benchmarks/results/2026-12-03-forward-warp-specialized)."""
-    return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
+    return dict(GATE_UP=gate_up, ACT=act, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
                 BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                 STAGES=max(gluon_ring.MIN_STAGES, stages or tile.num_stages),
                 MMA_IN_FLIGHT=mma_in_flight)
 
 
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-               tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, swiglu_limit: float | None = None,
+               tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, activation: Activation = SWIGLU,
                minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True) -> None:
     """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles of ``tile``'s BLOCK_N,
     BLOCK_K, GROUP_M and, unless ``stages``, ring depth): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out
@@ -251,8 +252,8 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
         forward_warp_specialized.forward_ws_kernel[(programs,)](
             a, w, out, act, a.stride(0), out.stride(0), act.stride(0), tiles.tile_expert, tiles.tile_row0,
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
-            float(swiglu_limit or 0.0), num_warps=4,
-            **forward_ws_constexprs(tile, programs, gate_up=gate_up, has_limit=swiglu_limit is not None, stages=stages,
+            activation.kernel_limit, activation.kernel_alpha, num_warps=4,
+            **forward_ws_constexprs(tile, programs, gate_up=gate_up, act=activation.kernel_id, stages=stages,
                                     mma_in_flight=mma_in_flight))
 
 
@@ -263,7 +264,7 @@ def expert_forward_reference(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
 ) -> ExpertForward:
     """The torch twin of :func:`expert_forward` in FP32 (rows outside regions stay NaN)."""
     i, d = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
@@ -275,6 +276,6 @@ def expert_forward_reference(
         x = x_rows[start : start + count].float()
         h = x @ w_gate_up[l].float().T
         out.h[start : start + count] = h
-        out.act[start : start + count] = swiglu(h, swiglu_limit)
-        out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), swiglu_limit)
+        out.act[start : start + count] = activate(h, activation)
+        out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), activation)
     return out

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import checks, runtime
+from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
 from megamoe.ops.experts import check_operands, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
-from megamoe.reference import swiglu
+from megamoe.reference import activate
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import compiled_gpu, interpreting
 
@@ -64,7 +65,7 @@ def expert_backward(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     num_programs: int | None = None,
     tiles: dict[str, TileConfig] | None = None,
     rows_per_expert: float | None = None,
@@ -122,8 +123,8 @@ def expert_backward(
                     h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert,
                     tile_map.tile_row0,
                     tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
-                    float(swiglu_limit or 0.0), num_warps=4,
-                    **dact_ws_constexprs(c, programs, has_limit=swiglu_limit is not None))
+                    activation.kernel_limit, activation.kernel_alpha, num_warps=4,
+                    **dact_ws_constexprs(c, programs, act=activation.kernel_id))
         else:
             launch_row_tasks(
                 expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
@@ -131,8 +132,8 @@ def expert_backward(
                       descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
                       h, row_weights, d_h, act_w, partial,
                       h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
-                tail=(d, i, float(swiglu_limit or 0.0)),
-                HAS_LIMIT=swiglu_limit is not None,
+                tail=(d, i, activation.kernel_limit, activation.kernel_alpha),
+                ACT=activation.kernel_id,
             )
         # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
         expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
@@ -181,11 +182,11 @@ def check_grads(grads: ExpertGrads, rows: int, w_gate_up: torch.Tensor, w_down: 
     checks.check_tensors(tuple(want), w_gate_up.device)
 
 
-def dact_ws_constexprs(tile: TileConfig, programs: int, *, has_limit: bool = False) -> dict:
+def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:
     """The Gluon dacts' constexprs at ``tile`` (BF16's and FP8-block's; shared with the sm_90 build check): the
     plan's BLOCK_K (FP8-block's is its scale block, 128), ring depth (at least ``gluon_ring.MIN_STAGES``: a wgmma
     group, or FP8's second K step, stays in flight) and task order."""
-    return dict(HAS_LIMIT=has_limit, NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+    return dict(ACT=act, NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                 STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
 
 
@@ -253,7 +254,7 @@ def expert_backward_reference(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward` in FP32, from the same saved ``h``.
 
@@ -268,7 +269,7 @@ def expert_backward_reference(
     for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
         sl = slice(start, start + count)
         h_l, w_down_l, w = (t.float().requires_grad_() for t in (h[sl], w_down[l], row_weights[sl]))
-        y = swiglu(h_l, swiglu_limit) @ w_down_l.T
+        y = activate(h_l, activation) @ w_down_l.T
         d_h, grads.d_w_down[l], grads.d_router[sl] = torch.autograd.grad(
             (y * w[:, None] * dy_rows[sl].float()).sum(), [h_l, w_down_l, w])
         grads.d_x[sl] = d_h @ w_gate_up[l].float()

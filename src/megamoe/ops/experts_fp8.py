@@ -18,6 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
 from megamoe import runtime
+from megamoe.config import SWIGLU, Activation
 from megamoe.ops.experts import ExpertForwardQuantized, warp_specialized_forward
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, mean_rows
@@ -25,7 +26,7 @@ from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8, forward_fp8_warp_specialized, gluon_ring
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.quant import soft_e4m3_default
-from megamoe.reference import swiglu
+from megamoe.reference import activate
 
 FP8 = torch.float8_e4m3fn
 
@@ -70,7 +71,7 @@ def expert_forward_fp8_block(
     w_down_q: torch.Tensor,
     w_down_scale: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     num_programs: int | None = None,
     tiles: dict[str, TileConfig] | None = None,
     store_h: bool = True,
@@ -84,7 +85,7 @@ def expert_forward_fp8_block(
         counts: int `[L]` rows of each expert; offsets: int `[L]` region starts.
         w_gate_up_q: E4M3 `[L, 2I, D]`, w_gate_up_scale fp32 `[L, 2I/128, D/128]` (128x128 blocks).
         w_down_q: E4M3 `[L, D, I]`, w_down_scale fp32 `[L, D/128, I/128]`. D, I multiples of 128.
-        swiglu_limit: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
+        activation: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
         num_programs: persistent grid size (default: the SM count).
         tiles: {"gate_up": TileConfig, "down": TileConfig}; block_k must be 128, gate/up block_n 128.
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
@@ -97,7 +98,7 @@ def expert_forward_fp8_block(
                                                    w_gate_up_scale, w_down_q, w_down_scale)
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, FP8_BLOCK, torch.float32, x_q.device, store_h)
     tiles = tiles or {}
-    gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, swiglu_limit=swiglu_limit,
+    gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, activation=activation,
                 num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h,
                 rows_per_expert=rows_per_expert)
     down_fp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y,
@@ -106,7 +107,8 @@ def expert_forward_fp8_block(
 
 
 def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
-                swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None, store_h: bool = True,
+                activation: Activation = SWIGLU, num_programs=None, tiles: TileConfig | None = None,
+                store_h: bool = True,
                 rows_per_expert: float | None = None, warp_specialized: bool = True) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch; the
     tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run
@@ -123,7 +125,7 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
     programs = runtime.num_programs(x_q.device, num_programs)
     if warp_specialized and warp_specialized_fp8(x_q.device, c):
         forward_fp8_ws(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, h, c, programs, act_q=out.act_q,
-                       act_scale=out.act_scale, swiglu_limit=swiglu_limit, store_h=store_h)
+                       act_scale=out.act_scale, activation=activation, store_h=store_h)
         return
     launch_row_tasks(
         expert_gemm_fp8.gate_up_fp8_kernel, c, programs,
@@ -133,8 +135,8 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
               x_scale, w_gate_up_scale, h, out.act_q.view(torch.uint8), out.act_scale,
               x_scale.stride(0), flat_row_stride(w_gate_up_scale), h.stride(0), out.act_q.stride(0),
               out.act_scale.stride(0)),
-        tail=(i, d, float(swiglu_limit or 0.0)),
-        HAS_LIMIT=swiglu_limit is not None, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
+        tail=(i, d, activation.kernel_limit, activation.kernel_alpha),
+        ACT=activation.kernel_id, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
     )
 
 
@@ -171,17 +173,17 @@ def warp_specialized_fp8(device: torch.device, tile: TileConfig) -> bool:
     return warp_specialized_forward(device, tile) and tile.block_n == FP8_BLOCK
 
 
-def forward_fp8_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, has_limit: bool = False,
+def forward_fp8_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act: int = 0,
                               store_h: bool = True) -> dict:
     """The Gluon kernel's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs): the
     plan's ring depth (gate/up 3, down 4: the fastest measured; at least ``gluon_ring.MIN_STAGES``: down holds two
     steps' slots at once) and task order."""
-    return dict(GATE_UP=gate_up, HAS_LIMIT=has_limit, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
+    return dict(GATE_UP=gate_up, ACT=act, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
                 NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
 
 
 def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileConfig, programs: int, *,
-                   act_q=None, act_scale=None, swiglu_limit=None, store_h: bool = True) -> None:
+                   act_q=None, act_scale=None, activation: Activation = SWIGLU, store_h: bool = True) -> None:
     """An FP8-block forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128 x 128 tiles of ``tile``'s
     GROUP_M and ring depth): gate/up + SwiGLU + act quantisation when ``act_q`` is given (w `[L, 2I, D]`, out h
     `[R, 2I]`, written with ``store_h``), else down (w `[L, D, I]`, out y `[R, D]`). The Triton kernels' tasks and
@@ -201,9 +203,10 @@ def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileC
             a_q, w_q, a_scale, w_scale, out, act_q, act_scale,
             a_q.stride(0), a_scale.stride(0), flat_row_stride(w_scale), out.stride(0), act_q.stride(0),
             act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
-            tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, float(swiglu_limit or 0.0),
+            tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, activation.kernel_limit,
+            activation.kernel_alpha,
             num_warps=4, **forward_fp8_ws_constexprs(tile, programs, gate_up=gate_up,
-                                                     has_limit=swiglu_limit is not None, store_h=store_h))
+                                                     act=activation.kernel_id, store_h=store_h))
 
 
 def expert_forward_fp8_block_reference(
@@ -216,7 +219,7 @@ def expert_forward_fp8_block_reference(
     w_down_q: torch.Tensor,
     w_down_scale: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     experts: list[int] | None = None,
 ) -> ExpertForwardQuantized:
     """The torch twin: fp32 compute on the dequantised inputs (in the kernels' per-128-K-block promotion
@@ -242,7 +245,7 @@ def expert_forward_fp8_block_reference(
             continue
         sl = slice(start, start + count)
         h = _promoted_matmul(x_q[sl], x_scale[sl], w_gate_up_q[l], w_gate_up_scale[l])
-        act_q, act_s = fp8_block_quantize(swiglu(h, swiglu_limit))
+        act_q, act_s = fp8_block_quantize(activate(h, activation))
         out.h[sl], out.act_q[sl], out.act_scale[sl] = h, act_q, act_s
         out.y[sl] = _promoted_matmul(act_q, act_s, w_down_q[l], w_down_scale[l])
     return out

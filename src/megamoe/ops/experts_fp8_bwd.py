@@ -27,6 +27,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import runtime
+from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import (dact_warp_specialized, expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd,
                              wgrad_fp8_warp_specialized)
 from megamoe.ops.experts import check_operands
@@ -40,6 +41,7 @@ from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_alloca
 from megamoe.ops.quant import quantize_activations
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.tiles import TileConfig
+from megamoe.reference import activation_backward
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
 from megamoe.runtime import interpreting
@@ -155,7 +157,7 @@ def _rows_of(rows: torch.Tensor | QuantRows, fmt: str, name: str) -> torch.Tenso
 
 
 def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
-                              swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
+                              activation: Activation = SWIGLU, weights_t: TransposedWeights | None = None,
                               num_programs: int | None = None,
                               tiles: dict[str, TileConfig] | None = None,
                               warp_specialized: bool = True, carry: WgradCarry | None = None,
@@ -171,21 +173,21 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
     blocks where the whole rows do: cuts at multiples of 128 rows of an expert)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                swiglu_limit, weights_t, num_programs, tiles, warp_specialized, carry, out)
+                                activation, weights_t, num_programs, tiles, warp_specialized, carry, out)
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
-                          swiglu_limit: float | None = None, weights_t: TransposedWeights | None = None,
+                          activation: Activation = SWIGLU, weights_t: TransposedWeights | None = None,
                           num_programs: int | None = None,
                           tiles: dict[str, TileConfig] | None = None, carry: WgradCarry | None = None,
                           out: ExpertGrads | None = None) -> ExpertGrads:
     """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
     return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                swiglu_limit, weights_t, num_programs, tiles, False, carry, out)
+                                activation, weights_t, num_programs, tiles, False, carry, out)
 
 
-def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, swiglu_limit,
+def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, activation,
                          weights_t, num_programs, tiles, warp_specialized: bool = False,
                          carry: WgradCarry | None = None, out: ExpertGrads | None = None) -> ExpertGrads:
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
@@ -231,8 +233,9 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
                 dy_q, wt.w_down_t.view(experts * i, d), dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial,
                 dy_q.stride(0), dy_s.stride(0), flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0),
                 act_w.stride(0), partial.stride(0), tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end,
-                tile_map.tile_run, tile_map.num_tiles, rows, experts * i, d, i, float(swiglu_limit or 0.0), num_warps=4,
-                **experts_bwd.dact_ws_constexprs(c, programs, has_limit=swiglu_limit is not None))
+                tile_map.tile_run, tile_map.num_tiles, rows, experts * i, d, i, activation.kernel_limit,
+                activation.kernel_alpha, num_warps=4,
+                **experts_bwd.dact_ws_constexprs(c, programs, act=activation.kernel_id))
     else:
         launch_row_tasks(
             expert_gemm_mxfp8_bwd.dact_mxfp8_kernel if mx else expert_gemm_fp8_bwd.dact_fp8_kernel, c, programs,
@@ -241,8 +244,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
                   TensorDescriptor.from_tensor(wt.w_down_t.view(experts * i, d), [c.block_n, c.block_k]),
                   dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial, dy_s.stride(0),
                   flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
-            tail=(d, i, experts * i, float(swiglu_limit or 0.0)) if mx else (d, i, float(swiglu_limit or 0.0)),
-            HAS_LIMIT=swiglu_limit is not None,
+            tail=(d, i, *((experts * i,) if mx else ()), activation.kernel_limit, activation.kernel_alpha),
+            ACT=activation.kernel_id,
         )
     expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
         partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
@@ -271,7 +274,7 @@ def expert_backward_mxfp8_reference(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_mxfp8`: ``formats.mxfp8_quantize`` along each GEMM's reduction
     axis, operands dequantised exactly, fp32 matmuls; d_h and act_w rounded to bf16 where the kernels store
@@ -291,7 +294,7 @@ def expert_backward_mxfp8_reference(
             continue
         sl = slice(start, start + count)
         g = mx(dy_rows[sl]) @ mx(w_down[l].T).T
-        d_h, act, d_router = swiglu_backward(g, h[sl].float(), row_weights[sl], swiglu_limit)
+        d_h, act, d_router = activation_backward(g, h[sl].float(), row_weights[sl], activation)
         d_h = d_h.to(torch.bfloat16)
         act_w = (act * row_weights[sl, None]).to(torch.bfloat16)
         grads.d_router[sl] = d_router
@@ -313,7 +316,7 @@ def expert_backward_fp8_block_reference(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_fp8_block`: the same quantisations (``formats``), the products in
     the kernels' promotion order (``_promoted_matmul``), d_h and act_w rounded to bf16 where the kernels store
@@ -331,7 +334,7 @@ def expert_backward_fp8_block_reference(
         sl = slice(start, start + count)
         dy_q, dy_s = (dy_pulled.data[sl], dy_pulled.scale[sl]) if dy_pulled else fp8_block_quantize(dy_rows[sl])
         g = _promoted_matmul(dy_q, dy_s, *fp8_block_quantize(w_down[l].T, (FP8_BLOCK, FP8_BLOCK)))
-        d_h, act, d_router = swiglu_backward(g, h[sl].float(), row_weights[sl], swiglu_limit)
+        d_h, act, d_router = activation_backward(g, h[sl].float(), row_weights[sl], activation)
         d_h = d_h.to(torch.bfloat16)
         act_w = (act * row_weights[sl, None]).to(torch.bfloat16)
         grads.d_router[sl] = d_router
@@ -349,27 +352,6 @@ def _dequantized(rows: torch.Tensor | QuantRows) -> torch.Tensor:
     if rows.format == "mxfp8":
         return mxfp8_dequantize(rows.data, rows.scale)
     return fp8_block_dequantize(rows.data, rows.scale)
-
-
-def swiglu_backward(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, limit: float | None):
-    """(d_h, act, d_router) of rows with ``g = dy · w_down`` and h `[n, 2I]` in FP32, as the dact epilogue
-    computes them: ``d_router = <g, act>``, ``d_h = SwiGLU'(h) ⊙ (w g)`` (the clamp passes the gradient inside
-    its bounds, inclusive)."""
-    gate, up = h.chunk(2, dim=-1)
-    gate_c, up_c = gate, up
-    if limit is not None:
-        gate_c, up_c = gate.clamp(max=limit), up.clamp(-limit, limit)
-    sig = torch.sigmoid(gate_c)
-    silu = gate_c * sig
-    act = silu * up_c
-    d_router = (g * act).sum(dim=1)
-    d_act = g * w[:, None]
-    d_up = d_act * silu
-    d_gate = d_act * up_c * (sig * (1.0 + gate_c * (1.0 - sig)))
-    if limit is not None:
-        d_gate = torch.where(gate <= limit, d_gate, 0.0)
-        d_up = torch.where((up >= -limit) & (up <= limit), d_up, 0.0)
-    return torch.cat([d_gate, d_up], dim=1), act, d_router
 
 
 def _token_wgrad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe import checks
 from megamoe import runtime
+from megamoe.config import SWIGLU, Activation
 from megamoe.ops.experts import ExpertForwardQuantized
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks
 from megamoe.ops.tiles import TileConfig
 from megamoe.reference.formats import MX_BLOCK, mxfp8_dequantize, mxfp8_quantize
 from megamoe.kernels import expert_gemm_mxfp8
 from megamoe.ops.quant import soft_e4m3_default
-from megamoe.reference import swiglu
+from megamoe.reference import activate
 
 FP8 = torch.float8_e4m3fn
 VARIANTS = ("dequant", "rescale")
@@ -82,7 +83,7 @@ def expert_forward_mxfp8(
     w_down_scale: torch.Tensor,
     *,
     variant: str = "dequant",
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     num_programs: int | None = None,
     tiles: dict[str, TileConfig] | None = None,
     store_h: bool = True,
@@ -97,7 +98,7 @@ def expert_forward_mxfp8(
         w_down_q: E4M3 `[L, D, I]`, w_down_scale uint8 `[L, D, I/32]` (32-blocks along I).
             D and I multiples of 32.
         variant: "dequant" (dequantise-on-load, bf16 wgmma) or "rescale" (e4m3 wgmma, per-32 rescale).
-        swiglu_limit: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
+        activation: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
         num_programs: persistent grid size (default: the SM count).
         tiles: {"gate_up": TileConfig, "down": TileConfig}; block_k a multiple of 32 (rescale: exactly
             32), gate/up block_n >= 64.
@@ -111,14 +112,15 @@ def expert_forward_mxfp8(
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, MX_BLOCK, torch.uint8, x_q.device, store_h)
     tiles = tiles or {}
     gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, variant=variant,
-                  swiglu_limit=swiglu_limit, num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h)
+                  activation=activation, num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h)
     down_mxfp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y, variant=variant,
                num_programs=num_programs, tiles=tiles.get("down"))
     return out
 
 
 def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
-                  variant: str = "dequant", swiglu_limit=None, num_programs=None, tiles: TileConfig | None = None,
+                  variant: str = "dequant", activation: Activation = SWIGLU, num_programs=None,
+                  tiles: TileConfig | None = None,
                   store_h: bool = True, int_exp: bool = False) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch.
     ``int_exp`` (rescale only) forms 2**(sa+sw-254) by an int32 exponent add instead of an fp32 product."""
@@ -138,8 +140,8 @@ def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, o
               x_scale, w_gate_up_scale, h, out.act_q.view(torch.uint8), out.act_scale,
               x_scale.stride(0), flat_row_stride(w_gate_up_scale), h.stride(0), out.act_q.stride(0),
               out.act_scale.stride(0)),
-        tail=(i, experts * 2 * i, d, float(swiglu_limit or 0.0)),
-        HAS_LIMIT=swiglu_limit is not None, STORE_H=store_h, RESCALE=variant == "rescale", INT_EXP=int_exp,
+        tail=(i, experts * 2 * i, d, activation.kernel_limit, activation.kernel_alpha),
+        ACT=activation.kernel_id, STORE_H=store_h, RESCALE=variant == "rescale", INT_EXP=int_exp,
         SOFT_E4M3=soft_e4m3_default(),
     )
 
@@ -174,7 +176,7 @@ def expert_forward_mxfp8_reference(
     w_down_q: torch.Tensor,
     w_down_scale: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     experts: list[int] | None = None,
 ) -> ExpertForwardQuantized:
     """The torch twin: operands dequantised by `formats.mxfp8_dequantize` (exact, fp32), fp32 matmuls,
@@ -200,7 +202,7 @@ def expert_forward_mxfp8_reference(
         sl = slice(start, start + count)
         x = mxfp8_dequantize(x_q[sl], x_scale[sl])
         h = x @ mxfp8_dequantize(w_gate_up_q[l], w_gate_up_scale[l]).T
-        act_q, act_s = mxfp8_quantize(swiglu(h, swiglu_limit))
+        act_q, act_s = mxfp8_quantize(activate(h, activation))
         out.h[sl], out.act_q[sl], out.act_scale[sl] = h, act_q, act_s
         out.y[sl] = mxfp8_dequantize(act_q, act_s) @ mxfp8_dequantize(w_down_q[l], w_down_scale[l]).T
     return out

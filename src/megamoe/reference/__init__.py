@@ -3,6 +3,7 @@
 Deliberately plain and free of Triton: every kernel is checked against it.
 """
 
-from megamoe.reference.layer import compute_dtype, expert_ffn, moe_forward, moe_forward_backward, swiglu
+from megamoe.reference.layer import (activate, activation_backward, compute_dtype, expert_ffn, moe_forward,
+                                    moe_forward_backward)
 
-__all__ = ["compute_dtype", "expert_ffn", "moe_forward", "moe_forward_backward", "swiglu"]
+__all__ = ["activate", "activation_backward", "compute_dtype", "expert_ffn", "moe_forward", "moe_forward_backward"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megamoe.config import SWIGLU, Activation
 from megamoe.parallel.world import EPWorld
 from megamoe.reference.layer import compute_dtype, moe_forward_backward
 
@@ -52,7 +53,7 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
     d_out_all = _gather_rows(world, p.d_out.to(cdt), rows) if with_grads else None
     partial, grads = moe_forward_backward(
         x_all, top_all, rw_all, p.w_gate_up, p.w_down, d_out_all,
-        swiglu_limit=cfg.swiglu_limit, first_expert=p.first_expert, num_experts=cfg.num_experts,
+        activation=cfg.activation, first_expert=p.first_expert, num_experts=cfg.num_experts,
     )
     out = _sum_home(world, partial, rows, n)
     d_out_mine = p.d_out.to(cdt) if with_grads else None
@@ -61,7 +62,7 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
     no_experts = (p.w_gate_up[:0], p.w_down[:0])
     # The shared experts are replicated: each rank computes them for its own tokens.
     shared_out, shared_grads = moe_forward_backward(
-        x_mine, empty_top, p.router_weights, *no_experts, d_out_mine, p.shared, cfg.swiglu_limit,
+        x_mine, empty_top, p.router_weights, *no_experts, d_out_mine, p.shared, cfg.activation,
         num_experts=cfg.num_experts,
     )
     out = out + shared_out
@@ -80,7 +81,7 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
 
 
 def ep_moe(world: EPWorld, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor,
-           w_gate_up: torch.Tensor, w_down: torch.Tensor, shared=(), swiglu_limit: float | None = None) -> torch.Tensor:
+           w_gate_up: torch.Tensor, w_down: torch.Tensor, shared=(), activation: Activation = SWIGLU) -> torch.Tensor:
     """The layer over the EP group in plain PyTorch, differentiable by autograd (the reference a model trains on).
 
     Arguments as :func:`megamoe.moe`: this rank's tokens, its experts ``rank*L ..``, replicated shared experts.
@@ -100,12 +101,12 @@ def ep_moe(world: EPWorld, x: torch.Tensor, top_experts: torch.Tensor, router_we
     x_all = _Exchange.apply(world, padded(x.to(cdt)).repeat(world.size, 1))
     weights_all = _Exchange.apply(world, padded(router_weights).repeat(world.size, 1))
     top_all = _gather_rows(world, top_experts, rows, fill=-1)
-    share = moe_forward(x_all, top_all, weights_all, w_gate_up, w_down, swiglu_limit=swiglu_limit,
+    share = moe_forward(x_all, top_all, weights_all, w_gate_up, w_down, activation=activation,
                         first_expert=world.rank * L, num_experts=L * world.size).to(cdt)
     out = _Exchange.apply(world, share).view(world.size, rows, -1).sum(0)[:n]  # rank order
     if shared:
         out = out + moe_forward(x.to(cdt), torch.full_like(top_experts, -1), router_weights, w_gate_up[:0],
-                                w_down[:0], shared, swiglu_limit, num_experts=L * world.size).to(cdt)
+                                w_down[:0], shared, activation, num_experts=L * world.size).to(cdt)
     return out.to(x.dtype)
 
 

@@ -11,28 +11,66 @@ from collections.abc import Sequence
 import torch
 
 from megamoe import checks
+from megamoe.config import SWIGLU, Activation
 
 
-def swiglu(h_M2I: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``h = [gate | up]`` along the last dim, as the kernels compute it:
-    ``gate * sigmoid(gate) * up`` (``F.silu`` rounds differently in ~20 % of float32 elements, which moves the
-    FP8 kernels' act scales by an ulp). The one SwiGLU twin of the project.
+def activate(h_M2I: torch.Tensor, activation: Activation = SWIGLU) -> torch.Tensor:
+    """The experts' activation of ``h = [gate | up]`` along the last dim, as the kernels compute it (the same
+    operations in the same order: ``megamoe.kernels.activation``); the one activation twin of the project.
 
-    With ``swiglu_limit``, gate is clamped to ``max=limit`` and up to
-    ``[-limit, limit]`` first.
+    SwiGLU is ``gate * sigmoid(gate) * up`` (``F.silu`` rounds differently in ~20 % of float32 elements, which
+    moves the FP8 kernels' act scales by an ulp); ``swiglu-clamped`` and ``gpt-oss`` clamp gate to ``max=limit``
+    and up to ``[-limit, limit]`` first; gpt-oss is ``gate * sigmoid(alpha * gate) * (up + 1)``; GeGLU
+    ``0.5 * gate * (1 + erf(gate / sqrt(2))) * up``.
     """
     gate, up = h_M2I.chunk(2, dim=-1)
-    if swiglu_limit is not None:
-        gate = gate.clamp(max=swiglu_limit)
-        up = up.clamp(-swiglu_limit, swiglu_limit)
+    if activation.limit is not None:
+        gate = gate.clamp(max=activation.limit)
+        up = up.clamp(-activation.limit, activation.limit)
+    if activation.kind == "gpt-oss":
+        return gate * torch.sigmoid(activation.alpha * gate) * (up + 1.0)
+    if activation.kind == "geglu":
+        return 0.5 * gate * (1.0 + torch.erf(gate * 0.7071067811865476)) * up
     return gate * torch.sigmoid(gate) * up
 
 
+def activation_backward(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, activation: Activation = SWIGLU):
+    """(d_h, act, d_router) of rows from ``g = dy · w_down`` and h `[n, 2I]` in FP32 and their router weights
+    ``w`` `[n]`, as the kernels' dact epilogue computes them (``megamoe.kernels.activation.activation_bwd``, the
+    same operations in the same order): ``d_router = <g, act>``, ``d_h = act'(h) ⊙ (w g)`` (a clamp passes the
+    gradient inside its bounds, inclusive)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate_c, up_c, limit = gate, up, activation.limit
+    if limit is not None:
+        gate_c, up_c = gate.clamp(max=limit), up.clamp(-limit, limit)
+    if activation.kind == "gpt-oss":
+        sig = torch.sigmoid(activation.alpha * gate_c)
+        glu, up_1 = gate_c * sig, up_c + 1.0
+        d_glu = sig * (1.0 + activation.alpha * gate_c * (1.0 - sig))
+    elif activation.kind == "geglu":
+        cdf = 0.5 * (1.0 + torch.erf(gate_c * 0.7071067811865476))
+        glu, up_1 = gate_c * cdf, up_c
+        d_glu = cdf + gate_c * 0.3989422804014327 * torch.exp(-0.5 * gate_c * gate_c)
+    else:
+        sig = torch.sigmoid(gate_c)
+        glu, up_1 = gate_c * sig, up_c
+        d_glu = sig * (1.0 + gate_c * (1.0 - sig))
+    act = glu * up_1
+    d_router = (g * act).sum(dim=1)
+    d_act = g * w[:, None]
+    d_up = d_act * glu
+    d_gate = d_act * up_1 * d_glu
+    if limit is not None:
+        d_gate = torch.where(gate <= limit, d_gate, 0.0)
+        d_up = torch.where((up >= -limit) & (up <= limit), d_up, 0.0)
+    return torch.cat([d_gate, d_up], dim=1), act, d_router
+
+
 def expert_ffn(
-    x_MD: torch.Tensor, w_gate_up_2ID: torch.Tensor, w_down_DI: torch.Tensor, swiglu_limit: float | None = None
+    x_MD: torch.Tensor, w_gate_up_2ID: torch.Tensor, w_down_DI: torch.Tensor, activation: Activation = SWIGLU
 ) -> torch.Tensor:
-    """``W_down · swiglu(W_gate_up · x)`` for rows ``x_MD``, in x's dtype."""
-    return swiglu(x_MD @ w_gate_up_2ID.T, swiglu_limit) @ w_down_DI.T
+    """``W_down · activate(W_gate_up · x)`` for rows ``x_MD``, in x's dtype."""
+    return activate(x_MD @ w_gate_up_2ID.T, activation) @ w_down_DI.T
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,7 +85,7 @@ def moe_forward(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     *,
     first_expert: int = 0,
     num_experts: int | None = None,
@@ -62,7 +100,7 @@ def moe_forward(
             (gate rows first, then up rows). With the defaults L = E.
         w_down: `[L, D, I]`.
         shared: shared experts, each ``(w_gate_up [2Is, D], w_down [D, Is])``.
-        swiglu_limit: optional SwiGLU clamp (see :func:`swiglu`).
+        activation: optional SwiGLU clamp (see :func:`swiglu`).
         first_expert: global id of ``w_gate_up[0]``. Routes to experts outside
             the held slice contribute nothing: the result is this slice's
             share of the layer (used to build an expert-parallel reference).
@@ -71,7 +109,7 @@ def moe_forward(
     Returns:
         `[N, D]` in x's dtype, accumulated in FP32 (FP64 for FP64 input).
     """
-    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
+    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
     checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
 
     cdt = compute_dtype(x.dtype)
@@ -81,10 +119,10 @@ def moe_forward(
         token, slot = (top_experts == first_expert + local).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        y = expert_ffn(x_c[token], w_gate_up[local].to(cdt), w_down[local].to(cdt), swiglu_limit)
+        y = expert_ffn(x_c[token], w_gate_up[local].to(cdt), w_down[local].to(cdt), activation)
         out = out.index_add(0, token, y * router_weights[token, slot].to(cdt)[:, None])
     for gate_up, down in shared:
-        out = out + expert_ffn(x_c, gate_up.to(cdt), down.to(cdt), swiglu_limit)
+        out = out + expert_ffn(x_c, gate_up.to(cdt), down.to(cdt), activation)
     return out.to(x.dtype)
 
 
@@ -96,7 +134,7 @@ def moe_forward_backward(
     w_down: torch.Tensor,
     d_out: torch.Tensor | None,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    swiglu_limit: float | None = None,
+    activation: Activation = SWIGLU,
     *,
     first_expert: int = 0,
     num_experts: int | None = None,
@@ -113,7 +151,7 @@ def moe_forward_backward(
     `[N, k]` (both in the compute dtype), ``w_gate_up``, ``w_down`` (in the
     weights' dtype) and ``shared`` (a list of (d_w_gate_up, d_w_down)).
     """
-    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, swiglu_limit)
+    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
     checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
     if d_out is not None and tuple(d_out.shape) != (n, d):
         raise ValueError(f"d_out must have shape ({n}, {d}), got {tuple(d_out.shape)}")
@@ -130,7 +168,7 @@ def moe_forward_backward(
         """One expert on ``rows``: (y detached, y in a graph, the graph's leaves)."""
         with torch.set_grad_enabled(g_c is not None):
             leaves = [t.detach().to(cdt).requires_grad_() for t in (x_c[rows], gate_up, down)]
-            y = expert_ffn(*leaves, swiglu_limit)
+            y = expert_ffn(*leaves, activation)
         return y.detach(), y, leaves
 
     for local in range(held):

@@ -63,6 +63,10 @@ def bound_launch(kernel, args: tuple, kwargs: dict, num_warps: int) -> tuple[dic
     return signature, constexprs, attrs
 
 
+#: The activation the cases build: gpt-oss's (the clamps and alpha: the most operations of the kinds).
+ACT_BUILT = 2
+
+
 def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
     """(signature entries, values) of the tile constexprs a row-task kernel declares, for TileConfig ``tile``."""
     values = dict(DOT_FP32=False, NUM_PROGRAMS=SMS, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
@@ -81,17 +85,18 @@ def gemm_cases() -> dict[str, Case]:
     gpu = torch.device("cuda")
     cases = {}
     t = plan_tiles("gate_up", gpu)
-    kinds, values = _row_task_consts(expert_gemm.gate_up_kernel, t, HAS_LIMIT=True)
+    kinds, values = _row_task_consts(expert_gemm.gate_up_kernel, t, ACT=ACT_BUILT)
     cases["gate_up_kernel"] = Case(expert_gemm.gate_up_kernel, {
         "x_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>", "w_desc": f"tensordesc<bf16[{t.block_n},{t.block_k}]>",
         "h_ptr": "*bf16", "act_ptr": "*bf16", "stride_h": "i32", "stride_act": "i32", **_TILES, **kinds,
-        "I": "i32", "K": "i32", "limit": "fp32"}, values, t.num_warps, t.num_stages)
+        "I": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # what gate_up runs on Hopper at the same tile: the warp-specialised Gluon kernel
     cases["forward_ws_kernel (gate/up)"] = Case(forward_warp_specialized.forward_ws_kernel, {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "stride_a": "i32",
         "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32", "K": "i32",
-        "limit": "fp32", **dict.fromkeys(forward_ws_constexprs(t, SMS, gate_up=True, has_limit=True), "constexpr")},
-        forward_ws_constexprs(t, SMS, gate_up=True, has_limit=True), num_warps=4)
+        "limit": "fp32", "alpha": "fp32",
+        **dict.fromkeys(forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), "constexpr")},
+        forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), num_warps=4)
     t = plan_tiles("down", gpu)
     kinds, values = _row_task_consts(expert_gemm.down_kernel, t)
     cases["down_kernel"] = Case(expert_gemm.down_kernel, {
@@ -99,20 +104,20 @@ def gemm_cases() -> dict[str, Case]:
         "y_ptr": "*bf16", "stride_y": "i32", **_TILES, **kinds, "D": "i32", "K": "i32"}, values, t.num_warps,
         t.num_stages)
     t = plan_tiles("dact", gpu)
-    kinds, values = _row_task_consts(expert_gemm_bwd.dact_swiglu_bwd_kernel, t, HAS_LIMIT=True)
+    kinds, values = _row_task_consts(expert_gemm_bwd.dact_swiglu_bwd_kernel, t, ACT=ACT_BUILT)
     cases["dact_swiglu_bwd_kernel"] = Case(expert_gemm_bwd.dact_swiglu_bwd_kernel, {
         "dy_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
         "w_down_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "h_ptr": "*bf16", "row_w_ptr": "*fp32",
         "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_h": "i32",
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
-        "limit": "fp32"}, values, t.num_warps, t.num_stages)
+        "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # the Gluon dact that Hopper runs at the same tile
-    consts = dact_ws_constexprs(t, SMS, has_limit=True)
+    consts = dact_ws_constexprs(t, SMS, act=ACT_BUILT)
     cases["dact_ws_kernel"] = Case(dact_warp_specialized.dact_ws_kernel, {
         "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
         "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32", "stride_d_h": "i32",
         "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
-        "I": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+        "I": "i32", "limit": "fp32", "alpha": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     for name, t in (("dx_kernel", plan_tiles("dx", gpu)),
                     ("dx_kernel (few rows per expert)", plan_tiles("dx", gpu, FEW_ROWS_PER_EXPERT))):
         kinds, values = _row_task_consts(expert_gemm_bwd.dx_kernel, t)
@@ -149,12 +154,13 @@ def fp8_cases() -> dict[str, Case]:
     cases = {}
     for name, t in (("gate_up_fp8_kernel", plan_tiles_fp8("gate_up", gpu)),
                     ("gate_up_fp8_kernel (few rows per expert)", plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT))):
-        kinds, values = _row_task_consts(k.gate_up_fp8_kernel, t, HAS_LIMIT=True, STORE_H=True, SOFT_E4M3=False)
+        kinds, values = _row_task_consts(k.gate_up_fp8_kernel, t, ACT=ACT_BUILT, STORE_H=True, SOFT_E4M3=False)
         cases[name] = Case(k.gate_up_fp8_kernel, {
             "x_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
             "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "h_ptr": "*bf16", "act_q_ptr": "*u8",
             "act_scale_ptr": "*fp32", "stride_xs": "i32", "stride_ws_n": "i32", "stride_h": "i32",
-            "stride_act": "i32", "stride_as": "i32", **_TILES, **kinds, "I": "i32", "K": "i32", "limit": "fp32"},
+            "stride_act": "i32", "stride_as": "i32", **_TILES, **kinds, "I": "i32", "K": "i32", "limit": "fp32",
+            "alpha": "fp32"},
             values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8("down", gpu)
     kinds, values = _row_task_consts(k.down_fp8_kernel, t)
@@ -167,14 +173,14 @@ def fp8_cases() -> dict[str, Case]:
     # what gate_up_fp8 / down_fp8 run on Hopper at the same tiles: the warp-specialised Gluon kernel
     for kind, gate_up in (("gate/up", True), ("down", False)):
         t = plan_tiles_fp8("gate_up" if gate_up else "down", gpu)
-        consts = forward_fp8_ws_constexprs(t, SMS, gate_up=gate_up, has_limit=True)
+        consts = forward_fp8_ws_constexprs(t, SMS, gate_up=gate_up, act=ACT_BUILT)
         consts["SOFT_E4M3"] = False
         cases[f"forward_fp8_ws_kernel ({kind})"] = Case(ws.forward_fp8_ws_kernel, {
             "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
             "out_ptr": "*bf16", "act_q_ptr": "*u8" if gate_up else "*bf16", "act_scale_ptr": "*fp32" if gate_up
             else "*bf16", "stride_a": "i32", "stride_as_in": "i32", "stride_ws_n": "i32", "stride_out": "i32",
             "stride_act": "i32", "stride_as": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32",
-            "K": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+            "K": "i32", "limit": "fp32", "alpha": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     return {**cases, **fp8_backward_cases()}
 
 
@@ -186,13 +192,13 @@ def fp8_backward_cases() -> dict[str, Case]:
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu)
-    kinds, values = _row_task_consts(k.dact_fp8_kernel, t, HAS_LIMIT=True)
+    kinds, values = _row_task_consts(k.dact_fp8_kernel, t, ACT=ACT_BUILT)
     dact = Case(k.dact_fp8_kernel, {
         "dy_desc": f"tensordesc<fp8e4nv[{t.block_m},128]>", "w_t_desc": f"tensordesc<fp8e4nv[{t.block_n},128]>",
         "dy_scale_ptr": "*fp32", "w_t_scale_ptr": "*fp32", "h_ptr": "*bf16", "row_w_ptr": "*fp32",
         "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dys": "i32",
         "stride_ws_n": "i32", "stride_h": "i32", "stride_d_h": "i32", "stride_act_w": "i32",
-        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "limit": "fp32"},
+        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "limit": "fp32", "alpha": "fp32"},
         values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8_bwd("wgrad", gpu)
     cases = {"dact_fp8_kernel": dact}
@@ -205,13 +211,13 @@ def fp8_backward_cases() -> dict[str, Case]:
             "stride_bs": "i32", **_CARRY, **kinds}, values, t.num_warps, t.num_stages)
     # what expert_backward_fp8_block runs on Hopper at the same blocks: the warp-specialised Gluon wgrad
     # (and its A/B knob: the scales by TMA into the ring's slots), and the Gluon dact at the dact's tile
-    consts = dact_ws_constexprs(plan_tiles_fp8_bwd("dact", gpu), SMS, has_limit=True)
+    consts = dact_ws_constexprs(plan_tiles_fp8_bwd("dact", gpu), SMS, act=ACT_BUILT)
     cases["dact_fp8_ws_kernel"] = Case(dact_ws.dact_fp8_ws_kernel, {
         "dy_ptr": "*fp8e4nv", "w_t_ptr": "*fp8e4nv", "dy_scale_ptr": "*fp32", "w_t_scale_ptr": "*fp32",
         "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32",
         "stride_dy": "i32", "stride_dys": "i32", "stride_ws_n": "i32", "stride_h": "i32", "stride_d_h": "i32",
         "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
-        "I": "i32", "limit": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+        "I": "i32", "limit": "fp32", "alpha": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     for name, consts in (("wgrad_fp8_ws_kernel", wgrad_fp8_ws_constexprs(SMS)),
                          ("wgrad_fp8_ws_kernel (4 stages)", wgrad_fp8_ws_constexprs(SMS, stages=4)),
                          ("wgrad_fp8_ws_kernel (carry)", {**wgrad_fp8_ws_constexprs(SMS), "CARRY": True})):
@@ -237,12 +243,13 @@ def mxfp8_cases() -> dict[str, Case]:
                 flags = dict(RESCALE=variant == "rescale", INT_EXP=int_exp)
                 if kind == "gate_up":
                     kernel = k.gate_up_mxfp8_kernel
-                    kinds, values = _row_task_consts(kernel, t, **flags, HAS_LIMIT=True, STORE_H=True,
+                    kinds, values = _row_task_consts(kernel, t, **flags, ACT=ACT_BUILT, STORE_H=True,
                                                      SOFT_E4M3=False)
                     signature = {"x_desc": a, "w_desc": w, "x_scale_ptr": "*u8", "w_scale_ptr": "*u8",
                                  "h_ptr": "*bf16", "act_q_ptr": "*u8", "act_scale_ptr": "*u8", "stride_xs": "i32",
                                  "stride_ws": "i32", "stride_h": "i32", "stride_act": "i32", "stride_as": "i32",
-                                 **_TILES, **kinds, "I": "i32", "W_ROWS": "i32", "K": "i32", "limit": "fp32"}
+                                 **_TILES, **kinds, "I": "i32", "W_ROWS": "i32", "K": "i32", "limit": "fp32",
+                                 "alpha": "fp32"}
                 else:
                     kernel = k.down_mxfp8_kernel
                     kinds, values = _row_task_consts(kernel, t, **flags)
@@ -260,13 +267,14 @@ def mxfp8_backward_cases() -> dict[str, Case]:
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu, "mxfp8", compiled=True)
-    kinds, values = _row_task_consts(k.dact_mxfp8_kernel, t, HAS_LIMIT=True)
+    kinds, values = _row_task_consts(k.dact_mxfp8_kernel, t, ACT=ACT_BUILT)
     dact = Case(k.dact_mxfp8_kernel, {
         "dy_desc": f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>",
         "w_t_desc": f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>", "dy_scale_ptr": "*u8", "w_t_scale_ptr": "*u8",
         "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16", "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32",
         "stride_dys": "i32", "stride_ws": "i32", "stride_h": "i32", "stride_d_h": "i32", "stride_act_w": "i32",
-        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "W_ROWS": "i32", "limit": "fp32"},
+        "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32", "W_ROWS": "i32", "limit": "fp32",
+        "alpha": "fp32"},
         values, t.num_warps, t.num_stages)
     t = plan_tiles_fp8_bwd("wgrad", gpu, "mxfp8", compiled=True)
     cases = {"dact_dequant": dact}
@@ -340,7 +348,7 @@ def megakernel_case(fmt: str) -> Case:
     from megamoe.precision import SCALE_BLOCK
 
     code, bn_gu, bn_dn, bk, elem, scale = _MEGA_TILES[fmt]
-    consts = dict(TOP_K=8, HAS_SHARED=True, HAS_LIMIT=False,
+    consts = dict(TOP_K=8, HAS_SHARED=True, ACT=0,
                   DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
                   GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
                   SHARED_BK=64)
@@ -373,7 +381,7 @@ def megakernel_case(fmt: str) -> Case:
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
         else:
-            signature[name] = "fp32" if name == "limit" else "i32"
+            signature[name] = "fp32" if name in ("limit", "alpha") else "i32"
     return Case(mk.megakernel, signature, consts, num_stages=MAX_TILE_STAGES)  # the deepest ring must fit
 
 
@@ -388,7 +396,7 @@ def backward_megakernel_case() -> Case:
     da, dx, wg = (plan_tiles(kind, gpu) for kind in ("dact", "dx", "wgrad"))
     rows = copy_tile_consts(7168, 1, None)
     consts = dict(TOP_K=8, CHUNKS=rows["CHUNKS"], CP=rows["CP"], W=rows["W"], ROWS=rows["ROWS"], ALIGN=rows["ALIGN"],
-                  HAS_SHARED=True, HAS_LIMIT=True, DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_DA=da.block_n,
+                  HAS_SHARED=True, ACT=ACT_BUILT, DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_DA=da.block_n,
                   BK_DA=da.block_k, BN_DX=dx.block_n, BK_DX=dx.block_k, BM_W=wg.block_m, BN_W=wg.block_n,
                   BK_W=wg.block_k, GROUP_M=da.group_m, PHASE=0, TRACE=False)
     descs = {"dy_desc": (128, da.block_k), "w_down_desc": (da.block_k, da.block_n), "d_h_desc": (128, dx.block_k),
@@ -414,7 +422,7 @@ def backward_megakernel_case() -> Case:
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
         else:
-            signature[name] = "fp32" if name == "limit" else "i32"
+            signature[name] = "fp32" if name in ("limit", "alpha") else "i32"
     return Case(mkb.megakernel_bwd, signature, consts, da.num_warps, da.num_stages)
 
 

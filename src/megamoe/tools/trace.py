@@ -88,7 +88,7 @@ def record_rank(world, preset_name: str, tokens: int, precision: str = "bf16", p
                         one_rank_megakernel=True, replay=False)
 
     def one_pass():
-        ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.swiglu_limit,
+        ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation,
                              buffers=kernel.scratch_buffers())[1]
         torch.cuda.synchronize()  # the host never runs far ahead of the clock
         return ctx
