@@ -35,7 +35,7 @@ WRAPPING = KernelConfig(num_sms=4, comm_sms=2, minibatch=32, ring_rows=64, tile_
 OTHERS = (KernelConfig(num_sms=5, comm_sms=1, minibatch=96, ring_rows=192, tile_m=32, tile_n=32),
           KernelConfig(num_sms=3, comm_sms=2, minibatch=64, ring_rows=1024, tile_m=32, tile_n=32))
 
-# (name, tokens per rank, routing, drop, seed, swiglu_limit, shared experts)
+# (name, tokens per rank, routing, drop, seed, activation, shared experts)
 CASES = {
     1: [("uniform", (37,), "uniform", 0.0, 1, SWIGLU, (32,)),
         ("no-tokens", (0,), "uniform", 0.0, 4, SWIGLU, (32,))],

@@ -44,7 +44,7 @@ GRAD_TOLERANCE = (1e-2, 2.5e-2)
 #: (tests/test_experts.py).
 CLAMP_TOLERANCE = (5e-2, float("inf"))
 
-# (name, tokens per rank, routing, drop, seed, swiglu_limit, shared experts, zero router weights)
+# (name, tokens per rank, routing, drop, seed, activation, shared experts, zero router weights)
 CASES = {
     1: [("uniform", (37,), "uniform", 0.0, 1, SWIGLU, (32,), False),
         ("no-tokens", (0,), "uniform", 0.0, 4, SWIGLU, (32,), False)],

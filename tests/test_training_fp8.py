@@ -32,7 +32,7 @@ CLAMP_TOLERANCE = (0.15, float("inf"))
 #: The routed experts' weight gradients in BF16 are 0.3-0.6 % off the oracle: above this, FP8 really ran.
 FP8_RAN = 2e-2
 
-# (name, tokens per rank, routing, drop, seed, swiglu_limit)
+# (name, tokens per rank, routing, drop, seed, activation)
 CASES = {
     1: [("uniform", (37,), "uniform", 0.0, 1, SWIGLU)],
     2: [("uneven-wraps", (40, 33), "uniform", 0.1, 5, GEGLU), ("one-rank-gpt-oss", (17, 23), "one-rank", 0.1, 3, GPT_OSS)],

@@ -21,7 +21,7 @@ from raised import raised  # tests/raised.py
 CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(32,))
 EMPTY_EXPERT = 5
 
-# (name, tokens per rank, routing, drop, seed, swiglu_limit). Consecutive cases with the same
+# (name, tokens per rank, routing, drop, seed, activation). Consecutive cases with the same
 # largest N reuse one workspace: a later case with more -1 routes would pick up stale slots.
 CASES = {
     1: [
