@@ -13,11 +13,15 @@ group's largest token count, ``precision``, ``config`` the KernelConfig as "num_
 ring_rows,tile_m,tile_n,backward_comm_sms,backward_minibatch,overlap,backward_ring_rows" (an empty field for None;
 "" for the planner's),
 ``check`` (read the kernels' error words: host syncs), ``fused_backward`` (the backward megakernel, or the
-standalone kernels composed: the same bits). ``experts_q``, the FP8 weight pack flattened, is a list of tensors
-the autograd context keeps for the backward.
+standalone kernels composed: the same bits), ``activation`` the :class:`~megamoe.config.Activation`'s text form.
+``experts_q``, the FP8 weight pack flattened, is a list of tensors the autograd context keeps for the backward.
+The autograd glue reads the forward's inputs by name (:class:`LayerInputs`, held against the op's schema), and the
+backward's kept state (:class:`KeptState`) likewise.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -160,16 +164,65 @@ def _unfuse_shared(d_gate_up, d_down, shared_gate_up, shared_down) -> tuple[list
             [d.contiguous().to(dn.dtype) for d, dn in zip(downs, shared_down)])
 
 
-_SAVED = ("x", "top_experts", "router_weights", "w_gate_up", "w_down")
+class LayerInputs(NamedTuple):
+    """``megamoe::layer_forward``'s arguments by name (the same order: checked against its schema below)."""
+
+    x: Tensor
+    top_experts: Tensor
+    router_weights: Tensor
+    w_gate_up: Tensor
+    w_down: Tensor
+    shared_gate_up: list[Tensor]
+    shared_down: list[Tensor]
+    activation: str
+    world: int
+    max_tokens: int
+    precision: str
+    config: str
+    check: bool
+    fused_backward: bool
+    experts_q: list[Tensor]
+
+
+class KeptState(NamedTuple):
+    """What ``megamoe::layer_forward`` returns beside its output, for the backward (its outputs 1..)."""
+
+    h: Tensor
+    shared_h: Tensor
+    ring_x: Tensor
+    ring_scale: Tensor
+    src_rank: Tensor
+    src_index: Tensor
+    tokens_per_expert: Tensor
+    counts: Tensor
+    offsets: Tensor
+    num_rows: Tensor
+
+
+#: The options the backward takes from the forward unchanged (layer_backward's keyword arguments).
+_OPTIONS = ("activation", "world", "max_tokens", "precision", "config", "check", "fused_backward")
+
+
+def _check_schemas() -> None:
+    """The named tuples against the ops' schemas, at import: a reordered or renamed argument fails here."""
+    forward = [a.name for a in torch.ops.megamoe.layer_forward.default._schema.arguments]
+    backward = [a.name for a in torch.ops.megamoe.layer_backward.default._schema.arguments]
+    if forward != list(LayerInputs._fields):
+        raise AssertionError(f"LayerInputs {LayerInputs._fields} differ from layer_forward's schema {forward}")
+    want = ["d_out", *LayerInputs._fields[:7], *KeptState._fields, *_OPTIONS, "experts_q"]
+    if backward != want:
+        raise AssertionError(f"layer_backward's schema {backward} differs from {want}")
+
+
+_check_schemas()
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down = inputs[:7]
-    experts_q = inputs[14]
-    ctx.counts = len(shared_gate_up), len(experts_q)
-    ctx.scalars = inputs[7:14]  # activation, world, max_tokens, precision, config, check, fused_backward
-    ctx.save_for_backward(x, top_experts, router_weights, w_gate_up, w_down, *shared_gate_up, *shared_down,
-                          *experts_q, *output[1:])
+    i = LayerInputs(*inputs)
+    ctx.counts = len(i.shared_gate_up), len(i.experts_q)
+    ctx.options = {name: getattr(i, name) for name in _OPTIONS}
+    ctx.save_for_backward(i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down, *i.shared_gate_up,
+                          *i.shared_down, *i.experts_q, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     # the kept outputs get no gradient: without this autograd hands the backward a zero tensor of each (the ring's
     # h: 199 MiB for qwen3-30b-a3b at 8192 tokens, 528 MiB for kimi-k2), allocated and filled per layer
@@ -183,15 +236,18 @@ def _backward(ctx, d_out, *unused):
         d_out = torch.zeros(x.shape[0], w_gate_up.shape[2], dtype=torch.bfloat16, device=x.device)
     s, q = ctx.counts
     shared_gate_up, shared_down = list(saved[5: 5 + s]), list(saved[5 + s: 5 + 2 * s])
-    experts_q, state = list(saved[5 + 2 * s: 5 + 2 * s + q]), saved[5 + 2 * s + q:]
+    experts_q, state = list(saved[5 + 2 * s: 5 + 2 * s + q]), KeptState(*saved[5 + 2 * s + q:])
     d_x, d_rw, d_gu, d_dn, d_sgu, d_sdn = layer_backward(d_out.contiguous(), x, top_experts, router_weights,
-                                                          w_gate_up, w_down, shared_gate_up, shared_down, *state,
-                                                          *ctx.scalars, experts_q)
-    need = ctx.needs_input_grad
-    keep = lambda g, i: g if need[i] else None  # noqa: E731
-    return (keep(d_x, 0), None, keep(d_rw, 2), keep(d_gu, 3), keep(d_dn, 4),
-            [g if n else None for g, n in zip(d_sgu, need[5])], [g if n else None for g, n in zip(d_sdn, need[6])],
-            None, None, None, None, None, None, None, [None] * q)
+                                                          w_gate_up, w_down, shared_gate_up, shared_down,
+                                                          **state._asdict(), **ctx.options, experts_q=experts_q)
+    need = LayerInputs(*ctx.needs_input_grad)
+    keep = lambda g, name: g if getattr(need, name) else None  # noqa: E731
+    grads = dict.fromkeys(LayerInputs._fields)
+    grads.update(x=keep(d_x, "x"), router_weights=keep(d_rw, "router_weights"), w_gate_up=keep(d_gu, "w_gate_up"),
+                 w_down=keep(d_dn, "w_down"),
+                 shared_gate_up=[g if n else None for g, n in zip(d_sgu, need.shared_gate_up)],
+                 shared_down=[g if n else None for g, n in zip(d_sdn, need.shared_down)], experts_q=[None] * q)
+    return tuple(grads.values())
 
 
 layer_forward.register_autograd(_backward, setup_context=_setup_context)
