@@ -89,6 +89,32 @@ def test_cache_refreshes_after_any_optimizer_step():
     assert cache.pack is None and cache.get(gu, dn, "fp8-block", backward=False) is not second
 
 
+def test_a_cache_owns_its_step_hook_and_a_copy_is_a_new_cache():
+    """The step hook is the cache's own: it goes with the cache (no hook left behind, no module state), and a
+    deep copy (a model copied with its layers) starts empty with a hook of its own."""
+    import copy
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    gu, dn = _weights()
+    before = len(_global_optimizer_post_hooks)
+    cache = PackCache()
+    assert len(_global_optimizer_post_hooks) == before + 1
+    cache.get(gu, dn, "fp8-block", backward=False)
+    twin = copy.deepcopy(cache)
+    assert twin.pack is None and len(_global_optimizer_post_hooks) == before + 2
+    twin.get(gu, dn, "fp8-block", backward=False)
+    other = torch.nn.Parameter(torch.zeros(1, device=DEVICE))
+    opt = torch.optim.SGD([other], lr=1.0)
+    other.grad = torch.ones(1, device=DEVICE)
+    opt.step()
+    assert cache.pack is None and twin.pack is None  # each hook dropped its own cache's pack
+    del cache, twin
+    gc.collect()
+    assert len(_global_optimizer_post_hooks) == before
+
+
 def _layer(world, precision, config):
     """Out and every gradient with no pack, with a forward-only pack and with the whole pack; the quantiser
     launches of weights each backward made."""

@@ -20,6 +20,7 @@ also counts ``torch.optim`` steps, since a parameter re-gathered by FSDP2 keeps 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -145,36 +146,30 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: s
     return replace(q, transposed=q.backward_weights(w_gate_up, w_down)) if backward else q
 
 
-#: Optimizer steps taken in this process (torch's step hook, registered by the first PackCache): a wrapper such
-#: as FSDP2 gathers the weights into a reused parameter whose version stays 0 and whose address the allocator may
-#: hand out again, so the stamps alone could pass a stale pack after a step.
-_optimizer_steps = 0
-_step_hook = None
-
-
-def _count_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def optimizer_steps() -> int:
-    """Optimizer steps (any ``torch.optim.Optimizer``) taken since the first call."""
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_count_step)
-    return _optimizer_steps
-
-
 class PackCache:
     """One layer's current pack, owned by the module that holds the weights: :meth:`get` returns it while the
     weights are unchanged and quantises them again after an optimizer step (a ``torch.optim`` step, or the
     weights' version or address moved) or when a backward needs the transposed weights the cached pack lacks.
     The old pack is dropped before the new one is made, so at most one pack lives per layer. Weights written
-    any other way (through ``w.data``, an optimizer outside ``torch.optim``) need :meth:`clear` after."""
+    any other way (through ``w.data``, an optimizer outside ``torch.optim``) need :meth:`clear` after.
+
+    Each cache registers its own torch optimizer-step hook, which drops its pack (the stamps alone cannot see a
+    step under a wrapper such as FSDP2, which gathers the weights into a reused parameter whose version stays 0
+    and whose address the allocator may hand out again); the hook holds the cache weakly and goes with it. A copy
+    (``copy.deepcopy``, pickling) is a new empty cache with its own hook."""
 
     def __init__(self) -> None:
         self.pack: QuantizedExperts | None = None
-        self._made_at = optimizer_steps()
+        cache = weakref.ref(self)
+
+        def drop_pack(optimizer, args, kwargs) -> None:
+            if (alive := cache()) is not None:
+                alive.pack = None
+
+        weakref.finalize(self, register_optimizer_step_post_hook(drop_pack).remove)
+
+    def __reduce__(self):
+        return PackCache, ()
 
     def clear(self) -> None:
         """Drop the pack: the next :meth:`get` quantises the weights again."""
@@ -189,9 +184,8 @@ class PackCache:
     def get(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: str, *,
             backward: bool) -> QuantizedExperts:
         q = self.pack
-        if (q is None or q.precision != precision or self._made_at != optimizer_steps()
-                or not q.made_from(w_gate_up, w_down) or (backward and q.transposed is None)):
+        if (q is None or q.precision != precision or not q.made_from(w_gate_up, w_down)
+                or (backward and q.transposed is None)):
             self.pack = None
             self.pack = quantize_experts(w_gate_up, w_down, precision, backward=backward)
-            self._made_at = optimizer_steps()
         return self.pack
