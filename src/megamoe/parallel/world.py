@@ -220,6 +220,12 @@ def init_world(device: str | None = None, group: Any = None) -> EPWorld:
     ``device`` defaults to ``cuda`` when a GPU is visible, else ``cpu``. ``group`` (default: every rank) is the
     expert-parallel group when it is one dimension of a larger job, e.g. ``mesh["ep"].get_group()`` of a
     ``DeviceMesh`` whose other dimension is data parallel (:mod:`megamoe.adapters.fsdp`); it must hold this rank.
+
+    The one change it makes to the process's environment: ``NCCL_NVLS_ENABLE=0``,
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` where they are unset (multicast objects
+    can take shared GPUs down, and NCCL, torch's symmetric memory and NVSHMEM read these switches only from the
+    environment, when they first initialise). Everything else it reads (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MEGAMOE_DIST_TIMEOUT_S``, ``MEGAMOE_INIT_FILE``) it leaves as it found it.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     for key, value in _NO_MULTICAST.items():
