@@ -95,11 +95,15 @@ def _cases(world) -> dict:
                                                                                    max_tokens=2),
         ("megamoe_forward", "an input requiring grad"): lambda: forward(x.clone().requires_grad_(), top, w, gu, dn,
                                                                         shared),
+        ("megamoe_forward", "num_experts the weights do not hold"): lambda: forward(x, top, w, gu, dn, shared,
+                                                                                   num_experts=2),
         ("megamoe_forward", "a NaN in x with check_finite=True"): lambda: forward(
             x.index_fill(0, torch.tensor([1]), float("nan")), top, w, gu, dn, shared, check_finite=True),
         ("moe", "an FP8 precision with fused_backward=True"): lambda: layer(
             x, top, w, gu, dn, shared, precision="mxfp8", fused_backward=True),
         ("moe", "max_tokens not an int"): lambda: layer(x, top, w, gu, dn, shared, max_tokens=True),
+        ("moe", "num_experts the weights do not hold"): lambda: layer(x, top, w, gu, dn, shared, num_experts=8),
+        ("moe", "num_experts not a positive int"): lambda: layer(x, top, w, gu, dn, shared, num_experts=0),
         ("moe", "experts_q with bf16 experts"): lambda: layer(x, top, w, gu, dn, shared,
                                                               experts_q=quantize_experts(gu, dn, "mxfp8")),
         ("moe", "experts_q not a pack"): lambda: layer(x, top, w, gu, dn, shared, precision="mxfp8",

@@ -173,10 +173,11 @@ def check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activ
 
 
 def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation=SWIGLU, *,
-                     check_ids: bool = True) -> tuple[int, int, int, int, int]:
+                     check_ids: bool = True, num_experts: int | None = None) -> tuple[int, int, int, int, int]:
     """The arguments of a BF16 layer forward over ``world``; returns (N, D, k, L, I).
 
-    ``check_ids`` reads the expert ids on the host (one sync).
+    ``check_ids`` reads the expert ids on the host (one sync). ``num_experts`` (E, when the caller states it):
+    the ranks' weights must hold E between them, L = E / R each.
     """
     n, d, k, experts_local, inter = check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
                                                 activation)
@@ -187,6 +188,12 @@ def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, s
         raise ValueError(f"x is on {x.device}, the world on {world.device}")
     if experts_local < 1:
         raise ValueError("w_gate_up must hold at least one local expert")
+    if num_experts is not None:
+        check_positive_int("num_experts", num_experts)
+        if experts_local * world.size != num_experts:
+            raise ValueError(f"w_gate_up holds {experts_local} experts on each of the {world.size} ranks, "
+                             f"{experts_local * world.size} in all, not num_experts={num_experts}: give each rank "
+                             f"only its own {num_experts / world.size:g} experts (rank*L .. rank*L+L-1)")
     if inter % 8:
         raise ValueError(f"the intermediate size I must be a multiple of 8, got {inter}")
     if check_ids:

@@ -39,6 +39,7 @@ def moe(
     fused_backward: bool = False,
     check_finite: bool = False,
     experts_q: QuantizedExperts | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens, differentiable in x, the router weights, the experts.
 
@@ -60,9 +61,9 @@ def moe(
             ``torch.compile`` cannot trace: give it there.
         check: validate the expert ids and read the kernels' error words (host syncs).
         fused_backward: the backward megakernel, or (default) the standalone kernels composed: the same bits.
-            On one H200 the composed kernels ran 15-39 % faster than the megakernel as built
-            (benchmarks/results/2026-12-01-backward-first-gpu): the default until the megakernel is tuned.
-            One rank always composes them (nothing to overlap).
+            On one H100 the composed kernels ran 2.2x faster than the megakernel, whose weight-gradient tiles run
+            at 47 % of the Gluon kernels' per-SM rate (benchmarks/results/2026-12-05-backward-ring): the default
+            until the megakernel's tiles reach 95 %. One rank always composes them (nothing to overlap).
         check_finite: raise ValueError naming the first token whose x or router weights are not finite (a host
             sync). Without it such a token's rows stay non-finite, as in the reference (docs/errors.md).
         experts_q: FP8 precisions: ``quantize_experts(w_gate_up, w_down, precision, backward=True)``, made once
@@ -70,6 +71,9 @@ def moe(
             of quantising the weights in every call (kimi-k2 at EP 2: ~8.5 ms each). ValueError when it was made
             from other tensors, in another precision, or before the weights last changed in place. ``megamoe.MoE``
             keeps one for its weights.
+        num_experts: E, the layer's routed experts over all ranks, when the caller knows it: ValueError unless
+            the ranks' weights hold E between them (a rank given every expert's weights would otherwise run a
+            layer of R·E experts).
 
     Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
     """
@@ -80,7 +84,7 @@ def moe(
             raise ValueError("check_finite reads the inputs on the host: torch.compile cannot trace it")
         checks.check_finite(x, router_weights)
     n, *_ = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                    activation, check_ids=check and not compiling)
+                                    activation, check_ids=check and not compiling, num_experts=num_experts)
     shared = [(gu, dn) for gu, dn in shared]
     for name, t in [("shared w_gate_up", gu) for gu, _ in shared] + [("shared w_down", dn) for _, dn in shared]:
         if t.dtype != torch.bfloat16:

@@ -47,6 +47,7 @@ def megamoe_forward(
     experts_q: QuantizedExperts | None = None,
     check: bool = True,
     check_finite: bool = False,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """The MoE layer's forward over ``world`` as one megakernel per pass, without autograd (``megamoe.moe`` trains).
 
@@ -73,6 +74,8 @@ def megamoe_forward(
             With ``max_tokens`` given and ``check=False`` the pass never waits for the GPU.
         check_finite: raise ValueError naming the first token whose x or router weights are not finite (a host
             sync). Without it such a token's output row is non-finite, as in the reference.
+        num_experts: E over all ranks, when the caller knows it: ValueError unless the ranks' weights hold E
+            between them.
 
     Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
     The kernel of each shape is kept on the world (``world.resources``; ``world.close()`` frees it), one
@@ -90,13 +93,13 @@ def megamoe_forward(
                          "megamoe.moe (or megamoe.MoE) to train, or call this under torch.no_grad()")
     with torch.no_grad():
         return _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config,
-                        precision, max_tokens, experts_q, check, check_finite)
+                        precision, max_tokens, experts_q, check, check_finite, num_experts)
 
 
 def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config, precision,
-             max_tokens, experts_q, check, check_finite) -> torch.Tensor:
+             max_tokens, experts_q, check, check_finite, num_experts) -> torch.Tensor:
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
-                                                      shared, activation, check_ids=check)
+                                                      shared, activation, check_ids=check, num_experts=num_experts)
     if check_finite:
         checks.check_finite(x, router_weights)
     if max_tokens is None:
