@@ -77,10 +77,11 @@ def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 5) -> dict:
 
 
 def wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks: TokenBlocks, counts, tile: TileConfig, programs: int,
-              fmt: str = "fp8-block", *, warp_specialized: bool = True, carry=None, **ws_knobs) -> None:
+              fmt: str = "fp8-block", *, warp_specialized: bool = True, carry=None,
+              stages: int | None = None) -> None:
     """out[l] = A[rows of l]ᵀ · B[rows of l] from :func:`quantize_tokens`' operands in ``fmt``: on Hopper for
-    fp8-block's 128 x 128 tiles the Gluon kernel (``ws_knobs``: :func:`wgrad_fp8_ws_constexprs`' keywords), else
-    (and with ``warp_specialized=False``) the Triton one; the same bits. ``carry``: ``(modes, carry_in,
+    fp8-block's 128 x 128 tiles the Gluon kernel (``stages``: its ring depth, default
+    :func:`wgrad_fp8_ws_constexprs`'), else (and with ``warp_specialized=False``) the Triton one; the same bits. ``carry``: ``(modes, carry_in,
     carry_out)`` of a backward window (``megamoe.kernels.wgrad_carry``)."""
     experts = out.shape[0]
     window = carry if carry is not None else (counts, out, out)  # never read without CARRY
@@ -90,7 +91,7 @@ def wgrad_fp8(a_t, a_s, b_t, b_s, out, blocks: TokenBlocks, counts, tile: TileCo
             wgrad_fp8_warp_specialized.wgrad_fp8_ws_kernel[(programs,)](
                 a_t, b_t, a_s, b_s, out, blocks.block0, counts, experts, out.shape[1], out.shape[2], a_t.shape[1],
                 a_s.stride(0), b_s.stride(0), *window, CARRY=carry is not None, num_warps=4,
-                **wgrad_fp8_ws_constexprs(programs, **ws_knobs))
+                **wgrad_fp8_ws_constexprs(programs, **({} if stages is None else {"stages": stages})))
         return
     descs = (TensorDescriptor.from_tensor(a_t, [tile.block_m, tile.block_k]),
              TensorDescriptor.from_tensor(b_t, [tile.block_n, tile.block_k]))
