@@ -1,4 +1,4 @@
-"""Back-to-back calls for a while: what the power-cap tools (clock_probe.py and the A/B scripts) time."""
+"""Back-to-back calls for a while: what the power-cap tools (the per-SM tools, gemm_vs_dense.py, tiles_ab.py) time."""
 
 from __future__ import annotations
 

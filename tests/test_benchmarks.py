@@ -31,19 +31,17 @@ RESULTS = BENCH / "results"
 
 #: Scripts with a CPU smoke run below (one test each).
 CPU_TOOLS = {
-    "backward_ab.py", "clock_probe_summary.py", "comm_bench.py", "comm_order_ab.py", "ep_scaling.py", "fp8_accuracy.py",
-    "megakernel_ab.py", "megakernel_sweep.py", "output_hashes.py",
+    "backward_ab.py", "comm_bench.py", "ep_scaling.py", "megakernel_ab.py", "megakernel_sweep.py", "output_hashes.py",
 }
-#: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help only.
+#: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help, and a CPU
+#: smoke of the parts that run without one.
 GPU_TOOLS = {
-    "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_tiles_ab.py", "backward_trace.py", "clock_probe.py", "co_resident_ab.py", "comm_local_rate.py", "experts_fp8_bench.py", "experts_minibatch_bench.py", "expert_backward_once.py", "fp8_backward_ab.py", "fp8_layer_rows.py", "forward_ws_ab.py",
-    "experts_mxfp8_bench.py", "fp8_dense_ceiling.py", "gemm_ceiling.py", "gemm_vs_dense.py", "megakernel_host.py",
-    "megakernel_per_sm.py", "megakernel_profile.py", "megakernel_trace.py", "padding_probe.py", "quant_bench.py", "schedule_bench.py",
-    "tail_tiles_ab.py", "task_order_ab.py", "fp8_forward_ab.py", "fp8_wgrad_ab.py", "dact_ab.py", "quant_tokens_sweep.py",
-    "tiles_ab.py", "weighted_sum_bench.py", "wgrad_ab.py", "zero_rows_power.py",
+    "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_trace.py", "gemm_ceiling.py",
+    "gemm_vs_dense.py", "megakernel_per_sm.py", "quant_bench.py", "schedule_bench.py", "tiles_ab.py",
+    "weighted_sum_bench.py",
 }
 #: Modules the scripts import (benchmarks/ is on their path), tested by calling them.
-HELPERS = {"ab_record.py", "megakernel_args.py", "sustained.py"}
+HELPERS = {"ab_record.py", "sustained.py"}
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 
@@ -168,16 +166,6 @@ def test_script_names_only_megamoe_attributes_that_exist(name):
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def test_megakernel_args_parse_a_config():
-    import megakernel_args  # benchmarks/, on sys.path for this module (the fixture below)
-
-    args = megakernel_args.parse("doc", ["--preset", "tiny", "--config", "132,8,1920,7680", "--precision", "fp8-block"])
-    assert (args.preset, args.precision, args.passes) == ("tiny", "fp8-block", 3)
-    config = megakernel_args.config_for(args, None, None)
-    knobs = (config.num_sms, config.comm_sms, config.minibatch, config.ring_rows, config.tile_m)
-    assert knobs == (132, 8, 1920, 7680, 128)
-
-
 def test_sustained_rounds_interleave_every_call(monkeypatch):
     import torch
 
@@ -199,14 +187,6 @@ def _benchmarks_importable():
 
 
 # ---------------------------------------------------------------------------------------------- CPU tools
-
-
-@pytest.mark.parametrize("folder", ["clocks-4855e38", "clocks-7282452"])
-def test_clock_probe_summary_reproduces_the_recorded_table(folder):
-    """The recorded phases and nvidia-smi samples of 2026-11-30-replay give its clocks.md again."""
-    d = RESULTS / "2026-11-30-replay" / folder
-    done = _script("clock_probe_summary.py", str(d / "phases.json"), str(d / "smi.csv"))
-    assert done.stdout.strip() == (d / "clocks.md").read_text().strip()
 
 
 def test_ep_scaling_reproduces_the_recorded_table():
@@ -265,16 +245,6 @@ def test_comm_bench_runs_on_cpu_ranks(tmp_path):
     assert (tmp_path / "comm.md").read_text().startswith("# comm_bench: cpu (interpreter) x2")
 
 
-def test_comm_order_ab_runs_on_cpu_ranks(tmp_path):
-    """Round-robin and guided hand-out of every copy kernel kind on 2 CPU ranks, each bit-equal to the reference."""
-    _script("comm_order_ab.py", "--device", "cpu", "--preset", "tiny", "--tokens", "16", "--iters", "1", "--warmup",
-            "0", "--sms", "2,3", "--out", str(tmp_path), timeout=300)
-    res = json.loads((tmp_path / "order-ab.json").read_text())
-    assert res["checks"] and all(res["checks"].values()), res["checks"]
-    kinds = {(r["kind"], r["variant"]) for r in res["results"] if r["study"] == "hand-out"}
-    assert {("pull dispatch", "guided"), ("push dispatch", "round-robin"), ("push combine", "library")} <= kinds
-
-
 @pytest.mark.slow  # a GPU tool's CPU smoke run (15-40 s): `pytest -m slow`, before a GPU session
 def test_backward_ab_runs_on_cpu_ranks(tmp_path):
     """The backward megakernel at another comm count and the composed kernels on 2 CPU ranks: the same bits, the
@@ -286,18 +256,6 @@ def test_backward_ab_runs_on_cpu_ranks(tmp_path):
     assert res["bitwise_equal"] == {"3": True, "composed": True}, res
     assert "backward_comm_sms=3," in res["configs"]["3"] and res["ranks"] == 2, res
     assert all(len(v) == 1 and v[0] > 0 for v in res["rounds_ms"].values()), res
-
-
-@pytest.mark.slow
-def test_fp8_accuracy_tables_each_precisions_gradient_errors(tmp_path):
-    """One rank, tiny, bf16 and fp8-block: every tensor's errors recorded, fp8-block's above bf16's (slow: 36 s;
-    the FP8 gradients' bounds are tests/test_training_fp8.py's)."""
-    done = _script("fp8_accuracy.py", "--presets", "tiny", "--tokens", "8", "--ranks", "1", "--precisions",
-                   "bf16,fp8-block", "--out", str(tmp_path), timeout=300)
-    errors = json.loads((tmp_path / "fp8_accuracy.json").read_text())["rank0"]["tiny"]["errors"]
-    assert set(errors["bf16"]) == set(errors["fp8-block"]) >= {"out", "x", "router_weights", "w_gate_up", "w_down"}
-    assert errors["fp8-block"]["w_gate_up"]["rel"] > 2 * errors["bf16"]["w_gate_up"]["rel"], errors
-    assert "| tiny (D 256, I 128, E 8, k 2) | w_down |" in done.stdout
 
 
 def test_output_hashes_hashes_the_megakernel_cases():
@@ -350,18 +308,3 @@ def test_gpu_ep_sh_calls_megamoe_bench_with_options_that_exist(tmp_path):
         assert opts["--preset"] in PRESETS and opts["--ep"] == "2" and opts["--tokens"] == "64"
         assert all(impl in help_text for impl in opts["--impl"].split(","))
         assert all(fmt in help_text for fmt in opts["--experts"].split(","))
-
-
-def test_wgrad_ab_probe_kernels_give_the_plans_bits():
-    """wgrad_ab.py's probe kernels (one task loop over every expert; program groups) under the interpreter:
-    wgrad_kernel's bits."""
-    done = _script("wgrad_ab.py", "--check")
-    assert "the same bits as wgrad_kernel" in done.stdout, done.stdout
-
-
-@pytest.mark.slow  # a GPU tool's CPU smoke run (~30 s): `pytest -m slow`, before a GPU session
-def test_task_order_ab_orders_give_the_same_bits():
-    """task_order_ab.py --check: every row-tile kernel in both task orders (runs; one run over all tiles), the same
-    bits under the interpreter."""
-    done = _script("task_order_ab.py", "--check", timeout=300)
-    assert '"gate_up": true' in done.stdout and "false" not in done.stdout, done.stdout
