@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/backward_kernels.py [--preset kimi-k2] [--tokens 8192] [--ranks 1]
         [--impl nccl-torch,megamoe] [--pass step|bwd] [--steady 2] [--rounds 3] [--out DIR]
+    python3 benchmarks/backward_kernels.py --from DIR/backward_kernels_<preset>_<tokens>_<pass>.json  # no GPU
 
 `megamoe bench`'s problem (seed 0, uniform routing) and runners. Each implementation first runs training steps
 back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
@@ -12,7 +13,8 @@ kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weight
 memsets and copies), the time no kernel ran (launch gaps, host work, allocations) and the largest kernels;
 writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the median round) and
 DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (that round's Chrome / Perfetto trace). Each runner's gradients are
-dropped after its pass, so that two implementations' gradients need not fit at once.
+dropped after its pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded
+run's report again.
 """
 
 from __future__ import annotations
@@ -68,9 +70,13 @@ def profiled(fn) -> tuple[float, list[dict], dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    kernels = [dict(name=e["name"], ts=float(e["ts"]), dur=float(e["dur"]))
-               for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
-    return start.elapsed_time(end), kernels, trace
+    return start.elapsed_time(end), trace_kernels(trace), trace
+
+
+def trace_kernels(trace: dict) -> list[dict]:
+    """The device work of a Chrome trace (kernels, memsets, memcpys): name, start and duration in µs."""
+    return [dict(name=e["name"], ts=float(e["ts"]), dur=float(e["dur"]))
+            for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
 
 
 def account(ms: float, kernels: list[dict]) -> dict:
@@ -135,6 +141,21 @@ def run_rank(world, opts: dict) -> dict:
     return out
 
 
+def print_report(args: dict, r: dict, top: int) -> None:
+    """Rank 0's record ``r`` of a run with ``args`` (the JSON's "args" and "rank0") as the run prints it."""
+    print(f"{args['preset']}, {args['tokens']} tokens/rank, {args['ranks']} rank(s), pass {args['pass_']}; routed "
+          f"rows per expert: {r['rows_per_expert']}")
+    for impl in args["impl"].split(","):
+        x = r[impl]
+        print(f"{impl}: {x['ms']:.2f} ms between events (rounds {', '.join(f'{v:.2f}' for v in x['rounds_ms'])}; "
+              f"median of {statistics.median(x['rounds_ms']):.2f}), kernels busy {x['busy_ms']:.2f} ms, no kernel "
+              f"{x['idle_ms']:.2f} ms, {x['launches']} launches")
+        for label, ms in x["kinds"].items():
+            print(f"  {ms:8.3f} ms  {100 * ms / x['ms']:5.1f} %  {label}")
+        for k in x["kernels"][:top]:
+            print(f"    {k['ms']:8.3f} ms  x{k['launches']:<4} {k['name']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="kimi-k2")
@@ -146,26 +167,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--from", dest="from_", default="", help="a recorded backward_kernels_*.json: print its "
+                                                                 "report (no GPU)")
     a = parser.parse_args()
+    if a.from_:
+        with open(a.from_) as f:
+            rec = json.load(f)
+        print_report(rec["args"], rec["rank0"], a.top)
+        return
     os.makedirs(a.out, exist_ok=True)
     opts = dict(preset=a.preset, tokens=a.tokens, impl=a.impl.split(","), pass_=a.pass_, steady=a.steady,
                 rounds=a.rounds, out=a.out)
     opts["pass"] = opts.pop("pass_")
     r = launch(run_rank, a.ranks, opts, device="cuda")[0]
     name = f"backward_kernels_{a.preset}_{a.tokens}_{a.pass_}.json"
+    args = {k: v for k, v in vars(a).items() if k != "from_"}
     with open(os.path.join(a.out, name), "w") as f:
-        json.dump({"args": vars(a), "rank0": r}, f, indent=1)
-    print(f"{a.preset}, {a.tokens} tokens/rank, {a.ranks} rank(s), pass {a.pass_}; routed rows per expert: "
-          f"{r['rows_per_expert']}")
-    for impl in opts["impl"]:
-        x = r[impl]
-        print(f"{impl}: {x['ms']:.2f} ms between events (rounds {', '.join(f'{v:.2f}' for v in x['rounds_ms'])}; "
-              f"median of {statistics.median(x['rounds_ms']):.2f}), kernels busy {x['busy_ms']:.2f} ms, no kernel "
-              f"{x['idle_ms']:.2f} ms, {x['launches']} launches")
-        for label, ms in x["kinds"].items():
-            print(f"  {ms:8.3f} ms  {100 * ms / x['ms']:5.1f} %  {label}")
-        for k in x["kernels"][: a.top]:
-            print(f"    {k['ms']:8.3f} ms  x{k['launches']:<4} {k['name']}")
+        json.dump({"args": args, "rank0": r}, f, indent=1)
+    print_report(args, r, a.top)
 
 
 if __name__ == "__main__":

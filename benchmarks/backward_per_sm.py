@@ -3,6 +3,7 @@ rows, in interleaved rounds at the power cap (one GPU): issue 48's gate for the 
 
     PYTHONPATH=src python3 benchmarks/backward_per_sm.py [--preset kimi-k2] [--tokens 8192] [--rounds 3]
         [--seconds 0.3] [--experts E] [--out DIR]
+    python3 benchmarks/backward_per_sm.py --from DIR/backward_per_sm_<preset>_<tokens>[_<experts>].json  # no GPU
 
 One rank runs the backward megakernel (TRACE build, ``one_rank_megakernel``: its compute workers run the tiles
 they run at EP 2 and beyond, its comm workers copy local rows) through the backward's ring (one window at the
@@ -12,7 +13,8 @@ and wgrads), ``triton`` with ``warp_specialized=False`` (the tiles the megakerne
 kernels' device time per kind comes from a profiled call after the timed ones. The round's last pass is decoded
 (`megamoe.tools.trace.summary`): the compute workers' mean time in dact, dx and wgrad tasks, waits excluded.
 Per-SM rate of the megakernel against a standalone call = (standalone ms x SMs) / (megakernel ms x compute SMs).
-Prints one table; writes DIR/backward_per_sm_<preset>_<tokens>[_<experts>].json.
+Prints one table; writes DIR/backward_per_sm_<preset>_<tokens>[_<experts>].json. ``--from`` prints a recorded
+run's table again.
 """
 
 from __future__ import annotations
@@ -103,9 +105,24 @@ def _measure(world, a) -> dict:
             table.append({"kind": kind, "variant": variant, "standalone_ms": ms, "megakernel_role_ms": mk,
                           "megakernel_pass_ms": med([q["pass_ms"] for q in passes]),
                           "per_sm_ratio": ms * sms / (mk * compute_sms) if mk else None})
-    return {"preset": a.preset, "tokens": a.tokens, "rows": int(s.num_rows), "experts": int(counts.numel()),
-            "sms": sms, "compute_sms": compute_sms, "config": str(c), "passes": passes, "standalone": standalone,
-            "table": table}
+    return {"preset": a.preset, "tokens": a.tokens, "rounds": a.rounds, "seconds": a.seconds, "rows": int(s.num_rows),
+            "experts": int(counts.numel()), "sms": sms, "compute_sms": compute_sms, "config": str(c), "passes": passes,
+            "standalone": standalone, "table": table}
+
+
+def print_table(r: dict) -> None:
+    """The run's record ``r`` (what _measure returns) as the run prints it."""
+    rounds, seconds = r.get("rounds", len(r["passes"])), r.get("seconds", "?")  # older records have no seconds
+    print(f"{r['preset']} bf16, {r['tokens']} tokens, {r['rows']} rows over {r['experts']} experts, {r['compute_sms']} "
+          f"of {r['sms']} SMs compute; {rounds} interleaved rounds of {seconds} s")
+    print("| kernel | standalone | standalone ms | megakernel ms in role | per-SM rate, megakernel / standalone |")
+    print("|---|---|---|---|---|")
+    for t in r["table"]:
+        ratio = "-" if t["per_sm_ratio"] is None else f"{100 * t['per_sm_ratio']:.0f} %"
+        print(f"| {t['kind']} | {t['variant']} | {t['standalone_ms']:.3f} | {t['megakernel_role_ms']:.3f} | {ratio} |")
+    calls = (f"{v} {statistics.median(q['call_ms'] for q in runs):.2f} ms" for v, runs in r["standalone"].items())
+    print(f"megakernel pass {statistics.median(q['pass_ms'] for q in r['passes']):.2f} ms; standalone calls "
+          + ", ".join(calls))
 
 
 def main() -> None:
@@ -116,7 +133,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.3)
     parser.add_argument("--experts", type=int, default=0, help="routed experts (default: the preset's)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--from", dest="from_", default="", help="a recorded backward_per_sm_*.json: print its table "
+                                                                 "(no GPU)")
     a = parser.parse_args()
+    if a.from_:
+        with open(a.from_) as f:
+            print_table(json.load(f))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("backward_per_sm.py times a GPU: no CUDA device here")
     (r,) = launch(_measure, 1, a, device="cuda")
@@ -124,15 +147,7 @@ def main() -> None:
     name = f"backward_per_sm_{a.preset}_{a.tokens}" + (f"_{a.experts}" if a.experts else "")
     with open(os.path.join(a.out, f"{name}.json"), "w") as f:
         json.dump(r, f, indent=1)
-    print(f"{a.preset} bf16, {a.tokens} tokens, {r['rows']} rows over {r['experts']} experts, {r['compute_sms']} of "
-          f"{r['sms']} SMs compute; {a.rounds} interleaved rounds of {a.seconds} s")
-    print("| kernel | standalone | standalone ms | megakernel ms in role | per-SM rate, megakernel / standalone |")
-    print("|---|---|---|---|---|")
-    for t in r["table"]:
-        ratio = "-" if t["per_sm_ratio"] is None else f"{100 * t['per_sm_ratio']:.0f} %"
-        print(f"| {t['kind']} | {t['variant']} | {t['standalone_ms']:.3f} | {t['megakernel_role_ms']:.3f} | {ratio} |")
-    print(f"megakernel pass {statistics.median(q['pass_ms'] for q in r['passes']):.2f} ms; standalone calls "
-          + ", ".join(f"{v} {statistics.median(q['call_ms'] for q in runs):.2f} ms" for v, runs in r["standalone"].items()))
+    print_table(r)
 
 
 if __name__ == "__main__":

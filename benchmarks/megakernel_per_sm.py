@@ -2,7 +2,8 @@
 in interleaved rounds at the power cap (one GPU).
 
     PYTHONPATH=src python3 benchmarks/megakernel_per_sm.py [--preset kimi-k2] [--tokens 16384]
-        [--precision bf16|fp8-block] [--rounds 3] [--seconds 0.3] [--out DIR]
+        [--precision bf16|fp8-block] [--rounds 3] [--seconds 0.3] [--stages 3,4] [--out DIR]
+    python3 benchmarks/megakernel_per_sm.py --from DIR/megakernel_per_sm_<precision>_<tokens>[_<experts>].json  # no GPU
 
 One rank runs the megakernel (TRACE build, ``one_rank_megakernel``: its compute workers run the tiles they run at
 EP 2 and beyond). Each round runs megakernel passes for --seconds, then each standalone call for --seconds, on the
@@ -12,7 +13,8 @@ one-rank layer makes (on Hopper the Gluon kernels where they are adopted), ``tri
 (`megamoe.tools.trace.summary`): the compute workers' mean time in gate/up and in down tasks, waits excluded.
 Per-SM rate of the megakernel against a standalone call = (standalone ms x SMs) / (megakernel ms x compute SMs).
 --stages A/Bs the ring depth of the megakernel's tiles (each depth runs its passes in every round).
-Prints one table; writes DIR/megakernel_per_sm_<precision>_<tokens>[_<experts>].json.
+Prints one table; writes DIR/megakernel_per_sm_<precision>_<tokens>[_<experts>].json. ``--from`` prints a recorded
+run's table again.
 """
 
 from __future__ import annotations
@@ -113,10 +115,25 @@ def _measure(world, a) -> dict:
             table.append({"stages": depth, "kind": kind, "variant": variant, "standalone_ms": ms,
                           "megakernel_role_ms": mk, "megakernel_pass_ms": med([q["pass_ms"] for q in runs]),
                           "per_sm_ratio": ms * sms / (mk * compute_sms)})
-    return {"rank": world.rank, "preset": a.preset, "tokens": a.tokens, "precision": a.precision, "rows": rows,
+    return {"rank": world.rank, "preset": a.preset, "tokens": a.tokens, "precision": a.precision, "rounds": a.rounds,
+            "seconds": a.seconds, "rows": rows,
             "experts": int(counts.numel()), "sms": sms, "compute_sms": compute_sms, "config": str(kernel.config),
             "passes": passes, "standalone_ms_rounds": {f"{k}/{v}": t for (k, v), t in standalone.items()},
             "stamps": stamps, "table": table}
+
+
+def print_table(r: dict) -> None:
+    """The run's record ``r`` (what _measure returns) as the run prints it."""
+    rounds = r.get("rounds", len(next(iter(r["passes"].values()))))
+    seconds = r.get("seconds", "?")  # older records have no seconds
+    print(f"{r['preset']} {r['precision']}, {r['tokens']} tokens, {r['rows']} rows over {r['experts']} experts, "
+          f"{r['compute_sms']} of {r['sms']} SMs compute; {rounds} interleaved rounds of {seconds} s")
+    print("| megakernel stages | pass ms | kernel | standalone | standalone ms | megakernel ms in role | "
+          "per-SM rate, megakernel / standalone |")
+    print("|---|---|---|---|---|---|---|")
+    for t in r["table"]:
+        print(f"| {t['stages']} | {t['megakernel_pass_ms']:.2f} | {t['kind']} | {t['variant']} | "
+              f"{t['standalone_ms']:.3f} | {t['megakernel_role_ms']:.3f} | {100 * t['per_sm_ratio']:.0f} % |")
 
 
 def main() -> None:
@@ -130,7 +147,13 @@ def main() -> None:
     parser.add_argument("--stages", default="", help="ring depths of the megakernel's tiles to A/B, e.g. 3,4 "
                                                       "(default: the planner's)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--from", dest="from_", default="", help="a recorded megakernel_per_sm_*.json: print its "
+                                                                 "table (no GPU)")
     a = parser.parse_args()
+    if a.from_:
+        with open(a.from_) as f:
+            print_table(json.load(f))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("megakernel_per_sm.py times a GPU: no CUDA device here")
     (r,) = launch(_measure, 1, a, device="cuda")
@@ -138,14 +161,7 @@ def main() -> None:
     name = f"megakernel_per_sm_{a.precision}_{a.tokens}" + (f"_{a.experts}" if a.experts else "")
     with open(os.path.join(a.out, f"{name}.json"), "w") as f:
         json.dump(r, f, indent=1)
-    print(f"{a.preset} {a.precision}, {a.tokens} tokens, {r['rows']} rows over {r['experts']} experts, "
-          f"{r['compute_sms']} of {r['sms']} SMs compute; {a.rounds} interleaved rounds of {a.seconds} s")
-    print("| megakernel stages | pass ms | kernel | standalone | standalone ms | megakernel ms in role | "
-          "per-SM rate, megakernel / standalone |")
-    print("|---|---|---|---|---|---|---|")
-    for t in r["table"]:
-        print(f"| {t['stages']} | {t['megakernel_pass_ms']:.2f} | {t['kind']} | {t['variant']} | "
-              f"{t['standalone_ms']:.3f} | {t['megakernel_role_ms']:.3f} | {100 * t['per_sm_ratio']:.0f} % |")
+    print_table(r)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,26 @@ def quantized_call(fmt: str, x, counts, offsets, wgu, wd):
     return (lambda out, tiles: FORWARD[fmt](*operands, out=out, tiles=tiles)), make_out
 
 
+def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, dict]:
+    """{variant: fn} of ``precision``'s tile variants on one load, each called once, and {variant: its y}."""
+    rows, i, d = x.shape[0], wd.shape[2], wd.shape[1]
+    quantized = quantized_call(precision, x, counts, offsets, wgu, wd) if precision in FORWARD else None
+    outs, calls = {}, {}
+    for name, tiles in VARIANTS[precision].items():
+        if quantized is None:
+            out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=x.device)
+                                  for n in (2 * i, i, d)))
+            call = (lambda out=out, tiles=tiles: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles))
+        else:
+            forward, make_out = quantized
+            out = make_out()
+            call = (lambda out=out, tiles=tiles: forward(out, tiles))
+        calls[name] = call
+        call()
+        outs[name] = out.y
+    return calls, outs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="kimi-k2")
@@ -81,20 +101,7 @@ def main() -> None:
     device = torch.device("cuda")
     x, counts, offsets, wgu, wd = make_load(a.experts, a.tokens * cfg.top_k, cfg.hidden, cfg.intermediate, device)
     rows, d, i = x.shape[0], cfg.hidden, cfg.intermediate
-    quantized = quantized_call(a.precision, x, counts, offsets, wgu, wd) if a.precision in FORWARD else None
-    outs, calls = {}, {}
-    for name, tiles in VARIANTS[a.precision].items():
-        if quantized is None:
-            out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=device)
-                                  for n in (2 * i, i, d)))
-            call = (lambda out=out, tiles=tiles: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles))
-        else:
-            forward, make_out = quantized
-            out = make_out()
-            call = (lambda out=out, tiles=tiles: forward(out, tiles))
-        calls[name] = call
-        call()
-        outs[name] = out.y
+    calls, outs = variant_calls(a.precision, x, counts, offsets, wgu, wd)
     first = next(iter(outs.values()))
     same = {name: bool(torch.equal(y, first)) for name, y in outs.items()}
     times = interleaved_rounds(calls, a.rounds, a.seconds)

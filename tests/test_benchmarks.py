@@ -1,11 +1,14 @@
 """benchmarks/: every maintained tool works against today's src (CPU, no GPU needed).
 
-Each script in benchmarks/ is listed below as a CPU tool (a smoke run on simulated CPU ranks under the Triton
-interpreter, tiny shapes, or a recorded run of benchmarks/results/ reproduced from its files), a GPU tool
-(H200 shapes and CUDA timing: an import and ``--help``), or a helper module of the others. Every one of them
-prints its ``--help`` (all of them in one subprocess), and every ``megamoe`` module attribute a script names, at import or inside
-a function, must exist (a name that moved in a reorganisation fails here, not on the GPU machine). The batch
-scripts that made the recorded runs are benchmarks/recipes.md; ``gpu_ep.sh`` stays and is checked here.
+Each script in benchmarks/ (benchmarks/README.md says what each measures) is listed below as a CPU tool (a smoke
+run on simulated CPU ranks under the Triton interpreter, tiny shapes, or a recorded run of benchmarks/results/
+reproduced from its files), a GPU tool (H200 shapes and CUDA timing: an import and ``--help``, and a smoke of the
+parts that run without a GPU: its calls on a tiny load under the interpreter, or its report of a recorded run
+printed again with ``--from``), or a helper module of the others. Every one of them prints its ``--help`` (all of
+them in one subprocess), and every ``megamoe`` module attribute a script names, at import or inside a function,
+must exist (a name that moved in a reorganisation fails here, not on the GPU machine). The batch scripts that made
+the recorded runs, and the one-off probes since removed, are benchmarks/recipes.md; ``gpu_ep.sh`` stays and is
+checked here.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import sys
 import textwrap
 from functools import lru_cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results"
+#: Where the GPU tools' calls run in their smoke tests (the CPU: Triton under its interpreter, tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 #: Scripts with a CPU smoke run below (one test each).
 CPU_TOOLS = {
@@ -179,6 +186,16 @@ def test_sustained_rounds_interleave_every_call(monkeypatch):
     assert calls[:2] == ["a", "a"] and "b" in calls  # groups of 2, one variant after the other
 
 
+def test_ab_record_writes_the_result_and_prints_its_table(tmp_path, capsys):
+    import ab_record
+
+    result = {"median_ms": {"plan": 1.5}, "rounds_ms": {"plan": [1.5, 1.25]}, "configs": {"plan": "cfg"},
+              "bitwise_equal": {"plan": True}}
+    ab_record.write_and_print(result, str(tmp_path / "sub" / "ab.json"), "# title")
+    assert json.loads((tmp_path / "sub" / "ab.json").read_text()) == result
+    assert capsys.readouterr().out.splitlines()[-1] == "| plan | cfg | 1.50 | 1.50 1.25 | True |"
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _benchmarks_importable():
     sys.path.insert(0, str(BENCH))
@@ -265,6 +282,142 @@ def test_output_hashes_hashes_the_megakernel_cases():
     hashes = dict(reversed(line.split("  ", 1)) for line in lines)
     assert "all" in hashes and any(k.startswith("cases rank 0 R1 ") for k in hashes), hashes
     assert all(len(v) == 16 and int(v, 16) >= 0 for v in hashes.values())
+
+
+# ---------------------------------------------------------------------------------------------- GPU tools
+
+
+def _main(module: str, *argv: str) -> None:
+    """``module``'s main() with ``argv`` on its command line, in this process (torch imported once)."""
+    with mock.patch.object(sys, "argv", [f"{module}.py", *argv]):
+        importlib.import_module(module).main()
+
+
+def _load(experts: int, rows: int, d: int = 256, i: int = 128):
+    from megamoe.bench.experts import make_load
+
+    return make_load(experts, rows, d, i, DEVICE)
+
+
+def test_backward_kernels_accounts_a_recorded_step_again(capsys):
+    """2026-12-05-step-timeline: each implementation's recorded trace gives its recorded kernels, launches, busy
+    time and kinds again; --from prints the record's report."""
+    import gzip
+
+    import backward_kernels
+
+    d = RESULTS / "2026-12-05-step-timeline"
+    record = json.loads((d / "backward_kernels_qwen3-30b-a3b_8192_step.json").read_text())
+    for impl in ("nccl-torch", "megamoe"):
+        want = record["rank0"][impl]
+        with gzip.open(d / f"qwen3-30b-a3b_8192_step_{impl}.json.gz", "rt") as f:
+            got = backward_kernels.account(want["ms"], backward_kernels.trace_kernels(json.load(f)))
+        assert got["kernels"] == want["kernels"] and got["launches"] == want["launches"]
+        assert got["busy_ms"] == pytest.approx(want["busy_ms"]) and got["kinds"] == pytest.approx(want["kinds"])
+    _main("backward_kernels", "--from", str(d / "backward_kernels_qwen3-30b-a3b_8192_step.json"), "--top", "3")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("qwen3-30b-a3b, 8192 tokens/rank, 1 rank(s), pass step")
+    assert out[1].startswith("nccl-torch: 11.08 ms between events") and "125 launches" in out[1]
+
+
+def test_backward_memory_prints_the_recorded_tables_again(capsys):
+    d = RESULTS / "2026-12-05-backward-ring"
+    for name in ("backward_memory_qwen3-30b-a3b_8192.json", "backward_memory_qwen3-30b-a3b_8192_fused.json"):
+        _main("backward_memory", "--from", str(d / name))
+    assert capsys.readouterr().out == (d / "memory_log.txt").read_text()
+
+
+def test_backward_per_sm_prints_the_recorded_table_again(capsys):
+    d = RESULTS / "2026-12-05-backward-ring"
+    _main("backward_per_sm", "--from", str(d / "backward_per_sm_kimi-k2_8192_192.json"))
+    want = [line for line in (d / "per_sm_log.txt").read_text().splitlines() if line.startswith(("|", "megakernel"))]
+    assert capsys.readouterr().out.splitlines()[1:] == want
+
+
+def test_megakernel_per_sm_prints_the_recorded_table_again(capsys):
+    d = RESULTS / "2026-12-04-megakernel-stages"
+    _main("megakernel_per_sm", "--from", str(d / "run10_stages_bf16_8192_192.json"))
+    want = [line for line in (d / "run10_stages_bf16_8192_192.log").read_text().splitlines() if line.startswith("|")]
+    assert capsys.readouterr().out.splitlines()[1:] == want
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-block"])
+def test_megakernel_per_sm_standalone_calls_run_on_a_tiny_load(precision):
+    import megakernel_per_sm
+
+    x, counts, offsets, wgu, wd = _load(2, 192)
+    calls = megakernel_per_sm._standalone_calls(precision, counts, offsets, x.shape[0], wgu, wd)
+    assert {kind for kind, _ in calls} == {"gate_up", "down"} and ("gate_up", "triton") in calls
+    for fn in calls.values():
+        fn()
+
+
+def test_gemm_ceiling_summarizes_the_recorded_run_again(capsys):
+    """2026-11-30-gemm-ceiling's groups and nvidia-smi samples give its rates, clock and power again."""
+    import gemm_ceiling
+
+    d = RESULTS / "2026-11-30-gemm-ceiling"
+    record = json.loads((d / "gemm_ceiling.json").read_text())
+    smi = (d / "gemm_ceiling_smi.csv").read_text().splitlines()
+    got = gemm_ceiling.summarize([g["ms"] for g in record["groups"]], smi)
+    assert got["first_samples"] == record["first_samples"] and got["groups"] == record["groups"]
+    for key in ("burst_first_150ms", "steady_last_half", "steady_clock_mhz", "steady_power_w"):
+        assert got[key] == pytest.approx(record[key]), key
+    _main("gemm_ceiling", "--from", str(d))
+    assert capsys.readouterr().out.strip() == ("cuBLAS bf16 8192^3 on NVIDIA H200: first 150 ms 710 TFLOP/s; last "
+                                               "half (3.1-6.1 s) 662 TFLOP/s at 1475 MHz, 691 W")
+
+
+def test_gemm_vs_dense_calls_run_on_a_tiny_load():
+    """Every call of the table (ours, cuBLAS dense, bmm, grouped_mm, fp8-block) on 2 experts x 96 rows, once."""
+    import gemm_vs_dense
+
+    calls, flops, split = gemm_vs_dense.load_calls(2, 192, 256, 128, DEVICE)
+    assert set(flops) == set(calls) >= {"gate_up", "down dense", "backward bmm", "fp8 down dense"}
+    for fn in (*calls.values(), *split.values()):
+        fn()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-block", "mxfp8"])
+def test_tiles_ab_variants_give_the_same_bits(precision):
+    """The A/B's premise on a tiny load: 128- and 64-row tiles give the same output."""
+    import tiles_ab
+
+    calls, outs = tiles_ab.variant_calls(precision, *_load(2, 192))
+    assert list(calls) == list(tiles_ab.VARIANTS[precision])
+    first = outs["128-row"]
+    assert not first.isnan().any() and all(torch.equal(y, first) for y in outs.values())
+
+
+def test_quant_bench_cases_are_bit_exact_on_a_small_input(monkeypatch):
+    """Each case's default tile and first sweep tile against the torch reference, on a [512, 256] activation and
+    a [4, 128, 256] weight stack with every special value (the GPU run's check, smaller)."""
+    import quant_bench
+    from megamoe.ops.quant import QuantConfig, default_config
+
+    monkeypatch.setattr(quant_bench, "DEVICE", DEVICE.type)
+    act, weights = quant_bench.special_activations((512, 256), 0), quant_bench.special_activations((4, 128, 256), 1)
+    for case in quant_bench.CASES:
+        x = act if case.kind == "act" else weights
+        want = quant_bench.reference(case, x)
+        d = default_config(case.block)
+        for tile in ((d.block_m, d.block_k, d.num_warps), case.sweep[0]):
+            assert quant_bench.check(case, x, want, QuantConfig(*tile))["exact"], (case.name, tile)
+
+
+def test_schedule_bench_knobs_exist_and_every_variant_builds_the_same_schedule(monkeypatch):
+    import schedule_bench
+
+    sched = schedule_bench.sched
+    assert schedule_bench.VARIANTS[0] == tuple(getattr(sched, knob) for knob in schedule_bench.KNOBS)
+    top = torch.rand(2, 64, 16, generator=torch.Generator().manual_seed(0)).topk(2).indices.int().to(DEVICE)
+    first = None
+    for variant in schedule_bench.VARIANTS:
+        for knob, value in zip(schedule_bench.KNOBS, variant):
+            monkeypatch.setattr(sched, knob, value)
+        got = schedule_bench.build(top, 8, 2 * 64 * 2)
+        first = first or got
+        assert all(torch.equal(getattr(got, f), getattr(first, f)) for f in schedule_bench.FIELDS), variant
 
 
 # ---------------------------------------------------------------------------------------------- gpu_ep.sh
