@@ -31,7 +31,7 @@ def _time_tiles(name, n, k, d, shared, y, combine, own_rows, top, weights, share
     results, first = [], None
     experts = int(top.max()) + 1  # every id a route (the kernel skips ids past the experts)
     for bt, bd, warps in TILES:
-        out = torch.full((n, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full((n, d), float("nan"), device=y.device, dtype=torch.bfloat16)
 
         def run():
             weighted_sum_kernel[(triton.cdiv(n, bt), triton.cdiv(d, bd))](

@@ -420,6 +420,26 @@ def test_schedule_bench_knobs_exist_and_every_variant_builds_the_same_schedule(m
         assert all(torch.equal(getattr(got, f), getattr(first, f)) for f in schedule_bench.FIELDS), variant
 
 
+def test_weighted_sum_bench_tiles_give_the_same_bits(monkeypatch):
+    """Every tile of the sweep on 16 tokens x 4 slots (a fifth empty, half the routes read from y), timed by one
+    call each: the bench's premise, the same bits whatever the tile."""
+    import triton
+
+    import weighted_sum_bench
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    g = torch.Generator().manual_seed(0)
+    n, k, d = 16, 4, 256
+    top = torch.randint(0, 8, (n, k), generator=g, dtype=torch.int32)
+    top = torch.where(torch.rand(n, k, generator=g) < 0.2, -1, top)
+    own_rows = torch.where(top.flatten() % 2 == 0, torch.arange(n * k), -1).int()
+    combine, y = (torch.randn(n * k, d, generator=g).bfloat16() for _ in range(2))
+    weights, shared_y = torch.rand(n, k, generator=g), torch.randn(n, d, generator=g).bfloat16()
+    args = (y, combine, own_rows, top, weights, shared_y)
+    rows = weighted_sum_bench._time_tiles("tiny", n, k, d, True, *(t.to(DEVICE) for t in args), nbytes=1)
+    assert len(rows) == len(weighted_sum_bench.TILES) and all(r["same_bits"] for r in rows), rows
+
+
 # ---------------------------------------------------------------------------------------------- gpu_ep.sh
 
 
