@@ -10,11 +10,11 @@ Every rank builds `megamoe bench`'s problem (seed 0, uniform routing). Two one-k
 minibatch (ring = the planner's, rounded up to whole minibatches) and comm_sms. Each point: CUDA
 events as the harness times a pass (slowest rank's median); every iteration's output compared
 bitwise with the first point's (the kernel promises the same bits for every config) and, by the
-harness's error statistics, with the unfused layer. Writes OUT/sweep.json, OUT/sweep.md and two
+harness's error statistics, with nccl-torch's layer (an independent BF16 implementation). Writes OUT/sweep.json, OUT/sweep.md and two
 PNGs, prints the table last, exits 1 when a point differs. Without matplotlib (the GPU machine)
 `--replot OUT/sweep.json` draws the plots later. Without a GPU it runs on CPU ranks under the Triton
 interpreter (a smoke run: `--preset tiny --tokens 32 --ep 2 --sms 8 --iters 1 --warmup 0`); `--impl unfused`
-(config ignored) runs it all without the megakernel.
+runs every point without overlap (``KernelConfig.overlap=False``: the megakernel's steps one launch after another).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ if not torch.cuda.is_available():  # CPU ranks run Triton kernels under the inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megamoe import planner  # noqa: E402
-from megamoe.baselines.unfused import unfused_moe_forward  # noqa: E402
+from megamoe.baselines.nccl_torch import nccl_torch_moe  # noqa: E402
 from megamoe.bench.harness import TOLERANCES, compare, error_stats, pass_work, percentile  # noqa: E402
 from megamoe.bench.runners import timed_pass  # noqa: E402
 from megamoe.bench.problem import make_problem  # noqa: E402
@@ -79,9 +79,9 @@ def run_rank(world, args, points) -> list[dict] | None:
     cfg = preset(args.preset)
     p = make_problem(cfg, world.rank, world.size, args.tokens, dtype=torch.bfloat16, device=world.device, seed=0)
     inputs = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.activation)
-    unfused_out = unfused_moe_forward(*inputs)
+    baseline_out = nccl_torch_moe(*inputs)
+    from megamoe.megakernel import launch as mk_launch, launch_args, megamoe_forward
     if args.impl == "megamoe":
-        from megamoe.megakernel import launch as mk_launch, launch_args, megamoe_forward
         from megamoe.ops.expert_weights import quantize_experts
 
         if args.comm_rows:  # an experiment: the comm workers' copy tile (each Launcher reads it when it is built)
@@ -102,8 +102,8 @@ def run_rank(world, args, points) -> list[dict] | None:
                 *inputs, config=config, precision=args.precision, max_tokens=args.tokens, experts_q=experts_q,
                 check=False))
     else:
-        def forward(config):  # ignores config: runs the script end to end without the megakernel
-            return unfused_moe_forward(*inputs)
+        def forward(config):  # the point's config without overlap: its steps one launch after another
+            return megamoe_forward(*inputs, config=replace(config, overlap=False), max_tokens=args.tokens)
     # The harness has tolerances for bf16 only; other precisions get the same statistics and no verdict.
     tolerance = args.precision if args.precision in TOLERANCES else "bf16"
     flops = sum(world.all_gather_object(pass_work(world, p, "fwd")[0])) / world.size  # mean per GPU
@@ -117,7 +117,7 @@ def run_rank(world, args, points) -> list[dict] | None:
             if not torch.equal(out, first_out):  # how far off tells rounding from wrong rows
                 identical, off_by = False, max(off_by, error_stats(out, first_out)["max_abs"])
             if check is None:  # the first iteration's errors; later ones are bitwise-checked
-                check = compare({"out": out}, {"out": unfused_out}, tolerance)
+                check = compare({"out": out}, {"out": baseline_out}, tolerance)
             if it >= args.warmup:
                 times.append(ms)
             del out
@@ -172,7 +172,7 @@ def markdown(run: dict) -> str:
         f"date: {m['date']}",
         f"- command: `{m['command']}`",
         f"- planner: num_sms {base['num_sms']}, comm_sms {base['comm_sms']}, minibatch {base['minibatch']}, "
-        f"ring {base['ring_rows']} (* below); errors vs the unfused layer",
+        f"ring {base['ring_rows']} (* below); errors vs {m.get('baseline', 'the unfused layer')}",
         "",
         "| sweep | minibatch | ring | comm_sms | ms (median) | p10–p90 | TFLOP/s | bitwise = first "
         "| rel err | max abs | correct |",
@@ -278,7 +278,7 @@ def main() -> int:
     meta = run_metadata(device)
     run = {
         "meta": {**meta, "impl": args.impl + ("-graph" if args.graph else ""), "preset": args.preset, "ep": args.ep,
-                 "tokens_per_rank": args.tokens,
+                 "tokens_per_rank": args.tokens, "baseline": "nccl-torch's layer",
                  "precision": args.precision, "device": device,
                  "torch": torch.__version__,
                  "triton": triton.__version__, "command": " ".join(["python3", *sys.argv])},
@@ -295,7 +295,7 @@ def main() -> int:
     print(table)
     bad = [r for r in results if not r["bitwise_equal"] or r["correct"] is False]
     if bad:
-        print(f"{len(bad)} point(s) differ from the first point's bits or from the unfused layer")
+        print(f"{len(bad)} point(s) differ from the first point's bits or from nccl-torch's layer")
     return 1 if bad else 0
 
 

@@ -56,7 +56,6 @@ def _bench_default(world) -> dict:
     oracle = _first("megamoe.reference.ep:ep_reference_forward_backward",
                     "megamoe.ep_reference:ep_reference_forward_backward")
     megamoe_forward = _first("megamoe.megakernel.forward:megamoe_forward", "megamoe.megakernel:megamoe_forward")
-    unfused = _first("megamoe.baselines.unfused:unfused_moe_forward", "megamoe.unfused:unfused_moe_forward")
     nccl_torch = _first("megamoe.baselines.nccl_torch:nccl_torch_moe")
     preset = _first("megamoe.config:preset")
     cfg = preset("tiny")
@@ -65,7 +64,6 @@ def _bench_default(world) -> dict:
     hashes = {"reference fwd": _digest([out]), "reference bwd": _digest(_grads(grads))}
     args = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.activation)
     with torch.no_grad():
-        hashes["unfused fwd"] = _digest([unfused(*args)])
         for precision in ("bf16", "fp8-block", "mxfp8"):
             hashes[f"megamoe {precision} fwd"] = _digest([megamoe_forward(*args, precision=precision)])
     leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.router_weights, p.w_gate_up, p.w_down)]

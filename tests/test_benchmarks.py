@@ -223,18 +223,19 @@ def test_megakernel_sweep_replots_a_recorded_sweep(tmp_path):
 
 
 @pytest.mark.slow  # a GPU tool's CPU smoke run (15-40 s): `pytest -m slow`, before a GPU session
-def test_megakernel_sweep_runs_on_cpu_ranks(tmp_path):
+@pytest.mark.parametrize("impl", ["megamoe", "unfused"])
+def test_megakernel_sweep_runs_on_cpu_ranks(tmp_path, impl):
     """Two CPU ranks, the tiny preset, the planner's point and one comm_sms point, a copy tile of 4 rows: every
-    point bitwise equal to the first and correct against the unfused layer."""
+    point bitwise equal to the first and correct against nccl-torch's layer; with and without overlap."""
     out = tmp_path / "sweep"
-    _script("megakernel_sweep.py", "--impl", "megamoe", "--preset", "tiny", "--tokens", "32", "--ep", "2", "--sms", "8",
+    _script("megakernel_sweep.py", "--impl", impl, "--preset", "tiny", "--tokens", "32", "--ep", "2", "--sms", "8",
             "--minibatch", "", "--comm-sms", "2", "--comm-rows", "4", "--iters", "1", "--warmup", "0",
             "--out", str(out), timeout=300)
     run = json.loads((out / "sweep.json").read_text())
     points = run["points"]
     assert {p["comm_sms"] for p in points} == {2, run["plan"]["comm_sms"]}
     assert all(p["bitwise_equal"] and p["correct"] for p in points), points
-    assert (out / "sweep.md").read_text().startswith("# megakernel sweep · megamoe · tiny · EP 2")
+    assert (out / "sweep.md").read_text().startswith(f"# megakernel sweep · {impl} · tiny · EP 2")
 
 
 def test_megakernel_ab_has_its_cpu_test():
