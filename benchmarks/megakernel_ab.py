@@ -1,12 +1,13 @@
-"""MegaKernel variants in interleaved rounds: comm SMs, minibatch, own outputs kept or pushed.
+"""MegaKernel variants in interleaved rounds: comm SMs and minibatch.
 
-    PYTHONPATH=src python3 benchmarks/megakernel_ab.py --preset kimi-k2 --variants 8:push,8,6,8/1024 [--rounds 5]
+    PYTHONPATH=src python3 benchmarks/megakernel_ab.py --preset kimi-k2 --variants 8,6,8/1024 [--rounds 5]
         [--precision fp8-block]
 
 On every GPU (one rank each), `megamoe bench`'s problem (seed 0, uniform routing, 8192 tokens per rank). A variant
-is ``COMM_SMS[/MINIBATCH][:push]``: `megamoe plan`'s config at that comm SM count (and minibatch, the ring rounded up
-to whole minibatches), with ``:push`` for ``MegaKernel(keep_own_outputs=False)`` (every output pushed to its
-combine slot, local ones too: the layout before 24c8091). Each variant's MegaKernel is built once and kept; a round
+is ``COMM_SMS[/MINIBATCH]``: `megamoe plan`'s config at that comm SM count (and minibatch, the ring rounded up
+to whole minibatches). (``:push``, every output pushed to its combine slot, local ones too, went with
+``MegaKernel(keep_own_outputs=False)`` after 480f1e9; its answer is benchmarks/results/2026-11-30-own-outputs.)
+Each variant's MegaKernel is built once and kept; a round
 runs --passes eager passes of each (device work replayed from the kernel's own CUDA graph, as `megamoe bench`
 times them), one variant after another, after a warm-up round: variants drift together as the GPUs heat toward
 the power cap, where sweeps that time one point after another drift apart (up to 8 %,
@@ -40,16 +41,15 @@ from megamoe.precision import PRECISIONS
 from megamoe.runtime import INTERPRETER_PROGRAMS
 
 
-def variants(text: str) -> list[tuple[str, int, int | None, bool]]:
-    """``8:push,6/1024`` -> [("8:push", 8, None, False), ("6/1024", 6, 1024, True)]:
-    (name, comm_sms, minibatch or None for the planner's, keep_own_outputs)."""
+def variants(text: str) -> list[tuple[str, int, int | None]]:
+    """``8,6/1024`` -> [("8", 8, None), ("6/1024", 6, 1024)]: (name, comm_sms, minibatch or None for the
+    planner's)."""
     out = []
     for item in text.split(","):
-        knobs, _, mode = item.partition(":")
-        sms, _, minibatch = knobs.partition("/")
-        if mode not in ("", "push") or not sms.isdigit() or (minibatch and not minibatch.isdigit()):
-            raise ValueError(f"a variant is COMM_SMS[/MINIBATCH][:push], got {item!r}")
-        out.append((item, int(sms), int(minibatch) if minibatch else None, mode != "push"))
+        sms, _, minibatch = item.partition("/")
+        if not sms.isdigit() or (minibatch and not minibatch.isdigit()):
+            raise ValueError(f"a variant is COMM_SMS[/MINIBATCH], got {item!r}")
+        out.append((item, int(sms), int(minibatch) if minibatch else None))
     return out
 
 
@@ -67,12 +67,12 @@ def run_rank(world, opts: dict):
     tile = plan_tiles("down", world.device if world.is_cuda else torch.device("cpu"))
     num_sms = (torch.cuda.get_device_properties(world.device).multi_processor_count if world.is_cuda
                else INTERPRETER_PROGRAMS)
-    for name, sms, minibatch, keep in opts["variants"]:
+    for name, sms, minibatch in opts["variants"]:
         config = plan(cfg, world.size, opts["tokens"], num_sms=num_sms, precision=precision, comm_sms=sms,
                       tile_m=tile.block_m, tile_n=tile.block_n).config
         if minibatch:
             config = replace(config, minibatch=minibatch, ring_rows=-(-config.ring_rows // minibatch) * minibatch)
-        kernels[name] = (MegaKernel(world, shape, config, precision=precision, keep_own_outputs=keep), config)
+        kernels[name] = (MegaKernel(world, shape, config, precision=precision), config)
 
     def forward(kernel, check=False):
         return kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused, cfg.activation,
@@ -104,13 +104,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="kimi-k2")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--variants", type=variants, default=variants("8:push,8,6"))
+    parser.add_argument("--variants", type=variants, default=variants("8,6"))
     parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--passes", type=int, default=10)
     parser.add_argument("--out", default="")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a smoke run on --ranks CPU ranks (e.g. --preset tiny --tokens 64 --variants 1,1:push)")
+                        help="cpu: a smoke run on --ranks CPU ranks (e.g. --preset tiny --tokens 64 --variants 1,2)")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (--device cpu)")
     args = parser.parse_args()
     commit = os.environ.get("MEGAMOE_COMMIT") or subprocess.run(

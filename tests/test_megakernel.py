@@ -298,8 +298,8 @@ def _own_routes_stay(world):
     own = routed & (p.top_experts.reshape(-1) // L == world.rank)
     results = {}
     roomy = replace(WRAPPING, ring_rows=1024)
-    for name, config, keep in (("roomy", roomy, True), ("wraps", WRAPPING, True), ("pushed", roomy, False)):
-        kernel = MegaKernel(world, LayerShape.of(CONFIG, world.size, 40), config, keep_own_outputs=keep)
+    for name, config in (("roomy", roomy), ("wraps", WRAPPING)):
+        kernel = MegaKernel(world, LayerShape.of(CONFIG, world.size, 40), config)
         kernel.sym.local("combine").fill_(float("nan"))
         world.barrier()
         out, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, fused)
@@ -308,20 +308,18 @@ def _own_routes_stay(world):
                          "own written": int((written & own).sum()), "own": int(own.sum()),
                          "others written": bool(written[routed & ~own].all()), "out": out}
     out = results["roomy"].pop("out")
-    results["same_bits"] = all(torch.equal(out, results[name].pop("out")) for name in ("wraps", "pushed"))
+    results["same_bits"] = torch.equal(out, results["wraps"].pop("out"))
     return results
 
 
 def test_own_routes_stay_in_the_ring_unless_it_wraps():
     """With a ring that holds every row, a rank's own routes are not pushed into its combine slots (the weighted
-    sum reads them in the ring); a wrapping ring, or keep_own_outputs=False, pushes every route; the same bits
-    every way."""
+    sum reads them in the ring); a wrapping ring pushes every route; the same bits both ways."""
     for r in launch(_own_routes_stay, 2):
-        roomy, wraps, pushed = r["roomy"], r["wraps"], r["pushed"]
-        assert not roomy["wraps"] and wraps["wraps"] and not pushed["wraps"], r
+        roomy, wraps = r["roomy"], r["wraps"]
+        assert not roomy["wraps"] and wraps["wraps"], r
         assert roomy["own"] > 0 and roomy["own written"] == 0 and roomy["others written"], r
-        for every in (wraps, pushed):
-            assert every["own written"] == every["own"] and every["others written"], r
+        assert wraps["own written"] == wraps["own"] and wraps["others written"], r
         assert r["same_bits"], r
 
 
@@ -643,8 +641,8 @@ def test_a_timed_out_wait_names_its_counter_and_breaks_the_kernel():
 
 @pytest.mark.slow  # a GPU tool's CPU smoke run (15-40 s): `pytest -m slow`, before a GPU session
 def test_megakernel_ab_runs_on_cpu_ranks(tmp_path):
-    """benchmarks/megakernel_ab.py (variants in interleaved rounds) on 2 CPU ranks: every variant, own outputs
-    pushed and another minibatch included, gives the first's bits, and the configs are the ones asked for."""
+    """benchmarks/megakernel_ab.py (variants in interleaved rounds) on 2 CPU ranks: every variant, another comm SM
+    count and minibatch included, gives the first's bits, and the configs are the ones asked for."""
     import json
     import os
     import subprocess
@@ -656,10 +654,10 @@ def test_megakernel_ab_runs_on_cpu_ranks(tmp_path):
     out = tmp_path / "ab.json"
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "megakernel_ab.py"), "--device", "cpu", "--preset", "tiny",
-         "--tokens", "32", "--variants", "1:push,2/64", "--rounds", "1", "--passes", "1", "--out", str(out)],
+         "--tokens", "32", "--variants", "1,2/64", "--rounds", "1", "--passes", "1", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["bitwise_equal"] == {"1:push": True, "2/64": True}, result
-    assert "comm_sms=1," in result["configs"]["1:push"] and "comm_sms=2, minibatch=64," in result["configs"]["2/64"]
+    assert result["bitwise_equal"] == {"1": True, "2/64": True}, result
+    assert "comm_sms=1," in result["configs"]["1"] and "comm_sms=2, minibatch=64," in result["configs"]["2/64"]
     assert all(len(v) == 1 and v[0] > 0 for v in result["rounds_ms"].values()), result

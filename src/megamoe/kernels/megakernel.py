@@ -28,7 +28,7 @@ Communication worker c, for each visited minibatch j: if the slot was used
 pull its share of j's rows into the slot and release rows_ready[j]. After the
 last pull it pushes the minibatches still in the ring, in visit order. When
 the ring holds every row, the rows this rank owns are not pushed: their
-outputs stay in y, where the weighted sum reads them (``keep_own``).
+outputs stay in y, where the weighted sum reads them.
 
 Compute worker: the shared expert's gate/up and down tiles over this rank's
 tokens (no wait on communication), then per visited minibatch: wait
@@ -282,7 +282,7 @@ def shared_down(
     return dealt + tiles * num_n, budget
 
 
-@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "keep_own", "phase_minibatch",
+@triton.jit(do_not_specialize=["tokens", "my_rank", "comm_sms", "slots", "budget", "phase_minibatch",
                                "limit", "alpha"])
 def megakernel(
     # schedule and row tiles (device)
@@ -305,7 +305,7 @@ def megakernel(
     rows_ready_ptr, tile_done_ptr, y_done_ptr, shared_done_ptr, comm_done_ptr,
     flag_peer_ptrs, flags_ptr, epoch_ptr, error_ptr, trace_base_ptr,
     # sizes and knobs
-    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, alpha, budget, keep_own,
+    tokens, my_rank, num_ranks, comm_sms, minibatch, slots, experts, I, D, shared_I, limit, alpha, budget,
     phase_minibatch,
     TOP_K: tl.constexpr, CHUNKS: tl.constexpr, CP: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr, ACT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr,
@@ -323,9 +323,9 @@ def megakernel(
         tl.store(trace_ptr + TRACE_SM, smid().to(tl.int64))
     num_rows = tl.load(num_rows_ptr).to(tl.int64)
     batches = tl.cdiv(num_rows, minibatch).to(tl.int32)
-    # When the ring holds every row (and keep_own), the outputs of this rank's own routes stay in y, where the
+    # When the ring holds every row, the outputs of this rank's own routes stay in y, where the
     # weighted sum reads them (the schedule's own_rows): only the other ranks' rows are pushed home.
-    skip_rank = tl.where((batches <= slots) & (keep_own != 0), my_rank, -1)
+    skip_rank = tl.where(batches <= slots, my_rank, -1)
     WAIT: tl.constexpr = PHASE == PHASE_ALL
     if PHASE == PHASE_ALL:
         if pid < comm_sms:

@@ -127,17 +127,15 @@ class MegaKernel:
     expert kernels on every SM instead of the megakernel (same bits) when the
     ring holds every routed row; ``one_rank_megakernel=True`` keeps the
     megakernel there (traces, tests). ``replay=False`` launches every pass's device work from the host
-    instead of replaying its CUDA graph (same bits). ``keep_own_outputs=False`` pushes the outputs of a
-    rank's own routes into its combine slots too, as the other ranks' are (same bits; the layout before
-    24c8091, kept for A/B measurements): by default they stay in the ring when it holds every row.
+    instead of replaying its CUDA graph (same bits). The outputs of a rank's own routes stay in the ring when
+    it holds every row (1-2 % over pushing them too: benchmarks/results/2026-11-30-own-outputs).
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
                  precision: str = "bf16", wait_budget: int | None = None, trace: bool = False,
-                 one_rank_megakernel: bool = False, replay: bool = True, keep_own_outputs: bool = True):
+                 one_rank_megakernel: bool = False, replay: bool = True):
         check_precision(precision)
         self.world, self.shape, self.precision = world, shape, precision
-        self.keep_own_outputs = bool(keep_own_outputs)
         self.fmt, self.scale_block = FMT[precision], SCALE_BLOCK[precision]
         self.quantized = precision != "bf16"
         self.gpu = compiled_gpu(world.device)
@@ -189,9 +187,8 @@ class MegaKernel:
         self.launcher = Launcher(self)
         # A route's output stays in y (the schedule's own_rows; else the weighted sum reads its combine slot):
         # on one rank every route; at EP >= 2 this rank's own routes when the ring holds every row (the kernel
-        # then pushes only the other ranks' rows home), unless keep_own_outputs is off.
-        self._own_rows_within = (shape.capacity if self.direct else
-                                 c.ring_rows if self.keep_own_outputs else -1)
+        # then pushes only the other ranks' rows home).
+        self._own_rows_within = shape.capacity if self.direct else c.ring_rows
         ints = dict(dtype=torch.int32, device=dev)
         if self.direct:
             self._shared_rows, self._shared_start = torch.zeros(1, **ints), torch.zeros(1, **ints)

@@ -125,8 +125,7 @@ class Launcher:
             SyncArgs(self.rows_ready, self.tile_done, self.y_done, self.shared_done),
             PassEndArgs.of(k, self.comm_done),
             SizeArgs(n, k.world.rank, k.world.size, c.comm_sms, c.minibatch, c.ring_rows // c.minibatch, L, I, D,
-                     s.shared_intermediate, activation.kernel_limit, activation.kernel_alpha, k.budget,
-                     int(k.keep_own_outputs)),
+                     s.shared_intermediate, activation.kernel_limit, activation.kernel_alpha, k.budget),
         )
         consts = dict(self.consts, HAS_SHARED=shared is not None, ACT=activation.kernel_id)
         return args, consts

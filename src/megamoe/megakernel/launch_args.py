@@ -175,7 +175,6 @@ class SizeArgs:
     limit: float
     alpha: float
     budget: int
-    keep_own: int
 
 
 #: The groups in the kernel's argument order.
