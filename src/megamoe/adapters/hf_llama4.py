@@ -12,7 +12,7 @@ per token (k x the dispatch; :func:`~megamoe.adapters.hf.patch`'s ``max_tokens``
 
 transformers stores these experts transposed (``gate_up_proj [E, D, 2I]``, gate columns then up;
 ``down_proj [E, I, D]``). :class:`Llama4ExpertParallelExperts` is an
-:class:`~megamoe.adapters.hf.ExpertParallelExperts` (so :mod:`megamoe.adapters.fsdp` and the training loop find
+:class:`~megamoe.adapters.hf_experts.ExpertParallelExperts` (so :mod:`megamoe.adapters.fsdp` and the training loop find
 it): it holds its slice as every patched experts module does, ``gate_up_proj [L, 2I, D]`` and
 ``down_proj [L, D, I]``, transposed once at patch time, and its ``state_dict`` / ``load_state_dict`` speak
 transformers' layout (all E experts; load also takes this rank's slice, in transformers' layout).
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.adapters.hf import ExpertParallelExperts, activation_problem
+from megamoe.adapters.hf_experts import ExpertParallelExperts, activation_problem
 from megamoe.parallel.world import EPWorld
 
 #: The transformers class this module patches.
