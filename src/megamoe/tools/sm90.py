@@ -34,6 +34,19 @@ from megamoe.runtime import interpreting
 GROUPS = ("gemm", "fp8", "mxfp8", "quant", "megakernel", "backward")
 
 
+def cases(group: str) -> dict:
+    """The :class:`~megamoe.tools.sm90_cases.Case` of each kernel of ``group``: the expert kernels' groups are
+    in :mod:`megamoe.tools.sm90_cases`, the megakernels' in :mod:`megamoe.tools.sm90_megakernel_cases`."""
+    from megamoe.tools import sm90_cases as experts, sm90_megakernel_cases as megakernels
+
+    builders = {"gemm": experts.gemm_cases, "fp8": experts.fp8_cases, "mxfp8": experts.mxfp8_cases,
+                "quant": experts.quant_cases, "megakernel": megakernels.megakernel_cases,
+                "backward": megakernels.backward_cases}
+    if group not in builders:
+        raise ValueError(f"unknown group {group!r}")
+    return builders[group]()
+
+
 def compile_sm90(kernel, signature: dict, constexprs: dict, *, num_warps: int = 8, num_stages: int = 3,
                  attrs: dict | None = None):
     """``kernel`` (Triton or Gluon) compiled for sm_90 from ``signature`` ({argument: type}) and ``constexprs``.
@@ -183,8 +196,6 @@ def check_case(case) -> dict:
 
 def _checked(key: tuple[str, str]) -> tuple:
     """Compile case ``key = (group, name)`` (cases are rebuilt in each worker: kernels do not pickle)."""
-    from megamoe.tools.sm90_cases import cases
-
     group, name = key
     return key, check_case(cases(group)[name])
 
@@ -192,8 +203,6 @@ def _checked(key: tuple[str, str]) -> tuple:
 def report(groups: tuple[str, ...] = GROUPS, processes: int | None = None) -> dict[str, dict[str, dict]]:
     """{group: {case: facts}} for ``groups``, compiled in parallel processes."""
     from concurrent.futures import ProcessPoolExecutor
-
-    from megamoe.tools.sm90_cases import cases
 
     unknown = set(groups) - set(GROUPS)
     if unknown:
