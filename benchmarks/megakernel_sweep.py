@@ -34,7 +34,8 @@ if not torch.cuda.is_available():  # CPU ranks run Triton kernels under the inte
 
 from megamoe import planner  # noqa: E402
 from megamoe.baselines.nccl_torch import nccl_torch_moe  # noqa: E402
-from megamoe.bench.harness import TOLERANCES, compare, error_stats, pass_work, percentile  # noqa: E402
+from megamoe.bench.accuracy import TOLERANCES, compare, error_stats  # noqa: E402
+from megamoe.bench.harness import pass_work, percentile  # noqa: E402
 from megamoe.bench.runners import timed_pass  # noqa: E402
 from megamoe.bench.problem import make_problem  # noqa: E402
 from megamoe.bench.report import run_metadata  # noqa: E402

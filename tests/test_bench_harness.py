@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.bench.harness import (FP8_WEIGHT_GRAD_GROUP_TOL, ROW_GROUP, BenchOptions, compare, error_stats,
-                                     percentile)
+from megamoe.bench.accuracy import FP8_WEIGHT_GRAD_GROUP_TOL, ROW_GROUP, compare, error_stats
+from megamoe.bench.harness import BenchOptions, percentile
 
 
 @pytest.mark.parametrize("values, q, want", [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megamoe.baselines import deepep_torch as dt
-from megamoe.bench.harness import _flatten, compare
+from megamoe.bench.accuracy import _flatten, compare
 from megamoe.bench.runners import _AutogradRunner
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig

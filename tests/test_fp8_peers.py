@@ -9,7 +9,7 @@ import torch
 from megamoe.baselines import deepep_torch as dt
 from megamoe.baselines.fp8_grouped import E4M3_MAX, quantize_expert_weights, rowwise_e4m3, scaled_grouped_mm
 from megamoe.baselines.nccl_torch import nccl_torch_moe
-from megamoe.bench.harness import compare
+from megamoe.bench.accuracy import compare
 from megamoe.bench.problem import make_problem
 from megamoe.config import SWIGLU, MoEConfig
 from megamoe.parallel.world import launch

@@ -45,8 +45,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from megamoe.autograd import moe
-from megamoe.bench.harness import _flatten, error_stats
-from megamoe.bench.harness import TOLERANCES
+from megamoe.bench.accuracy import _flatten, error_stats
+from megamoe.bench.accuracy import TOLERANCES
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.megakernel import megamoe_forward

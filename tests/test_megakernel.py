@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megamoe.bench.harness import compare
+from megamoe.bench.accuracy import compare
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig, preset
 from megamoe.reference.ep import ep_reference_forward_backward

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megamoe.baselines.nccl_torch import nccl_torch_moe
-from megamoe.bench.harness import _flatten, compare
+from megamoe.bench.accuracy import _flatten, compare
 from megamoe.bench.runners import _AutogradRunner
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
@@ -79,7 +79,7 @@ def test_bad_input_raises_value_error():
 
 
 def test_compare_catches_one_wrong_row_that_relative_l1_misses():
-    from megamoe.bench.harness import compare
+    from megamoe.bench.accuracy import compare
 
     ref = torch.randn(4096, 64)
     bad = ref.clone()

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.bench.harness import error_stats
+from megamoe.bench.accuracy import error_stats
 from megamoe.parallel.world import launch
 from raised import raised  # tests/raised.py
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megamoe.autograd import moe
-from megamoe.bench.harness import _flatten, error_stats
+from megamoe.bench.accuracy import _flatten, error_stats
 from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.parallel.world import launch

@@ -137,7 +137,7 @@ def torch_path(x, counts, wgu, wd):
 
 def rel(a, b) -> float:
     """sum|a-b| / sum|b|, in chunks (weight gradients are GBs: no full-size float copies)."""
-    from megamoe.bench.harness import error_stats
+    from megamoe.bench.accuracy import error_stats
 
     return error_stats(a, b)["rel"]
 

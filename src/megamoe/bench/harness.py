@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 from megamoe.baselines import deepep_torch
+from megamoe.bench.accuracy import TOLERANCES, _flatten, bounds, compare
 from megamoe.bench.machine import ClockSample, clock_range, floor_ms, machine_info
 from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
 from megamoe.bench.runners import FP8_PEERS, PEER_FP8, RUNNERS, TAKES_EXPERT_FORMAT, _FP8PeerRunner, timed_pass
@@ -35,28 +36,6 @@ from megamoe.reference.ep import ep_reference_forward_backward
 #: fwd: the forward alone; bwd: the backward alone (its forward untimed before it); step: forward + backward.
 PASSES = ("fwd", "bwd", "step")
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
-#: (relative L1, worst row's relative L2 error, max-abs of the layer output). The first and
-#: last are the project's BF16 bounds (docs/performance.md); see :func:`compare` for the row check.
-TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3),
-              # FP8 routed experts (megamoe with experts="fp8-block" / "mxfp8") against the BF16-input oracle:
-              # measured rel 2.8e-2 / 3.4e-2 and max-abs 0.28 / 0.48 on kimi-k2 (benchmarks/results/
-              # 2026-11-29-precisions); a missing or wrong row still gives a row error near 1.
-              "fp8": (6e-2, 3e-1, 2.0),
-              # gradients of fp8-block training (E4M3 dgrads and wgrads after the FP8 forward) against the same
-              # oracle: measured 4-8 % L1; the worst weight-gradient row 0.22 with ~15 rows per expert
-              # (tests/test_training_fp8.py), 0.39 with 2 (tiny, 8 tokens): an expert's few rows average nothing
-              # (its kernels equal the recipe's twin there, tests/test_experts_fp8_bwd.py)
-              "fp8-grads": (1e-1, 5e-1, 2.0)}
-#: FP8 routed experts' weight gradients are judged by groups of rows, not row by row. Each row of an expert's
-#: d w_gate_up / d w_down sums that expert's tokens, and a token whose activation is an outlier carries its own
-#: quantisation error into the row amplified (tiny on CPU: d w_gate_up's worst row 0.29, 0.03 without the one
-#: token whose silu(gate) is 10x the feature's next largest; glm-5 on an H200: 0.55, MXFP8 1.9, against a median
-#: of 0.06-0.08: benchmarks/results/2026-12-02-fp8-layer-ep1). A missing or wrong block moves a wgrad tile's
-#: rows together, so each group of ``ROW_GROUP`` consecutive rows must have its median row error within this
-#: bound (the per-token gradients keep the row bound).
-FP8_WEIGHT_GRAD_GROUP_TOL = 0.25
-ROW_GROUP = 64
-ROUTED_WEIGHTS = ("w_gate_up", "w_down")
 #: Routed-expert formats of the megamoe implementations (the others are BF16 throughout).
 EXPERT_FORMATS = ("bf16", "fp8-block", "mxfp8")
 DEVICES = ("cpu", "cuda")
@@ -144,90 +123,6 @@ class BenchOptions:
 
 
 # --------------------------------------------------------------------------- checking
-
-
-def _flatten(grads: dict) -> dict[str, torch.Tensor]:
-    flat = {k: v for k, v in grads.items() if k != "shared"}
-    for s, (a, b) in enumerate(grads["shared"]):
-        flat[f"shared{s}.w_gate_up"], flat[f"shared{s}.w_down"] = a, b
-    return flat
-
-
-def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14) -> dict:
-    """Errors of ``out`` against ``ref`` in float32 chunks of rows (the last dim is a row).
-
-    max_abs = max|out-ref|; rel = sum|out-ref| / sum|ref|; row = the largest
-    ||out_row - ref_row|| / max(||ref_row||, typical row norm), the typical
-    norm being the RMS of ||ref_row||; row_group = the largest median of those
-    row errors over groups of :data:`ROW_GROUP` consecutive rows; finite = out
-    has no NaN or inf.
-    """
-    a, b = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    chunk_rows = -(-chunk_rows // ROW_GROUP) * ROW_GROUP  # groups never straddle chunks
-    chunks = range(0, a.shape[0], chunk_rows)
-    ref_sq = sum(float(b[i : i + chunk_rows].float().pow(2).sum(dtype=torch.float64)) for i in chunks)
-    typical_row = max((ref_sq / max(a.shape[0], 1)) ** 0.5, torch.finfo(torch.float32).tiny)
-    max_abs, abs_sum, ref_sum, row, row_group, finite = 0.0, 0.0, 0.0, 0.0, 0.0, True
-    for start in chunks:
-        x, y = a[start : start + chunk_rows].float(), b[start : start + chunk_rows].float()
-        diff = x - y
-        max_abs = max(max_abs, float(diff.abs().max()))
-        abs_sum += float(diff.abs().sum(dtype=torch.float64))
-        ref_sum += float(y.abs().sum(dtype=torch.float64))
-        rows = diff.norm(dim=1) / y.norm(dim=1).clamp_min(typical_row)
-        row = max(row, float(rows.max()))
-        row_group = max(row_group, max(float(g.median()) for g in rows.split(ROW_GROUP)))
-        finite = finite and bool(torch.isfinite(x).all())
-    return {"max_abs": max_abs, "rel": abs_sum / max(ref_sum, 1e-30), "row": row, "row_group": row_group,
-            "finite": finite}
-
-
-def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], precision: str) -> dict:
-    """Worst errors over named tensors and whether every tensor is in tolerance.
-
-    Every tensor: relative L1 error (catches widespread error) and the worst
-    row's L2 error over its norm, or a typical row's norm if larger (catches
-    a few wrong rows: a missing route or a race gives ~1; BF16 rounding
-    stays near 1e-2). The layer output ``out`` also meets the max-abs bound;
-    gradients do not, as their magnitudes grow with the rows summed and a
-    BF16 result carries half an ULP of its magnitude (measured on kimi-k2:
-    weight gradients up to ~120, router-weight gradients up to ~500). FP8 routed
-    experts' weight gradients meet :data:`FP8_WEIGHT_GRAD_GROUP_TOL` on groups
-    of rows in place of the row bound.
-    """
-    rel_tol, row_tol, abs_tol = TOLERANCES[precision]
-    worst = {"max_abs_err": 0.0, "rel_err": 0.0, "row_err": 0.0, "row_group_err": 0.0, "correct": True,
-             "worst_tensor": None, "failed": None}
-    for name, ref in want.items():
-        out = got.get(name)
-        if out is None or out.shape != ref.shape:
-            return {**worst, "max_abs_err": float("inf"), "rel_err": float("inf"), "correct": False,
-                    "worst_tensor": name,
-                    "failed": f"{name}: {'missing' if out is None else f'shape {tuple(out.shape)}'}, want shape "
-                              f"{tuple(ref.shape)}"}
-        if ref.numel() == 0:
-            continue
-        st = error_stats(out, ref)
-        grouped = precision == "fp8-grads" and name in ROUTED_WEIGHTS
-        # (error, bound, what) of every check of this tensor; the first one out of bounds is the reason reported
-        checks = [(st["rel"], rel_tol, "rel err"),
-                  (st["row_group"], FP8_WEIGHT_GRAD_GROUP_TOL, f"median row err of {ROW_GROUP} rows") if grouped
-                  else (st["row"], row_tol, "worst row err")]
-        if name == "out":
-            checks.append((st["max_abs"], abs_tol, "max abs"))
-        ok = all(err <= bound for err, bound, _ in checks) and st["finite"]
-        if not ok and worst["failed"] is None:
-            worst["failed"] = f"{name}: " + ("not finite" if not st["finite"] else next(
-                f"{what} {err:.2e} > {bound:g}" for err, bound, what in checks if not err <= bound))
-        if worst["worst_tensor"] is None or (not ok and worst["correct"]) or (
-                ok == worst["correct"] and st["rel"] > worst["rel_err"]):
-            worst["worst_tensor"] = name
-        worst["max_abs_err"] = max(worst["max_abs_err"], st["max_abs"])
-        worst["rel_err"] = max(worst["rel_err"], st["rel"])
-        worst["row_err"] = max(worst["row_err"], st["row"])
-        worst["row_group_err"] = max(worst["row_group_err"], st["row_group"])
-        worst["correct"] = worst["correct"] and ok
-    return worst
 
 
 # --------------------------------------------------------------------------- timing
@@ -393,14 +288,6 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
     return [records[k, name] for k in range(len(runs)) for name in opts.passes if (k, name) in records]
 
 
-def _bounds(tolerance: str, name: str) -> dict:
-    """A record's tolerance fields: the TOLERANCES key its check used and its bounds (see :func:`compare`)."""
-    rel_tol, row_tol, abs_tol = TOLERANCES[tolerance]
-    return {"tolerance": tolerance, "rel_tol": rel_tol, "row_tol": row_tol,
-            "row_group_tol": FP8_WEIGHT_GRAD_GROUP_TOL if tolerance == "fp8-grads" else None,
-            "max_abs_tol": abs_tol if name == "fwd" else None}
-
-
 def _over(time_ms: float, floor: float | None) -> float | None:
     return time_ms / floor if floor else None
 
@@ -445,7 +332,7 @@ def _gather_record(world, opts: BenchOptions, run: _Run, name: str, work, shared
                         if r["check"].get("failed")), None),
         # the bounds the check held this pass to (compare): rel err <= rel_tol on every tensor, the worst row's
         # error <= row_tol (FP8 weight gradients: groups of rows), the output's max abs <= max_abs_tol (fwd)
-        **_bounds(run.checked_as[name], name),
+        **bounds(run.checked_as[name], name),
         "iters": len(times),
         # FP8 experts: one quantisation of the routed weights (once per optimizer step, outside the pass)
         "weights_quantize_ms": None if weights_quantize_ms is None else max(r["quantize"] for r in everyone),
