@@ -1,5 +1,9 @@
 """The megakernel of one layer shape: its pass, step by step.
 
+(One object, one file, over 450 lines: :class:`MegaKernel` owns a layer shape's state — its config, workspace,
+launcher, graphs, error word — and every entry that touches it; its launches' arguments, buffers, replay and the
+backward's ring and launchers already live in their own modules beside it.)
+
 A pass, all queued on the current stream with no host sync (so it can be captured in a CUDA graph once
 ``check=False``):
 
