@@ -602,6 +602,39 @@ def test_backward_is_bitwise_deterministic_across_grid_sizes():
     assert torch.equal(runs[0].d_w_gate_up, runs[1].d_w_gate_up) and torch.equal(runs[0].d_w_down, runs[1].d_w_down)
 
 
+def test_backward_stores_d_x_rows_into_their_slots_with_the_same_bits():
+    from dataclasses import replace
+
+    from megamoe.ops.experts_bwd import expert_backward, new_grads
+
+    x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=9)
+    g = torch.Generator().manual_seed(10)
+    dy = torch.randn(x.shape, generator=g).bfloat16().to(DEVICE)
+    row_weights = torch.rand(x.shape[0], generator=g).to(DEVICE)
+    h = expert_forward(x, counts, offsets, wgu, wd).h
+    rows = x.shape[0]
+    inside = torch.zeros(rows, dtype=torch.bool)
+    for o, c in zip(offsets.tolist(), counts.tolist()):
+        inside[o : o + c] = True
+    # every row inside a region to a distinct slot of a larger set, a few of them (and every row outside) to none
+    index = torch.randperm(2 * rows, generator=g)[:rows].to(torch.int32)
+    index[~inside] = -1
+    index[torch.nonzero(inside)[::7, 0]] = -1
+    want = expert_backward(dy, row_weights, x, h, counts, offsets, wgu, wd)
+    slots = torch.full((2 * rows, x.shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = replace(new_grads(rows, wgu, wd), d_x=slots, d_x_index=index.to(DEVICE))
+    got = expert_backward(dy, row_weights, x, h, counts, offsets, wgu, wd, out=out)
+    stored = index >= 0
+    assert torch.equal(slots[index[stored].long()].cpu(), want.d_x[stored.to(DEVICE)].cpu())
+    untouched = torch.ones(2 * rows, dtype=torch.bool)
+    untouched[index[stored].long()] = False
+    assert bool(slots[untouched.to(DEVICE)].isnan().all())
+    assert torch.equal(got.d_router[inside.to(DEVICE)], want.d_router[inside.to(DEVICE)])
+    assert torch.equal(got.d_w_gate_up, want.d_w_gate_up) and torch.equal(got.d_w_down, want.d_w_down)
+    with pytest.raises(ValueError, match="d_x_index must be int32"):
+        expert_backward(dy, row_weights, x, h, counts, offsets, wgu, wd, out=replace(out, d_x_index=index[:3]))
+
+
 def test_forward_is_bitwise_deterministic_across_grid_sizes():
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=9)
     runs = [expert_forward(x, counts, offsets, wgu, wd, num_programs=p) for p in (1, 3, 7)]

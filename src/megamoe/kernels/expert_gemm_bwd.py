@@ -162,26 +162,33 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
 
 
 @triton.jit
-def dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, row0, row_end, expert, n, D, I,
-            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One tile of dx = d_h · w_gate_up[l] (K = 2I)."""
+def dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, d_x_index_ptr, row0, row_end, expert, n, D, I,
+            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            SCATTER: tl.constexpr):
+    """One tile of dx = d_h · w_gate_up[l] (K = 2I): row r to d_x row r, or with SCATTER to row d_x_index[r]
+    (rows whose index is < 0 not stored)."""
     n0 = n * BLOCK_N
     acc = rows_times_kn(d_h_desc, w_gate_up_desc, row0, expert * 2 * I, n0, 2 * I, DOT_FP32,
                         BLOCK_M, BLOCK_N, BLOCK_K)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (rows < row_end)[:, None] & (cols < D)[None, :]
-    tl.store(d_x_ptr + rows.to(tl.int64)[:, None] * stride_d_x + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
+    row_ok = rows < row_end
+    dest = rows.to(tl.int64)
+    if SCATTER:
+        dest = tl.load(d_x_index_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        row_ok = row_ok & (dest >= 0)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    tl.store(d_x_ptr + dest[:, None] * stride_d_x + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
 
 
 @triton.jit
 def dx_kernel(
-    d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x,
+    d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, d_x_index_ptr,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, I,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, SCATTER: tl.constexpr = False,
 ):
     """Persistent :func:`dx_tile` over every (row tile, n-tile) task."""
     num_n = tl.cdiv(D, BLOCK_N)
@@ -189,8 +196,8 @@ def dx_kernel(
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = _tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
-        dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, row0, row_end, expert, n, D, I, DOT_FP32,
-                BLOCK_M, BLOCK_N, BLOCK_K)
+        dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, d_x_index_ptr, row0, row_end, expert, n, D, I,
+                DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, SCATTER)
 
 
 @triton.jit

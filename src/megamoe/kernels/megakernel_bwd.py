@@ -145,8 +145,8 @@ def dx_tasks(
         row_end = tl.load(tile_row_end_ptr + tile)
         if n == 0:
             router_grad_rows(partial_ptr, stride_partial, d_router_ptr, row0, row_end, tl.cdiv(I, BN_DA), BLOCK_M)
-        dx_tile(d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, row0, row_end, expert, n, D, I, DOT_FP32,
-                BLOCK_M, BN_DX, BK_DX)
+        dx_tile(d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, dx_ptr, row0, row_end, expert, n, D, I, DOT_FP32,
+                BLOCK_M, BN_DX, BK_DX, False)
         release_add(dx_done_ptr + j)
         trace_event(trace_ptr, start, TRACE_KIND_DX, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
@@ -190,8 +190,8 @@ def shared_dx(
                               WAIT_SHARED_DACT, WAIT, TRACE)
         fence_async_proxy(FENCE)
         start = trace_clock(TRACE)
-        dx_tile(d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, tile * BLOCK_M, tokens, 0, n, D, I, DOT_FP32,
-                BLOCK_M, BN_DX, BK_DX)
+        dx_tile(d_h_desc, w_gate_up_k_desc, dx_ptr, stride_dx, dx_ptr, tile * BLOCK_M, tokens, 0, n, D, I,
+                DOT_FP32, BLOCK_M, BN_DX, BK_DX, False)
         trace_event(trace_ptr, start, TRACE_KIND_SHARED_DX, tile * 65536 + n, TRACE)
     return dealt + tiles * num_n, budget
 

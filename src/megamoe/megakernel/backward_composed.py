@@ -18,7 +18,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
      expert's rows in one fixed order (FP32 accumulation, carried across windows in FP32);
    - push reverse-dispatch: each row's ``d_x`` into its home rank's ``[N*k, D]`` slots, its router-weight
-     gradient into the home rank's ``[N*k]`` slots;
+     gradient into the home rank's ``[N*k]`` slots (one rank, BF16: the d_x tiles store each row into its slot
+     themselves, no copy);
 3. a device barrier; at home: ``d_x[i] = sum_j slot[i*k + j]`` in fixed order in FP32, plus the shared experts'
    ``d_x`` (their backward over this rank's tokens, from the h the forward kept), rounded once.
 
@@ -29,6 +30,8 @@ past its last row are empty, decided on the device). The backward megakernel
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -69,6 +72,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
     d_w_gate_up = torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=x.device)
     d_w_down = torch.empty(w_down.shape, dtype=torch.bfloat16, device=x.device)
+    # one rank, BF16: the d_x tiles store each row into its route's slot, the push's copy skipped
+    own_slots = world.size == 1 and fmt == "bf16"
     # 2. the windows
     for window in ring.windows(schedule):
         reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
@@ -82,6 +87,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         if not in_place and schedule.capacity > forward_ring:
             ring.replay(window, forward_ring, x_rows, w_gate_up, activation, q, rows_per_expert)
         out = ring.grads(d_w_gate_up, d_w_down)
+        if own_slots:
+            out = replace(out, d_x=ws.local("combine"), d_x_index=window.src_index)
         counts, offsets = window.tokens_per_expert, window.offsets
         if fmt != "bf16":
             fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
@@ -90,7 +97,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             expert_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                             activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
                             out=out)
-        reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
+        if not own_slots:
+            reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
         push_route_scalars(ws, window, ring.d_router, "d_router")
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")

@@ -47,12 +47,17 @@ class WgradCarry:
 @dataclass
 class ExpertGrads:
     """Gradients of the expert FFNs: `d_x [R, D]` and `d_router [R]` per routed row (rows outside
-    regions undefined), `d_w_gate_up [L, 2I, D]` and `d_w_down [L, D, I]` (every expert written)."""
+    regions undefined), `d_w_gate_up [L, 2I, D]` and `d_w_down [L, D, I]` (every expert written).
+
+    With ``d_x_index`` (int32 `[>= R]`, BF16 only) row r's d_x lands in ``d_x[d_x_index[r]]`` instead (rows whose
+    index is < 0 not stored; ``d_x`` then any `[S, D]`, rows no index names untouched): on one rank the routes'
+    slots themselves, so no push copies the rows there."""
 
     d_x: torch.Tensor
     d_router: torch.Tensor
     d_w_gate_up: torch.Tensor
     d_w_down: torch.Tensor
+    d_x_index: torch.Tensor | None = None
 
 
 def expert_backward(
@@ -139,12 +144,13 @@ def expert_backward(
         expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
             partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
         c = cfg["dx"]
+        scatter = grads.d_x_index is not None
         launch_row_tasks(
             expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, rows,
             head=(descriptor(d_h, [c.block_m, c.block_k]),
                   descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
-                  grads.d_x, grads.d_x.stride(0)),
-            tail=(d, i),
+                  grads.d_x, grads.d_x.stride(0), grads.d_x_index if scatter else grads.d_x),
+            tail=(d, i), SCATTER=scatter,
         )
     if rows == 0:
         grads.d_w_gate_up.zero_()
@@ -170,7 +176,15 @@ def check_grads(grads: ExpertGrads, rows: int, w_gate_up: torch.Tensor, w_down: 
                 carry: WgradCarry | None) -> None:
     """ValueError unless ``grads`` (a caller's ``out``) and ``carry`` fit ``rows`` rows of these experts."""
     experts, two_i, d = w_gate_up.shape
-    want = [("out.d_x", grads.d_x, (rows, d), torch.bfloat16), ("out.d_router", grads.d_router, (rows,), torch.float32),
+    index = grads.d_x_index
+    if index is None:
+        d_x = [("out.d_x", grads.d_x, (rows, d), torch.bfloat16)]
+    else:  # the slots the rows land in: any number of them
+        if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.numel() < rows:
+            raise ValueError(f"out.d_x_index must be int32 [>= {rows}], got {checks.describe(index)}")
+        d_x = [("out.d_x", grads.d_x, (grads.d_x.shape[0], d), torch.bfloat16),
+               ("out.d_x_index", index, tuple(index.shape), torch.int32)]
+    want = [*d_x, ("out.d_router", grads.d_router, (rows,), torch.float32),
             ("out.d_w_gate_up", grads.d_w_gate_up, tuple(w_gate_up.shape), torch.bfloat16),
             ("out.d_w_down", grads.d_w_down, tuple(w_down.shape), torch.bfloat16)]
     if carry is not None:

@@ -207,6 +207,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     mx = fmt == "mxfp8"
     rows, device = x_data.shape[0], x_data.device
     grads = out or new_grads(rows, w_gate_up, w_down)
+    if grads.d_x_index is not None:
+        raise ValueError(f"out.d_x_index (d_x rows stored into slots) is BF16's; the {fmt} d_x writes rows in order")
     check_grads(grads, rows, w_gate_up, w_down, carry)
     if experts == 0:
         return grads

@@ -119,13 +119,16 @@ def gemm_cases() -> dict[str, Case]:
         "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32", "stride_d_h": "i32",
         "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
         "I": "i32", "limit": "fp32", "alpha": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
-    for name, t in (("dx_kernel", plan_tiles("dx", gpu)),
-                    ("dx_kernel (few rows per expert)", plan_tiles("dx", gpu, FEW_ROWS_PER_EXPERT))):
-        kinds, values = _row_task_consts(expert_gemm_bwd.dx_kernel, t)
+    # one rank stores each row's d_x straight into its route's slot (SCATTER): no push
+    for name, t, scatter in (("dx_kernel", plan_tiles("dx", gpu), False),
+                             ("dx_kernel (few rows per expert)", plan_tiles("dx", gpu, FEW_ROWS_PER_EXPERT), False),
+                             ("dx_kernel (into the slots)", plan_tiles("dx", gpu), True)):
+        kinds, values = _row_task_consts(expert_gemm_bwd.dx_kernel, t, SCATTER=scatter)
         cases[name] = Case(expert_gemm_bwd.dx_kernel, {
             "d_h_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>",
             "w_gate_up_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "d_x_ptr": "*bf16", "stride_d_x": "i32",
-            **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps, t.num_stages)
+            "d_x_index_ptr": "*i32", **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps,
+            t.num_stages)
     # each wgrad without and with the backward window's carry (the accumulator from and to FP32 blocks)
     wide, few = plan_tiles("wgrad", gpu), plan_tiles("wgrad", gpu, FEW_ROWS_PER_EXPERT)
     for name, t, carry in (("wgrad_kernel", wide, False), ("wgrad_kernel (few rows per expert)", few, False),
