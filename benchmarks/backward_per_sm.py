@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 
@@ -33,11 +32,11 @@ from megamoe.config import preset
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.megakernel.saved import SavedForward
 from megamoe.ops.experts_bwd import expert_backward
-from megamoe.parallel.world import launch
 from megamoe.planner import LayerShape
 from megamoe.tools.trace import decode, summary
 
-from sustained import run_for  # benchmarks/, beside this script
+from ab_record import measure_or_replay  # benchmarks/, beside this script
+from sustained import run_for
 
 #: Kernel names of each kind in the standalone backward (Gluon and Triton).
 KINDS = {"dact": ("dact_ws_kernel", "dact_swiglu_bwd_kernel"), "dx": ("dx_kernel",),
@@ -136,19 +135,7 @@ def main() -> None:
     parser.add_argument("--from", dest="from_", default="", help="a recorded backward_per_sm_*.json: print its table "
                                                                  "(no GPU)")
     a = parser.parse_args()
-    if a.from_:
-        with open(a.from_) as f:
-            print_table(json.load(f))
-        return
-    if not torch.cuda.is_available():
-        raise SystemExit("backward_per_sm.py times a GPU: no CUDA device here")
-    (r,) = launch(_measure, 1, a, device="cuda")
-    os.makedirs(a.out, exist_ok=True)
-    name = f"backward_per_sm_{a.preset}_{a.tokens}" + (f"_{a.experts}" if a.experts else "")
-    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
-        json.dump(r, f, indent=1)
-    print_table(r)
-
+    measure_or_replay(a, _measure, print_table, f"backward_per_sm_{a.preset}_{a.tokens}" + (f"_{a.experts}" if a.experts else ""))
 
 if __name__ == "__main__":
     main()

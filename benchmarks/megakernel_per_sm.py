@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 
@@ -33,11 +32,11 @@ from megamoe.config import preset
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.ops.experts import down, gate_up
 from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8
-from megamoe.parallel.world import launch
 from megamoe.planner import LayerShape
 from megamoe.tools.trace import decode, summary
 
-from sustained import run_for  # benchmarks/, beside this script
+from ab_record import measure_or_replay  # benchmarks/, beside this script
+from sustained import run_for
 
 
 def _role_ms(kernel: MegaKernel) -> dict[str, float]:
@@ -150,19 +149,7 @@ def main() -> None:
     parser.add_argument("--from", dest="from_", default="", help="a recorded megakernel_per_sm_*.json: print its "
                                                                  "table (no GPU)")
     a = parser.parse_args()
-    if a.from_:
-        with open(a.from_) as f:
-            print_table(json.load(f))
-        return
-    if not torch.cuda.is_available():
-        raise SystemExit("megakernel_per_sm.py times a GPU: no CUDA device here")
-    (r,) = launch(_measure, 1, a, device="cuda")
-    os.makedirs(a.out, exist_ok=True)
-    name = f"megakernel_per_sm_{a.precision}_{a.tokens}" + (f"_{a.experts}" if a.experts else "")
-    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
-        json.dump(r, f, indent=1)
-    print_table(r)
-
+    measure_or_replay(a, _measure, print_table, f"megakernel_per_sm_{a.precision}_{a.tokens}" + (f"_{a.experts}" if a.experts else ""))
 
 if __name__ == "__main__":
     main()
