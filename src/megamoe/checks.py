@@ -78,6 +78,25 @@ def check_expert_weights(w_gate_up_L2ID: torch.Tensor, w_down_LDI: torch.Tensor,
     return experts, i
 
 
+def check_expert_biases(b_gate_up_L2I, b_down_LD, w_gate_up_L2ID: torch.Tensor, w_down_LDI: torch.Tensor, *,
+                        kernels: bool = False) -> None:
+    """The routed experts' optional biases (None: none): ``b_gate_up [L, 2I]`` (gate columns, then up) and
+    ``b_down [L, D]``, float tensors on the weights' device; ``kernels``: bfloat16 and contiguous, as the expert
+    kernels read them."""
+    experts, two_i, d = w_gate_up_L2ID.shape
+    for name, b, shape in (("b_gate_up", b_gate_up_L2I, (experts, two_i)), ("b_down", b_down_LD, (experts, d))):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (one row per local expert), got {describe(b)}")
+        if b.dtype not in FLOAT_DTYPES or (kernels and b.dtype != torch.bfloat16):
+            raise ValueError(f"{name} must be {'bfloat16' if kernels else 'a float tensor'}, got {b.dtype}")
+        if b.device != w_gate_up_L2ID.device:
+            raise ValueError(f"{name} is on {b.device}, the expert weights on {w_gate_up_L2ID.device}")
+        if kernels and not b.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
 def check_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]], d: int) -> None:
     """Each shared expert is ``(w_gate_up [2Is, D], w_down [D, Is])``."""
     for s, pair in enumerate(shared):

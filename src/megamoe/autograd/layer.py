@@ -40,6 +40,8 @@ def moe(
     check_finite: bool = False,
     experts_q: QuantizedExperts | None = None,
     num_experts: int | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer's output for this rank's tokens, differentiable in x, the router weights, the experts.
 
@@ -74,6 +76,10 @@ def moe(
         num_experts: E, the layer's routed experts over all ranks, when the caller knows it: ValueError unless
             the ranks' weights hold E between them (a rank given every expert's weights would otherwise run a
             layer of R·E experts).
+        b_gate_up: bf16 `[L, 2I]` (gate columns, then up), b_down: bf16 `[L, D]`: this rank's experts' optional
+            biases (gpt-oss), added to gate/up before the activation and to each expert's output on the experts'
+            rank; differentiable (their gradients are FP32 segment sums over each expert's rows, rounded once).
+            The backward megakernel has none: with biases, ``fused_backward`` must stay False at EP >= 2.
 
     Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
     """
@@ -85,6 +91,10 @@ def moe(
         checks.check_finite(x, router_weights)
     n, *_ = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared,
                                     activation, check_ids=check and not compiling, num_experts=num_experts)
+    checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
+    if fused_backward and (b_gate_up is not None or b_down is not None) and world.size > 1:
+        raise ValueError("fused_backward=True: the backward megakernel has no expert biases; their backward runs "
+                         "the standalone kernels composed (fused_backward=False, the default)")
     shared = [(gu, dn) for gu, dn in shared]
     for name, t in [("shared w_gate_up", gu) for gu, _ in shared] + [("shared w_down", dn) for _, dn in shared]:
         if t.dtype != torch.bfloat16:
@@ -106,7 +116,8 @@ def moe(
         max_tokens = world.largest(n)  # NOTE: host sync
     if not checks.is_int(max_tokens) or max_tokens < n:
         raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
-    return ops.layer_forward(x, top_experts, router_weights, w_gate_up, w_down, [gu for gu, _ in shared],
+    return ops.layer_forward(x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down,
+                             [gu for gu, _ in shared],
                              [dn for _, dn in shared], activation.spec, handle_of(world), max_tokens, precision,
                              ops.config_string(config), check, bool(fused_backward),
                              [] if experts_q is None else experts_q.tensors())[0]

@@ -15,6 +15,8 @@ ring_rows,tile_m,tile_n,backward_comm_sms,backward_minibatch,overlap,backward_ri
 ``check`` (read the kernels' error words: host syncs), ``fused_backward`` (the backward megakernel, or the
 standalone kernels composed: the same bits), ``activation`` the :class:`~megamoe.config.Activation`'s text form.
 ``experts_q``, the FP8 weight pack flattened, is a list of tensors the autograd context keeps for the backward.
+``b_gate_up`` and ``b_down`` are the routed experts' optional biases (None: none); the backward returns their
+gradients, empty `[0]` tensors where there is no bias.
 The autograd glue reads the forward's inputs by name (:class:`LayerInputs`, held against the op's schema), and the
 backward's kept state (:class:`KeptState`) likewise.
 """
@@ -28,7 +30,7 @@ import torch
 from megamoe.autograd.worlds import world_of
 from megamoe.config import Activation
 from megamoe.megakernel.saved import SavedForward
-from megamoe.megakernel.forward import fuse_shared, layer_kernel
+from megamoe.megakernel.forward import contiguous_biases, fuse_shared, layer_kernel
 from megamoe.megakernel.kernel import default_config
 from megamoe.megakernel.buffers import scale_dtype
 from megamoe.ops.expert_weights import QuantizedExperts
@@ -64,7 +66,7 @@ def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down
 
 @torch.library.custom_op("megamoe::layer_forward", mutates_args=())
 def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                  shared_gate_up: list[Tensor], shared_down: list[Tensor], activation: str, world: int,
+                  b_gate_up: Tensor | None, b_down: Tensor | None, shared_gate_up: list[Tensor], shared_down: list[Tensor], activation: str, world: int,
                   max_tokens: int, precision: str, config: str, check: bool,
                   fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                           Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -82,7 +84,7 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
     out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up, w_down, fused,
                               Activation.parse(activation),
                               experts_q=QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down),
-                              buffers=kernel.training_buffers(), check=check)
+                              buffers=kernel.training_buffers(), check=check, **contiguous_biases(b_gate_up, b_down))
     b, s = ctx.buffers, ctx.schedule
     shared_h = b.shared_h if b.shared_h is not None else x.new_empty(0, 0, dtype=torch.bfloat16)
     ring_x, ring_scale = (b.ring_x, b.ring_scale) if precision != "bf16" else (
@@ -93,8 +95,8 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
 
 
 @layer_forward.register_fake
-def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, activation, world,
-      max_tokens, precision, config, check, fused_backward, experts_q):
+def _(x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down, shared_gate_up, shared_down, activation,
+      world, max_tokens, precision, config, check, fused_backward, experts_q):
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     c = _config(config) or default_config(w, shape, precision)
@@ -115,15 +117,17 @@ def _(x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_
 
 @torch.library.custom_op("megamoe::layer_backward", mutates_args=())
 def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor,
-                   w_down: Tensor, shared_gate_up: list[Tensor], shared_down: list[Tensor], h: Tensor,
+                   w_down: Tensor, b_gate_up: Tensor | None, b_down: Tensor | None, shared_gate_up: list[Tensor],
+                   shared_down: list[Tensor], h: Tensor,
                    shared_h: Tensor, ring_x: Tensor, ring_scale: Tensor, src_rank: Tensor, src_index: Tensor,
                    tokens_per_expert: Tensor, counts: Tensor, offsets: Tensor, num_rows: Tensor,
                    activation: str, world: int,
                    max_tokens: int, precision: str, config: str, check: bool,
-                   fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor,
-                                                                           list[Tensor], list[Tensor]]:
-    """(d_x, d_router_weights, d_w_gate_up, d_w_down, [d shared gate_up], [d shared down]); ``experts_q`` the
-    forward's (its transposed weights, when the pack holds them, are the dgrads')."""
+                   fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                           Tensor, list[Tensor], list[Tensor]]:
+    """(d_x, d_router_weights, d_w_gate_up, d_w_down, d_b_gate_up, d_b_down, [d shared gate_up], [d shared down]),
+    a bias's gradient empty `[0]` without it; ``experts_q`` the forward's (its transposed weights, when the pack
+    holds them, are the dgrads')."""
     w = world_of(world)
     shape = _shape(w, x, top_experts, w_gate_up, shared_down, max_tokens)
     kernel = layer_kernel(w, shape, _config(config), precision)
@@ -135,17 +139,26 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
     q = QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down)
     g = kernel.backward(SavedForward(h, shared_h, schedule, *ring, q), d_out.to(torch.bfloat16), x.contiguous(),
                         top_experts, router_weights.contiguous(), w_gate_up, w_down, fused,
-                        Activation.parse(activation), check=check, fused=fused_backward)
+                        Activation.parse(activation), check=check, fused=fused_backward,
+                        **contiguous_biases(b_gate_up, b_down))
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
-    return g.x, g.router_weights, g.w_gate_up, g.w_down, d_gate_up, d_down
+    return (g.x, g.router_weights, g.w_gate_up, g.w_down, _or_empty(g.b_gate_up, x), _or_empty(g.b_down, x),
+            d_gate_up, d_down)
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """``t``, or an empty `[0]` tensor for a bias the layer has not (an op's outputs cannot be None)."""
+    return t if t is not None else like.new_empty(0, dtype=torch.bfloat16)
 
 
 @layer_backward.register_fake
-def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, shared_gate_up, shared_down, h, shared_h,
-      ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, activation, world,
-      max_tokens, precision, config, check, fused_backward, experts_q):
+def _(d_out, x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down, shared_gate_up, shared_down, h,
+      shared_h, ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows, activation,
+      world, max_tokens, precision, config, check, fused_backward, experts_q):
+    biases = [torch.empty_like(b) if b is not None else x.new_empty(0, dtype=torch.bfloat16)
+              for b in (b_gate_up, b_down)]
     return (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(router_weights), torch.empty_like(w_gate_up),
-            torch.empty_like(w_down), [torch.empty_like(t) for t in shared_gate_up],
+            torch.empty_like(w_down), *biases, [torch.empty_like(t) for t in shared_gate_up],
             [torch.empty_like(t) for t in shared_down])
 
 
@@ -172,6 +185,8 @@ class LayerInputs(NamedTuple):
     router_weights: Tensor
     w_gate_up: Tensor
     w_down: Tensor
+    b_gate_up: Tensor | None
+    b_down: Tensor | None
     shared_gate_up: list[Tensor]
     shared_down: list[Tensor]
     activation: str
@@ -209,7 +224,7 @@ def _check_schemas() -> None:
     backward = [a.name for a in torch.ops.megamoe.layer_backward.default._schema.arguments]
     if forward != list(LayerInputs._fields):
         raise AssertionError(f"LayerInputs {LayerInputs._fields} differ from layer_forward's schema {forward}")
-    want = ["d_out", *LayerInputs._fields[:7], *KeptState._fields, *_OPTIONS, "experts_q"]
+    want = ["d_out", *LayerInputs._fields[:9], *KeptState._fields, *_OPTIONS, "experts_q"]
     if backward != want:
         raise AssertionError(f"layer_backward's schema {backward} differs from {want}")
 
@@ -221,8 +236,8 @@ def _setup_context(ctx, inputs, output) -> None:
     i = LayerInputs(*inputs)
     ctx.counts = len(i.shared_gate_up), len(i.experts_q)
     ctx.options = {name: getattr(i, name) for name in _OPTIONS}
-    ctx.save_for_backward(i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down, *i.shared_gate_up,
-                          *i.shared_down, *i.experts_q, *output[1:])
+    ctx.save_for_backward(i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down, i.b_gate_up, i.b_down,
+                          *i.shared_gate_up, *i.shared_down, *i.experts_q, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     # the kept outputs get no gradient: without this autograd hands the backward a zero tensor of each (the ring's
     # h: 199 MiB for qwen3-30b-a3b at 8192 tokens, 528 MiB for kimi-k2), allocated and filled per layer
@@ -231,20 +246,21 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, d_out, *unused):
     saved = ctx.saved_tensors
-    x, top_experts, router_weights, w_gate_up, w_down = saved[:5]
+    x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down = saved[:7]
     if d_out is None:  # the output did not reach the loss (grads are not materialised)
         d_out = torch.zeros(x.shape[0], w_gate_up.shape[2], dtype=torch.bfloat16, device=x.device)
     s, q = ctx.counts
-    shared_gate_up, shared_down = list(saved[5: 5 + s]), list(saved[5 + s: 5 + 2 * s])
-    experts_q, state = list(saved[5 + 2 * s: 5 + 2 * s + q]), KeptState(*saved[5 + 2 * s + q:])
-    d_x, d_rw, d_gu, d_dn, d_sgu, d_sdn = layer_backward(d_out.contiguous(), x, top_experts, router_weights,
-                                                          w_gate_up, w_down, shared_gate_up, shared_down,
-                                                          **state._asdict(), **ctx.options, experts_q=experts_q)
+    shared_gate_up, shared_down = list(saved[7: 7 + s]), list(saved[7 + s: 7 + 2 * s])
+    experts_q, state = list(saved[7 + 2 * s: 7 + 2 * s + q]), KeptState(*saved[7 + 2 * s + q:])
+    d_x, d_rw, d_gu, d_dn, d_bgu, d_bdn, d_sgu, d_sdn = layer_backward(
+        d_out.contiguous(), x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down, shared_gate_up,
+        shared_down, **state._asdict(), **ctx.options, experts_q=experts_q)
     need = LayerInputs(*ctx.needs_input_grad)
     keep = lambda g, name: g if getattr(need, name) else None  # noqa: E731
     grads = dict.fromkeys(LayerInputs._fields)
     grads.update(x=keep(d_x, "x"), router_weights=keep(d_rw, "router_weights"), w_gate_up=keep(d_gu, "w_gate_up"),
-                 w_down=keep(d_dn, "w_down"),
+                 w_down=keep(d_dn, "w_down"), b_gate_up=keep(d_bgu, "b_gate_up") if b_gate_up is not None else None,
+                 b_down=keep(d_bdn, "b_down") if b_down is not None else None,
                  shared_gate_up=[g if n else None for g, n in zip(d_sgu, need.shared_gate_up)],
                  shared_down=[g if n else None for g, n in zip(d_sdn, need.shared_down)], experts_q=[None] * q)
     return tuple(grads.values())

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from megamoe.kernels.activation import activation
 from megamoe.kernels.convert import to_bf16
+from megamoe.kernels.expert_bias import add_bias
 
 @triton.jit
 def tile_dot(a, b, acc, DOT_FP32: tl.constexpr):
@@ -51,12 +52,13 @@ def gate_up_act_tile(
     x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
     row0, row_end, expert, n0, I, K, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None,
 ):
     """One [BLOCK_M rows x BLOCK_N act columns] tile of expert ``expert``.
 
     Reads x_rows[row0 : row0+BM, :] and the gate and up weight rows n0..n0+BN;
-    writes h (gate and up columns) and act for rows < row_end, columns < I.
+    writes h (gate and up columns, plus the bias ``b_ptr`` `[L, 2I]` when given) and act for rows < row_end,
+    columns < I.
     """
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -68,6 +70,9 @@ def gate_up_act_tile(
         wu = w_desc.load([w_up_row, k])
         acc_gate = tile_dot(a, wg.T, acc_gate, DOT_FP32)
         acc_up = tile_dot(a, wu.T, acc_up, DOT_FP32)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    acc_gate = add_bias(acc_gate, b_ptr, expert * 2 * I, cols, I)
+    acc_up = add_bias(acc_up, b_ptr, expert * 2 * I + I, cols, I)
     # The epilogue runs on column halves with int32 offsets from per-tile base pointers: one
     # [BM, BN] pass with int64 pointer tensors spilled ~1 KB per thread (cuobjdump).
     h_base = h_ptr + row0.to(tl.int64) * stride_h
@@ -99,9 +104,10 @@ def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0,
 def down_tile(
     act_desc, w_desc, y_ptr, stride_y,
     row0, row_end, expert, n0, D, K,
-    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None,
 ):
-    """One [BLOCK_M x BLOCK_N] tile of y = act · w_down[expert]ᵀ (K = I), rows < row_end."""
+    """One [BLOCK_M x BLOCK_N] tile of y = act · w_down[expert]ᵀ (+ b_down[expert] when ``b_ptr`` `[L, D]` is
+    given; K = I), rows < row_end."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_row = expert * D + n0
     for k in range(0, K, BLOCK_K):
@@ -110,6 +116,7 @@ def down_tile(
         acc = tile_dot(a, w.T, acc, DOT_FP32)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = n0 + tl.arange(0, BLOCK_N)
+    acc = add_bias(acc, b_ptr, expert * D, cols, D)
     mask = (rows < row_end)[:, None] & (cols < D)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
 
@@ -157,9 +164,9 @@ def gate_up_kernel(
     I, K, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, b_ptr=None,
 ):
-    """Persistent gate/up + SwiGLU over every (tile, n-tile) task."""
+    """Persistent gate/up + SwiGLU over every (tile, n-tile) task (``b_ptr``: the optional bias `[L, 2I]`)."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
@@ -169,7 +176,7 @@ def gate_up_kernel(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_act_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
-            alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+            alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr,
         )
 
 
@@ -180,9 +187,9 @@ def down_kernel(
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, b_ptr=None,
 ):
-    """Persistent down projection over every (tile, n-tile) task."""
+    """Persistent down projection over every (tile, n-tile) task (``b_ptr``: the optional bias `[L, D]`)."""
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
@@ -190,4 +197,4 @@ def down_kernel(
         expert, row0, row_end, n = _tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_tile(act_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
-                  DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                  DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)

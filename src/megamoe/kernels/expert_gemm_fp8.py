@@ -33,6 +33,7 @@ import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation
+from megamoe.kernels.expert_bias import add_bias
 from megamoe.kernels.expert_gemm import _tile_task
 from megamoe.kernels.quant import fp8_block_quantize_tile
 
@@ -66,10 +67,10 @@ def gate_up_fp8_tile(
     stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
     row0, row_end, expert, n0, I, K, limit, alpha,
     ACT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, b_ptr=None,
 ):
-    """One [BLOCK_M rows x 128 act columns] tile: gate and up with per-block promotion, SwiGLU,
-    act quantised 1x128 (act_q, act_scale) and optionally h (bf16), rows < row_end."""
+    """One [BLOCK_M rows x 128 act columns] tile: gate and up with per-block promotion (plus the optional bias
+    ``b_ptr`` `[L, 2I]`), SwiGLU, act quantised 1x128 (act_q, act_scale) and optionally h (bf16), rows < row_end."""
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_gate_row = expert * 2 * I + n0  # row of the flattened [L*2I, D] weight
@@ -89,6 +90,8 @@ def gate_up_fp8_tile(
         acc_gate += _dot_block(a, wg, DOT_FP32) * (a_s[:, None] * sg)
         acc_up += _dot_block(a, wu, DOT_FP32) * (a_s[:, None] * su)
     cols = n0 + tl.arange(0, BLOCK_N)
+    acc_gate = add_bias(acc_gate, b_ptr, expert * 2 * I, cols, I)
+    acc_up = add_bias(acc_up, b_ptr, expert * 2 * I + I, cols, I)
     mask = row_ok[:, None] & (cols < I)[None, :]
     if STORE_H:
         h_tile = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
@@ -108,9 +111,10 @@ def down_fp8_tile(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
     stride_as, stride_ws_n, stride_y,
     row0, row_end, expert, n0, D, K,
-    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, b_ptr=None,
 ):
-    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I), rows < row_end."""
+    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (+ the optional bias
+    ``b_ptr`` `[L, D]`; K = I), rows < row_end."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_row = expert * D + n0
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -125,6 +129,7 @@ def down_fp8_tile(
         s = _w_scales(ws_base, n0, kb, stride_ws_n, BLOCK_N)
         acc += _dot_block(a, w, DOT_FP32) * (a_s[:, None] * s)
     cols = n0 + tl.arange(0, BLOCK_N)
+    acc = add_bias(acc, b_ptr, expert * D, cols, D)
     mask = row_ok[:, None] & (cols < D)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
 
@@ -137,9 +142,10 @@ def gate_up_fp8_kernel(
     I, K, limit, alpha,
     ACT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, b_ptr=None,
 ):
-    """Persistent FP8-block gate/up + SwiGLU + act quantisation over every (tile, n-tile) task."""
+    """Persistent FP8-block gate/up + SwiGLU + act quantisation over every (tile, n-tile) task (``b_ptr``: the
+    optional bias `[L, 2I]`)."""
     tl.static_assert(BLOCK_N % 128 == 0, "gate/up tiles must hold whole 1x128 act blocks")
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
@@ -151,7 +157,7 @@ def gate_up_fp8_kernel(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
             row0, row_end, expert, n * BLOCK_N, I, K, limit, alpha,
-            ACT, STORE_H, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N,
+            ACT, STORE_H, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, b_ptr,
         )
 
 
@@ -162,9 +168,10 @@ def down_fp8_kernel(
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None,
 ):
-    """Persistent FP8-block down projection over every (tile, n-tile) task."""
+    """Persistent FP8-block down projection over every (tile, n-tile) task (``b_ptr``: the optional bias
+    `[L, D]`)."""
     tl.static_assert(BLOCK_N % 128 == 0 or 128 % BLOCK_N == 0, "down BLOCK_N must divide or be a multiple of 128")
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
@@ -173,4 +180,4 @@ def down_fp8_kernel(
         expert, row0, row_end, n = _tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_fp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
-                      row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N)
+                      row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N, b_ptr)

@@ -53,6 +53,7 @@ import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation
+from megamoe.kernels.expert_bias import add_bias
 from megamoe.kernels.expert_gemm import _tile_task, tile_dot
 from megamoe.kernels.quant import mxfp8_quantize_tile
 
@@ -204,16 +205,20 @@ def gate_up_mxfp8_tile(
     stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n0, I, W_ROWS, K, limit, alpha,
     ACT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None,
 ):
-    """One [BLOCK_M rows x BLOCK_N act columns] tile: gate and up, SwiGLU, act quantised along I (32-blocks)
-    and optionally h, rows < row_end. W_ROWS: rows of the flattened [L*2I, D] weight."""
+    """One [BLOCK_M rows x BLOCK_N act columns] tile: gate and up (plus the optional bias ``b_ptr`` `[L, 2I]`),
+    SwiGLU, act quantised along I (32-blocks) and optionally h, rows < row_end. W_ROWS: rows of the flattened
+    [L*2I, D] weight."""
     row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
     w_gate_row = expert * 2 * I + n0
     acc_gate, acc_up = _mx_gemm_pair(
         x_desc, w_desc, x_scale_ptr, w_scale_ptr, stride_xs, stride_ws,
         row0, row_ok, w_gate_row, w_gate_row + I, W_ROWS, K,
         True, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    acc_gate = add_bias(acc_gate, b_ptr, expert * 2 * I, cols, I)
+    acc_up = add_bias(acc_up, b_ptr, expert * 2 * I + I, cols, I)
     # Epilogue on column halves with int32 offsets from per-tile base pointers (as expert_gemm).
     h_base = h_ptr + row0.to(tl.int64) * stride_h
     q_base = act_q_ptr + row0.to(tl.int64) * stride_act
@@ -231,16 +236,17 @@ def down_mxfp8_tile(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
     row0, row_end, expert, n0, D, W_ROWS, K,
     RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None,
 ):
-    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I), rows < row_end.
-    W_ROWS: rows of the flattened [L*D, I] weight."""
+    """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (+ the optional bias
+    ``b_ptr`` `[L, D]`; K = I), rows < row_end. W_ROWS: rows of the flattened [L*D, I] weight."""
     row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
     acc, _unused = _mx_gemm_pair(
         act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws,
         row0, row_ok, expert * D + n0, 0, W_ROWS, K,
         False, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     cols = n0 + tl.arange(0, BLOCK_N)
+    acc = add_bias(acc, b_ptr, expert * D, cols, D)
     mask = row_ok[:, None] & (cols < D)[None, :]
     y_base = y_ptr + row0.to(tl.int64) * stride_y
     local = tl.arange(0, BLOCK_M)
@@ -256,9 +262,10 @@ def gate_up_mxfp8_kernel(
     ACT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None,
 ):
-    """Persistent MXFP8 gate/up + SwiGLU + act quantisation (along I) over every (tile, n-tile) task."""
+    """Persistent MXFP8 gate/up + SwiGLU + act quantisation (along I) over every (tile, n-tile) task (``b_ptr``:
+    the optional bias `[L, 2I]`)."""
     tl.static_assert(BLOCK_N % 64 == 0, "gate/up BLOCK_N must hold two chunks of whole 32-blocks")
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
@@ -269,7 +276,7 @@ def gate_up_mxfp8_kernel(
         gate_up_mxfp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n * BLOCK_N, I, W_ROWS, K,
-            limit, alpha, ACT, STORE_H, RESCALE, INT_EXP, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, BLOCK_K)
+            limit, alpha, ACT, STORE_H, RESCALE, INT_EXP, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)
 
 
 @triton.jit
@@ -280,9 +287,10 @@ def down_mxfp8_kernel(
     D, W_ROWS, K,
     RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, b_ptr=None,
 ):
-    """Persistent MXFP8 down projection y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I)."""
+    """Persistent MXFP8 down projection y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I; ``b_ptr``: the
+    optional bias `[L, D]`)."""
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
@@ -291,4 +299,4 @@ def down_mxfp8_kernel(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_mxfp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
                         row0, row_end, expert, n * BLOCK_N, D, W_ROWS, K,
-                        RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                        RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)

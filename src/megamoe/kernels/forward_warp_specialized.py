@@ -86,13 +86,29 @@ def store_half_tile(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: g
 
 
 @gluon.jit
-def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+def add_bias_columns(acc, b_ptr, offset, col0, N, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+                     layout: gl.constexpr):
+    """acc + bias elements ``b[offset + col0 + c]`` along acc's columns c, in FP32 (``expert_bias.add_bias``'s add in
+    this accumulator's ``layout``); columns at or past N add 0. SPLIT: acc holds BLOCK_N gate columns, then BLOCK_N up
+    columns, whose bias elements start N further."""
+    c = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    within = c % BLOCK_N
+    offs = col0 + within
+    if SPLIT:
+        offs = gl.where(c < BLOCK_N, offs, N + offs)
+    b = gl.load(b_ptr + offset + offs, mask=within < N - col0, other=0.0).to(gl.float32)
+    return acc + gl.expand_dims(b, 0)
+
+
+@gluon.jit
+def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
               tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty,
               HALF: gl.constexpr, GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              MMA_IN_FLIGHT: gl.constexpr):
+              MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
-    columns 0..N-1, up columns N..2N-1) and act_ptr act; down: out is y."""
+    columns 0..N-1, up columns N..2N-1) and act_ptr act; down: out is y. HAS_BIAS: b_ptr's expert row is added
+    to the accumulator first."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, W_SLICES * BLOCK_N, 16])
@@ -114,6 +130,8 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
         first = row0 + HALF * HALF_M
         rows_ok = row_end - first
         col0 = n * BLOCK_N
+        if HAS_BIAS:
+            acc = add_bias_columns(acc, b_ptr, expert * W_SLICES * N, col0, N, GATE_UP, BLOCK_N, mma)
         if GATE_UP:
             gate, up = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK_N)), (0, 2, 1)))
             store_half_tile(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
@@ -125,17 +143,19 @@ def _consumer(out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_ro
 
 
 @gluon.jit
-def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stride_act,
+def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_out, stride_act,
                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                       rows, w_rows, N, K, limit, alpha,
                       GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      MMA_IN_FLIGHT: gl.constexpr = False):
+                      MMA_IN_FLIGHT: gl.constexpr = False, HAS_BIAS: gl.constexpr = False):
     """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): A = x_rows `[rows, K=D]`, w = w_gate_up `[w_rows = L*2N, K]`, out = h `[rows, 2N]`, act
     `[rows, N]` (N = I); ``gate_up_kernel``'s BLOCK_N gate and BLOCK_N up columns per tile. down: A = act
-    `[rows, K=I]`, w = w_down `[w_rows = L*N, K]`, out = y `[rows, N=D]`; act_ptr unused. bf16, rows contiguous."""
+    `[rows, K=I]`, w = w_down `[w_rows = L*N, K]`, out = y `[rows, N=D]`; act_ptr unused. bf16, rows contiguous.
+    HAS_BIAS: ``b_ptr`` the experts' bias (gate/up's `[L, 2N]`, down's `[L, N]`, bf16) is added before the stores
+    (else it is never read)."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
@@ -143,16 +163,16 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, stride_a, stride_out, stri
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
     full, empty = ring_barriers(STAGES)
     gl.warp_specialize(
-        [(_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+        [(_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT))),
-         (_consumer, (out_ptr, act_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS))),
+         (_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT))),
+                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),

@@ -165,9 +165,10 @@ def compute_gate_up(
     error_ptr, trace_ptr, comm_sms, experts, I, D, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr,
     FMT: tl.constexpr, SOFT_E4M3: tl.constexpr,
-    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, b_ptr=None,
 ):
-    """Worker c's gate/up + SwiGLU tasks of minibatch j; returns (tasks dealt so far, budget)."""
+    """Worker c's gate/up + SwiGLU tasks of minibatch j (``b_ptr``: the optional expert bias `[L, 2I]`); returns
+    (tasks dealt so far, budget)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     num_n = tl.cdiv(I, BN_GU)
@@ -188,15 +189,15 @@ def compute_gate_up(
             gate_up_fp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
                              act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act, stride_act_scale,
                              row0, row_end, expert, n * BN_GU, I, D, limit, alpha, ACT, True, DOT_FP32, SOFT_E4M3,
-                             BLOCK_M, BN_GU)
+                             BLOCK_M, BN_GU, b_ptr)
         elif FMT == FMT_MXFP8:
             gate_up_mxfp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
                                act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act,
                                stride_act_scale, row0, row_end, expert, n * BN_GU, I, experts * 2 * I, D, limit, alpha,
-                               ACT, True, False, False, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K)
+                               ACT, True, False, False, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, b_ptr)
         else:
             gate_up_act_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
-                                expert, n * BN_GU, I, D, limit, alpha, ACT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K)
+                                expert, n * BN_GU, I, D, limit, alpha, ACT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, b_ptr)
         release_add(tile_done_ptr + tile)
         trace_event(trace_ptr, start, TRACE_KIND_GATE_UP, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
@@ -210,8 +211,10 @@ def compute_down(
     error_ptr, trace_ptr, experts, I, D,
     DOT_FP32: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, TRACE: tl.constexpr, FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    b_ptr=None,
 ):
-    """Worker c's down tasks of minibatch j (each after its row tile's gate/up); returns (dealt, budget)."""
+    """Worker c's down tasks of minibatch j (each after its row tile's gate/up; ``b_ptr``: the optional expert
+    bias `[L, D]`); returns (dealt, budget)."""
     t0 = tl.load(minibatch_tiles_ptr + j)
     tiles = tl.load(minibatch_tiles_ptr + j + 1) - t0
     num_n = tl.cdiv(D, BN_DN)
@@ -228,14 +231,15 @@ def compute_down(
         row_end = tl.load(tile_row_end_ptr + tile) + shift
         if FMT == FMT_FP8_BLOCK:
             down_fp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
-                          stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, I, DOT_FP32, BLOCK_M, BN_DN)
+                          stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, I, DOT_FP32, BLOCK_M, BN_DN,
+                          b_ptr)
         elif FMT == FMT_MXFP8:
             down_mxfp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
                             stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, experts * D, I,
-                            False, False, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+                            False, False, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K, b_ptr)
         else:
             down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
-                      DOT_FP32, BLOCK_M, BN_DN, BLOCK_K)
+                      DOT_FP32, BLOCK_M, BN_DN, BLOCK_K, b_ptr)
         release_add(y_done_ptr + j)
         trace_event(trace_ptr, start, TRACE_KIND_DOWN, tile * 65536 + n, TRACE)
     return dealt + tasks, budget
@@ -292,8 +296,9 @@ def megakernel(
     # ring's rows (and scales), symmetric combine slots (pushed)
     rows_peer_ptrs, rows_ptr, stride_rows, scales_peer_ptrs, scales_ptr, stride_scales, ring_ptr, stride_ring,
     combine_peer_ptrs, combine_ptr, stride_combine,
-    # routed experts over the ring
+    # routed experts over the ring; their optional biases (None: compiled out)
     ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, act_desc, w_down_desc, y_ptr, stride_y,
+    b_gate_up_ptr, b_down_ptr,
     # FP8 scales of the ring rows, the gate/up and down weights and act (MXFP8: E8M0 1x32; FP8-block: fp32
     # 1x128, weights 128x128)
     ring_scale_ptr, w_gate_up_scale_ptr, act_scale_ptr, w_down_scale_ptr,
@@ -387,13 +392,13 @@ def megakernel(
                     stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                     minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms, experts, I,
                     D, limit, alpha, ACT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K,
-                    GROUP_GU)
+                    GROUP_GU, b_gate_up_ptr)
                 dealt, budget = compute_down(
                     j, c, workers, dealt, minibatch, slots, budget,
                     act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                     stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                     minibatch_tiles_ptr, tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
-                    DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                    DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN, b_down_ptr)
             if TRACE:
                 tl.store(trace_ptr + TRACE_END, globaltimer())
     else:
@@ -421,13 +426,13 @@ def megakernel(
                             stride_act_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                             minibatch_tiles_ptr, rows_ready_ptr, tile_done_ptr, error_ptr, trace_ptr, comm_sms,
                             experts, I, D, limit, alpha, ACT, DOT_FP32, FENCE, WAIT, TRACE, FMT, SOFT_E4M3,
-                            BLOCK_M, BN_GU, BLOCK_K, GROUP_GU)
+                            BLOCK_M, BN_GU, BLOCK_K, GROUP_GU, b_gate_up_ptr)
         elif PHASE == PHASE_DOWN:
             compute_down(j, pid, workers, 0, minibatch, slots, budget,
                          act_desc, w_down_desc, y_ptr, stride_y, act_scale_ptr, w_down_scale_ptr, stride_act_scale,
                          stride_wdn_scale, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                          minibatch_tiles_ptr, tile_done_ptr, y_done_ptr, error_ptr, trace_ptr, experts, I, D,
-                         DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN)
+                         DOT_FP32, FENCE, WAIT, TRACE, FMT, BLOCK_M, BN_GU, BN_DN, BLOCK_K, GROUP_DN, b_down_ptr)
         elif PHASE == PHASE_PUSH:
             comm_push(j, pid, workers, minibatch, slots, budget, skip_rank,
                       y_ptr, stride_y, src_rank_ptr, src_index_ptr, combine_peer_ptrs, combine_ptr, stride_combine,

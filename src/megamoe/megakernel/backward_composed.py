@@ -9,8 +9,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    multiples of 128 rows of an expert, so the memory does not grow with the EP size):
    - pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled (FP8: its E4M3 row and
      scales, half the bytes), its x row again (BF16 keeps only h: pulling x moves bytes the links have time for
-     under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring)
-     and its router weight;
+     under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring;
+     one rank in BF16 pulls no x: the gate/up wgrad reads each row's token from x itself) and its router weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`): ``d_act = d_out_row · W_down``, the
@@ -40,6 +40,7 @@ from megamoe.config import Activation
 from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
 from megamoe.ops.comm import (dispatch_pull, pull_route_scalars, push_route_scalars, reverse_combine_pull,
                               reverse_dispatch_push)
+from megamoe.ops.expert_bias import BiasGrads
 from megamoe.ops.expert_weights import quantize_experts
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
@@ -48,20 +49,26 @@ from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backwa
 def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor,
                       top_experts: torch.Tensor, router_weights: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
-                      activation: Activation, *, check: bool = True) -> LayerGrads:
+                      activation: Activation, *, check: bool = True, b_gate_up: torch.Tensor | None = None,
+                      b_down: torch.Tensor | None = None) -> LayerGrads:
     """The backward of ``kernel``'s forward pass that left ``saved`` (collective; see the module docstring).
     ``kernel`` is the MegaKernel that ran it (not imported here: the kernel imports this module).
 
-    ``d_out`` bf16 `[N, D]` the upstream gradient; the other arguments are the forward's. ``check`` reads the
-    kernel's error word after the pass (a timed-out barrier raises RuntimeError)."""
+    ``d_out`` bf16 `[N, D]` the upstream gradient; the other arguments are the forward's (``b_gate_up``, ``b_down``
+    its optional expert biases: their gradients are FP32 segment sums over the windows, ``megamoe.ops.expert_bias``).
+    ``check`` reads the kernel's error word after the pass (a timed-out barrier raises RuntimeError)."""
     world, s, c = kernel.world, kernel.shape, kernel.config
     n, D, k = x.shape[0], s.hidden, s.top_k
     schedule, fmt = saved.schedule, kernel.precision
     forward_ring = saved.h.shape[0]
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
+    # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped), and where no
+    # window is replayed the gate/up wgrad reads each row's x from x itself by token (the pull's copy skipped)
+    own_slots = world.size == 1 and fmt == "bf16"
+    x_by_token = own_slots and schedule.capacity <= forward_ring
     # 1. stage; every rank's rows in place before anyone pulls (FP8: x only where a wrapped forward ring lost rows)
-    pull_x = fmt == "bf16" or schedule.capacity > forward_ring
+    pull_x = (fmt == "bf16" and not x_by_token) or schedule.capacity > forward_ring
     ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x if pull_x else None)
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
@@ -72,31 +79,33 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
     d_w_gate_up = torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=x.device)
     d_w_down = torch.empty(w_down.shape, dtype=torch.bfloat16, device=x.device)
-    # one rank, BF16: the d_x tiles store each row into its route's slot, the push's copy skipped
-    own_slots = world.size == 1 and fmt == "bf16"
+    bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
     # 2. the windows
     for window in ring.windows(schedule):
         reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
         pull_route_scalars(ws, window, "router_weights", ring.row_w)
         h, x_rows = ring.saved_rows(saved, window)
         in_place = ring.in_forward_ring(saved, window)
-        if fmt == "bf16":
+        x_index = None
+        if x_by_token:
+            x_rows, x_index = x.contiguous(), _tokens(window.src_index, k)
+        elif fmt == "bf16":
             x_rows = dispatch_pull(ws, window, num_sms=sms, out=ring.x, sync=False)
         elif not in_place and schedule.capacity > forward_ring:
             dispatch_pull(ws, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x, sync=False)
         if not in_place and schedule.capacity > forward_ring:
-            ring.replay(window, forward_ring, x_rows, w_gate_up, activation, q, rows_per_expert)
+            ring.replay(window, forward_ring, x_rows, w_gate_up, activation, q, rows_per_expert, b_gate_up)
         out = ring.grads(d_w_gate_up, d_w_down)
         if own_slots:
             out = replace(out, d_x=ws.local("combine"), d_x_index=window.src_index)
         counts, offsets = window.tokens_per_expert, window.offsets
         if fmt != "bf16":
             fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                         activation=activation, weights_t=weights_t, carry=ring.carry(window), out=out)
+                         activation=activation, weights_t=weights_t, carry=ring.carry(window), out=out, bias=bias)
         else:
             expert_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                             activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
-                            out=out)
+                            out=out, bias=bias, x_index=x_index)
         if not own_slots:
             reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
         push_route_scalars(ws, window, ring.d_router, "d_router")
@@ -109,7 +118,13 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     d_x, d_router = home_sums(ws.local("combine"), ws.local("d_router"), top_experts, n, k, D, shared_dx)
     if check:
         kernel.check_errors()
-    return LayerGrads(d_x, d_router, d_w_gate_up, d_w_down, shared_gate_up, shared_down)
+    d_b_gate_up, d_b_down = bias.rounded(b_gate_up, b_down) if bias is not None else (None, None)
+    return LayerGrads(d_x, d_router, d_w_gate_up, d_w_down, shared_gate_up, shared_down, d_b_gate_up, d_b_down)
+
+
+def _tokens(src_index: torch.Tensor, k: int) -> torch.Tensor:
+    """One rank's routed rows' tokens (int32; rows past the window's, -1 there, get token 0: never read)."""
+    return torch.div(src_index.clamp(min=0), k, rounding_mode="floor").to(torch.int32)
 
 
 def _shared_backward(d_out, x, shared_h, shared, activation):

@@ -136,9 +136,10 @@ class BackwardRing:
                        src_index=torch.where(past, window.src_index, -1))
 
     def replay(self, window: ScheduleWindow, forward_ring: int, x: torch.Tensor | QuantRows, w_gate_up: torch.Tensor,
-               activation: Activation, experts_q: QuantizedExperts | None, rows_per_expert: float) -> None:
+               activation: Activation, experts_q: QuantizedExperts | None, rows_per_expert: float,
+               b_gate_up: torch.Tensor | None = None) -> None:
         """h of the window's rows past the forward's ring, recomputed from their x into ``self.h`` (the forward's
-        gate/up tiles: the same bits). Each expert's piece is cut there on the device: a window the forward's
+        gate/up tiles, with its optional bias ``b_gate_up``: the same bits). Each expert's piece is cut there on the device: a window the forward's
         ring holds launches over empty pieces."""
         lo = (forward_ring - window.start).clamp(min=0)
         first = torch.maximum(window.offsets.long(), lo)
@@ -150,10 +151,10 @@ class BackwardRing:
             out = ExpertForwardQuantized(self.h, self.act, self.act_scale, None)
             if x.format == "fp8-block":
                 gate_up_fp8(x.data, x.scale, counts, first, q.w_gate_up, q.w_gate_up_scale, out,
-                            activation=activation, rows_per_expert=rows_per_expert)
+                            activation=activation, rows_per_expert=rows_per_expert, bias=b_gate_up)
             else:
                 gate_up_mxfp8(x.data, x.scale, counts, first, q.w_gate_up, q.w_gate_up_scale, out,
-                              activation=activation)
+                              activation=activation, bias=b_gate_up)
             return
         gate_up(x, counts, first, w_gate_up, self.h, self.act, activation=activation,
-                rows_per_expert=rows_per_expert)
+                rows_per_expert=rows_per_expert, bias=b_gate_up)

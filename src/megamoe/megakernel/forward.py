@@ -48,6 +48,8 @@ def megamoe_forward(
     check: bool = True,
     check_finite: bool = False,
     num_experts: int | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer's forward over ``world`` as one megakernel per pass, without autograd (``megamoe.moe`` trains).
 
@@ -59,7 +61,9 @@ def megamoe_forward(
         w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; I a multiple of 8.
         w_down: bf16 `[L, D, I]`.
         shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
-        activation: optional SwiGLU clamp.
+        activation: the experts' activation (:class:`megamoe.Activation`; default SwiGLU).
+        b_gate_up: bf16 `[L, 2I]`, b_down: bf16 `[L, D]`: this rank's experts' optional biases (gpt-oss), added
+            to gate/up before the activation and to each expert's output, on the experts' rank.
 
     Args:
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
@@ -86,18 +90,18 @@ def megamoe_forward(
     CUDA-graph capture of whole passes use :class:`MegaKernel` directly with ``check=False``.
     """
     check_precision(precision)
-    tensors = [x, router_weights, w_gate_up, w_down,
+    tensors = [x, router_weights, w_gate_up, w_down, b_gate_up, b_down,
                *(t for pair in shared if isinstance(pair, (tuple, list)) for t in pair)]
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         raise ValueError("megamoe_forward computes no gradients, and an input or weight here requires grad: use "
                          "megamoe.moe (or megamoe.MoE) to train, or call this under torch.no_grad()")
     with torch.no_grad():
         return _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config,
-                        precision, max_tokens, experts_q, check, check_finite, num_experts)
+                        precision, max_tokens, experts_q, check, check_finite, num_experts, b_gate_up, b_down)
 
 
 def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config, precision,
-             max_tokens, experts_q, check, check_finite, num_experts) -> torch.Tensor:
+             max_tokens, experts_q, check, check_finite, num_experts, b_gate_up, b_down) -> torch.Tensor:
     n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
                                                       shared, activation, check_ids=check, num_experts=num_experts)
     if check_finite:
@@ -114,8 +118,15 @@ def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, a
     # experts_q stands for the weights (never read then): keep the tensors it was made from, for its check
     weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (w_gate_up, w_down)]
     out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(), *weights,
-                            fused, activation, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check)
+                            fused, activation, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check,
+                            **contiguous_biases(b_gate_up, b_down))
     return out
+
+
+def contiguous_biases(b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None) -> dict:
+    """The expert biases as the kernels read them (detached, contiguous; None stays None), by keyword."""
+    return {name: None if b is None else b.detach().contiguous()
+            for name, b in (("b_gate_up", b_gate_up), ("b_down", b_down))}
 
 
 def layer_kernel(world: EPWorld, shape: LayerShape, config: KernelConfig | None, precision: str) -> MegaKernel:

@@ -253,23 +253,30 @@ class MegaKernel:
         return self._backward_ring
 
     def backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, *,
-                 check: bool = True, fused: bool = True):
+                 check: bool = True, fused: bool = True, b_gate_up=None, b_down=None):
         """The backward of a forward pass of this kernel that left ``saved`` (collective): the backward
         megakernel (``megamoe.megakernel.backward``), or with ``fused=False`` (and on one rank, where the forward
         ran the expert kernels directly) the standalone kernels composed (``megamoe.megakernel.backward_composed``:
-        the same bits). Returns the :class:`~megamoe.megakernel.backward_composed.LayerGrads`."""
+        the same bits). ``b_gate_up``, ``b_down``: the forward's expert biases (the composed backward only). Returns
+        the :class:`~megamoe.megakernel.backward_composed.LayerGrads`."""
         from megamoe.megakernel.backward import fused_backward
         from megamoe.megakernel.backward_composed import composed_backward
 
         if self.precision != "bf16" and fused and not self.direct:
             raise ValueError(f"the backward megakernel runs BF16 experts: the {self.precision} backward runs the "
                              f"standalone kernels composed (fused_backward=False, moe()'s default)")
-        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
+        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+        biased = b_gate_up is not None or b_down is not None
+        if biased and fused and not self.direct:
+            raise ValueError("the backward megakernel has no expert biases: their backward runs the standalone "
+                             "kernels composed (fused_backward=False, moe()'s default)")
         if not isinstance(d_out, torch.Tensor) or d_out.shape != x.shape or d_out.dtype != torch.bfloat16:
             raise ValueError(f"d_out must be bfloat16 of x's shape {tuple(x.shape)}, got {checks.describe(d_out)}")
-        run = fused_backward if fused and not self.direct else composed_backward
-        return run(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, activation,
-                   check=check)
+        if fused and not self.direct:
+            return fused_backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared,
+                                  activation, check=check)
+        return composed_backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared,
+                                 activation, check=check, b_gate_up=b_gate_up, b_down=b_down)
 
     def check_errors(self) -> None:
         """Raise RuntimeError if a wait of an earlier pass timed out, ValueError if an earlier pass (unchecked)
@@ -316,15 +323,18 @@ class MegaKernel:
         experts_q: QuantizedExperts | None = None,
         buffers: LayerBuffers | None = None,
         check: bool = True,
+        b_gate_up: torch.Tensor | None = None,
+        b_down: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """One forward pass (collective). Inputs as :func:`~megamoe.megakernel.forward.megamoe_forward`
         (validated there), ``shared`` one (gate_up, down) pair or None. ``buffers``: the layer's buffers to
         write (:meth:`new_buffers`; None allocates new ones); the returned context owns them until it is
         dropped, so pass only buffers no live context holds. ``check`` reads the error word after the pass (a
-        host sync)."""
+        host sync). ``b_gate_up`` bf16 `[L, 2I]`, ``b_down`` bf16 `[L, D]`: the routed experts' optional biases,
+        added in the gate/up and down epilogues (on the experts' rank)."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
-        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
+        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
         if check:  # an earlier unchecked pass's error first
             self.check_errors()
         if experts_q is not None:
@@ -338,13 +348,14 @@ class MegaKernel:
         if self.quantized and experts_q is None:  # quantised in this pass, before the device work (its graph)
             experts_q = quantize_experts(w_gate_up, w_down, self.precision)
         # 2-4: the device work, replayed from a graph when the weights, buffers and token count repeat
-        work = partial(self._device_work, n, buffers, w_gate_up, w_down, experts_q, shared, activation)
+        work = partial(self._device_work, n, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up,
+                       b_down)
         if self.replay is None:
             schedule, tiles = work()
         else:
             q = () if experts_q is None else (experts_q.w_gate_up, experts_q.w_gate_up_scale, experts_q.w_down,
                                               experts_q.w_down_scale)
-            key = (n, activation, layout_key((w_gate_up, w_down, *q, *(shared or (None, None)),
+            key = (n, activation, layout_key((w_gate_up, w_down, *q, *(shared or (None, None)), b_gate_up, b_down,
                                                 *buffers.tensors())))
             schedule, tiles = self.replay(key, work)
         # 5. the weighted sum
@@ -355,12 +366,14 @@ class MegaKernel:
             self.check_errors()
         return out, ForwardContext(schedule, tiles, self.config, buffers)
 
-    def check_inputs(self, x, top_experts, router_weights, w_gate_up, w_down, shared, activation) -> None:
+    def check_inputs(self, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up=None,
+                     b_down=None) -> None:
         """ValueError unless a pass's arguments fit this kernel's shape (no host sync: the ids are not read)."""
         s = self.shape
         pairs = () if shared is None else (shared,)
         n, d, k, experts, inter = checks.check_bf16_layer(self.world, x, top_experts, router_weights, w_gate_up,
                                                           w_down, pairs, activation, check_ids=False)
+        checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
         got = dict(D=d, k=k, L=experts, I=inter, shared_I=sum(dn.shape[1] for _, dn in pairs))
         want = dict(D=s.hidden, k=s.top_k, L=s.experts_per_rank, I=s.intermediate, shared_I=s.shared_intermediate)
         for name in got:
@@ -388,8 +401,8 @@ class MegaKernel:
             if n < row.shape[0]:  # padding rows: no route
                 row[n:].fill_(-1)
 
-    def _device_work(self, n, buffers, w_gate_up, w_down, experts_q, shared,
-                     activation) -> tuple[PullSchedule, RowTiles]:
+    def _device_work(self, n, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up=None,
+                     b_down=None) -> tuple[PullSchedule, RowTiles]:
         """Steps 2-4 of a pass (x and the routing ids staged): reads only this kernel's and the layer's buffers
         and the weights."""
         s, c, me = self.shape, self.config, self.world.rank
@@ -406,13 +419,14 @@ class MegaKernel:
                                 minibatch=c.minibatch, cut=schedule.num_rows > c.ring_rows)
         # 4. the megakernel (one rank: the expert kernels)
         if self.direct:
-            self._run_experts(n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation)
+            self._run_experts(n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up,
+                              b_down)
         else:
             self.counters.zero_()
             if self.trace is not None:
                 self.trace.zero_()
             args, consts = self.launcher.arguments(n, schedule, tiles, buffers, w_gate_up, w_down, experts_q, shared,
-                                                   activation)
+                                                   activation, b_gate_up, b_down)
             self.launcher.run(schedule, args, consts)
             if not self.gpu:
                 self.world.barrier("the end of a forward pass (every push landed)")
@@ -427,7 +441,8 @@ class MegaKernel:
         sync.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("pass_flags")[row], self.epochs[row:],
                                      self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
 
-    def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation) -> None:
+    def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up=None,
+                     b_down=None) -> None:
         """One rank: the routed rows gathered into the ring, the expert kernels on every SM, and the map from
         each route to its output row (the weighted sum reads the rows in place: no combine copy)."""
         cap = schedule.capacity
@@ -443,12 +458,12 @@ class MegaKernel:
             forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
             plan = {"rows_per_expert": self._rows_per_expert} if forward is expert_forward_fp8_block else {}
             forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
-                    q.w_down, q.w_down_scale, activation=activation,
+                    q.w_down, q.w_down_scale, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
                     out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), **plan)
         else:
             torch.index_select(self.sym.local("x"), 0, token, out=b.ring_x[rows])
             expert_forward(b.ring_x[rows], counts, offsets, w_gate_up, w_down, activation=activation,
-                           out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
+                           b_gate_up=b_gate_up, b_down=b_down, out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
                            rows_per_expert=self._rows_per_expert)
         if shared is not None and n:
             self._shared_rows.fill_(n)

@@ -86,8 +86,9 @@ class Launcher:
         return self.desc(buffers.ring_x, [bm, bk]), self.desc(buffers.act, [bm, bk]), shared
 
     def arguments(self, n, schedule, tiles, buffers: LayerBuffers, w_gate_up, w_down, experts_q, shared,
-                  activation) -> tuple[tuple, dict]:
-        """(runtime arguments without the step index, constexprs) of one pass."""
+                  activation, b_gate_up=None, b_down=None) -> tuple[tuple, dict]:
+        """(runtime arguments without the step index, constexprs) of one pass (``b_gate_up``, ``b_down``: the
+        routed experts' optional biases)."""
         k, s, c = self.kernel, self.kernel.shape, self.kernel.config
         (gate_up_tile, down_tile), (shared_gate_up, shared_down) = self.routed_tiles, self.shared_tiles
         D, I, L = s.hidden, s.intermediate, s.experts_per_rank
@@ -119,7 +120,7 @@ class Launcher:
             CommArgs(*self.pulled, bytes_view(buffers.ring_x), buffers.ring_x.stride(0),
                      k.sym.peer_ptrs("combine"), combine, combine.stride(0)),
             RoutedArgs(ring_desc, w_gu_desc, buffers.h, bytes_view(buffers.act), buffers.h.stride(0),
-                       buffers.act.stride(0), act_desc, w_dn_desc, k.y, k.y.stride(0)),
+                       buffers.act.stride(0), act_desc, w_dn_desc, k.y, k.y.stride(0), b_gate_up, b_down),
             scales,
             shared_args,
             SyncArgs(self.rows_ready, self.tile_done, self.y_done, self.shared_done),

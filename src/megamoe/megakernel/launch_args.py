@@ -82,7 +82,8 @@ class CommArgs:
 
 @dataclass(frozen=True)
 class RoutedArgs:
-    """The routed experts over the ring: gate/up + SwiGLU into h and act, down into y."""
+    """The routed experts over the ring: gate/up + SwiGLU into h and act, down into y; their optional biases
+    (``b_gate_up`` `[L, 2I]`, ``b_down`` `[L, D]`, bf16, or None: the adds compile out)."""
 
     ring_desc: object
     w_gate_up_desc: object
@@ -94,6 +95,8 @@ class RoutedArgs:
     w_down_desc: object
     y_ptr: object
     stride_y: int
+    b_gate_up_ptr: object = None
+    b_down_ptr: object = None
 
 
 @dataclass(frozen=True)

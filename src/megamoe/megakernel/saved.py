@@ -41,7 +41,8 @@ class SavedForward:
 class LayerGrads:
     """Gradients of one rank: ``x`` bf16 `[N, D]`, ``router_weights`` fp32 `[N, k]`, this rank's experts
     ``w_gate_up`` `[L, 2I, D]` and ``w_down`` `[L, D, I]` (bf16), the fused shared experts' ``shared_gate_up``
-    `[2Is, D]` and ``shared_down`` `[D, Is]` (None without)."""
+    `[2Is, D]` and ``shared_down`` `[D, Is]` (None without), the experts' biases ``b_gate_up`` `[L, 2I]` and
+    ``b_down`` `[L, D]` (None without)."""
 
     x: torch.Tensor
     router_weights: torch.Tensor
@@ -49,6 +50,8 @@ class LayerGrads:
     w_down: torch.Tensor
     shared_gate_up: torch.Tensor | None
     shared_down: torch.Tensor | None
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
 
 
 def home_sums(d_x_slots: torch.Tensor, d_router_slots: torch.Tensor, top_experts: torch.Tensor, n: int, k: int,

@@ -47,12 +47,17 @@ def check_impl(impl: str, precision: str) -> None:
 
 def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelConfig | None = None,
              max_tokens: int | None = None, check_finite: bool = False,
-             weights: PackCache | None = None) -> torch.Tensor:
+             weights: PackCache | None = None, b_gate_up: torch.Tensor | None = None,
+             b_down: torch.Tensor | None = None) -> torch.Tensor:
     """The layer through ``impl``: ``args`` are :func:`megamoe.moe`'s positional ones (world .. activation);
-    the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs). ``weights``:
-    the caller's cache of the FP8 weight pack (made once per optimizer step for the forward and the backward)."""
+    the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs), but the expert
+    biases ``b_gate_up`` / ``b_down`` (megamoe and reference). ``weights``: the caller's cache of the FP8 weight pack
+    (made once per optimizer step for the forward and the backward)."""
+    biases = dict(b_gate_up=b_gate_up, b_down=b_down)
     if impl == "reference":
-        return ep_moe(*args)
+        return ep_moe(*args, **biases)
+    if (b_gate_up is not None or b_down is not None) and impl != "megamoe":
+        raise ValueError(f"impl {impl!r} has no expert biases (megamoe and reference have)")
     if impl == "nccl-torch":
         return nccl_torch_moe(*args)
     if impl == "deepep-torch":
@@ -63,7 +68,7 @@ def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelC
         backward = torch.is_grad_enabled() and (w_gate_up.requires_grad or w_down.requires_grad)
         experts_q = weights.get(w_gate_up, w_down, precision, backward=backward)
     return moe(*args, precision=precision, config=config, max_tokens=max_tokens, check_finite=check_finite,
-               experts_q=experts_q)
+               experts_q=experts_q, **biases)
 
 
 def _normal(shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
@@ -88,6 +93,8 @@ class MoE(nn.Module):
             knobs).
         check_finite: every forward raises ValueError naming the first token whose x or router weights are not
             finite (a host sync; megamoe only).
+        expert_bias: the routed experts have biases (gpt-oss): Parameters ``b_gate_up [L, 2I]`` and ``b_down
+            [L, D]``, bf16, zero at init (megamoe and reference only). Without (the default) both are None.
 
     FP8 precisions keep the routed weights quantised (:class:`~megamoe.ops.expert_weights.PackCache`): made at
     the first forward after each optimizer step (the weights' in-place version tells), read by every forward
@@ -100,9 +107,11 @@ class MoE(nn.Module):
     def __init__(self, config: MoEConfig, world: EPWorld, *, precision: str = "bf16",
                  device: torch.device | str | None = None, max_tokens: int | None = None,
                  kernel_config: KernelConfig | None = None, seed: int = 0, impl: str = "megamoe",
-                 check_finite: bool = False):
+                 check_finite: bool = False, expert_bias: bool = False):
         super().__init__()
         check_impl(impl, precision)
+        if expert_bias and impl not in ("megamoe", "reference"):
+            raise ValueError(f"impl {impl!r} has no expert biases (megamoe and reference have)")
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
         check_precision(precision)
@@ -125,6 +134,9 @@ class MoE(nn.Module):
         self.shared_down = nn.ParameterList(
             [nn.Parameter(_normal((D, size), size ** -0.5, seed * 7919 + 2 * s + 2, device))
              for s, size in enumerate(config.shared)])
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.b_gate_up = nn.Parameter(torch.zeros(L, 2 * I, **bf16)) if expert_bias else None
+        self.b_down = nn.Parameter(torch.zeros(L, D, **bf16)) if expert_bias else None
         self.weights_q = PackCache()  # FP8: the step's weight pack
         self.register_load_state_dict_post_hook(PackCache.after_load)
 
@@ -133,7 +145,8 @@ class MoE(nn.Module):
         args = (self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
                 self.config.activation)
         return run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                        max_tokens=self.max_tokens, check_finite=self.check_finite, weights=self.weights_q)
+                        max_tokens=self.max_tokens, check_finite=self.check_finite, weights=self.weights_q,
+                        b_gate_up=self.b_gate_up, b_down=self.b_down)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe import checks
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
@@ -110,6 +111,8 @@ def expert_forward(
     tiles: dict[str, TileConfig] | None = None,
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> ExpertForward:
     """Gate/up + SwiGLU and down for every expert region of ``x_rows`` (BF16).
 
@@ -125,8 +128,11 @@ def expert_forward(
         rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
             experts; a caller whose rows are a worst-case capacity gives the expected mean). The tiles do
             not change the bits.
+        b_gate_up: bf16 `[L, 2I]`, b_down: bf16 `[L, D]`: optional expert biases, added to h before the activation
+            (h includes it) and to y (``megamoe.kernels.expert_bias``).
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
+    checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
     rows = x_rows.shape[0]
     device = x_rows.device
     if out is None:
@@ -138,9 +144,9 @@ def expert_forward(
     tiles = tiles or {}
     gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, activation=activation,
             num_programs=num_programs, tiles=tiles.get("gate_up"), minibatch=minibatch,
-            rows_per_expert=rows_per_expert)
+            rows_per_expert=rows_per_expert, bias=b_gate_up)
     down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"),
-         minibatch=minibatch, rows_per_expert=rows_per_expert)
+         minibatch=minibatch, rows_per_expert=rows_per_expert, bias=b_down)
     return out
 
 
@@ -158,11 +164,13 @@ def gate_up(
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
     warp_specialized: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """h = x_rows · w_gate_upᵀ and act = SwiGLU(h) on every expert region (one persistent launch); the tiles
-    are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128-row tiles run in the
-    warp-specialised Gluon kernel (:func:`forward_ws`), elsewhere ``gate_up_kernel``: the same bits.
-    ``warp_specialized=False`` runs ``gate_up_kernel`` there too (A/B runs, tests)."""
+    """h = x_rows · w_gate_upᵀ (+ ``bias`` bf16 `[L, 2I]`, optional) and act = SwiGLU(h) on every expert region
+    (one persistent launch); the tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts).
+    On Hopper 128-row tiles run in the warp-specialised Gluon kernel (:func:`forward_ws`), elsewhere
+    ``gate_up_kernel``: the same bits. ``warp_specialized=False`` runs ``gate_up_kernel`` there too (A/B runs,
+    tests)."""
     experts, two_i, d = w_gate_up.shape
     i = two_i // 2
     rows = x_rows.shape[0]
@@ -172,7 +180,7 @@ def gate_up(
     programs = runtime.num_programs(x_rows.device, num_programs)
     if warp_specialized and warp_specialized_forward(x_rows.device, cfg):
         forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, activation=activation,
-                   minibatch=minibatch)
+                   minibatch=minibatch, bias=bias)
         return
     launch_row_tasks(
         expert_gemm.gate_up_kernel, cfg, programs,
@@ -182,7 +190,7 @@ def gate_up(
               h, act, h.stride(0), act.stride(0)),
         tail=(i, d, activation.kernel_limit, activation.kernel_alpha),
         minibatch=minibatch,
-        ACT=activation.kernel_id,
+        ACT=activation.kernel_id, b_ptr=bias,
     )
 
 
@@ -197,9 +205,10 @@ def down(
     tiles: TileConfig | None = None,
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """y = act · w_downᵀ on every expert region (one persistent launch); the tiles are ``tiles`` or planned
-    for ``rows_per_expert`` (default: rows / experts)."""
+    """y = act · w_downᵀ (+ ``bias`` bf16 `[L, D]`, optional) on every expert region (one persistent launch); the
+    tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
     experts, d, i = w_down.shape
     rows = act.shape[0]
     if rows == 0 or experts == 0:
@@ -211,7 +220,7 @@ def down(
         head=(descriptor(act, [cfg.block_m, cfg.block_k]),
               descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]), y, y.stride(0)),
         tail=(d, i),
-        minibatch=minibatch,
+        minibatch=minibatch, b_ptr=bias,
     )
 
 
@@ -235,11 +244,13 @@ def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act
 
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, activation: Activation = SWIGLU,
-               minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True) -> None:
+               minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True,
+               bias: torch.Tensor | None = None) -> None:
     """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles of ``tile``'s BLOCK_N,
     BLOCK_K, GROUP_M and, unless ``stages``, ring depth): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out
     h `[R, 2I]`), else down (w `[L, D, I]`, out y `[R, D]`). One wgmma is left in flight per K step unless
-    ``mma_in_flight`` is False. The same tasks and bits as the Triton kernels."""
+    ``mma_in_flight`` is False. ``bias``: the experts' optional bf16 bias (gate/up's `[L, 2I]`, down's `[L, D]`). The
+    same tasks and bits as the Triton kernels."""
     gate_up = act is not None
     experts, w_n, k = w.shape
     n = w_n // 2 if gate_up else w_n
@@ -250,9 +261,11 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
     act = act if gate_up else out
     with scratch_allocator():
         forward_warp_specialized.forward_ws_kernel[(programs,)](
-            a, w, out, act, a.stride(0), out.stride(0), act.stride(0), tiles.tile_expert, tiles.tile_row0,
+            a, w, out, act, out if bias is None else bias, a.stride(0), out.stride(0), act.stride(0),
+            tiles.tile_expert, tiles.tile_row0,
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
             activation.kernel_limit, activation.kernel_alpha, num_warps=4,
+            HAS_BIAS=bias is not None,
             **forward_ws_constexprs(tile, programs, gate_up=gate_up, act=activation.kernel_id, stages=stages,
                                     mma_in_flight=mma_in_flight))
 
@@ -265,6 +278,8 @@ def expert_forward_reference(
     w_down: torch.Tensor,
     *,
     activation: Activation = SWIGLU,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> ExpertForward:
     """The torch twin of :func:`expert_forward` in FP32 (rows outside regions stay NaN)."""
     i, d = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
@@ -274,8 +289,10 @@ def expert_forward_reference(
                         torch.full((rows, d), float("nan"), **nan))
     for l, (start, count) in enumerate(zip(offsets.tolist(), counts.tolist())):
         x = x_rows[start : start + count].float()
-        h = x @ w_gate_up[l].float().T
+        b_gu = None if b_gate_up is None else b_gate_up[l].float()
+        b_dn = None if b_down is None else b_down[l].float()
+        h = x @ w_gate_up[l].float().T + (0.0 if b_gu is None else b_gu)
         out.h[start : start + count] = h
         out.act[start : start + count] = activate(h, activation)
-        out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), activation)
+        out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), activation, b_gu, b_dn)
     return out

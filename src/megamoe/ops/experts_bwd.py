@@ -16,6 +16,7 @@ import torch
 from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
+from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.experts import check_operands, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
@@ -77,6 +78,8 @@ def expert_backward(
     warp_specialized: bool = True,
     carry: WgradCarry | None = None,
     out: ExpertGrads | None = None,
+    bias: BiasGrads | None = None,
+    x_index: torch.Tensor | None = None,
 ) -> ExpertGrads:
     """Backward of :func:`megamoe.ops.experts.expert_forward` for routed rows (BF16; see
     `megamoe.kernels.expert_gemm_bwd`).
@@ -94,14 +97,23 @@ def expert_backward(
             kernels there too (A/B runs, tests). The same bits either way.
         carry: the rows are one window of the backward's ring: the weight gradients start from and leave FP32
             carries as its modes say (:class:`WgradCarry`); None: every expert's gradient from its rows here.
+        bias: the expert biases' gradients (:class:`~megamoe.ops.expert_bias.BiasGrads`): the rows' sums are added
+            to its FP32 accumulators, the down bias's term to ``d_router``; None: no biases.
         out: where to write (``d_x`` and ``d_router`` of ``rows`` rows, the weight gradients of every expert);
             None allocates them.
+        x_index: int32 `[>= R]`: ``x_rows`` is then `[S, D]` and row r's input is ``x_rows[x_index[r]]`` (each in
+            ``[0, S)`` inside the regions): one rank's tokens read in place of their routed copies. On Hopper the
+            gate/up wgrad's producer gathers them (``wgrad``'s ``b_index``), elsewhere one gather copies them first:
+            the same bits.
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
-    rows = x_rows.shape[0]
+    rows = x_rows.shape[0] if x_index is None else dy_rows.shape[0]
     device = x_rows.device
+    if x_index is not None and (not isinstance(x_index, torch.Tensor) or x_index.dtype != torch.int32
+                                or x_index.dim() != 1 or x_index.numel() < rows or x_index.device != device):
+        raise ValueError(f"x_index must be int32 [>= {rows}] on {device}, got {checks.describe(x_index)}")
     # contiguous: the wgrad kernel addresses x_rows and dy_rows by row length
-    checks.check_tensors((("x_rows", x_rows, (rows, d), torch.bfloat16),
+    checks.check_tensors((("x_rows", x_rows, (x_rows.shape[0] if x_index is not None else rows, d), torch.bfloat16),
                           ("dy_rows", dy_rows, (rows, d), torch.bfloat16),
                           ("row_weights", row_weights, (rows,), torch.float32),
                           ("h", h, (rows, 2 * i), torch.bfloat16)), device)
@@ -143,6 +155,7 @@ def expert_backward(
         # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
         expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
             partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
+        bias_backward(bias, d_h, dy_rows, row_weights, counts, offsets, grads.d_router)
         c = cfg["dx"]
         scatter = grads.d_x_index is not None
         launch_row_tasks(
@@ -157,9 +170,10 @@ def expert_backward(
         grads.d_w_down.zero_()
         return grads
     carries = (None, None) if carry is None else carry.pairs()
-    for (a, b, dw), pair in zip(((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)), carries):
+    for (a, b, b_index, dw), pair in zip(((dy_rows, act_w, None, grads.d_w_down),
+                                          (d_h, x_rows, x_index, grads.d_w_gate_up)), carries):
         wgrad(a, b, dw, offsets, counts, cfg["wgrad"], programs, warp_specialized,
-              carry=None if carry is None else (carry.modes, *pair))
+              carry=None if carry is None else (carry.modes, *pair), b_index=b_index)
     return grads
 
 
@@ -235,22 +249,28 @@ def carry_tile(tile: TileConfig) -> TileConfig:
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
           tile: TileConfig, programs: int, warp_specialized: bool = True,
-          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+          carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+          b_index: torch.Tensor | None = None) -> None:
     """``out[l] = a[rows of l]ᵀ · b[rows of l]`` for every expert l (a `[R, M]`, b `[R, N]`, out `[L, M, N]`,
     contiguous bf16; int32 offsets and counts): the expert weight gradient, rows reduced in order. ``carry``:
-    ``(modes, carry_in, carry_out)`` of a backward window (``megamoe.kernels.wgrad_carry``).
+    ``(modes, carry_in, carry_out)`` of a backward window (``megamoe.kernels.wgrad_carry``). ``b_index``: int32
+    `[>= R]`, b is `[S, N]` and row r's is ``b[b_index[r]]``.
 
-    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`), elsewhere, under
-    the interpreter and with ``warp_specialized=False`` ``wgrad_kernel``: the same blocks, the same bits (a GPU test
-    holds them to it)."""
+    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`; b's rows by index
+    gathered by its producer), elsewhere, under the interpreter and with ``warp_specialized=False``
+    ``wgrad_kernel`` (b's rows by index copied first): the same blocks, the same bits (a GPU test holds them to
+    it)."""
     experts, out_m, out_n = out.shape
     window = carry if carry is not None else (counts, out, out)  # never read without CARRY
     with scratch_allocator():
         if warp_specialized and warp_specialized_wgrad(a.device, tile):
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, experts, out_m, out_n, *window, CARRY=carry is not None,
-                **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if b_index is None else b_index,
+                CARRY=carry is not None, B_GATHER=b_index is not None, **wgrad_ws_constexprs(tile, programs),
+                num_warps=4)
             return
+        if b_index is not None:  # rows outside the regions are never read: any row of b will do
+            b = torch.index_select(b, 0, b_index[: a.shape[0]].long().clamp(0, max(b.shape[0] - 1, 0)))
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, out, offsets, counts, experts, out_m, out_n, *window, DOT_FP32=interpreting(),

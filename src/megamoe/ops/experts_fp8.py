@@ -77,6 +77,8 @@ def expert_forward_fp8_block(
     store_h: bool = True,
     out: ExpertForwardQuantized | None = None,
     rows_per_expert: float | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> ExpertForwardQuantized:
     """FP8-block gate/up + SwiGLU (+ act quantisation) and down for every expert region.
 
@@ -93,24 +95,29 @@ def expert_forward_fp8_block(
         rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
             experts; a caller whose rows are a worst-case capacity gives the expected mean). The tiles do
             not change the bits.
+        b_gate_up: bf16 `[L, 2I]`, b_down: bf16 `[L, D]`: optional expert biases, added in FP32 to gate/up before
+            the activation (h includes it) and to y.
     """
+    checks.check_expert_biases(b_gate_up, b_down, w_gate_up_q, w_down_q, kernels=True)
     experts, i, d = checks.check_quantized_experts("fp8-block", x_q, x_scale, counts, offsets, w_gate_up_q,
                                                    w_gate_up_scale, w_down_q, w_down_scale)
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, FP8_BLOCK, torch.float32, x_q.device, store_h)
     tiles = tiles or {}
     gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, activation=activation,
                 num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h,
-                rows_per_expert=rows_per_expert)
+                rows_per_expert=rows_per_expert, bias=b_gate_up)
     down_fp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y,
-             num_programs=num_programs, tiles=tiles.get("down"), rows_per_expert=rows_per_expert)
+             num_programs=num_programs, tiles=tiles.get("down"), rows_per_expert=rows_per_expert, bias=b_down)
     return out
 
 
 def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
                 activation: Activation = SWIGLU, num_programs=None, tiles: TileConfig | None = None,
                 store_h: bool = True,
-                rows_per_expert: float | None = None, warp_specialized: bool = True) -> None:
-    """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch; the
+                rows_per_expert: float | None = None, warp_specialized: bool = True,
+                bias: torch.Tensor | None = None) -> None:
+    """out.act_q / out.act_scale (and out.h with store_h) of every expert region, gate/up plus the optional ``bias``
+    bf16 `[L, 2I]` before the activation: one persistent launch; the
     tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run
     in the warp-specialised Gluon kernel (:func:`forward_fp8_ws`), elsewhere ``gate_up_fp8_kernel``: the same bits;
     ``warp_specialized=False`` runs ``gate_up_fp8_kernel`` there too (A/B runs, tests)."""
@@ -125,7 +132,7 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
     programs = runtime.num_programs(x_q.device, num_programs)
     if warp_specialized and warp_specialized_fp8(x_q.device, c):
         forward_fp8_ws(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, h, c, programs, act_q=out.act_q,
-                       act_scale=out.act_scale, activation=activation, store_h=store_h)
+                       act_scale=out.act_scale, activation=activation, store_h=store_h, bias=bias)
         return
     launch_row_tasks(
         expert_gemm_fp8.gate_up_fp8_kernel, c, programs,
@@ -136,14 +143,15 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
               x_scale.stride(0), flat_row_stride(w_gate_up_scale), h.stride(0), out.act_q.stride(0),
               out.act_scale.stride(0)),
         tail=(i, d, activation.kernel_limit, activation.kernel_alpha),
-        ACT=activation.kernel_id, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
+        ACT=activation.kernel_id, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(), b_ptr=bias,
     )
 
 
 def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
              tiles: TileConfig | None = None, rows_per_expert: float | None = None,
-             warp_specialized: bool = True) -> None:
-    """y = dequant(act_q) · dequant(w_down_q)ᵀ on every expert region: one persistent launch; the tiles are
+             warp_specialized: bool = True, bias: torch.Tensor | None = None) -> None:
+    """y = dequant(act_q) · dequant(w_down_q)ᵀ (+ the optional ``bias`` bf16 `[L, D]`) on every expert region: one
+    persistent launch; the tiles are
     ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run in the
     warp-specialised Gluon kernel, elsewhere (and with ``warp_specialized=False``) ``down_fp8_kernel``: the same
     bits."""
@@ -155,7 +163,7 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
         return
     programs = runtime.num_programs(act_q.device, num_programs)
     if warp_specialized and warp_specialized_fp8(act_q.device, c):
-        forward_fp8_ws(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, c, programs)
+        forward_fp8_ws(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, c, programs, bias=bias)
         return
     launch_row_tasks(
         expert_gemm_fp8.down_fp8_kernel, c, programs,
@@ -163,7 +171,7 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
         head=(TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
               act_scale, w_down_scale, y, act_scale.stride(0), flat_row_stride(w_down_scale), y.stride(0)),
-        tail=(d, i),
+        tail=(d, i), b_ptr=bias,
     )
 
 
@@ -183,11 +191,12 @@ def forward_fp8_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool,
 
 
 def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileConfig, programs: int, *,
-                   act_q=None, act_scale=None, activation: Activation = SWIGLU, store_h: bool = True) -> None:
+                   act_q=None, act_scale=None, activation: Activation = SWIGLU, store_h: bool = True,
+                   bias: torch.Tensor | None = None) -> None:
     """An FP8-block forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128 x 128 tiles of ``tile``'s
     GROUP_M and ring depth): gate/up + SwiGLU + act quantisation when ``act_q`` is given (w `[L, 2I, D]`, out h
-    `[R, 2I]`, written with ``store_h``), else down (w `[L, D, I]`, out y `[R, D]`). The Triton kernels' tasks and
-    bits."""
+    `[R, 2I]`, written with ``store_h``), else down (w `[L, D, I]`, out y `[R, D]`); ``bias`` the optional bf16 expert
+    bias (`[L, 2I]` / `[L, D]`). The Triton kernels' tasks and bits."""
     gate_up = act_q is not None
     experts, w_n, k = w_q.shape
     rows = a_q.shape[0]
@@ -200,12 +209,12 @@ def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileC
     act_q, act_scale = (act_q.view(torch.uint8), act_scale) if gate_up else (out, out)  # down: never touched
     with scratch_allocator():
         forward_fp8_warp_specialized.forward_fp8_ws_kernel[(programs,)](
-            a_q, w_q, a_scale, w_scale, out, act_q, act_scale,
+            a_q, w_q, a_scale, w_scale, out, act_q, act_scale, out if bias is None else bias,
             a_q.stride(0), a_scale.stride(0), flat_row_stride(w_scale), out.stride(0), act_q.stride(0),
             act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
             tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, activation.kernel_limit,
             activation.kernel_alpha,
-            num_warps=4, **forward_fp8_ws_constexprs(tile, programs, gate_up=gate_up,
+            num_warps=4, HAS_BIAS=bias is not None, **forward_fp8_ws_constexprs(tile, programs, gate_up=gate_up,
                                                      act=activation.kernel_id, store_h=store_h))
 
 

@@ -35,6 +35,7 @@ from megamoe.ops import experts_bwd
 from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads, WgradCarry, check_grads, new_grads
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8, warp_specialized_fp8
 from megamoe.ops.comm import QuantRows
+from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
@@ -162,7 +163,7 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
                               num_programs: int | None = None,
                               tiles: dict[str, TileConfig] | None = None,
                               warp_specialized: bool = True, carry: WgradCarry | None = None,
-                              out: ExpertGrads | None = None) -> ExpertGrads:
+                              out: ExpertGrads | None = None, bias: BiasGrads | None = None) -> ExpertGrads:
     """:func:`megamoe.ops.experts_bwd.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
     h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). ``dy_rows``
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
@@ -170,27 +171,28 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     dequantise both and quantise them again along the tokens. D and I must be multiples of 128. On Hopper the
     dact's, dx's and wgrads' 128 x 128 tiles run in warp-specialised Gluon kernels (`megamoe.kernels.
     dact_warp_specialized`, `forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`), the same bits as the
-    Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry`` and ``out`` as
-    :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
+    Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry``, ``out`` and ``bias``
+    as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
     blocks where the whole rows do: cuts at multiples of 128 rows of an expert)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                activation, weights_t, num_programs, tiles, warp_specialized, carry, out)
+                                activation, weights_t, num_programs, tiles, warp_specialized, carry, out, bias)
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                           activation: Activation = SWIGLU, weights_t: TransposedWeights | None = None,
                           num_programs: int | None = None,
                           tiles: dict[str, TileConfig] | None = None, carry: WgradCarry | None = None,
-                          out: ExpertGrads | None = None) -> ExpertGrads:
+                          out: ExpertGrads | None = None, bias: BiasGrads | None = None) -> ExpertGrads:
     """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
     return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                activation, weights_t, num_programs, tiles, False, carry, out)
+                                activation, weights_t, num_programs, tiles, False, carry, out, bias)
 
 
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, activation,
                          weights_t, num_programs, tiles, warp_specialized: bool = False,
-                         carry: WgradCarry | None = None, out: ExpertGrads | None = None) -> ExpertGrads:
+                         carry: WgradCarry | None = None, out: ExpertGrads | None = None,
+                         bias: BiasGrads | None = None) -> ExpertGrads:
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
     that format) and mxfp8's flattened weight scales. ``tiles``: {"dact" | "dx" | "wgrad": TileConfig} pins
     a kind's tiles (the planner's otherwise)."""
@@ -252,6 +254,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         )
     expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
         partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
+    if bias is not None:  # from the rows as pulled (E4M3: dequantised, the d_out the dgrads read)
+        bias_backward(bias, d_h, _dequantized(dy_rows), row_weights, counts, offsets, grads.d_router)
     d_h_q, d_h_s = quantize_activations(d_h, fmt)
     (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
                                      grads.d_x, num_programs=programs, tiles=tiles.get("dx"),

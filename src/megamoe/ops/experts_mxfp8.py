@@ -88,6 +88,8 @@ def expert_forward_mxfp8(
     tiles: dict[str, TileConfig] | None = None,
     store_h: bool = True,
     out: ExpertForwardQuantized | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> ExpertForwardQuantized:
     """MXFP8 gate/up + SwiGLU (+ act quantisation along I) and down for every expert region.
 
@@ -104,25 +106,30 @@ def expert_forward_mxfp8(
             32), gate/up block_n >= 64.
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
         out: preallocated outputs to fill (rows outside regions are left alone).
+        b_gate_up: bf16 `[L, 2I]`, b_down: bf16 `[L, D]`: optional expert biases, added in FP32 to gate/up before
+            the activation (h includes it) and to y.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     experts, i, d = checks.check_quantized_experts("mxfp8", x_q, x_scale, counts, offsets, w_gate_up_q,
                                                    w_gate_up_scale, w_down_q, w_down_scale)
+    checks.check_expert_biases(b_gate_up, b_down, w_gate_up_q, w_down_q, kernels=True)
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, MX_BLOCK, torch.uint8, x_q.device, store_h)
     tiles = tiles or {}
     gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, variant=variant,
-                  activation=activation, num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h)
+                  activation=activation, num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h,
+                  bias=b_gate_up)
     down_mxfp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y, variant=variant,
-               num_programs=num_programs, tiles=tiles.get("down"))
+               num_programs=num_programs, tiles=tiles.get("down"), bias=b_down)
     return out
 
 
 def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
                   variant: str = "dequant", activation: Activation = SWIGLU, num_programs=None,
                   tiles: TileConfig | None = None,
-                  store_h: bool = True, int_exp: bool = False) -> None:
-    """out.act_q / out.act_scale (and out.h with store_h) of every expert region: one persistent launch.
+                  store_h: bool = True, int_exp: bool = False, bias: torch.Tensor | None = None) -> None:
+    """out.act_q / out.act_scale (and out.h with store_h) of every expert region, gate/up plus the optional
+    ``bias`` bf16 `[L, 2I]` before the activation: one persistent launch.
     ``int_exp`` (rescale only) forms 2**(sa+sw-254) by an int32 exponent add instead of an fp32 product."""
     experts, two_i, d = w_gate_up_q.shape
     i = two_i // 2
@@ -142,13 +149,15 @@ def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, o
               out.act_scale.stride(0)),
         tail=(i, experts * 2 * i, d, activation.kernel_limit, activation.kernel_alpha),
         ACT=activation.kernel_id, STORE_H=store_h, RESCALE=variant == "rescale", INT_EXP=int_exp,
-        SOFT_E4M3=soft_e4m3_default(),
+        SOFT_E4M3=soft_e4m3_default(), b_ptr=bias,
     )
 
 
 def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, variant: str = "dequant",
-               num_programs=None, tiles: TileConfig | None = None, int_exp: bool = False) -> None:
-    """y = dequant(act_q) · dequant(w_down_q)ᵀ on every expert region: one persistent launch."""
+               num_programs=None, tiles: TileConfig | None = None, int_exp: bool = False,
+               bias: torch.Tensor | None = None) -> None:
+    """y = dequant(act_q) · dequant(w_down_q)ᵀ (+ the optional ``bias`` bf16 `[L, D]`) on every expert region: one
+    persistent launch."""
     experts, d, i = w_down_q.shape
     rows = act_q.shape[0]
     c = tiles or plan_tiles_mxfp8("down", variant, act_q.device)
@@ -162,7 +171,7 @@ def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, 
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, c.block_k]),
               act_scale, w_down_scale, y, act_scale.stride(0), flat_row_stride(w_down_scale), y.stride(0)),
         tail=(d, experts * d, i),
-        RESCALE=variant == "rescale", INT_EXP=int_exp,
+        RESCALE=variant == "rescale", INT_EXP=int_exp, b_ptr=bias,
     )
 
 

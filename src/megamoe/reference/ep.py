@@ -37,12 +37,15 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
     """Output and gradients of the layer for rank ``world.rank``'s tokens and experts.
 
     ``p`` is this rank's problem: anything with the fields of ``megamoe.bench.problem.RankProblem`` (config,
-    x, top_experts, router_weights, w_gate_up, w_down, shared, d_out, tokens, first_expert).
+    x, top_experts, router_weights, w_gate_up, w_down, shared, d_out, tokens, first_expert; optional b_gate_up and
+    b_down, this rank's expert biases).
 
     Returns ``(out [N, D] in the compute dtype, grads)`` (grads empty without ``with_grads``); grads as in
     :func:`moe_forward_backward`: ``x`` and ``router_weights`` for this
-    rank's tokens, ``w_gate_up`` / ``w_down`` for its experts, ``shared``.
+    rank's tokens, ``w_gate_up`` / ``w_down`` (and ``b_gate_up`` / ``b_down`` when given) for its experts,
+    ``shared``.
     """
+    biases = dict(b_gate_up=getattr(p, "b_gate_up", None), b_down=getattr(p, "b_down", None))
     cfg = p.config
     n = p.tokens
     rows = max(world.all_gather_object(n))
@@ -53,7 +56,7 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
     d_out_all = _gather_rows(world, p.d_out.to(cdt), rows) if with_grads else None
     partial, grads = moe_forward_backward(
         x_all, top_all, rw_all, p.w_gate_up, p.w_down, d_out_all,
-        activation=cfg.activation, first_expert=p.first_expert, num_experts=cfg.num_experts,
+        activation=cfg.activation, first_expert=p.first_expert, num_experts=cfg.num_experts, **biases,
     )
     out = _sum_home(world, partial, rows, n)
     d_out_mine = p.d_out.to(cdt) if with_grads else None
@@ -76,15 +79,18 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
         "w_gate_up": grads["w_gate_up"],
         "w_down": grads["w_down"],
         "shared": shared_grads["shared"],
+        **{name: grads[name] for name in biases if name in grads},
     }
     return out, grads
 
 
 def ep_moe(world: EPWorld, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor,
-           w_gate_up: torch.Tensor, w_down: torch.Tensor, shared=(), activation: Activation = SWIGLU) -> torch.Tensor:
+           w_gate_up: torch.Tensor, w_down: torch.Tensor, shared=(), activation: Activation = SWIGLU, *,
+           b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> torch.Tensor:
     """The layer over the EP group in plain PyTorch, differentiable by autograd (the reference a model trains on).
 
-    Arguments as :func:`megamoe.moe`: this rank's tokens, its experts ``rank*L ..``, replicated shared experts.
+    Arguments as :func:`megamoe.moe`: this rank's tokens, its experts ``rank*L ..`` (and their optional biases),
+    replicated shared experts.
     Every rank's tokens are gathered (autograd's all-gather), each rank computes its experts' share of every
     token (:func:`~megamoe.reference.layer.moe_forward`, FP32 math), the shares go home (all-to-all) and are summed
     in rank order, plus the shared experts on this rank's tokens. Returns `[N, D]` in x's dtype.
@@ -102,7 +108,8 @@ def ep_moe(world: EPWorld, x: torch.Tensor, top_experts: torch.Tensor, router_we
     weights_all = _Exchange.apply(world, padded(router_weights).repeat(world.size, 1))
     top_all = _gather_rows(world, top_experts, rows, fill=-1)
     share = moe_forward(x_all, top_all, weights_all, w_gate_up, w_down, activation=activation,
-                        first_expert=world.rank * L, num_experts=L * world.size).to(cdt)
+                        first_expert=world.rank * L, num_experts=L * world.size, b_gate_up=b_gate_up,
+                        b_down=b_down).to(cdt)
     out = _Exchange.apply(world, share).view(world.size, rows, -1).sum(0)[:n]  # rank order
     if shared:
         out = out + moe_forward(x.to(cdt), torch.full_like(top_experts, -1), router_weights, w_gate_up[:0],

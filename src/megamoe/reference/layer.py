@@ -67,10 +67,16 @@ def activation_backward(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, activ
 
 
 def expert_ffn(
-    x_MD: torch.Tensor, w_gate_up_2ID: torch.Tensor, w_down_DI: torch.Tensor, activation: Activation = SWIGLU
+    x_MD: torch.Tensor, w_gate_up_2ID: torch.Tensor, w_down_DI: torch.Tensor, activation: Activation = SWIGLU,
+    b_gate_up_2I: torch.Tensor | None = None, b_down_D: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``W_down · activate(W_gate_up · x)`` for rows ``x_MD``, in x's dtype."""
-    return activate(x_MD @ w_gate_up_2ID.T, activation) @ w_down_DI.T
+    """``W_down · activate(W_gate_up · x + b_gate_up) + b_down`` for rows ``x_MD``, in x's dtype (a None bias adds
+    nothing)."""
+    h = x_MD @ w_gate_up_2ID.T
+    if b_gate_up_2I is not None:
+        h = h + b_gate_up_2I
+    y = activate(h, activation) @ w_down_DI.T
+    return y if b_down_D is None else y + b_down_D
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,6 +95,8 @@ def moe_forward(
     *,
     first_expert: int = 0,
     num_experts: int | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer's output for the tokens of one rank.
 
@@ -105,12 +113,15 @@ def moe_forward(
             the held slice contribute nothing: the result is this slice's
             share of the layer (used to build an expert-parallel reference).
         num_experts: E, the range ids are checked against (default L).
+        b_gate_up: optional `[L, 2I]` expert biases added to ``W_gate_up · x`` before the activation; b_down:
+            optional `[L, D]` added to each expert's output (before its router weight).
 
     Returns:
         `[N, D]` in x's dtype, accumulated in FP32 (FP64 for FP64 input).
     """
     n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
     checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
+    checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down)
 
     cdt = compute_dtype(x.dtype)
     x_c = x.to(cdt)
@@ -119,7 +130,8 @@ def moe_forward(
         token, slot = (top_experts == first_expert + local).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        y = expert_ffn(x_c[token], w_gate_up[local].to(cdt), w_down[local].to(cdt), activation)
+        y = expert_ffn(x_c[token], w_gate_up[local].to(cdt), w_down[local].to(cdt), activation,
+                       *_biases_of(local, b_gate_up, b_down, cdt))
         out = out.index_add(0, token, y * router_weights[token, slot].to(cdt)[:, None])
     for gate_up, down in shared:
         out = out + expert_ffn(x_c, gate_up.to(cdt), down.to(cdt), activation)
@@ -138,6 +150,8 @@ def moe_forward_backward(
     *,
     first_expert: int = 0,
     num_experts: int | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`moe_forward` and its gradients for upstream gradient ``d_out``.
 
@@ -149,10 +163,12 @@ def moe_forward_backward(
 
     Returns ``(out, grads)`` with grads ``x`` `[N, D]`, ``router_weights``
     `[N, k]` (both in the compute dtype), ``w_gate_up``, ``w_down`` (in the
-    weights' dtype) and ``shared`` (a list of (d_w_gate_up, d_w_down)).
+    weights' dtype), ``shared`` (a list of (d_w_gate_up, d_w_down)) and, for each bias given, ``b_gate_up`` /
+    ``b_down`` (in the compute dtype).
     """
     n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
     checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
+    checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down)
     if d_out is not None and tuple(d_out.shape) != (n, d):
         raise ValueError(f"d_out must have shape ({n}, {d}), got {tuple(d_out.shape)}")
 
@@ -163,19 +179,22 @@ def moe_forward_backward(
     d_x = torch.zeros_like(out)
     d_rw = torch.zeros(router_weights.shape, dtype=cdt, device=x.device)
     d_gate_up, d_down = torch.zeros_like(w_gate_up), torch.zeros_like(w_down)
+    d_biases = {name: torch.zeros(b.shape, dtype=cdt, device=x.device)
+                for name, b in (("b_gate_up", b_gate_up), ("b_down", b_down)) if b is not None}
 
-    def one_ffn(rows, gate_up, down):
-        """One expert on ``rows``: (y detached, y in a graph, the graph's leaves)."""
+    def one_ffn(rows, gate_up, down, *biases):
+        """One expert on ``rows``: (y detached, y in a graph, the graph's leaves: x, the weights, the biases)."""
         with torch.set_grad_enabled(g_c is not None):
             leaves = [t.detach().to(cdt).requires_grad_() for t in (x_c[rows], gate_up, down)]
-            y = expert_ffn(*leaves, activation)
-        return y.detach(), y, leaves
+            bias_leaves = [None if b is None else b.detach().to(cdt).requires_grad_() for b in biases]
+            y = expert_ffn(*leaves, activation, *bias_leaves)
+        return y.detach(), y, leaves + [b for b in bias_leaves if b is not None]
 
     for local in range(held):
         token, slot = (top_experts == first_expert + local).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        y, y_graph, leaves = one_ffn(token, w_gate_up[local], w_down[local])
+        y, y_graph, leaves = one_ffn(token, w_gate_up[local], w_down[local], *_biases_of(local, b_gate_up, b_down))
         weight = router_weights[token, slot].to(cdt)[:, None]
         out.index_add_(0, token, y * weight)
         if g_c is None:
@@ -184,6 +203,8 @@ def moe_forward_backward(
         grads = torch.autograd.grad(y_graph, leaves, g_c[token] * weight)
         d_x.index_add_(0, token, grads[0])
         d_gate_up[local], d_down[local] = grads[1], grads[2]
+        for name, grad in zip(d_biases, grads[3:]):
+            d_biases[name][local] = grad
     d_shared = []
     all_rows = torch.arange(n, device=x.device)
     for gate_up, down in shared:
@@ -196,5 +217,13 @@ def moe_forward_backward(
         d_shared.append((grads[1].to(gate_up.dtype), grads[2].to(down.dtype)))
     if g_c is None:
         return out.to(x.dtype), {}
-    grads = {"x": d_x, "router_weights": d_rw, "w_gate_up": d_gate_up, "w_down": d_down, "shared": d_shared}
+    grads = {"x": d_x, "router_weights": d_rw, "w_gate_up": d_gate_up, "w_down": d_down, "shared": d_shared,
+             **d_biases}
     return out.to(x.dtype), grads
+
+
+def _biases_of(local: int, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Local expert ``local``'s bias rows (None where there is no bias), in ``dtype`` when given."""
+    return tuple(None if b is None else (b[local] if dtype is None else b[local].to(dtype))
+                 for b in (b_gate_up, b_down))

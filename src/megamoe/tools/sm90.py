@@ -1,6 +1,6 @@
 """The Hopper (sm_90) build check: every kernel compiled on a machine without a GPU, and what its code holds.
 
-    python -m megamoe.tools.sm90 [gemm] [fp8] [mxfp8] [quant] [megakernel] [backward]
+    python -m megamoe.tools.sm90 [gemm] [fp8] [mxfp8] [quant] [megakernel] [backward] [bias]
 
 prints one JSON line ``{group: {case: facts}}`` for the groups named (all of
 them by default). A case is one launch as the library makes it on an H200
@@ -31,17 +31,18 @@ import triton
 
 from megamoe.runtime import interpreting
 
-GROUPS = ("gemm", "fp8", "mxfp8", "quant", "megakernel", "backward")
+GROUPS = ("gemm", "fp8", "mxfp8", "quant", "megakernel", "backward", "bias")
 
 
 def cases(group: str) -> dict:
     """The :class:`~megamoe.tools.sm90_cases.Case` of each kernel of ``group``: the expert kernels' groups are
-    in :mod:`megamoe.tools.sm90_cases`, the megakernels' in :mod:`megamoe.tools.sm90_megakernel_cases`."""
-    from megamoe.tools import sm90_cases as experts, sm90_megakernel_cases as megakernels
+    in :mod:`megamoe.tools.sm90_cases`, the megakernels' in :mod:`megamoe.tools.sm90_megakernel_cases`, the expert
+    biases' (every kernel that adds or reduces them) in :mod:`megamoe.tools.sm90_bias_cases`."""
+    from megamoe.tools import sm90_bias_cases as biases, sm90_cases as experts, sm90_megakernel_cases as megakernels
 
     builders = {"gemm": experts.gemm_cases, "fp8": experts.fp8_cases, "mxfp8": experts.mxfp8_cases,
                 "quant": experts.quant_cases, "megakernel": megakernels.megakernel_cases,
-                "backward": megakernels.backward_cases}
+                "backward": megakernels.backward_cases, "bias": biases.bias_cases}
     if group not in builders:
         raise ValueError(f"unknown group {group!r}")
     return builders[group]()
@@ -52,15 +53,19 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, *, num_warps: int = 
     """``kernel`` (Triton or Gluon) compiled for sm_90 from ``signature`` ({argument: type}) and ``constexprs``.
 
     ``attrs`` (the JIT's specialisation) defaults to a launch's with our sizes: 16-divisibility on every
-    pointer and i32 the kernel specialises. Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin,
-    sass; ``.metadata.shared``)."""
+    pointer and i32 the kernel specialises. Arguments ``signature`` leaves out that have a default (an optional
+    bias pointer's None) are compiled at it. Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin, sass;
+    ``.metadata.shared``)."""
     if interpreting():
         raise RuntimeError("unset TRITON_INTERPRET to compile for sm_90")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
-    signature = {name: signature[name] for name in kernel.arg_names}
+    defaults = {p.name: p.default for p in kernel.params if p.has_default and p.name not in signature}
+    constexprs = {**defaults, **constexprs}
+    signature = {name: signature.get(name, "constexpr") if name in defaults else signature[name]
+                 for name in kernel.arg_names}
     consts = {name: value for name, value in constexprs.items() if name in signature}
     if attrs is None:
         plain = {kernel.arg_names[p.num] for p in kernel.params if p.do_not_specialize}

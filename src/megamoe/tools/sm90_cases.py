@@ -93,7 +93,7 @@ def gemm_cases() -> dict[str, Case]:
         "I": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # what gate_up runs on Hopper at the same tile: the warp-specialised Gluon kernel
     cases["forward_ws_kernel (gate/up)"] = Case(forward_warp_specialized.forward_ws_kernel, {
-        "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "stride_a": "i32",
+        "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16", "stride_a": "i32",
         "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32", "K": "i32",
         "limit": "fp32", "alpha": "fp32",
         **dict.fromkeys(forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), "constexpr")},
@@ -141,11 +141,16 @@ def gemm_cases() -> dict[str, Case]:
             "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, **kinds}, values, triton_tile.num_warps,
             triton_tile.num_stages)
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel
-        cases[name.replace("wgrad_kernel", "wgrad_ws_kernel")] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-            "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "NUM_PROGRAMS": "constexpr",
-            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr"},
-            {**wgrad_ws_constexprs(t, SMS), "CARRY": carry}, num_warps=4)
+        # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel; one rank's gate/up
+        # wgrad reads x rows by token (B_GATHER)
+        for gather in (False, True) if carry and t is wide else (False,):
+            ws_name = name.replace("wgrad_kernel", "wgrad_ws_kernel") + (" (x rows by token)" if gather else "")
+            cases[ws_name] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
+                "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
+                "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "b_index_ptr": "*i32",
+                "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
+                "MMA_IN_FLIGHT": "constexpr", "B_GATHER": "constexpr"},
+                {**wgrad_ws_constexprs(t, SMS), "CARRY": carry, "B_GATHER": gather}, num_warps=4)
     return cases
 
 
@@ -182,7 +187,7 @@ def fp8_cases() -> dict[str, Case]:
         cases[f"forward_fp8_ws_kernel ({kind})"] = Case(ws.forward_fp8_ws_kernel, {
             "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
             "out_ptr": "*bf16", "act_q_ptr": "*u8" if gate_up else "*bf16", "act_scale_ptr": "*fp32" if gate_up
-            else "*bf16", "stride_a": "i32", "stride_as_in": "i32", "stride_ws_n": "i32", "stride_out": "i32",
+            else "*bf16", "b_ptr": "*bf16", "stride_a": "i32", "stride_as_in": "i32", "stride_ws_n": "i32", "stride_out": "i32",
             "stride_act": "i32", "stride_as": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32",
             "K": "i32", "limit": "fp32", "alpha": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     return {**cases, **fp8_backward_cases()}

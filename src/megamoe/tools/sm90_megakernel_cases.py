@@ -18,9 +18,9 @@ _MEGA_TILES = {
 }
 
 
-def megakernel_case(fmt: str) -> Case:
+def megakernel_case(fmt: str, biases: bool = False) -> Case:
     """The forward megakernel for routed format ``fmt`` (FP8: the comm workers copy the owners' E4M3 rows and
-    scales)."""
+    scales); ``biases``: with the routed experts' biases (else their pointers are None: the adds compile out)."""
     from megamoe.kernels import megakernel as mk
     from megamoe.megakernel.launch import MAX_TILE_STAGES
     from megamoe.megakernel.launch_args import copy_tile_consts
@@ -31,6 +31,8 @@ def megakernel_case(fmt: str) -> Case:
                   DOT_FP32=False, FENCE=True, BLOCK_M=128, BN_GU=bn_gu, BN_DN=bn_dn, BLOCK_K=bk, GROUP_GU=4,
                   GROUP_DN=8, PHASE=0, TRACE=False, FMT=code, SOFT_E4M3=False, SHARED_BN_GU=128, SHARED_BN_DN=256,
                   SHARED_BK=64)
+    if not biases:
+        consts.update(b_gate_up_ptr=None, b_down_ptr=None)
     quantized = code != 0
     block = SCALE_BLOCK[fmt]
     scale_bytes = 1 if fmt == "mxfp8" else 4
@@ -55,7 +57,8 @@ def megakernel_case(fmt: str) -> Case:
             signature[name] = f"*{scale}"
         elif name == "scales_ptr":
             signature[name] = f"*{scale}" if quantized else "*bf16"
-        elif name in ("combine_ptr", "h_ptr", "y_ptr", "shared_h_ptr", "shared_act_ptr", "shared_y_ptr"):
+        elif name in ("combine_ptr", "h_ptr", "y_ptr", "shared_h_ptr", "shared_act_ptr", "shared_y_ptr",
+                      "b_gate_up_ptr", "b_down_ptr"):
             signature[name] = "*bf16"
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
