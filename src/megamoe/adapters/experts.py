@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megamoe.config import SWIGLU, Activation
 from megamoe.nn.moe import check_impl, run_impl
 from megamoe.ops.expert_weights import PackCache
 from megamoe.parallel.world import EPWorld
@@ -15,10 +16,12 @@ class ExpertSlice(nn.Module):
     """Experts ``rank*L .. rank*L+L-1`` of ``num_experts`` on ``world`` (L = E / R), and how they run.
 
     Subclasses hold the weights (in the model's dtype: the master weights) and call :meth:`run` with them.
+    ``activation``: the experts' (SwiGLU unless the model's are another kind, gpt-oss's).
     """
 
     def __init__(self, world: EPWorld, num_experts: int, *, precision: str = "bf16", impl: str = "megamoe",
-                 max_tokens: int | None = None, kernel_config: KernelConfig | None = None):
+                 max_tokens: int | None = None, kernel_config: KernelConfig | None = None,
+                 activation: Activation = SWIGLU):
         super().__init__()
         check_impl(impl, precision)
         if num_experts % world.size:
@@ -28,6 +31,7 @@ class ExpertSlice(nn.Module):
         self.world, self.num_experts, self.local_experts = world, num_experts, L
         self.first_expert = world.rank * L
         self.precision, self.impl, self.max_tokens, self.kernel_config = precision, impl, max_tokens, kernel_config
+        self.activation = activation
         self.weights_q = PackCache()  # FP8: the step's weight pack (megamoe.MoE's docstring)
         self.register_load_state_dict_post_hook(PackCache.after_load)
 
@@ -37,12 +41,16 @@ class ExpertSlice(nn.Module):
         return slice(self.first_expert, self.first_expert + self.local_experts)
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-            w_down: torch.Tensor) -> torch.Tensor:
-        """The layer on ``x [N, D]`` (any float dtype; the output comes back in it), in BF16 through the impl."""
+            w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+            b_down: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on ``x [N, D]`` (any float dtype; the output comes back in it), in BF16 through the impl;
+        ``b_gate_up`` `[L, 2I]`, ``b_down`` `[L, D]`: the experts' optional biases."""
         args = (self.world, x.to(torch.bfloat16), ids.to(torch.int32), weights.to(torch.float32),
-                w_gate_up.to(torch.bfloat16), w_down.to(torch.bfloat16))
+                w_gate_up.to(torch.bfloat16), w_down.to(torch.bfloat16), (), self.activation)
+        biases = {name: None if b is None else b.to(torch.bfloat16)
+                  for name, b in (("b_gate_up", b_gate_up), ("b_down", b_down))}
         out = run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                       max_tokens=self.max_tokens, weights=self.weights_q)
+                       max_tokens=self.max_tokens, weights=self.weights_q, **biases)
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:

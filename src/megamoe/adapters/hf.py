@@ -4,7 +4,9 @@
     model = megamoe.adapters.hf.patch(model, world)          # every rank, alike
 
 :func:`patch` replaces the ``experts`` of each supported block (:data:`BLOCKS`: Qwen3-MoE, DeepSeek-V3,
-Qwen2-MoE, Mixtral, OLMoE, GLM-4.5) with :class:`ExpertParallelExperts`, which holds this rank's slice of the
+Qwen2-MoE, Mixtral, OLMoE, GLM-4.5; gpt-oss through :mod:`megamoe.adapters.hf_gpt_oss`, which maps its
+interleaved, transposed, biased experts and its activation) with :class:`ExpertParallelExperts`, which holds this
+rank's slice of the
 experts (experts ``rank*L .. rank*L+L-1``) and runs them through :func:`megamoe.moe`. Everything else stays the
 model's own code: its router (softmax or sigmoid, top-k, ``norm_topk_prob``, ``routed_scaling_factor``,
 DeepSeek-V3's and GLM-4.5's grouped top-k and ``e_score_correction_bias``), its shared experts and their gates,
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megamoe.adapters import hf_gpt_oss
 from megamoe.adapters.hf_experts import ExpertParallelExperts, activation_problem
 from megamoe.nn.moe import check_impl
 from megamoe.parallel.world import EPWorld
@@ -41,6 +44,10 @@ BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeB
 
 #: The transformers blocks replaced whole (class names): Llama-4's (:mod:`megamoe.adapters.hf_llama4`).
 REPLACED_BLOCKS = ("Llama4TextMoe",)
+
+#: The transformers blocks whose experts are patched in their own layout (class names): gpt-oss's
+#: (:mod:`megamoe.adapters.hf_gpt_oss`: interleaved gate / up, transposed, biased, its own activation).
+MAPPED_BLOCKS = ("GptOssMLP",)
 
 
 def _check_experts(name: str, experts: nn.Module) -> None:
@@ -65,7 +72,8 @@ def _check_experts(name: str, experts: nn.Module) -> None:
 
 def patch(model: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: str = "megamoe",
           max_tokens: int | None = None, kernel_config: KernelConfig | None = None) -> nn.Module:
-    """Run every supported sparse MoE block of ``model`` (:data:`BLOCKS`, :data:`REPLACED_BLOCKS`) on megamoe;
+    """Run every supported sparse MoE block of ``model`` (:data:`BLOCKS`, :data:`REPLACED_BLOCKS`,
+    :data:`MAPPED_BLOCKS`) on megamoe;
     returns ``model`` (or, when ``model`` is itself a Llama-4 block, its replacement).
 
     Collective: every rank of ``world`` patches a model built alike (the same config and weights): each keeps
@@ -83,14 +91,14 @@ def patch(model: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: st
         kernel_config: the megakernel's knobs (default: the planner's).
 
     Raises ValueError when the model has no supported block, or a block's experts are not SwiGLU in the
-    ``[gate | up]`` layout (Llama-4: its own transposed layout), or E is not a multiple of the world size.
+    ``[gate | up]`` layout (Llama-4, gpt-oss: their own layouts), or E is not a multiple of the world size.
     """
     from megamoe.adapters import hf_llama4  # it imports this module
 
     check_precision(precision)
     check_impl(impl, precision)
     options = {"precision": precision, "impl": impl, "max_tokens": max_tokens, "kernel_config": kernel_config}
-    supported = BLOCKS + REPLACED_BLOCKS
+    supported = BLOCKS + REPLACED_BLOCKS + MAPPED_BLOCKS
     blocks = [(name, m) for name, m in model.named_modules() if type(m).__name__ in supported]
     if not blocks and not any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
         found = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()})
@@ -108,6 +116,10 @@ def patch(model: nn.Module, world: EPWorld, *, precision: str = "bf16", impl: st
             continue
         if isinstance(block.experts, ExpertParallelExperts):
             continue  # patched already
+        if type(block).__name__ == hf_gpt_oss.BLOCK:
+            hf_gpt_oss.check_experts(label, block.experts)
+            block.experts = hf_gpt_oss.GptOssExpertParallelExperts(block.experts, world, **options)
+            continue
         _check_experts(label, block.experts)
         block.experts = ExpertParallelExperts(block.experts, world, **options)
     return model
