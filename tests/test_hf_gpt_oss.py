@@ -12,15 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.bench.accuracy import error_stats
 from megamoe.parallel.world import launch
 
 transformers = pytest.importorskip("transformers")
 
-#: tests/test_hf.py's bounds: the experts run in BF16 against the model's FP32 ones (relative L1).
-LOGITS_TOLERANCE = 1e-2
-GRAD_TOLERANCE = 3e-2
-VOCAB, SEQ, BATCH = 96, 12, 2
+# tests/test_hf.py's bounds (the experts run in BF16 against the model's FP32 ones), batches and steps
+from test_hf import GRAD_TOLERANCE, LOGITS_TOLERANCE, VOCAB, _batch, _rel, _step  # noqa: E402
 #: The routed experts' parameters: their gradients cover every rank's tokens (summed over the ranks).
 ROUTED = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias")
 
@@ -40,23 +37,7 @@ def _build(seed: int):
     return model
 
 
-def _batch(world, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 31 + world.rank)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def _step(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach()
-
-
-def _rel(got, want) -> float:
-    return error_stats(got, want)["rel"]
-
-
-def _to_model_layout(module, pname: str, grad: torch.Tensor) -> torch.Tensor:
+def _to_model_layout(pname: str, grad: torch.Tensor) -> torch.Tensor:
     """A patched expert parameter's gradient in gpt-oss's layout (this rank's slice)."""
     from megamoe.adapters.hf_gpt_oss import interleave_columns
 
@@ -74,7 +55,7 @@ def _parity(world):
     model = _build(seed=3)
     patched = patch(copy.deepcopy(model), world)
     ids = _batch(world, seed=5)
-    want_logits, got_logits = _step(model, ids), _step(patched, ids)
+    (want_logits, _), (got_logits, _) = _step(model, ids), _step(patched, ids)
     errors, params = {}, dict(patched.named_parameters())
     for pname, p in model.named_parameters():
         want = p.grad
@@ -84,7 +65,7 @@ def _parity(world):
             want = want[world.rank * L:(world.rank + 1) * L]
         got = params[pname].grad
         if got is not None and pname.endswith(ROUTED):
-            got = _to_model_layout(None, pname, got)
+            got = _to_model_layout(pname, got)
         errors[pname] = float("inf") if got is None or got.shape != want.shape else _rel(got, want)
     patched_experts = [m for m in patched.modules() if isinstance(m, GptOssExpertParallelExperts)]
     activations = {m.activation for m in patched_experts}

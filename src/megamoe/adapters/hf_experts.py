@@ -40,6 +40,14 @@ class ExpertParallelExperts(ExpertSlice):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         return self.run(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
+    def gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[L, ...]`` slice of an expert tensor gathered into all E experts (collective)."""
+        return t if self.world.size == 1 else self.world.gather_rows(t)
+
+    def sliced(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a loaded expert tensor: all E experts' sliced, a slice of L as it is."""
+        return t[self.rows] if t.shape[0] == self.num_experts != self.local_experts else t
+
 
 def _gather_experts(module: ExpertParallelExperts, state_dict, prefix: str, local_metadata) -> None:
     """state_dict: every rank's slice gathered into the full ``[E, ...]`` tensors (collective), in the model's
@@ -47,7 +55,7 @@ def _gather_experts(module: ExpertParallelExperts, state_dict, prefix: str, loca
     for name in ("gate_up_proj", "down_proj"):
         key = prefix + name
         if key in state_dict:
-            t = state_dict[key] if module.world.size == 1 else module.world.gather_rows(state_dict[key])
+            t = module.gathered(state_dict[key])
             state_dict[key] = t.transpose(1, 2).contiguous() if module.transposed else t
 
 
@@ -60,8 +68,7 @@ def _slice_experts(module: ExpertParallelExperts, state_dict, prefix: str, local
         t = state_dict.get(key)
         if t is None or t.dim() != 3:
             continue  # missing or odd: load_state_dict reports it
-        if t.shape[0] == module.num_experts != module.local_experts:
-            t = t[module.rows]
+        t = module.sliced(t)
         state_dict[key] = t.transpose(1, 2) if module.transposed else t
 
 

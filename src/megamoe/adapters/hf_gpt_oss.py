@@ -100,7 +100,7 @@ def _interleave(module: GptOssExpertParallelExperts, state_dict, prefix: str, lo
     for name, split in (("gate_up_proj_bias", True), ("down_proj_bias", False)):
         key = prefix + name
         if key in state_dict:
-            t = state_dict[key] if module.world.size == 1 else module.world.gather_rows(state_dict[key])
+            t = module.gathered(state_dict[key])
             state_dict[key] = interleave_columns(t).contiguous() if split else t
 
 
@@ -115,8 +115,6 @@ def _split(module: GptOssExpertParallelExperts, state_dict, prefix: str, local_m
     for name, split in (("gate_up_proj_bias", True), ("down_proj_bias", False)):
         key = prefix + name
         t = state_dict.get(key)
-        if t is None or t.dim() != 2:
-            continue  # missing or odd: load_state_dict reports it
-        if t.shape[0] == module.num_experts != module.local_experts:
-            t = t[module.rows]
-        state_dict[key] = split_columns(t) if split else t
+        if t is not None and t.dim() == 2:  # missing or odd: load_state_dict reports it
+            t = module.sliced(t)
+            state_dict[key] = split_columns(t) if split else t
