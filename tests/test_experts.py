@@ -635,6 +635,44 @@ def test_backward_stores_d_x_rows_into_their_slots_with_the_same_bits():
         expert_backward(dy, row_weights, x, h, counts, offsets, wgu, wd, out=replace(out, d_x_index=index[:3]))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_reading_x_by_token_gives_the_routed_copies_bits(shape):
+    """One rank's backward reads each row's x from the tokens by index (Hopper: gathered by the gate/up wgrad's
+    producer) instead of a routed copy: the same bits, with and without a window's carry."""
+    from megamoe.ops.experts_bwd import WgradCarry, expert_backward
+
+    x_rows, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], *SHAPES[shape], seed=11)
+    g = torch.Generator().manual_seed(12)
+    rows, d = x_rows.shape
+    tokens = torch.randn(rows // 2 + 1, d, generator=g).bfloat16().to(DEVICE)
+    index = torch.randint(0, tokens.shape[0], (rows,), generator=g, dtype=torch.int32).to(DEVICE)
+    x_rows = tokens[index.long()]  # the routed copies the pull makes
+    dy = torch.randn(x_rows.shape, generator=g).bfloat16().to(DEVICE)
+    row_weights = torch.rand(rows, generator=g).to(DEVICE)
+    h = expert_forward(x_rows, counts, offsets, wgu, wd).h
+    experts, two_i, _ = wgu.shape
+    f32 = dict(dtype=torch.float32, device=DEVICE)
+    # a window's modes: the first expert carries in, the last carries out and stores nothing
+    modes = torch.tensor([3, 2, 2, 4], dtype=torch.int32, device=DEVICE)
+    carry_in = (torch.randn(d, two_i // 2, generator=g).to(DEVICE), torch.randn(two_i, d, generator=g).to(DEVICE))
+    for carried in (False, True):
+        runs = []
+        for source, x_index in ((x_rows, None), (tokens, index)):
+            c = WgradCarry(modes, carry_in[0], torch.full((d, two_i // 2), float("nan"), **f32), carry_in[1],
+                           torch.full((two_i, d), float("nan"), **f32)) if carried else None
+            grads = expert_backward(dy, row_weights, source, h, counts, offsets, wgu, wd, carry=c, x_index=x_index)
+            runs.append((grads, c))
+        (want, c_want), (got, c_got) = runs
+        stored = slice(0, 3) if carried else slice(0, experts)
+        assert torch.equal(got.d_w_gate_up[stored], want.d_w_gate_up[stored])
+        assert torch.equal(got.d_w_down[stored], want.d_w_down[stored])
+        if carried:
+            assert torch.equal(c_got.gate_up_out, c_want.gate_up_out) and torch.equal(c_got.down_out, c_want.down_out)
+            assert bool(torch.isfinite(c_got.gate_up_out).all())
+    with pytest.raises(ValueError, match="x_index must be int32"):
+        expert_backward(dy, row_weights, tokens, h, counts, offsets, wgu, wd, x_index=index[:3])
+
+
 def test_forward_is_bitwise_deterministic_across_grid_sizes():
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=9)
     runs = [expert_forward(x, counts, offsets, wgu, wd, num_programs=p) for p in (1, 3, 7)]

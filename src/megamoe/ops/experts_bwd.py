@@ -269,8 +269,9 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
                 CARRY=carry is not None, B_GATHER=b_index is not None, **wgrad_ws_constexprs(tile, programs),
                 num_warps=4)
             return
-        if b_index is not None:  # rows outside the regions are never read: any row of b will do
-            b = torch.index_select(b, 0, b_index[: a.shape[0]].long().clamp(0, max(b.shape[0] - 1, 0)))
+        if b_index is not None:  # rows outside the regions are never read: any row of b will do (no b: no region)
+            b = (torch.index_select(b, 0, b_index[: a.shape[0]].long().clamp(0, b.shape[0] - 1)) if b.shape[0]
+                 else b.new_zeros(a.shape[0], out_n))
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, out, offsets, counts, experts, out_m, out_n, *window, DOT_FP32=interpreting(),
