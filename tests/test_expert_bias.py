@@ -213,3 +213,32 @@ def test_bias_kernels_compile_for_sm90():
         assert not facts["local_memory"] and facts["shared_bytes"] <= 227 * 1024, (name, facts)
         if name not in reductions:
             assert facts["wgmma"] > 0 and facts["tma"], (name, facts)
+
+
+def _module(world):
+    from megamoe.nn import MoEBlock
+
+    cfg = MoEConfig(hidden=128, intermediate=64, num_experts=4, top_k=2, activation=GPT_OSS_DEFAULT)
+    blocks = [MoEBlock(cfg, world, expert_bias=True, impl=impl, seed=2) for impl in ("megamoe", "reference")]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 128, generator=g)
+    for name in ("b_gate_up", "b_down"):
+        bias = torch.randn(getattr(blocks[0].moe, name).shape, generator=g).bfloat16()
+        for block in blocks:
+            getattr(block.moe, name).data.copy_(bias)
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    d_out = torch.randn(24, 128, generator=g)
+    grads = []
+    for block in blocks:
+        block(x).backward(d_out)
+        grads.append([block.moe.b_gate_up.grad, block.moe.b_down.grad])
+    plain = MoEBlock(cfg, world, seed=2).moe
+    return ([error_stats(a.float(), b.float())["rel"] for a, b in zip(*grads)],
+            plain.b_gate_up is None and plain.b_down is None and "b_down" in blocks[0].moe.state_dict())
+
+
+def test_moe_module_holds_and_trains_its_biases():
+    """``MoE(expert_bias=True)`` holds ``b_gate_up`` / ``b_down`` Parameters (in its state_dict) and trains them as
+    the reference implementation does; without it there are none."""
+    errors, layout = launch(_module, 1)[0]
+    assert layout and all(e < REL_TOL for e in errors), errors
