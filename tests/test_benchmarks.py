@@ -39,6 +39,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #: Scripts with a CPU smoke run below (one test each).
 CPU_TOOLS = {
     "backward_ab.py", "comm_bench.py", "ep_scaling.py", "megakernel_ab.py", "megakernel_sweep.py", "output_hashes.py",
+    "sonic_side_by_side.py",
 }
 #: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help, and a CPU
 #: smoke of the parts that run without one.
@@ -274,6 +275,20 @@ def test_backward_ab_runs_on_cpu_ranks(tmp_path):
     assert res["bitwise_equal"] == {"3": True, "composed": True}, res
     assert "backward_comm_sms=3," in res["configs"]["3"] and res["ranks"] == 2, res
     assert all(len(v) == 1 and v[0] > 0 for v in res["rounds_ms"].values()), res
+
+
+@pytest.mark.slow  # a GPU tool's CPU smoke run (~30 s on 2 cores): `pytest -m slow`, before a GPU session
+def test_sonic_side_by_side_runs_megamoe_without_sonicmoe(tmp_path):
+    """Without SonicMoE (never installed here) the side by side says why, still checks and times megamoe (and its
+    torch-router twin) on the tiny shape, and writes its record."""
+    out = tmp_path / "sbs.json"
+    done = _script("sonic_side_by_side.py", "--device", "cpu", "--tiny", "--out", str(out), timeout=300)
+    assert "SonicMoE not run: " in done.stdout
+    rec = json.loads(out.read_text())
+    assert not rec["sonic"]["run"] and rec["sonic"]["why_not"], rec["sonic"]
+    (shape,) = rec["shapes"]
+    assert set(shape["results"]) == {"megamoe", "megamoe-tc"}, shape["results"]
+    assert all(r["correct"] and r["fwd_ms_median"] > 0 for r in shape["results"].values()), shape
 
 
 def test_output_hashes_hashes_the_megakernel_cases():
