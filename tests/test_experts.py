@@ -357,7 +357,8 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
             FLATTEN=tile.flatten, num_warps=tile.num_warps, num_stages=tile.num_stages)  # no window: unread
         for out, in_flight in zip(outs[2:], (False, True)):  # waiting for each wgmma, or one left in flight
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, len(counts), out_m, out_n, counts, out, out, NUM_PROGRAMS=programs,
+                a, b, out, offsets, counts, len(counts), out_m, out_n, counts, out, out, counts, counts,
+                NUM_PROGRAMS=programs,
                 BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 STAGES=wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k), MMA_IN_FLIGHT=in_flight,
                 num_warps=4)
@@ -414,7 +415,8 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
         window = window if carry else (c, out, out)  # unread without CARRY
         if gluon:
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, o, c, experts, out_m, out_n, *window, CARRY=carry, **wgrad_ws_constexprs(tile, programs),
+                a, b, out, o, c, experts, out_m, out_n, *window, c, c, CARRY=carry,
+                **wgrad_ws_constexprs(tile, programs),
                 num_warps=4)
         else:
             expert_gemm_bwd.wgrad_kernel[(programs,)](
@@ -671,6 +673,49 @@ def test_backward_reading_x_by_token_gives_the_routed_copies_bits(shape):
             assert bool(torch.isfinite(c_got.gate_up_out).all())
     with pytest.raises(ValueError, match="x_index must be int32"):
         expert_backward(dy, row_weights, tokens, h, counts, offsets, wgu, wd, x_index=index[:3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU (the Gluon kernels gather on load)")
+@pytest.mark.parametrize("d, i", [(256, 256), (200, 136)])
+def test_gpu_gathered_operands_give_the_routed_copies_bits(d, i):
+    """One rank's Gluon gate/up, dact and wgrads read x and d_out rows by token (cp.async in their producers) and give
+    the bits of the same kernels over the routed copies, forward and backward, with and without a window's carry."""
+    from megamoe.ops.experts_bwd import WgradCarry, expert_backward
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    counts = torch.tensor([300, 0, 170, 333], dtype=torch.int32, device="cuda")
+    offsets = torch.tensor([0, 300, 300, 470], dtype=torch.int32, device="cuda")
+    rows, tokens = 803 + 9, 500
+    x = torch.randn(tokens, d, generator=g, device="cuda").bfloat16()
+    d_out = torch.randn(tokens, d, generator=g, device="cuda").bfloat16()
+    index = torch.randint(0, tokens, (rows,), generator=g, device="cuda", dtype=torch.int32)
+    wgu = (torch.randn(4, 2 * i, d, generator=g, device="cuda") / d**0.5).bfloat16()
+    wd = (torch.randn(4, d, i, generator=g, device="cuda") / i**0.5).bfloat16()
+    w = torch.rand(rows, generator=g, device="cuda")
+    plan = dict(rows_per_expert=341.0)  # 128-row tiles: the Gluon kernels
+    want = expert_forward(x[index.long()], counts, offsets, wgu, wd, **plan)
+    got = expert_forward(x, counts, offsets, wgu, wd, x_index=index, **plan)
+    for name in ("h", "act", "y"):
+        assert torch.equal(getattr(got, name)[:803], getattr(want, name)[:803]), name
+    f32 = dict(dtype=torch.float32, device="cuda")
+    for carried in (False, True):
+        runs = []
+        for x_src, dy_src, x_index, dy_index in ((x[index.long()], d_out[index.long()], None, None),
+                                                 (x, d_out, index, index)):
+            c = WgradCarry(torch.tensor([3, 2, 2, 4], dtype=torch.int32, device="cuda"),
+                           torch.ones(d, i, **f32), torch.full((d, i), float("nan"), **f32),
+                           torch.ones(2 * i, d, **f32), torch.full((2 * i, d), float("nan"), **f32)) if carried else None
+            runs.append((expert_backward(dy_src, w, x_src, want.h, counts, offsets, wgu, wd, carry=c, x_index=x_index,
+                                         dy_index=dy_index, **plan), c))
+        (a, ca), (b, cb) = runs
+        stored = slice(0, 3) if carried else slice(0, 4)
+        assert torch.equal(a.d_x[:803], b.d_x[:803]) and torch.equal(a.d_router[:803], b.d_router[:803])
+        assert torch.equal(a.d_w_gate_up[stored], b.d_w_gate_up[stored])
+        assert torch.equal(a.d_w_down[stored], b.d_w_down[stored])
+        if carried:
+            assert torch.equal(ca.gate_up_out, cb.gate_up_out) and torch.equal(ca.down_out, cb.down_out)
 
 
 def test_forward_is_bitwise_deterministic_across_grid_sizes():

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.forward_fp8_warp_specialized import BLOCK, REGS_CONSUMER, REGS_PRODUCER, paired_k_steps
 from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer, tile_task
+from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 
 
@@ -140,7 +141,7 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
          (forward_producer, (dy_ptr, w_t_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, a_smem, w_smem, full, empty,
                              gl.constexpr(False), gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M),
-                             gl.constexpr(STAGES)))],
+                             gl.constexpr(STAGES), dy_ptr, gl.constexpr(False)))],
         [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)
 
@@ -148,26 +149,36 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
 @gluon.jit
 def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                    tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
-                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, dy_index_ptr,
+                   A_GATHER: gl.constexpr):
     """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x 128],
-    N-major; the descriptor spans every expert's rows as the Triton dact's does)."""
+    N-major; the descriptor spans every expert's rows as the Triton dact's does). A_GATHER: dy row r is row
+    ``dy_index[r]`` of dy (``megamoe.kernels.gluon_gather``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
     a_desc = tma.make_tensor_descriptor(dy_ptr, [rows, D], [stride_dy, 1], [HALF_M, BLOCK_K], a_layout)
     w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, I], [I, 1], [BLOCK_K, BLOCK], w_layout)
-    step_bytes: gl.constexpr = (2 * HALF_M + BLOCK) * BLOCK_K * 2
+    A_TMA_ROWS: gl.constexpr = 0 if A_GATHER else 2 * HALF_M
+    step_bytes: gl.constexpr = (A_TMA_ROWS + BLOCK) * BLOCK_K * 2
     num_n = gl.cdiv(I, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                                              tile_run_ptr, GROUP_M)
+        if A_GATHER:  # the tile's rows, once for its K steps
+            top, top_ok = row_starts(dy_ptr, dy_index_ptr, row0, row_end, stride_dy, HALF_M, BLOCK_K)
+            bottom, bottom_ok = row_starts(dy_ptr, dy_index_ptr, row0 + HALF_M, row_end, stride_dy, HALF_M, BLOCK_K)
         for k in range(0, D, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
+            if A_GATHER:  # its arrivals counted before the expect's
+                copy_rows_async(top, top_ok, k, D, a_smem.index(2 * s), full.index(s), BLOCK_K)
+                copy_rows_async(bottom, bottom_ok, k, D, a_smem.index(2 * s + 1), full.index(s), BLOCK_K)
             mbarrier.expect(full.index(s), step_bytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
-            tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
+            if not A_GATHER:
+                tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
             tma.async_copy_global_to_shared(w_desc, [expert * D + k, n * BLOCK], full.index(s), w_smem.index(s))
             g += 1
 
@@ -176,7 +187,8 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
 def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                    stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D,
                    limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr, ACT: gl.constexpr,
-                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                   A_GATHER: gl.constexpr):
     """BF16: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup); the K loop the BF16
     forward's (one wgmma group in flight), the same m64n128k16 sequence as the Triton dact's."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
@@ -190,6 +202,8 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
         for k in range(0, D, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            if A_GATHER:  # cp.async's generic-proxy writes before the wgmma's async-proxy reads
+                fence_async_shared()
             acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s), acc, is_async=True)
             acc = release_step(acc, empty, s, k == 0, STAGES, True)
             g += 1
@@ -201,10 +215,13 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
 @gluon.jit
 def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_dy, stride_h,
                    stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                   tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, ACT: gl.constexpr,
-                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                   tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, dy_index_ptr, ACT: gl.constexpr,
+                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                   A_GATHER: gl.constexpr = False):
     """One persistent launch of 128 x 128 BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows = L*D, I]`, h `[rows,
-    2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`."""
+    2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`.
+    A_GATHER: dy row r is row ``dy_index[r]`` (int32) of dy `[S, D]` (one rank reads d_out in place of routed
+    copies; else dy_index is never read)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
@@ -215,15 +232,15 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
          (_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
          (_bf16_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                            tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
                            gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
-                           gl.constexpr(STAGES)))],
-        [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
+                           gl.constexpr(STAGES), dy_index_ptr, gl.constexpr(A_GATHER)))],
+        [4, 1], [REGS_CONSUMER, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

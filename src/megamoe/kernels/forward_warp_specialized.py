@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.activation import activation
 from megamoe.kernels.expert_gemm import row_tile_task
+from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
@@ -44,16 +45,19 @@ def tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, til
 def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                      tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr,
                      NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     STAGES: gl.constexpr, a_index_ptr, A_GATHER: gl.constexpr):
     """The K steps of this program's tasks, in the operands' dtype (bf16 here, e4m3 for the FP8-block kernel). Weight
-    rows: gate/up's expert l holds gate rows l*2N .. and up rows l*2N + N ..; down's holds rows l*N .."""
+    rows: gate/up's expert l holds gate rows l*2N .. and up rows l*2N + N ..; down's holds rows l*N .. A_GATHER (bf16):
+    A row r is row ``a_index[r]`` of ``a`` (``megamoe.kernels.gluon_gather``; rows past a tile's region zero, their
+    results masked as ever)."""
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], dtype)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
     a_desc = tma.make_tensor_descriptor(a_ptr, [rows, K], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
     w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, K], [K, 1], [BLOCK_N, BLOCK_K], w_layout)
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
-    step_bytes: gl.constexpr = (2 * HALF_M + W_SLICES * BLOCK_N) * BLOCK_K * dtype.primitive_bitwidth // 8
+    A_TMA_ROWS: gl.constexpr = 0 if A_GATHER else 2 * HALF_M
+    step_bytes: gl.constexpr = (A_TMA_ROWS + W_SLICES * BLOCK_N) * BLOCK_K * dtype.primitive_bitwidth // 8
     num_n = gl.cdiv(N, BLOCK_N)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0  # the program's K steps: slot g % STAGES, phase (g // STAGES) & 1
@@ -61,12 +65,19 @@ def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                                              tile_run_ptr, GROUP_M)
         w_row = expert * W_SLICES * N + n * BLOCK_N
+        if A_GATHER:  # the tile's rows, once for its K steps
+            top, top_ok = row_starts(a_ptr, a_index_ptr, row0, row_end, stride_a, HALF_M, BLOCK_K)
+            bottom, bottom_ok = row_starts(a_ptr, a_index_ptr, row0 + HALF_M, row_end, stride_a, HALF_M, BLOCK_K)
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
+            if A_GATHER:  # its arrivals counted before the expect's
+                copy_rows_async(top, top_ok, k, K, a_smem.index(2 * s), full.index(s), BLOCK_K)
+                copy_rows_async(bottom, bottom_ok, k, K, a_smem.index(2 * s + 1), full.index(s), BLOCK_K)
             mbarrier.expect(full.index(s), step_bytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
-            tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
+            if not A_GATHER:
+                tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
+                tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
             w = w_smem.index(s)
             tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK_N))
             if GATE_UP:  # the up slice in the slot's second half: one wgmma computes both
@@ -105,7 +116,7 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
               tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty,
               HALF: gl.constexpr, GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr):
+              MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, A_GATHER: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
     columns 0..N-1, up columns N..2N-1) and act_ptr act; down: out is y. HAS_BIAS: b_ptr's expert row is added
     to the accumulator first."""
@@ -123,6 +134,8 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            if A_GATHER:  # cp.async's generic-proxy writes before the wgmma's async-proxy reads
+                fence_async_shared()
             acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s).permute((1, 0)), acc, is_async=True)
             acc = release_step(acc, empty, s, k == 0, STAGES, MMA_IN_FLIGHT)
             g += 1
@@ -145,17 +158,19 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
 @gluon.jit
 def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_out, stride_act,
                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-                      rows, w_rows, N, K, limit, alpha,
+                      rows, w_rows, N, K, limit, alpha, a_index_ptr,
                       GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      MMA_IN_FLIGHT: gl.constexpr = False, HAS_BIAS: gl.constexpr = False):
+                      MMA_IN_FLIGHT: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
+                      A_GATHER: gl.constexpr = False):
     """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): A = x_rows `[rows, K=D]`, w = w_gate_up `[w_rows = L*2N, K]`, out = h `[rows, 2N]`, act
     `[rows, N]` (N = I); ``gate_up_kernel``'s BLOCK_N gate and BLOCK_N up columns per tile. down: A = act
     `[rows, K=I]`, w = w_down `[w_rows = L*N, K]`, out = y `[rows, N=D]`; act_ptr unused. bf16, rows contiguous.
     HAS_BIAS: ``b_ptr`` the experts' bias (gate/up's `[L, 2N]`, down's `[L, N]`, bf16) is added before the stores
-    (else it is never read)."""
+    (else it is never read). A_GATHER: A row r is row ``a_index[r]`` (int32) of ``a`` `[S, K]` (one rank's gate/up
+    reads its tokens in place of routed copies; else a_index is never read)."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
@@ -167,15 +182,15 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS))),
+                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER))),
          (_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS))),
+                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES)))],
-        [4, 1], [232, REGS_PRODUCER])
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), a_index_ptr, gl.constexpr(A_GATHER)))],
+        [4, 1], [232, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

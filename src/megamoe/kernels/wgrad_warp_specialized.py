@@ -30,15 +30,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
+from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
-REGS_GATHER = gl.constexpr(152)  # with B_GATHER: a K step's row pointers (2 x 232 x 128 + 152 x 32 <= 64 K)
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a Hopper block can have
 
 
@@ -98,27 +97,10 @@ def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.cons
 
 
 @gluon.jit
-def gather_rows_async(b_ptr, b_index_ptr, k, row_end, n0, OUT_N, smem, bar, BLOCK_K: gl.constexpr,
-                      BLOCK_N: gl.constexpr):
-    """A K step of B by row index, for one warp: ``smem[q] = b[b_index[k + q], n0 : n0 + BLOCK_N]`` by cp.async in
-    16-byte pieces, rows at and past ``row_end`` and columns past OUT_N zero-filled (as TMA fills past a
-    descriptor's end), then an arrive on ``bar`` once this thread's copies land (counted, so the phase waits for
-    them as it waits for the step's TMA bytes). Issue it before the step's ``expect``."""
-    TPW_N: gl.constexpr = BLOCK_N // 8 if BLOCK_N // 8 < 32 else 32
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [1, 1], [1, 0])
-    rows = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
-    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    row_ok = rows < row_end
-    token = gl.load(b_index_ptr + rows, mask=row_ok, other=0).to(gl.int64)
-    pointers = b_ptr + token[:, None] * OUT_N + cols[None, :]
-    async_copy.async_copy_global_to_shared(smem, pointers, mask=row_ok[:, None] & (cols < OUT_N)[None, :])
-    async_copy.mbarrier_arrive(bar)
-
-
-@gluon.jit
-def _load_expert(a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N, a_smem, b_smem,
-                 full, empty, g, site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, CARRY: gl.constexpr, B_GATHER: gl.constexpr):
+def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N,
+                 a_smem, b_smem, full, empty, g, site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr,
+                 B_GATHER: gl.constexpr):
     """Issue this program's K steps of ``expert``'s blocks from ``g`` on; its descriptors go where the descriptors
     of this call site's previous expert were (one global scratch slot per call site), whose last load was step
     ``site_last``. Returns the next step and this site's last one."""
@@ -126,8 +108,9 @@ def _load_expert(a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
+    A_TMA_BYTES: gl.constexpr = 0 if A_GATHER else 2 * BLOCK_K * HALF_M * 2
     B_TMA_BYTES: gl.constexpr = 0 if B_GATHER else BLOCK_K * BLOCK_N * 2
-    step_bytes: gl.constexpr = 2 * BLOCK_K * HALF_M * 2 + B_TMA_BYTES
+    step_bytes: gl.constexpr = A_TMA_BYTES + B_TMA_BYTES
     first, _ = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
     if first < per_expert:
         # the TMA unit reads a descriptor until its load lands: wait for the site's last load before rewriting it,
@@ -142,15 +125,26 @@ def _load_expert(a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
         for task in range(first, per_expert, NUM_PROGRAMS):
             m0 = task // num_n * (2 * HALF_M)
             n0 = task % num_n * BLOCK_N
+            # a gathered operand's K rows: the first step's here, each next one's loaded a step ahead
+            if A_GATHER:
+                starts, ok = row_starts(a_ptr, a_index_ptr, row0, row_end, OUT_M, BLOCK_K, HALF_M)
+            if B_GATHER:
+                starts, ok = row_starts(b_ptr, b_index_ptr, row0, row_end, OUT_N, BLOCK_K, BLOCK_N)
             for k in range(row0, row_end, BLOCK_K):
                 s = g % STAGES
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
-                if B_GATHER:  # its arrivals counted before the expect's: the phase cannot end without them
-                    gather_rows_async(b_ptr, b_index_ptr, k, row_end, n0, OUT_N, b_smem.index(s), full.index(s),
-                                      BLOCK_K, BLOCK_N)
+                # a gather's arrivals are counted before the expect's: the phase cannot end without them
+                if A_GATHER:
+                    copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), full.index(s), HALF_M)
+                    copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), full.index(s), HALF_M)
+                    starts, ok = row_starts(a_ptr, a_index_ptr, k + BLOCK_K, row_end, OUT_M, BLOCK_K, HALF_M)
+                if B_GATHER:
+                    copy_rows_async(starts, ok, n0, OUT_N, b_smem.index(s), full.index(s), BLOCK_N)
+                    starts, ok = row_starts(b_ptr, b_index_ptr, k + BLOCK_K, row_end, OUT_N, BLOCK_K, BLOCK_N)
                 mbarrier.expect(full.index(s), step_bytes)
-                tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
-                tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
+                if not A_GATHER:
+                    tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
+                    tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
                 if not B_GATHER:
                     tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
                 g += 1
@@ -159,22 +153,22 @@ def _load_expert(a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
 
 
 @gluon.jit
-def _producer(a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N, a_smem,
-              b_smem, full, empty, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, CARRY: gl.constexpr, B_GATHER: gl.constexpr):
+def _producer(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N,
+              a_smem, b_smem, full, empty, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr, B_GATHER: gl.constexpr):
     """Experts in pairs through two call sites of ``_load_expert``: each rewrites its own descriptors every other
     expert, so the loads of one expert's last blocks stay in flight while the next expert's are issued."""
     g = 0  # the program's K steps across its blocks: slot g % STAGES, phase (g // STAGES) & 1
     last_even = -1
     last_odd = -1
     for pair in range(0, num_experts, 2):
-        g, last_even = _load_expert(a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, pair, OUT_M,
-                                    OUT_N, a_smem, b_smem, full, empty, g, last_even, NUM_PROGRAMS, BLOCK_N, BLOCK_K,
-                                    STAGES, CARRY, B_GATHER)
+        g, last_even = _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, pair,
+                                    OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_even, NUM_PROGRAMS, BLOCK_N,
+                                    BLOCK_K, STAGES, CARRY, A_GATHER, B_GATHER)
         if pair + 1 < num_experts:
-            g, last_odd = _load_expert(a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, pair + 1,
-                                       OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_odd, NUM_PROGRAMS, BLOCK_N,
-                                       BLOCK_K, STAGES, CARRY, B_GATHER)
+            g, last_odd = _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr,
+                                       pair + 1, OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_odd, NUM_PROGRAMS,
+                                       BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER, B_GATHER)
 
 
 @gluon.jit
@@ -190,7 +184,7 @@ def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
-              CARRY: gl.constexpr, B_GATHER: gl.constexpr):
+              CARRY: gl.constexpr, GATHER: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -218,7 +212,7 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
                 for k in range(row0, row_end, BLOCK_K):
                     s = g % STAGES
                     mbarrier.wait(full.index(s), (g // STAGES) & 1)
-                    if B_GATHER:  # cp.async wrote B through the generic proxy; the wgmma reads it through the async one
+                    if GATHER:  # cp.async wrote through the generic proxy; the wgmma reads through the async one
                         fence_async_shared()
                     acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc,
                                         is_async=True)
@@ -236,15 +230,17 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
 
 @gluon.jit
 def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, modes_ptr,
-                    carry_in_ptr, carry_out_ptr, b_index_ptr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr = False,
-                    CARRY: gl.constexpr = False, B_GATHER: gl.constexpr = False):
+                    carry_in_ptr, carry_out_ptr, a_index_ptr, b_index_ptr, NUM_PROGRAMS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
+                    B_GATHER: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
-    fp32 blocks ``carry_in`` / ``carry_out`` `[OUT_M, OUT_N]`; unread without CARRY). B_GATHER: B row r is row
-    ``b_index[r]`` (int32 `[R]`) of ``b`` `[S, OUT_N]` (one rank's x: each routed row's token, read in place of a
-    copy; unread without B_GATHER), brought in by cp.async in the producer warp (``gather_rows_async``)."""
+    fp32 blocks ``carry_in`` / ``carry_out`` `[OUT_M, OUT_N]`; unread without CARRY). A_GATHER / B_GATHER: A's / B's
+    row r is row ``a_index[r]`` / ``b_index[r]`` (int32 `[R]`) of ``a`` `[S, OUT_M]` / ``b`` `[S, OUT_N]` (one rank's
+    d_out / x: each routed row's token, read in place of a copy; an index is unread without its flag), brought in by
+    cp.async in the producer warp (``megamoe.kernels.gluon_gather``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
@@ -252,20 +248,21 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
     c0 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
     c1 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
+    GATHER: gl.constexpr = A_GATHER or B_GATHER
     full, empty = ring_barriers(STAGES)
     # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
     gl.warp_specialize(
         [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                       OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(B_GATHER))),
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(GATHER))),
          (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                       OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(B_GATHER))),
-         (_producer, (a_ptr, b_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N,
-                      a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(GATHER))),
+         (_producer, (a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
+                      OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
-                      gl.constexpr(B_GATHER)))],
-        [4, 1], [232, REGS_GATHER if B_GATHER else REGS_PRODUCER])
+                      gl.constexpr(A_GATHER), gl.constexpr(B_GATHER)))],
+        [4, 1], [232, REGS_GATHER if GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -10,7 +10,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    - pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled (FP8: its E4M3 row and
      scales, half the bytes), its x row again (BF16 keeps only h: pulling x moves bytes the links have time for
      under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring;
-     one rank in BF16 pulls no x: the gate/up wgrad reads each row's token from x itself) and its router weight;
+     one rank in BF16 pulls neither: its kernels read each row's token from d_out and x themselves) and its router
+     weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`): ``d_act = d_out_row · W_down``, the
@@ -63,13 +64,16 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     forward_ring = saved.h.shape[0]
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
-    # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped), and where no
-    # window is replayed the gate/up wgrad reads each row's x from x itself by token (the pull's copy skipped)
+    # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped), the kernels read
+    # each row's d_out from d_out by token (the pull's copy skipped), and where no window is replayed so does the
+    # gate/up wgrad its x
     own_slots = world.size == 1 and fmt == "bf16"
     x_by_token = own_slots and schedule.capacity <= forward_ring
+    d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (FP8: x only where a wrapped forward ring lost rows)
     pull_x = (fmt == "bf16" and not x_by_token) or schedule.capacity > forward_ring
-    ws.stage(d_out=d_out.contiguous(), router_weights=router_weights.contiguous(), x=x if pull_x else None)
+    ws.stage(d_out=None if own_slots else d_out, router_weights=router_weights.contiguous(),
+             x=x if pull_x else None)
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
     if fmt != "bf16":
@@ -82,13 +86,14 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
     # 2. the windows
     for window in ring.windows(schedule):
-        reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
+        tokens = _tokens(window.src_index, k) if own_slots else None
+        dy = d_out if own_slots else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
         pull_route_scalars(ws, window, "router_weights", ring.row_w)
         h, x_rows = ring.saved_rows(saved, window)
         in_place = ring.in_forward_ring(saved, window)
         x_index = None
         if x_by_token:
-            x_rows, x_index = x.contiguous(), _tokens(window.src_index, k)
+            x_rows, x_index = x.contiguous(), tokens
         elif fmt == "bf16":
             x_rows = dispatch_pull(ws, window, num_sms=sms, out=ring.x, sync=False)
         elif not in_place and schedule.capacity > forward_ring:
@@ -103,9 +108,9 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                          activation=activation, weights_t=weights_t, carry=ring.carry(window), out=out, bias=bias)
         else:
-            expert_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
+            expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                             activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
-                            out=out, bias=bias, x_index=x_index)
+                            out=out, bias=bias, x_index=x_index, dy_index=tokens)
         if not own_slots:
             reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
         push_route_scalars(ws, window, ring.d_router, "d_router")

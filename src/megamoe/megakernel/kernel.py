@@ -443,15 +443,17 @@ class MegaKernel:
 
     def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up=None,
                      b_down=None) -> None:
-        """One rank: the routed rows gathered into the ring, the expert kernels on every SM, and the map from
-        each route to its output row (the weighted sum reads the rows in place: no combine copy)."""
+        """One rank: the expert kernels on every SM over the routed rows (BF16: read from the tokens by index, no
+        copy; FP8: the rows' E4M3 copies gathered into the ring, which the backward keeps), and the map from each
+        route to its output row (the weighted sum reads the rows in place: no combine copy)."""
         cap = schedule.capacity
         rows = slice(0, cap)
         b = buffers
         # rows past num_rows (dropped routes, src_index -1) gather token 0: no tile reads them
-        token = (schedule.src_index.clamp(min=0) // self.shape.top_k).long()
+        token = torch.div(schedule.src_index.clamp(min=0), self.shape.top_k, rounding_mode="floor")
         counts, offsets = schedule.tokens_per_expert, schedule.offsets
         if self.quantized:
+            token = token.long()
             q = experts_q  # never None here: forward quantises before the device work when the caller did not
             torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
             torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
@@ -461,10 +463,9 @@ class MegaKernel:
                     q.w_down, q.w_down_scale, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
                     out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), **plan)
         else:
-            torch.index_select(self.sym.local("x"), 0, token, out=b.ring_x[rows])
-            expert_forward(b.ring_x[rows], counts, offsets, w_gate_up, w_down, activation=activation,
+            expert_forward(self.sym.local("x")[: max(n, 1)], counts, offsets, w_gate_up, w_down, activation=activation,
                            b_gate_up=b_gate_up, b_down=b_down, out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
-                           rows_per_expert=self._rows_per_expert)
+                           rows_per_expert=self._rows_per_expert, x_index=token.to(torch.int32))
         if shared is not None and n:
             self._shared_rows.fill_(n)
             expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],

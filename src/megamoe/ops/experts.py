@@ -113,6 +113,7 @@ def expert_forward(
     rows_per_expert: float | None = None,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    x_index: torch.Tensor | None = None,
 ) -> ExpertForward:
     """Gate/up + SwiGLU and down for every expert region of ``x_rows`` (BF16).
 
@@ -130,10 +131,12 @@ def expert_forward(
             not change the bits.
         b_gate_up: bf16 `[L, 2I]`, b_down: bf16 `[L, D]`: optional expert biases, added to h before the activation
             (h includes it) and to y (``megamoe.kernels.expert_bias``).
+        x_index: int32 `[R]`: ``x_rows`` is then `[S, D]` and row r's input is ``x_rows[x_index[r]]`` (each in
+            ``[0, S)`` inside the regions): one rank's tokens read in place of routed copies (:func:`gate_up`).
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
     checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
-    rows = x_rows.shape[0]
+    rows = x_rows.shape[0] if x_index is None else _check_index(x_index, x_rows.device)
     device = x_rows.device
     if out is None:
         out = ExpertForward(
@@ -144,7 +147,7 @@ def expert_forward(
     tiles = tiles or {}
     gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, activation=activation,
             num_programs=num_programs, tiles=tiles.get("gate_up"), minibatch=minibatch,
-            rows_per_expert=rows_per_expert, bias=b_gate_up)
+            rows_per_expert=rows_per_expert, bias=b_gate_up, x_index=x_index)
     down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"),
          minibatch=minibatch, rows_per_expert=rows_per_expert, bias=b_down)
     return out
@@ -165,23 +168,29 @@ def gate_up(
     rows_per_expert: float | None = None,
     warp_specialized: bool = True,
     bias: torch.Tensor | None = None,
+    x_index: torch.Tensor | None = None,
 ) -> None:
     """h = x_rows · w_gate_upᵀ (+ ``bias`` bf16 `[L, 2I]`, optional) and act = SwiGLU(h) on every expert region
     (one persistent launch); the tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts).
     On Hopper 128-row tiles run in the warp-specialised Gluon kernel (:func:`forward_ws`), elsewhere
     ``gate_up_kernel``: the same bits. ``warp_specialized=False`` runs ``gate_up_kernel`` there too (A/B runs,
-    tests)."""
+    tests). ``x_index`` (int32 `[R]`): row r's input is ``x_rows[x_index[r]]`` (the Gluon kernel's producer gathers
+    it; elsewhere one gather copies the rows first: the same bits)."""
     experts, two_i, d = w_gate_up.shape
     i = two_i // 2
-    rows = x_rows.shape[0]
+    rows = h.shape[0]
     if rows == 0 or experts == 0:
         return
     cfg = tiles or plan_tiles("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
     programs = runtime.num_programs(x_rows.device, num_programs)
+    if x_index is not None:
+        _check_index(x_index, x_rows.device)
     if warp_specialized and warp_specialized_forward(x_rows.device, cfg):
         forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, activation=activation,
-                   minibatch=minibatch, bias=bias)
+                   minibatch=minibatch, bias=bias, a_index=x_index)
         return
+    if x_index is not None:
+        x_rows = gathered_rows(x_rows, x_index, rows)
     launch_row_tasks(
         expert_gemm.gate_up_kernel, cfg, programs,
         counts.to(torch.int32), offsets.to(torch.int32), rows,
@@ -245,16 +254,17 @@ def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, activation: Activation = SWIGLU,
                minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True,
-               bias: torch.Tensor | None = None) -> None:
+               bias: torch.Tensor | None = None, a_index: torch.Tensor | None = None) -> None:
     """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles of ``tile``'s BLOCK_N,
     BLOCK_K, GROUP_M and, unless ``stages``, ring depth): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out
     h `[R, 2I]`), else down (w `[L, D, I]`, out y `[R, D]`). One wgmma is left in flight per K step unless
-    ``mma_in_flight`` is False. ``bias``: the experts' optional bf16 bias (gate/up's `[L, 2I]`, down's `[L, D]`). The
-    same tasks and bits as the Triton kernels."""
+    ``mma_in_flight`` is False. ``bias``: the experts' optional bf16 bias (gate/up's `[L, 2I]`, down's `[L, D]`).
+    ``a_index`` (int32 `[R]`): A row r is ``a[a_index[r]]``, gathered by the producer. The same tasks and bits as the
+    Triton kernels."""
     gate_up = act is not None
     experts, w_n, k = w.shape
     n = w_n // 2 if gate_up else w_n
-    rows = a.shape[0]
+    rows = out.shape[0]
     if rows == 0 or experts == 0:
         return
     tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128, minibatch=minibatch)
@@ -264,8 +274,8 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
             a, w, out, act, out if bias is None else bias, a.stride(0), out.stride(0), act.stride(0),
             tiles.tile_expert, tiles.tile_row0,
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
-            activation.kernel_limit, activation.kernel_alpha, num_warps=4,
-            HAS_BIAS=bias is not None,
+            activation.kernel_limit, activation.kernel_alpha, tiles.tile_expert if a_index is None else a_index,
+            num_warps=4, HAS_BIAS=bias is not None, A_GATHER=a_index is not None,
             **forward_ws_constexprs(tile, programs, gate_up=gate_up, act=activation.kernel_id, stages=stages,
                                     mma_in_flight=mma_in_flight))
 
@@ -280,6 +290,7 @@ def expert_forward_reference(
     activation: Activation = SWIGLU,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    x_index: torch.Tensor | None = None,
 ) -> ExpertForward:
     """The torch twin of :func:`expert_forward` in FP32 (rows outside regions stay NaN)."""
     i, d = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
@@ -296,3 +307,20 @@ def expert_forward_reference(
         out.act[start : start + count] = activate(h, activation)
         out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), activation, b_gu, b_dn)
     return out
+
+
+def _check_index(index: torch.Tensor, device: torch.device) -> int:
+    """The rows of a row index (ValueError unless int32 `[R]` on ``device``, contiguous)."""
+    if (not isinstance(index, torch.Tensor) or index.dtype != torch.int32 or index.dim() != 1
+            or index.device != device or not index.is_contiguous()):
+        raise ValueError(f"a row index must be contiguous int32 [R] on {device}, got {checks.describe(index)}")
+    return index.shape[0]
+
+
+def gathered_rows(source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``source[index[r]]`` for r < ``rows``: what a gathering kernel reads, copied, where the kernel that runs
+    reads rows in place (rows outside the regions read any row: their results are never kept)."""
+    if source.shape[0] == 0:
+        return source.new_zeros(rows, source.shape[1])
+    return torch.index_select(source, 0, index[:rows].long().clamp(0, source.shape[0] - 1))
+

@@ -17,7 +17,7 @@ from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
-from megamoe.ops.experts import check_operands, warp_specialized_forward
+from megamoe.ops.experts import check_operands, gathered_rows, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import activate
@@ -80,6 +80,7 @@ def expert_backward(
     out: ExpertGrads | None = None,
     bias: BiasGrads | None = None,
     x_index: torch.Tensor | None = None,
+    dy_index: torch.Tensor | None = None,
 ) -> ExpertGrads:
     """Backward of :func:`megamoe.ops.experts.expert_forward` for routed rows (BF16; see
     `megamoe.kernels.expert_gemm_bwd`).
@@ -105,16 +106,20 @@ def expert_backward(
             ``[0, S)`` inside the regions): one rank's tokens read in place of their routed copies. On Hopper the
             gate/up wgrad's producer gathers them (``wgrad``'s ``b_index``), elsewhere one gather copies them first:
             the same bits.
+        dy_index: the same for ``dy_rows`` (`[S, D]`, one rank's d_out): the dact's and the down wgrad's producers
+            gather them on Hopper (elsewhere, and with biases, whose sums read the rows, one gather copies them).
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
-    rows = x_rows.shape[0] if x_index is None else dy_rows.shape[0]
+    rows = h.shape[0]
     device = x_rows.device
-    if x_index is not None and (not isinstance(x_index, torch.Tensor) or x_index.dtype != torch.int32
-                                or x_index.dim() != 1 or x_index.numel() < rows or x_index.device != device):
-        raise ValueError(f"x_index must be int32 [>= {rows}] on {device}, got {checks.describe(x_index)}")
+    for name, index in (("x_index", x_index), ("dy_index", dy_index)):
+        if index is not None and (not isinstance(index, torch.Tensor) or index.dtype != torch.int32
+                                  or index.dim() != 1 or index.numel() < rows or index.device != device):
+            raise ValueError(f"{name} must be int32 [>= {rows}] on {device}, got {checks.describe(index)}")
     # contiguous: the wgrad kernel addresses x_rows and dy_rows by row length
     checks.check_tensors((("x_rows", x_rows, (x_rows.shape[0] if x_index is not None else rows, d), torch.bfloat16),
-                          ("dy_rows", dy_rows, (rows, d), torch.bfloat16),
+                          ("dy_rows", dy_rows, (dy_rows.shape[0] if dy_index is not None else rows, d),
+                           torch.bfloat16),
                           ("row_weights", row_weights, (rows,), torch.float32),
                           ("h", h, (rows, 2 * i), torch.bfloat16)), device)
     tiles = tiles or {}
@@ -128,11 +133,15 @@ def expert_backward(
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
+    gluon_dact = warp_specialized and warp_specialized_forward(device, cfg["dact"]) and cfg["dact"].block_n == 128
+    if dy_index is not None and (bias is not None or not gluon_dact
+                                 or not (warp_specialized and warp_specialized_wgrad(device, cfg["wgrad"]))):
+        dy_rows, dy_index = gathered_rows(dy_rows, dy_index, rows), None  # a kernel here reads rows in order
     if rows:
         c = cfg["dact"]
         num_n = -(-i // c.block_n)
         partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-        if warp_specialized and warp_specialized_forward(device, c) and c.block_n == 128:
+        if gluon_dact:
             tile_map = build_row_tiles(counts, offsets, rows, 128)
             with scratch_allocator():
                 dact_warp_specialized.dact_ws_kernel[(programs,)](
@@ -140,7 +149,8 @@ def expert_backward(
                     h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert,
                     tile_map.tile_row0,
                     tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
-                    activation.kernel_limit, activation.kernel_alpha, num_warps=4,
+                    activation.kernel_limit, activation.kernel_alpha,
+                    tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
                     **dact_ws_constexprs(c, programs, act=activation.kernel_id))
         else:
             launch_row_tasks(
@@ -170,10 +180,10 @@ def expert_backward(
         grads.d_w_down.zero_()
         return grads
     carries = (None, None) if carry is None else carry.pairs()
-    for (a, b, b_index, dw), pair in zip(((dy_rows, act_w, None, grads.d_w_down),
-                                          (d_h, x_rows, x_index, grads.d_w_gate_up)), carries):
+    for (a, b, a_index, b_index, dw), pair in zip(((dy_rows, act_w, dy_index, None, grads.d_w_down),
+                                                   (d_h, x_rows, None, x_index, grads.d_w_gate_up)), carries):
         wgrad(a, b, dw, offsets, counts, cfg["wgrad"], programs, warp_specialized,
-              carry=None if carry is None else (carry.modes, *pair), b_index=b_index)
+              carry=None if carry is None else (carry.modes, *pair), a_index=a_index, b_index=b_index)
     return grads
 
 
@@ -250,28 +260,32 @@ def carry_tile(tile: TileConfig) -> TileConfig:
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
           tile: TileConfig, programs: int, warp_specialized: bool = True,
           carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-          b_index: torch.Tensor | None = None) -> None:
+          a_index: torch.Tensor | None = None, b_index: torch.Tensor | None = None) -> None:
     """``out[l] = a[rows of l]ᵀ · b[rows of l]`` for every expert l (a `[R, M]`, b `[R, N]`, out `[L, M, N]`,
     contiguous bf16; int32 offsets and counts): the expert weight gradient, rows reduced in order. ``carry``:
-    ``(modes, carry_in, carry_out)`` of a backward window (``megamoe.kernels.wgrad_carry``). ``b_index``: int32
-    `[>= R]`, b is `[S, N]` and row r's is ``b[b_index[r]]``.
+    ``(modes, carry_in, carry_out)`` of a backward window (``megamoe.kernels.wgrad_carry``). ``a_index`` /
+    ``b_index``: int32 `[>= R]`, a is `[S, M]` / b `[S, N]` and row r's is ``a[a_index[r]]`` / ``b[b_index[r]]``
+    (R: the rows of the other operand, or of ``offsets``' regions).
 
     On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`; b's rows by index
     gathered by its producer), elsewhere, under the interpreter and with ``warp_specialized=False``
     ``wgrad_kernel`` (b's rows by index copied first): the same blocks, the same bits (a GPU test holds them to
     it)."""
     experts, out_m, out_n = out.shape
+    if a_index is not None and b_index is not None:
+        raise ValueError("wgrad gathers one operand's rows, not both")
     window = carry if carry is not None else (counts, out, out)  # never read without CARRY
     with scratch_allocator():
         if warp_specialized and warp_specialized_wgrad(a.device, tile):
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if b_index is None else b_index,
-                CARRY=carry is not None, B_GATHER=b_index is not None, **wgrad_ws_constexprs(tile, programs),
-                num_warps=4)
+                a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
+                counts if b_index is None else b_index, CARRY=carry is not None, A_GATHER=a_index is not None,
+                B_GATHER=b_index is not None, **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
-        if b_index is not None:  # rows outside the regions are never read: any row of b will do (no b: no region)
-            b = (torch.index_select(b, 0, b_index[: a.shape[0]].long().clamp(0, b.shape[0] - 1)) if b.shape[0]
-                 else b.new_zeros(a.shape[0], out_n))
+        if a_index is not None:
+            a = gathered_rows(a, a_index, b.shape[0])
+        if b_index is not None:
+            b = gathered_rows(b, b_index, a.shape[0])
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, out, offsets, counts, experts, out_m, out_n, *window, DOT_FP32=interpreting(),

@@ -92,12 +92,14 @@ def gemm_cases() -> dict[str, Case]:
         "h_ptr": "*bf16", "act_ptr": "*bf16", "stride_h": "i32", "stride_act": "i32", **_TILES, **kinds,
         "I": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # what gate_up runs on Hopper at the same tile: the warp-specialised Gluon kernel
-    cases["forward_ws_kernel (gate/up)"] = Case(forward_warp_specialized.forward_ws_kernel, {
-        "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16", "stride_a": "i32",
-        "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32", "K": "i32",
-        "limit": "fp32", "alpha": "fp32",
-        **dict.fromkeys(forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), "constexpr")},
-        forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), num_warps=4)
+    # (one rank's gate/up reads its tokens by index: A_GATHER)
+    for name, gather in (("forward_ws_kernel (gate/up)", False), ("forward_ws_kernel (gate/up, x rows by token)", True)):
+        consts = {**forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), "A_GATHER": gather}
+        cases[name] = Case(forward_warp_specialized.forward_ws_kernel, {
+            "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
+            "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
+            "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
+            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     t = plan_tiles("down", gpu)
     kinds, values = _row_task_consts(expert_gemm.down_kernel, t)
     cases["down_kernel"] = Case(expert_gemm.down_kernel, {
@@ -113,12 +115,14 @@ def gemm_cases() -> dict[str, Case]:
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
         "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # the Gluon dact that Hopper runs at the same tile
-    consts = dact_ws_constexprs(t, SMS, act=ACT_BUILT)
-    cases["dact_ws_kernel"] = Case(dact_warp_specialized.dact_ws_kernel, {
-        "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
-        "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32", "stride_d_h": "i32",
-        "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "D": "i32",
-        "I": "i32", "limit": "fp32", "alpha": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+    for name, gather in (("dact_ws_kernel", False), ("dact_ws_kernel (d_out rows by token)", True)):
+        consts = {**dact_ws_constexprs(t, SMS, act=ACT_BUILT), "A_GATHER": gather}
+        cases[name] = Case(dact_warp_specialized.dact_ws_kernel, {
+            "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
+            "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32",
+            "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32",
+            "w_rows": "i32", "D": "i32", "I": "i32", "limit": "fp32", "alpha": "fp32", "dy_index_ptr": "*i32",
+            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     # one rank stores each row's d_x straight into its route's slot (SCATTER): no push
     for name, t, scatter in (("dx_kernel", plan_tiles("dx", gpu), False),
                              ("dx_kernel (few rows per expert)", plan_tiles("dx", gpu, FEW_ROWS_PER_EXPERT), False),
@@ -141,16 +145,17 @@ def gemm_cases() -> dict[str, Case]:
             "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, **kinds}, values, triton_tile.num_warps,
             triton_tile.num_stages)
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel
-        # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel; one rank's gate/up
-        # wgrad reads x rows by token (B_GATHER)
-        for gather in (False, True) if carry and t is wide else (False,):
-            ws_name = name.replace("wgrad_kernel", "wgrad_ws_kernel") + (" (x rows by token)" if gather else "")
-            cases[ws_name] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
+        # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel; one rank's wgrads
+        # read d_out (A_GATHER, the down wgrad) and x (B_GATHER, gate/up's) rows by token
+        gathers = (("", False, False), (" (d_out rows by token)", True, False), (" (x rows by token)", False, True))
+        for suffix, a_gather, b_gather in gathers if carry and t is wide else gathers[:1]:
+            cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
-                "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "b_index_ptr": "*i32",
-                "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
-                "MMA_IN_FLIGHT": "constexpr", "B_GATHER": "constexpr"},
-                {**wgrad_ws_constexprs(t, SMS), "CARRY": carry, "B_GATHER": gather}, num_warps=4)
+                "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
+                "b_index_ptr": "*i32", "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "B_GATHER": "constexpr"},
+                {**wgrad_ws_constexprs(t, SMS), "CARRY": carry, "A_GATHER": a_gather, "B_GATHER": b_gather},
+                num_warps=4)
     return cases
 
 

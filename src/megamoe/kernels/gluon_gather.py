@@ -1,0 +1,50 @@
+"""Rows by index into a warp-specialised ring slot, for one producer warp: the Gluon GEMMs' operand that one rank reads
+from its tokens in place of a routed copy (Hopper's TMA has no gather).
+
+``row_starts`` loads the rows' indices once (a tile's rows stay for all its K steps; a wgrad's K rows are loaded
+one step ahead, so the load's latency hides under the next slot's wait), and ``copy_rows_async`` issues a step's
+cp.async copies of 16 bytes, zero-fills what lies past the rows or the columns (as TMA fills past a descriptor's
+end) and makes each thread's landing an arrival on the step's ``full`` barrier. That arrival is counted when it is
+issued (``cp.async.mbarrier.arrive`` without ``.noinc``): issue it before the step's ``expect``, so the phase cannot
+end before the copies land. cp.async writes through the generic proxy and the wgmma reads through the async one: a
+consumer fences (``fence_async_shared``) after its ``full`` wait and before its wgmma.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+#: The producer warp's registers with a gather (its rows' start pointers and a step's pieces), beside two
+#: 232-register consumer warpgroups: 2 x 128 x 232 + 32 x 192 = 65,536.
+REGS_GATHER = gl.constexpr(192)
+
+
+@gluon.constexpr_function
+def _rows_layout(cols):
+    """One warp over [rows, cols] bf16: 16-byte pieces, a row's pieces across lanes."""
+    lanes = min(cols // 8, 32)
+    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [1, 1], [1, 0])
+
+
+@gluon.jit
+def row_starts(src_ptr, index_ptr, row0, row_end, stride, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """(``src + index[row0 + q] * stride`` for q < ROWS, ``row0 + q < row_end``): the rows' start pointers and which
+    rows exist, for :func:`copy_rows_async`."""
+    layout: gl.constexpr = _rows_layout(COLS)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    row_ok = rows < row_end
+    source_row = gl.load(index_ptr + rows, mask=row_ok, other=0).to(gl.int64)
+    return src_ptr + source_row * stride, row_ok
+
+
+@gluon.jit
+def copy_rows_async(starts, row_ok, col0, COLS_TOTAL, smem, bar, COLS: gl.constexpr):
+    """``smem[q, c] = starts[q][col0 + c]`` where ``row_ok[q]`` and ``col0 + c < COLS_TOTAL`` (zero elsewhere), by
+    cp.async; then this thread's arrival on ``bar`` once its copies land."""
+    layout: gl.constexpr = _rows_layout(COLS)
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    pointers = starts[:, None] + cols[None, :]
+    async_copy.async_copy_global_to_shared(smem, pointers, mask=row_ok[:, None] & (cols < COLS_TOTAL)[None, :])
+    async_copy.mbarrier_arrive(bar)
