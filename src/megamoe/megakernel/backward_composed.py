@@ -10,8 +10,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    - pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled (FP8: its E4M3 row and
      scales, half the bytes), its x row again (BF16 keeps only h: pulling x moves bytes the links have time for
      under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring;
-     one rank in BF16 pulls neither: its kernels read each row's token from d_out and x themselves) and its router
-     weight;
+     one rank in BF16 with ``megamoe.ops.experts.GATHER_ON_LOAD`` pulls neither: its kernels read each row's token
+     from d_out and x themselves) and its router weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`): ``d_act = d_out_row · W_down``, the
@@ -42,6 +42,7 @@ from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
 from megamoe.ops.comm import (dispatch_pull, pull_route_scalars, push_route_scalars, reverse_combine_pull,
                               reverse_dispatch_push)
 from megamoe.ops.expert_bias import BiasGrads
+from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import quantize_experts
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
@@ -64,15 +65,16 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     forward_ring = saved.h.shape[0]
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
-    # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped), the kernels read
-    # each row's d_out from d_out by token (the pull's copy skipped), and where no window is replayed so does the
-    # gate/up wgrad its x
+    # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped); with
+    # GATHER_ON_LOAD the kernels also read each row's d_out from d_out by token (the pull's copy skipped), and where
+    # no window is replayed so does the gate/up wgrad its x
     own_slots = world.size == 1 and fmt == "bf16"
-    x_by_token = own_slots and schedule.capacity <= forward_ring
+    by_token = own_slots and expert_ops.GATHER_ON_LOAD
+    x_by_token = by_token and schedule.capacity <= forward_ring
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (FP8: x only where a wrapped forward ring lost rows)
     pull_x = (fmt == "bf16" and not x_by_token) or schedule.capacity > forward_ring
-    ws.stage(d_out=None if own_slots else d_out, router_weights=router_weights.contiguous(),
+    ws.stage(d_out=None if by_token else d_out, router_weights=router_weights.contiguous(),
              x=x if pull_x else None)
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
@@ -86,8 +88,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
     # 2. the windows
     for window in ring.windows(schedule):
-        tokens = _tokens(window.src_index, k) if own_slots else None
-        dy = d_out if own_slots else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
+        tokens = _tokens(window.src_index, k) if by_token else None
+        dy = d_out if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
         pull_route_scalars(ws, window, "router_weights", ring.row_w)
         h, x_rows = ring.saved_rows(saved, window)
         in_place = ring.in_forward_ring(saved, window)

@@ -63,6 +63,7 @@ from megamoe.megakernel.backward_ring import BackwardRing
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers
 from megamoe.megakernel.launch import Launcher
 from megamoe.megakernel.replay import GraphReplay, layout_key
+from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, expert_forward
 from megamoe.ops.experts_fp8 import expert_forward_fp8_block, plan_tiles_fp8
@@ -462,10 +463,13 @@ class MegaKernel:
             forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
                     q.w_down, q.w_down_scale, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
                     out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), **plan)
-        else:
-            expert_forward(self.sym.local("x")[: max(n, 1)], counts, offsets, w_gate_up, w_down, activation=activation,
-                           b_gate_up=b_gate_up, b_down=b_down, out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
-                           rows_per_expert=self._rows_per_expert, x_index=token.to(torch.int32))
+        else:  # GATHER_ON_LOAD: the gate/up tiles read the tokens by index; else their copies in the ring
+            x, x_index = self.sym.local("x")[: max(n, 1)], token.to(torch.int32)
+            if not expert_ops.GATHER_ON_LOAD:
+                x, x_index = torch.index_select(self.sym.local("x"), 0, token.long(), out=b.ring_x[rows]), None
+            expert_forward(x, counts, offsets, w_gate_up, w_down, activation=activation, b_gate_up=b_gate_up,
+                           b_down=b_down, out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
+                           rows_per_expert=self._rows_per_expert, x_index=x_index)
         if shared is not None and n:
             self._shared_rows.fill_(n)
             expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],

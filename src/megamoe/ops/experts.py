@@ -183,14 +183,15 @@ def gate_up(
         return
     cfg = tiles or plan_tiles("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
     programs = runtime.num_programs(x_rows.device, num_programs)
+    gluon = warp_specialized and warp_specialized_forward(x_rows.device, cfg)
     if x_index is not None:
         _check_index(x_index, x_rows.device)
-    if warp_specialized and warp_specialized_forward(x_rows.device, cfg):
+        if not gathers_on_load(gluon):
+            x_rows, x_index = gathered_rows(x_rows, x_index, rows), None
+    if gluon:
         forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, activation=activation,
                    minibatch=minibatch, bias=bias, a_index=x_index)
         return
-    if x_index is not None:
-        x_rows = gathered_rows(x_rows, x_index, rows)
     launch_row_tasks(
         expert_gemm.gate_up_kernel, cfg, programs,
         counts.to(torch.int32), offsets.to(torch.int32), rows,
@@ -307,6 +308,18 @@ def expert_forward_reference(
         out.act[start : start + count] = activate(h, activation)
         out.y[start : start + count] = expert_ffn(x, w_gate_up[l].float(), w_down[l].float(), activation, b_gu, b_dn)
     return out
+
+
+#: One rank's Gluon tiles read their tokens' rows by index on load (``megamoe.kernels.gluon_gather``: cp.async in the
+#: producers) when True; False copies the rows first (``gathered_rows``), the same bits. Off until the gathers have
+#: run on a GPU (built and checked offline only, 2026-12-05): turn it on once
+#: ``pytest -m gpu tests/test_experts.py -k gathered_operands`` passes on Hopper and the step measures faster.
+GATHER_ON_LOAD = False
+
+
+def gathers_on_load(gluon: bool) -> bool:
+    """Whether a Gluon launch (``gluon``: the warp-specialised kernel runs) reads rows by index itself."""
+    return gluon and GATHER_ON_LOAD
 
 
 def _check_index(index: torch.Tensor, device: torch.device) -> int:

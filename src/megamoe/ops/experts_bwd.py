@@ -17,7 +17,7 @@ from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
-from megamoe.ops.experts import check_operands, gathered_rows, warp_specialized_forward
+from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import activate
@@ -134,8 +134,8 @@ def expert_backward(
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
     gluon_dact = warp_specialized and warp_specialized_forward(device, cfg["dact"]) and cfg["dact"].block_n == 128
-    if dy_index is not None and (bias is not None or not gluon_dact
-                                 or not (warp_specialized and warp_specialized_wgrad(device, cfg["wgrad"]))):
+    gluon_wgrad = warp_specialized and warp_specialized_wgrad(device, cfg["wgrad"])
+    if dy_index is not None and (bias is not None or not gathers_on_load(gluon_dact and gluon_wgrad)):
         dy_rows, dy_index = gathered_rows(dy_rows, dy_index, rows), None  # a kernel here reads rows in order
     if rows:
         c = cfg["dact"]
@@ -275,17 +275,19 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
     if a_index is not None and b_index is not None:
         raise ValueError("wgrad gathers one operand's rows, not both")
     window = carry if carry is not None else (counts, out, out)  # never read without CARRY
+    gluon = warp_specialized and warp_specialized_wgrad(a.device, tile)
+    if not gathers_on_load(gluon):  # the rows copied first
+        if a_index is not None:
+            a, a_index = gathered_rows(a, a_index, b.shape[0]), None
+        if b_index is not None:
+            b, b_index = gathered_rows(b, b_index, a.shape[0]), None
     with scratch_allocator():
-        if warp_specialized and warp_specialized_wgrad(a.device, tile):
+        if gluon:
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
                 counts if b_index is None else b_index, CARRY=carry is not None, A_GATHER=a_index is not None,
                 B_GATHER=b_index is not None, **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
-        if a_index is not None:
-            a = gathered_rows(a, a_index, b.shape[0])
-        if b_index is not None:
-            b = gathered_rows(b, b_index, a.shape[0])
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, out, offsets, counts, experts, out_m, out_n, *window, DOT_FP32=interpreting(),

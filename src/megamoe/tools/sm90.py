@@ -112,6 +112,7 @@ def facts(compiled) -> dict:
         "wgmma_bf16": "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx,
         "wgmma_fp8": "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx,
         "tma": "cp.async.bulk.tensor" in ptx,
+        "cp_async": ptx.count("cp.async.cg.shared.global"),  # 16-byte row pieces by index (kernels/gluon_gather.py)
         "fence_proxy_async": "fence.proxy.async" in ptx,
         "shared_bytes": compiled.metadata.shared,
         "local_memory": "ld.local" in ptx or "st.local" in ptx or "STL" in sass,
