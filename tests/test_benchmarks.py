@@ -48,6 +48,8 @@ GPU_TOOLS = {
     "gemm_vs_dense.py", "megakernel_per_sm.py", "quant_bench.py", "schedule_bench.py", "tiles_ab.py",
     "weighted_sum_bench.py",
 }
+#: Scripts that make what a GPU run carries (downloads from PyPI): --help only.
+PREP_TOOLS = {"sonic_carry.py"}
 #: Modules the scripts import (benchmarks/ is on their path), tested by calling them.
 HELPERS = {"ab_record.py", "sustained.py"}
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
@@ -69,9 +71,10 @@ def _script(name: str, *args: str, timeout: float = 120) -> subprocess.Completed
 
 
 def test_every_script_is_classified():
-    """A new script says what its test is: a CPU smoke run, a GPU tool (--help), or a helper."""
-    assert set(SCRIPTS) == CPU_TOOLS | GPU_TOOLS | HELPERS, set(SCRIPTS) ^ (CPU_TOOLS | GPU_TOOLS | HELPERS)
-    assert not CPU_TOOLS & GPU_TOOLS and not HELPERS & (CPU_TOOLS | GPU_TOOLS)
+    """A new script says what its test is: a CPU smoke run, a GPU tool (--help), a prep tool (--help) or a helper."""
+    tools = CPU_TOOLS | GPU_TOOLS | PREP_TOOLS
+    assert set(SCRIPTS) == tools | HELPERS, set(SCRIPTS) ^ (tools | HELPERS)
+    assert len(tools) == len(CPU_TOOLS) + len(GPU_TOOLS) + len(PREP_TOOLS) and not HELPERS & tools
     assert sorted(p.name for p in BENCH.glob("*.sh")) == ["gpu_ep.sh"]  # the one-off batches are recipes.md
 
 
