@@ -11,6 +11,7 @@ backward is :mod:`megamoe.ops.experts_bwd`. Tile shapes: :mod:`megamoe.ops.tiles
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -313,8 +314,9 @@ def expert_forward_reference(
 #: One rank's Gluon tiles read their tokens' rows by index on load (``megamoe.kernels.gluon_gather``: cp.async in the
 #: producers) when True; False copies the rows first (``gathered_rows``), the same bits. Off until the gathers have
 #: run on a GPU (built and checked offline only, 2026-12-05): turn it on once
-#: ``pytest -m gpu tests/test_experts.py -k gathered_operands`` passes on Hopper and the step measures faster.
-GATHER_ON_LOAD = False
+#: ``pytest -m gpu tests/test_experts.py -k gathered_operands`` passes on Hopper and the step measures faster
+#: (``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for an A/B run: benchmarks/results/2026-12-05-fine-grained).
+GATHER_ON_LOAD = os.environ.get("MEGAMOE_GATHER_ON_LOAD", "0") == "1"
 
 
 def gathers_on_load(gluon: bool) -> bool:
