@@ -33,7 +33,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.megakernel.saved import SavedForward
-from megamoe.ops.tiles import plan_tiles
+from megamoe.planner.tiles import plan_tiles
 from megamoe.parallel.world import launch
 from megamoe.planner import LayerShape, plan
 from megamoe.runtime import INTERPRETER_PROGRAMS

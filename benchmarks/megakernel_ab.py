@@ -34,7 +34,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import preset
 from megamoe.megakernel import MegaKernel, fuse_shared
 from megamoe.ops.expert_weights import quantize_experts
-from megamoe.ops.tiles import plan_tiles
+from megamoe.planner.tiles import plan_tiles
 from megamoe.parallel.world import launch
 from megamoe.planner import LayerShape, plan
 from megamoe.precision import PRECISIONS

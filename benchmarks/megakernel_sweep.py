@@ -40,7 +40,7 @@ from megamoe.bench.runners import timed_pass  # noqa: E402
 from megamoe.bench.problem import make_problem  # noqa: E402
 from megamoe.bench.report import run_metadata  # noqa: E402
 from megamoe.config import preset  # noqa: E402
-from megamoe.ops.tiles import plan_tiles  # noqa: E402
+from megamoe.planner.tiles import plan_tiles  # noqa: E402
 from megamoe.parallel.world import launch  # noqa: E402
 from megamoe.planner.rules import GEMM_TFLOPS, H200_SMS  # noqa: E402
 

@@ -25,7 +25,7 @@ from megamoe.ops.experts import ExpertForward, expert_forward
 from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8
 from megamoe.ops.quant import quantize_activations, quantize_weights
-from megamoe.ops.tiles import TileConfig
+from megamoe.planner.tiles import TileConfig
 from megamoe.precision import SCALE_BLOCK
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.expert_gemm import row_tile_task
-from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles
+from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
 
@@ -100,20 +100,17 @@ def test_gpu_few_row_tiles_give_the_same_bits():
         assert (b.float()[inside] - want[inside]).abs().max() <= 2e-2 * max(1.0, float(want[inside].abs().max()))
 
 
-def test_compiled_plan_by_rows_per_expert(monkeypatch):
-    """The GPU plan: at <= FEW_ROWS_PER_EXPERT rows per expert 64-row forward and dx tiles and BK 64 wgrad
-    blocks; above it, or without a load, 128-row tiles and BK 32."""
-    from megamoe.ops import tiles as plan
-    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
-
-    monkeypatch.setattr(plan, "compiled_gpu", lambda device: True)
+def test_compiled_plan_by_rows_per_expert():
+    """The GPU plan (``compiled``: on any device): at <= FEW_ROWS_PER_EXPERT rows per expert 64-row forward and dx
+    tiles and BK 64 wgrad blocks; above it, or without a load, 128-row tiles and BK 32."""
     gpu = torch.device("cuda")
     for rows in (170, FEW_ROWS_PER_EXPERT):
-        assert {plan_tiles(kind, gpu, rows).block_m for kind in ("gate_up", "down", "dx")} == {64}
-        assert plan_tiles("wgrad", gpu, rows).block_k == 64
+        assert {plan_tiles(kind, gpu, rows, compiled=True).block_m for kind in ("gate_up", "down", "dx")} == {64}
+        assert plan_tiles("wgrad", gpu, rows, compiled=True).block_k == 64
     for rows in (None, FEW_ROWS_PER_EXPERT + 1, 341):
-        assert {plan_tiles(kind, gpu, rows).block_m for kind in ("gate_up", "down", "dx", "wgrad")} == {128}
-        assert plan_tiles("wgrad", gpu, rows).block_k == 32
+        assert {plan_tiles(kind, gpu, rows, compiled=True).block_m
+                for kind in ("gate_up", "down", "dx", "wgrad")} == {128}
+        assert plan_tiles("wgrad", gpu, rows, compiled=True).block_k == 32
 
 
 def test_forward_ops_plan_their_tiles_for_the_loads_mean_rows(monkeypatch):
@@ -387,7 +384,8 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     ``wgrad_kernel`` runs the 128-wide blocks ``wgrad`` gives it with a carry (``carry_tile``: the same wgmma
     reductions, so the same bits)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts_bwd import carry_tile, wgrad_ws_constexprs
+    from megamoe.ops.experts_bwd import wgrad_ws_constexprs
+    from megamoe.planner.tiles import carry_tile
     from megamoe.ops.launch import scratch_allocator
     from megamoe.routing.windows import CARRY_IN, CARRY_OUT, STORE
 

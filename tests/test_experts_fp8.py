@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megamoe.ops.launch import flat_row_stride
-from megamoe.ops.tiles import TileConfig
+from megamoe.planner.tiles import TileConfig
 from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block, expert_forward_fp8_block_reference
 from megamoe.reference.formats import fp8_block_quantize
 
@@ -119,21 +119,18 @@ def test_store_h_false_and_tile_shapes_do_not_change_the_result():
         assert _rel(o.y[inside], base.y[inside]) <= 1e-2, _rel(o.y[inside], base.y[inside])
 
 
-def test_fp8_plan_takes_64_row_gate_up_tiles_for_few_rows_per_expert(monkeypatch):
-    """The compiled plan (GPU): 64-row gate/up tiles at <= FEW_ROWS_PER_EXPERT rows per expert, 128-row ones
-    above it or without a load; down keeps 128-row tiles (64-row ones gained nothing there)."""
-    from megamoe import runtime
-    from megamoe.ops.experts_fp8 import plan_tiles_fp8
-    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
+def test_fp8_plan_takes_64_row_gate_up_tiles_for_few_rows_per_expert():
+    """The compiled plan (GPU, ``compiled``: on any device): 64-row gate/up tiles at <= FEW_ROWS_PER_EXPERT rows per
+    expert, 128-row ones above it or without a load; down keeps 128-row tiles (64-row ones gained nothing there)."""
+    from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, plan_tiles_fp8
 
-    monkeypatch.setattr(runtime, "compiled_gpu", lambda device: True)
     gpu = torch.device("cuda")
-    assert plan_tiles_fp8("gate_up", gpu, 170).block_m == 64
-    assert plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT).block_m == 64
-    assert plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT + 1).block_m == 128
-    assert plan_tiles_fp8("gate_up", gpu).block_m == 128
-    assert {plan_tiles_fp8("down", gpu, r).block_m for r in (None, 100, 341)} == {128}
-    assert plan_tiles_fp8("gate_up", gpu, 170).num_warps == 4  # one warpgroup for 64 rows
+    assert plan_tiles_fp8("gate_up", gpu, 170, compiled=True).block_m == 64
+    assert plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT, compiled=True).block_m == 64
+    assert plan_tiles_fp8("gate_up", gpu, FEW_ROWS_PER_EXPERT + 1, compiled=True).block_m == 128
+    assert plan_tiles_fp8("gate_up", gpu, compiled=True).block_m == 128
+    assert {plan_tiles_fp8("down", gpu, r, compiled=True).block_m for r in (None, 100, 341)} == {128}
+    assert plan_tiles_fp8("gate_up", gpu, 170, compiled=True).num_warps == 4  # one warpgroup for 64 rows
 
 
 def test_fp8_forward_plans_its_tiles_for_the_loads_mean_rows(monkeypatch):
@@ -210,7 +207,8 @@ def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, activation, store_h):
     ``gate_up_fp8_kernel`` and ``down_fp8_kernel``: the same bits on a load with an empty expert and partial row
     tiles, more tasks than programs, an odd number of K steps (384: down's pairs and a single step), NaN-poisoned
     outputs; and close to the torch twin."""
-    from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8, plan_tiles_fp8, warp_specialized_fp8
+    from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8, warp_specialized_fp8
+    from megamoe.planner.tiles import plan_tiles_fp8
 
     args = _problem([70, 0, 33, 129, 5, 200, 131], 3, d=d, i=i, seed=12)
     x_q, x_s, counts, offsets, gu_q, gu_s, dn_q, dn_s = args

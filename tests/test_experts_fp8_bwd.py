@@ -151,7 +151,8 @@ def test_gpu_fp8_wgrad_ws_knobs_give_the_triton_bits(knobs):
     """The Gluon FP8 wgrad at its ring depths (2: a slot reused every other step):
     ``wgrad_fp8_kernel``'s bits on a load with an empty expert and 1-3 token blocks per expert, outputs
     of 256 x 384, more blocks than programs."""
-    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8
+    from megamoe.ops.experts_fp8_bwd import wgrad_fp8
+    from megamoe.planner.tiles import plan_tiles_fp8_bwd
 
     p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=128, seed=10)
     blocks = token_blocks(p["counts"], p["offsets"], p["x"].shape[0])
@@ -178,7 +179,8 @@ def test_gpu_fp8_wgrad_ws_carry_gives_the_triton_bits_and_the_unsplit_ones():
     gradients; nothing is written that a mode leaves out (NaN-poisoned); every expert STORE in one launch with
     CARRY is the launch without it."""
     from megamoe.ops.experts_fp8 import warp_specialized_fp8
-    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8
+    from megamoe.ops.experts_fp8_bwd import wgrad_fp8
+    from megamoe.planner.tiles import plan_tiles_fp8_bwd
     from megamoe.routing.windows import CARRY_IN, CARRY_OUT, STORE
 
     p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=128, seed=11)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megamoe.ops.tiles import TileConfig
+from megamoe.planner.tiles import TileConfig
 from megamoe.ops.experts_mxfp8 import ExpertForwardQuantized, expert_forward_mxfp8, expert_forward_mxfp8_reference
 from megamoe.reference.formats import mxfp8_dequantize, mxfp8_quantize
 

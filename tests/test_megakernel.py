@@ -16,10 +16,9 @@ from megamoe.config import MoEConfig, preset
 from megamoe.reference.ep import ep_reference_forward_backward
 from megamoe.planner import LayerShape
 from megamoe.megakernel import MegaKernel, default_config, fuse_shared, megamoe_forward
-from megamoe.megakernel.launch import MAX_TILE_STAGES, tile_stages
 from megamoe.planner import KernelConfig
 from megamoe.ops.expert_weights import quantize_experts
-from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
+from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, MAX_TILE_STAGES, tile_stages
 from megamoe.reference import moe_forward
 from megamoe.parallel.world import launch
 

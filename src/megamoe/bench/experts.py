@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from megamoe.config import MoEConfig
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_forward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
-from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.planner.tiles import TileConfig, plan_tiles
 from megamoe.ops.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_block_reference, gate_up_fp8
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, expert_forward_mxfp8_reference
 from megamoe.ops.quant import quantize_activations, quantize_weights

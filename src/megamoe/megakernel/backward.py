@@ -44,7 +44,7 @@ from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
 from megamoe.ops.comm import dispatch_pull, pull_route_scalars, push_route_scalars
 from megamoe.ops.experts_bwd import WgradCarry
 from megamoe.ops.launch import scratch_allocator
-from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.planner.tiles import TileConfig, plan_tiles
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.routing.windows import ScheduleWindow
 from megamoe.runtime import interpreting

@@ -54,6 +54,7 @@ import torch
 
 from megamoe import checks
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import MoEInputs
 from megamoe.ops.comm import CommShape, comm_workspace
 from megamoe.parallel.world import EPWorld
 from megamoe.kernels import megakernel as mk
@@ -66,10 +67,10 @@ from megamoe.megakernel.replay import GraphReplay, layout_key
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, expert_forward
-from megamoe.ops.experts_fp8 import expert_forward_fp8_block, plan_tiles_fp8
-from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, plan_tiles_mxfp8
+from megamoe.ops.experts_fp8 import expert_forward_fp8_block
+from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8
 from megamoe.ops.quant import quantize_activations
-from megamoe.ops.tiles import TileConfig, plan_tiles
+from megamoe.planner.tiles import TileConfig, plan_tiles, plan_tiles_fp8, plan_tiles_mxfp8
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.planner import KernelConfig, LayerShape, check_kernel_config, plan
 from megamoe.precision import SCALE_BLOCK, check_precision
@@ -372,10 +373,11 @@ class MegaKernel:
         """ValueError unless a pass's arguments fit this kernel's shape (no host sync: the ids are not read)."""
         s = self.shape
         pairs = () if shared is None else (shared,)
-        n, d, k, experts, inter = checks.check_bf16_layer(self.world, x, top_experts, router_weights, w_gate_up,
-                                                          w_down, pairs, activation, check_ids=False)
-        checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
-        got = dict(D=d, k=k, L=experts, I=inter, shared_I=sum(dn.shape[1] for _, dn in pairs))
+        dims = MoEInputs(x, top_experts, router_weights, w_gate_up, w_down, pairs, activation, b_gate_up,
+                         b_down).validate(dtypes="bf16", world=self.world, check_ids=False)
+        n = dims.tokens
+        got = dict(D=dims.hidden, k=dims.top_k, L=dims.experts, I=dims.intermediate,
+                   shared_I=sum(dn.shape[1] for _, dn in pairs))
         want = dict(D=s.hidden, k=s.top_k, L=s.experts_per_rank, I=s.intermediate, shared_I=s.shared_intermediate)
         for name in got:
             if got[name] != want[name]:

@@ -23,24 +23,10 @@ from megamoe.megakernel.launch_args import (CommArgs, PassEndArgs, RoutedArgs, R
                                             SharedArgs, SizeArgs, SyncArgs, check_order, copy_tile_consts, ordered)
 from megamoe.ops.launch import flat_row_stride
 from megamoe.ops.quant import soft_e4m3_default
-from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
+from megamoe.planner.tiles import tile_stages
 from megamoe.runtime import interpreting
 
 check_order()  # the groups must be the kernel's signature: fail at import, not at a launch
-
-#: The deepest ring of the compute workers' tiles (4 x 48 KB of shared memory for every format's tiles).
-MAX_TILE_STAGES = 4
-
-
-def tile_stages(shape) -> int:
-    """Ring depth of the megakernel's routed and shared tiles for a layer shape. Inside the megakernel the tiles
-    wait longer for their TMA loads than the standalone kernels (ncu: +35 % of stall samples at gate/up's data
-    wait). A fourth stage where experts hold more rows than :data:`FEW_ROWS_PER_EXPERT` on average: on kimi-k2's
-    EP 2 load (192 experts x 341 rows) the BF16 compute workers ended 5-7 % sooner in two runs (FP8-block: a
-    tie); at 170 rows they ended 6-7 % later (2026-12-04-megakernel-stages)."""
-    rows_per_expert = shape.max_tokens * shape.top_k / shape.experts_per_rank
-    return MAX_TILE_STAGES if rows_per_expert > FEW_ROWS_PER_EXPERT else MAX_TILE_STAGES - 1
-
 
 class Launcher:
     """One MegaKernel's launches (see the module docstring)."""

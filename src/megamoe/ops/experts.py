@@ -6,7 +6,7 @@ lays them out: expert l owns rows ``[offsets[l], offsets[l] + counts[l])``.
 persistent Triton kernels (`megamoe.kernels.expert_gemm`); the task list is
 built on the device, so empty experts cost nothing and nothing syncs the
 host. :func:`expert_forward_reference` is the plain-PyTorch twin; the
-backward is :mod:`megamoe.ops.experts_bwd`. Tile shapes: :mod:`megamoe.ops.tiles`.
+backward is :mod:`megamoe.ops.experts_bwd`. Tile shapes: :mod:`megamoe.planner.tiles`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from megamoe import checks
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
+from megamoe.planner.tiles import TileConfig, mean_rows, plan_tiles
 from megamoe.reference import activate, expert_ffn
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe import runtime

@@ -8,7 +8,6 @@ plain-PyTorch twin.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, 
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.ops.tiles import TileConfig, mean_rows, plan_tiles
+from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows, plan_tiles
 from megamoe.reference import activate
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import compiled_gpu, interpreting
@@ -236,25 +235,11 @@ def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
 
 def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
-    (``ring_stages``: at BK 32 6 stages, -10.0 / -10.2 % gate/up / down against 4 at ~341 rows per expert, equal to
-    BK 64 x 3 at ~170; benchmarks/results/2026-12-03-wgrad-ring-depth). One wgmma left in flight holds its slot a step
-    longer: it pays from 4 stages on (-1.2 to -1.4 % at 4), not at 3 (+2.6 to +4.2 %;
-    2026-12-03-wgrad-warp-specialized)."""
+    (``ring_stages``), one wgmma left in flight from :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on
+    (the measurements are there)."""
     stages = wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                MMA_IN_FLIGHT=stages >= 4)
-
-
-#: The Triton wgrad's widest block with a carry: the carry enters the MMA accumulator through a layout
-#: conversion in shared memory beside the K ring (a 128 x 256 fp32 block is 128 KB: 294,944 B in all, over
-#: Hopper's 232,448); 128 wide fits (163,872 B, no spills) and gives the same bits (an element's K sum does not
-#: depend on the block's width; checked on an H200).
-CARRY_BLOCK_N = 128
-
-
-def carry_tile(tile: TileConfig) -> TileConfig:
-    """The Triton wgrad's tile when it carries across windows (:data:`CARRY_BLOCK_N`)."""
-    return dataclasses.replace(tile, block_n=min(tile.block_n, CARRY_BLOCK_N))
+                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES)
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,

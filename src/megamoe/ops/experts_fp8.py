@@ -21,7 +21,7 @@ from megamoe import runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.ops.experts import ExpertForwardQuantized, warp_specialized_forward
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
-from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, TileConfig, mean_rows
+from megamoe.planner.tiles import TileConfig, mean_rows, plan_tiles_fp8
 from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8, forward_fp8_warp_specialized, gluon_ring
 from megamoe.routing.row_tiles import build_row_tiles
@@ -29,27 +29,6 @@ from megamoe.ops.quant import soft_e4m3_default
 from megamoe.reference import activate
 
 FP8 = torch.float8_e4m3fn
-
-
-def plan_tiles_fp8(kind: str, device: torch.device, rows_per_expert: float | None = None) -> TileConfig:
-    """Tile shape of the FP8 ``kind`` ("gate_up" or "down"); BLOCK_K is always 128 (one scale per K step).
-
-    GPU: 128-row tiles, 8 warps (two warpgroups of 64 rows); gate/up BLOCK_N = 128 act columns (a gate
-    and an up tile, one 1x128 act block per row); down 128x128 (a fresh 128x256 fp32 product per K step
-    next to the accumulator would not fit the registers). Where ``rows_per_expert`` (the load's mean) is at
-    most :data:`~megamoe.ops.tiles.FEW_ROWS_PER_EXPERT`, gate/up takes 64-row tiles (one warpgroup): 10.6 %
-    off the forward on ~170-row experts, while 64-row down tiles gained nothing there and both lost 11-21 %
-    on 256- and 341-row experts (benchmarks/results/2026-12-03-fp8-few-rows). Interpreter: small row tiles.
-    """
-    if kind not in ("gate_up", "down"):
-        raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
-    if not runtime.compiled_gpu(device):
-        return TileConfig(32, 128, 128, num_warps=4, num_stages=1)
-    if kind == "gate_up" and rows_per_expert is not None and rows_per_expert <= FEW_ROWS_PER_EXPERT:
-        return TileConfig(64, 128, 128, num_warps=4, num_stages=4, group_m=8)
-    if kind == "gate_up":
-        return TileConfig(128, 128, 128, num_warps=8, num_stages=3, group_m=4)
-    return TileConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=8)
 
 
 def _check_tiles(kind: str, cfg: TileConfig) -> None:

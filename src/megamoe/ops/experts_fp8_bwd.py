@@ -39,41 +39,18 @@ from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
+from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig, plan_tiles_fp8_bwd
 from megamoe.ops.quant import quantize_activations
 from megamoe.routing.row_tiles import build_row_tiles
-from megamoe.ops.tiles import TileConfig
 from megamoe.reference import activation_backward
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
 from megamoe.runtime import interpreting
 
 
-def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", *,
-                       compiled: bool = False) -> TileConfig:
-    """Tiles of the FP8 backward's ``kind`` ("dact" or "wgrad") in ``fmt``. fp8-block: BLOCK_K 128 (one scale
-    per K step), the forward FP8 down tile's shape; mxfp8: BLOCK_K 64 dequantised on load, 64-column dact
-    tiles (the dequantised tiles beside the epilogue's). fp8-block's measured on an H200, mxfp8's not tuned
-    yet. ``compiled`` gives the GPU's tiles on any device (the sm_90 build check)."""
-    if kind not in ("dact", "wgrad"):
-        raise ValueError(f"kind must be 'dact' or 'wgrad', got {kind!r}")
-    if fmt not in ("fp8-block", "mxfp8"):
-        raise ValueError(f"fmt must be 'fp8-block' or 'mxfp8', got {fmt!r}")
-    bk = FP8_BLOCK if fmt == "fp8-block" else 64
-    if not compiled and not runtime.compiled_gpu(device):
-        return TileConfig(32, 32 if kind == "wgrad" else 64, bk, num_warps=4, num_stages=1)
-    if fmt == "mxfp8":
-        return TileConfig(128, 64 if kind == "dact" else 128, bk, num_warps=8, num_stages=3, group_m=8)
-    if kind == "wgrad":
-        # the flattened loop overlaps a block's store with the next block's loads: 24.8 against 27.3 ms for the
-        # 341-row backward; 128x256 blocks, 4 stages and 64-row blocks were slower (2026-12-02-fp8-backward-tiles)
-        return TileConfig(128, 128, bk, num_warps=8, num_stages=3, group_m=8, flatten=True)
-    return TileConfig(128, 128, bk, num_warps=8, num_stages=4, group_m=8)
-
-
-def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = 5) -> dict:
-    """The Gluon FP8 wgrad's constexprs (shared with the sm_90 build check): by default the deepest ring that fits
-    beside the two output buffers, 5 slots of 33 KB (an expert's K loop is short: the producer runs ahead into
-    the next blocks; 4 measured as fast, 2026-12-04-fp8-dact-warp-specialized)."""
+def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = WGRAD_FP8_WS_STAGES) -> dict:
+    """The Gluon FP8 wgrad's constexprs (shared with the sm_90 build check): by default the planner's ring
+    (:data:`~megamoe.planner.tiles.WGRAD_FP8_WS_STAGES`, the deepest that fits beside the two output buffers)."""
     return dict(NUM_PROGRAMS=programs, STAGES=stages)
 
 

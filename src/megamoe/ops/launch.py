@@ -14,7 +14,7 @@ import torch
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe.ops.tiles import TileConfig
+from megamoe.planner.tiles import TileConfig
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import interpreting
 

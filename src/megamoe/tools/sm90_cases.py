@@ -80,8 +80,8 @@ def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized, expert_gemm, expert_gemm_bwd, forward_warp_specialized
     from megamoe.kernels import wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
-    from megamoe.ops.experts_bwd import carry_tile, dact_ws_constexprs, wgrad_ws_constexprs
-    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT, plan_tiles
+    from megamoe.ops.experts_bwd import dact_ws_constexprs, wgrad_ws_constexprs
+    from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, carry_tile, plan_tiles
 
     gpu = torch.device("cuda")
     cases = {}
@@ -161,8 +161,8 @@ def gemm_cases() -> dict[str, Case]:
 
 def fp8_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm_fp8 as k, forward_fp8_warp_specialized as ws
-    from megamoe.ops.experts_fp8 import forward_fp8_ws_constexprs, plan_tiles_fp8
-    from megamoe.ops.tiles import FEW_ROWS_PER_EXPERT
+    from megamoe.ops.experts_fp8 import forward_fp8_ws_constexprs
+    from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, plan_tiles_fp8
 
     gpu = torch.device("cuda")
     cases = {}
@@ -202,7 +202,8 @@ def fp8_backward_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized as dact_ws, expert_gemm_fp8_bwd as k
     from megamoe.kernels import wgrad_fp8_warp_specialized as ws
     from megamoe.ops.experts_bwd import dact_ws_constexprs
-    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd, wgrad_fp8_ws_constexprs
+    from megamoe.ops.experts_fp8_bwd import wgrad_fp8_ws_constexprs
+    from megamoe.planner.tiles import plan_tiles_fp8_bwd
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu)
@@ -245,7 +246,7 @@ def fp8_backward_cases() -> dict[str, Case]:
 
 def mxfp8_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm_mxfp8 as k
-    from megamoe.ops.experts_mxfp8 import plan_tiles_mxfp8
+    from megamoe.planner.tiles import plan_tiles_mxfp8
 
     cases = {}
     for variant in ("dequant", "rescale"):
@@ -277,7 +278,7 @@ def mxfp8_cases() -> dict[str, Case]:
 
 def mxfp8_backward_cases() -> dict[str, Case]:
     from megamoe.kernels import expert_gemm_mxfp8_bwd as k
-    from megamoe.ops.experts_fp8_bwd import plan_tiles_fp8_bwd
+    from megamoe.planner.tiles import plan_tiles_fp8_bwd
 
     gpu = torch.device("cuda")
     t = plan_tiles_fp8_bwd("dact", gpu, "mxfp8", compiled=True)

@@ -22,7 +22,7 @@ def megakernel_case(fmt: str, biases: bool = False) -> Case:
     """The forward megakernel for routed format ``fmt`` (FP8: the comm workers copy the owners' E4M3 rows and
     scales); ``biases``: with the routed experts' biases (else their pointers are None: the adds compile out)."""
     from megamoe.kernels import megakernel as mk
-    from megamoe.megakernel.launch import MAX_TILE_STAGES
+    from megamoe.planner.tiles import MAX_TILE_STAGES
     from megamoe.megakernel.launch_args import copy_tile_consts
     from megamoe.precision import SCALE_BLOCK
 
@@ -72,7 +72,7 @@ def backward_megakernel_case() -> Case:
     expert and the clamp, every role compiled (PHASE 0)."""
     from megamoe.kernels import megakernel_bwd as mkb
     from megamoe.megakernel.launch_args import copy_tile_consts
-    from megamoe.ops.tiles import plan_tiles
+    from megamoe.planner.tiles import plan_tiles
 
     gpu = torch.device("cuda")
     da, dx, wg = (plan_tiles(kind, gpu) for kind in ("dact", "dx", "wgrad"))
