@@ -26,6 +26,7 @@ from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_b
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8
 from megamoe.ops.quant import quantize_activations, quantize_weights
 from megamoe.planner.tiles import TileConfig
+from megamoe.planner.tuning import Tuning
 from megamoe.precision import SCALE_BLOCK
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
@@ -65,7 +66,7 @@ def quantized_call(fmt: str, x, counts, offsets, wgu, wd):
                 nan if scale_dtype(fmt).is_floating_point else 0xFF),
             torch.full((rows, d), nan, dtype=torch.bfloat16, device=x.device))
 
-    return (lambda out, tiles: FORWARD[fmt](*operands, out=out, tiles=tiles)), make_out
+    return (lambda out, tiles: FORWARD[fmt](*operands, out=out, tuning=Tuning(**tiles))), make_out
 
 
 def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, dict]:
@@ -77,7 +78,7 @@ def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, di
         if quantized is None:
             out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=x.device)
                                   for n in (2 * i, i, d)))
-            call = (lambda out=out, tiles=tiles: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles))
+            call = (lambda out=out, tiles=tiles: expert_forward(x, counts, offsets, wgu, wd, out=out, tuning=Tuning(**tiles)))
         else:
             forward, make_out = quantized
             out = make_out()

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from megamoe.kernels.expert_gemm import row_tile_task
 from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles
+from megamoe.planner.tuning import Tuning
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
 
@@ -71,7 +72,7 @@ def test_tile_shapes_and_grid_size_do_not_change_the_result():
     base = expert_forward(x, counts, offsets, wgu, wd, num_programs=4)
     tiles = {"gate_up": TileConfig(16, 64, 32, num_warps=4, num_stages=1, group_m=3),
              "down": TileConfig(64, 16, 64, num_warps=4, num_stages=1, group_m=1)}
-    other = expert_forward(x, counts, offsets, wgu, wd, num_programs=1, tiles=tiles)
+    other = expert_forward(x, counts, offsets, wgu, wd, num_programs=1, tuning=Tuning(**tiles))
     for name in ("h", "act", "y"):
         a, b = getattr(base, name), getattr(other, name)
         inside = torch.zeros(a.shape[0], dtype=torch.bool, device=DEVICE)
@@ -113,22 +114,17 @@ def test_compiled_plan_by_rows_per_expert():
         assert plan_tiles("wgrad", gpu, rows, compiled=True).block_k == 32
 
 
-def test_forward_ops_plan_their_tiles_for_the_loads_mean_rows(monkeypatch):
+def test_forward_ops_plan_their_tiles_for_the_loads_mean_rows():
     """gate/up and down ask the planner for rows / experts by default, and for the caller's mean when given
     (a capacity's rows are not the load's)."""
-    from megamoe.ops import experts as ops
+    from recording_tuning import RecordingTuning  # tests/recording_tuning.py
 
-    asked = []
-
-    def planner(kind, device, rows_per_expert=None):
-        asked.append((kind, rows_per_expert))
-        return plan_tiles(kind, device, rows_per_expert)
-
-    monkeypatch.setattr(ops, "plan_tiles", planner)
+    tuning = RecordingTuning()
     x, counts, offsets, wgu, wd = _problem([40, 0, 17, 33], 3)
     rows = x.shape[0]
-    expert_forward(x, counts, offsets, wgu, wd)
-    expert_forward(x, counts, offsets, wgu, wd, rows_per_expert=170.0)
+    expert_forward(x, counts, offsets, wgu, wd, tuning=tuning)
+    expert_forward(x, counts, offsets, wgu, wd, rows_per_expert=170.0, tuning=tuning)
+    asked = tuning.asked
     assert asked == [("gate_up", rows / 4), ("down", rows / 4), ("gate_up", 170.0), ("down", 170.0)], asked
 
 
@@ -476,15 +472,15 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight, 
     wd = (torch.randn(len(counts), d, i, generator=g, device="cuda") / i**0.5).bfloat16()
     nan = lambda *shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
     h, act, y = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
-    gate_up(x, counts, offsets, wgu, h, act, activation=activation, tiles=plan_tiles("gate_up", gpu), num_programs=programs,
+    gate_up(x, counts, offsets, wgu, h, act, activation=activation, tuning=Tuning(gate_up=plan_tiles("gate_up", gpu)), num_programs=programs,
             warp_specialized=False)
-    down(act, counts, offsets, wd, y, tiles=plan_tiles("down", gpu), num_programs=programs)
+    down(act, counts, offsets, wd, y, tuning=Tuning(down=plan_tiles("down", gpu)), num_programs=programs)
     h_ws, act_ws, y_ws = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
     for kind, args in (("gate_up", (x, wgu, h_ws)), ("down", (act, wd, y_ws))):
         tile = dataclasses.replace(plan_tiles(kind, gpu), block_k=block_k)
         if kind == "gate_up" and stages is None:  # the library's path, tiles also cut at minibatches of 96 rows
             assert warp_specialized_forward(gpu, tile)
-            gate_up(x, counts, offsets, wgu, h_ws, act_ws, activation=activation, tiles=tile, num_programs=programs,
+            gate_up(x, counts, offsets, wgu, h_ws, act_ws, activation=activation, tuning=Tuning(gate_up=tile), num_programs=programs,
                     minibatch=96)
             continue
         forward_ws(*args, counts, offsets, tile, programs, stages=stages, mma_in_flight=in_flight,

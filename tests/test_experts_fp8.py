@@ -5,6 +5,7 @@ import torch
 
 from megamoe.ops.launch import flat_row_stride
 from megamoe.planner.tiles import TileConfig
+from megamoe.planner.tuning import Tuning
 from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block, expert_forward_fp8_block_reference
 from megamoe.reference.formats import fp8_block_quantize
 
@@ -105,9 +106,9 @@ def test_store_h_false_and_tile_shapes_do_not_change_the_result():
     base = expert_forward_fp8_block(*args, num_programs=4)
     tiles = {"gate_up": TileConfig(16, 128, 128, num_warps=4, num_stages=1, group_m=3),
              "down": TileConfig(64, 256, 128, num_warps=4, num_stages=1, group_m=1)}  # per-column weight scales
-    other = expert_forward_fp8_block(*args, num_programs=1, tiles=tiles, store_h=False)
+    other = expert_forward_fp8_block(*args, num_programs=1, tuning=Tuning(**tiles), store_h=False)
     tiles["down"] = TileConfig(16, 64, 128, num_warps=4, num_stages=1, group_m=2)  # half a weight block
-    third = expert_forward_fp8_block(*args, num_programs=2, tiles=tiles, store_h=False)
+    third = expert_forward_fp8_block(*args, num_programs=2, tuning=Tuning(**tiles), store_h=False)
     assert other.h is None
     inside = _inside(args[2], args[3], rows)
     for o in (other, third):
@@ -133,21 +134,16 @@ def test_fp8_plan_takes_64_row_gate_up_tiles_for_few_rows_per_expert():
     assert plan_tiles_fp8("gate_up", gpu, 170, compiled=True).num_warps == 4  # one warpgroup for 64 rows
 
 
-def test_fp8_forward_plans_its_tiles_for_the_loads_mean_rows(monkeypatch):
+def test_fp8_forward_plans_its_tiles_for_the_loads_mean_rows():
     """gate/up and down ask the planner for rows / experts by default, and for the caller's mean when given."""
-    from megamoe.ops import experts_fp8 as ops
+    from recording_tuning import RecordingTuning  # tests/recording_tuning.py
 
-    asked, plan = [], ops.plan_tiles_fp8
-
-    def planner(kind, device, rows_per_expert=None):
-        asked.append((kind, rows_per_expert))
-        return plan(kind, device, rows_per_expert)
-
-    monkeypatch.setattr(ops, "plan_tiles_fp8", planner)
+    tuning = RecordingTuning()
     args = _problem(*LOADS["mixed"], seed=1)
     rows = args[0].shape[0]
-    expert_forward_fp8_block(*args)
-    expert_forward_fp8_block(*args, rows_per_expert=170.0)
+    expert_forward_fp8_block(*args, tuning=tuning)
+    expert_forward_fp8_block(*args, rows_per_expert=170.0, tuning=tuning)
+    asked = tuning.asked
     assert asked == [("gate_up", rows / 4), ("down", rows / 4), ("gate_up", 170.0), ("down", 170.0)], asked
 
 
@@ -279,9 +275,9 @@ def test_scales_with_a_size_one_dim_of_any_stride_give_the_same_bits():
 def test_bad_tiles_raise_value_error():
     args = _problem(*LOADS["mixed"])
     with pytest.raises(ValueError, match="block_k"):
-        expert_forward_fp8_block(*args, tiles={"down": TileConfig(32, 128, 64)})
+        expert_forward_fp8_block(*args, tuning=Tuning(down=TileConfig(32, 128, 64)))
     with pytest.raises(ValueError, match="block_n"):
-        expert_forward_fp8_block(*args, tiles={"gate_up": TileConfig(32, 64, 128)})
+        expert_forward_fp8_block(*args, tuning=Tuning(gate_up=TileConfig(32, 64, 128)))
 
 
 def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megamoe.planner.tiles import TileConfig
+from megamoe.planner.tuning import Tuning
 from megamoe.ops.experts_mxfp8 import ExpertForwardQuantized, expert_forward_mxfp8, expert_forward_mxfp8_reference
 from megamoe.reference.formats import mxfp8_dequantize, mxfp8_quantize
 
@@ -110,7 +111,7 @@ def test_variants_agree_and_tiles_store_h_int_exp_do_not_change_the_result():
     base = expert_forward_mxfp8(*args, variant="dequant", num_programs=4)
     tiles = {"gate_up": TileConfig(16, 128, 32, num_warps=4, num_stages=1, group_m=3),
              "down": TileConfig(64, 32, 32, num_warps=4, num_stages=1, group_m=1)}
-    outs = [expert_forward_mxfp8(*args, variant=v, num_programs=p, tiles=tiles, store_h=False)
+    outs = [expert_forward_mxfp8(*args, variant=v, num_programs=p, tuning=Tuning(**tiles), store_h=False)
             for v, p in (("dequant", 1), ("rescale", 2))]
     # the literal integer-exponent form of the rescale
     o = _poisoned(rows, d, i)
@@ -179,9 +180,9 @@ def test_bad_shapes_variants_and_tiles_raise_value_error():
     with pytest.raises(ValueError, match="variant"):
         expert_forward_mxfp8(*args, variant="fp8")
     with pytest.raises(ValueError, match="block_k"):
-        expert_forward_mxfp8(*args, variant="rescale", tiles={"down": TileConfig(32, 64, 64)})
+        expert_forward_mxfp8(*args, variant="rescale", tuning=Tuning(down=TileConfig(32, 64, 64)))
     with pytest.raises(ValueError, match="block_n"):
-        expert_forward_mxfp8(*args, tiles={"gate_up": TileConfig(32, 32, 64)})
+        expert_forward_mxfp8(*args, tuning=Tuning(gate_up=TileConfig(32, 32, 64)))
     with pytest.raises(ValueError, match="num_programs"):
         expert_forward_mxfp8(*args, num_programs=0)
 

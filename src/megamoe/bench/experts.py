@@ -24,6 +24,7 @@ from megamoe.config import MoEConfig
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, down, expert_forward, gate_up
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.planner.tiles import TileConfig, plan_tiles
+from megamoe.planner.tuning import Tuning
 from megamoe.ops.experts_fp8 import expert_forward_fp8_block, expert_forward_fp8_block_reference, gate_up_fp8
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, expert_forward_mxfp8_reference
 from megamoe.ops.quant import quantize_activations, quantize_weights
@@ -184,8 +185,8 @@ def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool,
     err = rel(out.y, ref_y)
     best = {}
     stages = {
-        "gate_up": lambda cfg: gate_up(x, counts, offsets, wgu, out.h, out.act, tiles=cfg),
-        "down": lambda cfg: down(out.act, counts, offsets, wd, out.y, tiles=cfg),
+        "gate_up": lambda cfg: gate_up(x, counts, offsets, wgu, out.h, out.act, tuning=Tuning(gate_up=cfg)),
+        "down": lambda cfg: down(out.act, counts, offsets, wd, out.y, tuning=Tuning(down=cfg)),
     }
     # a sweep times its candidates in interleaved rounds: timed one after another they drift as the GPU heats
     # toward its power cap (benchmarks/results/2026-11-30-replay, section 2)
@@ -204,9 +205,9 @@ def _forward_records(load, x, counts, offsets, wgu, wd, sweep: bool,
             if stage not in best or ms < best[stage][0]:
                 best[stage] = (ms, cfg)
     tiles = {stage: cfg for stage, (_, cfg) in best.items()}
-    expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles)
+    expert_forward(x, counts, offsets, wgu, wd, out=out, tuning=Tuning(**tiles))
     err = max(err, rel(out.y, ref_y))
-    ms = median_ms(lambda: expert_forward(x, counts, offsets, wgu, wd, out=out, tiles=tiles), device)
+    ms = median_ms(lambda: expert_forward(x, counts, offsets, wgu, wd, out=out, tuning=Tuning(**tiles)), device)
     records.append({"load": load, "impl": "megamoe", "pass": "fwd", "ms": ms, "tflops": flops / ms / 1e9,
                     "rel_err_vs_torch": err, "all_written": all_written,
                     "tiles": {k: dataclasses.asdict(v) for k, v in tiles.items()}})
@@ -282,7 +283,7 @@ def _backward_records(load, x, counts, offsets, wgu, wd, h, profile: bool, sweep
     records = [{"load": load, "impl": "torch autograd", "pass": "bwd", "ms": torch_ms, "tflops": flops / torch_ms / 1e9},
                record]
     for name, tiles in (BACKWARD_SWEEP.items() if sweep else ()):
-        call = lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd, tiles=tiles)  # noqa: E731
+        call = lambda: expert_backward(dy, row_w, x, h, counts, offsets, wgu, wd, tuning=Tuning(**tiles))  # noqa: E731
         variant = call()
         err = max(rel(getattr(variant, k), ref) for k, ref in want.items())
         del variant  # weight-sized gradients: keep one set alive at a time

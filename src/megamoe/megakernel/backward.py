@@ -44,7 +44,7 @@ from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
 from megamoe.ops.comm import dispatch_pull, pull_route_scalars, push_route_scalars
 from megamoe.ops.experts_bwd import WgradCarry
 from megamoe.ops.launch import scratch_allocator
-from megamoe.planner.tiles import TileConfig, plan_tiles
+from megamoe.planner.tiles import TileConfig
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.routing.windows import ScheduleWindow
 from megamoe.runtime import interpreting
@@ -90,7 +90,7 @@ class BackwardLauncher:
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         device = kernel.world.device if kernel.gpu else torch.device("cpu")
-        self.dact, self.dx, self.wgrad = (plan_tiles(kind, device) for kind in ("dact", "dx", "wgrad"))
+        self.dact, self.dx, self.wgrad = (kernel.tuning.tile(kind, device) for kind in ("dact", "dx", "wgrad"))
         rows, c = kernel.backward_ring().rows, kernel.config
         self.buffers = BackwardBuffers.allocate(kernel, rows, self.dact)
         M = max(1, -(-rows // c.bwd_minibatch))  # a window's minibatches

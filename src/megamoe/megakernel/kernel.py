@@ -70,7 +70,8 @@ from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, expert_fo
 from megamoe.ops.experts_fp8 import expert_forward_fp8_block
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8
 from megamoe.ops.quant import quantize_activations
-from megamoe.planner.tiles import TileConfig, plan_tiles, plan_tiles_fp8, plan_tiles_mxfp8
+from megamoe.planner.tiles import TileConfig, plan_tiles
+from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.planner import KernelConfig, LayerShape, check_kernel_config, plan
 from megamoe.precision import SCALE_BLOCK, check_precision
@@ -139,9 +140,11 @@ class MegaKernel:
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
                  precision: str = "bf16", wait_budget: int | None = None, trace: bool = False,
-                 one_rank_megakernel: bool = False, replay: bool = True):
+                 one_rank_megakernel: bool = False, replay: bool = True, tuning: Tuning | None = None):
         check_precision(precision)
         self.world, self.shape, self.precision = world, shape, precision
+        # pins of the planner's choices (routed tiles, tile ring depth, comm copy tile); None: the planner's
+        self.tuning = tuning or DEFAULT_TUNING
         self.fmt, self.scale_block = FMT[precision], SCALE_BLOCK[precision]
         self.quantized = precision != "bf16"
         self.gpu = compiled_gpu(world.device)
@@ -210,10 +213,8 @@ class MegaKernel:
     def tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
         """(gate/up, down) tiles of the routed experts (``routed``) or of the shared expert (always BF16)."""
         device = self.world.device if self.gpu else torch.device("cpu")
-        if routed and self.precision == "fp8-block":
-            return plan_tiles_fp8("gate_up", device), plan_tiles_fp8("down", device)
-        if routed and self.precision == "mxfp8":
-            return plan_tiles_mxfp8("gate_up", "dequant", device), plan_tiles_mxfp8("down", "dequant", device)
+        if routed:
+            return tuple(self.tuning.tile(kind, device, fmt=self.precision) for kind in ("gate_up", "down"))
         return plan_tiles("gate_up", device), plan_tiles("down", device)
 
     def new_buffers(self) -> LayerBuffers:
@@ -464,14 +465,15 @@ class MegaKernel:
             plan = {"rows_per_expert": self._rows_per_expert} if forward is expert_forward_fp8_block else {}
             forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
                     q.w_down, q.w_down_scale, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
-                    out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), **plan)
+                    out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), tuning=self.tuning,
+                    **plan)
         else:  # GATHER_ON_LOAD: the gate/up tiles read the tokens by index; else their copies in the ring
             x, x_index = self.sym.local("x")[: max(n, 1)], token.to(torch.int32)
             if not expert_ops.GATHER_ON_LOAD:
                 x, x_index = torch.index_select(self.sym.local("x"), 0, token.long(), out=b.ring_x[rows]), None
             expert_forward(x, counts, offsets, w_gate_up, w_down, activation=activation, b_gate_up=b_gate_up,
                            b_down=b_down, out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),
-                           rows_per_expert=self._rows_per_expert, x_index=x_index)
+                           rows_per_expert=self._rows_per_expert, x_index=x_index, tuning=self.tuning)
         if shared is not None and n:
             self._shared_rows.fill_(n)
             expert_forward(self.sym.local("x")[:n], self._shared_rows, self._shared_start, shared[0][None],

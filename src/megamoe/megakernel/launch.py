@@ -24,6 +24,7 @@ from megamoe.megakernel.launch_args import (CommArgs, PassEndArgs, RoutedArgs, R
 from megamoe.ops.launch import flat_row_stride
 from megamoe.ops.quant import soft_e4m3_default
 from megamoe.planner.tiles import tile_stages
+from megamoe.planner.tuning import COMM_TUNING
 from megamoe.runtime import interpreting
 
 check_order()  # the groups must be the kernel's signature: fail at import, not at a launch
@@ -59,8 +60,8 @@ class Launcher:
             GROUP_GU=gate_up.group_m, GROUP_DN=down.group_m, TRACE=k.trace is not None and k.gpu,
             FMT=k.fmt, SOFT_E4M3=soft_e4m3_default(),
             SHARED_BN_GU=shared_gate_up.block_n, SHARED_BN_DN=shared_down.block_n, SHARED_BK=sbk,
-            **copy_tile_consts(s.hidden, k.scale_block, scale_rows),
-            num_warps=gate_up.num_warps, num_stages=tile_stages(s),
+            **copy_tile_consts(s.hidden, k.scale_block, scale_rows, k.tuning.comm or COMM_TUNING),
+            num_warps=gate_up.num_warps, num_stages=k.tuning.megakernel_stages or tile_stages(s),
         )
         self.checked_occupancy = False
 

@@ -17,11 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from megamoe.kernels import megakernel as mk
-from megamoe.ops.comm import CommTuning, copy_tile
-
-#: The communication workers' copy tile: one row per warp of the kernel's 8 warps (E4M3 rows and the scales
-#: get the same rows per tile; narrower rows give more of them). Benchmarks may swap it.
-COMM_TUNING = CommTuning(tile_rows=8)
+from megamoe.ops.comm import copy_tile
+from megamoe.planner.tuning import COMM_TUNING, CommTuning
 
 
 def copy_tile_consts(hidden: int, scale_block: int, scale_rows: tuple[int, int] | None,

@@ -21,7 +21,8 @@ from megamoe import checks
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import TileConfig, mean_rows, plan_tiles
+from megamoe.planner.tiles import TileConfig, mean_rows
+from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate, expert_ffn
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe import runtime
@@ -109,7 +110,7 @@ def expert_forward(
     activation: Activation = SWIGLU,
     num_programs: int | None = None,
     out: ExpertForward | None = None,
-    tiles: dict[str, TileConfig] | None = None,
+    tuning: Tuning | None = None,
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
     b_gate_up: torch.Tensor | None = None,
@@ -124,7 +125,7 @@ def expert_forward(
         w_gate_up: bf16 `[L, 2I, D]`; w_down: bf16 `[L, D, I]`; I a multiple of 8.
         num_programs: persistent grid size (default: the SM count).
         out: preallocated outputs to fill (rows outside regions are left alone).
-        tiles: {"gate_up": TileConfig, "down": TileConfig} to pin tile shapes.
+        tuning: pins the gate/up and down tiles (:class:`~megamoe.planner.tuning.Tuning`; None: the planner's).
         minibatch: also cut tiles at multiples of this many rows (the megakernel's minibatches);
             the result is the same bits.
         rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
@@ -145,11 +146,10 @@ def expert_forward(
             act=torch.empty(rows, i, dtype=torch.bfloat16, device=device),
             y=torch.empty(rows, d, dtype=torch.bfloat16, device=device),
         )
-    tiles = tiles or {}
     gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, activation=activation,
-            num_programs=num_programs, tiles=tiles.get("gate_up"), minibatch=minibatch,
+            num_programs=num_programs, tuning=tuning, minibatch=minibatch,
             rows_per_expert=rows_per_expert, bias=b_gate_up, x_index=x_index)
-    down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tiles=tiles.get("down"),
+    down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tuning=tuning,
          minibatch=minibatch, rows_per_expert=rows_per_expert, bias=b_down)
     return out
 
@@ -164,7 +164,7 @@ def gate_up(
     *,
     activation: Activation = SWIGLU,
     num_programs: int | None = None,
-    tiles: TileConfig | None = None,
+    tuning: Tuning | None = None,
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
     warp_specialized: bool = True,
@@ -172,7 +172,7 @@ def gate_up(
     x_index: torch.Tensor | None = None,
 ) -> None:
     """h = x_rows · w_gate_upᵀ (+ ``bias`` bf16 `[L, 2I]`, optional) and act = SwiGLU(h) on every expert region
-    (one persistent launch); the tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts).
+    (one persistent launch); the tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts).
     On Hopper 128-row tiles run in the warp-specialised Gluon kernel (:func:`forward_ws`), elsewhere
     ``gate_up_kernel``: the same bits. ``warp_specialized=False`` runs ``gate_up_kernel`` there too (A/B runs,
     tests). ``x_index`` (int32 `[R]`): row r's input is ``x_rows[x_index[r]]`` (the Gluon kernel's producer gathers
@@ -182,7 +182,7 @@ def gate_up(
     rows = h.shape[0]
     if rows == 0 or experts == 0:
         return
-    cfg = tiles or plan_tiles("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
+    cfg = (tuning or DEFAULT_TUNING).tile("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
     programs = runtime.num_programs(x_rows.device, num_programs)
     gluon = warp_specialized and warp_specialized_forward(x_rows.device, cfg)
     if x_index is not None:
@@ -213,18 +213,18 @@ def down(
     y: torch.Tensor,
     *,
     num_programs: int | None = None,
-    tiles: TileConfig | None = None,
+    tuning: Tuning | None = None,
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
     bias: torch.Tensor | None = None,
 ) -> None:
     """y = act · w_downᵀ (+ ``bias`` bf16 `[L, D]`, optional) on every expert region (one persistent launch); the
-    tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts)."""
+    tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts)."""
     experts, d, i = w_down.shape
     rows = act.shape[0]
     if rows == 0 or experts == 0:
         return
-    cfg = tiles or plan_tiles("down", act.device, mean_rows(rows, experts, rows_per_expert))
+    cfg = (tuning or DEFAULT_TUNING).tile("down", act.device, mean_rows(rows, experts, rows_per_expert))
     launch_row_tasks(
         expert_gemm.down_kernel, cfg, runtime.num_programs(act.device, num_programs),
         counts.to(torch.int32), offsets.to(torch.int32), rows,

@@ -18,7 +18,8 @@ from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, 
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows, plan_tiles
+from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows
+from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import compiled_gpu, interpreting
@@ -72,7 +73,7 @@ def expert_backward(
     *,
     activation: Activation = SWIGLU,
     num_programs: int | None = None,
-    tiles: dict[str, TileConfig] | None = None,
+    tuning: Tuning | None = None,
     rows_per_expert: float | None = None,
     warp_specialized: bool = True,
     carry: WgradCarry | None = None,
@@ -121,9 +122,9 @@ def expert_backward(
                            torch.bfloat16),
                           ("row_weights", row_weights, (rows,), torch.float32),
                           ("h", h, (rows, 2 * i), torch.bfloat16)), device)
-    tiles = tiles or {}
+    tuning = tuning or DEFAULT_TUNING
     per_expert = mean_rows(rows, experts, rows_per_expert)
-    cfg = {kind: tiles.get(kind) or plan_tiles(kind, device, per_expert) for kind in ("dact", "dx", "wgrad")}
+    cfg = {kind: tuning.tile(kind, device, per_expert) for kind in ("dact", "dx", "wgrad")}
     grads = out or new_grads(rows, w_gate_up, w_down)
     check_grads(grads, rows, w_gate_up, w_down, carry)
     if experts == 0:

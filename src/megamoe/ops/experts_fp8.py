@@ -21,7 +21,8 @@ from megamoe import runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.ops.experts import ExpertForwardQuantized, warp_specialized_forward
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import TileConfig, mean_rows, plan_tiles_fp8
+from megamoe.planner.tiles import TileConfig, mean_rows
+from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8, forward_fp8_warp_specialized, gluon_ring
 from megamoe.routing.row_tiles import build_row_tiles
@@ -52,7 +53,7 @@ def expert_forward_fp8_block(
     *,
     activation: Activation = SWIGLU,
     num_programs: int | None = None,
-    tiles: dict[str, TileConfig] | None = None,
+    tuning: Tuning | None = None,
     store_h: bool = True,
     out: ExpertForwardQuantized | None = None,
     rows_per_expert: float | None = None,
@@ -68,7 +69,8 @@ def expert_forward_fp8_block(
         w_down_q: E4M3 `[L, D, I]`, w_down_scale fp32 `[L, D/128, I/128]`. D, I multiples of 128.
         activation: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
         num_programs: persistent grid size (default: the SM count).
-        tiles: {"gate_up": TileConfig, "down": TileConfig}; block_k must be 128, gate/up block_n 128.
+        tuning: pins the gate/up and down tiles (:class:`~megamoe.planner.tuning.Tuning`); block_k must be 128,
+            gate/up block_n 128.
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
         out: preallocated outputs to fill (rows outside regions are left alone).
         rows_per_expert: the load's mean rows per expert, for the tile plan (default: the rows over the
@@ -81,29 +83,28 @@ def expert_forward_fp8_block(
     experts, i, d = checks.check_quantized_experts("fp8-block", x_q, x_scale, counts, offsets, w_gate_up_q,
                                                    w_gate_up_scale, w_down_q, w_down_scale)
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, FP8_BLOCK, torch.float32, x_q.device, store_h)
-    tiles = tiles or {}
     gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, activation=activation,
-                num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h,
+                num_programs=num_programs, tuning=tuning, store_h=store_h,
                 rows_per_expert=rows_per_expert, bias=b_gate_up)
     down_fp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y,
-             num_programs=num_programs, tiles=tiles.get("down"), rows_per_expert=rows_per_expert, bias=b_down)
+             num_programs=num_programs, tuning=tuning, rows_per_expert=rows_per_expert, bias=b_down)
     return out
 
 
 def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
-                activation: Activation = SWIGLU, num_programs=None, tiles: TileConfig | None = None,
+                activation: Activation = SWIGLU, num_programs=None, tuning: Tuning | None = None,
                 store_h: bool = True,
                 rows_per_expert: float | None = None, warp_specialized: bool = True,
                 bias: torch.Tensor | None = None) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region, gate/up plus the optional ``bias``
     bf16 `[L, 2I]` before the activation: one persistent launch; the
-    tiles are ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run
+    tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run
     in the warp-specialised Gluon kernel (:func:`forward_fp8_ws`), elsewhere ``gate_up_fp8_kernel``: the same bits;
     ``warp_specialized=False`` runs ``gate_up_fp8_kernel`` there too (A/B runs, tests)."""
     experts, two_i, d = w_gate_up_q.shape
     i = two_i // 2
     rows = x_q.shape[0]
-    c = tiles or plan_tiles_fp8("gate_up", x_q.device, mean_rows(rows, experts, rows_per_expert))
+    c = (tuning or DEFAULT_TUNING).tile("gate_up", x_q.device, mean_rows(rows, experts, rows_per_expert), fmt="fp8-block")
     _check_tiles("gate_up", c)
     if rows == 0 or experts == 0:
         return
@@ -127,16 +128,16 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
 
 
 def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
-             tiles: TileConfig | None = None, rows_per_expert: float | None = None,
+             tuning: Tuning | None = None, rows_per_expert: float | None = None,
              warp_specialized: bool = True, bias: torch.Tensor | None = None) -> None:
     """y = dequant(act_q) · dequant(w_down_q)ᵀ (+ the optional ``bias`` bf16 `[L, D]`) on every expert region: one
     persistent launch; the tiles are
-    ``tiles`` or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run in the
+    ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run in the
     warp-specialised Gluon kernel, elsewhere (and with ``warp_specialized=False``) ``down_fp8_kernel``: the same
     bits."""
     experts, d, i = w_down_q.shape
     rows = act_q.shape[0]
-    c = tiles or plan_tiles_fp8("down", act_q.device, mean_rows(rows, experts, rows_per_expert))
+    c = (tuning or DEFAULT_TUNING).tile("down", act_q.device, mean_rows(rows, experts, rows_per_expert), fmt="fp8-block")
     _check_tiles("down", c)
     if rows == 0 or experts == 0:
         return

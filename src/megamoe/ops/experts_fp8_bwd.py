@@ -21,6 +21,7 @@ whose blocks run along the forward's K), and the tiles dequantise on load (Hoppe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,8 @@ from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig, plan_tiles_fp8_bwd
+from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig
+from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.ops.quant import quantize_activations
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.reference import activation_backward
@@ -138,7 +140,7 @@ def _rows_of(rows: torch.Tensor | QuantRows, fmt: str, name: str) -> torch.Tenso
 def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                               activation: Activation = SWIGLU, weights_t: TransposedWeights | None = None,
                               num_programs: int | None = None,
-                              tiles: dict[str, TileConfig] | None = None,
+                              tuning: Tuning | None = None,
                               warp_specialized: bool = True, carry: WgradCarry | None = None,
                               out: ExpertGrads | None = None, bias: BiasGrads | None = None) -> ExpertGrads:
     """:func:`megamoe.ops.experts_bwd.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
@@ -152,27 +154,27 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
     blocks where the whole rows do: cuts at multiples of 128 rows of an expert)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                activation, weights_t, num_programs, tiles, warp_specialized, carry, out, bias)
+                                activation, weights_t, num_programs, tuning, warp_specialized, carry, out, bias)
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                           activation: Activation = SWIGLU, weights_t: TransposedWeights | None = None,
                           num_programs: int | None = None,
-                          tiles: dict[str, TileConfig] | None = None, carry: WgradCarry | None = None,
+                          tuning: Tuning | None = None, carry: WgradCarry | None = None,
                           out: ExpertGrads | None = None, bias: BiasGrads | None = None) -> ExpertGrads:
     """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
     return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                activation, weights_t, num_programs, tiles, False, carry, out, bias)
+                                activation, weights_t, num_programs, tuning, False, carry, out, bias)
 
 
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, activation,
-                         weights_t, num_programs, tiles, warp_specialized: bool = False,
+                         weights_t, num_programs, tuning: Tuning | None, warp_specialized: bool = False,
                          carry: WgradCarry | None = None, out: ExpertGrads | None = None,
                          bias: BiasGrads | None = None) -> ExpertGrads:
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
-    that format) and mxfp8's flattened weight scales. ``tiles``: {"dact" | "dx" | "wgrad": TileConfig} pins
-    a kind's tiles (the planner's otherwise)."""
+    that format) and mxfp8's flattened weight scales. ``tuning``: its dact, dx and wgrad pin
+    a kind's tiles (the planner's otherwise; dx runs the forward's down)."""
     x_data, dy_data = _rows_of(x_rows, fmt, "x_rows"), _rows_of(dy_rows, fmt, "dy_rows")
     # E4M3 rows: the checks of BF16 rows of their shape (a broadcast scalar: no memory)
     like_x = x_rows if x_data is x_rows else torch.zeros((), dtype=torch.bfloat16, device=x_data.device).expand(
@@ -202,8 +204,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
                                                                                                           fmt)
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
-    tiles = tiles or {}
-    c = tiles.get("dact") or plan_tiles_fp8_bwd("dact", device, fmt)
+    tuning = tuning or DEFAULT_TUNING
+    c = tuning.tile("dact", device, fmt=fmt)
     num_n = -(-i // c.block_n)
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
     # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
@@ -235,10 +237,10 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
         bias_backward(bias, d_h, _dequantized(dy_rows), row_weights, counts, offsets, grads.d_router)
     d_h_q, d_h_s = quantize_activations(d_h, fmt)
     (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
-                                     grads.d_x, num_programs=programs, tiles=tiles.get("dx"),
+                                     grads.d_x, num_programs=programs, tuning=dataclasses.replace(tuning, down=tuning.dx),
                                      **({} if mx else {"warp_specialized": warp_specialized}))
     blocks = token_blocks(counts, offsets, rows)
-    c = tiles.get("wgrad") or plan_tiles_fp8_bwd("wgrad", device, fmt)
+    c = tuning.tile("wgrad", device, fmt=fmt)
     carries = (None, None) if carry is None else carry.pairs()
     for (a, b, dw), pair in zip(((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)), carries):
         a_t, a_s = quantize_tokens(a, blocks, fmt)

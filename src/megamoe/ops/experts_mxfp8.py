@@ -24,7 +24,8 @@ from megamoe import runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.ops.experts import ExpertForwardQuantized
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks
-from megamoe.planner.tiles import MXFP8_VARIANTS, TileConfig, plan_tiles_mxfp8
+from megamoe.planner.tiles import MXFP8_VARIANTS, TileConfig
+from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference.formats import MX_BLOCK, mxfp8_dequantize, mxfp8_quantize
 from megamoe.kernels import expert_gemm_mxfp8
 from megamoe.ops.quant import soft_e4m3_default
@@ -56,7 +57,7 @@ def expert_forward_mxfp8(
     variant: str = "dequant",
     activation: Activation = SWIGLU,
     num_programs: int | None = None,
-    tiles: dict[str, TileConfig] | None = None,
+    tuning: Tuning | None = None,
     store_h: bool = True,
     out: ExpertForwardQuantized | None = None,
     b_gate_up: torch.Tensor | None = None,
@@ -73,7 +74,7 @@ def expert_forward_mxfp8(
         variant: "dequant" (dequantise-on-load, bf16 wgmma) or "rescale" (e4m3 wgmma, per-32 rescale).
         activation: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
         num_programs: persistent grid size (default: the SM count).
-        tiles: {"gate_up": TileConfig, "down": TileConfig}; block_k a multiple of 32 (rescale: exactly
+        tuning: pins the gate/up and down tiles (:class:`~megamoe.planner.tuning.Tuning`); block_k a multiple of 32 (rescale: exactly
             32), gate/up block_n >= 64.
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
         out: preallocated outputs to fill (rows outside regions are left alone).
@@ -86,18 +87,17 @@ def expert_forward_mxfp8(
                                                    w_gate_up_scale, w_down_q, w_down_scale)
     checks.check_expert_biases(b_gate_up, b_down, w_gate_up_q, w_down_q, kernels=True)
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, MX_BLOCK, torch.uint8, x_q.device, store_h)
-    tiles = tiles or {}
     gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, variant=variant,
-                  activation=activation, num_programs=num_programs, tiles=tiles.get("gate_up"), store_h=store_h,
+                  activation=activation, num_programs=num_programs, tuning=tuning, store_h=store_h,
                   bias=b_gate_up)
     down_mxfp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y, variant=variant,
-               num_programs=num_programs, tiles=tiles.get("down"), bias=b_down)
+               num_programs=num_programs, tuning=tuning, bias=b_down)
     return out
 
 
 def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
                   variant: str = "dequant", activation: Activation = SWIGLU, num_programs=None,
-                  tiles: TileConfig | None = None,
+                  tuning: Tuning | None = None,
                   store_h: bool = True, int_exp: bool = False, bias: torch.Tensor | None = None) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region, gate/up plus the optional
     ``bias`` bf16 `[L, 2I]` before the activation: one persistent launch.
@@ -105,7 +105,7 @@ def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, o
     experts, two_i, d = w_gate_up_q.shape
     i = two_i // 2
     rows = x_q.shape[0]
-    c = tiles or plan_tiles_mxfp8("gate_up", variant, x_q.device)
+    c = (tuning or DEFAULT_TUNING).tile("gate_up", x_q.device, fmt="mxfp8", variant=variant)
     _check_tiles("gate_up", variant, c)
     if rows == 0 or experts == 0:
         return
@@ -125,13 +125,13 @@ def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, o
 
 
 def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, variant: str = "dequant",
-               num_programs=None, tiles: TileConfig | None = None, int_exp: bool = False,
+               num_programs=None, tuning: Tuning | None = None, int_exp: bool = False,
                bias: torch.Tensor | None = None) -> None:
     """y = dequant(act_q) · dequant(w_down_q)ᵀ (+ the optional ``bias`` bf16 `[L, D]`) on every expert region: one
     persistent launch."""
     experts, d, i = w_down_q.shape
     rows = act_q.shape[0]
-    c = tiles or plan_tiles_mxfp8("down", variant, act_q.device)
+    c = (tuning or DEFAULT_TUNING).tile("down", act_q.device, fmt="mxfp8", variant=variant)
     _check_tiles("down", variant, c)
     if rows == 0 or experts == 0:
         return
