@@ -7,6 +7,7 @@ What a user calls (loaded on first use, so that ``TRITON_INTERPRET`` can still b
     Activation                      the experts' activation: swiglu, swiglu-clamped, gpt-oss, geglu
     KernelConfig, plan              the megakernel's knobs and the planner (megamoe.planner)
     moe                             the layer as a differentiable function (megamoe.autograd)
+    MoEInputs                       the layer's inputs as one bundle, validated once (megamoe.inputs)
     quantize_experts                FP8 routed weights, once per optimizer step (megamoe.ops.expert_weights)
     MoE, MoEBlock, Router           the layer as modules (megamoe.nn)
     megamoe_forward                 the layer's forward pass alone, no autograd (megamoe.megakernel)
@@ -30,6 +31,7 @@ _EXPORTS = {
     "plan": "megamoe.planner",
     "megamoe_forward": "megamoe.megakernel",
     "moe": "megamoe.autograd",
+    "MoEInputs": "megamoe.inputs",
     "quantize_experts": "megamoe.ops.expert_weights",
     "MoE": "megamoe.nn",
     "MoEBlock": "megamoe.nn",
