@@ -75,7 +75,8 @@ def test_without_deep_ep_the_layer_says_why():
     assert "deep_ep is not importable" in reason and "build.sh" in reason
     p = make_problem(CONFIG, 0, 1, 4, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="deep_ep is not importable"):  # before any collective: no world needed
-        dt.deepep_torch_moe(SimpleNamespace(size=1), p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down)
+        dt.deepep_torch_moe(SimpleNamespace(size=1, device=p.x.device), p.x, p.top_experts, p.router_weights,
+                            p.w_gate_up, p.w_down)
 
 
 def _deepep_layer(world, tokens):

@@ -1,4 +1,5 @@
-"""Validation of the layer's tensor arguments, shared by every implementation.
+"""Validation of the layer's tensor arguments, shared by every implementation (the layer's inputs as a whole:
+:meth:`megamoe.inputs.MoEInputs.validate`, built from these).
 
 Each check raises ``ValueError`` naming the argument, the expected shape or
 dtype and what it got. ``check_expert_ids`` reads the ids on the host (one
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megamoe.config import HIDDEN_MULTIPLE, SWIGLU, Activation
+from megamoe.config import HIDDEN_MULTIPLE, Activation
 from megamoe.precision import FP8_BLOCK, MX_BLOCK
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -171,55 +172,6 @@ def check_activation(activation: object) -> None:
         raise ValueError(f"activation must be a megamoe.Activation, got {activation!r}{hint}")
 
 
-def check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation) -> tuple[int, int, int, int,
-                                                                                                  int]:
-    """The arguments every implementation of the layer takes, all on x's device; returns (N, D, k, L, I)."""
-    n, d = check_tokens(x)
-    k = check_routing(top_experts, router_weights, n)
-    experts_local, inter = check_expert_weights(w_gate_up, w_down, d)
-    check_shared(shared, d)
-    check_activation(activation)
-    named = [("top_experts", top_experts), ("router_weights", router_weights), ("w_gate_up", w_gate_up),
-             ("w_down", w_down)]
-    for s, (gate_up, down) in enumerate(shared):
-        named += [(f"shared[{s}] w_gate_up", gate_up), (f"shared[{s}] w_down", down)]
-    for name, t in named:
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}: every tensor of the layer on one device")
-        if name.startswith("shared") and t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
-    return n, d, k, experts_local, inter
-
-
-def check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation=SWIGLU, *,
-                     check_ids: bool = True, num_experts: int | None = None) -> tuple[int, int, int, int, int]:
-    """The arguments of a BF16 layer forward over ``world``; returns (N, D, k, L, I).
-
-    ``check_ids`` reads the expert ids on the host (one sync). ``num_experts`` (E, when the caller states it):
-    the ranks' weights must hold E between them, L = E / R each.
-    """
-    n, d, k, experts_local, inter = check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                                activation)
-    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 (the expert kernels are BF16-only), got {t.dtype}")
-    if x.device != world.device:
-        raise ValueError(f"x is on {x.device}, the world on {world.device}")
-    if experts_local < 1:
-        raise ValueError("w_gate_up must hold at least one local expert")
-    if num_experts is not None:
-        check_positive_int("num_experts", num_experts)
-        if experts_local * world.size != num_experts:
-            raise ValueError(f"w_gate_up holds {experts_local} experts on each of the {world.size} ranks, "
-                             f"{experts_local * world.size} in all, not num_experts={num_experts}: give each rank "
-                             f"only its own {num_experts / world.size:g} experts (rank*L .. rank*L+L-1)")
-    if inter % 8:
-        raise ValueError(f"the intermediate size I must be a multiple of 8, got {inter}")
-    if check_ids:
-        check_expert_ids(top_experts, experts_local * world.size)
-    return n, d, k, experts_local, inter
-
-
 def check_finite(x: torch.Tensor, router_weights: torch.Tensor) -> None:
     """ValueError naming the first token whose x row or router weights hold a NaN or an Inf (a host sync).
 
@@ -231,6 +183,12 @@ def check_finite(x: torch.Tensor, router_weights: torch.Tensor) -> None:
         where = "x" if not bool(x[token].isfinite().all()) else "router_weights"
         count = int(bad.sum())
         raise ValueError(f"token {token} has a NaN or Inf in {where} ({count} such token{'s' * (count != 1)} in all)")
+
+
+def check_max_tokens(max_tokens: object, n: int) -> None:
+    """ValueError unless ``max_tokens`` (the group's largest token count) is an int >= this rank's ``n``."""
+    if not is_int(max_tokens) or max_tokens < n:
+        raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
 
 
 def is_int(value: object) -> bool:

@@ -16,6 +16,7 @@ from megamoe import checks
 from megamoe.autograd import ops
 from megamoe.autograd.worlds import handle_of
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import MoEInputs, gather_inputs
 from megamoe.ops.expert_weights import QuantizedExperts
 from megamoe.parallel.world import EPWorld
 from megamoe.planner import KernelConfig
@@ -24,11 +25,11 @@ from megamoe.precision import check_precision
 
 def moe(
     world: EPWorld,
-    x: torch.Tensor,
-    top_experts: torch.Tensor,
-    router_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor | MoEInputs,
+    top_experts: torch.Tensor | None = None,
+    router_weights: torch.Tensor | None = None,
+    w_gate_up: torch.Tensor | None = None,
+    w_down: torch.Tensor | None = None,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     activation: Activation = SWIGLU,
     *,
@@ -49,13 +50,10 @@ def moe(
 
     Args:
         world: the EP group (R ranks).
-        x: bf16 `[N, D]` this rank's tokens (N may differ between ranks, 0 included).
-        top_experts: int `[N, k]` global expert ids, -1 = no route.
-        router_weights: float32 `[N, k]`, applied after the experts (its gradient flows back to the router).
-        w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; w_down: bf16 `[L, D, I]`.
-        shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated; their gradients cover this
-            rank's tokens (reduce them across ranks as for any replicated weight).
-        activation: the experts' activation (:class:`megamoe.Activation`; default SwiGLU).
+        x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down: the layer's
+            inputs (:class:`megamoe.MoEInputs`, every tensor bfloat16 but the ids and router weights), one by one
+            or as one ``MoEInputs`` in place of ``x``. The backward megakernel has no biases: with biases,
+            ``fused_backward`` must stay False at EP >= 2.
         precision: the routed experts' precision, ``bf16``, ``fp8-block`` or ``mxfp8``; the FP8 backwards run
             E4M3 dgrads and wgrads (docs/design.md, Precision).
         config: the megakernel's knobs (default: the planner's).
@@ -76,29 +74,19 @@ def moe(
         num_experts: E, the layer's routed experts over all ranks, when the caller knows it: ValueError unless
             the ranks' weights hold E between them (a rank given every expert's weights would otherwise run a
             layer of R·E experts).
-        b_gate_up: bf16 `[L, 2I]` (gate columns, then up), b_down: bf16 `[L, D]`: this rank's experts' optional
-            biases (gpt-oss), added to gate/up before the activation and to each expert's output on the experts'
-            rank; differentiable (their gradients are FP32 segment sums over each expert's rows, rounded once).
-            The backward megakernel has none: with biases, ``fused_backward`` must stay False at EP >= 2.
 
     Returns bf16 `[N, D]`. Gradients are computed where ``requires_grad`` asks for them.
     """
     check_precision(precision)
     compiling = torch.compiler.is_compiling()
-    if check_finite:
-        if compiling:
-            raise ValueError("check_finite reads the inputs on the host: torch.compile cannot trace it")
-        checks.check_finite(x, router_weights)
-    n, *_ = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                    activation, check_ids=check and not compiling, num_experts=num_experts)
-    checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
-    if fused_backward and (b_gate_up is not None or b_down is not None) and world.size > 1:
+    if check_finite and compiling:
+        raise ValueError("check_finite reads the inputs on the host: torch.compile cannot trace it")
+    inputs = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+    n = inputs.validate(dtypes="bf16", world=world, num_experts=num_experts, check_ids=check and not compiling,
+                        finite=check_finite).tokens
+    if fused_backward and inputs.has_biases and world.size > 1:
         raise ValueError("fused_backward=True: the backward megakernel has no expert biases; their backward runs "
                          "the standalone kernels composed (fused_backward=False, the default)")
-    shared = [(gu, dn) for gu, dn in shared]
-    for name, t in [("shared w_gate_up", gu) for gu, _ in shared] + [("shared w_down", dn) for _, dn in shared]:
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
     if precision != "bf16" and fused_backward:
         raise ValueError(f"fused_backward=True runs BF16 experts: the {precision} backward runs the standalone "
                          f"kernels composed (fused_backward=False, the default)")
@@ -108,16 +96,15 @@ def moe(
         if not isinstance(experts_q, QuantizedExperts):
             raise ValueError(f"experts_q must be a QuantizedExperts (quantize_experts), got {type(experts_q).__name__}")
         if not compiling:  # the stamps are host reads of the weights' versions
-            experts_q.check_source(w_gate_up, w_down, precision)
+            experts_q.check_source(inputs.w_gate_up, inputs.w_down, precision)
     if max_tokens is None:
         if compiling:
             raise ValueError("torch.compile needs max_tokens (the group's largest token count) given to moe() or "
                              "megamoe.MoE(max_tokens=...): finding it is an all-reduce with a host sync")
         max_tokens = world.largest(n)  # NOTE: host sync
-    if not checks.is_int(max_tokens) or max_tokens < n:
-        raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
-    return ops.layer_forward(x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down,
-                             [gu for gu, _ in shared],
-                             [dn for _, dn in shared], activation.spec, handle_of(world), max_tokens, precision,
-                             ops.config_string(config), check, bool(fused_backward),
-                             [] if experts_q is None else experts_q.tensors())[0]
+    checks.check_max_tokens(max_tokens, n)
+    i = inputs
+    return ops.layer_forward(i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down, i.b_gate_up, i.b_down,
+                             [gu for gu, _ in i.shared], [dn for _, dn in i.shared], i.activation.spec,
+                             handle_of(world), max_tokens, precision, ops.config_string(config), check,
+                             bool(fused_backward), [] if experts_q is None else experts_q.tensors())[0]

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megamoe import checks
 from megamoe.baselines.fp8_grouped import FP8_GROUP_ALIGN, RowwiseExperts
-from megamoe.baselines.nccl_torch import expert_ffn, torchtitan_activation
+from megamoe.baselines.nccl_torch import baseline_inputs, expert_ffn, torchtitan_activation
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import MoEInputs, gather_inputs
 from megamoe.parallel.world import EPWorld
 
 #: NVLink buffer of DeepEP's intranode kernels, bytes (its tests use 1 GB; the kernels size their queues to it).
@@ -197,11 +197,11 @@ def permute_plan(recv_idx: torch.Tensor, counts: Sequence[int], group_align: int
 
 def deepep_torch_moe(
     world: EPWorld,
-    x: torch.Tensor,
-    top_experts: torch.Tensor,
-    router_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor | MoEInputs,
+    top_experts: torch.Tensor | None = None,
+    router_weights: torch.Tensor | None = None,
+    w_gate_up: torch.Tensor | None = None,
+    w_down: torch.Tensor | None = None,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     activation: Activation = SWIGLU,
     *,
@@ -215,10 +215,12 @@ def deepep_torch_moe(
     :class:`DeepEPBackend` (default: kept on the world) or a :class:`TorchTwin`; ``experts_fp8`` as there
     (forward only). RuntimeError when DeepEP is not importable and no backend is given.
     """
-    n, d, k, experts_local, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                                   activation)
-    num_experts = experts_local * world.size
-    checks.check_expert_ids(top_experts, num_experts)
+    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
+    dims = baseline_inputs("deepep_torch_moe", world, i)
+    d, k = dims.hidden, dims.top_k
+    x, top_experts, router_weights, w_gate_up, w_down = i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down
+    shared, activation = i.shared, i.activation
+    num_experts = dims.experts * world.size
     if backend is None:
         reason = unavailable()
         if reason is not None:

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megamoe import checks
 from megamoe.baselines.fp8_grouped import FP8_GROUP_ALIGN, RowwiseExperts, scaled_grouped_mm
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import LayerDims, MoEInputs, gather_inputs
 from megamoe.parallel.world import EPWorld
 from megamoe.reference import activate
 
@@ -75,13 +75,20 @@ def _grouped_destinations(recv_RL: torch.Tensor, recv_host: torch.Tensor, group_
     return dest, ends.to(device=device, dtype=torch.int32), int(ends[-1]) if experts else 0
 
 
+def baseline_inputs(name: str, world: EPWorld, inputs: MoEInputs) -> LayerDims:
+    """The baselines' validation of their inputs: every tensor in x's dtype, no expert biases, the ids read."""
+    if inputs.has_biases:
+        raise ValueError(f"{name} has no expert biases (megamoe and the reference have)")
+    return inputs.validate(dtypes="same", world=world)  # the split sizes sync the host anyway
+
+
 def nccl_torch_moe(
     world: EPWorld,
-    x: torch.Tensor,
-    top_experts: torch.Tensor,
-    router_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor | MoEInputs,
+    top_experts: torch.Tensor | None = None,
+    router_weights: torch.Tensor | None = None,
+    w_gate_up: torch.Tensor | None = None,
+    w_down: torch.Tensor | None = None,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     activation: Activation = SWIGLU,
     *,
@@ -92,28 +99,22 @@ def nccl_torch_moe(
 
     Args:
         world: the EP group (R ranks).
-        x: `[N, D]` this rank's tokens (N may differ between ranks).
-        top_experts: int `[N, k]` global expert ids, -1 = no route.
-        router_weights: float32 `[N, k]`, applied after the experts.
-        w_gate_up: `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``.
-        w_down: `[L, D, I]`.
-        shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
-        activation: optional SwiGLU clamp.
+        x, top_experts, router_weights, w_gate_up, w_down, shared, activation: the layer's inputs
+            (:class:`megamoe.MoEInputs`, every tensor in x's dtype but the ids and router weights; no biases), one
+            by one or as one ``MoEInputs`` in place of ``x``.
         group_align: each expert's row group starts on a multiple of this.
         experts_fp8: the routed weights in E4M3 (:func:`megamoe.baselines.fp8_grouped.quantize_expert_weights`):
             the expert GEMMs run `torch._scaled_grouped_mm` with row-wise scales; forward only.
 
     Returns `[N, D]` in x's dtype. Syncs the host once (split sizes).
     """
-    n, d, k, experts_local, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                                   activation)
-    for name, t in [("w_gate_up", w_gate_up), ("w_down", w_down)] + [(f"shared[{s}]", gu) for s, (gu, _) in
-                                                                       enumerate(shared)]:
-        if t.dtype != x.dtype:  # its matmuls run in x's dtype
-            raise ValueError(f"{name} is {t.dtype}, x {x.dtype}: nccl_torch_moe computes in one dtype")
+    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
+    dims = baseline_inputs("nccl_torch_moe", world, i)
+    n, d, k, experts_local = dims.tokens, dims.hidden, dims.top_k, dims.experts
+    x, top_experts, router_weights, w_gate_up, w_down = i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down
+    shared, activation = i.shared, i.activation
     ranks = world.size
     num_experts = experts_local * ranks
-    checks.check_expert_ids(top_experts, num_experts)  # the split sizes sync the host anyway
 
     flat = top_experts.reshape(-1).long()
     key = torch.where(flat >= 0, flat, num_experts)

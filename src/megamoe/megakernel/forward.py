@@ -13,6 +13,7 @@ import torch
 
 from megamoe import checks
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import MoEInputs, gather_inputs
 from megamoe.parallel.world import EPWorld
 from megamoe.megakernel.kernel import MegaKernel
 from megamoe.ops.expert_weights import QuantizedExperts
@@ -33,11 +34,11 @@ def fuse_shared(shared: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
 
 def megamoe_forward(
     world: EPWorld,
-    x: torch.Tensor,
-    top_experts: torch.Tensor,
-    router_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor | MoEInputs,
+    top_experts: torch.Tensor | None = None,
+    router_weights: torch.Tensor | None = None,
+    w_gate_up: torch.Tensor | None = None,
+    w_down: torch.Tensor | None = None,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     activation: Activation = SWIGLU,
     *,
@@ -55,17 +56,9 @@ def megamoe_forward(
 
     Args:
         world: the EP group (R ranks); collective: every rank calls it.
-        x: bf16 `[N, D]` this rank's tokens (N may differ between ranks, 0 included).
-        top_experts: int `[N, k]` global expert ids, -1 = no route.
-        router_weights: float32 `[N, k]`, applied after the experts.
-        w_gate_up: bf16 `[L, 2I, D]` this rank's experts ``rank*L .. rank*L+L-1``; I a multiple of 8.
-        w_down: bf16 `[L, D, I]`.
-        shared: shared experts ``(w_gate_up [2Is, D], w_down [D, Is])``, replicated.
-        activation: the experts' activation (:class:`megamoe.Activation`; default SwiGLU).
-        b_gate_up: bf16 `[L, 2I]`, b_down: bf16 `[L, D]`: this rank's experts' optional biases (gpt-oss), added
-            to gate/up before the activation and to each expert's output, on the experts' rank.
-
-    Args:
+        x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down: the layer's
+            inputs (:class:`megamoe.MoEInputs`, every tensor bfloat16 but the ids and router weights), one by one
+            or as one ``MoEInputs`` in place of ``x``.
         config: the kernel's knobs (default: ``megamoe plan``'s for this shape and device).
         precision: ``bf16``, ``mxfp8`` or ``fp8-block`` (routed experts; each rank quantises its tokens
             once while staging them, weights as ``experts_q`` says; the shared expert stays BF16).
@@ -90,36 +83,31 @@ def megamoe_forward(
     CUDA-graph capture of whole passes use :class:`MegaKernel` directly with ``check=False``.
     """
     check_precision(precision)
-    tensors = [x, router_weights, w_gate_up, w_down, b_gate_up, b_down,
-               *(t for pair in shared if isinstance(pair, (tuple, list)) for t in pair)]
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+    inputs = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs.tensors()):
         raise ValueError("megamoe_forward computes no gradients, and an input or weight here requires grad: use "
                          "megamoe.moe (or megamoe.MoE) to train, or call this under torch.no_grad()")
     with torch.no_grad():
-        return _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config,
-                        precision, max_tokens, experts_q, check, check_finite, num_experts, b_gate_up, b_down)
+        return _forward(world, inputs, config, precision, max_tokens, experts_q, check, check_finite, num_experts)
 
 
-def _forward(world, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, config, precision,
-             max_tokens, experts_q, check, check_finite, num_experts, b_gate_up, b_down) -> torch.Tensor:
-    n, d, k, experts, inter = checks.check_bf16_layer(world, x, top_experts, router_weights, w_gate_up, w_down,
-                                                      shared, activation, check_ids=check, num_experts=num_experts)
-    if check_finite:
-        checks.check_finite(x, router_weights)
+def _forward(world, inputs: MoEInputs, config, precision, max_tokens, experts_q, check, check_finite,
+             num_experts) -> torch.Tensor:
+    dims = inputs.validate(dtypes="bf16", world=world, num_experts=num_experts, check_ids=check, finite=check_finite)
+    n = dims.tokens
     if max_tokens is None:
         max_tokens = world.largest(n)  # NOTE: host sync
-    if not isinstance(max_tokens, int) or max_tokens < n:
-        raise ValueError(f"max_tokens must be an int >= this rank's tokens ({n}), got {max_tokens!r}")
-    fused = fuse_shared([(gu.detach(), dn.detach()) for gu, dn in shared])
-    if fused is not None and fused[0].dtype != torch.bfloat16:
-        raise ValueError(f"shared expert weights must be bfloat16, got {fused[0].dtype}")
-    shape = LayerShape(world.size, max_tokens, d, inter, experts, k, 0 if fused is None else fused[1].shape[1])
+    checks.check_max_tokens(max_tokens, n)
+    i = inputs
+    fused = fuse_shared([(gu.detach(), dn.detach()) for gu, dn in i.shared])
+    shape = LayerShape(world.size, max_tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k,
+                       0 if fused is None else fused[1].shape[1])
     kernel = layer_kernel(world, shape, config, precision)
     # experts_q stands for the weights (never read then): keep the tensors it was made from, for its check
-    weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (w_gate_up, w_down)]
-    out, _ = kernel.forward(x.detach().contiguous(), top_experts.detach(), router_weights.detach(), *weights,
-                            fused, activation, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check,
-                            **contiguous_biases(b_gate_up, b_down))
+    weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (i.w_gate_up, i.w_down)]
+    out, _ = kernel.forward(i.x.detach().contiguous(), i.top_experts.detach(), i.router_weights.detach(), *weights,
+                            fused, i.activation, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check,
+                            **contiguous_biases(i.b_gate_up, i.b_down))
     return out
 
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megamoe import checks
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import MoEInputs, gather_inputs
 
 
 def activate(h_M2I: torch.Tensor, activation: Activation = SWIGLU) -> torch.Tensor:
@@ -85,11 +85,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def moe_forward(
-    x: torch.Tensor,
-    top_experts: torch.Tensor,
-    router_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    x: torch.Tensor | MoEInputs,
+    top_experts: torch.Tensor | None = None,
+    router_weights: torch.Tensor | None = None,
+    w_gate_up: torch.Tensor | None = None,
+    w_down: torch.Tensor | None = None,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     activation: Activation = SWIGLU,
     *,
@@ -101,27 +101,23 @@ def moe_forward(
     """The MoE layer's output for the tokens of one rank.
 
     Args:
-        x: `[N, D]` float tokens; D a multiple of 64.
-        top_experts: int `[N, k]` global expert ids; -1 = no route.
-        router_weights: float32 `[N, k]`, applied as given after each expert.
-        w_gate_up: `[L, 2I, D]` for experts ``first_expert .. first_expert+L-1``
-            (gate rows first, then up rows). With the defaults L = E.
-        w_down: `[L, D, I]`.
-        shared: shared experts, each ``(w_gate_up [2Is, D], w_down [D, Is])``.
-        activation: optional SwiGLU clamp (see :func:`swiglu`).
+        x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down: the layer's
+            inputs (:class:`megamoe.MoEInputs`; every tensor of any float dtype, ids and router weights aside),
+            one by one or as one ``MoEInputs`` in place of ``x``. ``w_gate_up`` holds experts
+            ``first_expert .. first_expert+L-1``; with the defaults L = E.
         first_expert: global id of ``w_gate_up[0]``. Routes to experts outside
             the held slice contribute nothing: the result is this slice's
             share of the layer (used to build an expert-parallel reference).
         num_experts: E, the range ids are checked against (default L).
-        b_gate_up: optional `[L, 2I]` expert biases added to ``W_gate_up · x`` before the activation; b_down:
-            optional `[L, D]` added to each expert's output (before its router weight).
 
     Returns:
         `[N, D]` in x's dtype, accumulated in FP32 (FP64 for FP64 input).
     """
-    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
-    checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
-    checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down)
+    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+    dims = i.validate(num_experts=num_experts)
+    n, d, held = dims.tokens, dims.hidden, dims.experts
+    x, top_experts, router_weights, w_gate_up, w_down = i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down
+    shared, activation, b_gate_up, b_down = i.shared, i.activation, i.b_gate_up, i.b_down
 
     cdt = compute_dtype(x.dtype)
     x_c = x.to(cdt)
@@ -139,12 +135,12 @@ def moe_forward(
 
 
 def moe_forward_backward(
-    x: torch.Tensor,
-    top_experts: torch.Tensor,
-    router_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    d_out: torch.Tensor | None,
+    x: torch.Tensor | MoEInputs,
+    top_experts: torch.Tensor | None = None,
+    router_weights: torch.Tensor | None = None,
+    w_gate_up: torch.Tensor | None = None,
+    w_down: torch.Tensor | None = None,
+    d_out: torch.Tensor | None = None,
     shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     activation: Activation = SWIGLU,
     *,
@@ -166,9 +162,11 @@ def moe_forward_backward(
     weights' dtype), ``shared`` (a list of (d_w_gate_up, d_w_down)) and, for each bias given, ``b_gate_up`` /
     ``b_down`` (in the compute dtype).
     """
-    n, d, _, held, _ = checks.check_layer(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
-    checks.check_expert_ids(top_experts, held if num_experts is None else num_experts)
-    checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down)
+    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+    dims = i.validate(num_experts=num_experts)
+    n, d, held = dims.tokens, dims.hidden, dims.experts
+    x, top_experts, router_weights, w_gate_up, w_down = i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down
+    shared, activation, b_gate_up, b_down = i.shared, i.activation, i.b_gate_up, i.b_down
     if d_out is not None and tuple(d_out.shape) != (n, d):
         raise ValueError(f"d_out must have shape ({n}, {d}), got {tuple(d_out.shape)}")
 
