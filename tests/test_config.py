@@ -73,13 +73,16 @@ def test_a_shape_as_text_is_a_layer_and_round_trips():
         2048, 768, 128, 8, (), None)
     full = parse_shape("hidden=2880,intermediate=2880,experts=128,top_k=4,shared=1024+512,activation=swiglu-clamped:7")
     assert full.shared == (1024, 512) and full.activation == Activation("swiglu-clamped", limit=7.0)
+    assert not full.expert_bias and parse_shape("hidden=64,intermediate=8,experts=4,top_k=2,bias=1").expert_bias
+    assert PRESETS["gpt-oss-120b"].expert_bias
     for c in (cfg, full, *PRESETS.values()):
         assert parse_shape(shape_spec(c)) == c and preset(shape_spec(c)) == c
     for bad, message in (("hidden=64", "needs intermediate, experts, top_k"),
                          ("hidden=64,intermediate=8,experts=4,top_k=2,depth=3", "key=value pairs"),
                          ("hidden=64,hidden=64", "each once"),
                          ("hidden=x,intermediate=8,experts=4,top_k=2", "bad shape"),
-                         ("hidden=100,intermediate=8,experts=4,top_k=2", "multiple of 64")):
+                         ("hidden=100,intermediate=8,experts=4,top_k=2", "multiple of 64"),
+                         ("hidden=64,intermediate=8,experts=4,top_k=2,bias=yes", "bias is 0 or 1")):
         with pytest.raises(ValueError, match=message):
             parse_shape(bad)
     with pytest.raises(ValueError, match="unknown preset 'gpt-5'; known: kimi-k2"):
@@ -108,6 +111,7 @@ def test_a_huggingface_config_gives_its_moe_layer(config, want):
     cfg = hf_config_shape(config)
     assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.shared, cfg.activation.limit) == want
     assert cfg.activation.kind == ("gpt-oss" if config["model_type"] == "gpt_oss" else "swiglu")
+    assert cfg.expert_bias == (config["model_type"] == "gpt_oss")  # gpt-oss's experts carry biases
 
 
 def test_a_dense_config_is_refused_by_name():

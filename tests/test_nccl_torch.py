@@ -17,8 +17,8 @@ CONFIG = MoEConfig(hidden=128, intermediate=64, num_experts=8, top_k=3, shared=(
 EMPTY_EXPERT = 5
 
 
-def _check_against_reference(world, tokens, precision, activation):
-    cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation})
+def _check_against_reference(world, tokens, precision, activation, bias):
+    cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation, "expert_bias": bias})
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=dtype, seed=11, drop=0.15)
     # no token anywhere goes to EMPTY_EXPERT: that expert computes nothing and gets a zero gradient
@@ -38,16 +38,17 @@ def _check_against_reference(world, tokens, precision, activation):
 
 
 @pytest.mark.parametrize(
-    "tokens, precision, activation",
+    "tokens, precision, activation, bias",
     [
-        ((37,), "fp32", SWIGLU),
-        ((29, 0), "fp32", GPT_OSS),  # a rank with no tokens at all
-        ((23, 5, 41, 1), "fp32", SWIGLU),
-        ((40, 17), "bf16", SWIGLU),
+        ((37,), "fp32", SWIGLU, False),
+        ((29, 0), "fp32", GPT_OSS, False),  # a rank with no tokens at all
+        ((23, 5, 41, 1), "fp32", SWIGLU, False),
+        ((40, 17), "bf16", SWIGLU, False),
+        ((31, 9), "fp32", GPT_OSS, True),  # gpt-oss's expert biases, their gradients checked too
     ],
 )
-def test_matches_reference(tokens, precision, activation):
-    results = launch(_check_against_reference, len(tokens), tokens, precision, activation)
+def test_matches_reference(tokens, precision, activation, bias):
+    results = launch(_check_against_reference, len(tokens), tokens, precision, activation, bias)
     for rank, (fwd, bwd, empty_grad_zero) in enumerate(results):
         assert fwd["correct"], (rank, fwd)
         assert bwd["correct"], (rank, bwd)

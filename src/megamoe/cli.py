@@ -48,7 +48,8 @@ def _presets_help() -> str:
 
 
 SHAPE_HELP = ("A layer shape instead of a preset: hidden=D,intermediate=I,experts=E,top_k=k[,shared=Is[+Is2]]"
-              "[,activation=KIND[:LIMIT[:ALPHA]]] (swiglu, swiglu-clamped:L, gpt-oss, geglu).")
+              "[,activation=KIND[:LIMIT[:ALPHA]]][,bias=1] (swiglu, swiglu-clamped:L, gpt-oss, geglu; bias=1: the "
+              "routed experts carry biases).")
 HF_CONFIG_HELP = ("A HuggingFace model's config.json to take the MoE layer's shape from (Qwen2/3-MoE, DeepSeek-V3, "
                   "Mixtral, gpt-oss, OLMoE, GLM-4.5-MoE, Llama-4).")
 

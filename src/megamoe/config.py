@@ -105,6 +105,7 @@ class MoEConfig:
         top_k: k, routes per token.
         shared: intermediate size of each shared expert (empty = none).
         activation: the experts' gated activation (:class:`Activation`; default SwiGLU).
+        expert_bias: the routed experts carry biases ``b_gate_up [2I]`` and ``b_down [D]`` (gpt-oss).
     """
 
     hidden: int
@@ -113,6 +114,7 @@ class MoEConfig:
     top_k: int
     shared: tuple[int, ...] = field(default=())
     activation: Activation = SWIGLU
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_experts", "top_k"):
@@ -134,6 +136,8 @@ class MoEConfig:
         object.__setattr__(self, "shared", shared)
         if not isinstance(self.activation, Activation):
             raise ValueError(f"MoEConfig.activation must be an Activation, got {self.activation!r}")
+        if not isinstance(self.expert_bias, bool):
+            raise ValueError(f"MoEConfig.expert_bias must be a bool, got {self.expert_bias!r}")
 
     def experts_per_rank(self, ep: int) -> int:
         """L for an EP group of ``ep`` ranks; E must divide evenly."""
@@ -162,9 +166,9 @@ PRESETS: dict[str, MoEConfig] = {
     "deepseek-v3": MoEConfig(hidden=7168, intermediate=2048, num_experts=256, top_k=8, shared=(2048,)),
     "qwen3-30b-a3b": MoEConfig(hidden=2048, intermediate=768, num_experts=128, top_k=8),
     "qwen3-235b-a22b": MoEConfig(hidden=4096, intermediate=1536, num_experts=128, top_k=8),
-    # gpt-oss's activation (limit 7, alpha 1.702); its expert biases are not modelled
+    # gpt-oss's activation (limit 7, alpha 1.702) and expert biases
     "gpt-oss-120b": MoEConfig(hidden=2880, intermediate=2880, num_experts=128, top_k=4,
-                              activation=Activation("gpt-oss")),
+                              activation=Activation("gpt-oss"), expert_bias=True),
     # SonicMoE's published H100 shapes (arXiv 2512.14080): its 7B (T 24576), 30B-style (T 32768) and 120B
     "sonic-7b": MoEConfig(hidden=1536, intermediate=256, num_experts=128, top_k=8),
     "sonic-d4096": MoEConfig(hidden=4096, intermediate=512, num_experts=128, top_k=8),
@@ -174,25 +178,28 @@ PRESETS: dict[str, MoEConfig] = {
 
 
 #: The keys of a shape given as text (``parse_shape``), in the order ``shape_spec`` writes them.
-SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k", "shared", "activation")
+SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k", "shared", "activation", "bias")
 
 
 def preset(name: str) -> MoEConfig:
     """The layer called ``name``: a preset, or a shape as text (``hidden=2048,intermediate=768,experts=128,
-    top_k=8[,shared=1024+512][,activation=gpt-oss]``, :func:`parse_shape`); ValueError lists the known presets otherwise."""
+    top_k=8[,shared=1024+512][,activation=gpt-oss][,bias=1]``, :func:`parse_shape`); ValueError lists the known
+    presets otherwise."""
     if isinstance(name, str) and "=" in name:
         return parse_shape(name)
     try:
         return PRESETS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}, or a shape as "
-                         f"hidden=..,intermediate=..,experts=..,top_k=..[,shared=..][,activation=..]") from None
+                         "hidden=..,intermediate=..,experts=..,top_k=..[,shared=..][,activation=..][,bias=1]"
+                         ) from None
 
 
 def parse_shape(text: str) -> MoEConfig:
     """A layer from ``key=value`` pairs separated by commas: hidden (D), intermediate (I), experts (E), top_k (k),
-    optional shared (the shared experts' intermediate sizes joined by ``+``) and activation
-    (``kind[:limit[:alpha]]``, :meth:`Activation.parse`)."""
+    optional shared (the shared experts' intermediate sizes joined by ``+``), activation
+    (``kind[:limit[:alpha]]``, :meth:`Activation.parse`) and bias (``1``: the routed experts carry biases, ``0``:
+    none, the default)."""
     values = {}
     for item in str(text).split(","):
         key, sep, value = item.strip().partition("=")
@@ -202,11 +209,14 @@ def parse_shape(text: str) -> MoEConfig:
     missing = [key for key in SHAPE_KEYS[:4] if key not in values]
     if missing:
         raise ValueError(f"a shape needs {', '.join(missing)}, got {text!r}")
+    if values.get("bias", "0") not in ("0", "1"):
+        raise ValueError(f"a shape's bias is 0 or 1, got {values['bias']!r} in {text!r}")
     try:
         return MoEConfig(hidden=int(values["hidden"]), intermediate=int(values["intermediate"]),
                          num_experts=int(values["experts"]), top_k=int(values["top_k"]),
                          shared=tuple(int(v) for v in values["shared"].split("+")) if values.get("shared") else (),
-                         activation=Activation.parse(values["activation"]) if "activation" in values else SWIGLU)
+                         activation=Activation.parse(values["activation"]) if "activation" in values else SWIGLU,
+                         expert_bias=values.get("bias") == "1")
     except ValueError as exc:
         raise ValueError(f"bad shape {text!r}: {exc}") from None
 
@@ -218,6 +228,8 @@ def shape_spec(cfg: MoEConfig) -> str:
         text += ",shared=" + "+".join(str(s) for s in cfg.shared)
     if cfg.activation != SWIGLU:
         text += f",activation={cfg.activation.spec}"
+    if cfg.expert_bias:
+        text += ",bias=1"
     return text
 
 
@@ -225,7 +237,7 @@ def hf_config_shape(config: dict) -> MoEConfig:
     """The MoE layer of a HuggingFace transformers model config (its ``config.json`` as a dict): Qwen2/3-MoE,
     DeepSeek-V3, Mixtral, gpt-oss, OLMoE, GLM-4.5-MoE and Llama-4 (text) name the same things differently. The
     experts' activation: gpt-oss's own (its ``swiglu_limit``), else SwiGLU (clamped where the config names a
-    ``swiglu_limit``); gpt-oss's expert biases are not modelled. ValueError names what is missing."""
+    ``swiglu_limit``); gpt-oss's experts carry biases. ValueError names what is missing."""
     cfg = config.get("text_config", config)  # Llama-4 nests the language model's
     def first(*keys):
         for key in keys:
@@ -254,4 +266,4 @@ def hf_config_shape(config: dict) -> MoEConfig:
     else:
         activation = SWIGLU if limit is None else Activation("swiglu-clamped", limit=float(limit))
     return MoEConfig(hidden=int(hidden), intermediate=int(intermediate), num_experts=int(experts), top_k=int(top_k),
-                     shared=shared, activation=activation)
+                     shared=shared, activation=activation, expert_bias=cfg.get("model_type") == "gpt_oss")

@@ -208,6 +208,8 @@ def deepep_torch_moe(
     backend=None,
     group_align: int = 8,
     experts_fp8: RowwiseExperts | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer over ``world`` with DeepEP's dispatch and combine; differentiable.
 
@@ -215,7 +217,7 @@ def deepep_torch_moe(
     :class:`DeepEPBackend` (default: kept on the world) or a :class:`TorchTwin`; ``experts_fp8`` as there
     (forward only). RuntimeError when DeepEP is not importable and no backend is given.
     """
-    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
+    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
     dims = baseline_inputs("deepep_torch_moe", world, i)
     d, k = dims.hidden, dims.top_k
     x, top_experts, router_weights, w_gate_up, w_down = i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down
@@ -240,7 +242,7 @@ def deepep_torch_moe(
     x_grouped = recv_x.new_empty(total, d)
     x_grouped[pad_rows] = 0  # only the padding rows: their gradients meet the weights' in the wgrads
     x_grouped[rows] = recv_x[token]
-    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, activation, experts_fp8)
+    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, activation, experts_fp8, i.b_gate_up, i.b_down)
     # each received token's local routes with their weights (the other slots' weights are 0: row 0 stands in)
     y_routes = y_grouped[row_of.clamp(min=0)] if total else y_grouped.new_zeros(*row_of.shape, d)
     y_recv = torch.bmm(recv_w.to(x.dtype).unsqueeze(1), y_routes.view(-1, k, d)).squeeze(1)

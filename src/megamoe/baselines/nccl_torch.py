@@ -19,6 +19,8 @@ NCCL on CUDA, gloo on the CPU; both reach ``torch._grouped_mm``.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 
 import torch
@@ -76,9 +78,7 @@ def _grouped_destinations(recv_RL: torch.Tensor, recv_host: torch.Tensor, group_
 
 
 def baseline_inputs(name: str, world: EPWorld, inputs: MoEInputs) -> LayerDims:
-    """The baselines' validation of their inputs: every tensor in x's dtype, no expert biases, the ids read."""
-    if inputs.has_biases:
-        raise ValueError(f"{name} has no expert biases (megamoe and the reference have)")
+    """The baselines' validation of their inputs: every tensor in x's dtype (the expert biases too), the ids read."""
     return inputs.validate(dtypes="same", world=world)  # the split sizes sync the host anyway
 
 
@@ -94,21 +94,24 @@ def nccl_torch_moe(
     *,
     group_align: int = 8,
     experts_fp8: RowwiseExperts | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer over ``world`` with NCCL/gloo all-to-all; differentiable (BF16 experts).
 
     Args:
         world: the EP group (R ranks).
-        x, top_experts, router_weights, w_gate_up, w_down, shared, activation: the layer's inputs
-            (:class:`megamoe.MoEInputs`, every tensor in x's dtype but the ids and router weights; no biases), one
-            by one or as one ``MoEInputs`` in place of ``x``.
+        x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down: the layer's
+            inputs (:class:`megamoe.MoEInputs`, every tensor in x's dtype but the ids and router weights; the
+            expert biases added to each grouped row as torchtitan's biased experts do), one by one or as one
+            ``MoEInputs`` in place of ``x``.
         group_align: each expert's row group starts on a multiple of this.
         experts_fp8: the routed weights in E4M3 (:func:`megamoe.baselines.fp8_grouped.quantize_expert_weights`):
             the expert GEMMs run `torch._scaled_grouped_mm` with row-wise scales; forward only.
 
     Returns `[N, D]` in x's dtype. Syncs the host once (split sizes).
     """
-    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation)
+    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
     dims = baseline_inputs("nccl_torch_moe", world, i)
     n, d, k, experts_local = dims.tokens, dims.hidden, dims.top_k, dims.experts
     x, top_experts, router_weights, w_gate_up, w_down = i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down
@@ -134,7 +137,7 @@ def nccl_torch_moe(
         group_align = max(group_align, FP8_GROUP_ALIGN)
     dest, ends, padded_rows = _grouped_destinations(recv_counts.view(ranks, experts_local), recv_host, group_align)
     x_grouped = x_recv.new_zeros(padded_rows, d).index_copy(0, dest, x_recv)
-    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, activation, experts_fp8)
+    y_grouped = expert_ffn(x_grouped, w_gate_up, w_down, ends, activation, experts_fp8, i.b_gate_up, i.b_down)
     y_back = _AllToAll.apply(y_grouped[dest], input_splits, output_splits, world.group)
 
     y_routes = y_back.new_zeros(n * k, d).index_copy(0, routed, y_back)
@@ -146,16 +149,25 @@ def nccl_torch_moe(
 
 
 def expert_ffn(x_grouped: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ends: torch.Tensor,
-               activation: Activation, experts_fp8: RowwiseExperts | None = None) -> torch.Tensor:
-    """gate/up -> SwiGLU -> down over expert-grouped rows: `torch._grouped_mm` (BF16, differentiable) or, with
-    ``experts_fp8``, `torch._scaled_grouped_mm` on row-wise E4M3 (no gradient)."""
-    if experts_fp8 is None:
-        h = grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends)
-        return grouped_mm(torchtitan_activation(h, activation), w_down.transpose(-2, -1), ends)
-    e = experts_fp8
-    with torch.no_grad():
-        h = scaled_grouped_mm(x_grouped, e.w_gate_up, e.w_gate_up_scale, ends)
-        return scaled_grouped_mm(torchtitan_activation(h, activation), e.w_down, e.w_down_scale, ends)
+               activation: Activation, experts_fp8: RowwiseExperts | None = None,
+               b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """gate/up (+ b_gate_up) -> SwiGLU -> down (+ b_down) over expert-grouped rows: `torch._grouped_mm` (BF16,
+    differentiable) or, with ``experts_fp8``, `torch._scaled_grouped_mm` on row-wise E4M3 (no gradient). The
+    biases `[L, 2I]` / `[L, D]` are optional; each row gets its group's (padding rows too: never read back)."""
+    expert = None
+    if b_gate_up is not None or b_down is not None:  # each grouped row's expert, from the groups' ends
+        rows = torch.arange(x_grouped.shape[0], device=x_grouped.device)
+        expert = torch.bucketize(rows, ends.long(), right=True).clamp(max=max(len(ends) - 1, 0))
+    # added in FP32 and rounded once, as the kernels do; the bias gradient (a sum over the group's rows) then
+    # accumulates in FP32 too (a BF16 index_put sum of a thousand rows strays by percents)
+    bias = lambda t, b: t if b is None else (t.float() + b.float()[expert]).to(t.dtype)  # noqa: E731
+    with torch.no_grad() if experts_fp8 is not None else contextlib.nullcontext():
+        if experts_fp8 is None:
+            h = bias(grouped_mm(x_grouped, w_gate_up.transpose(-2, -1), ends), b_gate_up)
+            return bias(grouped_mm(torchtitan_activation(h, activation), w_down.transpose(-2, -1), ends), b_down)
+        e = experts_fp8
+        h = bias(scaled_grouped_mm(x_grouped, e.w_gate_up, e.w_gate_up_scale, ends), b_gate_up)
+        return bias(scaled_grouped_mm(torchtitan_activation(h, activation), e.w_down, e.w_down_scale, ends), b_down)
 
 
 def torchtitan_activation(h: torch.Tensor, activation: Activation) -> torch.Tensor:

@@ -27,6 +27,8 @@ class RankProblem:
         w_gate_up: `[L, 2I, D]` and w_down: `[L, D, I]` for experts rank·L .. rank·L+L-1.
         shared: ``(w_gate_up [2Is, D], w_down [D, Is])`` per shared expert (replicated).
         d_out: `[N, D]` upstream gradient for the backward.
+        b_gate_up, b_down: the experts' biases `[L, 2I]` and `[L, D]` where the layer has them
+            (``MoEConfig.expert_bias``), else None.
     """
 
     config: MoEConfig
@@ -39,6 +41,8 @@ class RankProblem:
     w_down: torch.Tensor
     shared: list[tuple[torch.Tensor, torch.Tensor]]
     d_out: torch.Tensor
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -117,4 +121,9 @@ def make_problem(
             (torch.randn(2 * size, d, generator=gs, device=device) / math.sqrt(d)).to(dtype),
             (torch.randn(d, size, generator=gs, device=device) / math.sqrt(size)).to(dtype),
         ))
-    return RankProblem(cfg, rank, ranks, x, top, weights.float(), w_gate_up, w_down, shared, d_out)
+    b_gate_up = b_down = None
+    if cfg.expert_bias:  # of the order of the products' own spread, so that a wrong bias shows
+        gb = _generator(device, seed * 1_000_000 + 998_000 + rank)
+        b_gate_up = (0.5 * torch.randn(experts, 2 * i, generator=gb, device=device)).to(dtype)
+        b_down = (0.5 * torch.randn(experts, d, generator=gb, device=device)).to(dtype)
+    return RankProblem(cfg, rank, ranks, x, top, weights.float(), w_gate_up, w_down, shared, d_out, b_gate_up, b_down)

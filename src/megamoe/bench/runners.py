@@ -49,15 +49,19 @@ class _AutogradRunner:
             "w_gate_up": p.w_gate_up.detach().requires_grad_(),
             "w_down": p.w_down.detach().requires_grad_(),
         }
+        for name in ("b_gate_up", "b_down"):  # the experts' biases, where the layer has them
+            if getattr(p, name) is not None:
+                self.leaves[name] = getattr(p, name).detach().requires_grad_()
         self.shared = [(a.detach().requires_grad_(), b.detach().requires_grad_()) for a, b in p.shared]
 
     def forward(self) -> torch.Tensor:
         for t in self._all_leaves():
             t.grad = None
         lv = self.leaves
+        biases = {name: lv[name] for name in ("b_gate_up", "b_down") if name in lv}
         return self.fn(
             self.world, lv["x"], self.p.top_experts, lv["router_weights"], lv["w_gate_up"], lv["w_down"],
-            self.shared, self.p.config.activation,
+            self.shared, self.p.config.activation, **biases,
         )
 
     def backward(self, out: torch.Tensor) -> dict:

@@ -51,17 +51,15 @@ def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelC
              b_down: torch.Tensor | None = None) -> torch.Tensor:
     """The layer through ``impl``: ``args`` are :func:`megamoe.moe`'s positional ones (world .. activation);
     the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs), but the expert
-    biases ``b_gate_up`` / ``b_down`` (megamoe and reference). ``weights``: the caller's cache of the FP8 weight pack
-    (made once per optimizer step for the forward and the backward)."""
+    biases ``b_gate_up`` / ``b_down``, which every implementation takes. ``weights``: the caller's cache of the FP8
+    weight pack (made once per optimizer step for the forward and the backward)."""
     biases = dict(b_gate_up=b_gate_up, b_down=b_down)
     if impl == "reference":
         return ep_moe(*args, **biases)
-    if (b_gate_up is not None or b_down is not None) and impl != "megamoe":
-        raise ValueError(f"impl {impl!r} has no expert biases (megamoe and reference have)")
     if impl == "nccl-torch":
-        return nccl_torch_moe(*args)
+        return nccl_torch_moe(*args, **biases)
     if impl == "deepep-torch":
-        return deepep_torch.deepep_torch_moe(*args)
+        return deepep_torch.deepep_torch_moe(*args, **biases)
     experts_q = None
     if weights is not None and precision != "bf16" and not torch.compiler.is_compiling():
         w_gate_up, w_down = args[4], args[5]
@@ -94,7 +92,8 @@ class MoE(nn.Module):
         check_finite: every forward raises ValueError naming the first token whose x or router weights are not
             finite (a host sync; megamoe only).
         expert_bias: the routed experts have biases (gpt-oss): Parameters ``b_gate_up [L, 2I]`` and ``b_down
-            [L, D]``, bf16, zero at init (megamoe and reference only). Without (the default) both are None.
+            [L, D]``, bf16, zero at init (every implementation takes them); None (the default) takes
+            ``config.expert_bias``. Without, both are None.
 
     FP8 precisions keep the routed weights quantised (:class:`~megamoe.ops.expert_weights.PackCache`): made at
     the first forward after each optimizer step (the weights' in-place version tells), read by every forward
@@ -107,11 +106,9 @@ class MoE(nn.Module):
     def __init__(self, config: MoEConfig, world: EPWorld, *, precision: str = "bf16",
                  device: torch.device | str | None = None, max_tokens: int | None = None,
                  kernel_config: KernelConfig | None = None, seed: int = 0, impl: str = "megamoe",
-                 check_finite: bool = False, expert_bias: bool = False):
+                 check_finite: bool = False, expert_bias: bool | None = None):
         super().__init__()
         check_impl(impl, precision)
-        if expert_bias and impl not in ("megamoe", "reference"):
-            raise ValueError(f"impl {impl!r} has no expert biases (megamoe and reference have)")
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
         check_precision(precision)
@@ -135,6 +132,7 @@ class MoE(nn.Module):
             [nn.Parameter(_normal((D, size), size ** -0.5, seed * 7919 + 2 * s + 2, device))
              for s, size in enumerate(config.shared)])
         bf16 = dict(dtype=torch.bfloat16, device=device)
+        expert_bias = config.expert_bias if expert_bias is None else expert_bias
         self.b_gate_up = nn.Parameter(torch.zeros(L, 2 * I, **bf16)) if expert_bias else None
         self.b_down = nn.Parameter(torch.zeros(L, D, **bf16)) if expert_bias else None
         self.weights_q = PackCache()  # FP8: the step's weight pack
