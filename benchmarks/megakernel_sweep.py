@@ -24,7 +24,6 @@ import json
 import os
 import sys
 from dataclasses import asdict, replace
-from functools import partial
 
 import torch
 import triton
@@ -41,6 +40,7 @@ from megamoe.bench.problem import make_problem  # noqa: E402
 from megamoe.bench.report import run_metadata  # noqa: E402
 from megamoe.config import preset  # noqa: E402
 from megamoe.planner.tiles import plan_tiles  # noqa: E402
+from megamoe.planner.tuning import COMM_TUNING, Tuning  # noqa: E402
 from megamoe.parallel.world import launch  # noqa: E402
 from megamoe.planner.rules import GEMM_TFLOPS, H200_SMS  # noqa: E402
 
@@ -81,13 +81,12 @@ def run_rank(world, args, points) -> list[dict] | None:
     p = make_problem(cfg, world.rank, world.size, args.tokens, dtype=torch.bfloat16, device=world.device, seed=0)
     inputs = (world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, cfg.activation)
     baseline_out = nccl_torch_moe(*inputs)
-    from megamoe.megakernel import launch as mk_launch, launch_args, megamoe_forward
+    from megamoe.megakernel import megamoe_forward
+    tuning = None  # an experiment: the comm workers' copy tile
+    if args.comm_rows:
+        tuning = Tuning(comm=replace(COMM_TUNING, tile_rows=args.comm_rows))
     if args.impl == "megamoe":
         from megamoe.ops.expert_weights import quantize_experts
-
-        if args.comm_rows:  # an experiment: the comm workers' copy tile (each Launcher reads it when it is built)
-            tuning = replace(launch_args.COMM_TUNING, tile_rows=args.comm_rows)
-            mk_launch.copy_tile_consts = partial(launch_args.copy_tile_consts, tuning=tuning)
 
         # FP8: the weights quantised once, as after an optimizer step (`megamoe bench` does the same)
         experts_q = None if args.precision == "bf16" else quantize_experts(p.w_gate_up, p.w_down, args.precision)
@@ -97,14 +96,15 @@ def run_rank(world, args, points) -> list[dict] | None:
         def forward(config):  # no host sync in the pass: N is the same on every rank; checks on the first
             calls[0] += 1
             return megamoe_forward(*inputs, config=config, precision=args.precision, max_tokens=args.tokens,
-                                   experts_q=experts_q, check=calls[0] == 1)
+                                   experts_q=experts_q, check=calls[0] == 1, tuning=tuning)
         if args.graph:
             forward = graphed(forward, lambda config: megamoe_forward(
                 *inputs, config=config, precision=args.precision, max_tokens=args.tokens, experts_q=experts_q,
-                check=False))
+                check=False, tuning=tuning))
     else:
         def forward(config):  # the point's config without overlap: its steps one launch after another
-            return megamoe_forward(*inputs, config=replace(config, overlap=False), max_tokens=args.tokens)
+            return megamoe_forward(*inputs, config=replace(config, overlap=False), max_tokens=args.tokens,
+                                   tuning=tuning)
     # The harness has tolerances for bf16 only; other precisions get the same statistics and no verdict.
     tolerance = args.precision if args.precision in TOLERANCES else "bf16"
     flops = sum(world.all_gather_object(pass_work(world, p, "fwd")[0])) / world.size  # mean per GPU

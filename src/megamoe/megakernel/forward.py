@@ -18,6 +18,7 @@ from megamoe.parallel.world import EPWorld
 from megamoe.megakernel.kernel import MegaKernel
 from megamoe.ops.expert_weights import QuantizedExperts
 from megamoe.planner import KernelConfig, LayerShape
+from megamoe.planner.tuning import Tuning
 from megamoe.precision import check_precision
 
 
@@ -51,6 +52,7 @@ def megamoe_forward(
     num_experts: int | None = None,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
+    tuning: Tuning | None = None,
 ) -> torch.Tensor:
     """The MoE layer's forward over ``world`` as one megakernel per pass, without autograd (``megamoe.moe`` trains).
 
@@ -73,6 +75,8 @@ def megamoe_forward(
             sync). Without it such a token's output row is non-finite, as in the reference.
         num_experts: E over all ranks, when the caller knows it: ValueError unless the ranks' weights hold E
             between them.
+        tuning: overrides of the planner's tuning rules (:class:`~megamoe.planner.tuning.Tuning`: the routed
+            tiles, the ring depth, the communication copy tile), for experiments; None: the planner's.
 
     Returns bf16 `[N, D]`. Raises ValueError on bad inputs or configs, RuntimeError when a wait timed out.
     The kernel of each shape is kept on the world (``world.resources``; ``world.close()`` frees it), one
@@ -88,11 +92,12 @@ def megamoe_forward(
         raise ValueError("megamoe_forward computes no gradients, and an input or weight here requires grad: use "
                          "megamoe.moe (or megamoe.MoE) to train, or call this under torch.no_grad()")
     with torch.no_grad():
-        return _forward(world, inputs, config, precision, max_tokens, experts_q, check, check_finite, num_experts)
+        return _forward(world, inputs, config, precision, max_tokens, experts_q, check, check_finite, num_experts,
+                        tuning)
 
 
 def _forward(world, inputs: MoEInputs, config, precision, max_tokens, experts_q, check, check_finite,
-             num_experts) -> torch.Tensor:
+             num_experts, tuning) -> torch.Tensor:
     dims = inputs.validate(dtypes="bf16", world=world, num_experts=num_experts, check_ids=check, finite=check_finite)
     n = dims.tokens
     if max_tokens is None:
@@ -102,7 +107,7 @@ def _forward(world, inputs: MoEInputs, config, precision, max_tokens, experts_q,
     fused = fuse_shared([(gu.detach(), dn.detach()) for gu, dn in i.shared])
     shape = LayerShape(world.size, max_tokens, dims.hidden, dims.intermediate, dims.experts, dims.top_k,
                        0 if fused is None else fused[1].shape[1])
-    kernel = layer_kernel(world, shape, config, precision)
+    kernel = layer_kernel(world, shape, config, precision, tuning)
     # experts_q stands for the weights (never read then): keep the tensors it was made from, for its check
     weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (i.w_gate_up, i.w_down)]
     out, _ = kernel.forward(i.x.detach().contiguous(), i.top_experts.detach(), i.router_weights.detach(), *weights,
@@ -117,10 +122,12 @@ def contiguous_biases(b_gate_up: torch.Tensor | None, b_down: torch.Tensor | Non
             for name, b in (("b_gate_up", b_gate_up), ("b_down", b_down))}
 
 
-def layer_kernel(world: EPWorld, shape: LayerShape, config: KernelConfig | None, precision: str) -> MegaKernel:
+def layer_kernel(world: EPWorld, shape: LayerShape, config: KernelConfig | None, precision: str,
+                 tuning: Tuning | None = None) -> MegaKernel:
     """The MegaKernel of ``shape`` kept on ``world`` for ``precision`` and overlap mode (shared by megamoe_forward
-    and megamoe.moe): those coexist (a bench interleaves them), while another config of the same replaces its
-    kernel, buffers first (a sweep over configs holds one kernel's memory at a time)."""
+    and megamoe.moe): those coexist (a bench interleaves them), while another config or tuning of the same
+    replaces its kernel, buffers first (a sweep over configs holds one kernel's memory at a time)."""
     overlap = not isinstance(config, KernelConfig) or config.overlap  # a bad config: MegaKernel says so
     return world.resources.get(("megakernel", shape, precision, overlap),
-                               lambda: MegaKernel(world, shape, config, precision=precision), version=config)
+                               lambda: MegaKernel(world, shape, config, precision=precision, tuning=tuning),
+                               version=(config, tuning))
