@@ -56,7 +56,7 @@ class MoEInputs:
         b_gate_up: `[L, 2I]` (gate columns, then up), b_down: `[L, D]`: this rank's experts' optional biases
             (gpt-oss; None: none), added in FP32 to gate/up before the activation and to each expert's output on
             the experts' rank, before its router weight; differentiable (FP32 segment sums over each expert's
-            rows). The baselines have none.
+            rows). The baselines add them in FP32 after their grouped GEMMs.
 
     ``shared`` is kept as a tuple. Construction checks nothing: :meth:`validate` does, since what is valid
     depends on the implementation (its dtypes, its world) and one check reads the ids on the host.
