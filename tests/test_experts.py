@@ -12,33 +12,17 @@ from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
 
 from kinds import EVERY_KIND, clamped  # tests/kinds.py
+from loads import DEVICE, LOADS, in_regions, regions  # tests/loads.py
 from sm90 import sm90_report  # tests/sm90.py
-
-# On a GPU machine the same tests run compiled on the GPU; on the CPU under the interpreter.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-# (counts per expert, gap rows between regions): an empty expert, fewer rows than a tile,
-# regions not aligned to the tile, all rows to one expert.
-LOADS = {
-    "mixed": ([5, 0, 40, 33], 3),
-    "one-expert": ([0, 70, 0], 0),
-    "single-row": ([1], 0),
-    "no-rows": ([0, 0], 0),
-}
 
 
 def _problem(counts, gap, d=128, i=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    offsets, cursor = [], 0
-    for c in counts:
-        offsets.append(cursor)
-        cursor += c + gap
-    rows = cursor + 5
+    counts, offsets, rows = regions(counts, gap)
     x = torch.randn(rows, d, generator=g).bfloat16()
     wgu = (torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5).bfloat16()
     wd = (torch.randn(len(counts), d, i, generator=g) / i**0.5).bfloat16()
-    tensors = (x, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), wgu, wd)
-    return tuple(t.to(DEVICE) for t in tensors)
+    return tuple(t.to(DEVICE) for t in (x, counts, offsets, wgu, wd))
 
 
 def _poisoned_like(ref):
@@ -75,9 +59,7 @@ def test_tile_shapes_and_grid_size_do_not_change_the_result():
     other = expert_forward(x, counts, offsets, wgu, wd, num_programs=1, tuning=Tuning(**tiles))
     for name in ("h", "act", "y"):
         a, b = getattr(base, name), getattr(other, name)
-        inside = torch.zeros(a.shape[0], dtype=torch.bool, device=DEVICE)
-        for o, c in zip(offsets.tolist(), counts.tolist()):
-            inside[o : o + c] = True
+        inside = in_regions(counts, offsets, a.shape[0])
         torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=2e-2, atol=2e-2)
 
 
@@ -271,9 +253,7 @@ def test_forward_over_minibatch_tiles_gives_the_same_bits():
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=4)
     plain = expert_forward(x, counts, offsets, wgu, wd, num_programs=3)
     cut = expert_forward(x, counts, offsets, wgu, wd, num_programs=3, minibatch=24)
-    inside = torch.zeros(x.shape[0], dtype=torch.bool, device=DEVICE)
-    for o, c in zip(offsets.tolist(), counts.tolist()):
-        inside[o : o + c] = True
+    inside = in_regions(counts, offsets, x.shape[0])
     for name in ("h", "act", "y"):
         assert torch.equal(getattr(plain, name)[inside], getattr(cut, name)[inside]), name
 
@@ -597,9 +577,7 @@ def test_backward_is_bitwise_deterministic_across_grid_sizes():
     dy, row_weights = torch.randn(x.shape, device=DEVICE).bfloat16(), torch.rand(x.shape[0], device=DEVICE)
     h = expert_forward(x, counts, offsets, wgu, wd).h
     runs = [expert_backward(dy, row_weights, x, h, counts, offsets, wgu, wd, num_programs=p) for p in (1, 5)]
-    inside = torch.zeros(x.shape[0], dtype=torch.bool, device=DEVICE)
-    for o, c in zip(offsets.tolist(), counts.tolist()):
-        inside[o : o + c] = True
+    inside = in_regions(counts, offsets, x.shape[0])
     assert torch.equal(runs[0].d_x[inside], runs[1].d_x[inside])
     assert torch.equal(runs[0].d_router[inside], runs[1].d_router[inside])
     assert torch.equal(runs[0].d_w_gate_up, runs[1].d_w_gate_up) and torch.equal(runs[0].d_w_down, runs[1].d_w_down)
@@ -616,9 +594,7 @@ def test_backward_stores_d_x_rows_into_their_slots_with_the_same_bits():
     row_weights = torch.rand(x.shape[0], generator=g).to(DEVICE)
     h = expert_forward(x, counts, offsets, wgu, wd).h
     rows = x.shape[0]
-    inside = torch.zeros(rows, dtype=torch.bool)
-    for o, c in zip(offsets.tolist(), counts.tolist()):
-        inside[o : o + c] = True
+    inside = in_regions(counts, offsets, rows).cpu()
     # every row inside a region to a distinct slot of a larger set, a few of them (and every row outside) to none
     index = torch.randperm(2 * rows, generator=g)[:rows].to(torch.int32)
     index[~inside] = -1
@@ -725,9 +701,7 @@ def test_gpu_gathered_operands_give_the_routed_copies_bits(d, i, monkeypatch):
 def test_forward_is_bitwise_deterministic_across_grid_sizes():
     x, counts, offsets, wgu, wd = _problem(*LOADS["mixed"], seed=9)
     runs = [expert_forward(x, counts, offsets, wgu, wd, num_programs=p) for p in (1, 3, 7)]
-    inside = torch.zeros(x.shape[0], dtype=torch.bool, device=DEVICE)
-    for o, c in zip(offsets.tolist(), counts.tolist()):
-        inside[o : o + c] = True
+    inside = in_regions(counts, offsets, x.shape[0])
     for other in runs[1:]:
         for name in ("h", "act", "y"):
             assert torch.equal(getattr(runs[0], name)[inside], getattr(other, name)[inside]), name

@@ -10,36 +10,22 @@ from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_b
 from megamoe.reference.formats import fp8_block_quantize
 
 from kinds import EVERY_KIND, clamped  # tests/kinds.py
+from loads import DEVICE, LOADS, in_regions, regions, rel  # tests/loads.py
 from sm90 import sm90_report  # tests/sm90.py
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
-
-# (counts per expert, gap rows between regions): an empty expert, fewer rows than a tile,
-# regions not aligned to the tile, all rows to one expert, no rows at all.
-LOADS = {
-    "mixed": ([5, 0, 40, 33], 3),
-    "one-expert": ([0, 70, 0], 0),
-    "no-rows": ([0, 0], 0),
-}
 
 
 def _problem(counts, gap, d=256, i=256, seed=0):
     g = torch.Generator().manual_seed(seed)
-    offsets, cursor = [], 0
-    for c in counts:
-        offsets.append(cursor)
-        cursor += c + gap
-    rows = cursor + 5
+    counts, offsets, rows = regions(counts, gap)
     x = torch.randn(rows, d, generator=g) * torch.rand(rows, 1, generator=g) * 4  # per-row ranges differ
     wgu = torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5
     wd = torch.randn(len(counts), d, i, generator=g) / i**0.5
     x_q, x_s = fp8_block_quantize(x)
     gu_q, gu_s = fp8_block_quantize(wgu, (128, 128))
     dn_q, dn_s = fp8_block_quantize(wd, (128, 128))
-    tensors = (x_q, x_s, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-               gu_q, gu_s, dn_q, dn_s)
-    return tuple(t.to(DEVICE) for t in tensors)
+    return tuple(t.to(DEVICE) for t in (x_q, x_s, counts, offsets, gu_q, gu_s, dn_q, dn_s))
 
 
 def _poisoned(rows, d, i):
@@ -52,17 +38,6 @@ def _poisoned(rows, d, i):
     )
 
 
-def _inside(counts, offsets, rows):
-    inside = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
-    for o, c in zip(offsets.tolist(), counts.tolist()):
-        inside[o : o + c] = True
-    return inside
-
-
-def _rel(a, b):
-    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("load, activation", [("mixed", EVERY_KIND[0]), ("one-expert", EVERY_KIND[1]),
                                               ("no-rows", EVERY_KIND[0]), *(("mixed", a) for a in EVERY_KIND[1:])])
 def test_forward_matches_twin_and_writes_only_its_rows(load, activation):
@@ -72,7 +47,7 @@ def test_forward_matches_twin_and_writes_only_its_rows(load, activation):
     i = args[6].shape[2]
     out = expert_forward_fp8_block(*args, activation=activation, num_programs=3, out=_poisoned(rows, d, i))
     ref = expert_forward_fp8_block_reference(*args, activation=activation)
-    inside = _inside(counts, offsets, rows)
+    inside = in_regions(counts, offsets, rows)
     # written exactly inside the expert regions
     assert not out.y[inside].isnan().any() and out.y[~inside].isnan().all()
     assert not out.h[inside].isnan().any() and out.h[~inside].isnan().all()
@@ -81,15 +56,15 @@ def test_forward_matches_twin_and_writes_only_its_rows(load, activation):
     assert (q[inside] != 0xFF).all() and (q[~inside] == 0xFF).all()
     if not inside.any():
         return
-    assert _rel(out.y[inside], ref.y[inside]) <= 2e-2, _rel(out.y[inside], ref.y[inside])
-    assert _rel(out.h[inside], ref.h[inside]) <= 1e-2
+    assert rel(out.y[inside], ref.y[inside]) <= 2e-2, rel(out.y[inside], ref.y[inside])
+    assert rel(out.h[inside], ref.h[inside]) <= 1e-2
     # act scales: the same up to the rounding of the fp32 block sums (an ulp or so of the amax)
     got_s, want_s = out.act_scale[inside], ref.act_scale[inside]
     assert ((got_s / want_s - 1).abs() <= 1e-3).all()
     # act values: the dequantised activations agree within FP8 resolution on every device
     got_act = out.act_q[inside].float() * got_s.repeat_interleave(128, dim=1)
     want_act = ref.act_q[inside].float() * want_s.repeat_interleave(128, dim=1)
-    assert _rel(got_act, want_act) <= 2e-2, _rel(got_act, want_act)
+    assert rel(got_act, want_act) <= 2e-2, rel(got_act, want_act)
     if DEVICE.type == "cpu":
         # The interpreter accumulates like the twin: scales and bytes match (but for rare rounding ties).
         # The GPU's FP8 wgmma accumulates with fewer bits, so there only the tolerances above apply.
@@ -110,14 +85,14 @@ def test_store_h_false_and_tile_shapes_do_not_change_the_result():
     tiles["down"] = TileConfig(16, 64, 128, num_warps=4, num_stages=1, group_m=2)  # half a weight block
     third = expert_forward_fp8_block(*args, num_programs=2, tuning=Tuning(**tiles), store_h=False)
     assert other.h is None
-    inside = _inside(args[2], args[3], rows)
+    inside = in_regions(args[2], args[3], rows)
     for o in (other, third):
         # other tile shapes sum the 128-term blocks in another order: the act amaxes may move by an ulp
         torch.testing.assert_close(base.act_scale[inside], o.act_scale[inside], rtol=1e-3, atol=0)
         if DEVICE.type == "cpu":  # on the GPU the FP8 accumulation order moves act bytes by an ulp
             same = (base.act_q.view(torch.uint8)[inside] == o.act_q.view(torch.uint8)[inside]).float().mean()
             assert float(same) >= 0.99, float(same)
-        assert _rel(o.y[inside], base.y[inside]) <= 1e-2, _rel(o.y[inside], base.y[inside])
+        assert rel(o.y[inside], base.y[inside]) <= 1e-2, rel(o.y[inside], base.y[inside])
 
 
 def test_fp8_plan_takes_64_row_gate_up_tiles_for_few_rows_per_expert():
@@ -156,7 +131,7 @@ def test_gpu_fp8_few_row_tiles_give_the_same_bits():
     rows, d, i = args[0].shape[0], 512, 256
     wide = expert_forward_fp8_block(*args, out=_poisoned(rows, d, i), rows_per_expert=300)
     narrow = expert_forward_fp8_block(*args, out=_poisoned(rows, d, i))  # a mean of 91 rows: 64-row gate/up
-    inside = _inside(args[2], args[3], rows)
+    inside = in_regions(args[2], args[3], rows)
     for name in ("h", "act_scale", "y"):
         a, b = getattr(wide, name), getattr(narrow, name)
         assert not a[inside].isnan().any() and torch.equal(a.isnan(), b.isnan()), name
@@ -220,7 +195,7 @@ def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, activation, store_h):
         outs.append(out)
     torch.cuda.synchronize()
     plan, ws = outs
-    inside = _inside(counts, offsets, rows)
+    inside = in_regions(counts, offsets, rows)
     for name in ("h", "act_scale", "y") if store_h else ("act_scale", "y"):
         a, b = getattr(plan, name), getattr(ws, name)
         assert not b[inside].isnan().any() and torch.equal(a.isnan(), b.isnan()), f"{name}: written rows differ"
@@ -230,7 +205,7 @@ def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, activation, store_h):
     if not store_h:
         assert ws.h.isnan().all(), "h written without store_h"
     ref = expert_forward_fp8_block_reference(*args, activation=activation)
-    assert _rel(ws.y[inside], ref.y[inside]) < 2e-2
+    assert rel(ws.y[inside], ref.y[inside]) < 2e-2
 
 
 @pytest.mark.parametrize(
@@ -266,7 +241,7 @@ def test_scales_with_a_size_one_dim_of_any_stride_give_the_same_bits():
     base = expert_forward_fp8_block(*args, num_programs=3)
     args[7] = odd
     got = expert_forward_fp8_block(*args, num_programs=3)
-    inside = _inside(args[2], args[3], args[0].shape[0])
+    inside = in_regions(args[2], args[3], args[0].shape[0])
     assert torch.equal(got.y[inside].view(torch.int16), base.y[inside].view(torch.int16))
     with pytest.raises(ValueError, match="must be contiguous"):
         flat_row_stride(torch.zeros(2, 4, 6)[:, :, :3])

@@ -13,12 +13,8 @@ from megamoe.ops.quant import quantize_activations
 from megamoe.reference.formats import fp8_block_quantize
 
 from kinds import EVERY_KIND, clamped  # tests/kinds.py
+from loads import DEVICE, FP8_BACKWARD_LOADS, in_regions, regions, rel  # tests/loads.py
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-# (counts per expert, gap rows between regions): an empty expert, a partial last 128-row block, regions not
-# aligned to anything, more than one K block of rows; all rows to one expert; no rows at all
-LOADS = {"mixed": ([5, 0, 140, 33], 3), "one-expert": ([0, 70, 0], 0), "no-rows": ([0, 0], 0)}
 #: format -> (the launches, their twin)
 FORMATS = {"fp8-block": (expert_backward_fp8_block, expert_backward_fp8_block_reference),
            "mxfp8": (expert_backward_mxfp8, expert_backward_mxfp8_reference)}
@@ -26,18 +22,14 @@ FORMATS = {"fp8-block": (expert_backward_fp8_block, expert_backward_fp8_block_re
 
 def _problem(counts, gap, d=256, i=128, seed=0):
     g = torch.Generator().manual_seed(seed)
-    offsets, cursor = [], 0
-    for c in counts:
-        offsets.append(cursor)
-        cursor += c + gap
-    rows = cursor + 5
+    counts, offsets, rows = regions(counts, gap)
     scale = torch.rand(rows, 1, generator=g) * 4  # rows of different ranges
     t = dict(
         dy=(torch.randn(rows, d, generator=g) * scale).bfloat16(),
         w=torch.rand(rows, generator=g),
         x=(torch.randn(rows, d, generator=g) * scale).bfloat16(),
         h=(torch.randn(rows, 2 * i, generator=g) * 2).bfloat16(),
-        counts=torch.tensor(counts, dtype=torch.int32), offsets=torch.tensor(offsets, dtype=torch.int32),
+        counts=counts, offsets=offsets,
         wgu=(torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5).bfloat16(),
         wd=(torch.randn(len(counts), d, i, generator=g) / i**0.5).bfloat16(),
     )
@@ -48,15 +40,8 @@ def _args(p):
     return p["dy"], p["w"], p["x"], p["h"], p["counts"], p["offsets"], p["wgu"], p["wd"]
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
-
-
 def _inside(p):
-    inside = torch.zeros(p["x"].shape[0], dtype=torch.bool, device=DEVICE)
-    for o, c in zip(p["offsets"].tolist(), p["counts"].tolist()):
-        inside[o: o + c] = True
-    return inside
+    return in_regions(p["counts"], p["offsets"], p["x"].shape[0])
 
 
 def test_token_blocks_start_each_expert_at_a_block_and_pad_with_zeros():
@@ -78,12 +63,12 @@ def test_token_blocks_start_each_expert_at_a_block_and_pad_with_zeros():
 #: each format on every load, the mixed one with and without the clamp (mxfp8's clamped case slow: ~20 s)
 CASES = ([("fp8-block", "mixed", clamped(0.8)), pytest.param("mxfp8", "mixed", clamped(0.8), marks=pytest.mark.slow)]
          + [("fp8-block", "mixed", a) for a in EVERY_KIND[2:]]  # gpt-oss, geglu: one epilogue (dact_epilogue)
-         + [(fmt, load, EVERY_KIND[0]) for fmt in FORMATS for load in LOADS])  # serves both formats
+         + [(fmt, load, EVERY_KIND[0]) for fmt in FORMATS for load in FP8_BACKWARD_LOADS])  # serves both formats
 
 
 @pytest.mark.parametrize("fmt, load, activation", CASES)
 def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, activation):
-    p = _problem(*LOADS[load], seed=3)
+    p = _problem(*FP8_BACKWARD_LOADS[load], seed=3)
     launch, reference = FORMATS[fmt]
     got = launch(*_args(p), activation=activation)
     twin = reference(*_args(p), activation=activation)
@@ -99,9 +84,9 @@ def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, activation):
     for name, (kernel, tw, fp32) in pairs.items():
         assert torch.isfinite(kernel).all(), name
         # the twin quantises alike: only the 128-term block sums' fp32 rounding and the bf16 stores differ (~1e-3)
-        assert _rel(kernel, tw) < 4e-3, (fmt, name, _rel(kernel, tw))
+        assert rel(kernel, tw) < 4e-3, (fmt, name, rel(kernel, tw))
         # E4M3 operands against the BF16 math: a few % (3 mantissa bits); a wrong scale is off by far more
-        assert 1e-3 < _rel(kernel, fp32) < 8e-2, (fmt, name, _rel(kernel, fp32))
+        assert 1e-3 < rel(kernel, fp32) < 8e-2, (fmt, name, rel(kernel, fp32))
     # experts without rows get zero weight gradients
     for e, c in enumerate(p["counts"].tolist()):
         if c == 0:
@@ -110,7 +95,7 @@ def test_fp8_backward_matches_its_twin_and_the_oracle(fmt, load, activation):
 
 def test_fp8_block_backward_is_bitwise_deterministic():
     """(mxfp8's bits across reruns and configs: tests/test_training_fp8.py)"""
-    p = _problem(*LOADS["mixed"], seed=4)
+    p = _problem(*FP8_BACKWARD_LOADS["mixed"], seed=4)
     a, b = (expert_backward_fp8_block(*_args(p), activation=clamped(0.8)) for _ in range(2))
     inside = _inside(p)  # rows outside every region are not written
     for name in ("d_x", "d_router"):
@@ -140,7 +125,7 @@ def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits(activation):
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
     assert got[1].d_w_down[1].eq(0).all() and got[1].d_w_gate_up[1].eq(0).all()  # the empty expert
     ref = expert_backward_fp8_block_reference(*_args(p), activation=activation)
-    assert _rel(got[1].d_w_gate_up, ref.d_w_gate_up) < 2e-2
+    assert rel(got[1].d_w_gate_up, ref.d_w_gate_up) < 2e-2
 
 
 @pytest.mark.gpu
@@ -239,7 +224,7 @@ def test_fp8_backward_takes_e4m3_rows(fmt):
     d_x and router gradients as from their BF16 rows (dact quantises dy that way), weight gradients that
     match the twin on the same rows and stay within FP8 error of the BF16-row ones; a format mismatch is
     refused."""
-    p = _problem(*LOADS["mixed"], seed=6)
+    p = _problem(*FP8_BACKWARD_LOADS["mixed"], seed=6)
     launch, reference = FORMATS[fmt]
     quant = quantize_activations
     dy_q, x_q = (QuantRows(*quant(p[k], fmt), fmt) for k in ("dy", "x"))
@@ -251,8 +236,8 @@ def test_fp8_backward_takes_e4m3_rows(fmt):
     for name in ("d_x", "d_router"):
         assert torch.equal(getattr(got, name)[inside], getattr(base, name)[inside]), name
     for name in ("d_w_gate_up", "d_w_down"):
-        assert _rel(getattr(got, name), getattr(twin, name)) < 4e-3, name
-        assert _rel(getattr(got, name), getattr(base, name)) < 6e-2, name
+        assert rel(getattr(got, name), getattr(twin, name)) < 4e-3, name
+        assert rel(getattr(got, name), getattr(base, name)) < 6e-2, name
         assert not torch.equal(getattr(got, name), getattr(base, name)), name  # re-quantised: not the same bits
     other = "mxfp8" if fmt == "fp8-block" else "fp8-block"
     args[0] = QuantRows(*quant(p["dy"], other), other)

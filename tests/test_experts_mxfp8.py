@@ -9,28 +9,16 @@ from megamoe.ops.experts_mxfp8 import ExpertForwardQuantized, expert_forward_mxf
 from megamoe.reference.formats import mxfp8_dequantize, mxfp8_quantize
 
 from kinds import EVERY_KIND, clamped  # tests/kinds.py
+from loads import DEVICE, LOADS, in_regions, regions, rel  # tests/loads.py
 from sm90 import sm90_report  # tests/sm90.py
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
-
-# (counts per expert, gap rows between regions): an empty expert, fewer rows than a tile,
-# regions not aligned to the tile, all rows to one expert, no rows at all.
-LOADS = {
-    "mixed": ([5, 0, 40, 33], 3),
-    "one-expert": ([0, 70, 0], 0),
-    "no-rows": ([0, 0], 0),
-}
 
 
 def _problem(counts, gap, d=128, i=96, seed=0):
     """I = 96: a gate/up tile (64 act columns) runs past I, so the masking of the last tile is tested."""
     g = torch.Generator().manual_seed(seed)
-    offsets, cursor = [], 0
-    for c in counts:
-        offsets.append(cursor)
-        cursor += c + gap
-    rows = cursor + 5
+    counts, offsets, rows = regions(counts, gap)
     x = torch.randn(rows, d, generator=g) * torch.rand(rows, 1, generator=g) * 4  # per-row ranges differ
     x[:, :32] *= 1e-3  # blocks of very different scales along K
     wgu = torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5
@@ -38,9 +26,7 @@ def _problem(counts, gap, d=128, i=96, seed=0):
     x_q, x_s = mxfp8_quantize(x)
     gu_q, gu_s = mxfp8_quantize(wgu)  # along D
     dn_q, dn_s = mxfp8_quantize(wd)  # along I
-    tensors = (x_q, x_s, torch.tensor(counts, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
-               gu_q, gu_s, dn_q, dn_s)
-    return tuple(t.to(DEVICE) for t in tensors)
+    return tuple(t.to(DEVICE) for t in (x_q, x_s, counts, offsets, gu_q, gu_s, dn_q, dn_s))
 
 
 def _poisoned(rows, d, i):
@@ -51,17 +37,6 @@ def _poisoned(rows, d, i):
         act_scale=torch.full((rows, i // 32), 0xFE, dtype=torch.uint8, device=DEVICE),
         y=torch.full((rows, d), float("nan"), **nan),
     )
-
-
-def _inside(counts, offsets, rows):
-    inside = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
-    for o, c in zip(offsets.tolist(), counts.tolist()):
-        inside[o : o + c] = True
-    return inside
-
-
-def _rel(a, b):
-    return float((a.float() - b.float()).abs().sum() / b.float().abs().sum().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("variant", ["dequant", "rescale"])
@@ -75,7 +50,7 @@ def test_forward_matches_twin_and_writes_only_its_rows(variant, load, activation
     out = expert_forward_mxfp8(*args, variant=variant, activation=activation, num_programs=3,
                                out=_poisoned(rows, d, i))
     ref = expert_forward_mxfp8_reference(*args, activation=activation)
-    inside = _inside(counts, offsets, rows)
+    inside = in_regions(counts, offsets, rows)
     assert not out.y[inside].isnan().any() and out.y[~inside].isnan().all()
     assert not out.h[inside].isnan().any() and out.h[~inside].isnan().all()
     assert (out.act_scale[inside] != 0xFE).all() and (out.act_scale[~inside] == 0xFE).all()
@@ -83,11 +58,11 @@ def test_forward_matches_twin_and_writes_only_its_rows(variant, load, activation
     assert (q[inside] != 0xFF).all() and (q[~inside] == 0xFF).all()
     if not inside.any():
         return
-    assert _rel(out.y[inside], ref.y[inside]) <= 2e-2, _rel(out.y[inside], ref.y[inside])
-    assert _rel(out.h[inside], ref.h[inside]) <= 1e-2
+    assert rel(out.y[inside], ref.y[inside]) <= 2e-2, rel(out.y[inside], ref.y[inside])
+    assert rel(out.h[inside], ref.h[inside]) <= 1e-2
     got_act = mxfp8_dequantize(out.act_q[inside], out.act_scale[inside])
     want_act = mxfp8_dequantize(ref.act_q[inside], ref.act_scale[inside])
-    assert _rel(got_act, want_act) <= 2e-2, _rel(got_act, want_act)
+    assert rel(got_act, want_act) <= 2e-2, rel(got_act, want_act)
     # scales: equal up to an amax crossing a power of two by the fp32 summation order
     diff = (out.act_scale[inside].int() - ref.act_scale[inside].int()).abs()
     assert int(diff.max()) <= 1
@@ -107,7 +82,7 @@ def test_variants_agree_and_tiles_store_h_int_exp_do_not_change_the_result():
     args = _problem(*LOADS["mixed"], seed=3)
     rows, d = args[0].shape
     i = args[6].shape[2]
-    inside = _inside(args[2], args[3], rows)
+    inside = in_regions(args[2], args[3], rows)
     base = expert_forward_mxfp8(*args, variant="dequant", num_programs=4)
     tiles = {"gate_up": TileConfig(16, 128, 32, num_warps=4, num_stages=1, group_m=3),
              "down": TileConfig(64, 32, 32, num_warps=4, num_stages=1, group_m=1)}
@@ -125,7 +100,7 @@ def test_variants_agree_and_tiles_store_h_int_exp_do_not_change_the_result():
         if DEVICE.type == "cpu":
             same = (base.act_q.view(torch.uint8)[inside] == o.act_q.view(torch.uint8)[inside]).float().mean()
             assert float(same) >= 0.99, float(same)
-        assert _rel(o.y[inside], base.y[inside]) <= 1e-2, _rel(o.y[inside], base.y[inside])
+        assert rel(o.y[inside], base.y[inside]) <= 1e-2, rel(o.y[inside], base.y[inside])
 
 
 def test_nan_scale_block_poisons_its_row():
@@ -147,7 +122,7 @@ def test_nan_scale_block_poisons_its_row():
         assert out.y[nan_row].isnan().all(), variant
         assert (out.act_scale[nan_row] == 255).all(), variant
         assert not out.y[clean_row].isnan().any(), variant
-        assert _rel(out.y[clean_row], ref.y[clean_row]) <= 1e-2, variant
+        assert rel(out.y[clean_row], ref.y[clean_row]) <= 1e-2, variant
 
 
 @pytest.mark.parametrize(
