@@ -8,7 +8,7 @@ cap and its SM clock falls from 1980 to ~1400 MHz over the first second (benchma
 clock_probe), so later candidates run hotter. Here every round runs each variant for --seconds back to back,
 after a first round that only warms up, and the table gives each variant's median ms over the rounds. Variants:
 128-row tiles (8 warps) and 64-row tiles (one warpgroup) for gate/up and down, in BF16, FP8-block or MXFP8
-(its dequant kernels; operands quantised once, untimed); every variant's output is compared with the first's.
+(operands quantised once, untimed); every variant's output is compared with the first's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ BF16_64 = {"gate_up": TileConfig(64, 128, 64, 4, 4, 8), "down": TileConfig(64, 2
 FP8_128 = {"gate_up": TileConfig(128, 128, 128, 8, 3, 4), "down": TileConfig(128, 128, 128, 8, 4, 8)}
 # one warpgroup: a 64x128 product per K step beside its 64x128 accumulator (64 + 64 registers a thread)
 FP8_64 = {"gate_up": TileConfig(64, 128, 128, 4, 4, 8), "down": TileConfig(64, 128, 128, 4, 4, 8)}
-MX_128 = {"gate_up": TileConfig(128, 64, 64, 8, 3, 4), "down": TileConfig(128, 128, 64, 8, 3, 8)}  # the dequant plan
+MX_128 = {"gate_up": TileConfig(128, 64, 64, 8, 3, 4), "down": TileConfig(128, 128, 64, 8, 3, 8)}  # the planner's
 MX_64 = {"gate_up": TileConfig(64, 64, 64, 4, 4, 8), "down": TileConfig(64, 128, 64, 4, 4, 8)}
 
 

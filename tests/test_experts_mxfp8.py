@@ -1,4 +1,4 @@
-"""MXFP8 grouped expert GEMMs (dequantise-on-load and per-32 rescale) against the fp32 torch twin."""
+"""MXFP8 grouped expert GEMMs (dequantise-on-load) against the fp32 torch twin."""
 
 import pytest
 import torch
@@ -39,16 +39,14 @@ def _poisoned(rows, d, i):
     )
 
 
-@pytest.mark.parametrize("variant", ["dequant", "rescale"])
 @pytest.mark.parametrize("load, activation", [("mixed", EVERY_KIND[0]), ("mixed", EVERY_KIND[1]),
                                               ("one-expert", EVERY_KIND[2]), ("no-rows", EVERY_KIND[3])])
-def test_forward_matches_twin_and_writes_only_its_rows(variant, load, activation):
+def test_forward_matches_twin_and_writes_only_its_rows(load, activation):
     args = _problem(*LOADS[load])
     x_q, counts, offsets = args[0], args[2], args[3]
     rows, d = x_q.shape
     i = args[6].shape[2]
-    out = expert_forward_mxfp8(*args, variant=variant, activation=activation, num_programs=3,
-                               out=_poisoned(rows, d, i))
+    out = expert_forward_mxfp8(*args, activation=activation, num_programs=3, out=_poisoned(rows, d, i))
     ref = expert_forward_mxfp8_reference(*args, activation=activation)
     inside = in_regions(counts, offsets, rows)
     assert not out.y[inside].isnan().any() and out.y[~inside].isnan().all()
@@ -76,36 +74,28 @@ def test_forward_matches_twin_and_writes_only_its_rows(variant, load, activation
         assert float((got_q == want_q).float().mean()) >= 0.99
 
 
-def test_variants_agree_and_tiles_store_h_int_exp_do_not_change_the_result():
-    from megamoe.ops.experts_mxfp8 import down_mxfp8, gate_up_mxfp8
-
+def test_tiles_programs_and_store_h_do_not_change_the_result():
+    """Pinned tiles (BLOCK_K 32: one scale per K step), one program and no h give the planner's result up to the
+    fp32 summation order."""
     args = _problem(*LOADS["mixed"], seed=3)
-    rows, d = args[0].shape
-    i = args[6].shape[2]
+    rows = args[0].shape[0]
     inside = in_regions(args[2], args[3], rows)
-    base = expert_forward_mxfp8(*args, variant="dequant", num_programs=4)
+    base = expert_forward_mxfp8(*args, num_programs=4)
     tiles = {"gate_up": TileConfig(16, 128, 32, num_warps=4, num_stages=1, group_m=3),
              "down": TileConfig(64, 32, 32, num_warps=4, num_stages=1, group_m=1)}
-    outs = [expert_forward_mxfp8(*args, variant=v, num_programs=p, tuning=Tuning(**tiles), store_h=False)
-            for v, p in (("dequant", 1), ("rescale", 2))]
-    # the literal integer-exponent form of the rescale
-    o = _poisoned(rows, d, i)
-    gate_up_mxfp8(args[0], args[1], args[2], args[3], args[4], args[5], o, variant="rescale", int_exp=True)
-    down_mxfp8(o.act_q, o.act_scale, args[2], args[3], args[6], args[7], o.y, variant="rescale", int_exp=True)
-    outs.append(o)
-    assert outs[0].h is None
-    for o in outs:
-        diff = (base.act_scale[inside].int() - o.act_scale[inside].int()).abs()
-        assert int(diff.max()) <= 1
-        if DEVICE.type == "cpu":
-            same = (base.act_q.view(torch.uint8)[inside] == o.act_q.view(torch.uint8)[inside]).float().mean()
-            assert float(same) >= 0.99, float(same)
-        assert rel(o.y[inside], base.y[inside]) <= 1e-2, rel(o.y[inside], base.y[inside])
+    o = expert_forward_mxfp8(*args, num_programs=1, tuning=Tuning(**tiles), store_h=False)
+    assert o.h is None
+    diff = (base.act_scale[inside].int() - o.act_scale[inside].int()).abs()
+    assert int(diff.max()) <= 1
+    if DEVICE.type == "cpu":
+        same = (base.act_q.view(torch.uint8)[inside] == o.act_q.view(torch.uint8)[inside]).float().mean()
+        assert float(same) >= 0.99, float(same)
+    assert rel(o.y[inside], base.y[inside]) <= 1e-2, rel(o.y[inside], base.y[inside])
 
 
 def test_nan_scale_block_poisons_its_row():
     """A NaN block (scale byte 255, the quantiser's NaN encoding) gives NaN in its row and nowhere else in its
-    expert, both variants. (Rows 11..50 are expert 2's; the outputs start finite, so a NaN was written.)"""
+    expert. (Rows 11..50 are expert 2's; the outputs start finite, so a NaN was written.)"""
     args = list(_problem(*LOADS["mixed"], seed=5))
     nan_row, clean_row = 20, 21
     x = mxfp8_dequantize(args[0].cpu(), args[1].cpu())
@@ -115,14 +105,13 @@ def test_nan_scale_block_poisons_its_row():
     rows, d = args[0].shape
     i = args[6].shape[2]
     ref = expert_forward_mxfp8_reference(*args)
-    for variant in ("dequant", "rescale"):
-        out = _poisoned(rows, d, i)
-        out.y.fill_(3.0)
-        out = expert_forward_mxfp8(*args, variant=variant, out=out)
-        assert out.y[nan_row].isnan().all(), variant
-        assert (out.act_scale[nan_row] == 255).all(), variant
-        assert not out.y[clean_row].isnan().any(), variant
-        assert rel(out.y[clean_row], ref.y[clean_row]) <= 1e-2, variant
+    out = _poisoned(rows, d, i)
+    out.y.fill_(3.0)
+    out = expert_forward_mxfp8(*args, out=out)
+    assert out.y[nan_row].isnan().all()
+    assert (out.act_scale[nan_row] == 255).all()
+    assert not out.y[clean_row].isnan().any()
+    assert rel(out.y[clean_row], ref.y[clean_row]) <= 1e-2
 
 
 @pytest.mark.parametrize(
@@ -144,7 +133,7 @@ def test_bad_arguments_raise_value_error(mutate, message):
         expert_forward_mxfp8(*args)
 
 
-def test_bad_shapes_variants_and_tiles_raise_value_error():
+def test_bad_shapes_and_tiles_raise_value_error():
     args = _problem(*LOADS["mixed"])
     # D not a multiple of 32
     x_q, gu_q, dn_q = args[0][:, :112], args[4][:, :, :112], args[6][:, :112]
@@ -152,10 +141,8 @@ def test_bad_shapes_variants_and_tiles_raise_value_error():
            args[5][:, :, :3].contiguous(), dn_q.contiguous(), args[7][:, :112].contiguous())
     with pytest.raises(ValueError, match="multiples of 32"):
         expert_forward_mxfp8(*bad)
-    with pytest.raises(ValueError, match="variant"):
-        expert_forward_mxfp8(*args, variant="fp8")
     with pytest.raises(ValueError, match="block_k"):
-        expert_forward_mxfp8(*args, variant="rescale", tuning=Tuning(down=TileConfig(32, 64, 64)))
+        expert_forward_mxfp8(*args, tuning=Tuning(down=TileConfig(32, 64, 16)))
     with pytest.raises(ValueError, match="block_n"):
         expert_forward_mxfp8(*args, tuning=Tuning(gate_up=TileConfig(32, 32, 64)))
     with pytest.raises(ValueError, match="num_programs"):
@@ -164,20 +151,16 @@ def test_bad_shapes_variants_and_tiles_raise_value_error():
 
 def test_mxfp8_kernels_compile_for_sm90_with_registers_and_spills():
     """Compiled on the CPU for Hopper at the planner's GPU tiles, forward and backward (dact, wgrad; dx is the
-    down kernel): dequant uses bf16 wgmma, rescale e4m3 wgmma, all with TMA. Registers and ptxas spill bytes are printed (pytest -s); the dequant kernels and the rescale
-    down kernel do not spill; rescale gate/up spills a little (see plan_tiles_mxfp8)."""
+    down kernel): bf16 wgmma on the dequantised tiles, TMA loads. Registers and ptxas spill bytes are printed
+    (pytest -s); none spills."""
     summary = sm90_report("mxfp8")
     for name, facts in summary.items():
         print(f"{name}: registers {facts['registers']}, spill (stack) bytes {facts['stack_bytes']}, "
               f"shared {facts['shared_bytes']}")
-    assert set(summary) == {"gate_up_dequant", "down_dequant", "gate_up_rescale", "down_rescale",
-                            "gate_up_rescale_int_exp", "down_rescale_int_exp", "dact_dequant", "wgrad_dequant",
+    assert set(summary) == {"gate_up_dequant", "down_dequant", "dact_dequant", "wgrad_dequant",
                             "wgrad_dequant (carry)"}
     for name, facts in summary.items():
-        fp8 = "rescale" in name
         assert facts["wgmma"] > 0 and facts["tma"], (name, facts)
-        assert facts["wgmma_fp8"] == fp8 and facts["wgmma_bf16"] == (not fp8), (name, facts)
+        assert not facts["wgmma_fp8"] and facts["wgmma_bf16"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
-    for name in ("gate_up_dequant", "down_dequant", "down_rescale", "dact_dequant", "wgrad_dequant",
-                 "wgrad_dequant (carry)"):
-        assert summary[name]["stack_bytes"] in (0, None), (name, summary[name])
+        assert facts["stack_bytes"] in (0, None), (name, facts)

@@ -1,6 +1,6 @@
 """Grouped expert GEMM tiles in MXFP8 (OCP MX: E4M3 elements, one E8M0 scale per 32 along K) on Hopper.
 
-Hopper has no block-scaled MMA, so two exact formulations, same task structure as
+Hopper has no block-scaled MMA, so the tiles dequantise on load (exact), with the task structure of
 `megamoe.kernels.expert_gemm` (persistent programs over (row tile, n-tile) tasks, `_tile_task`):
 
     x_q [R, D] e4m3, x_scale [R, D/32] u8             rows, 32-blocks along D
@@ -10,37 +10,26 @@ Hopper has no block-scaled MMA, so two exact formulations, same task structure a
     w_down_q [L*D, I] e4m3, scale [L*D, I/32] u8
     y [R, D] bf16
 
-(A) dequantise-on-load (``RESCALE=False``): each TMA-loaded E4M3 tile is multiplied in registers by
-    its blocks' powers of two and rounded to bf16, then one bf16 wgmma per BLOCK_K step accumulates
-    in fp32 (wgmma chaining across K as in the BF16 kernel). Exactness of the bf16 operand: an E4M3
-    value has at most 4 significant bits and |q| in {0} U [2**-9, 448]; times 2**(s-127) the product
-    has the same <= 4 bits with exponent in [-9 + s - 127, 8 + s - 127]. bf16 has 8 significant bits,
-    exponent range [-126, 127] normal and subnormals down to 2**-133, and max (2 - 2**-7) * 2**127.
-    448 * 2**(s-127) = 1.75 * 2**(s-119) fits for s <= 246; the smallest element bit 2**(s-136)
-    stays >= 2**-133 for s >= 3. So the bf16 operand is exact for scale bytes 3..246. The quantiser
-    (formats.mxfp8_quantize: byte = max(f - 8, 0), f <= 254 for finite amax) never emits a byte above
-    246; bytes 0..2 (blocks with amax < 2**-116) can lose their smallest element bits to bf16's
-    subnormal grid (|values| < 2**-110: below anything an fp32 sum of normal-sized terms keeps).
-    The power of two is built from bits in fp32 (``s << 23``; byte 0 -> 2**-127 as the subnormal
-    0x00400000; 255 -> NaN); the fp32 product is exact (no FTZ), the bf16 cast then only rounds in
-    the case above.
-(B) FP8 MMA with per-32 rescale (``RESCALE=True``): BLOCK_K = 32, the native K of the e4m3 wgmma.
-    Each step's product is a fresh fp32 tile (exact sums of E4M3 products up to the tensor core's
-    accumulation width) folded in with the step's scales:
-    ``acc += dot(a_q[BM,32], w_q[BN,32]ᵀ) * 2**(sa[m] + sw[n] - 254)``.
-    Two ways to form the power (constexpr INT_EXP):
-      INT_EXP=True (the literal recipe): the biased exponent ``sa + sw - 127`` is added in int32 per
-        element, clamped to [0, 255] and shifted into the fp32 exponent field: exactly
-        2**(sa+sw-254) when that is a normal fp32, 0 below 2**-126 and +inf above 2**127; NaN
-        scales (255) are folded in by per-row / per-column flags after the loop.
-        Per element: IADD, 2 IMNMX, SHF, FFMA (Hopper's INT32 pipe runs at half the FP32 rate).
-      INT_EXP=False (default): the same exponent add done by the fp32 multiplier on two bit-built
-        powers, ``2**(sa-127) * 2**(sw-127)`` (a product of powers of two is exact, rounds to the
-        exact subnormal power down to 2**-149, 0 below, inf above, NaN for 255 bytes).
-        Per element: FMUL + FFMA.
-    Row/column powers are built once per step on [BM] / [BN] vectors, never with exp2.
+Each TMA-loaded E4M3 tile is multiplied in registers by its blocks' powers of two and rounded to
+bf16, then one bf16 wgmma per BLOCK_K step accumulates in fp32 (wgmma chaining across K as in the BF16
+kernel). Exactness of the bf16 operand: an E4M3 value has at most 4 significant bits and |q| in
+{0} U [2**-9, 448]; times 2**(s-127) the product has the same <= 4 bits with exponent in
+[-9 + s - 127, 8 + s - 127]. bf16 has 8 significant bits, exponent range [-126, 127] normal and
+subnormals down to 2**-133, and max (2 - 2**-7) * 2**127. 448 * 2**(s-127) = 1.75 * 2**(s-119) fits
+for s <= 246; the smallest element bit 2**(s-136) stays >= 2**-133 for s >= 3. So the bf16 operand
+is exact for scale bytes 3..246. The quantiser (formats.mxfp8_quantize: byte = max(f - 8, 0),
+f <= 254 for finite amax) never emits a byte above 246; bytes 0..2 (blocks with amax < 2**-116) can
+lose their smallest element bits to bf16's subnormal grid (|values| < 2**-110: below anything an
+fp32 sum of normal-sized terms keeps). The power of two is built from bits in fp32 (``s << 23``;
+byte 0 -> 2**-127 as the subnormal 0x00400000; 255 -> NaN); the fp32 product is exact (no FTZ), the
+bf16 cast then only rounds in the case above.
 
-Both: the gate/up epilogue runs SwiGLU on column chunks (as expert_gemm does, to avoid spills),
+The other exact formulation, e4m3 wgmma per 32-K step with each step's product rescaled by
+2**(sa+sw-254) (constexprs RESCALE and INT_EXP, the integer-exponent form), ran at half the speed:
+107 / 121 against 205 / 229 TFLOP/s on kimi-k2's expert shapes (benchmarks/results/2026-11-29-fp8-mxfp8).
+It was retired; git keeps it.
+
+The gate/up epilogue runs SwiGLU on column chunks (as expert_gemm does, to avoid spills),
 quantises each chunk along I with the fused `mxfp8_quantize_tile` (32-blocks per row) and stores
 act_q, act_scale (and h in bf16 when STORE_H). Rows past a region's end are loaded (TMA) with their
 scales masked to 1.0 and their outputs masked off.
@@ -98,36 +87,10 @@ def _block_scales(s_ptr, rows64, stride_s, k, K, mask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_fp8(a, w, DOT_FP32: tl.constexpr):
-    """a [BM, 32] · w [BN, 32]ᵀ into a fresh fp32 tile (e4m3 wgmma compiled; fp32 under the interpreter)."""
-    if DOT_FP32:
-        a, w = a.to(tl.float32), w.to(tl.float32)
-    return tl.dot(a, w.T)
-
-
-@triton.jit
-def _rescale(p, sa, sw, INT_EXP: tl.constexpr):
-    """``p * 2**(sa[m] + sw[n] - 254)`` for one 32-K step (see the module docstring for both forms)."""
-    if INT_EXP:
-        e = sa.to(tl.int32)[:, None] + (sw.to(tl.int32) - 127)[None, :]  # biased fp32 exponent
-        f = (tl.minimum(tl.maximum(e, 0), 255) << 23).to(tl.float32, bitcast=True)
-    else:
-        f = _pow2_e8m0(sa)[:, None] * _pow2_e8m0(sw)[None, :]
-    return p * f
-
-
-@triton.jit
-def _nan_fix(acc, nan_r, nan_c, INT_EXP: tl.constexpr):
-    if INT_EXP:
-        acc = tl.where(nan_r[:, None] | nan_c[None, :], float("nan"), acc)
-    return acc
-
-
-@triton.jit
 def _mx_gemm_pair(
     a_desc, w_desc, a_s_ptr, w_s_ptr, stride_as, stride_ws,
     row0, row_ok, w_row_a, w_row_b, W_ROWS, K,
-    TWO: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr,
+    TWO: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """fp32 ``dequant(a) · dequant(w[w_row_a ..])ᵀ`` (and, with TWO, the same for w rows w_row_b) over K."""
@@ -138,44 +101,16 @@ def _mx_gemm_pair(
     wb64 = (w_row_b + tl.arange(0, BLOCK_N)).to(tl.int64)
     wa_ok = wa64 < W_ROWS  # a tile may run past I (gate/up) or D (down): rows past W are not read
     wb_ok = wb64 < W_ROWS
-    nan_r = tl.zeros((BLOCK_M,), dtype=tl.int1)
-    nan_a = tl.zeros((BLOCK_N,), dtype=tl.int1)
-    nan_b = tl.zeros((BLOCK_N,), dtype=tl.int1)
-    if RESCALE:
-        tl.static_assert(BLOCK_K == 32, "the rescale variant steps K by one 32-block")
-        as_rows = a_s_ptr + rows64 * stride_as
-        wa_rows = w_s_ptr + wa64 * stride_ws
-        wb_rows = w_s_ptr + wb64 * stride_ws
-        for k in range(0, K, 32):
-            kb = k // 32
-            a = a_desc.load([row0, k])
-            sa = tl.load(as_rows + kb, mask=row_ok, other=127)
-            wa = w_desc.load([w_row_a, k])
-            swa = tl.load(wa_rows + kb, mask=wa_ok, other=127)
-            acc_a += _rescale(_dot_fp8(a, wa, DOT_FP32), sa, swa, INT_EXP)
-            if TWO:
-                wb = w_desc.load([w_row_b, k])
-                swb = tl.load(wb_rows + kb, mask=wb_ok, other=127)
-                acc_b += _rescale(_dot_fp8(a, wb, DOT_FP32), sa, swb, INT_EXP)
-                if INT_EXP:
-                    nan_b |= swb == 255
-            if INT_EXP:
-                nan_r |= sa == 255
-                nan_a |= swa == 255
-        acc_a = _nan_fix(acc_a, nan_r, nan_a, INT_EXP)
+    for k in range(0, K, BLOCK_K):
+        a = _dequant(a_desc.load([row0, k]), _block_scales(a_s_ptr, rows64, stride_as, k, K, row_ok, BLOCK_K),
+                     DOT_FP32)
+        wa = _dequant(w_desc.load([w_row_a, k]), _block_scales(w_s_ptr, wa64, stride_ws, k, K, wa_ok, BLOCK_K),
+                      DOT_FP32)
+        acc_a = tile_dot(a, wa.T, acc_a, DOT_FP32)
         if TWO:
-            acc_b = _nan_fix(acc_b, nan_r, nan_b, INT_EXP)
-    else:
-        for k in range(0, K, BLOCK_K):
-            a = _dequant(a_desc.load([row0, k]), _block_scales(a_s_ptr, rows64, stride_as, k, K, row_ok, BLOCK_K),
-                         DOT_FP32)
-            wa = _dequant(w_desc.load([w_row_a, k]), _block_scales(w_s_ptr, wa64, stride_ws, k, K, wa_ok, BLOCK_K),
-                          DOT_FP32)
-            acc_a = tile_dot(a, wa.T, acc_a, DOT_FP32)
-            if TWO:
-                wb = _dequant(w_desc.load([w_row_b, k]),
-                              _block_scales(w_s_ptr, wb64, stride_ws, k, K, wb_ok, BLOCK_K), DOT_FP32)
-                acc_b = tile_dot(a, wb.T, acc_b, DOT_FP32)
+            wb = _dequant(w_desc.load([w_row_b, k]),
+                          _block_scales(w_s_ptr, wb64, stride_ws, k, K, wb_ok, BLOCK_K), DOT_FP32)
+            acc_b = tile_dot(a, wb.T, acc_b, DOT_FP32)
     return acc_a, acc_b
 
 
@@ -203,7 +138,7 @@ def _act_store(gate, up, h_base, q_base, s_base, stride_h, stride_act, stride_as
 def gate_up_mxfp8_tile(
     x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
     stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n0, I, W_ROWS, K, limit, alpha,
-    ACT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
+    ACT: tl.constexpr, STORE_H: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None,
 ):
@@ -215,7 +150,7 @@ def gate_up_mxfp8_tile(
     acc_gate, acc_up = _mx_gemm_pair(
         x_desc, w_desc, x_scale_ptr, w_scale_ptr, stride_xs, stride_ws,
         row0, row_ok, w_gate_row, w_gate_row + I, W_ROWS, K,
-        True, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        True, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     cols = n0 + tl.arange(0, BLOCK_N)
     acc_gate = add_bias(acc_gate, b_ptr, expert * 2 * I, cols, I)
     acc_up = add_bias(acc_up, b_ptr, expert * 2 * I + I, cols, I)
@@ -235,7 +170,7 @@ def gate_up_mxfp8_tile(
 def down_mxfp8_tile(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
     row0, row_end, expert, n0, D, W_ROWS, K,
-    RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None,
 ):
     """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (+ the optional bias
@@ -244,7 +179,7 @@ def down_mxfp8_tile(
     acc, _unused = _mx_gemm_pair(
         act_desc, w_desc, act_scale_ptr, w_scale_ptr, stride_as, stride_ws,
         row0, row_ok, expert * D + n0, 0, W_ROWS, K,
-        False, RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        False, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     cols = n0 + tl.arange(0, BLOCK_N)
     acc = add_bias(acc, b_ptr, expert * D, cols, D)
     mask = row_ok[:, None] & (cols < D)[None, :]
@@ -259,7 +194,7 @@ def gate_up_mxfp8_kernel(
     stride_xs, stride_ws, stride_h, stride_act, stride_as,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     I, W_ROWS, K, limit, alpha,
-    ACT: tl.constexpr, STORE_H: tl.constexpr, RESCALE: tl.constexpr, INT_EXP: tl.constexpr,
+    ACT: tl.constexpr, STORE_H: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None,
@@ -276,7 +211,7 @@ def gate_up_mxfp8_kernel(
         gate_up_mxfp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n * BLOCK_N, I, W_ROWS, K,
-            limit, alpha, ACT, STORE_H, RESCALE, INT_EXP, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)
+            limit, alpha, ACT, STORE_H, DOT_FP32, SOFT_E4M3, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)
 
 
 @triton.jit
@@ -285,7 +220,7 @@ def down_mxfp8_kernel(
     stride_as, stride_ws, stride_y,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
     D, W_ROWS, K,
-    RESCALE: tl.constexpr, INT_EXP: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr, b_ptr=None,
 ):
@@ -299,4 +234,4 @@ def down_mxfp8_kernel(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_mxfp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
                         row0, row_end, expert, n * BLOCK_N, D, W_ROWS, K,
-                        RESCALE, INT_EXP, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)
+                        DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)

@@ -48,7 +48,7 @@ def dact_mxfp8_kernel(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
         g, _unused = _mx_gemm_pair(dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, stride_dys, stride_ws, row0,
-                                   row_ok, expert * I + n * BLOCK_N, 0, W_ROWS, D, False, False, False, DOT_FP32,
+                                   row_ok, expert * I + n * BLOCK_N, 0, W_ROWS, D, False, DOT_FP32,
                                    BLOCK_M, BLOCK_N, BLOCK_K)
         dact_epilogue(g, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
                       stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, n, I, limit, alpha, ACT,

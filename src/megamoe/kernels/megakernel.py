@@ -194,7 +194,7 @@ def compute_gate_up(
             gate_up_mxfp8_tile(ring_desc, w_gate_up_desc, ring_scale_ptr, w_gate_up_scale_ptr, h_ptr, act_ptr,
                                act_scale_ptr, stride_ring_scale, stride_wgu_scale, stride_h, stride_act,
                                stride_act_scale, row0, row_end, expert, n * BN_GU, I, experts * 2 * I, D, limit, alpha,
-                               ACT, True, False, False, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, b_ptr)
+                               ACT, True, DOT_FP32, SOFT_E4M3, BLOCK_M, BN_GU, BLOCK_K, b_ptr)
         else:
             gate_up_act_tile(ring_desc, w_gate_up_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end,
                                 expert, n * BN_GU, I, D, limit, alpha, ACT, DOT_FP32, BLOCK_M, BN_GU, BLOCK_K, b_ptr)
@@ -236,7 +236,7 @@ def compute_down(
         elif FMT == FMT_MXFP8:
             down_mxfp8_tile(act_desc, w_down_desc, act_scale_ptr, w_down_scale_ptr, y_ptr, stride_act_scale,
                             stride_wdn_scale, stride_y, row0, row_end, expert, n * BN_DN, D, experts * D, I,
-                            False, False, DOT_FP32, BLOCK_M, BN_DN, BLOCK_K, b_ptr)
+                            DOT_FP32, BLOCK_M, BN_DN, BLOCK_K, b_ptr)
         else:
             down_tile(act_desc, w_down_desc, y_ptr, stride_y, row0, row_end, expert, n * BN_DN, D, I,
                       DOT_FP32, BLOCK_M, BN_DN, BLOCK_K, b_ptr)

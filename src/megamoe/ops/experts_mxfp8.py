@@ -3,11 +3,9 @@
 :func:`expert_forward_mxfp8` takes routed rows quantised along D (``quantize_activations(x, "mxfp8")``)
 and expert weights quantised along their reduction axis (``quantize_weights(w_gate_up, "mxfp8")`` along
 D, ``quantize_weights(w_down, "mxfp8")`` along I) and runs gate/up + SwiGLU (act quantised to MXFP8
-along I in the epilogue) and down with the persistent kernels of `megamoe.kernels.expert_gemm_mxfp8`,
-in one of two exact formulations (Hopper has no block-scaled MMA; see that module):
-
-* ``variant="dequant"``: dequantise-on-load to bf16 (exact) and bf16 wgmma;
-* ``variant="rescale"``: e4m3 wgmma per 32-K block, each block's product scaled by 2**(sa+sw-254).
+along I in the epilogue) and down with the persistent kernels of `megamoe.kernels.expert_gemm_mxfp8`:
+Hopper has no block-scaled MMA, so they dequantise each loaded tile to bf16 (exact) and run bf16 wgmma
+(see that module, and why its per-32 rescale was retired).
 
 Row tiles and the launch come from `megamoe.ops.launch`, the grid size from `megamoe.runtime`.
 :func:`expert_forward_mxfp8_reference` is the plain-PyTorch twin (fp32 on the dequantised operands).
@@ -24,7 +22,7 @@ from megamoe import runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.ops.experts import ExpertForwardQuantized
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks
-from megamoe.planner.tiles import MXFP8_VARIANTS, TileConfig
+from megamoe.planner.tiles import TileConfig
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference.formats import MX_BLOCK, mxfp8_dequantize, mxfp8_quantize
 from megamoe.kernels import expert_gemm_mxfp8
@@ -32,12 +30,9 @@ from megamoe.ops.quant import soft_e4m3_default
 from megamoe.reference import activate
 
 FP8 = torch.float8_e4m3fn
-VARIANTS = MXFP8_VARIANTS
 
 
-def _check_tiles(kind: str, variant: str, cfg: TileConfig) -> None:
-    if variant == "rescale" and cfg.block_k != MX_BLOCK:
-        raise ValueError(f"{kind}: rescale tiles need block_k = {MX_BLOCK} (one scale per K step), got {cfg.block_k}")
+def _check_tiles(kind: str, cfg: TileConfig) -> None:
     if cfg.block_k < MX_BLOCK:
         raise ValueError(f"{kind}: block_k must be a multiple of {MX_BLOCK}, got {cfg.block_k}")
     if kind == "gate_up" and cfg.block_n < 2 * MX_BLOCK:
@@ -54,7 +49,6 @@ def expert_forward_mxfp8(
     w_down_q: torch.Tensor,
     w_down_scale: torch.Tensor,
     *,
-    variant: str = "dequant",
     activation: Activation = SWIGLU,
     num_programs: int | None = None,
     tuning: Tuning | None = None,
@@ -71,42 +65,37 @@ def expert_forward_mxfp8(
         w_gate_up_q: E4M3 `[L, 2I, D]`, w_gate_up_scale uint8 `[L, 2I, D/32]` (32-blocks along D).
         w_down_q: E4M3 `[L, D, I]`, w_down_scale uint8 `[L, D, I/32]` (32-blocks along I).
             D and I multiples of 32.
-        variant: "dequant" (dequantise-on-load, bf16 wgmma) or "rescale" (e4m3 wgmma, per-32 rescale).
         activation: clamp of SwiGLU (gate <= limit, |up| <= limit), as in `megamoe.reference.swiglu`.
         num_programs: persistent grid size (default: the SM count).
-        tuning: pins the gate/up and down tiles (:class:`~megamoe.planner.tuning.Tuning`); block_k a multiple of 32 (rescale: exactly
-            32), gate/up block_n >= 64.
+        tuning: pins the gate/up and down tiles (:class:`~megamoe.planner.tuning.Tuning`); block_k a multiple of 32,
+            gate/up block_n >= 64.
         store_h: also write h (bf16 pre-activation, for the backward); False leaves ``h`` None.
         out: preallocated outputs to fill (rows outside regions are left alone).
         b_gate_up: bf16 `[L, 2I]`, b_down: bf16 `[L, D]`: optional expert biases, added in FP32 to gate/up before
             the activation (h includes it) and to y.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     experts, i, d = checks.check_quantized_experts("mxfp8", x_q, x_scale, counts, offsets, w_gate_up_q,
                                                    w_gate_up_scale, w_down_q, w_down_scale)
     checks.check_expert_biases(b_gate_up, b_down, w_gate_up_q, w_down_q, kernels=True)
     out = ExpertForwardQuantized.given_or_empty(out, x_q.shape[0], i, d, MX_BLOCK, torch.uint8, x_q.device, store_h)
-    gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out, variant=variant,
+    gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out,
                   activation=activation, num_programs=num_programs, tuning=tuning, store_h=store_h,
                   bias=b_gate_up)
-    down_mxfp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y, variant=variant,
+    down_mxfp8(out.act_q, out.act_scale, counts, offsets, w_down_q, w_down_scale, out.y,
                num_programs=num_programs, tuning=tuning, bias=b_down)
     return out
 
 
 def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out: ExpertForwardQuantized, *,
-                  variant: str = "dequant", activation: Activation = SWIGLU, num_programs=None,
-                  tuning: Tuning | None = None,
-                  store_h: bool = True, int_exp: bool = False, bias: torch.Tensor | None = None) -> None:
+                  activation: Activation = SWIGLU, num_programs=None, tuning: Tuning | None = None,
+                  store_h: bool = True, bias: torch.Tensor | None = None) -> None:
     """out.act_q / out.act_scale (and out.h with store_h) of every expert region, gate/up plus the optional
-    ``bias`` bf16 `[L, 2I]` before the activation: one persistent launch.
-    ``int_exp`` (rescale only) forms 2**(sa+sw-254) by an int32 exponent add instead of an fp32 product."""
+    ``bias`` bf16 `[L, 2I]` before the activation: one persistent launch."""
     experts, two_i, d = w_gate_up_q.shape
     i = two_i // 2
     rows = x_q.shape[0]
-    c = (tuning or DEFAULT_TUNING).tile("gate_up", x_q.device, fmt="mxfp8", variant=variant)
-    _check_tiles("gate_up", variant, c)
+    c = (tuning or DEFAULT_TUNING).tile("gate_up", x_q.device, fmt="mxfp8")
+    _check_tiles("gate_up", c)
     if rows == 0 or experts == 0:
         return
     h = out.h if store_h else out.y  # any pointer: never touched without STORE_H
@@ -119,20 +108,18 @@ def gate_up_mxfp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, o
               x_scale.stride(0), flat_row_stride(w_gate_up_scale), h.stride(0), out.act_q.stride(0),
               out.act_scale.stride(0)),
         tail=(i, experts * 2 * i, d, activation.kernel_limit, activation.kernel_alpha),
-        ACT=activation.kernel_id, STORE_H=store_h, RESCALE=variant == "rescale", INT_EXP=int_exp,
-        SOFT_E4M3=soft_e4m3_default(), b_ptr=bias,
+        ACT=activation.kernel_id, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(), b_ptr=bias,
     )
 
 
-def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, variant: str = "dequant",
-               num_programs=None, tuning: Tuning | None = None, int_exp: bool = False,
-               bias: torch.Tensor | None = None) -> None:
+def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
+               tuning: Tuning | None = None, bias: torch.Tensor | None = None) -> None:
     """y = dequant(act_q) · dequant(w_down_q)ᵀ (+ the optional ``bias`` bf16 `[L, D]`) on every expert region: one
     persistent launch."""
     experts, d, i = w_down_q.shape
     rows = act_q.shape[0]
-    c = (tuning or DEFAULT_TUNING).tile("down", act_q.device, fmt="mxfp8", variant=variant)
-    _check_tiles("down", variant, c)
+    c = (tuning or DEFAULT_TUNING).tile("down", act_q.device, fmt="mxfp8")
+    _check_tiles("down", c)
     if rows == 0 or experts == 0:
         return
     launch_row_tasks(
@@ -142,7 +129,7 @@ def down_mxfp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, 
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, c.block_k]),
               act_scale, w_down_scale, y, act_scale.stride(0), flat_row_stride(w_down_scale), y.stride(0)),
         tail=(d, experts * d, i),
-        RESCALE=variant == "rescale", INT_EXP=int_exp, b_ptr=bias,
+        b_ptr=bias,
     )
 
 

@@ -44,8 +44,6 @@ class TileConfig:
 
 #: The GEMMs of the expert FFN: forward gate/up and down; backward dact, dx and wgrad.
 GEMM_KINDS = ("gate_up", "down", "dact", "dx", "wgrad")
-#: The MXFP8 forward's exact formulations (``megamoe.ops.experts_mxfp8``).
-MXFP8_VARIANTS = ("dequant", "rescale")
 
 
 #: Forward tiles of 64 rows (one warpgroup, 4 stages) when experts hold at most this many rows on average:
@@ -132,33 +130,22 @@ def plan_tiles_fp8(kind: str, device: torch.device, rows_per_expert: float | Non
     return TileConfig(128, 128, 128, num_warps=8, num_stages=4, group_m=8)
 
 
-def plan_tiles_mxfp8(kind: str, variant: str, device: torch.device, *, compiled: bool = False) -> TileConfig:
-    """Tile shape of ``kind`` ("gate_up" or "down") for ``variant`` (one of :data:`MXFP8_VARIANTS`).
+def plan_tiles_mxfp8(kind: str, device: torch.device, *, compiled: bool = False) -> TileConfig:
+    """Tile shape of the MXFP8 forward's ``kind`` ("gate_up" or "down"), dequantised on load.
 
     GPU (``compiled`` forces these, for the sm_90 build check on a CPU machine), picked from a CPU sweep of
-    sm_90 builds (registers and ptxas spills, cuobjdump) for tiles that do not spill:
-    dequant: gate/up 128 rows x 64 act columns x BLOCK_K 64, 8 warps (233 registers; 128 columns spill
-    72 B: the dequantised gate and up tiles sit next to two 128x128 accumulators); down 128x128x64
-    (255 registers, no spill; 128x256 spills).
-    rescale: BLOCK_K = 32 (one scale per step, the e4m3 wgmma's K); every step makes a fresh fp32
-    product next to the accumulator: down 64x128 with 4 warps (186 registers; 128x128 with 8 warps
-    spills 160 B); gate/up 128x64, 8 warps, 3 stages is the least bad (spills ~100 B: two
-    accumulators + two fresh products + per-column scales). Interpreter: small row tiles.
+    sm_90 builds (registers and ptxas spills, cuobjdump) for tiles that do not spill: gate/up 128 rows x 64
+    act columns x BLOCK_K 64, 8 warps (233 registers; 128 columns spill 72 B: the dequantised gate and up
+    tiles sit next to two 128x128 accumulators); down 128x128x64 (255 registers, no spill; 128x256
+    spills). Interpreter: small row tiles.
     """
     if kind not in ("gate_up", "down"):
         raise ValueError(f"kind must be 'gate_up' or 'down', got {kind!r}")
-    if variant not in MXFP8_VARIANTS:
-        raise ValueError(f"variant must be one of {MXFP8_VARIANTS}, got {variant!r}")
-    bk = 32 if variant == "rescale" else 64
     if not compiled and not runtime.compiled_gpu(device):
-        return TileConfig(32, 64, bk, num_warps=4, num_stages=1)
-    if variant == "dequant":
-        if kind == "gate_up":
-            return TileConfig(128, 64, 64, num_warps=8, num_stages=3, group_m=4)
-        return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=8)
+        return TileConfig(32, 64, 64, num_warps=4, num_stages=1)
     if kind == "gate_up":
-        return TileConfig(128, 64, 32, num_warps=8, num_stages=3, group_m=4)
-    return TileConfig(64, 128, 32, num_warps=4, num_stages=4, group_m=8)
+        return TileConfig(128, 64, 64, num_warps=8, num_stages=3, group_m=4)
+    return TileConfig(128, 128, 64, num_warps=8, num_stages=3, group_m=8)
 
 
 def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", *,

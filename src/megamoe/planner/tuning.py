@@ -87,12 +87,12 @@ class Tuning:
         if self.comm is not None and not isinstance(self.comm, CommTuning):
             raise ValueError(f"Tuning.comm must be a CommTuning or None, got {self.comm!r}")
 
-    def tile(self, kind: str, device: torch.device, rows_per_expert: float | None = None, *, fmt: str = "bf16",
-             variant: str = "dequant") -> TileConfig:
+    def tile(self, kind: str, device: torch.device, rows_per_expert: float | None = None, *,
+             fmt: str = "bf16") -> TileConfig:
         """The tiles of ``kind`` in ``fmt`` (one of :data:`TILE_FORMATS`): this object's when pinned, else the
         planner's for ``rows_per_expert`` (the load's mean; BF16 and FP8-block forward tiles depend on it) on
-        ``device``. FP8 formats: "gate_up" and "down" are the forward's (MXFP8's in ``variant``), "dact" and
-        "wgrad" the backward's (its dx runs the forward's down)."""
+        ``device``. FP8 formats: "gate_up" and "down" are the forward's, "dact" and "wgrad" the backward's (its dx
+        runs the forward's down)."""
         pinned = getattr(self, kind, None) if kind in ("gate_up", "down", "dact", "dx", "wgrad") else None
         if pinned is not None:
             return pinned
@@ -104,7 +104,7 @@ class Tuning:
             return plan_tiles_fp8_bwd(kind, device, fmt, compiled=self.compiled)
         if fmt == "fp8-block":
             return plan_tiles_fp8(kind, device, rows_per_expert, compiled=self.compiled)
-        return plan_tiles_mxfp8(kind, variant, device, compiled=self.compiled)
+        return plan_tiles_mxfp8(kind, device, compiled=self.compiled)
 
 
 #: The planner's rules, nothing pinned.

@@ -6,7 +6,7 @@ Groups:
   the wgrad's warp-specialised Gluon kernel) at the planner's GPU tiles; the wgrads (here, in ``fp8`` and in
   ``mxfp8``) also with the backward window's carry (CARRY);
 - ``fp8``: the FP8-block forward kernels at theirs;
-- ``mxfp8``: the MXFP8 forward kernels, dequantise-on-load and per-32 rescale;
+- ``mxfp8``: the MXFP8 forward kernels (dequantise-on-load) and backward kernels;
 - ``quant``: the quantiser at every tile the GPU test and the defaults use, hardware and software E4M3
   rounding (built from the launch's own arguments on meta tensors);
 - ``megakernel`` (:mod:`megamoe.tools.sm90_megakernel_cases`): the forward megakernel in each routed format
@@ -249,30 +249,25 @@ def mxfp8_cases() -> dict[str, Case]:
     from megamoe.planner.tiles import plan_tiles_mxfp8
 
     cases = {}
-    for variant in ("dequant", "rescale"):
-        for kind in ("gate_up", "down"):
-            t = plan_tiles_mxfp8(kind, variant, torch.device("cuda"), compiled=True)
-            a = f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>"
-            w = f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>"
-            for int_exp in (False, True) if variant == "rescale" else (False,):
-                flags = dict(RESCALE=variant == "rescale", INT_EXP=int_exp)
-                if kind == "gate_up":
-                    kernel = k.gate_up_mxfp8_kernel
-                    kinds, values = _row_task_consts(kernel, t, **flags, ACT=ACT_BUILT, STORE_H=True,
-                                                     SOFT_E4M3=False)
-                    signature = {"x_desc": a, "w_desc": w, "x_scale_ptr": "*u8", "w_scale_ptr": "*u8",
-                                 "h_ptr": "*bf16", "act_q_ptr": "*u8", "act_scale_ptr": "*u8", "stride_xs": "i32",
-                                 "stride_ws": "i32", "stride_h": "i32", "stride_act": "i32", "stride_as": "i32",
-                                 **_TILES, **kinds, "I": "i32", "W_ROWS": "i32", "K": "i32", "limit": "fp32",
-                                 "alpha": "fp32"}
-                else:
-                    kernel = k.down_mxfp8_kernel
-                    kinds, values = _row_task_consts(kernel, t, **flags)
-                    signature = {"act_desc": a, "w_desc": w, "act_scale_ptr": "*u8", "w_scale_ptr": "*u8",
-                                 "y_ptr": "*bf16", "stride_as": "i32", "stride_ws": "i32", "stride_y": "i32",
-                                 **_TILES, **kinds, "D": "i32", "W_ROWS": "i32", "K": "i32"}
-                name = f"{kind}_{variant}" + ("_int_exp" if int_exp else "")
-                cases[name] = Case(kernel, signature, values, t.num_warps, t.num_stages)
+    for kind in ("gate_up", "down"):
+        t = plan_tiles_mxfp8(kind, torch.device("cuda"), compiled=True)
+        a = f"tensordesc<fp8e4nv[{t.block_m},{t.block_k}]>"
+        w = f"tensordesc<fp8e4nv[{t.block_n},{t.block_k}]>"
+        if kind == "gate_up":
+            kernel = k.gate_up_mxfp8_kernel
+            kinds, values = _row_task_consts(kernel, t, ACT=ACT_BUILT, STORE_H=True, SOFT_E4M3=False)
+            signature = {"x_desc": a, "w_desc": w, "x_scale_ptr": "*u8", "w_scale_ptr": "*u8",
+                         "h_ptr": "*bf16", "act_q_ptr": "*u8", "act_scale_ptr": "*u8", "stride_xs": "i32",
+                         "stride_ws": "i32", "stride_h": "i32", "stride_act": "i32", "stride_as": "i32",
+                         **_TILES, **kinds, "I": "i32", "W_ROWS": "i32", "K": "i32", "limit": "fp32",
+                         "alpha": "fp32"}
+        else:
+            kernel = k.down_mxfp8_kernel
+            kinds, values = _row_task_consts(kernel, t)
+            signature = {"act_desc": a, "w_desc": w, "act_scale_ptr": "*u8", "w_scale_ptr": "*u8",
+                         "y_ptr": "*bf16", "stride_as": "i32", "stride_ws": "i32", "stride_y": "i32",
+                         **_TILES, **kinds, "D": "i32", "W_ROWS": "i32", "K": "i32"}
+        cases[f"{kind}_dequant"] = Case(kernel, signature, values, t.num_warps, t.num_stages)
     return {**cases, **mxfp8_backward_cases()}
 
 
