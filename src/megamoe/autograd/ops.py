@@ -253,8 +253,9 @@ def _backward(ctx, d_out, *unused):
     shared_gate_up, shared_down = list(saved[7: 7 + s]), list(saved[7 + s: 7 + 2 * s])
     experts_q, state = list(saved[7 + 2 * s: 7 + 2 * s + q]), KeptState(*saved[7 + 2 * s + q:])
     d_x, d_rw, d_gu, d_dn, d_bgu, d_bdn, d_sgu, d_sdn = layer_backward(
-        d_out.contiguous(), x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down, shared_gate_up,
-        shared_down, **state._asdict(), **ctx.options, experts_q=experts_q)
+        d_out=d_out.contiguous(), x=x, top_experts=top_experts, router_weights=router_weights, w_gate_up=w_gate_up,
+        w_down=w_down, b_gate_up=b_gate_up, b_down=b_down, shared_gate_up=shared_gate_up, shared_down=shared_down,
+        **state._asdict(), **ctx.options, experts_q=experts_q)
     need = LayerInputs(*ctx.needs_input_grad)
     keep = lambda g, name: g if getattr(need, name) else None  # noqa: E731
     grads = dict.fromkeys(LayerInputs._fields)
