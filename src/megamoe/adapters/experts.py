@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import MoEInputs
 from megamoe.nn.moe import check_impl, run_impl
 from megamoe.ops.expert_weights import PackCache
 from megamoe.parallel.world import EPWorld
@@ -45,12 +46,11 @@ class ExpertSlice(nn.Module):
             b_down: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on ``x [N, D]`` (any float dtype; the output comes back in it), in BF16 through the impl;
         ``b_gate_up`` `[L, 2I]`, ``b_down`` `[L, D]`: the experts' optional biases."""
-        args = (self.world, x.to(torch.bfloat16), ids.to(torch.int32), weights.to(torch.float32),
-                w_gate_up.to(torch.bfloat16), w_down.to(torch.bfloat16), (), self.activation)
-        biases = {name: None if b is None else b.to(torch.bfloat16)
-                  for name, b in (("b_gate_up", b_gate_up), ("b_down", b_down))}
-        out = run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                       max_tokens=self.max_tokens, weights=self.weights_q, **biases)
+        bf16 = lambda t: None if t is None else t.to(torch.bfloat16)  # noqa: E731
+        inputs = MoEInputs(bf16(x), ids.to(torch.int32), weights.to(torch.float32), bf16(w_gate_up), bf16(w_down),
+                           (), self.activation, bf16(b_gate_up), bf16(b_down))
+        out = run_impl(self.impl, self.world, inputs, precision=self.precision, config=self.kernel_config,
+                       max_tokens=self.max_tokens, weights=self.weights_q)
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -22,6 +22,7 @@ from megamoe.autograd import moe
 from megamoe.baselines import deepep_torch
 from megamoe.baselines.nccl_torch import nccl_torch_moe
 from megamoe.config import MoEConfig
+from megamoe.inputs import MoEInputs
 from megamoe.nn.router import Router
 from megamoe.ops.expert_weights import PackCache
 from megamoe.parallel.world import EPWorld
@@ -45,28 +46,26 @@ def check_impl(impl: str, precision: str) -> None:
         raise ValueError(f"impl deepep-torch: {reason}")
 
 
-def run_impl(impl: str, args: tuple, *, precision: str = "bf16", config: KernelConfig | None = None,
-             max_tokens: int | None = None, check_finite: bool = False,
-             weights: PackCache | None = None, b_gate_up: torch.Tensor | None = None,
-             b_down: torch.Tensor | None = None) -> torch.Tensor:
-    """The layer through ``impl``: ``args`` are :func:`megamoe.moe`'s positional ones (world .. activation);
-    the keywords reach the megakernel only (the other two are BF16 and ignore the kernel's knobs), but the expert
-    biases ``b_gate_up`` / ``b_down``, which every implementation takes. ``weights``: the caller's cache of the FP8
-    weight pack (made once per optimizer step for the forward and the backward)."""
-    biases = dict(b_gate_up=b_gate_up, b_down=b_down)
+def run_impl(impl: str, world: EPWorld, inputs: MoEInputs, *, precision: str = "bf16",
+             config: KernelConfig | None = None, max_tokens: int | None = None, check_finite: bool = False,
+             weights: PackCache | None = None) -> torch.Tensor:
+    """The layer's ``inputs`` over ``world`` through ``impl`` (every implementation takes them all, the expert
+    biases included); the keywords reach the megakernel only (the others are BF16 and ignore the kernel's knobs).
+    ``weights``: the caller's cache of the FP8 weight pack (made once per optimizer step for the forward and the
+    backward)."""
     if impl == "reference":
-        return ep_moe(*args, **biases)
+        return ep_moe(world, inputs)
     if impl == "nccl-torch":
-        return nccl_torch_moe(*args, **biases)
+        return nccl_torch_moe(world, inputs)
     if impl == "deepep-torch":
-        return deepep_torch.deepep_torch_moe(*args, **biases)
+        return deepep_torch.deepep_torch_moe(world, inputs)
     experts_q = None
     if weights is not None and precision != "bf16" and not torch.compiler.is_compiling():
-        w_gate_up, w_down = args[4], args[5]
+        w_gate_up, w_down = inputs.w_gate_up, inputs.w_down
         backward = torch.is_grad_enabled() and (w_gate_up.requires_grad or w_down.requires_grad)
         experts_q = weights.get(w_gate_up, w_down, precision, backward=backward)
-    return moe(*args, precision=precision, config=config, max_tokens=max_tokens, check_finite=check_finite,
-               experts_q=experts_q, **biases)
+    return moe(world, inputs, precision=precision, config=config, max_tokens=max_tokens, check_finite=check_finite,
+               experts_q=experts_q)
 
 
 def _normal(shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
@@ -139,12 +138,11 @@ class MoE(nn.Module):
         self.register_load_state_dict_post_hook(PackCache.after_load)
 
     def forward(self, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor) -> torch.Tensor:
-        shared = list(zip(self.shared_gate_up, self.shared_down))
-        args = (self.world, x, top_experts, router_weights, self.w_gate_up, self.w_down, shared,
-                self.config.activation)
-        return run_impl(self.impl, args, precision=self.precision, config=self.kernel_config,
-                        max_tokens=self.max_tokens, check_finite=self.check_finite, weights=self.weights_q,
-                        b_gate_up=self.b_gate_up, b_down=self.b_down)
+        inputs = MoEInputs(x, top_experts, router_weights, self.w_gate_up, self.w_down,
+                           list(zip(self.shared_gate_up, self.shared_down)), self.config.activation,
+                           self.b_gate_up, self.b_down)
+        return run_impl(self.impl, self.world, inputs, precision=self.precision, config=self.kernel_config,
+                        max_tokens=self.max_tokens, check_finite=self.check_finite, weights=self.weights_q)
 
     def extra_repr(self) -> str:
         c = self.config

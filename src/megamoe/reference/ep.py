@@ -9,10 +9,14 @@ it is the pure-PyTorch math plus an exchange of whole tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from megamoe.config import SWIGLU, Activation
+from megamoe.inputs import MoEInputs, gather_inputs
 from megamoe.parallel.world import EPWorld
 from megamoe.reference.layer import compute_dtype, moe_forward_backward
 
@@ -84,37 +88,40 @@ def ep_reference_forward_backward(world: EPWorld, p, *, with_grads: bool = True)
     return out, grads
 
 
-def ep_moe(world: EPWorld, x: torch.Tensor, top_experts: torch.Tensor, router_weights: torch.Tensor,
-           w_gate_up: torch.Tensor, w_down: torch.Tensor, shared=(), activation: Activation = SWIGLU, *,
-           b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> torch.Tensor:
+def ep_moe(world: EPWorld, x: torch.Tensor | MoEInputs, top_experts: torch.Tensor | None = None,
+           router_weights: torch.Tensor | None = None, w_gate_up: torch.Tensor | None = None,
+           w_down: torch.Tensor | None = None, shared: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+           activation: Activation = SWIGLU, *, b_gate_up: torch.Tensor | None = None,
+           b_down: torch.Tensor | None = None) -> torch.Tensor:
     """The layer over the EP group in plain PyTorch, differentiable by autograd (the reference a model trains on).
 
-    Arguments as :func:`megamoe.moe`: this rank's tokens, its experts ``rank*L ..`` (and their optional biases),
-    replicated shared experts.
+    Arguments as :func:`megamoe.moe` (one by one or as one :class:`megamoe.MoEInputs` in place of ``x``): this
+    rank's tokens, its experts ``rank*L ..`` (and their optional biases), replicated shared experts.
     Every rank's tokens are gathered (autograd's all-gather), each rank computes its experts' share of every
     token (:func:`~megamoe.reference.layer.moe_forward`, FP32 math), the shares go home (all-to-all) and are summed
     in rank order, plus the shared experts on this rank's tokens. Returns `[N, D]` in x's dtype.
     """
     from megamoe.reference.layer import moe_forward
 
-    n, L = x.shape[0], w_gate_up.shape[0]
+    i = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+    n, L = i.x.shape[0], i.w_gate_up.shape[0]
     rows = max(world.all_gather_object(n))
-    cdt = compute_dtype(x.dtype)
+    cdt = compute_dtype(i.x.dtype)
 
     def padded(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), fill)])
 
-    x_all = _Exchange.apply(world, padded(x.to(cdt)).repeat(world.size, 1))
-    weights_all = _Exchange.apply(world, padded(router_weights).repeat(world.size, 1))
-    top_all = _gather_rows(world, top_experts, rows, fill=-1)
-    share = moe_forward(x_all, top_all, weights_all, w_gate_up, w_down, activation=activation,
-                        first_expert=world.rank * L, num_experts=L * world.size, b_gate_up=b_gate_up,
-                        b_down=b_down).to(cdt)
+    x_all = _Exchange.apply(world, padded(i.x.to(cdt)).repeat(world.size, 1))
+    weights_all = _Exchange.apply(world, padded(i.router_weights).repeat(world.size, 1))
+    top_all = _gather_rows(world, i.top_experts, rows, fill=-1)
+    routed = replace(i, x=x_all, top_experts=top_all, router_weights=weights_all, shared=())
+    share = moe_forward(routed, first_expert=world.rank * L, num_experts=L * world.size).to(cdt)
     out = _Exchange.apply(world, share).view(world.size, rows, -1).sum(0)[:n]  # rank order
-    if shared:
-        out = out + moe_forward(x.to(cdt), torch.full_like(top_experts, -1), router_weights, w_gate_up[:0],
-                                w_down[:0], shared, activation, num_experts=L * world.size).to(cdt)
-    return out.to(x.dtype)
+    if i.shared:  # this rank's tokens through the shared experts alone: no routed expert, no bias
+        alone = replace(i, x=i.x.to(cdt), top_experts=torch.full_like(i.top_experts, -1), w_gate_up=i.w_gate_up[:0],
+                        w_down=i.w_down[:0], b_gate_up=None, b_down=None)
+        out = out + moe_forward(alone, num_experts=L * world.size).to(cdt)
+    return out.to(i.x.dtype)
 
 
 class _Exchange(torch.autograd.Function):
