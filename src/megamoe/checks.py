@@ -202,6 +202,14 @@ def check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def check_row_index(name: str, index: object, rows: int, device: torch.device) -> None:
+    """ValueError unless ``index`` is a contiguous int32 row index `[>= rows]` on ``device`` (the rows a kernel reads
+    or writes by index: one rank's tokens, the routes' slots)."""
+    if (not isinstance(index, torch.Tensor) or index.dtype != torch.int32 or index.dim() != 1
+            or index.numel() < rows or index.device != device or not index.is_contiguous()):
+        raise ValueError(f"{name} must be int32 [>= {rows}] on {device}, contiguous, got {describe(index)}")
+
+
 def describe(t: object) -> str:
     """What an argument is, for an error message: a tensor's shape, dtype and device, else its type."""
     if isinstance(t, torch.Tensor):

@@ -46,6 +46,7 @@ from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import quantize_experts
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
+from megamoe.routing.schedule import row_tokens
 
 
 def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor,
@@ -88,7 +89,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
     # 2. the windows
     for window in ring.windows(schedule):
-        tokens = _tokens(window.src_index, k) if by_token else None
+        tokens = row_tokens(window.src_index, k) if by_token else None
         dy = d_out if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
         pull_route_scalars(ws, window, "router_weights", ring.row_w)
         h, x_rows = ring.saved_rows(saved, window)
@@ -127,11 +128,6 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         kernel.check_errors()
     d_b_gate_up, d_b_down = bias.rounded(b_gate_up, b_down) if bias is not None else (None, None)
     return LayerGrads(d_x, d_router, d_w_gate_up, d_w_down, shared_gate_up, shared_down, d_b_gate_up, d_b_down)
-
-
-def _tokens(src_index: torch.Tensor, k: int) -> torch.Tensor:
-    """One rank's routed rows' tokens (int32; rows past the window's, -1 there, get token 0: never read)."""
-    return torch.div(src_index.clamp(min=0), k, rounding_mode="floor").to(torch.int32)
 
 
 def _shared_backward(d_out, x, shared_h, shared, activation):

@@ -39,9 +39,6 @@ computed by the same code on the same rows either way: outputs are bitwise equal
 
 Several shared experts run as one: SwiGLU FFNs with intermediate sizes Is_1..Is_S sum to one FFN whose gate, up
 and down weights are their concatenations.
-
-Over 400 lines: one class, a pass's steps in their order and the state they share; its launch arguments
-(launch.py, launch_args.py), buffers, replay and backward live beside it.
 """
 
 from __future__ import annotations
@@ -76,7 +73,7 @@ from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.planner import KernelConfig, LayerShape, check_kernel_config, plan
 from megamoe.precision import SCALE_BLOCK, check_precision
 from megamoe.routing.row_tiles import RowTiles, build_row_tiles
-from megamoe.routing.schedule import PullSchedule, build_pull_schedule
+from megamoe.routing.schedule import PullSchedule, build_pull_schedule, row_tokens
 from megamoe.runtime import INTERPRETER_PROGRAMS, compiled_gpu, resolve_wait_budget
 
 #: The kernel's FMT code of each precision of the routed experts (the shared expert stays BF16). Each rank
@@ -447,14 +444,13 @@ class MegaKernel:
 
     def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up=None,
                      b_down=None) -> None:
-        """One rank: the expert kernels on every SM over the routed rows (BF16: read from the tokens by index, no
-        copy; FP8: the rows' E4M3 copies gathered into the ring, which the backward keeps), and the map from each
-        route to its output row (the weighted sum reads the rows in place: no combine copy)."""
+        """One rank: the routed rows gathered into the ring (BF16 with ``GATHER_ON_LOAD``: read from the tokens by
+        index instead, no copy), the expert kernels on every SM, and the map from each route to its output row (the
+        weighted sum reads the rows in place: no combine copy)."""
         cap = schedule.capacity
         rows = slice(0, cap)
         b = buffers
-        # rows past num_rows (dropped routes, src_index -1) gather token 0: no tile reads them
-        token = torch.div(schedule.src_index.clamp(min=0), self.shape.top_k, rounding_mode="floor")
+        token = row_tokens(schedule.src_index, self.shape.top_k)
         counts, offsets = schedule.tokens_per_expert, schedule.offsets
         if self.quantized:
             token = token.long()
@@ -467,9 +463,10 @@ class MegaKernel:
                     q.w_down, q.w_down_scale, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
                     out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), tuning=self.tuning,
                     **plan)
-        else:  # GATHER_ON_LOAD: the gate/up tiles read the tokens by index; else their copies in the ring
-            x, x_index = self.sym.local("x")[: max(n, 1)], token.to(torch.int32)
-            if not expert_ops.GATHER_ON_LOAD:
+        else:
+            if expert_ops.GATHER_ON_LOAD:  # the gate/up tiles read the tokens by index
+                x, x_index = self.sym.local("x")[: max(n, 1)], token
+            else:
                 x, x_index = torch.index_select(self.sym.local("x"), 0, token.long(), out=b.ring_x[rows]), None
             expert_forward(x, counts, offsets, w_gate_up, w_down, activation=activation, b_gate_up=b_gate_up,
                            b_down=b_down, out=ExpertForward(b.h[rows], b.act[rows], self.y[rows]),

@@ -138,7 +138,9 @@ def expert_forward(
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
     checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
-    rows = x_rows.shape[0] if x_index is None else _check_index(x_index, x_rows.device)
+    if x_index is not None:
+        checks.check_row_index("x_index", x_index, 0, x_rows.device)
+    rows = x_rows.shape[0] if x_index is None else x_index.shape[0]
     device = x_rows.device
     if out is None:
         out = ExpertForward(
@@ -186,7 +188,7 @@ def gate_up(
     programs = runtime.num_programs(x_rows.device, num_programs)
     gluon = warp_specialized and warp_specialized_forward(x_rows.device, cfg)
     if x_index is not None:
-        _check_index(x_index, x_rows.device)
+        checks.check_row_index("x_index", x_index, rows, x_rows.device)
         if not gathers_on_load(gluon):
             x_rows, x_index = gathered_rows(x_rows, x_index, rows), None
     if gluon:
@@ -322,14 +324,6 @@ GATHER_ON_LOAD = os.environ.get("MEGAMOE_GATHER_ON_LOAD", "0") == "1"
 def gathers_on_load(gluon: bool) -> bool:
     """Whether a Gluon launch (``gluon``: the warp-specialised kernel runs) reads rows by index itself."""
     return gluon and GATHER_ON_LOAD
-
-
-def _check_index(index: torch.Tensor, device: torch.device) -> int:
-    """The rows of a row index (ValueError unless int32 `[R]` on ``device``, contiguous)."""
-    if (not isinstance(index, torch.Tensor) or index.dtype != torch.int32 or index.dim() != 1
-            or index.device != device or not index.is_contiguous()):
-        raise ValueError(f"a row index must be contiguous int32 [R] on {device}, got {checks.describe(index)}")
-    return index.shape[0]
 
 
 def gathered_rows(source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:

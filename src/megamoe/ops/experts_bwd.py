@@ -113,9 +113,8 @@ def expert_backward(
     rows = h.shape[0]
     device = x_rows.device
     for name, index in (("x_index", x_index), ("dy_index", dy_index)):
-        if index is not None and (not isinstance(index, torch.Tensor) or index.dtype != torch.int32
-                                  or index.dim() != 1 or index.numel() < rows or index.device != device):
-            raise ValueError(f"{name} must be int32 [>= {rows}] on {device}, got {checks.describe(index)}")
+        if index is not None:
+            checks.check_row_index(name, index, rows, device)
     # contiguous: the wgrad kernel addresses x_rows and dy_rows by row length
     checks.check_tensors((("x_rows", x_rows, (x_rows.shape[0] if x_index is not None else rows, d), torch.bfloat16),
                           ("dy_rows", dy_rows, (dy_rows.shape[0] if dy_index is not None else rows, d),
@@ -204,10 +203,8 @@ def check_grads(grads: ExpertGrads, rows: int, w_gate_up: torch.Tensor, w_down: 
     if index is None:
         d_x = [("out.d_x", grads.d_x, (rows, d), torch.bfloat16)]
     else:  # the slots the rows land in: any number of them
-        if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.numel() < rows:
-            raise ValueError(f"out.d_x_index must be int32 [>= {rows}], got {checks.describe(index)}")
-        d_x = [("out.d_x", grads.d_x, (grads.d_x.shape[0], d), torch.bfloat16),
-               ("out.d_x_index", index, tuple(index.shape), torch.int32)]
+        checks.check_row_index("out.d_x_index", index, rows, w_gate_up.device)
+        d_x = [("out.d_x", grads.d_x, (grads.d_x.shape[0], d), torch.bfloat16)]
     want = [*d_x, ("out.d_router", grads.d_router, (rows,), torch.float32),
             ("out.d_w_gate_up", grads.d_w_gate_up, tuple(w_gate_up.shape), torch.bfloat16),
             ("out.d_w_down", grads.d_w_down, tuple(w_down.shape), torch.bfloat16)]

@@ -162,6 +162,12 @@ class PullSchedule:
         return self.src_rank[start : start + count], self.src_index[start : start + count]
 
 
+def row_tokens(src_index: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each row's token ``src_index // k`` (one rank's rows: their tokens are its own), int32; rows without a route
+    (-1) get token 0, which no tile reads."""
+    return torch.div(src_index.clamp(min=0), top_k, rounding_mode="floor").to(torch.int32)
+
+
 def build_pull_schedule(
     top_experts_all: torch.Tensor,
     rank: int,
