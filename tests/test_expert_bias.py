@@ -4,8 +4,7 @@ The expert kernels with random biases against their torch twins (BF16, FP8-block
 reductions against theirs, and the layer through ``megamoe.moe`` at R = 1 and 2 (BF16 and FP8-block): the output
 and every gradient, the biases' included, against the FP32 oracle over the EP group with a random upstream
 gradient; a wrapping ring (the backward replays h with the bias) and other knobs give the same bits; the forward
-megakernel (the phased CPU mode at R = 2) gives the training op's bits; the backward megakernel, which has no
-biases, refuses them. The GPU test runs the Gluon paths (forward, FP8 forward) against the Triton kernels.
+megakernel (the phased CPU mode at R = 2) gives the training op's bits, and so does the backward megakernel. The GPU test runs the Gluon paths (forward, FP8 forward) against the Triton kernels.
 """
 
 import pytest
@@ -108,13 +107,13 @@ def _biased_problem(world, cfg, tokens, seed):
     return p
 
 
-def _grads(world, p, activation, precision="bf16", config=None):
+def _grads(world, p, activation, precision="bf16", config=None, fused_backward=False):
     names = ("x", "router_weights", "w_gate_up", "w_down", "b_gate_up", "b_down")
     leaves = {name: getattr(p, name).detach().clone().requires_grad_() for name in names}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
               shared, activation, precision=precision, config=config, b_gate_up=leaves["b_gate_up"],
-              b_down=leaves["b_down"])
+              b_down=leaves["b_down"], fused_backward=fused_backward)
     out.backward(p.d_out)
     grads = {name: t.grad for name, t in leaves.items()}
     grads["shared"] = [(a.grad, b.grad) for a, b in shared]
@@ -137,9 +136,9 @@ def _layer(world, precision):
             plain = megamoe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared,
                                     act, b_gate_up=p.b_gate_up, b_down=p.b_down)
         result["forward_bits"] = torch.equal(plain, out)
+        fused = _grads(world, p, act, fused_backward=True)[1]  # the backward megakernel (phased) at R > 1
+        result["fused_bits"] = all(torch.equal(fused[k], got[k]) for k in got)
         result["refused"] = raised([lambda: moe(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down,
-                                                p.shared, act, fused_backward=True, b_gate_up=p.b_gate_up),
-                                    lambda: moe(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down,
                                                 b_down=p.b_down[:, :64])])
     return result
 
@@ -147,8 +146,8 @@ def _layer(world, precision):
 @pytest.mark.parametrize("ranks,precision", [(1, "bf16"), (2, "bf16"), (2, "fp8-block")])
 def test_layer_with_biases_matches_the_oracle(ranks, precision):
     """Output and every gradient (x, router weights, weights, both biases, the shared expert) against the FP32
-    oracle; at R = 2 in BF16 a wrapping ring and other knobs give the same bits, the forward megakernel (phased)
-    the training op's, and the backward megakernel refuses the biases."""
+    oracle; in BF16 a wrapping ring, other knobs and the backward megakernel (phased, at R = 2) give the same bits,
+    the forward megakernel the training op's; a bias of the wrong shape is refused."""
     tol = REL_TOL if precision == "bf16" else FP8_REL_TOL
     for rank, r in enumerate(launch(_layer, ranks, precision)):
         assert r["out"] < tol, (rank, r)
@@ -156,8 +155,8 @@ def test_layer_with_biases_matches_the_oracle(ranks, precision):
         for name, rel in r["grads"].items():
             assert rel < tol, (ranks, rank, name, rel)
         if precision == "bf16":
-            assert all(r["same_bits"]) and r["forward_bits"], (rank, r)
-            assert [e is not None for e in r["refused"]] == [ranks > 1, True], r["refused"]
+            assert all(r["same_bits"]) and r["forward_bits"] and r["fused_bits"], (rank, r)
+            assert [e is not None for e in r["refused"]] == [True], r["refused"]
 
 
 @pytest.mark.gpu

@@ -52,8 +52,7 @@ def moe(
         world: the EP group (R ranks).
         x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down: the layer's
             inputs (:class:`megamoe.MoEInputs`, every tensor bfloat16 but the ids and router weights), one by one
-            or as one ``MoEInputs`` in place of ``x``. The backward megakernel has no biases: with biases,
-            ``fused_backward`` must stay False at EP >= 2.
+            or as one ``MoEInputs`` in place of ``x``.
         precision: the routed experts' precision, ``bf16``, ``fp8-block`` or ``mxfp8``; the FP8 backwards run
             E4M3 dgrads and wgrads (docs/design.md, Precision).
         config: the megakernel's knobs (default: the planner's).
@@ -84,9 +83,6 @@ def moe(
     inputs = gather_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
     n = inputs.validate(dtypes="bf16", world=world, num_experts=num_experts, check_ids=check and not compiling,
                         finite=check_finite).tokens
-    if fused_backward and inputs.has_biases and world.size > 1:
-        raise ValueError("fused_backward=True: the backward megakernel has no expert biases; their backward runs "
-                         "the standalone kernels composed (fused_backward=False, the default)")
     if precision != "bf16" and fused_backward:
         raise ValueError(f"fused_backward=True runs BF16 experts: the {precision} backward runs the standalone "
                          f"kernels composed (fused_backward=False, the default)")

@@ -14,6 +14,8 @@ A pass, all queued on the current stream (no host sync on a GPU with ``check=Fal
      push each minibatch's d_x rows into the home ranks' ``[N*k, D]`` slots; compute workers run (in the first
      window) the shared expert's backward, per minibatch the dact and dx tiles, and last the window's weight
      gradient blocks (FP32 carries across windows); it ends with a barrier across ranks (every push landed);
+   - with expert biases, their FP32 sums over the window's pulled d_out and d_h rows and the down bias's term of
+     each row's router-weight gradient (``megamoe.ops.expert_bias``, as the composed backward adds them);
    - each row's router-weight gradient into its home rank's slots;
 3. a device barrier; at home: the k d_x slots of each token in fixed order in FP32, plus the shared experts'
    d_x, rounded once; the router-weight gradients from their slots.
@@ -42,6 +44,7 @@ from megamoe.megakernel.launch import check_resident
 from megamoe.megakernel.launch_args import PassEndArgs, RowTileArgs
 from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
 from megamoe.ops.comm import dispatch_pull, pull_route_scalars, push_route_scalars
+from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.experts_bwd import WgradCarry
 from megamoe.ops.launch import scratch_allocator
 from megamoe.planner.tiles import TileConfig
@@ -195,7 +198,8 @@ class SharedGrads:
 def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Tensor, top_experts: torch.Tensor,
                    router_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    shared: tuple[torch.Tensor, torch.Tensor] | None, activation: Activation, *,
-                   check: bool = True) -> LayerGrads:
+                   check: bool = True, b_gate_up: torch.Tensor | None = None,
+                   b_down: torch.Tensor | None = None) -> LayerGrads:
     """The backward of ``kernel``'s forward pass that left ``saved`` (collective; see the module docstring)."""
     k, s, c = kernel, kernel.shape, kernel.config
     if k._broken is not None:
@@ -215,6 +219,7 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
         torch.empty(1, *shared[1].shape, dtype=torch.bfloat16, device=dev))
     rows_per_expert = s.max_tokens * kk / max(s.experts_per_rank, 1)
     sms = runtime.num_programs(k.world.device)
+    bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once (the composed backward's)
     # 2. the windows
     for window in ring.windows(schedule):
         pull_route_scalars(sym, window, "router_weights", ring.row_w)
@@ -222,7 +227,7 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
         if not ring.in_forward_ring(saved, window) and schedule.capacity > forward_ring:
             x_rows = dispatch_pull(sym, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x,
                                    sync=False)
-            ring.replay(window, forward_ring, x_rows, w_gate_up, activation, None, rows_per_expert)
+            ring.replay(window, forward_ring, x_rows, w_gate_up, activation, None, rows_per_expert, b_gate_up)
         tiles = build_row_tiles(window.tokens_per_expert, window.offsets, window.capacity, c.tile_m,
                                 minibatch=c.bwd_minibatch, cut=False)
         bl.counters.zero_()
@@ -234,6 +239,10 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
         bl.run(args, consts, None if k.gpu else int(window.num_rows))
         if not k.gpu:
             k.world.barrier("the backward megakernel's end (every d_x push landed)")
+        # the biases' sums over the rows the launch left (pulled d_out, d_h) and the down bias's router term,
+        # before the router gradients leave: the composed backward's kernels in its order, so its bits
+        bias_backward(bias, bl.buffers.d_h, ring.dy, ring.row_w, window.tokens_per_expert, window.offsets,
+                      ring.d_router)
         push_route_scalars(sym, window, ring.d_router, "d_router")
     # 3. every router-gradient push landed; at home
     k._barrier(0, "the backward's router-gradient pushes")
@@ -241,6 +250,7 @@ def fused_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch.Te
                               bl.buffers.shared_dx[:n] if shared is not None else None)
     if check:
         k.check_errors()
+    d_b_gate_up, d_b_down = bias.rounded(b_gate_up, b_down) if bias is not None else (None, None)
     return LayerGrads(d_x, d_router, d_w_gate_up, d_w_down,
                       None if shared is None else shared_grads.gate_up[0],
-                      None if shared is None else shared_grads.down[0])
+                      None if shared is None else shared_grads.down[0], d_b_gate_up, d_b_down)

@@ -257,7 +257,7 @@ class MegaKernel:
         """The backward of a forward pass of this kernel that left ``saved`` (collective): the backward
         megakernel (``megamoe.megakernel.backward``), or with ``fused=False`` (and on one rank, where the forward
         ran the expert kernels directly) the standalone kernels composed (``megamoe.megakernel.backward_composed``:
-        the same bits). ``b_gate_up``, ``b_down``: the forward's expert biases (the composed backward only). Returns
+        the same bits). ``b_gate_up``, ``b_down``: the forward's expert biases. Returns
         the :class:`~megamoe.megakernel.backward_composed.LayerGrads`."""
         from megamoe.megakernel.backward import fused_backward
         from megamoe.megakernel.backward_composed import composed_backward
@@ -266,15 +266,11 @@ class MegaKernel:
             raise ValueError(f"the backward megakernel runs BF16 experts: the {self.precision} backward runs the "
                              f"standalone kernels composed (fused_backward=False, moe()'s default)")
         self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
-        biased = b_gate_up is not None or b_down is not None
-        if biased and fused and not self.direct:
-            raise ValueError("the backward megakernel has no expert biases: their backward runs the standalone "
-                             "kernels composed (fused_backward=False, moe()'s default)")
         if not isinstance(d_out, torch.Tensor) or d_out.shape != x.shape or d_out.dtype != torch.bfloat16:
             raise ValueError(f"d_out must be bfloat16 of x's shape {tuple(x.shape)}, got {checks.describe(d_out)}")
         if fused and not self.direct:
             return fused_backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared,
-                                  activation, check=check)
+                                  activation, check=check, b_gate_up=b_gate_up, b_down=b_down)
         return composed_backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared,
                                  activation, check=check, b_gate_up=b_gate_up, b_down=b_down)
 
