@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamoe.routing.schedule import PullSchedule, build_pull_schedule, build_pull_schedule_distributed, gather_routing
+from megamoe.routing.schedule import (PullSchedule, ScheduleBlocking, build_pull_schedule,
+                                      build_pull_schedule_distributed, gather_routing)
 from megamoe.routing.schedule_loop import build_pull_schedule_loop
 from megamoe.parallel.world import launch
 
@@ -105,9 +106,9 @@ def check_own_rows(s: PullSchedule, top: torch.Tensor, rank: int, within: int) -
     assert s.own_rows.dtype == torch.int32 and s.own_rows.tolist() == want
 
 
-def check_all(top, rank, L, align=1):
-    """Both builders equal the loop twin; the invariants hold, own_rows with the schedule fitting and not.
-    Returns the Triton builder's schedule."""
+def check_all(top, rank, L, align=1, blocking=None):
+    """Both builders (the kernels with ``blocking``) equal the loop twin; the invariants hold, own_rows with the
+    schedule fitting and not. Returns the Triton builder's schedule."""
     loop = build_pull_schedule_loop(top, rank, L, align=align)
     check_invariants(loop, top, rank)
     for within in (None, loop.capacity, int(loop.num_rows) - 1):
@@ -116,9 +117,9 @@ def check_all(top, rank, L, align=1):
             check_own_rows(want, top, rank, within)
         for backend in BACKENDS:
             got = build_pull_schedule(top, rank, L, align=align, check_ids=True, backend=backend,
-                                      own_rows_within=within)
+                                      own_rows_within=within, blocking=blocking)
             assert_same(got, want)
-    return build_pull_schedule(top, rank, L, align=align, backend="triton")
+    return build_pull_schedule(top, rank, L, align=align, backend="triton", blocking=blocking)
 
 
 # name: (tokens per rank, k, L, align, p_none, rank)
@@ -132,7 +133,7 @@ CASES = {
     "eight-ranks-k1": ((9, 1, 4, 0, 7, 3, 8, 2), 1, 2, 1, 0.0, 5),
     "eight-ranks-align128": ((5, 6, 2, 7, 3, 4, 1, 6), 6, 3, 128, 0.25, 7),
     "many-no-routes": ((8, 8, 8), 4, 2, 4, 0.9, 0),
-    # several blocks of ROUTE_BLOCK routes per rank (and sub-blocks), experts in more than one slice of 64
+    # several blocks of route_block routes per rank (and sub-blocks), experts in more than one slice of 64
     "three-ranks-many-blocks": ((700, 300, 650), 4, 70, 8, 0.1, 1),
 }
 
@@ -144,16 +145,18 @@ def test_matches_loop_on_random_routings(case):
         check_all(routing(seed, tokens, k, L * len(tokens), p_none=p_none), rank, L, align)
 
 
-@pytest.mark.parametrize("route_block, sub_block, prefix_blocks", [(128, 32, 1), (256, 64, 4)])
-def test_kernel_blocking_does_not_change_the_schedule(monkeypatch, route_block, sub_block, prefix_blocks):
+@pytest.mark.parametrize("blocking", [ScheduleBlocking(128, 32, 1), ScheduleBlocking(256, 64, 4)], ids=str)
+def test_kernel_blocking_does_not_change_the_schedule(blocking):
     """Smaller route blocks (up to 22 per rank) summed a few earlier blocks at a time: the same schedule."""
-    import megamoe.routing.schedule as schedule_module
-
-    monkeypatch.setattr(schedule_module, "ROUTE_BLOCK", route_block)
-    monkeypatch.setattr(schedule_module, "PLACE_SUB_BLOCK", sub_block)
-    monkeypatch.setattr(schedule_module, "PREFIX_BLOCKS", prefix_blocks)
     tokens, k, L, align, p_none, rank = CASES["three-ranks-many-blocks"]
-    check_all(routing(7, tokens, k, L * len(tokens), p_none=p_none), rank, L, align)
+    check_all(routing(7, tokens, k, L * len(tokens), p_none=p_none), rank, L, align, blocking=blocking)
+
+
+def test_schedule_blocking_refuses_what_the_kernels_cannot_place():
+    with pytest.raises(ValueError, match="power of two"):
+        ScheduleBlocking(route_block=384)
+    with pytest.raises(ValueError, match="at most route_block"):
+        ScheduleBlocking(route_block=64, sub_block=128)
 
 
 @settings(max_examples=15, deadline=None)

@@ -60,15 +60,37 @@ from megamoe.kernels import schedule as schedule_kernels
 
 #: src_rank / src_index / offsets are int32: capacity must stay below this.
 MAX_CAPACITY = 2**31 - 1
-#: Routes per program of the schedule kernels; the placing program takes them PLACE_SUB_BLOCK at a time and
-#: compares every pair of those. `benchmarks/schedule_bench.py` on an H200 (benchmarks/results/
-#: 2026-11-30-pass-prologue, µs per build, EP 2, 8192 tokens): 512 x 64 kimi-k2 27.7, qwen3.5-397b 36.6,
-#: deepseek-v4-pro 25.5; 1024 x 128 43-55; 32-route sub-blocks, 256-route blocks or 8 warps slower.
-ROUTE_BLOCK = 512
-PLACE_SUB_BLOCK = 64
-#: Earlier blocks' histograms a placing program sums per step; warps of both kernels.
-PREFIX_BLOCKS = 16
-SCHEDULE_WARPS = 4
+
+
+@dataclass(frozen=True)
+class ScheduleBlocking:
+    """Blocking of the schedule kernels (``megamoe.kernels.schedule``): every value builds the same schedule.
+
+    Attributes:
+        route_block: routes per program of both kernels.
+        sub_block: routes the placing program takes at a time (it compares every pair of them).
+        prefix_blocks: earlier blocks' histograms a placing program sums per step.
+        num_warps: warps of both kernels.
+
+    The defaults, by `benchmarks/schedule_bench.py` on an H200 (benchmarks/results/2026-11-30-pass-prologue, µs per
+    build, EP 2, 8192 tokens): 512 x 64 kimi-k2 27.7, qwen3.5-397b 36.6, deepseek-v4-pro 25.5; 1024 x 128 43-55;
+    32-route sub-blocks, 256-route blocks or 8 warps slower. It lives beside its builder, not in
+    ``megamoe.planner``: routing sits below the planner (the planner imports ``routing.windows``).
+    """
+
+    route_block: int = 512
+    sub_block: int = 64
+    prefix_blocks: int = 16
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("route_block", "sub_block", "prefix_blocks", "num_warps"):
+            value = getattr(self, name)
+            if not checks.is_int(value) or value < 1 or value & (value - 1):
+                raise ValueError(f"ScheduleBlocking.{name} must be a power of two, got {value!r}")
+        if self.sub_block > self.route_block:
+            raise ValueError(f"ScheduleBlocking.sub_block ({self.sub_block}) must be at most route_block "
+                             f"({self.route_block}): a block is placed in whole sub-blocks")
 
 
 @dataclass(frozen=True)
@@ -177,6 +199,7 @@ def build_pull_schedule(
     check_ids: bool = False,
     backend: str | None = None,
     own_rows_within: int | None = None,
+    blocking: ScheduleBlocking | None = None,
 ) -> PullSchedule:
     """The pull schedule of ``rank``, on ``top_experts_all``'s device.
 
@@ -197,6 +220,7 @@ def build_pull_schedule(
             give the same tensors.
         own_rows_within: also build ``own_rows`` (None: not built); its entries are all -1 unless
             ``num_rows`` is at most this (an int; negative: always -1).
+        blocking: the kernels' blocking (None: ``ScheduleBlocking()``); the torch ops ignore it.
 
     No host sync, no loop over routes, static shapes, deterministic; meant to
     be capturable in a CUDA graph.
@@ -205,14 +229,15 @@ def build_pull_schedule(
     if backend is None:
         backend = "triton" if top_experts_all.is_cuda else "torch"
     if backend == "triton":
-        return _build_by_kernels(top_experts_all, rank, experts_per_rank, align, own_rows_within)
+        return _build_by_kernels(top_experts_all, rank, experts_per_rank, align, own_rows_within,
+                                 blocking or ScheduleBlocking())
     if backend != "torch":
         raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
     return _build_by_torch_ops(top_experts_all, rank, experts_per_rank, align, own_rows_within)
 
 
-def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: int,
-                      own_rows_within: int | None) -> PullSchedule:
+def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: int, own_rows_within: int | None,
+                      blocking: ScheduleBlocking) -> PullSchedule:
     R, N, k = top_experts_all.shape
     device, nk = top_experts_all.device, N * k
     capacity = R * nk + L * (align - 1)
@@ -225,21 +250,22 @@ def _build_by_kernels(top_experts_all: torch.Tensor, rank: int, L: int, align: i
     counts, arrived = zeroed[:-1].view(L, R), zeroed[-1]
     tokens, offsets, num_rows = ints(L), ints(L), ints()
     src_rank, src_index = ints(capacity), ints(capacity)
-    blocks = max(1, -(-nk // ROUTE_BLOCK))
+    block = blocking.route_block
+    blocks = max(1, -(-nk // block))
     hist = ints(R, blocks, L)  # each block's routes to each local expert
     own_rows = None if own_rows_within is None else ints(nk)
     bins = triton.next_power_of_2(L)
     route_args = (nk, rank * L, L, R, blocks)
     schedule_kernels.route_histogram_kernel[(R * blocks,)](
         ids, hist, counts, tokens, offsets, num_rows, arrived, src_rank, src_index, *route_args, capacity,
-        align, BLOCK=ROUTE_BLOCK, BINS=bins, BLOCK_L=min(64, triton.next_power_of_2(L)), num_warps=SCHEDULE_WARPS)
+        align, BLOCK=block, BINS=bins, BLOCK_L=min(64, triton.next_power_of_2(L)), num_warps=blocking.num_warps)
     schedule_kernels.place_routes_kernel[(R * blocks,)](
         # without own_rows (OWN off) the kernel never writes its pointer: src_rank only fills the argument
         ids, hist, counts, offsets, src_rank, src_index, num_rows, src_rank if own_rows is None else own_rows,
-        *route_args, rank, -1 if own_rows_within is None else own_rows_within, BLOCK=ROUTE_BLOCK,
-        SUB=PLACE_SUB_BLOCK, BINS=bins, RANKS=triton.next_power_of_2(R),
-        BLOCK_B=max(1, min(PREFIX_BLOCKS, triton.next_power_of_2(blocks))), OWN=own_rows is not None,
-        num_warps=SCHEDULE_WARPS)
+        *route_args, rank, -1 if own_rows_within is None else own_rows_within, BLOCK=block,
+        SUB=blocking.sub_block, BINS=bins, RANKS=triton.next_power_of_2(R),
+        BLOCK_B=max(1, min(blocking.prefix_blocks, triton.next_power_of_2(blocks))), OWN=own_rows is not None,
+        num_warps=blocking.num_warps)
     return PullSchedule(tokens, counts, offsets, src_rank, src_index, num_rows, capacity, R, L, k, align, own_rows)
 
 
