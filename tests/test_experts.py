@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.expert_gemm import row_tile_task
-from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles
+from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles, wgrad_ws_stages
 from megamoe.planner.tuning import Tuning
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
@@ -333,7 +333,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
                 a, b, out, offsets, counts, len(counts), out_m, out_n, counts, out, out, counts, counts,
                 NUM_PROGRAMS=programs,
                 BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                STAGES=wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k), MMA_IN_FLIGHT=in_flight,
+                STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), MMA_IN_FLIGHT=in_flight,
                 num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()

@@ -16,7 +16,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 
 #: The fewest ring slots a kernel may get: a consumer that holds one step while it waits for the next (a wgmma
-#: group left in flight, FP8's paired K steps) deadlocks a single slot, a hang rather than an error.
+#: group left in flight, FP8's paired K steps) deadlocks a single slot, a hang rather than an error. It stays here,
+#: not in ``megamoe.planner.tiles``: it is this ring's correctness floor, set by its consumers' waits, not a
+#: tuning choice.
 MIN_STAGES = 2
 
 

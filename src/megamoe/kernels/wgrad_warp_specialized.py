@@ -38,15 +38,6 @@ from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
-HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory a Hopper block can have
-
-
-def ring_stages(block_n: int, block_k: int) -> int:
-    """The deepest ring of K steps that fits beside the two 64 x BLOCK_N output buffers (and each slot's two
-    mbarriers): 6 at BK 32, 3 at BK 64 for 256-wide blocks."""
-    half_m = HALF_M.value
-    step = (2 * half_m * block_k + block_k * block_n) * 2
-    return (HOPPER_SHARED_BYTES - 2 * half_m * block_n * 2) // (step + 16)
 
 
 @gluon.jit

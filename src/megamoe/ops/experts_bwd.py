@@ -18,7 +18,7 @@ from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, 
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows
+from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows, wgrad_ws_stages
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate
 from megamoe.routing.row_tiles import build_row_tiles
@@ -233,9 +233,9 @@ def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
 
 def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
-    (``ring_stages``), one wgmma left in flight from :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on
-    (the measurements are there)."""
-    stages = wgrad_warp_specialized.ring_stages(tile.block_n, tile.block_k)
+    (:func:`~megamoe.planner.tiles.wgrad_ws_stages`), one wgmma left in flight from
+    :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there)."""
+    stages = wgrad_ws_stages(tile.block_n, tile.block_k)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
                 MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES)
 

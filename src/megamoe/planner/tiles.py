@@ -7,7 +7,7 @@ One rule per function, each with the measurement that settled it (benchmarks/res
   fixed by the scale block;
 * :func:`carry_tile`: the Triton wgrad's block when it carries across backward windows;
 * :func:`tile_stages`: the megakernel's ring depth for a layer shape;
-* :data:`WGRAD_FP8_WS_STAGES`, :data:`WGRAD_MMA_IN_FLIGHT_STAGES`: the Gluon wgrads' rings.
+* :func:`wgrad_ws_stages`, :data:`WGRAD_MMA_IN_FLIGHT_STAGES`, :data:`WGRAD_FP8_WS_STAGES`: the Gluon wgrads' rings.
 
 The ops ask for their tiles through :class:`megamoe.planner.tuning.Tuning`, which pins any of them.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import runtime
+from megamoe.kernels.wgrad_warp_specialized import HALF_M
 from megamoe.precision import FP8_BLOCK
 
 
@@ -182,11 +183,22 @@ def carry_tile(tile: TileConfig) -> TileConfig:
     return dataclasses.replace(tile, block_n=min(tile.block_n, CARRY_BLOCK_N))
 
 
+#: The most shared memory a Hopper block can have.
+HOPPER_SHARED_BYTES = 227 * 1024
+
+
+def wgrad_ws_stages(block_n: int, block_k: int) -> int:
+    """The BF16 Gluon wgrad's ring depth: the deepest ring of K steps (a 128 x ``block_k`` slot of a, a ``block_k`` x
+    ``block_n`` one of b, two 8-byte mbarriers) that fits beside its two 64 x ``block_n`` bf16 output buffers: 6 at
+    BK 32, 3 at BK 64 for 256-wide blocks. As deep as it fits because deeper ran faster: at BK 32 6 stages took
+    10.0 / 10.2 % off gate/up / down against 4 at ~341 rows per expert, equal to BK 64 x 3 at ~170
+    (benchmarks/results/2026-12-03-wgrad-ring-depth)."""
+    step = (2 * HALF_M.value * block_k + block_k * block_n) * 2 + 16
+    return (HOPPER_SHARED_BYTES - 2 * HALF_M.value * block_n * 2) // step
+
+
 #: The BF16 Gluon wgrad leaves one wgmma in flight (holding its slot a step longer) from this ring depth on: it
-#: pays from 4 stages on (-1.2 to -1.4 % at 4), not at 3 (+2.6 to +4.2 %; 2026-12-03-wgrad-warp-specialized). Its
-#: ring is as deep as shared memory allows (``wgrad_warp_specialized.ring_stages``: at BK 32 6 stages, -10.0 /
-#: -10.2 % gate/up / down against 4 at ~341 rows per expert, equal to BK 64 x 3 at ~170;
-#: benchmarks/results/2026-12-03-wgrad-ring-depth).
+#: pays from 4 stages on (-1.2 to -1.4 % at 4), not at 3 (+2.6 to +4.2 %; 2026-12-03-wgrad-warp-specialized).
 WGRAD_MMA_IN_FLIGHT_STAGES = 4
 #: The Gluon FP8 wgrad's ring: the deepest that fits beside the two output buffers, 5 slots of 33 KB (an expert's
 #: K loop is short: the producer runs ahead into the next blocks; 4 measured as fast,
