@@ -170,7 +170,7 @@ def test_gpu_gluon_forwards_add_the_biases_as_the_triton_kernels():
     from megamoe.ops.experts import ExpertForwardQuantized
     torch.manual_seed(0)
     L, I, D, rows = 4, 256, 512, 1000
-    counts = torch.tensor([300, 0, 457, 200], dtype=torch.int32, device="cuda")
+    counts = torch.tensor([300, 0, 457, 243], dtype=torch.int32, device="cuda")  # every row: the FP8 outputs are empty
     offsets = torch.tensor([0, 300, 300, 757], dtype=torch.int32, device="cuda")
     x = torch.randn(rows, D, device="cuda").bfloat16()
     w_gu = (torch.randn(L, 2 * I, D, device="cuda") / D ** 0.5).bfloat16()
