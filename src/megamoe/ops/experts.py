@@ -189,7 +189,7 @@ def gate_up(
     gluon = warp_specialized and warp_specialized_forward(x_rows.device, cfg)
     if x_index is not None:
         checks.check_row_index("x_index", x_index, rows, x_rows.device)
-        if not gathers_on_load(gluon):
+        if not gathers_on_load(gluon, x_rows):
             x_rows, x_index = gathered_rows(x_rows, x_index, rows), None
     if gluon:
         forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, activation=activation,
@@ -314,16 +314,20 @@ def expert_forward_reference(
 
 
 #: One rank's Gluon tiles read their tokens' rows by index on load (``megamoe.kernels.gluon_gather``: cp.async in the
-#: producers) when True; False copies the rows first (``gathered_rows``), the same bits. Off until the gathers have
-#: run on a GPU (built and checked offline only, 2026-12-05): turn it on once
-#: ``pytest -m gpu tests/test_experts.py -k gathered_operands`` passes on Hopper and the step measures faster
-#: (``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for an A/B run: benchmarks/results/2026-12-05-fine-grained).
+#: producers) when True; False copies the rows first (``gathered_rows``), the same bits. Off: measured slower on one
+#: H200 (benchmarks/results/2026-12-05-gather-on-load: qwen3-30b-a3b at 8192 tokens forward 2.03 against 1.72 ms,
+#: backward 6.85 against 4.47; sonic-7b backward 5.48 against 4.15): one producer warp issuing 16-byte cp.async
+#: pieces does not keep two wgmma warpgroups fed, where the copy kernels move the rows at HBM rate first. It stays
+#: for one more measurement, a gathering warpgroup in place of the warp (docs/performance.md, lever 8); retire it
+#: if that loses too. ``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for that A/B run.
 GATHER_ON_LOAD = os.environ.get("MEGAMOE_GATHER_ON_LOAD", "0") == "1"
 
 
-def gathers_on_load(gluon: bool) -> bool:
-    """Whether a Gluon launch (``gluon``: the warp-specialised kernel runs) reads rows by index itself."""
-    return gluon and GATHER_ON_LOAD
+def gathers_on_load(gluon: bool, *sources: torch.Tensor) -> bool:
+    """Whether a Gluon launch (``gluon``: the warp-specialised kernel runs) reads ``sources``' rows by index itself:
+    their row strides and widths must be multiples of 16 elements, where Triton proves the 16-byte alignment its
+    cp.async pieces need (elsewhere the build fails: D 200 / I 136 did on an H200)."""
+    return gluon and GATHER_ON_LOAD and all(t.stride(0) % 16 == 0 and t.shape[1] % 16 == 0 for t in sources)
 
 
 def gathered_rows(source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:

@@ -134,7 +134,7 @@ def expert_backward(
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
     gluon_dact = warp_specialized and warp_specialized_forward(device, cfg["dact"]) and cfg["dact"].block_n == 128
     gluon_wgrad = warp_specialized and warp_specialized_wgrad(device, cfg["wgrad"])
-    if dy_index is not None and (bias is not None or not gathers_on_load(gluon_dact and gluon_wgrad)):
+    if dy_index is not None and (bias is not None or not gathers_on_load(gluon_dact and gluon_wgrad, dy_rows)):
         dy_rows, dy_index = gathered_rows(dy_rows, dy_index, rows), None  # a kernel here reads rows in order
     if rows:
         c = cfg["dact"]
@@ -259,7 +259,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
         raise ValueError("wgrad gathers one operand's rows, not both")
     window = carry if carry is not None else (counts, out, out)  # never read without CARRY
     gluon = warp_specialized and warp_specialized_wgrad(a.device, tile)
-    if not gathers_on_load(gluon):  # the rows copied first
+    if not gathers_on_load(gluon, a if a_index is not None else b):  # the rows copied first
         if a_index is not None:
             a, a_index = gathered_rows(a, a_index, b.shape[0]), None
         if b_index is not None:
