@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.kernels.expert_gemm import row_tile_task
+from megamoe.kernels.tasks import row_tile_task
 from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles, wgrad_ws_stages
 from megamoe.planner.tuning import Tuning
 from megamoe.routing.row_tiles import build_row_tiles

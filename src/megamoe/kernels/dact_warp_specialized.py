@@ -29,9 +29,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.forward_fp8_warp_specialized import BLOCK, REGS_CONSUMER, REGS_PRODUCER, paired_k_steps
-from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer, tile_task
+from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer
 from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
+from megamoe.kernels.tasks import tile_task
 
 
 @gluon.jit

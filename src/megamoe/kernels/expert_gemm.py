@@ -8,7 +8,7 @@ Index arrays (all on the device, built from the pull schedule without a host syn
                                    experts (nor minibatches, see megamoe.routing.row_tiles.build_row_tiles)
     tile_run[t] = (first, end)     the run of tile t: its expert's consecutive tiles (in its minibatch)
     task -> (tile, n-tile)         groups of GROUP_M tiles inside a run, n-tile outer inside a group
-                                   (row_tile_task): the weight slice is read once per group, the
+                                   (megamoe.kernels.tasks): the weight slice is read once per group, the
                                    group's rows stay in L2 across its n-tiles
 
 Tensors (R = capacity rows of the routed buffer):
@@ -22,7 +22,8 @@ Tensors (R = capacity rows of the routed buffer):
 
 Loads past a region's end read the next expert's rows (or zeros past the
 buffer); stores are masked to the region, so that garbage never lands.
-Program roles: a persistent grid; program p takes tasks p, p + P, ...
+Program roles: a persistent grid; program p takes tasks p, p + P, ... Each kernel writes its own loop around
+``tile_task`` (`megamoe.kernels.tasks` says why the loop is not shared).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import triton.language as tl
 from megamoe.kernels.activation import activation
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_bias import add_bias
+from megamoe.kernels.tasks import tile_task
 
 @triton.jit
 def tile_dot(a, b, acc, DOT_FP32: tl.constexpr):
@@ -122,42 +124,6 @@ def down_tile(
 
 
 @triton.jit
-def grouped_task(task, num_n, num_tiles, GROUP_M: tl.constexpr):
-    """Task -> (row tile, n-tile) over one run of num_tiles tiles: groups of GROUP_M consecutive row tiles,
-    n-tile outer inside a group."""
-    group_size = GROUP_M * num_n
-    group = task // group_size
-    first = group * GROUP_M
-    rows_in_group = tl.minimum(num_tiles - first, GROUP_M)
-    within = task - group * group_size
-    return first + within % rows_in_group, within // rows_in_group
-
-
-@triton.jit
-def row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M: tl.constexpr):
-    """Task -> (row tile, n-tile) over the tiles from t0 on, run by run (``grouped_task`` inside each).
-
-    Run [first, end) owns tasks [(first - t0) * num_n, (end - t0) * num_n), so t0 + task // num_n is one
-    of its tiles. Groups never straddle experts: straddling ones re-read a third of the weights from HBM
-    (benchmarks/results/2026-12-03-task-order)."""
-    t = t0 + task // num_n
-    first = tl.load(tile_run_ptr + 2 * t)
-    end = tl.load(tile_run_ptr + 2 * t + 1)
-    tile, n = grouped_task(task - (first - t0) * num_n, num_n, end - first, GROUP_M)
-    return first + tile, n
-
-
-@triton.jit
-def _tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: tl.constexpr):
-    """Task -> (expert, row0, row_end, n-tile) in ``row_tile_task`` order."""
-    tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile)
-    row0 = tl.load(tile_row0_ptr + tile)
-    row_end = tl.load(tile_row_end_ptr + tile)
-    return expert, row0, row_end, n
-
-
-@triton.jit
 def gate_up_kernel(
     x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
     tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
@@ -172,7 +138,7 @@ def gate_up_kernel(
     num_tasks = num_tiles * num_n
     # FLATTEN lets the pipeliner fetch the next task's first K tiles during this task's epilogue.
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_act_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
@@ -194,7 +160,7 @@ def down_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_tile(act_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
                   DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm import _tile_task, tile_dot
+from megamoe.kernels.expert_gemm import tile_dot
+from megamoe.kernels.tasks import first_task, tile_task
 from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
 
 
@@ -100,7 +101,7 @@ def dact_swiglu_bwd_kernel(
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr,
                   d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n,
@@ -194,7 +195,7 @@ def dx_kernel(
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, d_x_index_ptr, row0, row_end, expert, n, D, I,
                 DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, SCATTER)
@@ -226,7 +227,7 @@ def wgrad_kernel(
     pid = tl.program_id(0)
     for expert in range(0, num_experts):
         # this program's first task of the expert: tasks are numbered expert-major, dealt round-robin
-        first = (pid - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+        first = first_task(pid, NUM_PROGRAMS, expert * per_expert)
         mode = wgrad_mode(modes_ptr, expert, CARRY)
         if (first < per_expert) & (mode != 0):
             row0 = tl.load(offsets_ptr + expert)

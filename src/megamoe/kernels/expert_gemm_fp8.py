@@ -1,7 +1,7 @@
 """Grouped expert GEMM tiles in FP8-block (DeepSeek-V3 recipe): gate/up + SwiGLU + act quantisation, and down.
 
 Same task structure as `megamoe.kernels.expert_gemm` (persistent programs over
-(row tile, n-tile) tasks built on the device; see `_tile_task`), with E4M3
+(row tile, n-tile) tasks built on the device; see `megamoe.kernels.tasks.tile_task`), with E4M3
 operands and fp32 block scales:
 
     x_q [R, D] e4m3, x_scale [R, D/128] fp32              activations, 1x128 blocks along D
@@ -34,7 +34,7 @@ import triton.language as tl
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation
 from megamoe.kernels.expert_bias import add_bias
-from megamoe.kernels.expert_gemm import _tile_task
+from megamoe.kernels.tasks import tile_task
 from megamoe.kernels.quant import fp8_block_quantize_tile
 
 
@@ -151,7 +151,7 @@ def gate_up_fp8_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_fp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
@@ -177,7 +177,7 @@ def down_fp8_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_fp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
                       row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N, b_ptr)

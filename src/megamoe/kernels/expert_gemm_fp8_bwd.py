@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm import _tile_task
+from megamoe.kernels.tasks import first_task, tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_epilogue
 from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
 from megamoe.kernels.expert_gemm_fp8 import _dot_block, _w_scales
@@ -40,7 +40,7 @@ def dact_fp8_kernel(
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         n0 = n * BLOCK_N
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -80,7 +80,7 @@ def wgrad_fp8_kernel(
     per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n
     pid = tl.program_id(0)
     for expert in range(0, num_experts):
-        first = (pid - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+        first = first_task(pid, NUM_PROGRAMS, expert * per_expert)
         mode = wgrad_mode(modes_ptr, expert, CARRY)
         if (first < per_expert) & (mode != 0):
             kb0 = tl.load(block0_ptr + expert)

@@ -1,7 +1,7 @@
 """Grouped expert GEMM tiles in MXFP8 (OCP MX: E4M3 elements, one E8M0 scale per 32 along K) on Hopper.
 
 Hopper has no block-scaled MMA, so the tiles dequantise on load (exact), with the task structure of
-`megamoe.kernels.expert_gemm` (persistent programs over (row tile, n-tile) tasks, `_tile_task`):
+`megamoe.kernels.expert_gemm` (persistent programs over (row tile, n-tile) tasks, `megamoe.kernels.tasks.tile_task`):
 
     x_q [R, D] e4m3, x_scale [R, D/32] u8             rows, 32-blocks along D
     w_gate_up_q [L*2I, D] e4m3, scale [L*2I, D/32] u8 weights, 32-blocks along D
@@ -43,7 +43,8 @@ import triton.language as tl
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation
 from megamoe.kernels.expert_bias import add_bias
-from megamoe.kernels.expert_gemm import _tile_task, tile_dot
+from megamoe.kernels.expert_gemm import tile_dot
+from megamoe.kernels.tasks import tile_task
 from megamoe.kernels.quant import mxfp8_quantize_tile
 
 MX = 32  # elements per E8M0 scale (the jitted code spells it 32)
@@ -206,7 +207,7 @@ def gate_up_mxfp8_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_mxfp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
@@ -230,7 +231,7 @@ def down_mxfp8_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_mxfp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
                         row0, row_end, expert, n * BLOCK_N, D, W_ROWS, K,

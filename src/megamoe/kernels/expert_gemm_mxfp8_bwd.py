@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.convert import to_bf16
-from megamoe.kernels.expert_gemm import _tile_task, tile_dot
+from megamoe.kernels.expert_gemm import tile_dot
+from megamoe.kernels.tasks import first_task, tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_epilogue
 from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
 from megamoe.kernels.expert_gemm_mxfp8 import _block_scales, _dequant, _mx_gemm_pair
@@ -44,7 +45,7 @@ def dact_mxfp8_kernel(
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        expert, row0, row_end, n = _tile_task(
+        expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
         g, _unused = _mx_gemm_pair(dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, stride_dys, stride_ws, row0,
@@ -73,7 +74,7 @@ def wgrad_mxfp8_kernel(
     per_expert = tl.cdiv(OUT_M, BLOCK_M) * num_n
     pid = tl.program_id(0)
     for expert in range(0, num_experts):
-        first = (pid - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+        first = first_task(pid, NUM_PROGRAMS, expert * per_expert)
         mode = wgrad_mode(modes_ptr, expert, CARRY)
         if (first < per_expert) & (mode != 0):
             k0 = tl.load(span0_ptr + expert) * SPAN

@@ -26,10 +26,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from megamoe.kernels.activation import activation
-from megamoe.kernels.forward_warp_specialized import (HALF_M, add_bias_columns, forward_producer, store_half_tile,
-                                                      tile_task)
+from megamoe.kernels.forward_warp_specialized import HALF_M, add_bias_columns, forward_producer, store_half_tile
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.quant import fp8_block_quantize_tile
+from megamoe.kernels.tasks import tile_task
 
 BLOCK = gl.constexpr(128)  # the K step, the tile's columns and the scale block
 # Registers: each consumer warpgroup takes 232 (the first one, warp_specialize's default partition, gets what the

@@ -26,19 +26,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.activation import activation
-from megamoe.kernels.expert_gemm import row_tile_task
 from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
+from megamoe.kernels.tasks import tile_task
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 REGS_PRODUCER = gl.constexpr(80)  # the producer warp's registers: at 40-64 the sm_90 build spills 16-72 bytes
-
-
-@gluon.jit
-def tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: gl.constexpr):
-    """Task -> (expert, row0, row_end, n-tile), in the Triton kernels' order."""
-    tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
-    return gl.load(tile_expert_ptr + tile), gl.load(tile_row0_ptr + tile), gl.load(tile_row_end_ptr + tile), n
 
 
 @gluon.jit

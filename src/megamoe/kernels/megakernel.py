@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from megamoe.kernels.comm import pull_tile, push_tile, signal_and_wait
-from megamoe.kernels.expert_gemm import down_tile, gate_up_act_tile, grouped_task, row_tile_task
+from megamoe.kernels.expert_gemm import down_tile, gate_up_act_tile
 from megamoe.kernels.expert_gemm_fp8 import down_fp8_tile, gate_up_fp8_tile
 from megamoe.kernels.expert_gemm_mxfp8 import down_mxfp8_tile, gate_up_mxfp8_tile
 from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_DOWN, TRACE_KIND_GATE_UP, TRACE_KIND_PULL, TRACE_KIND_PUSH,
@@ -70,6 +70,7 @@ from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_DOWN, TRACE_KIND_GATE_UP
                                   TRACE_SM, TRACE_START, WAIT_PASS_END, WAIT_ROWS_READY, WAIT_SHARED_DONE,
                                   WAIT_TILE_DONE, WAIT_Y_DONE, fence_async_proxy, release_add, trace_clock,
                                   trace_event, wait_counter)
+from megamoe.kernels.tasks import first_task, grouped_task, row_tile_task
 
 #: PHASE values: 0 the whole pass; the others one step (CPU mode).
 PHASE_ALL = tl.constexpr(0)
@@ -148,12 +149,6 @@ def comm_push(
                   combine_ptr, stride_combine, skip_rank, 1, True, CHUNKS, CP, W, ROWS, ALIGN)
     trace_event(trace_ptr, start, TRACE_KIND_PUSH, j, TRACE)
     return budget
-
-
-@triton.jit
-def first_task(c, workers, dealt):
-    """The first task of a list that worker c takes when ``dealt`` tasks were dealt before it (round robin)."""
-    return (c + workers - dealt % workers) % workers
 
 
 @triton.jit
@@ -252,6 +247,8 @@ def shared_gate_up(
     BLOCK_M: tl.constexpr, BN_GU: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's gate/up tasks of the shared expert over this rank's tokens; returns tasks dealt."""
+    # This loop and shared_down have their twins in the backward (megakernel_bwd.shared_dact, shared_dx) and stay
+    # twice: each interleaves its own tile call, waits and trace kind with the task (megamoe.kernels.tasks).
     num_n = tl.cdiv(I, BN_GU)
     tiles = tl.cdiv(tokens, BLOCK_M)
     for task in range(c, tiles * num_n, workers):

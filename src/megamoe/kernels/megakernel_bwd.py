@@ -42,14 +42,14 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from megamoe.kernels.comm import pull_tile, signal_and_wait
-from megamoe.kernels.expert_gemm import grouped_task, row_tile_task
 from megamoe.kernels.expert_gemm_bwd import dact_tile, dx_tile, router_grad_rows, wgrad_block, wgrad_descriptors
-from megamoe.kernels.megakernel import comm_push, first_task
+from megamoe.kernels.megakernel import comm_push
 from megamoe.kernels.wgrad_carry import STORE, wgrad_mode
 from megamoe.kernels.sync import (TRACE_END, TRACE_KIND_BWD_PULL, TRACE_KIND_DACT, TRACE_KIND_DX,
                                   TRACE_KIND_SHARED_DACT, TRACE_KIND_SHARED_DX, TRACE_KIND_WGRAD, TRACE_ROW,
                                   TRACE_SHARED_END, TRACE_SM, TRACE_START, WAIT_PASS_END, fence_async_proxy,
                                   release_add, trace_clock, trace_event, wait_counter)
+from megamoe.kernels.tasks import first_task, grouped_task, row_tile_task
 
 #: Wait ids of the error word (megamoe.megakernel.kernel names them; 1-6 are the forward's).
 WAIT_BWD_ROWS = tl.constexpr(7)
@@ -160,6 +160,8 @@ def shared_dact(
     BLOCK_M: tl.constexpr, BN_DA: tl.constexpr, BK_DA: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Worker c's dact tasks of the shared expert over this rank's tokens (weight 1); returns tasks dealt."""
+    # This loop and shared_dx are the forward's shared_gate_up and shared_down over other tiles and stay twice:
+    # each interleaves its own tile call, waits and trace kind with the task (megamoe.kernels.tasks).
     num_n = tl.cdiv(I, BN_DA)
     tiles = tl.cdiv(tokens, BLOCK_M)
     for task in range(c, tiles * num_n, workers):

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
+from megamoe.kernels.tasks import first_task
 from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
@@ -41,17 +42,12 @@ REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
 
 
 @gluon.jit
-def first_task(expert, per_expert, NUM_PROGRAMS: gl.constexpr):
-    """This program's first block of ``expert``: blocks are numbered expert-major and dealt round-robin."""
-    return (gl.program_id(0) - (expert * per_expert) % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
-
-
-@gluon.jit
 def window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS: gl.constexpr, CARRY: gl.constexpr):
-    """``(first, mode)``: ``first_task``, or ``per_expert`` (no block) for an expert without a mode in this window,
+    """``(first, mode)``: this program's first block of ``expert`` (blocks are numbered expert-major and dealt
+    round-robin: ``first_task``), or ``per_expert`` (no block) for an expert without a mode in this window,
     and its mode (CARRY; else STORE, the launch without windows). The producer and the consumers skip the same
     experts, so they agree on the ring's steps whatever the counts say."""
-    first = first_task(expert, per_expert, NUM_PROGRAMS)
+    first = first_task(gl.program_id(0), NUM_PROGRAMS, expert * per_expert)
     if CARRY:
         mode = gl.load(modes_ptr + expert)
         first = gl.where(mode != 0, first, per_expert)
