@@ -11,6 +11,8 @@ any float dtype and return ``(data, scale)`` for blocks along either axis:
     mxfp8_quantize_tile(x, AXIS, RCEIL=False, SOFT_E4M3=False)
         AXIS=1, rowwise (blocks of 32 along K):    data float8e4nv [BM, BK], scale uint8 [BM, BK/32]
         AXIS=0, columnwise (blocks of 32 along M): data float8e4nv [BM, BK], scale uint8 [BM/32, BK]
+    mxfp8_round_tile(x, AXIS)
+        the MXFP8 grid's values of x (quantise then dequantise), float32 [BM, BK]
     fp8_block_quantize_tile(x, BLOCK_R, BLOCK_C, SOFT_E4M3=False)
         (BLOCK_R, BLOCK_C) = (1, 128) rowwise, (128, 1) columnwise, (128, 128) weights:
         data float8e4nv [BM, BK], scale float32 [BM/BLOCK_R, BK/BLOCK_C]
@@ -75,6 +77,9 @@ Standalone kernel ``quantize_kernel`` (launched by ``megamoe.ops.quant``'s
     data   [B, M, K] uint8 view of float8_e4m3fn, any strides (a transposed
            output is the strided view of a [B, K, M] tensor)
     scale  [B, M / BLOCK_R, K / BLOCK_C] uint8 (mxfp8) or float32 (fp8-block)
+    with ROUND (mxfp8): data is bf16 [B, M, K], x rounded to the MXFP8 grid
+           (``mxfp8_round_tile``: ``mxfp8_dequantize(*mxfp8_quantize(x))``
+           cast to bf16), and no scale is written (MXFP8 as BF16 operands)
 
     program_id(0) = t, the tile of one matrix: tile row t // tiles_k, tile
                     column t % tiles_k (K-tiles fastest, so neighbouring
@@ -90,6 +95,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megamoe.kernels.convert import to_bf16
 from megamoe.precision import FP8_BLOCK_AMAX_FLOOR
 
 _ABS_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
@@ -97,6 +103,7 @@ _INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
 _NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
 _MANT_1_75: tl.constexpr = tl.constexpr(0x600000)
 _E4M3_NAN: tl.constexpr = tl.constexpr(0x7F)
+_SUBNORMAL_2_M127: tl.constexpr = tl.constexpr(0x00400000)
 _E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 _AMAX_FLOOR: tl.constexpr = tl.constexpr(FP8_BLOCK_AMAX_FLOOR)
 
@@ -153,24 +160,30 @@ def _to_float32(x):
 
 
 @triton.jit
+def _e4m3_value(y):
+    """``rne(clamp(y, -448, 448))`` on the E4M3 grid, as float32, for float32 ``y`` (NaN ``y``: unspecified), in
+    float32 arithmetic only (the software rounding of the module docstring)."""
+    y_bits = y.to(tl.int32, bitcast=True)
+    a_bits = y_bits & _ABS_MASK
+    a = a_bits.to(tl.float32, bitcast=True)
+    # E = max(floor(log2 a), -6): below 2**-6 E4M3 is subnormal with spacing 2**-9.
+    e_bits = tl.maximum(a_bits & _INF_BITS, (127 - 6) << 23)
+    # c = 1.5 * 2**(E + 20): a + c lies in [2**(E+20), 2**(E+21)), where float32 spacing is 2**(E-3).
+    c = ((e_bits + (20 << 23)) | 0x400000).to(tl.float32, bitcast=True)
+    r = tl.minimum((a + c) - c, _E4M3_MAX)
+    # The sign goes back on in float32 (``y_bits ^ a_bits`` is y's sign bit), never on
+    # the converted bytes: OR-ing a sign byte into the FP8 bits had LLVM pack the bytes
+    # of two e4m3x2 conversions into 16-bit halves, which ptxas 12.8 (Triton 3.6's, for
+    # sm_90) turned into F2FP...MERGE_C sequences reading R1, the stack pointer, for
+    # some high bytes: a transposed store wrote 0xFC for ~20% of the elements.
+    return (r.to(tl.int32, bitcast=True) | (y_bits ^ a_bits)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e4m3_bits(y, SOFT_E4M3: tl.constexpr):
     """uint8 E4M3 bits of ``rne(clamp(y, -448, 448))`` for float32 ``y`` (NaN ``y``: unspecified)."""
     if SOFT_E4M3:
-        y_bits = y.to(tl.int32, bitcast=True)
-        a_bits = y_bits & _ABS_MASK
-        a = a_bits.to(tl.float32, bitcast=True)
-        # E = max(floor(log2 a), -6): below 2**-6 E4M3 is subnormal with spacing 2**-9.
-        e_bits = tl.maximum(a_bits & _INF_BITS, (127 - 6) << 23)
-        # c = 1.5 * 2**(E + 20): a + c lies in [2**(E+20), 2**(E+21)), where float32 spacing is 2**(E-3).
-        c = ((e_bits + (20 << 23)) | 0x400000).to(tl.float32, bitcast=True)
-        r = tl.minimum((a + c) - c, _E4M3_MAX)
-        # The sign goes back on in float32 (``y_bits ^ a_bits`` is y's sign bit), never on
-        # the converted bytes: OR-ing a sign byte into the FP8 bits had LLVM pack the bytes
-        # of two e4m3x2 conversions into 16-bit halves, which ptxas 12.8 (Triton 3.6's, for
-        # sm_90) turned into F2FP...MERGE_C sequences reading R1, the stack pointer, for
-        # some high bytes: a transposed store wrote 0xFC for ~20% of the elements.
-        r = (r.to(tl.int32, bitcast=True) | (y_bits ^ a_bits)).to(tl.float32, bitcast=True)
-        bits = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        bits = _e4m3_value(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         bits = tl.clamp(y, -_E4M3_MAX, _E4M3_MAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return bits
@@ -198,6 +211,39 @@ def mxfp8_quantize_tile(x, AXIS: tl.constexpr, RCEIL: tl.constexpr = False, SOFT
     y = xf * _block_expand(mult, BLOCK_R, BLOCK_C)
     bits = tl.where(y != y, _E4M3_NAN, _e4m3_bits(y, SOFT_E4M3))
     return bits.to(tl.float8e4nv, bitcast=True), byte.to(tl.uint8)
+
+
+@triton.jit
+def mxfp8_round_tile(x, AXIS: tl.constexpr):
+    """``x [BM, BK]`` rounded to the MXFP8 grid with 32-blocks along ``AXIS``, as float32: the values
+    ``mxfp8_dequantize(*mxfp8_quantize(x))`` gives (floor rounding), exactly.
+
+    The E4M3 rounding is ``_e4m3_value``'s float32 arithmetic (no FP8 conversion, the same bits compiled and
+    interpreted); the dequantising power ``2**e`` is built from the scale byte's bits (byte 0: the subnormal
+    2**-127), and the product is exact in float32 (at most 4 significant bits, none below 2**-136). Blocks holding
+    NaN or inf give NaN. Cast to bf16 (round to nearest even) it is what the MXFP8 tiles' ``_dequant`` feeds
+    their MMAs: exact but for blocks whose scale byte is below 3 (amax < 2**-116). The tile is worked on as
+    ``[.., blocks, 32, ..]`` with the block values expanded back by ``expand_dims`` (no ``_block_expand``): Gluon
+    callers' layouts then agree (their epilogues call it on an MMA-layout tile)."""
+    tl.static_assert(AXIS == 0 or AXIS == 1, "AXIS must be 0 (columnwise) or 1 (rowwise)")
+    BM: tl.constexpr = x.shape[0]
+    BK: tl.constexpr = x.shape[1]
+    if AXIS == 1:
+        xb = tl.reshape(_to_float32(x), [BM, BK // 32, 32])
+    else:
+        xb = tl.reshape(_to_float32(x), [BM // 32, 32, BK])
+    amax = tl.max(xb.to(tl.int32, bitcast=True) & _ABS_MASK, axis=2 if AXIS == 1 else 1)
+    bad = amax >= _INF_BITS
+    byte = tl.maximum((amax >> 23) - 8, 0)
+    mult = tl.where(bad, _NAN_BITS, (254 - byte) << 23).to(tl.float32, bitcast=True)
+    power = tl.where(bad, _NAN_BITS, tl.where(byte == 0, _SUBNORMAL_2_M127, byte << 23)).to(tl.float32, bitcast=True)
+    if AXIS == 1:
+        y = xb * tl.expand_dims(mult, 2)
+        r = _e4m3_value(y) * tl.expand_dims(power, 2)
+    else:
+        y = xb * tl.expand_dims(mult, 1)
+        r = _e4m3_value(y) * tl.expand_dims(power, 1)
+    return tl.reshape(tl.where(y != y, float("nan"), r), [BM, BK])
 
 
 @triton.jit
@@ -256,6 +302,7 @@ def quantize_kernel(
     SOFT_E4M3: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROUND: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -289,12 +336,18 @@ def quantize_kernel(
     if COPY:  # x unchanged too (a staging copy fused into the one read of x)
         c_tile = copy_ptr + (b * stride_c_b + m0.to(tl.int64) * stride_c_m + k0.to(tl.int64) * stride_c_k)
         tl.store(c_tile + rm[:, None] * stride_c_m + rk[None, :] * stride_c_k, x, mask=mask)
+    d_tile = data_ptr + (b * stride_d_b + m0.to(tl.int64) * stride_d_m + k0.to(tl.int64) * stride_d_k)
+    if ROUND:  # MXFP8 rounded to its grid, stored as bf16 (exact but for scale bytes below 3); no scales
+        tl.static_assert(MX and not RCEIL, "ROUND rounds to MXFP8's grid, floor rule")
+        rounded = mxfp8_round_tile(x, 0 if BLOCK_R == 32 else 1)
+        tl.store(d_tile + rm[:, None] * stride_d_m + rk[None, :] * stride_d_k, to_bf16(rounded, SOFT_E4M3),
+                 mask=mask)
+        return
     if MX:
         data, scale = mxfp8_quantize_tile(x, 0 if BLOCK_R == 32 else 1, RCEIL, SOFT_E4M3)
     else:
         data, scale = fp8_block_quantize_tile(x, BLOCK_R, BLOCK_C, SOFT_E4M3)
 
-    d_tile = data_ptr + (b * stride_d_b + m0.to(tl.int64) * stride_d_m + k0.to(tl.int64) * stride_d_k)
     tl.store(d_tile + rm[:, None] * stride_d_m + rk[None, :] * stride_d_k, data.to(tl.uint8, bitcast=True), mask=mask)
 
     sm = tl.arange(0, BLOCK_M // BLOCK_R)

@@ -137,6 +137,7 @@ def _prepare(
     rows: torch.Tensor | None = None,
     scale_transpose: bool | None = None,
     src_scale: torch.Tensor | None = None,
+    rounded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """Outputs and the ``quantize_kernel`` launch ``(grid, args, kwargs)`` (None when empty) for
     quantising each ``[M, K]`` matrix of ``x_BMK``: ``data [B, M, K]`` and ``scale [B, M/br, K/bc]``
@@ -144,6 +145,8 @@ def _prepare(
     ``copy`` (like ``x_BMK``) also receives x unchanged; ``rows`` (one matrix) gathers the rows quantised
     (M = its length); ``scale_transpose`` False keeps the scales ``[M/br, K/bc]`` beside transposed data;
     ``src_scale`` (one matrix) makes ``x_BMK`` E4M3 rows with these scales along K, dequantised on load.
+    ``rounded`` (mxfp8, not transposed): ``data`` is bf16 ``[B, M, K]``, x rounded to the MXFP8 grid (the
+    kernel's ROUND; ``out`` then ``(data, None)``), and ``scale`` an unused placeholder.
     Works on meta tensors too, which is how ``compile_sm90`` builds exactly the kernel a launch would run."""
     nb, m, k = x_BMK.shape
     if rows is not None:
@@ -158,7 +161,12 @@ def _prepare(
         raise ValueError(f"at most 65535 matrices per launch, got {nb}")
     dev = x_BMK.device
     scale_dtype = torch.uint8 if mx else torch.float32
-    if out is not None:
+    if rounded:  # bf16 values on the grid, no scales
+        if not mx or transpose:
+            raise ValueError("rounding to the grid is mxfp8's, untransposed")
+        data = data_v = out[0] if out is not None else torch.empty(nb, m, k, dtype=torch.bfloat16, device=dev)
+        scale = scale_v = torch.empty(1, 1, 1, dtype=torch.uint8, device=dev)  # never written
+    elif out is not None:
         data, scale = out
         data_v, scale_v = data, scale
     elif transpose:
@@ -181,7 +189,7 @@ def _prepare(
     for name, t in (("x", x_BMK), ("data", data_v), ("copy", copy_v)):
         if bm * abs(t.stride(1)) + bk * abs(t.stride(2)) >= 2**31:
             raise ValueError(f"{name} strides {t.stride()} overflow int32 tile offsets for tile [{bm}, {bk}]")
-    data_u8 = data_v.view(torch.uint8)
+    data_u8 = data_v if rounded else data_v.view(torch.uint8)
     grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk), nb)
     # NOTE: with one matrix its batch strides are passed as 0: Triton then knows they are
     # multiples of 16, which the 16-byte vectorisation of every tile offset depends on.
@@ -204,6 +212,7 @@ def _prepare(
         BLOCK_M=bm,
         BLOCK_K=bk,
         num_warps=config.num_warps,
+        **({"ROUND": True} if rounded else {}),
     )
     return data, scale, (grid, args, kwargs)
 
@@ -220,10 +229,11 @@ def _launch(
     rows: torch.Tensor | None = None,
     scale_transpose: bool | None = None,
     src_scale: torch.Tensor | None = None,
+    rounded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each ``[M, K]`` matrix of ``x_BMK`` (see ``_prepare``)."""
     data, scale, launch = _prepare(x_BMK, mx, block, rounding, transpose, config, out, copy, rows, scale_transpose,
-                                   src_scale)
+                                   src_scale, rounded)
     if launch is not None:
         grid, args, kwargs = launch
         quantize_kernel[grid](*args, **kwargs)
@@ -372,14 +382,89 @@ def quantize_weights(
     return data, scale
 
 
+def mx_round_activations(
+    x: torch.Tensor,
+    axis: int = 1,
+    *,
+    rows: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: QuantConfig | None = None,
+) -> torch.Tensor:
+    """A 2-D activation ``x [M, K]`` rounded to the MXFP8 grid along ``axis``, as bf16: the values
+    ``mxfp8_dequantize(*mxfp8_quantize(x, dim=axis), dim=axis, dtype=torch.bfloat16)`` gives, bit for bit (the
+    MXFP8 expert kernels' operands, which run as BF16 operands with ``megamoe.ops.experts_mxfp8.AS_BF16``). One
+    ``quantize_kernel`` launch (ROUND): one read of x, one bf16 write, no scales.
+
+    Args:
+        x: float32/bfloat16/float16 ``[M, K]``, or float8_e4m3fn rows with ``x_scale`` (as
+            :func:`quantize_activations`: dequantised on load, then rounded along ``axis``; along 1, the rows' own
+            axis, that is their dequantised values).
+        axis: 1 (rowwise, 32-blocks along K) or 0 (along M).
+        rows: int64 ``[M']``: round these rows of x in this order, a zero row where an entry is negative (as
+            :func:`quantize_activations`; the wgrads' token blocks of each expert, ``experts_fp8_bwd.token_blocks``).
+        out: bf16 ``[M (or M'), K]`` contiguous to write into (None: a new tensor).
+        config: tile shape (None: ``default_config``); its ``soft_e4m3`` only picks the bf16 conversion (the
+            rounding itself is float32 arithmetic either way).
+    """
+    if x_scale is None:
+        check_quant_input(x)
+    elif not isinstance(x, torch.Tensor) or x.dtype != torch.float8_e4m3fn or getattr(
+            x_scale, "dtype", None) != torch.uint8:
+        raise ValueError(f"with x_scale, x must be float8_e4m3fn with uint8 (E8M0) scales, got {describe(x)}, "
+                         f"{describe(x_scale)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    _check_device(x, "x")
+    if x_scale is not None:
+        if x.shape[1] % MX_BLOCK or x.stride(1) != 1:
+            raise ValueError(f"E4M3 rows must be contiguous along K, a multiple of {MX_BLOCK}: got {describe(x)}")
+        check_tensors((("x_scale", x_scale, (x.shape[0], x.shape[1] // MX_BLOCK), torch.uint8),), x.device)
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1:
+            raise ValueError(f"rows must be a 1-D int64 tensor, got {describe(rows)}")
+        check_tensors((("rows", rows, tuple(rows.shape), torch.int64),), x.device)
+    mx, block = _fmt_block("mxfp8", normalize_dim(axis, 2, "axis"), weights=False)
+    cfg = _check_config(config, block)
+    m = x.shape[0] if rows is None else rows.shape[0]
+    if out is not None:
+        check_tensors((("out", out, (m, x.shape[1]), torch.bfloat16),), x.device)
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+        out = (out.unsqueeze(0), None)
+    data, _ = _launch(x.unsqueeze(0), mx, block, "floor", False, cfg, out, None, rows, None, x_scale, rounded=True)
+    return data.squeeze(0)
+
+
+def mx_round_weights(w: torch.Tensor, axis: int = -1, *, config: QuantConfig | None = None) -> torch.Tensor:
+    """A weight matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` rounded to the MXFP8 grid along ``axis`` (-1
+    cols, -2 rows), as bf16 in its own layout (one launch): bit for bit
+    ``mxfp8_dequantize(*mxfp8_quantize(w, dim=axis), dim=axis, dtype=torch.bfloat16)``; exact (the weights' scale
+    bytes are never below 3 but for blocks with amax < 2**-116)."""
+    check_quant_input(w, "w")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [rows, cols] or [E, rows, cols], got shape {tuple(w.shape)}")
+    _check_device(w, "w")
+    ax = normalize_dim(axis, w.dim(), "axis")
+    if ax < w.dim() - 2:
+        raise ValueError(f"axis={axis} must name rows or cols (-2 or -1) of w with shape {tuple(w.shape)}")
+    mx, block = _fmt_block("mxfp8", ax - (w.dim() - 2), weights=True)
+    cfg = _check_config(config, block)
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    data, _ = _launch(w3, mx, block, "floor", False, cfg, rounded=True)
+    return data if w.dim() == 3 else data.squeeze(0)
+
+
 def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool = False, transpose: bool = False,
                    rounding: str = "floor", config: QuantConfig | None = None,
                    dtype: torch.dtype = torch.bfloat16, rows: int | None = None,
-                   scale_transpose: bool | None = None, src_fmt: str | None = None) -> tuple[tuple, dict, int]:
+                   scale_transpose: bool | None = None, src_fmt: str | None = None,
+                   rounded: bool = False) -> tuple[tuple, dict, int]:
     """``(args, kwargs, num_warps)`` of the ``quantize_kernel`` launch that ``quantize_weights`` (``weights``)
     or ``quantize_activations`` makes for a tensor of ``shape`` (gathering ``rows`` rows when given; from E4M3
-    rows quantised along K in ``src_fmt`` when given), built on meta tensors (no memory, no GPU): what the
-    sm_90 build check (``megamoe.tools.sm90``) compiles."""
+    rows quantised along K in ``src_fmt`` when given; ``rounded``: ``mx_round_weights`` / ``mx_round_activations``'
+    instead), built on meta tensors (no memory, no GPU): what the sm_90 build check (``megamoe.tools.sm90``)
+    compiles."""
     x = torch.empty(shape, dtype=torch.float8_e4m3fn if src_fmt else dtype, device="meta")
     src_scale = None
     if src_fmt:
@@ -396,7 +481,7 @@ def planned_launch(shape: tuple[int, ...], fmt: str, axis: int, *, weights: bool
     cfg = _check_config(config, block)
     gather = None if rows is None else torch.empty(rows, dtype=torch.int64, device="meta")
     _, _, launch = _prepare(x3, mx, block, rounding, transpose, cfg, rows=gather, scale_transpose=scale_transpose,
-                            src_scale=src_scale)
+                            src_scale=src_scale, rounded=rounded)
     if launch is None:
         raise ValueError(f"an empty tensor {shape} launches nothing")
     _, args, kwargs = launch
