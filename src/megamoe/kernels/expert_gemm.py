@@ -34,6 +34,7 @@ import triton.language as tl
 from megamoe.kernels.activation import activation
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_bias import add_bias
+from megamoe.kernels.quant import mxfp8_round_tile
 from megamoe.kernels.tasks import tile_task
 
 @triton.jit
@@ -54,13 +55,13 @@ def gate_up_act_tile(
     x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act,
     row0, row_end, expert, n0, I, K, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, b_ptr=None, MX_ROUND: tl.constexpr = False,
 ):
     """One [BLOCK_M rows x BLOCK_N act columns] tile of expert ``expert``.
 
     Reads x_rows[row0 : row0+BM, :] and the gate and up weight rows n0..n0+BN;
     writes h (gate and up columns, plus the bias ``b_ptr`` `[L, 2I]` when given) and act for rows < row_end,
-    columns < I.
+    columns < I. MX_ROUND: act rounded to the MXFP8 grid along I first (32-blocks; BLOCK_N a multiple of 64).
     """
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -82,16 +83,18 @@ def gate_up_act_tile(
     row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(acc_gate, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
     u_lo, u_hi = tl.split(tl.permute(tl.reshape(acc_up, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-    _gate_up_store(g_lo, u_lo, h_base, act_base, stride_h, stride_act, row_ok, n0, I, limit, alpha, ACT, DOT_FP32)
+    _gate_up_store(g_lo, u_lo, h_base, act_base, stride_h, stride_act, row_ok, n0, I, limit, alpha, ACT, DOT_FP32,
+                   MX_ROUND)
     _gate_up_store(g_hi, u_hi, h_base, act_base, stride_h, stride_act, row_ok, n0 + BLOCK_N // 2, I, limit, alpha,
-                   ACT, DOT_FP32)
+                   ACT, DOT_FP32, MX_ROUND)
 
 
 @triton.jit
 def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0, I, limit, alpha, ACT: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   DOT_FP32: tl.constexpr, MX_ROUND: tl.constexpr = False):
     """Store h (gate and up columns c0..) and act = SwiGLU for a [BM, W] column chunk of a row tile (DOT_FP32:
-    the interpreter, whose bfloat16 cast truncates)."""
+    the interpreter, whose bfloat16 cast truncates; MX_ROUND: act rounded to the MXFP8 grid along I, W a multiple
+    of 32 and c0 on a block)."""
     local = tl.arange(0, gate.shape[0])
     cols = c0 + tl.arange(0, gate.shape[1])
     mask = row_ok[:, None] & (cols < I)[None, :]
@@ -99,6 +102,8 @@ def _gate_up_store(gate, up, h_base, act_base, stride_h, stride_act, row_ok, c0,
     tl.store(h_tile, to_bf16(gate, DOT_FP32), mask=mask)
     tl.store(h_tile + I, to_bf16(up, DOT_FP32), mask=mask)
     act = activation(gate, up, limit, alpha, ACT)
+    if MX_ROUND:  # MXFP8 as BF16 operands: the down GEMM's input on the MX grid (megamoe.ops.experts_mxfp8_bf16)
+        act = mxfp8_round_tile(act, 1)
     tl.store(act_base + (local[:, None] * stride_act + cols[None, :]), to_bf16(act, DOT_FP32), mask=mask)
 
 
@@ -130,9 +135,10 @@ def gate_up_kernel(
     I, K, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, b_ptr=None,
+    FLATTEN: tl.constexpr, b_ptr=None, MX_ROUND: tl.constexpr = False,
 ):
-    """Persistent gate/up + SwiGLU over every (tile, n-tile) task (``b_ptr``: the optional bias `[L, 2I]`)."""
+    """Persistent gate/up + SwiGLU over every (tile, n-tile) task (``b_ptr``: the optional bias `[L, 2I]`; MX_ROUND:
+    act rounded to the MXFP8 grid along I, ``gate_up_act_tile``'s)."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     num_tasks = num_tiles * num_n
@@ -142,7 +148,7 @@ def gate_up_kernel(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_act_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
-            alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr,
+            alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr, MX_ROUND,
         )
 
 

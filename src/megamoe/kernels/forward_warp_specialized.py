@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from megamoe.kernels.activation import activation
 from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
+from megamoe.kernels.quant import mxfp8_round_tile
 from megamoe.kernels.tasks import tile_task
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
@@ -109,10 +110,10 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
               tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty,
               HALF: gl.constexpr, GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, A_GATHER: gl.constexpr):
+              MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, A_GATHER: gl.constexpr, MX_ROUND: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
-    columns 0..N-1, up columns N..2N-1) and act_ptr act; down: out is y. HAS_BIAS: b_ptr's expert row is added
-    to the accumulator first."""
+    columns 0..N-1, up columns N..2N-1) and act_ptr act (MX_ROUND: rounded to the MXFP8 grid along N first); down:
+    out is y. HAS_BIAS: b_ptr's expert row is added to the accumulator first."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, W_SLICES * BLOCK_N, 16])
@@ -143,6 +144,8 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
             store_half_tile(out_ptr, stride_out, gate, first, rows_ok, col0, N - col0, runs)
             store_half_tile(out_ptr, stride_out, up, first, rows_ok, N + col0, N - col0, runs)
             act = activation(gate, up, limit, alpha, ACT)
+            if MX_ROUND:  # MXFP8 as BF16 operands (megamoe.ops.experts_mxfp8_bf16): 32-blocks along N
+                act = mxfp8_round_tile(act, 1)
             store_half_tile(act_ptr, stride_act, act, first, rows_ok, col0, N - col0, runs)
         else:
             store_half_tile(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
@@ -155,7 +158,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
                       GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       MMA_IN_FLIGHT: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
-                      A_GATHER: gl.constexpr = False):
+                      A_GATHER: gl.constexpr = False, MX_ROUND: gl.constexpr = False):
     """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): A = x_rows `[rows, K=D]`, w = w_gate_up `[w_rows = L*2N, K]`, out = h `[rows, 2N]`, act
@@ -163,7 +166,8 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
     `[rows, K=I]`, w = w_down `[w_rows = L*N, K]`, out = y `[rows, N=D]`; act_ptr unused. bf16, rows contiguous.
     HAS_BIAS: ``b_ptr`` the experts' bias (gate/up's `[L, 2N]`, down's `[L, N]`, bf16) is added before the stores
     (else it is never read). A_GATHER: A row r is row ``a_index[r]`` (int32) of ``a`` `[S, K]` (one rank's gate/up
-    reads its tokens in place of routed copies; else a_index is never read)."""
+    reads its tokens in place of routed copies; else a_index is never read). MX_ROUND (gate/up): act rounded to
+    the MXFP8 grid along N (32-blocks of each row; BLOCK_N a multiple of 32) before its store."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
@@ -175,12 +179,14 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER))),
+                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
+                      gl.constexpr(MX_ROUND))),
          (_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER))),
+                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
+                      gl.constexpr(MX_ROUND))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),

@@ -11,6 +11,7 @@ backward is :mod:`megamoe.ops.experts_bwd`. Tile shapes: :mod:`megamoe.planner.t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ def expert_forward(
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     x_index: torch.Tensor | None = None,
+    mx_act: bool = False,
 ) -> ExpertForward:
     """Gate/up + SwiGLU and down for every expert region of ``x_rows`` (BF16).
 
@@ -135,6 +137,8 @@ def expert_forward(
             (h includes it) and to y (``megamoe.kernels.expert_bias``).
         x_index: int32 `[R]`: ``x_rows`` is then `[S, D]` and row r's input is ``x_rows[x_index[r]]`` (each in
             ``[0, S)`` inside the regions): one rank's tokens read in place of routed copies (:func:`gate_up`).
+        mx_act: act rounded to the MXFP8 grid along I in the gate/up epilogue (:func:`gate_up`; MXFP8 run as these
+            kernels, ``megamoe.ops.experts_mxfp8_bf16``).
     """
     experts, i, d = check_operands(x_rows, counts, offsets, w_gate_up, w_down)
     checks.check_expert_biases(b_gate_up, b_down, w_gate_up, w_down, kernels=True)
@@ -150,7 +154,7 @@ def expert_forward(
         )
     gate_up(x_rows, counts, offsets, w_gate_up, out.h, out.act, activation=activation,
             num_programs=num_programs, tuning=tuning, minibatch=minibatch,
-            rows_per_expert=rows_per_expert, bias=b_gate_up, x_index=x_index)
+            rows_per_expert=rows_per_expert, bias=b_gate_up, x_index=x_index, mx_act=mx_act)
     down(out.act, counts, offsets, w_down, out.y, num_programs=num_programs, tuning=tuning,
          minibatch=minibatch, rows_per_expert=rows_per_expert, bias=b_down)
     return out
@@ -172,19 +176,26 @@ def gate_up(
     warp_specialized: bool = True,
     bias: torch.Tensor | None = None,
     x_index: torch.Tensor | None = None,
+    mx_act: bool = False,
 ) -> None:
     """h = x_rows · w_gate_upᵀ (+ ``bias`` bf16 `[L, 2I]`, optional) and act = SwiGLU(h) on every expert region
     (one persistent launch); the tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts).
     On Hopper 128-row tiles run in the warp-specialised Gluon kernel (:func:`forward_ws`), elsewhere
     ``gate_up_kernel``: the same bits. ``warp_specialized=False`` runs ``gate_up_kernel`` there too (A/B runs,
     tests). ``x_index`` (int32 `[R]`): row r's input is ``x_rows[x_index[r]]`` (the Gluon kernel's producer gathers
-    it; elsewhere one gather copies the rows first: the same bits)."""
+    it; elsewhere one gather copies the rows first: the same bits). ``mx_act``: act rounded to the MXFP8 grid along
+    I (32-blocks, I a multiple of 32) before its store, in the epilogue (``mxfp8_round_tile``; the Triton tiles
+    then take BLOCK_N a multiple of 64: two chunks of whole blocks)."""
     experts, two_i, d = w_gate_up.shape
     i = two_i // 2
     rows = h.shape[0]
+    if mx_act and i % 32:
+        raise ValueError(f"mx_act rounds act in 32-blocks along I: I must be a multiple of 32, got {i}")
     if rows == 0 or experts == 0:
         return
     cfg = (tuning or DEFAULT_TUNING).tile("gate_up", x_rows.device, mean_rows(rows, experts, rows_per_expert))
+    if mx_act and cfg.block_n % 64:  # the epilogue's two column chunks hold whole 32-blocks
+        cfg = dataclasses.replace(cfg, block_n=64 * -(-cfg.block_n // 64))
     programs = runtime.num_programs(x_rows.device, num_programs)
     gluon = warp_specialized and warp_specialized_forward(x_rows.device, cfg)
     if x_index is not None:
@@ -193,7 +204,7 @@ def gate_up(
             x_rows, x_index = gathered_rows(x_rows, x_index, rows), None
     if gluon:
         forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, activation=activation,
-                   minibatch=minibatch, bias=bias, a_index=x_index)
+                   minibatch=minibatch, bias=bias, a_index=x_index, mx_act=mx_act)
         return
     launch_row_tasks(
         expert_gemm.gate_up_kernel, cfg, programs,
@@ -203,7 +214,7 @@ def gate_up(
               h, act, h.stride(0), act.stride(0)),
         tail=(i, d, activation.kernel_limit, activation.kernel_alpha),
         minibatch=minibatch,
-        ACT=activation.kernel_id, b_ptr=bias,
+        ACT=activation.kernel_id, b_ptr=bias, **({"MX_ROUND": True} if mx_act else {}),
     )
 
 
@@ -258,13 +269,13 @@ def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, activation: Activation = SWIGLU,
                minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True,
-               bias: torch.Tensor | None = None, a_index: torch.Tensor | None = None) -> None:
+               bias: torch.Tensor | None = None, a_index: torch.Tensor | None = None, mx_act: bool = False) -> None:
     """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles of ``tile``'s BLOCK_N,
     BLOCK_K, GROUP_M and, unless ``stages``, ring depth): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out
     h `[R, 2I]`), else down (w `[L, D, I]`, out y `[R, D]`). One wgmma is left in flight per K step unless
     ``mma_in_flight`` is False. ``bias``: the experts' optional bf16 bias (gate/up's `[L, 2I]`, down's `[L, D]`).
-    ``a_index`` (int32 `[R]`): A row r is ``a[a_index[r]]``, gathered by the producer. The same tasks and bits as the
-    Triton kernels."""
+    ``a_index`` (int32 `[R]`): A row r is ``a[a_index[r]]``, gathered by the producer. ``mx_act`` (gate/up): act
+    rounded to the MXFP8 grid along I before its store. The same tasks and bits as the Triton kernels."""
     gate_up = act is not None
     experts, w_n, k = w.shape
     n = w_n // 2 if gate_up else w_n
@@ -280,6 +291,7 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
             activation.kernel_limit, activation.kernel_alpha, tiles.tile_expert if a_index is None else a_index,
             num_warps=4, HAS_BIAS=bias is not None, A_GATHER=a_index is not None,
+            **({"MX_ROUND": True} if mx_act else {}),
             **forward_ws_constexprs(tile, programs, gate_up=gate_up, act=activation.kernel_id, stages=stages,
                                     mma_in_flight=mma_in_flight))
 

@@ -130,60 +130,81 @@ def expert_backward(
         return grads
     programs = runtime.num_programs(device, num_programs)
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
-    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
-    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
     gluon_dact = warp_specialized and warp_specialized_forward(device, cfg["dact"]) and cfg["dact"].block_n == 128
     gluon_wgrad = warp_specialized and warp_specialized_wgrad(device, cfg["wgrad"])
     if dy_index is not None and (bias is not None or not gathers_on_load(gluon_dact and gluon_wgrad, dy_rows)):
         dy_rows, dy_index = gathered_rows(dy_rows, dy_index, rows), None  # a kernel here reads rows in order
-    if rows:
-        c = cfg["dact"]
-        num_n = -(-i // c.block_n)
-        partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
-        if gluon_dact:
-            tile_map = build_row_tiles(counts, offsets, rows, 128)
-            with scratch_allocator():
-                dact_warp_specialized.dact_ws_kernel[(programs,)](
-                    dy_rows, w_down.view(experts * d, i), h, row_weights, d_h, act_w, partial, dy_rows.stride(0),
-                    h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert,
-                    tile_map.tile_row0,
-                    tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
-                    activation.kernel_limit, activation.kernel_alpha,
-                    tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
-                    **dact_ws_constexprs(c, programs, act=activation.kernel_id))
-        else:
-            launch_row_tasks(
-                expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
-                head=(descriptor(dy_rows, [c.block_m, c.block_k]),
-                      descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
-                      h, row_weights, d_h, act_w, partial,
-                      h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
-                tail=(d, i, activation.kernel_limit, activation.kernel_alpha),
-                ACT=activation.kernel_id,
-            )
-        # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
-        expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
-            partial, partial.stride(0), grads.d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
-        bias_backward(bias, d_h, dy_rows, row_weights, counts, offsets, grads.d_router)
-        c = cfg["dx"]
-        scatter = grads.d_x_index is not None
-        launch_row_tasks(
-            expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, rows,
-            head=(descriptor(d_h, [c.block_m, c.block_k]),
-                  descriptor(w_gate_up.view(experts * 2 * i, d), [c.block_k, c.block_n]),
-                  grads.d_x, grads.d_x.stride(0), grads.d_x_index if scatter else grads.d_x),
-            tail=(d, i), SCATTER=scatter,
-        )
     if rows == 0:
         grads.d_w_gate_up.zero_()
         grads.d_w_down.zero_()
         return grads
+    d_h, act_w = dact(dy_rows, row_weights, h, counts, offsets, w_down, grads.d_router, cfg["dact"], programs,
+                      activation, gluon_dact, dy_index)
+    bias_backward(bias, d_h, dy_rows, row_weights, counts, offsets, grads.d_router)
+    dx(d_h, w_gate_up, grads, counts, offsets, cfg["dx"], programs)
     carries = (None, None) if carry is None else carry.pairs()
     for (a, b, a_index, b_index, dw), pair in zip(((dy_rows, act_w, dy_index, None, grads.d_w_down),
                                                    (d_h, x_rows, None, x_index, grads.d_w_gate_up)), carries):
         wgrad(a, b, dw, offsets, counts, cfg["wgrad"], programs, warp_specialized,
               carry=None if carry is None else (carry.modes, *pair), a_index=a_index, b_index=b_index)
     return grads
+
+
+def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, counts: torch.Tensor,
+         offsets: torch.Tensor, w_down: torch.Tensor, d_router: torch.Tensor, tile: TileConfig, programs: int,
+         activation: Activation, gluon: bool, dy_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dact launch of :func:`expert_backward` over ``h``'s rows (at least one): ``g = dy · w_down[l]`` and the
+    SwiGLU backward in its epilogue; returns bf16 ``d_h [R, 2I]`` and ``act_w [R, I]`` and writes the rows' router
+    gradients into ``d_router`` (the n-tiles' partials added in n order). ``gluon``: the warp-specialised kernel
+    (Hopper, 128 x 128 tiles; ``dy_index`` gathers d_out rows by token there only); int32 counts and offsets."""
+    experts, d, i = w_down.shape
+    rows, device = h.shape[0], h.device
+    d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
+    act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
+    c = tile
+    num_n = -(-i // c.block_n)
+    partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
+    if gluon:
+        tile_map = build_row_tiles(counts, offsets, rows, 128)
+        with scratch_allocator():
+            dact_warp_specialized.dact_ws_kernel[(programs,)](
+                dy_rows, w_down.view(experts * d, i), h, row_weights, d_h, act_w, partial, dy_rows.stride(0),
+                h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0), tile_map.tile_expert,
+                tile_map.tile_row0,
+                tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
+                activation.kernel_limit, activation.kernel_alpha,
+                tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
+                **dact_ws_constexprs(c, programs, act=activation.kernel_id))
+    else:
+        launch_row_tasks(
+            expert_gemm_bwd.dact_swiglu_bwd_kernel, c, programs, counts, offsets, rows,
+            head=(descriptor(dy_rows, [c.block_m, c.block_k]),
+                  descriptor(w_down.view(experts * d, i), [c.block_k, c.block_n]),
+                  h, row_weights, d_h, act_w, partial,
+                  h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
+            tail=(d, i, activation.kernel_limit, activation.kernel_alpha),
+            ACT=activation.kernel_id,
+        )
+    # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
+    expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
+        partial, partial.stride(0), d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
+    return d_h, act_w
+
+
+def dx(d_h: torch.Tensor, w_gate_up: torch.Tensor, grads: ExpertGrads, counts: torch.Tensor, offsets: torch.Tensor,
+       tile: TileConfig, programs: int) -> None:
+    """The dx launch of :func:`expert_backward`: ``grads.d_x`` rows (or their slots, ``grads.d_x_index``) =
+    ``d_h · w_gate_up[l]`` (K = 2I) over ``d_h``'s rows (at least one); int32 counts and offsets."""
+    experts, two_i, d = w_gate_up.shape
+    c = tile
+    scatter = grads.d_x_index is not None
+    launch_row_tasks(
+        expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, d_h.shape[0],
+        head=(descriptor(d_h, [c.block_m, c.block_k]),
+              descriptor(w_gate_up.view(experts * two_i, d), [c.block_k, c.block_n]),
+              grads.d_x, grads.d_x.stride(0), grads.d_x_index if scatter else grads.d_x),
+        tail=(d, two_i // 2), SCATTER=scatter,
+    )
 
 
 def new_grads(rows: int, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> ExpertGrads:
