@@ -14,7 +14,9 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      from d_out and x themselves) and its router weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
-   - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`): ``d_act = d_out_row · W_down``, the
+   - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
+     or with ``megamoe.ops.experts_mxfp8.AS_BF16`` the BF16 kernels on MX-rounded operands,
+     ``megamoe.ops.experts_mxfp8_bf16``): ``d_act = d_out_row · W_down``, the
      SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no division
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
      expert's rows in one fixed order (FP32 accumulation, carried across windows in FP32);
@@ -33,6 +35,7 @@ past its last row are empty, decided on the device). The backward megakernel
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -46,6 +49,8 @@ from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import quantize_experts
 from megamoe.ops.experts_bwd import expert_backward
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
+from megamoe.ops.experts_mxfp8 import runs_as_bf16
+from megamoe.ops.experts_mxfp8_bf16 import expert_backward_mxfp8_bf16
 from megamoe.routing.schedule import row_tokens
 
 
@@ -79,11 +84,15 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
              x=x if pull_x else None)
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
+    rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
     if fmt != "bf16":
         q = q or quantize_experts(w_gate_up, w_down, fmt)
-        weights_t = q.backward_weights(w_gate_up, w_down)
-        fp8_backward = expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8
-    rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
+        if runs_as_bf16(fmt):  # the BF16 kernels on MX-rounded operands (E4M3 rows dequantised), the pack's weights
+            fp8_backward = partial(expert_backward_mxfp8_bf16, rows_per_expert=rows_per_expert,
+                                   weights=q.rounded_weights(w_gate_up, w_down, backward=True))
+        else:
+            fp8_backward = partial(expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8,
+                                   weights_t=q.backward_weights(w_gate_up, w_down))
     d_w_gate_up = torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=x.device)
     d_w_down = torch.empty(w_down.shape, dtype=torch.bfloat16, device=x.device)
     bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
@@ -109,7 +118,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         counts, offsets = window.tokens_per_expert, window.offsets
         if fmt != "bf16":
             fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                         activation=activation, weights_t=weights_t, carry=ring.carry(window), out=out, bias=bias)
+                         activation=activation, carry=ring.carry(window), out=out, bias=bias)
         else:
             expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                             activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),

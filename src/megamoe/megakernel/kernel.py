@@ -65,7 +65,8 @@ from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, expert_forward
 from megamoe.ops.experts_fp8 import expert_forward_fp8_block
-from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8
+from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8, runs_as_bf16
+from megamoe.ops.experts_mxfp8_bf16 import expert_forward_mxfp8_bf16
 from megamoe.ops.quant import quantize_activations
 from megamoe.planner.tiles import TileConfig, plan_tiles
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
@@ -204,6 +205,7 @@ class MegaKernel:
         self._scratch: LayerBuffers | None = None
         self._backward: object | None = None  # the backward megakernel's launcher, made at its first pass
         self._backward_ring: BackwardRing | None = None
+        self._act_bf16: torch.Tensor | None = None  # one rank, mxfp8 run as BF16 kernels: act (made on first use)
         # GPU: a pass's device work replays from a CUDA graph once its weights, buffers and token count repeat
         self.replay = GraphReplay() if replay and self.gpu else None
 
@@ -350,7 +352,8 @@ class MegaKernel:
             schedule, tiles = work()
         else:
             q = () if experts_q is None else (experts_q.w_gate_up, experts_q.w_gate_up_scale, experts_q.w_down,
-                                              experts_q.w_down_scale)
+                                              experts_q.w_down_scale,
+                                              *(experts_q.rounded.tensors() if experts_q.rounded is not None else ()))
             key = (n, activation, layout_key((w_gate_up, w_down, *q, *(shared or (None, None)), b_gate_up, b_down,
                                                 *buffers.tensors())))
             schedule, tiles = self.replay(key, work)
@@ -449,16 +452,27 @@ class MegaKernel:
         token = row_tokens(schedule.src_index, self.shape.top_k)
         counts, offsets = schedule.tokens_per_expert, schedule.offsets
         if self.quantized:
-            token = token.long()
+            x_index, token = token, token.long()
             q = experts_q  # never None here: forward quantises before the device work when the caller did not
             torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
             torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
-            forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
-            plan = {"rows_per_expert": self._rows_per_expert} if forward is expert_forward_fp8_block else {}
-            forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
-                    q.w_down, q.w_down_scale, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
-                    out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]), tuning=self.tuning,
-                    **plan)
+            if runs_as_bf16(self.precision):  # the BF16 kernels on the tokens' E4M3 rows dequantised (the ring's
+                # E4M3 rows stay for the backward), the pack's rounded weights, act rounded in the gate/up epilogue
+                if self._act_bf16 is None:
+                    self._act_bf16 = torch.empty(self.config.ring_rows, self.shape.intermediate, dtype=torch.bfloat16,
+                                                 device=self.world.device)
+                expert_forward_mxfp8_bf16(
+                    self.sym.local("x_q")[:n].view(torch.float8_e4m3fn), self.sym.local("x_scale")[:n], counts,
+                    offsets, q.rounded_weights(w_gate_up, w_down), activation=activation, b_gate_up=b_gate_up,
+                    b_down=b_down, out=ExpertForward(b.h[rows], self._act_bf16[rows], self.y[rows]),
+                    rows_per_expert=self._rows_per_expert, x_index=x_index, tuning=self.tuning)
+            else:
+                forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
+                plan = {"rows_per_expert": self._rows_per_expert} if forward is expert_forward_fp8_block else {}
+                forward(b.ring_x[rows], b.ring_scale[rows], counts, offsets, q.w_gate_up, q.w_gate_up_scale,
+                        q.w_down, q.w_down_scale, activation=activation, b_gate_up=b_gate_up, b_down=b_down,
+                        out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]),
+                        tuning=self.tuning, **plan)
         else:
             if expert_ops.GATHER_ON_LOAD:  # the gate/up tiles read the tokens by index
                 x, x_index = self.sym.local("x")[: max(n, 1)], token

@@ -10,6 +10,10 @@ wgmma takes K-major operands only), so the pack holds those as well.
   forward pack's bytes and scales transposed (a copy, no second quantisation);
 - mxfp8: the transposes are quantised again from the BF16 masters along their own last dim, the dgrads' K
   (the MX definition's scale axis is each GEMM's reduction axis).
+- mxfp8 run as BF16 kernels (``megamoe.ops.experts_mxfp8.AS_BF16``): the pack also holds the weights rounded to the
+  MXFP8 grid along each GEMM's reduction axis, bf16 in the masters' layout (:class:`RoundedWeights`: one bf16 copy of
+  the routed weights per axis, the forward's two and with ``backward`` the dgrads' two, in place of the E4M3
+  transposes).
 
 The pack remembers which tensors it came from and at which version, so a pass given weights modified in place
 since (an optimizer step) refuses the stale pack instead of computing with old weights. Writes through
@@ -26,7 +30,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from megamoe.ops.quant import quantize_weights
+from megamoe.ops.experts_mxfp8 import runs_as_bf16
+from megamoe.ops.quant import mx_round_weights, quantize_weights
 from megamoe.precision import FORMATS, check_precision
 
 
@@ -59,6 +64,42 @@ def transposed_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str =
 
 
 @dataclass(frozen=True)
+class RoundedWeights:
+    """The routed weights rounded to the MXFP8 grid along each GEMM's reduction axis, bf16 in the masters' layout
+    (exact: ``megamoe.ops.quant.mx_round_weights``), for MXFP8 run as the BF16 expert kernels.
+
+    Attributes:
+        gate_up_along_d: `[L, 2I, D]`, 32-blocks along D (gate/up's K); down_along_i: `[L, D, I]`, along I (down's).
+        down_along_d: `[L, D, I]`, along D (dact's K); gate_up_along_2i: `[L, 2I, D]`, along 2I (dx's K). None
+            without the backward's.
+    """
+
+    gate_up_along_d: torch.Tensor
+    down_along_i: torch.Tensor
+    down_along_d: torch.Tensor | None = None
+    gate_up_along_2i: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.gate_up_along_d, self.down_along_i, self.down_along_d, self.gate_up_along_2i)
+                if t is not None]
+
+    @property
+    def backward(self) -> bool:
+        """Whether the dgrads' weights are here."""
+        return self.down_along_d is not None
+
+
+def rounded_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, backward: bool = False) -> RoundedWeights:
+    """:class:`RoundedWeights` of the BF16 masters: one ``mx_round_weights`` launch per tensor and axis."""
+    with torch.no_grad():
+        gu, dn = w_gate_up.detach(), w_down.detach()
+        if not backward:
+            return RoundedWeights(mx_round_weights(gu, -1), mx_round_weights(dn, -1))
+        return RoundedWeights(mx_round_weights(gu, -1), mx_round_weights(dn, -1), mx_round_weights(dn, -2),
+                              mx_round_weights(gu, -2))
+
+
+@dataclass(frozen=True)
 class QuantizedExperts:
     """E4M3 routed-expert weights and their scales, as the megakernel reads them.
 
@@ -70,6 +111,8 @@ class QuantizedExperts:
         source: the stamps of the BF16 weights they were made from (see ``check_source``).
         transposed: the backward's dgrad weights (``quantize_experts(..., backward=True)``), or None (a backward
             given this pack makes them for itself).
+        rounded: mxfp8 run as BF16 kernels (``megamoe.ops.experts_mxfp8.AS_BF16``): the weights rounded to the
+            grid, bf16 (with ``backward`` the dgrads' too, and then no ``transposed``); None otherwise.
     """
 
     precision: str
@@ -79,6 +122,7 @@ class QuantizedExperts:
     w_down_scale: torch.Tensor
     source: tuple
     transposed: TransposedWeights | None = None
+    rounded: RoundedWeights | None = None
 
     def made_from(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
         """Whether this pack was made from these very tensors, unchanged since."""
@@ -93,10 +137,11 @@ class QuantizedExperts:
                              "(an optimizer step): quantize_experts them again")
 
     def tensors(self) -> list[torch.Tensor]:
-        """The pack as a flat list (4 tensors, 8 with the transposed weights): how the layer's custom ops carry
-        it; :meth:`from_tensors` takes it back."""
+        """The pack as a flat list (4 tensors, 8 with the transposed weights; then the bf16 rounded weights, 2 or
+        4, if any): how the layer's custom ops carry it; :meth:`from_tensors` takes it back."""
         return [self.w_gate_up, self.w_gate_up_scale, self.w_down, self.w_down_scale] + (
-            self.transposed.tensors() if self.transposed is not None else [])
+            self.transposed.tensors() if self.transposed is not None else []) + (
+            self.rounded.tensors() if self.rounded is not None else [])
 
     @staticmethod
     def from_tensors(precision: str, tensors: list[torch.Tensor], w_gate_up: torch.Tensor,
@@ -105,10 +150,28 @@ class QuantizedExperts:
         ``w_down`` (the caller checked it against them before flattening it)."""
         if not tensors:
             return None
-        if len(tensors) not in (4, 8):
-            raise ValueError(f"a flattened pack has 4 or 8 tensors, got {len(tensors)}")
-        transposed = TransposedWeights(*tensors[4:]) if len(tensors) == 8 else None
-        return QuantizedExperts(precision, *tensors[:4], (_stamp(w_gate_up), _stamp(w_down)), transposed)
+        rest = list(tensors[4:])
+        transposed = None
+        if len(rest) >= 4 and rest[0].dtype == torch.float8_e4m3fn:  # the E4M3 transposes (bf16: rounded weights)
+            transposed, rest = TransposedWeights(*rest[:4]), rest[4:]
+        if len(tensors) < 4 or len(rest) not in (0, 2, 4) or any(t.dtype != torch.bfloat16 for t in rest):
+            raise ValueError(f"a flattened pack has 4 or 8 tensors (with the E4M3 transposes), then 0, 2 or 4 bf16 "
+                             f"rounded weights; got {len(tensors)}: {[str(t.dtype) for t in tensors]}")
+        rounded = RoundedWeights(*rest) if rest else None
+        return QuantizedExperts(precision, *tensors[:4], (_stamp(w_gate_up), _stamp(w_down)), transposed, rounded)
+
+    def has_backward(self) -> bool:
+        """Whether the pack holds what a backward reads: the E4M3 transposes, or (run as BF16) the rounded
+        dgrad weights."""
+        return self.rounded.backward if self.rounded is not None else self.transposed is not None
+
+    def rounded_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,
+                        backward: bool = False) -> RoundedWeights:
+        """The bf16 rounded weights (with ``backward``, the dgrads' too): the pack's own, or made now from the
+        masters (a pack made with ``AS_BF16`` off)."""
+        if self.rounded is not None and (self.rounded.backward or not backward):
+            return self.rounded
+        return rounded_weights(w_gate_up, w_down, backward=backward)
 
     def backward_weights(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> TransposedWeights:
         """The dgrads' weights: the pack's own, or made now (fp8-block from this pack, mxfp8 from the masters)."""
@@ -133,7 +196,8 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: s
     per tensor, bit for bit what the megakernel would quantise in its pass; with ``backward`` also the dgrads'
     transposed weights (the module docstring). The pack holds half the BF16 weights' bytes (the same again with
     ``backward``; plus ~1-3 % of scales) until it is dropped; quantising again before dropping the old pack
-    needs room for both."""
+    needs room for both. mxfp8 with ``megamoe.ops.experts_mxfp8.AS_BF16``: also the weights rounded to the grid
+    (:class:`RoundedWeights`, the BF16 weights' bytes again, twice with ``backward``), and no E4M3 transposes."""
     check_precision(precision, FORMATS)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
@@ -143,6 +207,8 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, precision: s
         gate_up, gate_up_scale = quantize_weights(w_gate_up.detach(), precision)
         down, down_scale = quantize_weights(w_down.detach(), precision)
     q = QuantizedExperts(precision, gate_up, gate_up_scale, down, down_scale, (_stamp(w_gate_up), _stamp(w_down)))
+    if runs_as_bf16(precision):
+        return replace(q, rounded=rounded_weights(w_gate_up, w_down, backward=backward))
     return replace(q, transposed=q.backward_weights(w_gate_up, w_down)) if backward else q
 
 
@@ -185,7 +251,7 @@ class PackCache:
             backward: bool) -> QuantizedExperts:
         q = self.pack
         if (q is None or q.precision != precision or not q.made_from(w_gate_up, w_down)
-                or (backward and q.transposed is None)):
+                or (q.rounded is not None) != runs_as_bf16(precision) or (backward and not q.has_backward())):
             self.pack = None
             self.pack = quantize_experts(w_gate_up, w_down, precision, backward=backward)
         return self.pack

@@ -9,10 +9,15 @@ Hopper has no block-scaled MMA, so they dequantise each loaded tile to bf16 (exa
 
 Row tiles and the launch come from `megamoe.ops.launch`, the grid size from `megamoe.runtime`.
 :func:`expert_forward_mxfp8_reference` is the plain-PyTorch twin (fp32 on the dequantised operands).
+
+:data:`AS_BF16` switches the layer's MXFP8 experts (the one-rank forward, the composed backward) to the other
+formulation of the same numbers: the BF16 expert kernels on operands rounded to the MXFP8 grid
+(`megamoe.ops.experts_mxfp8_bf16`).
 """
 
 from __future__ import annotations
 
+import os
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -30,6 +35,20 @@ from megamoe.ops.quant import soft_e4m3_default
 from megamoe.reference import activate
 
 FP8 = torch.float8_e4m3fn
+
+#: The layer's MXFP8 experts run as the BF16 expert kernels on operands rounded to the MXFP8 grid and kept bf16
+#: (`megamoe.ops.experts_mxfp8_bf16`: every operand on the grid, FP32 accumulation, the numbers of these tiles up to
+#: the order of the sums) when True: the one-rank forward and the composed backward at any EP size (the forward
+#: megakernel at EP >= 2 keeps these tiles: its rows travel as E4M3). The step's pack then also holds the weights
+#: rounded, bf16, along each GEMM's reduction axis. Off until a GPU run measures it (built and checked on the CPU
+#: and by the offline sm_90 builds only, 2026-12-05): ``MEGAMOE_MXFP8_AS_BF16=1`` turns it on for an A/B run.
+AS_BF16 = os.environ.get("MEGAMOE_MXFP8_AS_BF16", "0") == "1"
+
+
+def runs_as_bf16(precision: str) -> bool:
+    """Whether the layer's routed experts in ``precision`` run as BF16 kernels on MX-rounded operands
+    (:data:`AS_BF16`, mxfp8 only)."""
+    return precision == "mxfp8" and AS_BF16
 
 
 def _check_tiles(kind: str, cfg: TileConfig) -> None:

@@ -6,9 +6,10 @@ Groups:
   the wgrad's warp-specialised Gluon kernel) at the planner's GPU tiles; the wgrads (here, in ``fp8`` and in
   ``mxfp8``) also with the backward window's carry (CARRY);
 - ``fp8``: the FP8-block forward kernels at theirs;
-- ``mxfp8``: the MXFP8 forward kernels (dequantise-on-load) and backward kernels;
+- ``mxfp8``: the MXFP8 forward kernels (dequantise-on-load) and backward kernels, and the BF16 gate/ups (Triton
+  and Gluon) with act rounded to the MXFP8 grid in the epilogue (MX_ROUND: MXFP8 run as the BF16 kernels);
 - ``quant``: the quantiser at every tile the GPU test and the defaults use, hardware and software E4M3
-  rounding (built from the launch's own arguments on meta tensors);
+  rounding (built from the launch's own arguments on meta tensors), and its rounding to the MXFP8 grid (ROUND);
 - ``megakernel`` (:mod:`megamoe.tools.sm90_megakernel_cases`): the forward megakernel in each routed format
   (kimi-k2 rows) and its weighted sum;
 - ``backward``: the backward megakernel (BF16), every role; the backward windows' row gather.
@@ -268,7 +269,32 @@ def mxfp8_cases() -> dict[str, Case]:
                          "y_ptr": "*bf16", "stride_as": "i32", "stride_ws": "i32", "stride_y": "i32",
                          **_TILES, **kinds, "D": "i32", "W_ROWS": "i32", "K": "i32"}
         cases[f"{kind}_dequant"] = Case(kernel, signature, values, t.num_warps, t.num_stages)
-    return {**cases, **mxfp8_backward_cases()}
+    return {**cases, **mxfp8_backward_cases(), **mxfp8_as_bf16_cases()}
+
+
+def mxfp8_as_bf16_cases() -> dict[str, Case]:
+    """MXFP8 run as the BF16 expert kernels (``megamoe.ops.experts_mxfp8_bf16``): the gate/up with act rounded to the
+    MX grid in its epilogue (MX_ROUND), Triton and the Gluon kernel Hopper runs (one rank: x rows by token), at the
+    BF16 planner's GPU tile; the rest are the BF16 kernels as built in ``gemm``."""
+    from megamoe.kernels import expert_gemm, forward_warp_specialized
+    from megamoe.ops.experts import forward_ws_constexprs
+    from megamoe.planner.tiles import plan_tiles
+
+    t = plan_tiles("gate_up", torch.device("cuda"))
+    kinds, values = _row_task_consts(expert_gemm.gate_up_kernel, t, ACT=ACT_BUILT, MX_ROUND=True)
+    cases = {"gate_up_kernel (act on the MX grid)": Case(expert_gemm.gate_up_kernel, {
+        "x_desc": f"tensordesc<bf16[{t.block_m},{t.block_k}]>", "w_desc": f"tensordesc<bf16[{t.block_n},{t.block_k}]>",
+        "h_ptr": "*bf16", "act_ptr": "*bf16", "stride_h": "i32", "stride_act": "i32", **_TILES, **kinds,
+        "I": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)}
+    for name, gather in (("forward_ws_kernel (gate/up, act on the MX grid)", False),
+                         ("forward_ws_kernel (gate/up, x rows by token, act on the MX grid)", True)):
+        consts = {**forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), "A_GATHER": gather, "MX_ROUND": True}
+        cases[name] = Case(forward_warp_specialized.forward_ws_kernel, {
+            "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
+            "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
+            "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
+            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+    return cases
 
 
 def mxfp8_backward_cases() -> dict[str, Case]:
@@ -336,5 +362,21 @@ def quant_cases() -> dict[str, Case]:
                 f"{' from ' + launch['src_fmt'] if launch.get('src_fmt') else ''}"
                 f" tile {c.block_m}x{c.block_k} w{c.num_warps}"
                 f"{' soft' if c.soft_e4m3 else ''}")
+        cases[name] = Case(quantize_kernel, signature, constexprs, warps, 1, attrs, stack_pointer=True)
+    # MXFP8 as BF16 operands (mx_round_weights / mx_round_activations: ROUND, bf16 out): the pack's weights along
+    # either axis, rows along D (E4M3 rows dequantised, or BF16 rounded), the wgrads' token blocks (gathered)
+    rounded = [dict(shape=(4, 1024, 2048), fmt="mxfp8", axis=axis, weights=True) for axis in (-1, -2)]
+    rounded += [dict(shape=(4096, 7168), fmt="mxfp8", axis=1, src_fmt=src) for src in (None, "mxfp8")]
+    rounded += [dict(shape=(65536, 2048), fmt="mxfp8", axis=0, rows=65536 + 128 * 192, src_fmt=src)
+                for src in (None, "mxfp8")]
+    for launch in rounded:
+        ax = launch["axis"] + (2 if launch.get("weights") else 0)
+        launch["config"] = default_config(block_of("mxfp8", ax, weights=bool(launch.get("weights"))))
+        args, kwargs, warps = planned_launch(**launch, rounded=True)
+        signature, constexprs, attrs = bound_launch(quantize_kernel, args, kwargs, warps)
+        c = launch["config"]
+        name = (f"{'w' if launch.get('weights') else 'act'} mxfp8 rounded axis={launch['axis']}"
+                f"{' gather' if launch.get('rows') else ''}{' from mxfp8' if launch.get('src_fmt') else ''}"
+                f" tile {c.block_m}x{c.block_k} w{c.num_warps}")
         cases[name] = Case(quantize_kernel, signature, constexprs, warps, 1, attrs, stack_pointer=True)
     return cases
