@@ -106,7 +106,8 @@ def test_gradients_are_the_same_bits_at_every_backward_ring_size(ranks):
 FP8 = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(32,))
 
 
-@pytest.mark.parametrize("precision", ["fp8-block", "mxfp8"])
+# mxfp8's run (46 s on 2 cores) under -m slow: CI's 15 minutes; fp8-block's runs the same ring code with quantised rows
+@pytest.mark.parametrize("precision", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])
 def test_fp8_gradients_are_the_same_bits_at_every_backward_ring_size(precision):
     """FP8's token-axis blocks start where an expert's do in every window: a 128-row cut keeps them (errors
     against the FP32 oracle of the BF16 math: the FP8 training suite's bounds)."""
