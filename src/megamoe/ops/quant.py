@@ -337,6 +337,19 @@ def quantize_activations(
     return data.squeeze(0), scale.squeeze(0)
 
 
+def _weight_axis(w: torch.Tensor, axis: int) -> int:
+    """``axis`` of a weight matrix ``[rows, cols]`` or stack ``[E, rows, cols]`` as a non-negative dim, after checking
+    ``w`` (the weight quantisers' one validation)."""
+    check_quant_input(w, "w")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [rows, cols] or [E, rows, cols], got shape {tuple(w.shape)}")
+    _check_device(w, "w")
+    ax = normalize_dim(axis, w.dim(), "axis")
+    if ax < w.dim() - 2:
+        raise ValueError(f"axis={axis} must name rows or cols (-2 or -1) of w with shape {tuple(w.shape)}")
+    return ax
+
+
 def quantize_weights(
     w: torch.Tensor,
     fmt: str,
@@ -363,13 +376,7 @@ def quantize_weights(
         ``mxfp8_quantize(w, dim=axis, rounding=rounding)`` or
         ``fp8_block_quantize(w, block=(128, 128))``.
     """
-    check_quant_input(w, "w")
-    if w.dim() not in (2, 3):
-        raise ValueError(f"w must be [rows, cols] or [E, rows, cols], got shape {tuple(w.shape)}")
-    _check_device(w, "w")
-    ax = normalize_dim(axis, w.dim(), "axis")
-    if ax < w.dim() - 2:
-        raise ValueError(f"axis={axis} must name rows or cols (-2 or -1) of w with shape {tuple(w.shape)}")
+    ax = _weight_axis(w, axis)
     check_rounding(rounding)
     mx, block = _fmt_block(fmt, ax - (w.dim() - 2), weights=True)
     if not mx and rounding != "floor":
@@ -441,13 +448,7 @@ def mx_round_weights(w: torch.Tensor, axis: int = -1, *, config: QuantConfig | N
     cols, -2 rows), as bf16 in its own layout (one launch): bit for bit
     ``mxfp8_dequantize(*mxfp8_quantize(w, dim=axis), dim=axis, dtype=torch.bfloat16)``; exact (the weights' scale
     bytes are never below 3 but for blocks with amax < 2**-116)."""
-    check_quant_input(w, "w")
-    if w.dim() not in (2, 3):
-        raise ValueError(f"w must be [rows, cols] or [E, rows, cols], got shape {tuple(w.shape)}")
-    _check_device(w, "w")
-    ax = normalize_dim(axis, w.dim(), "axis")
-    if ax < w.dim() - 2:
-        raise ValueError(f"axis={axis} must name rows or cols (-2 or -1) of w with shape {tuple(w.shape)}")
+    ax = _weight_axis(w, axis)
     mx, block = _fmt_block("mxfp8", ax - (w.dim() - 2), weights=True)
     cfg = _check_config(config, block)
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
