@@ -7,8 +7,10 @@ per tile; :class:`QuantConfig` pins a tile. The routed experts' weights, quantis
 once per optimizer step, are :mod:`megamoe.ops.expert_weights`' packs.
 
 One launch (``_prepare``) serves every caller -- both formats, both block axes, transposed outputs, a fused
-row gather and E4M3 inputs re-quantised (the FP8 backward's token-axis operands) -- and the sm_90 build check
-builds from the same function (``planned_launch``).
+row gather and E4M3 inputs re-quantised (the FP8 backward's token-axis operands), and the MXFP8 grid rounding to
+bf16 (:func:`mx_round_activations`, :func:`mx_round_weights`) -- and the sm_90 build check builds from the same
+function (``planned_launch``). It stays one file past 450 lines so that the launch and its checks stay private to
+one module rather than imported across two.
 """
 
 from __future__ import annotations
