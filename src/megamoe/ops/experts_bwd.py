@@ -238,6 +238,14 @@ def check_grads(grads: ExpertGrads, rows: int, w_gate_up: torch.Tensor, w_down: 
     checks.check_tensors(tuple(want), w_gate_up.device)
 
 
+def nothing_to_launch(grads: ExpertGrads, experts: int, rows: int) -> bool:
+    """True where a quantised backward has nothing to launch: no experts, or no rows (their weight gradients then
+    zero)."""
+    if experts and not rows:
+        grads.d_w_gate_up.zero_()
+        grads.d_w_down.zero_()
+    return not experts or not rows
+
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:
     """The Gluon dacts' constexprs at ``tile`` (BF16's and FP8-block's; shared with the sm_90 build check): the
     plan's BLOCK_K (FP8-block's is its scale block, 128), ring depth (at least ``gluon_ring.MIN_STAGES``: a wgmma

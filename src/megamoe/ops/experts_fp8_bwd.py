@@ -33,7 +33,8 @@ from megamoe.kernels import (dact_warp_specialized, expert_gemm_bwd, expert_gemm
                              wgrad_fp8_warp_specialized)
 from megamoe.ops.experts import check_operands
 from megamoe.ops import experts_bwd
-from megamoe.ops.experts_bwd import ROUTER_GRAD_ROWS, ExpertGrads, WgradCarry, check_grads, new_grads
+from megamoe.ops.experts_bwd import (ROUTER_GRAD_ROWS, ExpertGrads, WgradCarry, check_grads, new_grads,
+                                     nothing_to_launch)
 from megamoe.ops.experts_fp8 import _promoted_matmul, down_fp8, warp_specialized_fp8
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
@@ -191,11 +192,7 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     if grads.d_x_index is not None:
         raise ValueError(f"out.d_x_index (d_x rows stored into slots) is BF16's; the {fmt} d_x writes rows in order")
     check_grads(grads, rows, w_gate_up, w_down, carry)
-    if experts == 0:
-        return grads
-    if rows == 0:
-        grads.d_w_gate_up.zero_()
-        grads.d_w_down.zero_()
+    if nothing_to_launch(grads, experts, rows):
         return grads
     wt = weights_t or transposed_weights(w_gate_up, w_down, fmt)
     programs = runtime.num_programs(device, num_programs)

@@ -40,7 +40,8 @@ from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import RoundedWeights, rounded_weights
 from megamoe.ops.experts import ExpertForward, check_operands, expert_forward, warp_specialized_forward
-from megamoe.ops.experts_bwd import ExpertGrads, WgradCarry, check_grads, dact, dx, new_grads, wgrad
+from megamoe.ops.experts_bwd import (ExpertGrads, WgradCarry, check_grads, dact, dx, new_grads, nothing_to_launch,
+                                     wgrad)
 from megamoe.ops.experts_fp8_bwd import TokenBlocks, token_blocks
 from megamoe.ops.quant import mx_round_activations
 from megamoe.planner.tiles import mean_rows
@@ -140,11 +141,7 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     rows, device = x_data.shape[0], x_data.device
     grads = out or new_grads(rows, w_gate_up, w_down)
     check_grads(grads, rows, w_gate_up, w_down, carry)
-    if experts == 0:
-        return grads
-    if rows == 0:
-        grads.d_w_gate_up.zero_()
-        grads.d_w_down.zero_()
+    if nothing_to_launch(grads, experts, rows):
         return grads
     wt = weights if weights is not None and weights.backward else rounded_weights(w_gate_up, w_down, backward=True)
     tuning = tuning or DEFAULT_TUNING
