@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.bench.accuracy import FP8_WEIGHT_GRAD_GROUP_TOL, ROW_GROUP, compare, error_stats
+from megamoe.bench.accuracy import FP8_WEIGHT_GRAD_GROUP_TOL, ROW_GROUP, compare, error_stats, parked_on_host
 from megamoe.bench.harness import BenchOptions, percentile
 
 
@@ -111,3 +111,16 @@ def test_row_groups_never_straddle_chunks():
     ref, got = _weight_grads(rows=200)
     got[128:192] = 0  # the third group of 64 rows, cut by 100-row chunks were they not rounded to groups
     assert error_stats(got, ref, chunk_rows=100)["row_group"] == error_stats(got, ref)["row_group"] > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the oracle's large gradients parked on host)")
+def test_errors_against_a_reference_parked_on_host_are_the_same():
+    """The bench parks the oracle's weights-sized gradients in host memory and compares a chunk at a time on the
+    GPU: the same numbers as with both on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ref = torch.randn(3000, 256, generator=g, device="cuda")
+    got = (ref + 1e-2 * torch.randn(3000, 256, generator=g, device="cuda")).bfloat16()
+    parked = parked_on_host({"w": ref, "small": ref[:2]}, min_bytes=ref.numel() * 4)
+    assert parked["w"].device.type == "cpu" and parked["small"].is_cuda
+    assert error_stats(got, parked["w"], chunk_rows=1024) == error_stats(got, ref, chunk_rows=1024)

@@ -29,6 +29,15 @@ ROW_GROUP = 64
 ROUTED_WEIGHTS = ("w_gate_up", "w_down")
 
 
+def parked_on_host(want: dict[str, torch.Tensor], min_bytes: int = 1 << 30) -> dict[str, torch.Tensor]:
+    """``want`` with its GPU tensors of at least ``min_bytes`` moved to host memory: the oracle's expert-weight
+    gradients are weights-sized and the bench holds them for its checks beside the weights and each run's own
+    gradients (deepseek-v3 at EP 1: 22.5 GB each, which ran an H100 out of memory); :func:`error_stats` brings
+    them back a chunk at a time."""
+    return {name: t.cpu() if t.is_cuda and t.numel() * t.element_size() >= min_bytes else t
+            for name, t in want.items()}
+
+
 def _flatten(grads: dict) -> dict[str, torch.Tensor]:
     flat = {k: v for k, v in grads.items() if k != "shared"}
     for s, (a, b) in enumerate(grads["shared"]):
@@ -37,7 +46,8 @@ def _flatten(grads: dict) -> dict[str, torch.Tensor]:
 
 
 def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14) -> dict:
-    """Errors of ``out`` against ``ref`` in float32 chunks of rows (the last dim is a row).
+    """Errors of ``out`` against ``ref`` in float32 chunks of rows (the last dim is a row), on ``out``'s device
+    (``ref`` may be held on the host: each chunk is brought over).
 
     max_abs = max|out-ref|; rel = sum|out-ref| / sum|ref|; row = the largest
     ||out_row - ref_row|| / max(||ref_row||, typical row norm), the typical
@@ -48,11 +58,11 @@ def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14)
     a, b = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
     chunk_rows = -(-chunk_rows // ROW_GROUP) * ROW_GROUP  # groups never straddle chunks
     chunks = range(0, a.shape[0], chunk_rows)
-    ref_sq = sum(float(b[i : i + chunk_rows].float().pow(2).sum(dtype=torch.float64)) for i in chunks)
+    ref_sq = sum(float(b[i : i + chunk_rows].to(a.device).float().pow(2).sum(dtype=torch.float64)) for i in chunks)
     typical_row = max((ref_sq / max(a.shape[0], 1)) ** 0.5, torch.finfo(torch.float32).tiny)
     max_abs, abs_sum, ref_sum, row, row_group, finite = 0.0, 0.0, 0.0, 0.0, 0.0, True
     for start in chunks:
-        x, y = a[start : start + chunk_rows].float(), b[start : start + chunk_rows].float()
+        x, y = a[start : start + chunk_rows].float(), b[start : start + chunk_rows].to(a.device).float()
         diff = x - y
         max_abs = max(max_abs, float(diff.abs().max()))
         abs_sum += float(diff.abs().sum(dtype=torch.float64))

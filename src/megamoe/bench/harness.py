@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from megamoe.baselines import deepep_torch
-from megamoe.bench.accuracy import TOLERANCES, _flatten, bounds, compare
+from megamoe.bench.accuracy import TOLERANCES, _flatten, bounds, compare, parked_on_host
 from megamoe.bench.machine import ClockSample, clock_range, floor_ms, machine_info
 from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
 from megamoe.bench.runners import FP8_PEERS, PEER_FP8, RUNNERS, TAKES_EXPERT_FORMAT, _FP8PeerRunner, timed_pass
@@ -219,7 +219,9 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
         device=world.device, seed=opts.seed, routing=opts.routing,
     )
     oracle_out, oracle_grads = ep_reference_forward_backward(world, p)
-    want = {"fwd": {"out": oracle_out}, "bwd": _flatten(oracle_grads), "step": _flatten(oracle_grads)}
+    grads_want = parked_on_host(_flatten(oracle_grads))
+    del oracle_grads
+    want = {"fwd": {"out": oracle_out}, "bwd": grads_want, "step": grads_want}
     device = world.device.type
     machine = world.all_gather_object(machine_info(device) if world.rank == 0 else None)[0]
     runs = []
