@@ -1,10 +1,11 @@
 """Where a training step (or its backward) goes on the GPU: every kernel named and grouped, side by side.
 
     PYTHONPATH=src python3 benchmarks/backward_kernels.py [--preset kimi-k2] [--tokens 8192] [--ranks 1]
-        [--impl nccl-torch,megamoe] [--pass step|bwd] [--steady 2] [--rounds 3] [--out DIR]
+        [--impl nccl-torch,megamoe] [--pass step|bwd] [--routing uniform|zipf|one-rank] [--steady 2] [--rounds 3]
+        [--out DIR]
     python3 benchmarks/backward_kernels.py --from DIR/backward_kernels_<preset>_<tokens>_<pass>.json  # no GPU
 
-`megamoe bench`'s problem (seed 0, uniform routing) and runners. Each implementation first runs training steps
+`megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners. Each implementation first runs training steps
 back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
 profiled passes, the implementations interleaved round by round. A pass is a whole step (forward + backward,
 the default) or a backward after an untimed forward (``--pass bwd``), under torch.profiler (CUDA activity).
@@ -12,7 +13,7 @@ Rank 0 prints, per implementation, the pass's wall time between CUDA events (med
 kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weighted sums, schedule, elementwise,
 memsets and copies), the time no kernel ran (launch gaps, host work, allocations) and the largest kernels;
 writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the median round) and
-DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (that round's Chrome / Perfetto trace). Each runner's gradients are
+DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform; that round's Chrome / Perfetto trace). Each runner's gradients are
 dropped after its pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded
 run's report again.
 """
@@ -31,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-from megamoe.bench.problem import make_problem
+from megamoe.bench.problem import ROUTINGS, make_problem
 from megamoe.bench.runners import RUNNERS
 from megamoe.config import preset
 from megamoe.parallel.world import launch
@@ -105,7 +106,8 @@ def drop_grads(runner) -> None:
 
 def run_rank(world, opts: dict) -> dict:
     cfg = preset(opts["preset"])
-    p = make_problem(cfg, world.rank, world.size, opts["tokens"], dtype=torch.bfloat16, device=world.device, seed=0)
+    p = make_problem(cfg, world.rank, world.size, opts["tokens"], dtype=torch.bfloat16, device=world.device, seed=0,
+                     routing=opts["routing"])
     per_expert = torch.bincount(p.top_experts[p.top_experts >= 0].flatten(), minlength=cfg.num_experts)
     out = {"rows_per_expert": {"min": int(per_expert.min()), "median": float(per_expert.float().median()),
                                "max": int(per_expert.max()), "experts": cfg.num_experts}}
@@ -135,15 +137,21 @@ def run_rank(world, opts: dict) -> dict:
         out[impl] = account(ms, kernels)
         out[impl]["rounds_ms"] = [r[0] for r in got]
         if world.rank == 0 and opts["out"]:
-            name = f"{opts['preset']}_{opts['tokens']}_{opts['pass']}_{impl}.json.gz"
+            name = f"{record_name(opts['preset'], opts['tokens'], opts['pass'], opts['routing'])}_{impl}.json.gz"
             with gzip.open(os.path.join(opts["out"], name), "wt") as f:
                 json.dump(trace, f)
     return out
 
 
+def record_name(preset: str, tokens: int, pass_: str, routing: str) -> str:
+    """``<preset>_<tokens>_<pass>``, with ``_<routing>`` unless uniform (the records before --routing were uniform)."""
+    return f"{preset}_{tokens}_{pass_}" + ("" if routing == "uniform" else f"_{routing}")
+
+
 def print_report(args: dict, r: dict, top: int) -> None:
     """Rank 0's record ``r`` of a run with ``args`` (the JSON's "args" and "rank0") as the run prints it."""
-    print(f"{args['preset']}, {args['tokens']} tokens/rank, {args['ranks']} rank(s), pass {args['pass_']}; routed "
+    print(f"{args['preset']}, {args['tokens']} tokens/rank, {args['ranks']} rank(s), pass {args['pass_']}, "
+          f"{args.get('routing', 'uniform')} routing; routed "
           f"rows per expert: {r['rows_per_expert']}")
     for impl in args["impl"].split(","):
         x = r[impl]
@@ -163,6 +171,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--impl", default="nccl-torch,megamoe")
     parser.add_argument("--pass", dest="pass_", choices=("step", "bwd"), default="step")
+    parser.add_argument("--routing", choices=ROUTINGS, default="uniform", help="the bench problem's routing")
     parser.add_argument("--steady", type=float, default=2.0, help="seconds of steps before the profiled rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
@@ -177,10 +186,10 @@ def main() -> None:
         return
     os.makedirs(a.out, exist_ok=True)
     opts = dict(preset=a.preset, tokens=a.tokens, impl=a.impl.split(","), pass_=a.pass_, steady=a.steady,
-                rounds=a.rounds, out=a.out)
+                rounds=a.rounds, out=a.out, routing=a.routing)
     opts["pass"] = opts.pop("pass_")
     r = launch(run_rank, a.ranks, opts, device="cuda")[0]
-    name = f"backward_kernels_{a.preset}_{a.tokens}_{a.pass_}.json"
+    name = f"backward_kernels_{record_name(a.preset, a.tokens, a.pass_, a.routing)}.json"
     args = {k: v for k, v in vars(a).items() if k != "from_"}
     with open(os.path.join(a.out, name), "w") as f:
         json.dump({"args": args, "rank0": r}, f, indent=1)

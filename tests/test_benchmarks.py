@@ -335,7 +335,9 @@ def test_backward_kernels_accounts_a_recorded_step_again(capsys):
         assert got["busy_ms"] == pytest.approx(want["busy_ms"]) and got["kinds"] == pytest.approx(want["kinds"])
     _main("backward_kernels", "--from", str(d / "backward_kernels_qwen3-30b-a3b_8192_step.json"), "--top", "3")
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("qwen3-30b-a3b, 8192 tokens/rank, 1 rank(s), pass step")
+    assert out[0].startswith("qwen3-30b-a3b, 8192 tokens/rank, 1 rank(s), pass step, uniform routing")
+    assert backward_kernels.record_name("qwen3-30b-a3b", 8192, "step", "uniform") == "qwen3-30b-a3b_8192_step"
+    assert backward_kernels.record_name("qwen3-30b-a3b", 8192, "step", "zipf") == "qwen3-30b-a3b_8192_step_zipf"
     assert out[1].startswith("nccl-torch: 11.08 ms between events") and "125 launches" in out[1]
 
 
