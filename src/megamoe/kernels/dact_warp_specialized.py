@@ -30,7 +30,7 @@ from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.forward_fp8_warp_specialized import BLOCK, REGS_CONSUMER, REGS_PRODUCER, paired_k_steps
 from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer
-from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
+from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.tasks import tile_task
 
@@ -176,6 +176,8 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
             if A_GATHER:  # its arrivals counted before the expect's
                 copy_rows_async(top, top_ok, k, D, a_smem.index(2 * s), full.index(s), BLOCK_K)
                 copy_rows_async(bottom, bottom_ok, k, D, a_smem.index(2 * s + 1), full.index(s), BLOCK_K)
+            if A_GATHER:  # every producer warp's arrivals counted before the expect (one thread's)
+                gl.thread_barrier()
             mbarrier.expect(full.index(s), step_bytes)
             if not A_GATHER:
                 tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
@@ -243,5 +245,5 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                            tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
                            gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
                            gl.constexpr(STAGES), dy_index_ptr, gl.constexpr(A_GATHER)))],
-        [4, 1], [REGS_CONSUMER, REGS_GATHER if A_GATHER else REGS_PRODUCER])
+        [4, GATHER_WARPS if A_GATHER else 1], [REGS_CONSUMER, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

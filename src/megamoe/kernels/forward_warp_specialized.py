@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.activation import activation
-from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
+from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.quant import mxfp8_round_tile
 from megamoe.kernels.tasks import tile_task
@@ -68,6 +68,8 @@ def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile
             if A_GATHER:  # its arrivals counted before the expect's
                 copy_rows_async(top, top_ok, k, K, a_smem.index(2 * s), full.index(s), BLOCK_K)
                 copy_rows_async(bottom, bottom_ok, k, K, a_smem.index(2 * s + 1), full.index(s), BLOCK_K)
+            if A_GATHER:  # every producer warp's arrivals counted before the expect (one thread's)
+                gl.thread_barrier()
             mbarrier.expect(full.index(s), step_bytes)
             if not A_GATHER:
                 tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
@@ -191,5 +193,5 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                       gl.constexpr(GROUP_M), gl.constexpr(STAGES), a_index_ptr, gl.constexpr(A_GATHER)))],
-        [4, 1], [232, REGS_GATHER if A_GATHER else REGS_PRODUCER])
+        [4, GATHER_WARPS if A_GATHER else 1], [232, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -1,13 +1,20 @@
-"""Rows by index into a warp-specialised ring slot, for one producer warp: the Gluon GEMMs' operand that one rank reads
-from its tokens in place of a routed copy (Hopper's TMA has no gather).
+"""Rows by index into a warp-specialised ring slot, for a producer warpgroup: the Gluon GEMMs' operand that one rank
+reads from its tokens in place of a routed copy (Hopper's TMA has no gather).
 
 ``row_starts`` loads the rows' indices once (a tile's rows stay for all its K steps; a wgrad's K rows are loaded
 one step ahead, so the load's latency hides under the next slot's wait), and ``copy_rows_async`` issues a step's
 cp.async copies of 16 bytes, zero-fills what lies past the rows or the columns (as TMA fills past a descriptor's
 end) and makes each thread's landing an arrival on the step's ``full`` barrier. That arrival is counted when it is
-issued (``cp.async.mbarrier.arrive`` without ``.noinc``): issue it before the step's ``expect``, so the phase cannot
-end before the copies land. cp.async writes through the generic proxy and the wgmma reads through the async one: a
-consumer fences (``fence_async_shared``) after its ``full`` wait and before its wgmma.
+issued (``cp.async.mbarrier.arrive`` without ``.noinc``): every producer thread must issue it before the step's
+``expect`` (one thread's, the partition's first), so a producer calls ``gl.thread_barrier()`` between them (in a
+warp-specialised partition a named barrier of its own threads). cp.async writes through the generic proxy and the
+wgmma reads through the async one: a consumer fences (``fence_async_shared``) after its ``full`` wait and before
+its wgmma.
+
+GATHER_WARPS: one producer warp gathering (2026-12-05, one H200: benchmarks/results/2026-12-05-gather-on-load) ran
+the step 1.37x slower than copying the rows first: 32 pieces of 16 bytes per lane per operand and K step do not
+keep two wgmma warpgroups fed. Four warps issue a quarter each in the same register budget (4 x 32 x 48 = 1 x 32 x
+192); not yet measured.
 """
 
 from __future__ import annotations
@@ -16,16 +23,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-#: The producer warp's registers with a gather (its rows' start pointers and a step's pieces), beside two
-#: 232-register consumer warpgroups: 2 x 128 x 232 + 32 x 192 = 65,536.
-REGS_GATHER = gl.constexpr(192)
+#: The gathering producer's warps and their registers (its rows' start pointers and a step's pieces), beside two
+#: 232-register consumer warpgroups: 2 x 128 x 232 + 4 x 32 x 48 = 65,536.
+GATHER_WARPS = gl.constexpr(4)
+REGS_GATHER = gl.constexpr(48)
 
 
 @gluon.constexpr_function
 def _rows_layout(cols):
-    """One warp over [rows, cols] bf16: 16-byte pieces, a row's pieces across lanes."""
+    """GATHER_WARPS warps over [rows, cols] bf16: 16-byte pieces, a row's pieces across lanes, rows across warps."""
     lanes = min(cols // 8, 32)
-    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [1, 1], [1, 0])
+    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [GATHER_WARPS.value, 1], [1, 0])
 
 
 @gluon.jit

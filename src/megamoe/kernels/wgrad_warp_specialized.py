@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from megamoe.kernels.gluon_gather import REGS_GATHER, copy_rows_async, row_starts
+from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, copy_rows_async, row_starts
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.tasks import first_task
 from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
@@ -128,6 +128,8 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
                 if B_GATHER:
                     copy_rows_async(starts, ok, n0, OUT_N, b_smem.index(s), full.index(s), BLOCK_N)
                     starts, ok = row_starts(b_ptr, b_index_ptr, k + BLOCK_K, row_end, OUT_N, BLOCK_K, BLOCK_N)
+                if A_GATHER or B_GATHER:  # every producer warp's arrivals counted before the expect (one thread's)
+                    gl.thread_barrier()
                 mbarrier.expect(full.index(s), step_bytes)
                 if not A_GATHER:
                     tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
@@ -251,5 +253,5 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                       OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
                       gl.constexpr(A_GATHER), gl.constexpr(B_GATHER)))],
-        [4, 1], [232, REGS_GATHER if GATHER else REGS_PRODUCER])
+        [4, GATHER_WARPS if GATHER else 1], [232, REGS_GATHER if GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

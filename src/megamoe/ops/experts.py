@@ -330,8 +330,8 @@ def expert_forward_reference(
 #: H200 (benchmarks/results/2026-12-05-gather-on-load: qwen3-30b-a3b at 8192 tokens forward 2.03 against 1.72 ms,
 #: backward 6.85 against 4.47; sonic-7b backward 5.48 against 4.15): one producer warp issuing 16-byte cp.async
 #: pieces does not keep two wgmma warpgroups fed, where the copy kernels move the rows at HBM rate first. It stays
-#: for one more measurement, a gathering warpgroup in place of the warp (docs/performance.md, lever 8); retire it
-#: if that loses too. ``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for that A/B run.
+#: for one more measurement: the producers now gather with a warpgroup (``gluon_gather.GATHER_WARPS``, built and
+#: checked offline only); retire it if that loses too. ``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for that A/B run.
 GATHER_ON_LOAD = os.environ.get("MEGAMOE_GATHER_ON_LOAD", "0") == "1"
 
 
