@@ -242,6 +242,35 @@ def _launch(
     return data, scale
 
 
+#: The scales E4M3 rows may come with (``x_scale``): dtype -> (format, elements per scale along K).
+SCALE_FORMATS = {torch.float32: ("fp8-block", FP8_BLOCK), torch.uint8: ("mxfp8", MX_BLOCK)}
+
+
+def _check_activation(x: torch.Tensor, x_scale: torch.Tensor | None, rows: torch.Tensor | None,
+                      scale_formats: dict) -> None:
+    """The activation quantisers' one validation: ``x`` 2-D on a usable device (E4M3 rows contiguous along K
+    with ``x_scale``, a dtype of ``scale_formats``), ``rows`` a 1-D int64 index on x's device."""
+    if x_scale is None:
+        check_quant_input(x)
+    elif not isinstance(x, torch.Tensor) or x.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"with x_scale, x must be float8_e4m3fn, got {describe(x)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    _check_device(x, "x")
+    if x_scale is not None:
+        fmt, src_block = scale_formats.get(getattr(x_scale, "dtype", None), (None, 0))
+        if fmt is None or x.shape[1] % src_block or x.stride(1) != 1:
+            kinds = " or ".join(f"{str(dtype).removeprefix('torch.')} ({name})"
+                                for dtype, (name, _) in scale_formats.items())
+            raise ValueError(f"x_scale must be {kinds} scales of x's rows along K (x contiguous along K), got "
+                             f"{describe(x_scale)} for x {describe(x)}")
+        check_tensors((("x_scale", x_scale, (x.shape[0], x.shape[1] // src_block), x_scale.dtype),), x.device)
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1:
+            raise ValueError(f"rows must be a 1-D int64 tensor, got {describe(rows)}")
+        check_tensors((("rows", rows, tuple(rows.shape), torch.int64),), x.device)
+
+
 def quantize_activations(
     x: torch.Tensor,
     fmt: str,
@@ -291,21 +320,11 @@ def quantize_activations(
         ``mxfp8_quantize(x, dim=axis, rounding=rounding)`` or
         ``fp8_block_quantize(x, block=(1, 128) or (128, 1))``.
     """
-    if x_scale is None:
-        check_quant_input(x)
-    elif not isinstance(x, torch.Tensor) or x.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"with x_scale, x must be float8_e4m3fn, got {describe(x)}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    _check_device(x, "x")
-    if x_scale is not None:
-        if copy is not None:
-            raise ValueError("x_scale is not supported with copy")
-        src_block = {torch.float32: FP8_BLOCK, torch.uint8: MX_BLOCK}.get(getattr(x_scale, "dtype", None))
-        if src_block is None or x.shape[1] % src_block or x.stride(1) != 1:
-            raise ValueError(f"x_scale must be float32 (fp8-block) or uint8 (mxfp8) scales of x's rows along K "
-                             f"(x contiguous along K), got {describe(x_scale)} for x {describe(x)}")
-        check_tensors((("x_scale", x_scale, (x.shape[0], x.shape[1] // src_block), x_scale.dtype),), x.device)
+    if x_scale is not None and copy is not None:
+        raise ValueError("x_scale is not supported with copy")
+    if rows is not None and (out is not None or copy is not None):
+        raise ValueError("rows is not supported with out or copy")
+    _check_activation(x, x_scale, rows, SCALE_FORMATS)
     ax = normalize_dim(axis, 2, "axis")
     check_rounding(rounding)
     mx, block = _fmt_block(fmt, ax, weights=False)
@@ -326,12 +345,6 @@ def quantize_activations(
     if copy is not None:
         check_tensors((("copy", copy, tuple(x.shape), x.dtype),), x.device)
         copy = copy.unsqueeze(0)
-    if rows is not None:
-        if out is not None or copy is not None:
-            raise ValueError("rows is not supported with out or copy")
-        if not isinstance(rows, torch.Tensor) or rows.dim() != 1:
-            raise ValueError(f"rows must be a 1-D int64 tensor, got {describe(rows)}")
-        check_tensors((("rows", rows, tuple(rows.shape), torch.int64),), x.device)
     if scale_transpose is not None and not (isinstance(scale_transpose, bool) and transpose):
         raise ValueError(f"scale_transpose applies with transpose=True and is a bool, got {scale_transpose!r}")
     data, scale = _launch(x.unsqueeze(0), mx, block, rounding, transpose, cfg, out, copy, rows, scale_transpose,
@@ -416,23 +429,7 @@ def mx_round_activations(
         config: tile shape (None: ``default_config``); its ``soft_e4m3`` only picks the bf16 conversion (the
             rounding itself is float32 arithmetic either way).
     """
-    if x_scale is None:
-        check_quant_input(x)
-    elif not isinstance(x, torch.Tensor) or x.dtype != torch.float8_e4m3fn or getattr(
-            x_scale, "dtype", None) != torch.uint8:
-        raise ValueError(f"with x_scale, x must be float8_e4m3fn with uint8 (E8M0) scales, got {describe(x)}, "
-                         f"{describe(x_scale)}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    _check_device(x, "x")
-    if x_scale is not None:
-        if x.shape[1] % MX_BLOCK or x.stride(1) != 1:
-            raise ValueError(f"E4M3 rows must be contiguous along K, a multiple of {MX_BLOCK}: got {describe(x)}")
-        check_tensors((("x_scale", x_scale, (x.shape[0], x.shape[1] // MX_BLOCK), torch.uint8),), x.device)
-    if rows is not None:
-        if not isinstance(rows, torch.Tensor) or rows.dim() != 1:
-            raise ValueError(f"rows must be a 1-D int64 tensor, got {describe(rows)}")
-        check_tensors((("rows", rows, tuple(rows.shape), torch.int64),), x.device)
+    _check_activation(x, x_scale, rows, {torch.uint8: ("mxfp8", MX_BLOCK)})
     mx, block = _fmt_block("mxfp8", normalize_dim(axis, 2, "axis"), weights=False)
     cfg = _check_config(config, block)
     m = x.shape[0] if rows is None else rows.shape[0]
