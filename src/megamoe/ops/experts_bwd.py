@@ -126,7 +126,7 @@ def expert_backward(
     cfg = {kind: tuning.tile(kind, device, per_expert) for kind in ("dact", "dx", "wgrad")}
     grads = out or new_grads(rows, w_gate_up, w_down)
     check_grads(grads, rows, w_gate_up, w_down, carry)
-    if experts == 0:
+    if nothing_to_launch(grads, experts, rows):
         return grads
     programs = runtime.num_programs(device, num_programs)
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
@@ -134,10 +134,6 @@ def expert_backward(
     gluon_wgrad = warp_specialized and warp_specialized_wgrad(device, cfg["wgrad"])
     if dy_index is not None and (bias is not None or not gathers_on_load(gluon_dact and gluon_wgrad, dy_rows)):
         dy_rows, dy_index = gathered_rows(dy_rows, dy_index, rows), None  # a kernel here reads rows in order
-    if rows == 0:
-        grads.d_w_gate_up.zero_()
-        grads.d_w_down.zero_()
-        return grads
     d_h, act_w = dact(dy_rows, row_weights, h, counts, offsets, w_down, grads.d_router, cfg["dact"], programs,
                       activation, gluon_dact, dy_index)
     bias_backward(bias, d_h, dy_rows, row_weights, counts, offsets, grads.d_router)
@@ -239,12 +235,13 @@ def check_grads(grads: ExpertGrads, rows: int, w_gate_up: torch.Tensor, w_down: 
 
 
 def nothing_to_launch(grads: ExpertGrads, experts: int, rows: int) -> bool:
-    """True where a quantised backward has nothing to launch: no experts, or no rows (their weight gradients then
+    """True where an expert backward has nothing to launch: no experts, or no rows (their weight gradients then
     zero)."""
     if experts and not rows:
         grads.d_w_gate_up.zero_()
         grads.d_w_down.zero_()
     return not experts or not rows
+
 
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:
     """The Gluon dacts' constexprs at ``tile`` (BF16's and FP8-block's; shared with the sm_90 build check): the
