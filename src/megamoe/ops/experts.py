@@ -214,7 +214,7 @@ def gate_up(
               h, act, h.stride(0), act.stride(0)),
         tail=(i, d, activation.kernel_limit, activation.kernel_alpha),
         minibatch=minibatch,
-        ACT=activation.kernel_id, b_ptr=bias, **({"MX_ROUND": True} if mx_act else {}),
+        ACT=activation.kernel_id, b_ptr=bias, MX_ROUND=mx_act,
     )
 
 
@@ -291,7 +291,7 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
             activation.kernel_limit, activation.kernel_alpha, tiles.tile_expert if a_index is None else a_index,
             num_warps=4, HAS_BIAS=bias is not None, A_GATHER=a_index is not None,
-            **({"MX_ROUND": True} if mx_act else {}),
+            MX_ROUND=mx_act,
             **forward_ws_constexprs(tile, programs, gate_up=gate_up, act=activation.kernel_id, stages=stages,
                                     mma_in_flight=mma_in_flight))
 

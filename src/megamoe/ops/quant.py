@@ -214,7 +214,7 @@ def _prepare(
         BLOCK_M=bm,
         BLOCK_K=bk,
         num_warps=config.num_warps,
-        **({"ROUND": True} if rounded else {}),
+        ROUND=rounded,
     )
     return data, scale, (grid, args, kwargs)
 
