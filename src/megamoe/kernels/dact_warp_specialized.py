@@ -30,7 +30,8 @@ from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.forward_fp8_warp_specialized import BLOCK, REGS_CONSUMER, REGS_PRODUCER, paired_k_steps
 from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer
-from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, copy_rows_async, row_starts
+from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_async, full_arrivals, land_on,
+                                         row_starts)
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.tasks import tile_task
 
@@ -173,16 +174,15 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
         for k in range(0, D, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
-            if A_GATHER:  # its arrivals counted before the expect's
-                copy_rows_async(top, top_ok, k, D, a_smem.index(2 * s), full.index(s), BLOCK_K)
-                copy_rows_async(bottom, bottom_ok, k, D, a_smem.index(2 * s + 1), full.index(s), BLOCK_K)
-            if A_GATHER:  # every producer warp's arrivals counted before the expect (one thread's)
-                gl.thread_barrier()
             mbarrier.expect(full.index(s), step_bytes)
             if not A_GATHER:
                 tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
                 tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
             tma.async_copy_global_to_shared(w_desc, [expert * D + k, n * BLOCK], full.index(s), w_smem.index(s))
+            if A_GATHER:  # under the weights' TMA; each thread's landing one of the barrier's arrivals
+                copy_rows_async(top, top_ok, k, D, a_smem.index(2 * s), BLOCK_K)
+                copy_rows_async(bottom, bottom_ok, k, D, a_smem.index(2 * s + 1), BLOCK_K)
+                land_on(full.index(s))
             g += 1
 
 
@@ -229,7 +229,7 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK], w_layout)
-    full, empty = ring_barriers(STAGES)
+    full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     gl.warp_specialize(
         [(_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,

@@ -26,7 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.activation import activation
-from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, copy_rows_async, row_starts
+from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_async, full_arrivals, land_on,
+                                         row_starts)
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.quant import mxfp8_round_tile
 from megamoe.kernels.tasks import tile_task
@@ -65,11 +66,6 @@ def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
-            if A_GATHER:  # its arrivals counted before the expect's
-                copy_rows_async(top, top_ok, k, K, a_smem.index(2 * s), full.index(s), BLOCK_K)
-                copy_rows_async(bottom, bottom_ok, k, K, a_smem.index(2 * s + 1), full.index(s), BLOCK_K)
-            if A_GATHER:  # every producer warp's arrivals counted before the expect (one thread's)
-                gl.thread_barrier()
             mbarrier.expect(full.index(s), step_bytes)
             if not A_GATHER:
                 tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
@@ -78,6 +74,10 @@ def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile
             tma.async_copy_global_to_shared(w_desc, [w_row, k], full.index(s), w.slice(0, BLOCK_N))
             if GATE_UP:  # the up slice in the slot's second half: one wgmma computes both
                 tma.async_copy_global_to_shared(w_desc, [w_row + N, k], full.index(s), w.slice(BLOCK_N, BLOCK_N))
+            if A_GATHER:  # under the weights' TMA; each thread's landing one of the barrier's arrivals
+                copy_rows_async(top, top_ok, k, K, a_smem.index(2 * s), BLOCK_K)
+                copy_rows_async(bottom, bottom_ok, k, K, a_smem.index(2 * s + 1), BLOCK_K)
+                land_on(full.index(s))
             g += 1
 
 
@@ -175,7 +175,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
-    full, empty = ring_barriers(STAGES)
+    full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     gl.warp_specialize(
         [(_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),

@@ -2,19 +2,21 @@
 reads from its tokens in place of a routed copy (Hopper's TMA has no gather).
 
 ``row_starts`` loads the rows' indices once (a tile's rows stay for all its K steps; a wgrad's K rows are loaded
-one step ahead, so the load's latency hides under the next slot's wait), and ``copy_rows_async`` issues a step's
-cp.async copies of 16 bytes, zero-fills what lies past the rows or the columns (as TMA fills past a descriptor's
-end) and makes each thread's landing an arrival on the step's ``full`` barrier. That arrival is counted when it is
-issued (``cp.async.mbarrier.arrive`` without ``.noinc``): every producer thread must issue it before the step's
-``expect`` (one thread's, the partition's first), so a producer calls ``gl.thread_barrier()`` between them (in a
-warp-specialised partition a named barrier of its own threads). cp.async writes through the generic proxy and the
-wgmma reads through the async one: a consumer fences (``fence_async_shared``) after its ``full`` wait and before
-its wgmma.
+one step ahead, so the load's latency hides under the next slot's wait), ``copy_rows_async`` issues a step's
+cp.async copies of 16 bytes and zero-fills what lies past the rows or the columns (as TMA fills past a descriptor's
+end), and ``land_on`` makes each producer thread's arrival on the step's ``full`` barrier wait for its copies
+(``cp.async.mbarrier.arrive.noinc``: the barrier expects it, ``full_arrivals``). So the step's ``expect`` and its
+TMA loads go first, from one thread, and no barrier between the producer warps orders them (SonicMoE's Hopper
+gathers do the same: QuACK's ``PipelineTmaCpAsync``). cp.async writes through the generic proxy and the wgmma
+reads through the async one: a consumer fences (``fence_async_shared``) after its ``full`` wait and before its
+wgmma.
 
 GATHER_WARPS: one producer warp gathering (2026-12-05, one H200: benchmarks/results/2026-12-05-gather-on-load) ran
 the step 1.37x slower than copying the rows first: 32 pieces of 16 bytes per lane per operand and K step do not
-keep two wgmma warpgroups fed. Four warps issue a quarter each in the same register budget (4 x 32 x 48 = 1 x 32 x
-192); not yet measured.
+keep two wgmma warpgroups fed. Four warps (a quarter each, 4 x 32 x 48 = 1 x 32 x 192 registers) with a named
+barrier between the copies and the expect of every step: 1.10x slower (qwen3-30b-a3b 8192 tokens, step 6.27
+against 5.70 ms; benchmarks/results/2026-12-06-gathering-warpgroup). The arrivals without increment (no named
+barrier, the weights' TMA issued before the gathers) are built and checked offline, not yet measured.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 #: 232-register consumer warpgroups: 2 x 128 x 232 + 4 x 32 x 48 = 65,536.
 GATHER_WARPS = gl.constexpr(4)
 REGS_GATHER = gl.constexpr(48)
+
+
+@gluon.constexpr_function
+def full_arrivals(gather):
+    """A ring's ``full`` barrier count: the expect's arrival, and with ``gather`` each producer thread's
+    (:func:`land_on`)."""
+    return 1 + (32 * GATHER_WARPS.value if gather else 0)
 
 
 @gluon.constexpr_function
@@ -48,11 +57,17 @@ def row_starts(src_ptr, index_ptr, row0, row_end, stride, ROWS: gl.constexpr, CO
 
 
 @gluon.jit
-def copy_rows_async(starts, row_ok, col0, COLS_TOTAL, smem, bar, COLS: gl.constexpr):
+def copy_rows_async(starts, row_ok, col0, COLS_TOTAL, smem, COLS: gl.constexpr):
     """``smem[q, c] = starts[q][col0 + c]`` where ``row_ok[q]`` and ``col0 + c < COLS_TOTAL`` (zero elsewhere), by
-    cp.async; then this thread's arrival on ``bar`` once its copies land."""
+    cp.async (:func:`land_on` tells a barrier when they land)."""
     layout: gl.constexpr = _rows_layout(COLS)
     cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     pointers = starts[:, None] + cols[None, :]
     async_copy.async_copy_global_to_shared(smem, pointers, mask=row_ok[:, None] & (cols < COLS_TOTAL)[None, :])
-    async_copy.mbarrier_arrive(bar)
+
+
+@gluon.jit
+def land_on(bar):
+    """This thread's arrival on ``bar`` once every cp.async it issued has landed; counted in the barrier's
+    :func:`full_arrivals` (no increment), so it needs no order against the step's expect."""
+    async_copy.mbarrier_arrive(bar, increment_count=False)

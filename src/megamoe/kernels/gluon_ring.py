@@ -49,13 +49,14 @@ def drain_steps(acc, empty, g, any_step, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl
 
 
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """A ring's ``full`` barriers (one TMA arrival with the step's bytes) and ``empty`` ones (an arrive per consumer
-    warpgroup, two)."""
+def ring_barriers(STAGES: gl.constexpr, FULL_ARRIVALS: gl.constexpr = 1):
+    """A ring's ``full`` barriers (FULL_ARRIVALS: the expect's arrival with the step's TMA bytes, and a gathering
+    producer's threads', ``gluon_gather.full_arrivals``) and ``empty`` ones (an arrive per consumer warpgroup,
+    two)."""
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(STAGES):
-        mbarrier.init(full.index(slot), count=1)
+        mbarrier.init(full.index(slot), count=FULL_ARRIVALS)
         mbarrier.init(empty.index(slot), count=2)
     return full, empty
 

@@ -32,7 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, copy_rows_async, row_starts
+from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_async, full_arrivals, land_on,
+                                         row_starts)
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.tasks import first_task
 from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
@@ -120,22 +121,22 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
             for k in range(row0, row_end, BLOCK_K):
                 s = g % STAGES
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
-                # a gather's arrivals are counted before the expect's: the phase cannot end without them
-                if A_GATHER:
-                    copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), full.index(s), HALF_M)
-                    copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), full.index(s), HALF_M)
-                    starts, ok = row_starts(a_ptr, a_index_ptr, k + BLOCK_K, row_end, OUT_M, BLOCK_K, HALF_M)
-                if B_GATHER:
-                    copy_rows_async(starts, ok, n0, OUT_N, b_smem.index(s), full.index(s), BLOCK_N)
-                    starts, ok = row_starts(b_ptr, b_index_ptr, k + BLOCK_K, row_end, OUT_N, BLOCK_K, BLOCK_N)
-                if A_GATHER or B_GATHER:  # every producer warp's arrivals counted before the expect (one thread's)
-                    gl.thread_barrier()
                 mbarrier.expect(full.index(s), step_bytes)
                 if not A_GATHER:
                     tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
                     tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
                 if not B_GATHER:
                     tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
+                # a gather under the other operand's TMA; each thread's landing one of the barrier's arrivals
+                if A_GATHER:
+                    copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), HALF_M)
+                    copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), HALF_M)
+                    land_on(full.index(s))
+                    starts, ok = row_starts(a_ptr, a_index_ptr, k + BLOCK_K, row_end, OUT_M, BLOCK_K, HALF_M)
+                if B_GATHER:
+                    copy_rows_async(starts, ok, n0, OUT_N, b_smem.index(s), BLOCK_N)
+                    land_on(full.index(s))
+                    starts, ok = row_starts(b_ptr, b_index_ptr, k + BLOCK_K, row_end, OUT_N, BLOCK_K, BLOCK_N)
                 g += 1
         site_last = g - 1
     return g, site_last
@@ -237,8 +238,9 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
     c0 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
     c1 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
+    gl.static_assert(not (A_GATHER and B_GATHER), "one gathered operand: the producer keeps one set of row starts")
     GATHER: gl.constexpr = A_GATHER or B_GATHER
-    full, empty = ring_barriers(STAGES)
+    full, empty = ring_barriers(STAGES, full_arrivals(GATHER))
     # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
     gl.warp_specialize(
         [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
