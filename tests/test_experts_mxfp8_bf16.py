@@ -238,11 +238,11 @@ def _layer(world, tokens, as_bf16):
         out.backward(p.d_out)
         return {"out": out.detach(), **{name: t.grad for name, t in leaves.items()}}
 
-    runs = {}
+    runs, default = {}, switch.AS_BF16
     for flag in as_bf16:
         switch.AS_BF16 = flag
         runs[flag] = grads("mxfp8")
-    switch.AS_BF16 = False
+    switch.AS_BF16 = default
     return runs, calls
 
 

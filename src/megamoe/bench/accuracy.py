@@ -9,9 +9,12 @@ import torch
 #: last are the project's BF16 bounds (docs/performance.md); see :func:`compare` for the row check.
 TOLERANCES = {"bf16": (1e-2, 1e-1, 0.5), "fp32": (1e-4, 1e-3, 1e-3),
               # FP8 routed experts (megamoe with experts="fp8-block" / "mxfp8") against the BF16-input oracle:
-              # measured rel 2.8e-2 / 3.4e-2 and max-abs 0.28 / 0.48 on kimi-k2 (benchmarks/results/
-              # 2026-11-29-precisions); a missing or wrong row still gives a row error near 1.
-              "fp8": (6e-2, 3e-1, 2.0),
+              # the recipe itself (x, both weights and act on the E4M3 grid, FP32 sums, on the CPU) is 6.0e-2
+              # (fp8-block) and 7.5e-2 (mxfp8) off on qwen3-30b-a3b's and kimi-k2's routed experts alone; a
+              # BF16 shared expert dilutes it (kimi-k2's layer: 2.8e-2 / 3.4e-2, max-abs 0.28 / 0.48,
+              # benchmarks/results/2026-11-29-precisions; qwen3-30b-a3b on an H200: mxfp8 7.7e-2,
+              # 2026-12-06-mxfp8-as-bf16). A missing or wrong row still gives a row error near 1.
+              "fp8": (1e-1, 3e-1, 2.0),
               # gradients of fp8-block training (E4M3 dgrads and wgrads after the FP8 forward) against the same
               # oracle: measured 4-8 % L1; the worst weight-gradient row 0.22 with ~15 rows per expert
               # (tests/test_training_fp8.py), 0.39 with 2 (tiny, 8 tokens): an expert's few rows average nothing

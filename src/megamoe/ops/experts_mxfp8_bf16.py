@@ -24,8 +24,8 @@ dequantised on load (exact: their values are on the grid along D) and, for the w
 tokens, as the MXFP8 backward quantises them. h is the BF16 pre-activation (the SwiGLU backward reads it as
 BF16's does). Twins: ``expert_forward_mxfp8_reference``, ``expert_backward_mxfp8_reference``.
 
-:data:`megamoe.ops.experts_mxfp8.AS_BF16` switches the layer to this formulation (off until a GPU A/B run measures
-it). What it trades: the pack holds a bf16 copy of the routed weights per GEMM axis (two for the forward, two more
+:data:`megamoe.ops.experts_mxfp8.AS_BF16` switches the layer to this formulation (on by default: 1.9x the MXFP8
+tiles' step on one H200, benchmarks/results/2026-12-06-mxfp8-as-bf16). What it trades: the pack holds a bf16 copy of the routed weights per GEMM axis (two for the forward, two more
 with the backward) besides the E4M3 forward weights, and each activation operand is written once more as bf16
 (a rounding pass, or the epilogue's); the GEMMs then run as BF16's.
 """
