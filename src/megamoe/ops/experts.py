@@ -329,9 +329,11 @@ def expert_forward_reference(
 #: producers) when True; False copies the rows first (``gathered_rows``), the same bits. Off: measured slower on one
 #: H200 (benchmarks/results/2026-12-05-gather-on-load: qwen3-30b-a3b at 8192 tokens forward 2.03 against 1.72 ms,
 #: backward 6.85 against 4.47; sonic-7b backward 5.48 against 4.15): one producer warp issuing 16-byte cp.async
-#: pieces does not keep two wgmma warpgroups fed, where the copy kernels move the rows at HBM rate first. It stays
-#: for one more measurement: the producers now gather with a warpgroup (``gluon_gather.GATHER_WARPS``, built and
-#: checked offline only); retire it if that loses too. ``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for that A/B run.
+#: pieces does not keep two wgmma warpgroups fed, where the copy kernels move the rows at HBM rate first. A producer
+#: warpgroup (``gluon_gather.GATHER_WARPS``) cut the loss to 1.10x (step 6.27 against 5.70 ms,
+#: benchmarks/results/2026-12-06-gathering-warpgroup). Its landings are now counted on the full barrier without a
+#: named barrier before the expect (SonicMoE's design; built and checked offline only): retire the gathers if that
+#: loses too. ``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for that A/B run.
 GATHER_ON_LOAD = os.environ.get("MEGAMOE_GATHER_ON_LOAD", "0") == "1"
 
 
