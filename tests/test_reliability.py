@@ -141,6 +141,20 @@ def test_the_waits_budgets_are_configurable_and_checked(monkeypatch):
             call()
 
 
+def test_the_ab_switches_read_0_or_1_and_refuse_anything_else(monkeypatch):
+    from megamoe.runtime import env_switch
+
+    monkeypatch.delenv("MEGAMOE_TEST_SWITCH", raising=False)
+    assert env_switch("MEGAMOE_TEST_SWITCH", True) and not env_switch("MEGAMOE_TEST_SWITCH", False)
+    for text, want in (("0", False), ("1", True), (" 1 ", True)):
+        monkeypatch.setenv("MEGAMOE_TEST_SWITCH", text)
+        assert env_switch("MEGAMOE_TEST_SWITCH", not want) is want
+    for text in ("true", "", "2", "off"):
+        monkeypatch.setenv("MEGAMOE_TEST_SWITCH", text)
+        with pytest.raises(ValueError, match="MEGAMOE_TEST_SWITCH must be 0 or 1"):
+            env_switch("MEGAMOE_TEST_SWITCH", False)
+
+
 def _gpu_rank_never_comes(world):
     import time
 

@@ -48,6 +48,17 @@ def num_programs(device: torch.device, requested: int | None = None) -> int:
     return INTERPRETER_PROGRAMS
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """A 0/1 environment switch (an A/B knob read at import): ``default`` when unset; ValueError naming it for any
+    other value (a typo must not silently leave a default in place)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if text.strip() not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return text.strip() == "1"
+
+
 def resolve_wait_budget(budget: object = None) -> int:
     """An in-kernel wait's poll budget: ``budget`` (an int in [1, 2**31)), else ``MEGAMOE_WAIT_BUDGET``, else the
     default for where kernels run."""

@@ -12,7 +12,6 @@ backward is :mod:`megamoe.ops.experts_bwd`. Tile shapes: :mod:`megamoe.planner.t
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -334,7 +333,7 @@ def expert_forward_reference(
 #: benchmarks/results/2026-12-06-gathering-warpgroup). Its landings are now counted on the full barrier without a
 #: named barrier before the expect (SonicMoE's design; built and checked offline only): retire the gathers if that
 #: loses too. ``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for that A/B run.
-GATHER_ON_LOAD = os.environ.get("MEGAMOE_GATHER_ON_LOAD", "0") == "1"
+GATHER_ON_LOAD = runtime.env_switch("MEGAMOE_GATHER_ON_LOAD", False)
 
 
 def gathers_on_load(gluon: bool, *sources: torch.Tensor) -> bool:

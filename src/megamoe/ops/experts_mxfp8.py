@@ -17,7 +17,6 @@ formulation of the same numbers: the BF16 expert kernels on operands rounded to 
 
 from __future__ import annotations
 
-import os
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -44,7 +43,7 @@ FP8 = torch.float8_e4m3fn
 #: the step took 7.27 ms against these tiles' 13.81, its gradients as far from the oracle as theirs
 #: (benchmarks/results/2026-12-06-mxfp8-as-bf16). ``MEGAMOE_MXFP8_AS_BF16=0`` keeps these tiles (less memory: no
 #: bf16 copies of the weights).
-AS_BF16 = os.environ.get("MEGAMOE_MXFP8_AS_BF16", "1") == "1"
+AS_BF16 = runtime.env_switch("MEGAMOE_MXFP8_AS_BF16", True)
 
 
 def runs_as_bf16(precision: str) -> bool:
