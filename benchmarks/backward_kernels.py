@@ -1,20 +1,20 @@
 """Where a training step (or its backward) goes on the GPU: every kernel named and grouped, side by side.
 
     PYTHONPATH=src python3 benchmarks/backward_kernels.py [--preset kimi-k2] [--tokens 8192] [--ranks 1]
-        [--impl nccl-torch,megamoe] [--pass step|bwd] [--routing uniform|zipf|one-rank] [--steady 2] [--rounds 3]
-        [--out DIR]
+        [--impl nccl-torch,megamoe] [--pass step|bwd] [--routing uniform|zipf|one-rank]
+        [--experts bf16|fp8-block|mxfp8] [--steady 2] [--rounds 3] [--out DIR]
     python3 benchmarks/backward_kernels.py --from DIR/backward_kernels_<preset>_<tokens>_<pass>.json  # no GPU
 
-`megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners. Each implementation first runs training steps
-back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
+`megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners (megamoe's routed experts in
+--experts, bf16 by default). Each implementation first runs training steps back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
 profiled passes, the implementations interleaved round by round. A pass is a whole step (forward + backward,
 the default) or a backward after an untimed forward (``--pass bwd``), under torch.profiler (CUDA activity).
 Rank 0 prints, per implementation, the pass's wall time between CUDA events (median of the rounds), its
 kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weighted sums, schedule, elementwise,
 memsets and copies), the time no kernel ran (launch gaps, host work, allocations) and the largest kernels;
 writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the median round) and
-DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform; that round's Chrome / Perfetto trace). Each runner's gradients are
-dropped after its pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded
+DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform, then ``_<experts>``
+unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after its pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded
 run's report again.
 """
 
@@ -33,8 +33,9 @@ from collections import defaultdict
 import torch
 
 from megamoe.bench.problem import ROUTINGS, make_problem
-from megamoe.bench.runners import RUNNERS
+from megamoe.bench.runners import RUNNERS, TAKES_EXPERT_FORMAT
 from megamoe.config import preset
+from megamoe.precision import PRECISIONS
 from megamoe.parallel.world import launch
 
 #: Kernel kinds by name, first match wins (Triton kernels keep their function names; cuBLAS's and PyTorch's are
@@ -111,7 +112,9 @@ def run_rank(world, opts: dict) -> dict:
     per_expert = torch.bincount(p.top_experts[p.top_experts >= 0].flatten(), minlength=cfg.num_experts)
     out = {"rows_per_expert": {"min": int(per_expert.min()), "median": float(per_expert.float().median()),
                                "max": int(per_expert.max()), "experts": cfg.num_experts}}
-    runners = {impl: RUNNERS[impl](world, p) for impl in opts["impl"]}
+    # megamoe's routed experts in --experts (FP8: the weights' pack made once, outside the profiled steps)
+    runners = {impl: RUNNERS[impl](world, p, *([opts["experts"]] if impl in TAKES_EXPERT_FORMAT else []))
+               for impl in opts["impl"]}
     for impl, runner in runners.items():  # compile, then the steady state a training loop sees
         t0, steps = time.perf_counter(), 0
         while time.perf_counter() - t0 < opts["steady"] or steps < 3:
@@ -137,21 +140,24 @@ def run_rank(world, opts: dict) -> dict:
         out[impl] = account(ms, kernels)
         out[impl]["rounds_ms"] = [r[0] for r in got]
         if world.rank == 0 and opts["out"]:
-            name = f"{record_name(opts['preset'], opts['tokens'], opts['pass'], opts['routing'])}_{impl}.json.gz"
+            name = (f"{record_name(opts['preset'], opts['tokens'], opts['pass'], opts['routing'], opts['experts'])}"
+                    f"_{impl}.json.gz")
             with gzip.open(os.path.join(opts["out"], name), "wt") as f:
                 json.dump(trace, f)
     return out
 
 
-def record_name(preset: str, tokens: int, pass_: str, routing: str) -> str:
-    """``<preset>_<tokens>_<pass>``, with ``_<routing>`` unless uniform (the records before --routing were uniform)."""
-    return f"{preset}_{tokens}_{pass_}" + ("" if routing == "uniform" else f"_{routing}")
+def record_name(preset: str, tokens: int, pass_: str, routing: str, experts: str = "bf16") -> str:
+    """``<preset>_<tokens>_<pass>``, with ``_<routing>`` unless uniform and ``_<experts>`` unless bf16 (the records
+    before those options were uniform and bf16)."""
+    return (f"{preset}_{tokens}_{pass_}" + ("" if routing == "uniform" else f"_{routing}")
+            + ("" if experts == "bf16" else f"_{experts}"))
 
 
 def print_report(args: dict, r: dict, top: int) -> None:
     """Rank 0's record ``r`` of a run with ``args`` (the JSON's "args" and "rank0") as the run prints it."""
     print(f"{args['preset']}, {args['tokens']} tokens/rank, {args['ranks']} rank(s), pass {args['pass_']}, "
-          f"{args.get('routing', 'uniform')} routing; routed "
+          f"{args.get('routing', 'uniform')} routing, megamoe's experts {args.get('experts', 'bf16')}; routed "
           f"rows per expert: {r['rows_per_expert']}")
     for impl in args["impl"].split(","):
         x = r[impl]
@@ -172,6 +178,7 @@ def main() -> None:
     parser.add_argument("--impl", default="nccl-torch,megamoe")
     parser.add_argument("--pass", dest="pass_", choices=("step", "bwd"), default="step")
     parser.add_argument("--routing", choices=ROUTINGS, default="uniform", help="the bench problem's routing")
+    parser.add_argument("--experts", choices=PRECISIONS, default="bf16", help="megamoe's routed-expert format")
     parser.add_argument("--steady", type=float, default=2.0, help="seconds of steps before the profiled rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
@@ -186,10 +193,10 @@ def main() -> None:
         return
     os.makedirs(a.out, exist_ok=True)
     opts = dict(preset=a.preset, tokens=a.tokens, impl=a.impl.split(","), pass_=a.pass_, steady=a.steady,
-                rounds=a.rounds, out=a.out, routing=a.routing)
+                rounds=a.rounds, out=a.out, routing=a.routing, experts=a.experts)
     opts["pass"] = opts.pop("pass_")
     r = launch(run_rank, a.ranks, opts, device="cuda")[0]
-    name = f"backward_kernels_{record_name(a.preset, a.tokens, a.pass_, a.routing)}.json"
+    name = f"backward_kernels_{record_name(a.preset, a.tokens, a.pass_, a.routing, a.experts)}.json"
     args = {k: v for k, v in vars(a).items() if k != "from_"}
     with open(os.path.join(a.out, name), "w") as f:
         json.dump({"args": args, "rank0": r}, f, indent=1)
