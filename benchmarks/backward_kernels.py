@@ -6,16 +6,16 @@
     python3 benchmarks/backward_kernels.py --from DIR/backward_kernels_<preset>_<tokens>_<pass>.json  # no GPU
 
 `megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners (megamoe's routed experts in
---experts, bf16 by default). Each implementation first runs training steps back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
-profiled passes, the implementations interleaved round by round. A pass is a whole step (forward + backward,
-the default) or a backward after an untimed forward (``--pass bwd``), under torch.profiler (CUDA activity).
-Rank 0 prints, per implementation, the pass's wall time between CUDA events (median of the rounds), its
-kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weighted sums, schedule, elementwise,
-memsets and copies), the time no kernel ran (launch gaps, host work, allocations) and the largest kernels;
-writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the median round) and
-DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform, then ``_<experts>``
-unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after its pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded
-run's report again.
+--experts, bf16 by default). Each implementation first runs training steps back to back for --steady seconds (the
+GPU at its power cap, as a training loop sees it), then --rounds profiled passes, the implementations interleaved
+round by round. A pass is a whole step (forward + backward, the default) or a backward after an untimed forward
+(``--pass bwd``), under torch.profiler (CUDA activity). Rank 0 prints, per implementation, the pass's wall time
+between CUDA events (median of the rounds), its kernels' time grouped by kind (expert GEMM tiles, quantisers, row
+copies, weighted sums, schedule, elementwise, memsets and copies), the time no kernel ran (launch gaps, host work,
+allocations) and the largest kernels; writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the
+median round) and DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform, then
+``_<experts>`` unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after its
+pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded run's report again.
 """
 
 from __future__ import annotations
