@@ -2,20 +2,23 @@
 
     PYTHONPATH=src python3 benchmarks/backward_kernels.py [--preset kimi-k2] [--tokens 8192] [--ranks 1]
         [--impl nccl-torch,megamoe] [--pass step|bwd] [--routing uniform|zipf|one-rank]
-        [--experts bf16|fp8-block|mxfp8] [--steady 2] [--rounds 3] [--out DIR]
+        [--experts bf16|fp8-block|mxfp8] [--host] [--steady 2] [--rounds 3] [--out DIR]
     python3 benchmarks/backward_kernels.py --from DIR/backward_kernels_<preset>_<tokens>_<pass>.json  # no GPU
 
 `megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners (megamoe's routed experts in
 --experts, bf16 by default). Each implementation first runs training steps back to back for --steady seconds (the
 GPU at its power cap, as a training loop sees it), then --rounds profiled passes, the implementations interleaved
 round by round. A pass is a whole step (forward + backward, the default) or a backward after an untimed forward
-(``--pass bwd``), under torch.profiler (CUDA activity). Rank 0 prints, per implementation, the pass's wall time
-between CUDA events (median of the rounds), its kernels' time grouped by kind (expert GEMM tiles, quantisers, row
-copies, weighted sums, schedule, elementwise, memsets and copies), the time no kernel ran (launch gaps, host work,
-allocations) and the largest kernels; writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the
-median round) and DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform, then
-``_<experts>`` unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after its
-pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded run's report again.
+(``--pass bwd``), under torch.profiler (CUDA activity; with --host the host's operators too). Rank 0 prints, per
+implementation, the pass's wall time between CUDA events (median of the rounds), its kernels' time grouped by kind
+(expert GEMM tiles, quantisers, row copies, weighted sums, schedule, elementwise, memsets and copies), the time no
+kernel ran (launch gaps, host work, allocations), the largest kernels, and the gaps between device work (``gaps``:
+whether each one waited for the host's launch, the host operator around that launch with --host, and the host's
+syncs, allocations and graph captures); writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of
+the median round) and DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform,
+then ``_<experts>`` unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after
+its pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded run's report
+again.
 """
 
 from __future__ import annotations
@@ -60,11 +63,12 @@ def kind(name: str) -> str:
     return "other"
 
 
-def profiled(fn) -> tuple[float, list[dict], dict]:
+def profiled(fn, host: bool = False) -> tuple[float, list[dict], dict]:
     """``fn()`` under torch.profiler: its wall ms between CUDA events, its kernels (name, start and duration in
-    µs) and the Chrome trace."""
+    µs) and the Chrome trace (with ``host``, the host's operators too: what each gap waited on)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
+    with torch.profiler.profile(activities=activities) as prof:
         start.record()
         fn()
         end.record()
@@ -100,6 +104,55 @@ def account(ms: float, kernels: list[dict]) -> dict:
                         for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])]}
 
 
+#: The host calls that stop the host or grow memory (each one a likely gap's cause when it sits in the step).
+STALLS = re.compile(r"Synchronize|^cudaMemcpy$|^cudaMalloc|^cudaFree|^cudaHostAlloc|^cudaFreeHost|Capture|^cudaGraph")
+
+
+def gaps(trace: dict, min_us: float = 5.0) -> dict:
+    """Where the GPU ran nothing between two pieces of device work, and why: for each gap of at least ``min_us``,
+    the work after it, and how long after the gap began the host's call that launched it returned (``late``; the
+    launch came before the gap ended, so a positive ``late`` is a host-bound gap, a negative one a gap the device
+    waited through on its own) with the innermost host operator around that call (a trace with host activity,
+    ``--host``; else none). Also the host calls in the trace that stall the host or grow memory (``STALLS``)."""
+    events = trace["traceEvents"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                    key=lambda e: e["ts"])
+    calls = {e["args"]["correlation"]: e for e in events
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e),
+                 key=lambda e: e["ts"])
+    found = []
+    reach = device[0]["ts"] if device else 0.0
+    for e in device:
+        if e["ts"] - reach >= min_us:
+            call = calls.get(e.get("args", {}).get("correlation"))
+            late = None if call is None else call["ts"] + call["dur"] - reach
+            found.append({"us": e["ts"] - reach, "before": e["name"][:80], "late_us": late,
+                          "api": None if call is None else call["name"], "host_op": _host_op(ops, call)})
+        reach = max(reach, e["ts"] + e["dur"])
+    host_bound = sum(g["us"] for g in found if g["late_us"] is not None and g["late_us"] > 0)
+    stalls = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and STALLS.search(e["name"]):
+            stalls[e["name"]][0] += 1
+            stalls[e["name"]][1] += e.get("dur", 0.0)
+    return {"gaps": found, "gap_ms": sum(g["us"] for g in found) / 1e3, "host_bound_ms": host_bound / 1e3,
+            "stalls": {name: {"calls": n, "ms": us / 1e3} for name, (n, us) in sorted(stalls.items())}}
+
+
+def _host_op(ops: list[dict], call: dict | None) -> str | None:
+    """The innermost host operator on ``call``'s thread whose span holds it (None without host activity)."""
+    if call is None:
+        return None
+    best = None
+    for op in ops:
+        if op["ts"] > call["ts"]:
+            break
+        if op.get("tid") == call.get("tid") and op["ts"] + op["dur"] >= call["ts"] + call.get("dur", 0.0):
+            best = op  # later starts are nested deeper
+    return None if best is None else best["name"][:80]
+
+
 def drop_grads(runner) -> None:
     for t in getattr(runner, "_all_leaves", tuple)():
         t.grad = None
@@ -127,17 +180,18 @@ def run_rank(world, opts: dict) -> dict:
         for impl, runner in runners.items():
             world.barrier("profile")
             if opts["pass"] == "step":
-                ms, kernels, trace = profiled(runner.step)
+                ms, kernels, trace = profiled(runner.step, opts["host"])
             else:
                 y = runner.train_forward()
                 torch.cuda.synchronize()
-                ms, kernels, trace = profiled(lambda: runner.backward(y))
+                ms, kernels, trace = profiled(lambda: runner.backward(y), opts["host"])
                 del y
             rounds[impl].append((ms, kernels, trace))
             drop_grads(runner)
     for impl, got in rounds.items():
         ms, kernels, trace = sorted(got, key=lambda r: r[0])[len(got) // 2]
         out[impl] = account(ms, kernels)
+        out[impl]["gaps"] = gaps(trace)
         out[impl]["rounds_ms"] = [r[0] for r in got]
         if world.rank == 0 and opts["out"]:
             name = (f"{record_name(opts['preset'], opts['tokens'], opts['pass'], opts['routing'], opts['experts'])}"
@@ -168,6 +222,18 @@ def print_report(args: dict, r: dict, top: int) -> None:
             print(f"  {ms:8.3f} ms  {100 * ms / x['ms']:5.1f} %  {label}")
         for k in x["kernels"][:top]:
             print(f"    {k['ms']:8.3f} ms  x{k['launches']:<4} {k['name']}")
+        if "gaps" in x:  # records before 2026-12-06 have none
+            print_gaps(x["gaps"], top)
+
+
+def print_gaps(g: dict, top: int) -> None:
+    print(f"  gaps between device work: {g['gap_ms']:.3f} ms, {g['host_bound_ms']:.3f} ms of it waiting for the host's "
+          f"launch; host stalls: " + (", ".join(f"{n} x{s['calls']} {s['ms']:.3f} ms" for n, s in g["stalls"].items())
+                                      or "none"))
+    for gap in sorted(g["gaps"], key=lambda x: -x["us"])[:top]:
+        late = "" if gap["late_us"] is None else f", launched {gap['late_us']:+.1f} us into it by {gap['api']}"
+        op = f" in {gap['host_op']}" if gap["host_op"] else ""
+        print(f"    {gap['us']:8.1f} us before {gap['before'][:60]}{late}{op}")
 
 
 def main() -> None:
@@ -182,6 +248,7 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=2.0, help="seconds of steps before the profiled rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--host", action="store_true", help="profile the host's operators too: each gap's host op")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--from", dest="from_", default="", help="a recorded backward_kernels_*.json: print its "
                                                                  "report (no GPU)")
@@ -193,7 +260,8 @@ def main() -> None:
         return
     os.makedirs(a.out, exist_ok=True)
     opts = dict(preset=a.preset, tokens=a.tokens, impl=a.impl.split(","), pass_=a.pass_, steady=a.steady,
-                rounds=a.rounds, out=a.out, routing=a.routing, experts=a.experts)
+                rounds=a.rounds, out=a.out, routing=a.routing, experts=a.experts,
+                host=a.host)
     opts["pass"] = opts.pop("pass_")
     r = launch(run_rank, a.ranks, opts, device="cuda")[0]
     name = f"backward_kernels_{record_name(a.preset, a.tokens, a.pass_, a.routing, a.experts)}.json"

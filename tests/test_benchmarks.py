@@ -318,6 +318,39 @@ def _load(experts: int, rows: int, d: int = 256, i: int = 128):
     return make_load(experts, rows, d, i, DEVICE)
 
 
+def test_backward_kernels_finds_the_gaps_and_what_the_host_did():
+    """A recorded megamoe step (2026-12-05-step-timeline, CUDA activity): its gaps between device work sum to no
+    more than the time no kernel ran, each launched by a host call that returned after the gap began (host-bound:
+    that tree's step was), and its allocations show as stalls; a synthetic trace with host operators names the
+    operator around each late launch and tells a device-side gap (launched before it began) apart."""
+    import gzip
+
+    import backward_kernels
+
+    d = RESULTS / "2026-12-05-step-timeline"
+    record = json.loads((d / "backward_kernels_qwen3-30b-a3b_8192_step.json").read_text())["rank0"]["megamoe"]
+    with gzip.open(d / "qwen3-30b-a3b_8192_step_megamoe.json.gz", "rt") as f:
+        g = backward_kernels.gaps(json.load(f))
+    assert 0 < g["host_bound_ms"] <= g["gap_ms"] <= record["idle_ms"]
+    assert max(x["us"] for x in g["gaps"]) == pytest.approx(2143.4, abs=0.1)
+    assert g["stalls"]["cudaMalloc"]["calls"] == 8 and g["stalls"]["cudaFree"]["calls"] == 7
+    kernel = lambda name, ts, dur, c: {"cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                       "args": {"correlation": c}}
+    call = lambda ts, dur, c: {"cat": "cuda_runtime", "name": "cuLaunchKernelEx", "ts": ts, "dur": dur,  # noqa: E731
+                               "tid": 1, "args": {"correlation": c}}
+    op = lambda name, ts, dur: {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}  # noqa: E731
+    trace = {"traceEvents": [
+        op("megamoe::layer_backward", 0, 100), op("aten::empty", 20, 30),
+        call(1, 2, 1), kernel("a", 10, 10, 1),           # busy 10..20
+        call(45, 5, 2), kernel("b", 52, 8, 2),           # a 32 us gap; launched 30 us into it inside aten::empty
+        call(55, 1, 3), kernel("c", 70, 5, 3),           # a 10 us gap the device waited through (launched before)
+        kernel("d", 76, 1, 9)]}                          # a 1 us gap: under min_us
+    g = backward_kernels.gaps(trace)
+    assert [(x["us"], x["before"], x["late_us"], x["host_op"]) for x in g["gaps"]] == [
+        (32, "b", 30, "aten::empty"), (10, "c", -4, "megamoe::layer_backward")]
+    assert g["gap_ms"] == pytest.approx(0.042) and g["host_bound_ms"] == pytest.approx(0.032) and g["stalls"] == {}
+
+
 def test_backward_kernels_accounts_a_recorded_step_again(capsys):
     """2026-12-05-step-timeline: each implementation's recorded trace gives its recorded kernels, launches, busy
     time and kinds again; --from prints the record's report."""
