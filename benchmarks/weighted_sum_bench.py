@@ -24,7 +24,10 @@ from megamoe.ops.weighted_sum import WEIGHTED_SUM_TILE
 #: (BLOCK_T, BLOCK_D, num_warps); the first is the pass's (``WEIGHTED_SUM_TILE``: 16 x 512, 8 warps)
 TILES = [WEIGHTED_SUM_TILE, *(t for t in ((16, 512, 8), (32, 256, 4), (16, 256, 4), (8, 1024, 4), (8, 512, 4),
                                           (8, 1024, 8), (4, 2048, 8), (2, 4096, 8), (32, 512, 8), (64, 256, 8),
-                                          (32, 256, 8), (16, 128, 4), (64, 128, 4)) if t != WEIGHTED_SUM_TILE)]
+                                          (32, 256, 8), (16, 128, 4), (64, 128, 4),
+                                          # several CTAs per SM (16 x 512 x 8 compiles to 170 registers: one)
+                                          (4, 512, 2), (8, 256, 2), (2, 1024, 2), (4, 1024, 4))
+                                if t != WEIGHTED_SUM_TILE)]
 #: (tokens, k, D, shared): two wide layers, and the fine-grained ones of one GPU (qwen3-30b-a3b, SonicMoE's shapes)
 SHAPES = {"kimi-k2": (8192, 8, 7168, True), "qwen3.5-397b": (8192, 10, 4096, True),
           "qwen3-30b-a3b": (8192, 8, 2048, False), "sonic-7b": (24576, 8, 1536, False),
