@@ -25,9 +25,10 @@ tokens, as the MXFP8 backward quantises them. h is the BF16 pre-activation (the 
 BF16's does). Twins: ``expert_forward_mxfp8_reference``, ``expert_backward_mxfp8_reference``.
 
 :data:`megamoe.ops.experts_mxfp8.AS_BF16` switches the layer to this formulation (on by default: 1.9x the MXFP8
-tiles' step on one H200, benchmarks/results/2026-12-06-mxfp8-as-bf16). What it trades: the pack holds a bf16 copy of the routed weights per GEMM axis (two for the forward, two more
-with the backward) besides the E4M3 forward weights, and each activation operand is written once more as bf16
-(a rounding pass, or the epilogue's); the GEMMs then run as BF16's.
+tiles' step on one H200, benchmarks/results/2026-12-06-mxfp8-as-bf16). What it trades: the pack holds a bf16 copy
+of the routed weights per GEMM axis (two for the forward, two more with the backward) besides the E4M3 forward
+weights, and each activation operand is written once more as bf16 (a rounding pass, or the epilogue's); the GEMMs
+then run as BF16's.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from megamoe.reference.formats import mxfp8_dequantize
 
 
 def dequantized_rows(rows: torch.Tensor | QuantRows) -> torch.Tensor:
-    """bf16 rows on the MXFP8 grid along their last dim: E4M3 rows (``QuantRows`` in mxfp8, or the pair passed as
-    ) dequantised, BF16 rows rounded (one ``mx_round_activations`` launch either way)."""
+    """bf16 rows on the MXFP8 grid along their last dim: E4M3 rows (``QuantRows`` in mxfp8) dequantised, BF16 rows
+    rounded (one ``mx_round_activations`` launch either way)."""
     if isinstance(rows, QuantRows):
         if rows.format != "mxfp8":
             raise ValueError(f"rows are {rows.format} rows; this runs mxfp8")
