@@ -153,6 +153,13 @@ def _host_op(ops: list[dict], call: dict | None) -> str | None:
     return None if best is None else best["name"][:80]
 
 
+def graph_counts(world) -> dict:
+    """The megamoe kernels' CUDA-graph replays and captures so far (``megamoe.megakernel.replay``), summed."""
+    kept = [obj for obj in world.resources if getattr(obj, "replay", None) is not None]
+    return {"kernels": len(kept), "replays": sum(k.replay.replays for k in kept),
+            "captures": sum(k.replay.captures for k in kept)}
+
+
 def drop_grads(runner) -> None:
     for t in getattr(runner, "_all_leaves", tuple)():
         t.grad = None
@@ -175,6 +182,7 @@ def run_rank(world, opts: dict) -> dict:
             drop_grads(runner)
             steps += 1
         torch.cuda.synchronize()
+    out["graphs_after_steady"] = graph_counts(world)
     rounds = defaultdict(list)
     for _ in range(opts["rounds"]):
         for impl, runner in runners.items():
@@ -188,6 +196,7 @@ def run_rank(world, opts: dict) -> dict:
                 del y
             rounds[impl].append((ms, kernels, trace))
             drop_grads(runner)
+    out["graphs_after_rounds"] = graph_counts(world)  # captures between the two: a step re-capturing its graph
     for impl, got in rounds.items():
         ms, kernels, trace = sorted(got, key=lambda r: r[0])[len(got) // 2]
         out[impl] = account(ms, kernels)
@@ -213,6 +222,9 @@ def print_report(args: dict, r: dict, top: int) -> None:
     print(f"{args['preset']}, {args['tokens']} tokens/rank, {args['ranks']} rank(s), pass {args['pass_']}, "
           f"{args.get('routing', 'uniform')} routing, megamoe's experts {args.get('experts', 'bf16')}; routed "
           f"rows per expert: {r['rows_per_expert']}")
+    if "graphs_after_rounds" in r:  # records before 2026-12-06 have none
+        print(f"megamoe's CUDA graphs after the steady steps {r['graphs_after_steady']}, after the profiled rounds "
+              f"{r['graphs_after_rounds']}")
     for impl in args["impl"].split(","):
         x = r[impl]
         print(f"{impl}: {x['ms']:.2f} ms between events (rounds {', '.join(f'{v:.2f}' for v in x['rounds_ms'])}; "

@@ -142,3 +142,17 @@ def test_cpu_ranks_interpret_and_the_callers_environment_is_left_as_it_was(monke
         monkeypatch.setenv("TRITON_INTERPRET", before)
     assert launch(_interpreter_state, 1, device="cpu") == [("1", True)]
     assert os.environ.get("TRITON_INTERPRET") == before
+
+
+def test_world_resources_keep_one_object_per_key_and_version_and_list_them_oldest_first():
+    from megamoe.parallel.world import WorldResources
+
+    kept = WorldResources()
+    a = kept.get("a", lambda: ["a"])
+    assert kept.get("a", lambda: ["other"]) is a  # kept, not remade
+    b = kept.get("b", lambda: ["b"])
+    assert list(kept) == [a, b] and len(kept) == 2
+    a2 = kept.get("a", lambda: ["a2"], version=1)  # another version replaces the first
+    assert a2 == ["a2"] and list(kept) == [b, a2]
+    kept.discard(b)
+    assert list(kept) == [a2]

@@ -58,6 +58,10 @@ class WorldResources:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __iter__(self):
+        """The kept objects, oldest first."""
+        return iter([obj for obj, _ in self._items.values()])
+
     def check_errors(self) -> None:
         """Raise what a kept object recorded and has not raised yet (each one's ``check_errors``, oldest first:
         a kernel's timed-out wait or an unchecked pass's bad expert id). Reads the device: a host sync."""
