@@ -21,7 +21,7 @@ import triton
 from megamoe.kernels.weighted_sum import weighted_sum_kernel
 from megamoe.ops.weighted_sum import WEIGHTED_SUM_TILE
 
-#: (BLOCK_T, BLOCK_D, num_warps); the first is the pass's (``WEIGHTED_SUM_TILE``: 16 x 512, 8 warps)
+#: (BLOCK_T, BLOCK_D, num_warps); the first is the pass's (``WEIGHTED_SUM_TILE``: 2 x 1024, 2 warps)
 TILES = [WEIGHTED_SUM_TILE, *(t for t in ((16, 512, 8), (32, 256, 4), (16, 256, 4), (8, 1024, 4), (8, 512, 4),
                                           (8, 1024, 8), (4, 2048, 8), (2, 4096, 8), (32, 512, 8), (64, 256, 8),
                                           (32, 256, 8), (16, 128, 4), (64, 128, 4),

@@ -663,7 +663,8 @@ def test_gpu_gathered_operands_give_the_routed_copies_bits(d, i, monkeypatch):
     from megamoe.ops import experts
     from megamoe.ops.experts_bwd import WgradCarry, expert_backward
 
-    monkeypatch.setattr(experts, "GATHER_ON_LOAD", True)
+    monkeypatch.setattr(experts, "GATHER_FORWARD", True)
+    monkeypatch.setattr(experts, "GATHER_BACKWARD", True)
 
     g = torch.Generator(device="cuda").manual_seed(13)
     counts = torch.tensor([300, 0, 170, 333], dtype=torch.int32, device="cuda")

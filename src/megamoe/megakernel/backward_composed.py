@@ -10,7 +10,7 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    - pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled (FP8: its E4M3 row and
      scales, half the bytes), its x row again (BF16 keeps only h: pulling x moves bytes the links have time for
      under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring;
-     one rank in BF16 with ``megamoe.ops.experts.GATHER_ON_LOAD`` pulls neither: its kernels read each row's token
+     one rank in BF16 with ``megamoe.ops.experts.GATHER_BACKWARD`` pulls neither: its kernels read each row's token
      from d_out and x themselves) and its router weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
@@ -72,10 +72,10 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
     # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped); with
-    # GATHER_ON_LOAD the kernels also read each row's d_out from d_out by token (the pull's copy skipped), and where
+    # GATHER_BACKWARD the kernels also read each row's d_out from d_out by token (the pull's copy skipped), and where
     # no window is replayed so does the gate/up wgrad its x
     own_slots = world.size == 1 and fmt == "bf16"
-    by_token = own_slots and expert_ops.GATHER_ON_LOAD
+    by_token = own_slots and expert_ops.GATHER_BACKWARD
     x_by_token = by_token and schedule.capacity <= forward_ring
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (FP8: x only where a wrapped forward ring lost rows)

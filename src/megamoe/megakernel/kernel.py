@@ -443,7 +443,7 @@ class MegaKernel:
 
     def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up=None,
                      b_down=None) -> None:
-        """One rank: the routed rows gathered into the ring (BF16 with ``GATHER_ON_LOAD``: read from the tokens by
+        """One rank: the routed rows gathered into the ring (BF16 with ``GATHER_FORWARD``: read from the tokens by
         index instead, no copy), the expert kernels on every SM, and the map from each route to its output row (the
         weighted sum reads the rows in place: no combine copy)."""
         cap = schedule.capacity
@@ -474,7 +474,7 @@ class MegaKernel:
                         out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]),
                         tuning=self.tuning, **plan)
         else:
-            if expert_ops.GATHER_ON_LOAD:  # the gate/up tiles read the tokens by index
+            if expert_ops.GATHER_FORWARD:  # the gate/up tiles read the tokens by index
                 x, x_index = self.sym.local("x")[: max(n, 1)], token
             else:
                 x, x_index = torch.index_select(self.sym.local("x"), 0, token.long(), out=b.ring_x[rows]), None

@@ -199,7 +199,7 @@ def gate_up(
     gluon = warp_specialized and warp_specialized_forward(x_rows.device, cfg)
     if x_index is not None:
         checks.check_row_index("x_index", x_index, rows, x_rows.device)
-        if not gathers_on_load(gluon, x_rows):
+        if not gathers_on_load(gluon, GATHER_FORWARD, x_rows):
             x_rows, x_index = gathered_rows(x_rows, x_index, rows), None
     if gluon:
         forward_ws(x_rows, w_gate_up, h, counts, offsets, cfg, programs, act=act, activation=activation,
@@ -324,23 +324,24 @@ def expert_forward_reference(
     return out
 
 
-#: One rank's Gluon tiles read their tokens' rows by index on load (``megamoe.kernels.gluon_gather``: cp.async in the
-#: producers) when True; False copies the rows first (``gathered_rows``), the same bits. Off: measured slower on one
-#: H200 (benchmarks/results/2026-12-05-gather-on-load: qwen3-30b-a3b at 8192 tokens forward 2.03 against 1.72 ms,
-#: backward 6.85 against 4.47; sonic-7b backward 5.48 against 4.15): one producer warp issuing 16-byte cp.async
-#: pieces does not keep two wgmma warpgroups fed, where the copy kernels move the rows at HBM rate first. A producer
-#: warpgroup (``gluon_gather.GATHER_WARPS``) cut the loss to 1.10x (step 6.27 against 5.70 ms,
-#: benchmarks/results/2026-12-06-gathering-warpgroup). Its landings are now counted on the full barrier without a
-#: named barrier before the expect (SonicMoE's design; built and checked offline only): retire the gathers if that
-#: loses too. ``MEGAMOE_GATHER_ON_LOAD=1`` turns it on for that A/B run.
-GATHER_ON_LOAD = runtime.env_switch("MEGAMOE_GATHER_ON_LOAD", False)
+#: One rank's Gluon tiles read their tokens' rows by index on load (``megamoe.kernels.gluon_gather``: cp.async in a
+#: producer warpgroup, each thread's landing counted on the step's full barrier) where these are True, else the rows
+#: are copied first (``gathered_rows``): the same bits either way. Measured per kernel on one H100
+#: (benchmarks/results/2026-12-06-h100-step-gathers-wsum, a training step at EP 1): the forward's gate/up tiles gather
+#: x for +0.02-0.03 ms and save the 0.16 ms (qwen3-30b-a3b, 8192 tokens) / 0.39 ms (sonic-7b, 24576) copy: on by
+#: default. The backward's (dact and wgrads reading d_out and x by token) cost the wgrads 2x (sonic-7b 1.78 against
+#: 0.79 ms, the step 6.24 against 5.78): off. ``MEGAMOE_GATHER_FORWARD`` / ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set
+#: them for A/B runs.
+GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
+GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", False)
 
 
-def gathers_on_load(gluon: bool, *sources: torch.Tensor) -> bool:
+def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:
     """Whether a Gluon launch (``gluon``: the warp-specialised kernel runs) reads ``sources``' rows by index itself:
-    their row strides and widths must be multiples of 16 elements, where Triton proves the 16-byte alignment its
-    cp.async pieces need (elsewhere the build fails: D 200 / I 136 did on an H200)."""
-    return gluon and GATHER_ON_LOAD and all(t.stride(0) % 16 == 0 and t.shape[1] % 16 == 0 for t in sources)
+    its pass's switch (``GATHER_FORWARD`` or ``GATHER_BACKWARD``) on, and their row strides and widths multiples
+    of 16 elements, where Triton proves the 16-byte alignment its cp.async pieces need (elsewhere the build fails:
+    D 200 / I 136 did on an H200)."""
+    return gluon and switch and all(t.stride(0) % 16 == 0 and t.shape[1] % 16 == 0 for t in sources)
 
 
 def gathered_rows(source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
+from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows, wgrad_ws_stages
@@ -132,7 +133,8 @@ def expert_backward(
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
     gluon_dact = warp_specialized and warp_specialized_forward(device, cfg["dact"]) and cfg["dact"].block_n == 128
     gluon_wgrad = warp_specialized and warp_specialized_wgrad(device, cfg["wgrad"])
-    if dy_index is not None and (bias is not None or not gathers_on_load(gluon_dact and gluon_wgrad, dy_rows)):
+    gathers = gathers_on_load(gluon_dact and gluon_wgrad, expert_ops.GATHER_BACKWARD, dy_rows)
+    if dy_index is not None and (bias is not None or not gathers):
         dy_rows, dy_index = gathered_rows(dy_rows, dy_index, rows), None  # a kernel here reads rows in order
     d_h, act_w = dact(dy_rows, row_weights, h, counts, offsets, w_down, grads.d_router, cfg["dact"], programs,
                       activation, gluon_dact, dy_index)
@@ -285,7 +287,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
         raise ValueError("wgrad gathers one operand's rows, not both")
     window = carry if carry is not None else (counts, out, out)  # never read without CARRY
     gluon = warp_specialized and warp_specialized_wgrad(a.device, tile)
-    if not gathers_on_load(gluon, a if a_index is not None else b):  # the rows copied first
+    if not gathers_on_load(gluon, expert_ops.GATHER_BACKWARD, a if a_index is not None else b):  # the rows copied first
         if a_index is not None:
             a, a_index = gathered_rows(a, a_index, b.shape[0]), None
         if b_index is not None:
