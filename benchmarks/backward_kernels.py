@@ -44,7 +44,7 @@ from megamoe.parallel.world import launch
 #: Kernel kinds by name, first match wins (Triton kernels keep their function names; cuBLAS's and PyTorch's are
 #: matched by their families).
 KINDS = (
-    ("expert GEMM tiles", r"gate_up|down_|_down|dact|dx_|wgrad|forward_ws|grouped|gemm|_mm|nvjet|cutlass|xmma|sm90|"
+    ("expert GEMM tiles", r"gate_up|down_|_down|dact|dx_|wgrad|forward_ws|forward_fp8_ws|grouped|gemm|_mm|nvjet|cutlass|xmma|sm90|"
                           r"megakernel"),
     ("quantisers", r"quant|scale|e4m3|fp8|mx"),
     ("schedule / routing", r"schedule|row_tiles|rout|histogram|sort|bincount|cumsum|scan|barrier"),

@@ -532,3 +532,13 @@ def test_gpu_ep_sh_calls_megamoe_bench_with_options_that_exist(tmp_path):
         assert opts["--preset"] in PRESETS and opts["--ep"] == "2" and opts["--tokens"] == "64"
         assert all(impl in help_text for impl in opts["--impl"].split(","))
         assert all(fmt in help_text for fmt in opts["--experts"].split(","))
+
+
+def test_backward_kernels_files_the_fp8_tiles_under_gemms_and_the_quantisers_apart():
+    """The FP8 Gluon tiles' names hold "fp8": they are GEMM tiles (the dx runs the forward's down kernel), not
+    quantisers (an H100 record of 2026-12-06 had filed forward_fp8_ws_kernel's 4.5 ms under quantisers)."""
+    import backward_kernels
+
+    gemms = ("forward_fp8_ws_kernel", "wgrad_fp8_ws_kernel", "dact_fp8_ws_kernel", "forward_ws_kernel", "dx_kernel")
+    assert {backward_kernels.kind(n) for n in gemms} == {"expert GEMM tiles"}
+    assert backward_kernels.kind("quantize_kernel") == "quantisers"
