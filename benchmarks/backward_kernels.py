@@ -6,8 +6,8 @@
     python3 benchmarks/backward_kernels.py --from DIR/backward_kernels_<preset>_<tokens>_<pass>.json  # no GPU
 
 `megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners (megamoe's routed experts in
---experts, bf16 by default). Each implementation first runs training steps back to back for --steady seconds (the
-GPU at its power cap, as a training loop sees it), then --rounds profiled passes, the implementations interleaved
+--experts, bf16 by default). Each implementation first runs two steps (its compiles and its CUDA graph's capture),
+then steps back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds profiled passes, the implementations interleaved
 round by round. A pass is a whole step (forward + backward, the default) or a backward after an untimed forward
 (``--pass bwd``), under torch.profiler (CUDA activity; with --host the host's operators too). Rank 0 prints, per
 implementation, the pass's wall time between CUDA events (median of the rounds), its kernels' time grouped by kind
@@ -176,6 +176,10 @@ def run_rank(world, opts: dict) -> dict:
     runners = {impl: RUNNERS[impl](world, p, *([opts["experts"]] if impl in TAKES_EXPERT_FORMAT else []))
                for impl in opts["impl"]}
     for impl, runner in runners.items():  # compile, then the steady state a training loop sees
+        for _ in range(2):  # compiles and the kernels' CUDA graph capture go before the steady clock starts
+            runner.step()
+            drop_grads(runner)
+        torch.cuda.synchronize()
         t0, steps = time.perf_counter(), 0
         while time.perf_counter() - t0 < opts["steady"] or steps < 3:
             runner.step()
