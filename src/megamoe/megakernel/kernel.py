@@ -435,6 +435,8 @@ class MegaKernel:
         return schedule, tiles
 
     def _barrier(self, row: int, what: str = "the start of a forward pass (every rank staged)") -> None:
+        if self.world.size == 1:  # nobody to wait for: the stream orders one rank's own work (and a launch less)
+            return
         if not self.gpu:
             self.world.barrier(what)
             return
@@ -474,7 +476,7 @@ class MegaKernel:
                         out=ExpertForwardQuantized(b.h[rows], b.act[rows], b.act_scale[rows], self.y[rows]),
                         tuning=self.tuning, **plan)
         else:
-            if expert_ops.GATHER_FORWARD:  # the gate/up tiles read the tokens by index
+            if expert_ops.GATHER_FORWARD and self.gpu:  # the gate/up tiles read the tokens by index (the CPU copies)
                 x, x_index = self.sym.local("x")[: max(n, 1)], token
             else:
                 x, x_index = torch.index_select(self.sym.local("x"), 0, token.long(), out=b.ring_x[rows]), None
