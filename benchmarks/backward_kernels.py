@@ -7,18 +7,18 @@
 
 `megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners (megamoe's routed experts in
 --experts, bf16 by default). Each implementation first runs two steps (its compiles and its CUDA graph's capture),
-then steps back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds profiled passes, the implementations interleaved
-round by round. A pass is a whole step (forward + backward, the default) or a backward after an untimed forward
-(``--pass bwd``), under torch.profiler (CUDA activity; with --host the host's operators too). Rank 0 prints, per
-implementation, the pass's wall time between CUDA events (median of the rounds), its kernels' time grouped by kind
-(expert GEMM tiles, quantisers, row copies, weighted sums, schedule, elementwise, memsets and copies), the time no
-kernel ran (launch gaps, host work, allocations), the largest kernels, and the gaps between device work (``gaps``:
-whether each one waited for the host's launch, the host operator around that launch with --host, and the host's
-syncs, allocations and graph captures); writes DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of
-the median round) and DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform,
-then ``_<experts>`` unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after
-its pass, so that two implementations' gradients need not fit at once. ``--from`` prints a recorded run's report
-again.
+then steps back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
+profiled passes, the implementations interleaved round by round. A pass is a whole step (forward + backward, the
+default) or a backward after an untimed forward (``--pass bwd``), under torch.profiler (CUDA activity; with --host
+the host's operators too). Rank 0 prints, per implementation, the pass's wall time between CUDA events (median of
+the rounds), its kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weighted sums, schedule,
+elementwise, memsets and copies), the time no kernel ran (launch gaps, host work, allocations), the largest
+kernels, and the gaps between device work (``gaps``: whether each one waited for the host's launch, the host
+operator around that launch with --host, and the host's syncs, allocations and graph captures); writes
+DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the median round) and
+DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform, then ``_<experts>``
+unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after its pass, so that two
+implementations' gradients need not fit at once. ``--from`` prints a recorded run's report again.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from megamoe.parallel.world import launch
 #: Kernel kinds by name, first match wins (Triton kernels keep their function names; cuBLAS's and PyTorch's are
 #: matched by their families).
 KINDS = (
-    ("expert GEMM tiles", r"gate_up|down_|_down|dact|dx_|wgrad|forward_ws|forward_fp8_ws|grouped|gemm|_mm|nvjet|cutlass|xmma|sm90|"
-                          r"megakernel"),
+    ("expert GEMM tiles", r"gate_up|down_|_down|dact|dx_|wgrad|forward_ws|forward_fp8_ws|grouped|gemm|_mm|nvjet|"
+                          r"cutlass|xmma|sm90|megakernel"),
     ("quantisers", r"quant|scale|e4m3|fp8|mx"),
     ("schedule / routing", r"schedule|row_tiles|rout|histogram|sort|bincount|cumsum|scan|barrier"),
     ("row copies (pull / push / all-to-all)", r"pull|push|dispatch|combine|copy_rows|all_to_all|nccl|gather|scatter"),
