@@ -154,10 +154,16 @@ def _host_op(ops: list[dict], call: dict | None) -> str | None:
 
 
 def graph_counts(world) -> dict:
-    """The megamoe kernels' CUDA-graph replays and captures so far (``megamoe.megakernel.replay``), summed."""
+    """The megamoe kernels' CUDA-graph replays and captures so far (``megamoe.megakernel.replay``), summed, of
+    the forwards and of the composed backwards' windows."""
     kept = [obj for obj in world.resources if getattr(obj, "replay", None) is not None]
-    return {"kernels": len(kept), "replays": sum(k.replay.replays for k in kept),
-            "captures": sum(k.replay.captures for k in kept)}
+    counts = {"kernels": len(kept)}
+    for name in ("replay", "backward_replay"):
+        graphs = [getattr(k, name) for k in kept if getattr(k, name, None) is not None]
+        prefix = "" if name == "replay" else "backward_"
+        counts[prefix + "replays"] = sum(g.replays for g in graphs)
+        counts[prefix + "captures"] = sum(g.captures for g in graphs)
+    return counts
 
 
 def drop_grads(runner) -> None:

@@ -41,6 +41,7 @@ import torch
 
 from megamoe import runtime
 from megamoe.config import Activation
+from megamoe.megakernel.replay import layout_key
 from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
 from megamoe.ops.comm import (dispatch_pull, pull_route_scalars, push_route_scalars, reverse_combine_pull,
                               reverse_dispatch_push)
@@ -85,47 +86,61 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
     rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
+    fp8_weights = ()  # what the FP8 backward reads of the weights besides the masters
     if fmt != "bf16":
         q = q or quantize_experts(w_gate_up, w_down, fmt)
         if runs_as_bf16(fmt):  # the BF16 kernels on MX-rounded operands (E4M3 rows dequantised), the pack's weights
-            fp8_backward = partial(expert_backward_mxfp8_bf16, rows_per_expert=rows_per_expert,
-                                   weights=q.rounded_weights(w_gate_up, w_down, backward=True))
+            rounded = q.rounded_weights(w_gate_up, w_down, backward=True)
+            fp8_backward = partial(expert_backward_mxfp8_bf16, rows_per_expert=rows_per_expert, weights=rounded)
+            fp8_weights = (*q.tensors(), *rounded.tensors())
         else:
+            transposed = q.backward_weights(w_gate_up, w_down)
             fp8_backward = partial(expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8,
-                                   weights_t=q.backward_weights(w_gate_up, w_down))
+                                   weights_t=transposed)
+            fp8_weights = (*q.tensors(), *transposed.tensors())
     d_w_gate_up = torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=x.device)
     d_w_down = torch.empty(w_down.shape, dtype=torch.bfloat16, device=x.device)
     bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
-    # 2. the windows
-    for window in ring.windows(schedule):
-        tokens = row_tokens(window.src_index, k) if by_token else None
-        dy = d_out if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
-        pull_route_scalars(ws, window, "router_weights", ring.row_w)
-        h, x_rows = ring.saved_rows(saved, window)
-        in_place = ring.in_forward_ring(saved, window)
-        x_index = None
-        if x_by_token:
-            x_rows, x_index = x.contiguous(), tokens
-        elif fmt == "bf16":
-            x_rows = dispatch_pull(ws, window, num_sms=sms, out=ring.x, sync=False)
-        elif not in_place and schedule.capacity > forward_ring:
-            dispatch_pull(ws, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x, sync=False)
-        if not in_place and schedule.capacity > forward_ring:
-            ring.replay(window, forward_ring, x_rows, w_gate_up, activation, q, rows_per_expert, b_gate_up)
-        out = ring.grads(d_w_gate_up, d_w_down)
-        if own_slots:
-            out = replace(out, d_x=ws.local("combine"), d_x_index=window.src_index)
-        counts, offsets = window.tokens_per_expert, window.offsets
-        if fmt != "bf16":
-            fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                         activation=activation, carry=ring.carry(window), out=out, bias=bias)
-        else:
-            expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                            activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
-                            out=out, bias=bias, x_index=x_index, dy_index=tokens)
-        if not own_slots:
-            reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
-        push_route_scalars(ws, window, ring.d_router, "d_router")
+
+    def windows() -> None:
+        """2. the windows: device work only, reading and writing the kernel's buffers and the tensors keyed below."""
+        for window in ring.windows(schedule):
+            tokens = row_tokens(window.src_index, k) if by_token else None
+            dy = d_out if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
+            pull_route_scalars(ws, window, "router_weights", ring.row_w)
+            h, x_rows = ring.saved_rows(saved, window)
+            in_place = ring.in_forward_ring(saved, window)
+            x_index = None
+            if x_by_token:
+                x_rows, x_index = x.contiguous(), tokens
+            elif fmt == "bf16":
+                x_rows = dispatch_pull(ws, window, num_sms=sms, out=ring.x, sync=False)
+            elif not in_place and schedule.capacity > forward_ring:
+                dispatch_pull(ws, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x, sync=False)
+            if not in_place and schedule.capacity > forward_ring:
+                ring.replay(window, forward_ring, x_rows, w_gate_up, activation, q, rows_per_expert, b_gate_up)
+            out = ring.grads(d_w_gate_up, d_w_down)
+            if own_slots:
+                out = replace(out, d_x=ws.local("combine"), d_x_index=window.src_index)
+            counts, offsets = window.tokens_per_expert, window.offsets
+            if fmt != "bf16":
+                fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
+                             activation=activation, carry=ring.carry(window), out=out, bias=bias)
+            else:
+                expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
+                                activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
+                                out=out, bias=bias, x_index=x_index, dy_index=tokens)
+            if not own_slots:
+                reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
+            push_route_scalars(ws, window, ring.d_router, "d_router")
+
+    if kernel.backward_replay is None:
+        windows()
+    else:  # from a CUDA graph once the token count and every tensor it touches that is not the kernel's repeat
+        touched = (w_gate_up, w_down, b_gate_up, b_down, d_w_gate_up, d_w_down, saved.h, saved.ring_x,
+                   saved.ring_scale, *schedule.tensors(), *fp8_weights, d_out if by_token else None,
+                   x if x_by_token else None, *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
+        kernel.backward_replay((n, activation, by_token, x_by_token, layout_key(touched)), windows)
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
     shared_gate_up = shared_down = shared_dx = None

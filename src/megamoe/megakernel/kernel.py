@@ -131,8 +131,8 @@ class MegaKernel:
     writes the layer's own :class:`LayerBuffers`. On one rank a pass runs the
     expert kernels on every SM instead of the megakernel (same bits) when the
     ring holds every routed row; ``one_rank_megakernel=True`` keeps the
-    megakernel there (traces, tests). ``replay=False`` launches every pass's device work from the host
-    instead of replaying its CUDA graph (same bits). The outputs of a rank's own routes stay in the ring when
+    megakernel there (traces, tests). ``replay=False`` launches every pass's device work (the forward's, the
+    composed backward's windows) from the host instead of replaying its CUDA graph (same bits). The outputs of a rank's own routes stay in the ring when
     it holds every row (1-2 % over pushing them too: benchmarks/results/2026-11-30-own-outputs).
     """
 
@@ -208,6 +208,9 @@ class MegaKernel:
         self._act_bf16: torch.Tensor | None = None  # one rank, mxfp8 run as BF16 kernels: act (made on first use)
         # GPU: a pass's device work replays from a CUDA graph once its weights, buffers and token count repeat
         self.replay = GraphReplay() if replay and self.gpu else None
+        # and the composed backward's windows (its launches came 130-300 us apart, the GPU waiting on the host:
+        # benchmarks/results/2026-12-06-h100-step-gathers-wsum); they leave nothing live, so they share one pool
+        self.backward_replay = GraphReplay(shared_pool=True) if replay and self.gpu else None
 
     def tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
         """(gate/up, down) tiles of the routed experts (``routed``) or of the shared expert (always BF16)."""

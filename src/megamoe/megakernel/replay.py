@@ -11,7 +11,8 @@ that are new every pass (staging x, the weighted sum).
 
 A model's MoE layers share one kernel per shape and call it in turn, each with
 its own weights: one graph per layer, so the graphs are kept by key (least
-recently used first out).
+recently used first out). The backward's graphs return nothing and leave nothing live: they share one memory
+pool (``shared_pool``), so sixty layers' graphs hold one set of temporaries, not sixty.
 """
 
 from __future__ import annotations
@@ -37,12 +38,17 @@ class GraphReplay:
     never pay for a capture. At most ``max_graphs`` graphs are kept (each holds the pass's temporaries in its
     memory pool, a few MB), and twice as many keys seen once; the least recently used go first. Inside
     someone else's capture the work runs eagerly, to be captured there.
+
+    ``shared_pool``: every graph is captured into one memory pool, for work whose temporaries are all dead when it
+    returns (it returns None): replays run one after another on the stream, so each may reuse the others' memory.
     """
 
-    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS, *, shared_pool: bool = False) -> None:
         if not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
         self.max_graphs = max_graphs
+        self.shared_pool = shared_pool
+        self._pool = None  # the shared pool's handle, made at the first capture
         self._graphs: OrderedDict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = OrderedDict()
         self._seen: OrderedDict[Hashable, None] = OrderedDict()
         #: passes served by a replay, and graphs captured (tests and benchmarks read them)
@@ -65,8 +71,12 @@ class GraphReplay:
             if len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)  # its pool is freed before the new capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            if self.shared_pool and self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
                 result = work()
+            if self.shared_pool and result is not None:
+                raise RuntimeError("a shared pool's graphs must return None: a later graph may reuse its memory")
             self._graphs[key] = graph, result
             self.captures += 1
         graph.replay()

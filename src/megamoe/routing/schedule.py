@@ -141,6 +141,11 @@ class PullSchedule:
     align: int
     own_rows: torch.Tensor | None = None
 
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """Every tensor of the schedule (what a CUDA graph reading it bakes in)."""
+        return (self.tokens_per_expert, self.counts, self.offsets, self.src_rank, self.src_index, self.num_rows,
+                self.own_rows)
+
     def __post_init__(self) -> None:
         for name in ("num_ranks", "experts_per_rank", "top_k", "align"):
             checks.check_positive_int(f"PullSchedule.{name}", getattr(self, name))
