@@ -19,15 +19,21 @@ class _FakeGraph:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    state = {"capturing": False, "captured": 0}
+    state = {"capturing": False, "captured": 0, "pools": [], "handles": 0}
 
     @contextmanager
-    def graph(g):
+    def graph(g, pool=None):
         state["captured"] += 1
+        state["pools"].append(pool)
         yield
+
+    def graph_pool_handle():
+        state["handles"] += 1
+        return ("pool", state["handles"])
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", graph_pool_handle)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     return state
 
@@ -46,6 +52,20 @@ def test_keys_are_captured_when_seen_again_and_replayed_until_evicted(fake_cuda)
     assert (replay.captures, replay.replays, fake_cuda["captured"]) == (2, 5, 2)
     assert got[1] == got[2] == got[4] == "result of A #2"  # a replay returns what the capture returned
     assert got[5] == got[6] == "result of B #4"
+
+
+def test_a_shared_pool_takes_every_capture_and_work_that_returns_nothing(fake_cuda):
+    """The backward's graphs (``shared_pool``) are captured into one pool; each graph of its own otherwise."""
+    shared, own = GraphReplay(shared_pool=True), GraphReplay()
+    for key in "AABBCC":
+        shared(key, lambda: None)
+        own(key, lambda: None)
+    pools = fake_cuda["pools"]
+    assert pools[0::2] == [("pool", 1)] * 3 and pools[1::2] == [None] * 3 and fake_cuda["handles"] == 1
+    # a later graph may reuse a shared pool's memory: what a graph returned would be overwritten
+    shared("D", lambda: "kept")
+    with pytest.raises(RuntimeError, match="must return None"):
+        shared("D", lambda: "kept")
 
 
 def test_inside_another_capture_the_work_runs_eagerly(fake_cuda):
