@@ -33,16 +33,22 @@ FIRST_GRADIENT_TOLERANCE = 1e-3
 IMPLS = ("megamoe", "reference")
 
 
-@pytest.fixture(scope="module")
-def record():
-    return train(TrainOptions(preset="cpu", impls=IMPLS, steps=STEPS, ranks=2, device="cpu", seed=0))
+def test_a_training_run_and_its_record(subtests):
+    """One run of both implementations (~45 s on 2 cores: one test, so one xdist worker trains it), checked as
+    subtests."""
+    record = train(TrainOptions(preset="cpu", impls=IMPLS, steps=STEPS, ranks=2, device="cpu", seed=0))
+    for check in (_megamoe_follows_the_reference_loss_curve, _the_loss_falls,
+                  _first_step_gradient_is_the_full_batch_gradient, _record_has_timings_and_memory,
+                  _memory_estimate_is_near_the_cpu_ranks_peak):
+        with subtests.test(msg=check.__name__.strip("_")):
+            check(record)
 
 
 def _rel(got: float, want: float) -> float:
     return abs(got - want) / abs(want)
 
 
-def test_megamoe_follows_the_reference_loss_curve(record):
+def _megamoe_follows_the_reference_loss_curve(record):
     assert list(record["runs"]) == list(IMPLS) and record["world_size"] == 2 and record["steps"] == STEPS
     got, want = record["runs"]["megamoe"]["losses"], record["runs"]["reference"]["losses"]
     assert len(got) == len(want) == STEPS and all(math.isfinite(v) for v in got + want)
@@ -50,7 +56,7 @@ def test_megamoe_follows_the_reference_loss_curve(record):
     assert worst < LOSS_TOLERANCE, (got, want)
 
 
-def test_the_loss_falls(record):
+def _the_loss_falls(record):
     for impl, run in record["runs"].items():
         first, last = run["losses"][0], run["losses"][-1]
         assert first == pytest.approx(math.log(get_preset("cpu").vocab), rel=0.05), impl  # an untrained model
@@ -73,7 +79,7 @@ def _full_batch_first_step(options: TrainOptions) -> tuple[float, float, float]:
     return loss.item(), math.sqrt(sum(squares.values())), math.sqrt(experts)
 
 
-def test_first_step_gradient_is_the_full_batch_gradient(record):
+def _first_step_gradient_is_the_full_batch_gradient(record):
     """Catches a wrong reduction: the first step's gradients (same weights, same tokens) reduced over the ranks
     must be the gradient of the whole batch's mean loss."""
     loss, norm, expert_norm = _full_batch_first_step(TrainOptions(preset="cpu", steps=STEPS, ranks=2, seed=0))
@@ -84,7 +90,7 @@ def test_first_step_gradient_is_the_full_batch_gradient(record):
             impl, run["expert_grad_norms"][0], expert_norm)
 
 
-def test_record_has_timings_and_memory(record):
+def _record_has_timings_and_memory(record):
     assert record["device"] == "cpu" and record["tokens_per_rank_per_step"] == 64
     for impl, run in record["runs"].items():
         assert len(run["step_ms"]) == len(run["moe_ms"]) == STEPS
@@ -163,8 +169,8 @@ def test_memory_estimate_counts_the_models_parameters_and_refuses_what_cannot_fi
     memory.check_fits(get_preset("cpu"), 2, "cpu")  # this machine's own RAM
 
 
-def test_memory_estimate_is_near_the_cpu_ranks_peak(record):
-    """Within a factor of two of the measured max RSS (the `cpu` preset: mostly the process itself)."""
+def _memory_estimate_is_near_the_cpu_ranks_peak(record):
+    """`megamoe train`'s memory estimate within a factor of two of the measured max RSS (the `cpu` preset: mostly the process itself)."""
     want = memory.estimate(get_preset("cpu"), 2, "cpu").peak
     for impl, run in record["runs"].items():
         assert 0.5 < want / run["peak_memory_bytes"] < 2, (impl, want, run["peak_memory_bytes"])
