@@ -157,10 +157,10 @@ def _gpu_backward_replays(world, precision):
     quantized = precision != "bf16"
     experts_q = quantize_experts(base.w_gate_up, base.w_down, precision, backward=True) if quantized else None
     same = []
-    for step, tokens in enumerate([1024] * 4 + [700, 1024]):
+    for step, tokens in enumerate([1024] * 6 + [700, 1024]):
         p = make_problem(GPU_LAYER, world.rank, world.size, tokens, dtype=torch.bfloat16, seed=10 + step,
                          device=world.device)
-        if step == 3:  # an optimizer step
+        if step == 4:  # an optimizer step
             base.w_down.mul_(0.5)
             experts_q = (quantize_experts(base.w_gate_up, base.w_down, precision, backward=True) if quantized
                          else None)
@@ -170,11 +170,15 @@ def _gpu_backward_replays(world, precision):
             b = kernel.scratch_buffers()
             _, ctx = kernel.forward(p.x, p.top_experts, p.router_weights, base.w_gate_up, base.w_down, fused,
                                     GPU_LAYER.activation, experts_q=experts_q, buffers=b)
-            saved = SavedForward(b.h, b.shared_h, ctx.schedule, b.ring_x, b.ring_scale, experts_q)
+            ring = (b.ring_x, b.ring_scale) if quantized else (None, None)  # BF16 keeps h only (x is pulled again)
+            saved = SavedForward(b.h, b.shared_h, ctx.schedule, *ring, experts_q)
             g = kernel.backward(saved, p.d_out, p.x, p.top_experts, p.router_weights, base.w_gate_up, base.w_down,
                                 fused, GPU_LAYER.activation, fused=False)
-            grads.append([t.clone() for t in (g.x, g.router_weights, g.w_gate_up, g.w_down, g.shared_gate_up,
-                                              g.shared_down)])
+            # copied to the host and dropped: the next backward's weight gradients take the memory these free,
+            # so their addresses (in the key) repeat as in a training loop
+            grads.append([t.cpu() for t in (g.x, g.router_weights, g.w_gate_up, g.w_down, g.shared_gate_up,
+                                            g.shared_down)])
+            del g, ctx, saved
         same.append(all(torch.equal(a, b) for a, b in zip(*grads)) and grads[0][2].abs().sum() > 0)
     r = kernels[0].backward_replay
     return same, (r.captures, r.replays), kernels[1].backward_replay
@@ -188,7 +192,7 @@ def test_gpu_replayed_backward_windows_match_launched(ranks, precision):
     for rank, (same, replays, launched) in enumerate(launch(_gpu_backward_replays, ranks, precision,
                                                             device="cuda")):
         assert all(same), (rank, same)
-        # (captures, replays): steps 0-2 run eager, capture, replay; step 3's weights (bf16: in place) keep the
-        # key, fp8-block's new pack is a new key, seen again only at step 5 (after step 4's other token count)
-        assert replays == ((1, 4) if precision == "bf16" else (2, 3)), (rank, replays)
+        # (captures, replays): a key repeats where the allocator gives the new weight gradients the addresses it
+        # gave them before (most steps of a training loop; here at least once after the capture's own replay)
+        assert replays[0] >= 1 and replays[1] >= 2, (rank, replays)
         assert launched is None
