@@ -7,10 +7,11 @@
 
 `megamoe bench`'s problem (seed 0, uniform routing unless --routing) and runners (megamoe's routed experts in
 --experts, bf16 by default). Each implementation first runs two steps (its compiles and its CUDA graph's capture),
-then steps back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then --rounds
-profiled passes, the implementations interleaved round by round. A pass is a whole step (forward + backward, the
-default) or a backward after an untimed forward (``--pass bwd``), under torch.profiler (CUDA activity; with --host
-the host's operators too). Rank 0 prints, per implementation, the pass's wall time between CUDA events (median of
+then steps back to back for --steady seconds (the GPU at its power cap, as a training loop sees it), then two
+profiled passes not kept (the profiler moves allocations: graphs re-capture there), then --rounds profiled passes,
+the implementations interleaved round by round. A pass is a whole step (forward + backward, the default) or a
+backward after an untimed forward (``--pass bwd``), under torch.profiler (CUDA activity; with --host the host's
+operators too). Rank 0 prints, per implementation, the pass's wall time between CUDA events (median of
 the rounds), its kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weighted sums, schedule,
 elementwise, memsets and copies), the time no kernel ran (launch gaps, host work, allocations), the largest
 kernels, and the gaps between device work (``gaps``: whether each one waited for the host's launch, the host
@@ -194,7 +195,11 @@ def run_rank(world, opts: dict) -> dict:
         torch.cuda.synchronize()
     out["graphs_after_steady"] = graph_counts(world)
     rounds = defaultdict(list)
-    for _ in range(opts["rounds"]):
+    # two profiled passes each first, not kept: under the profiler the allocator hands out other addresses, so the
+    # graphs' keys change once and re-capture there (2026-12-06-h100-backward-graphs: inside the kept rounds)
+    for r in range(PROFILED_WARMUP + opts["rounds"]):
+        if r == PROFILED_WARMUP:
+            out["graphs_before_rounds"] = graph_counts(world)
         for impl, runner in runners.items():
             world.barrier("profile")
             if opts["pass"] == "step":
@@ -204,7 +209,8 @@ def run_rank(world, opts: dict) -> dict:
                 torch.cuda.synchronize()
                 ms, kernels, trace = profiled(lambda: runner.backward(y), opts["host"])
                 del y
-            rounds[impl].append((ms, kernels, trace))
+            if r >= PROFILED_WARMUP:
+                rounds[impl].append((ms, kernels, trace))
             drop_grads(runner)
     out["graphs_after_rounds"] = graph_counts(world)  # captures between the two: a step re-capturing its graph
     for impl, got in rounds.items():
@@ -220,6 +226,10 @@ def run_rank(world, opts: dict) -> dict:
     return out
 
 
+#: profiled passes per implementation before the kept rounds (their captures and allocations settle there)
+PROFILED_WARMUP = 2
+
+
 def record_name(preset: str, tokens: int, pass_: str, routing: str, experts: str = "bf16") -> str:
     """``<preset>_<tokens>_<pass>``, with ``_<routing>`` unless uniform and ``_<experts>`` unless bf16 (the records
     before those options were uniform and bf16)."""
@@ -233,8 +243,9 @@ def print_report(args: dict, r: dict, top: int) -> None:
           f"{args.get('routing', 'uniform')} routing, megamoe's experts {args.get('experts', 'bf16')}; routed "
           f"rows per expert: {r['rows_per_expert']}")
     if "graphs_after_rounds" in r:  # records before 2026-12-06 have none
-        print(f"megamoe's CUDA graphs after the steady steps {r['graphs_after_steady']}, after the profiled rounds "
-              f"{r['graphs_after_rounds']}")
+        before = f", before the kept rounds {r['graphs_before_rounds']}" if "graphs_before_rounds" in r else ""
+        print(f"megamoe's CUDA graphs after the steady steps {r['graphs_after_steady']}{before}, after the profiled "
+              f"rounds {r['graphs_after_rounds']}")
     for impl in args["impl"].split(","):
         x = r[impl]
         print(f"{impl}: {x['ms']:.2f} ms between events (rounds {', '.join(f'{v:.2f}' for v in x['rounds_ms'])}; "
