@@ -5,9 +5,10 @@
 kimi-k2 (k 8, D 7168, a shared expert) and qwen3.5-397b (k 10, D 4096) at 8192 tokens, and the fine-grained
 layers of one GPU (``--shapes``): random combine slots, ~5 % of the routes empty (-1); with "own" routes, half of
 them (even experts: this rank's at EP 2) read their row from y instead, where the megakernel leaves it: the ring,
-in expert order (a gather), as in a pass since 24c8091; "all own", every route from y (one rank's forward). Each tile's output must equal the first tile's bit for bit (the k slots are summed in the same order
-whatever the tile). GB/s = (slots + shared + out bytes) / median time
-(triton.testing.do_bench; the run recorded at e6b9ad6 took the median of 20 CUDA-event timings instead).
+in expert order (a gather), as in a pass since 24c8091; "all own", every route from y (one rank's forward). Each
+tile's output must equal the first tile's bit for bit (the k slots are summed in the same order whatever the
+tile). GB/s = (slots + shared + out bytes) / median time (triton.testing.do_bench; the run recorded at e6b9ad6
+took the median of 20 CUDA-event timings instead).
 """
 
 from __future__ import annotations

@@ -99,6 +99,14 @@ def _record_has_timings_and_memory(record):
         assert run["peak_memory_bytes"] > 2**20, impl
 
 
+def _memory_estimate_is_near_the_cpu_ranks_peak(record):
+    """`megamoe train`'s memory estimate within a factor of two of the measured max RSS (the `cpu` preset: mostly
+    the process itself)."""
+    want = memory.estimate(get_preset("cpu"), 2, "cpu").peak
+    for impl, run in record["runs"].items():
+        assert 0.5 < want / run["peak_memory_bytes"] < 2, (impl, want, run["peak_memory_bytes"])
+
+
 def test_cli_writes_the_record_the_table_and_the_plot(tmp_path):
     out, plot = tmp_path / "train.json", tmp_path / "loss.png"
     result = CliRunner().invoke(app, ["train", "--device", "cpu", "--ranks", "2", "--steps", "2", "--impl",
@@ -167,13 +175,6 @@ def test_memory_estimate_counts_the_models_parameters_and_refuses_what_cannot_fi
     with pytest.raises(ValueError, match="2 ranks per GPU"):  # ranks sharing a GPU need its memory together
         memory.check_fits(h200x2, 4, "cuda")
     memory.check_fits(get_preset("cpu"), 2, "cpu")  # this machine's own RAM
-
-
-def _memory_estimate_is_near_the_cpu_ranks_peak(record):
-    """`megamoe train`'s memory estimate within a factor of two of the measured max RSS (the `cpu` preset: mostly the process itself)."""
-    want = memory.estimate(get_preset("cpu"), 2, "cpu").peak
-    for impl, run in record["runs"].items():
-        assert 0.5 < want / run["peak_memory_bytes"] < 2, (impl, want, run["peak_memory_bytes"])
 
 
 @pytest.mark.parametrize("args, message", [

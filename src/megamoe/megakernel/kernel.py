@@ -132,8 +132,9 @@ class MegaKernel:
     expert kernels on every SM instead of the megakernel (same bits) when the
     ring holds every routed row; ``one_rank_megakernel=True`` keeps the
     megakernel there (traces, tests). ``replay=False`` launches every pass's device work (the forward's, the
-    composed backward's windows) from the host instead of replaying its CUDA graph (same bits). The outputs of a rank's own routes stay in the ring when
-    it holds every row (1-2 % over pushing them too: benchmarks/results/2026-11-30-own-outputs).
+    composed backward's windows) from the host instead of replaying its CUDA graph (same bits). The outputs of a
+    rank's own routes stay in the ring when it holds every row (1-2 % over pushing them too:
+    benchmarks/results/2026-11-30-own-outputs).
     """
 
     def __init__(self, world: EPWorld, shape: LayerShape, config: KernelConfig | None = None, *,
@@ -208,8 +209,9 @@ class MegaKernel:
         self._act_bf16: torch.Tensor | None = None  # one rank, mxfp8 run as BF16 kernels: act (made on first use)
         # GPU: a pass's device work replays from a CUDA graph once its weights, buffers and token count repeat
         self.replay = GraphReplay() if replay and self.gpu else None
-        # and the composed backward's windows (its launches came 130-300 us apart, the GPU waiting on the host:
-        # benchmarks/results/2026-12-06-h100-step-gathers-wsum); they leave nothing live, so they share one pool
+        # and the composed backward's windows (their launches came 130-300 us apart, the GPU waiting on the host;
+        # replayed, the backward 4.21 -> 3.66 ms at qwen3-30b-a3b 8192 on an H100:
+        # benchmarks/results/2026-12-06-h100-backward-graphs); they leave nothing live, so they share one pool
         self.backward_replay = GraphReplay(shared_pool=True) if replay and self.gpu else None
 
     def tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
