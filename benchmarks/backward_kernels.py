@@ -154,14 +154,17 @@ def _host_op(ops: list[dict], call: dict | None) -> str | None:
     return None if best is None else best["name"][:80]
 
 
+#: profiled passes per implementation before the kept rounds (their captures and allocations settle there)
+PROFILED_WARMUP = 2
+
+
 def graph_counts(world) -> dict:
     """The megamoe kernels' CUDA-graph replays and captures so far (``megamoe.megakernel.replay``), summed, of
     the forwards and of the composed backwards' windows."""
     kept = [obj for obj in world.resources if getattr(obj, "replay", None) is not None]
     counts = {"kernels": len(kept)}
-    for name in ("replay", "backward_replay"):
+    for prefix, name in (("", "replay"), ("backward_", "backward_replay")):
         graphs = [getattr(k, name) for k in kept if getattr(k, name, None) is not None]
-        prefix = "" if name == "replay" else "backward_"
         counts[prefix + "replays"] = sum(g.replays for g in graphs)
         counts[prefix + "captures"] = sum(g.captures for g in graphs)
     return counts
@@ -224,10 +227,6 @@ def run_rank(world, opts: dict) -> dict:
             with gzip.open(os.path.join(opts["out"], name), "wt") as f:
                 json.dump(trace, f)
     return out
-
-
-#: profiled passes per implementation before the kept rounds (their captures and allocations settle there)
-PROFILED_WARMUP = 2
 
 
 def record_name(preset: str, tokens: int, pass_: str, routing: str, experts: str = "bf16") -> str:

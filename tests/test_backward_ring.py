@@ -143,7 +143,7 @@ def test_gpu_the_planner_accounts_for_what_the_backward_allocates(ranks, fused):
 def _gpu_backward_replays(world, precision):
     """Backwards whose windows replay the kernel's CUDA graph against backwards launched from the host, bit for bit,
     as x, the routing and d_out change every step, the weights change in place (FP8: re-quantised, new
-    addresses) and the token count changes (launched from the host) and comes back (the graph again)."""
+    addresses) and the token count changes (a new key: launched from the host) and comes back."""
     from megamoe.megakernel import MegaKernel, fuse_shared
     from megamoe.megakernel.saved import SavedForward
     from megamoe.ops.expert_weights import quantize_experts
