@@ -185,7 +185,8 @@ def _soak(world, passes: int, gpu: bool):
         """Make ``kernel`` the one megamoe.moe runs for shape ``which`` (GPU: replayed or launched)."""
         for k in (kernels[which], launched[which]):
             world.resources.discard(k)
-        world.resources.get(("megakernel", shapes[which], "bf16", True), lambda: kernel, version=None)
+        world.resources.get(("megakernel", shapes[which], "bf16", True), lambda: kernel,
+                            version=(None, None))  # layer_kernel's version: no config, no tuning
         assert layer_kernel(world, shapes[which], None, "bf16") is kernel
 
     first: dict[tuple, dict[str, str]] = {}

@@ -7,6 +7,9 @@ the routed rows (the backward replays the overwritten minibatches) and other com
 gradients must be the same bits.
 """
 
+import sys
+import time
+
 import pytest
 import torch
 
@@ -330,6 +333,7 @@ def _gpu_suite(world):
     for name, tokens, routing, activation in (("uneven", GPU_TOKENS[:ranks], "uniform", SWIGLU),
                                               ("one-rank-gpt-oss", (900,) + (0,) * (ranks - 1), "one-rank", GPT_OSS),
                                               ("zipf-geglu", (2048,) * ranks, "zipf", GEGLU)):
+        start = time.time()
         cfg = MoEConfig(**{**GPU_CONFIG.__dict__, "activation": activation})
         p = _problem(world, cfg, tokens, routing, 0.1, 11, name == "uneven")
         _, want = ep_reference_forward_backward(world, p)
@@ -341,6 +345,7 @@ def _gpu_suite(world):
                         "errors": {k: (e["rel"], e["row"], e["finite"]) for k, e in errors.items()},
                         "same_bits": [all(torch.equal(run[k], got[k]) for k in got) for run in runs],
                         "host_syncs": {f: _host_sync(world, p, activation, max(tokens), f) for f in (True, False)}})
+        print(f"rank {world.rank}: {name} in {time.time() - start:.0f} s", file=sys.stderr, flush=True)  # with -s
     return results
 
 
