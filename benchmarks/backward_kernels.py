@@ -39,6 +39,7 @@ import torch
 from megamoe.bench.problem import ROUTINGS, make_problem
 from megamoe.bench.runners import RUNNERS, TAKES_EXPERT_FORMAT
 from megamoe.config import preset
+from megamoe.megakernel.replay import graph_counts
 from megamoe.precision import PRECISIONS
 from megamoe.parallel.world import launch
 
@@ -156,18 +157,6 @@ def _host_op(ops: list[dict], call: dict | None) -> str | None:
 
 #: profiled passes per implementation before the kept rounds (their captures and allocations settle there)
 PROFILED_WARMUP = 2
-
-
-def graph_counts(world) -> dict:
-    """The megamoe kernels' CUDA-graph replays and captures so far (``megamoe.megakernel.replay``), summed, of
-    the forwards and of the composed backwards' windows."""
-    kept = [obj for obj in world.resources if getattr(obj, "replay", None) is not None]
-    counts = {"kernels": len(kept)}
-    for prefix, name in (("", "replay"), ("backward_", "backward_replay")):
-        graphs = [getattr(k, name) for k in kept if getattr(k, name, None) is not None]
-        counts[prefix + "replays"] = sum(g.replays for g in graphs)
-        counts[prefix + "captures"] = sum(g.captures for g in graphs)
-    return counts
 
 
 def drop_grads(runner) -> None:

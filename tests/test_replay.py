@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megamoe.megakernel.replay import GraphReplay, layout_key
+from megamoe.megakernel.replay import GraphReplay, graph_counts, layout_key
 
 
 class _FakeGraph:
@@ -94,3 +94,25 @@ def test_layout_key_names_address_shape_strides_and_dtype():
 def test_max_graphs_must_be_positive():
     with pytest.raises(ValueError, match="max_graphs"):
         GraphReplay(max_graphs=0)
+
+
+def test_graph_counts_sum_the_kept_kernels_forward_and_backward_graphs(fake_cuda):
+    """What `megamoe train` and benchmarks/backward_kernels.py record: every kept kernel's replays and captures,
+    the forward's and the backward's apart; objects without graphs (CPU kernels, other resources) not counted."""
+    class Kernel:
+        def __init__(self, backward: bool):
+            self.replay = GraphReplay()
+            self.backward_replay = GraphReplay(shared_pool=True) if backward else None
+
+    class World:
+        resources = [Kernel(True), Kernel(False), type("CpuKernel", (), {"replay": None})(), object()]
+
+    for kernel, keys in zip(World.resources[:2], ("AAA", "AAAAB")):
+        for key in keys:
+            kernel.replay(key, lambda: "out")
+    for key in "XXYYY":
+        World.resources[0].backward_replay(key, lambda: None)
+    assert graph_counts(World()) == {"kernels": 2, "replays": 2 + 3, "captures": 1 + 1,
+                                     "backward_replays": 1 + 2, "backward_captures": 2}
+    assert graph_counts(type("Empty", (), {"resources": []})()) == {
+        "kernels": 0, "replays": 0, "captures": 0, "backward_replays": 0, "backward_captures": 0}

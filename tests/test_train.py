@@ -16,6 +16,7 @@ from megamoe.baselines import deepep_torch
 from megamoe.cli import app
 from megamoe.training import MarkovTokens, TrainOptions, get_preset, memory, plot_losses, train
 from megamoe.training.model import qwen3_moe_config
+from megamoe.training.report import format_table
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,6 +98,7 @@ def _record_has_timings_and_memory(record):
         assert all(0 < m < s for m, s in zip(run["moe_ms"], run["step_ms"])), impl
         assert run["rest_ms_median"] > 0 and run["tokens_per_s_per_gpu"] > 0, impl
         assert run["peak_memory_bytes"] > 2**20, impl
+        assert run["graphs"]["kernels"] == 0, (impl, run["graphs"])  # CPU ranks run no CUDA graphs
 
 
 def _memory_estimate_is_near_the_cpu_ranks_peak(record):
@@ -115,10 +117,20 @@ def test_cli_writes_the_record_the_table_and_the_plot(tmp_path):
     saved = json.loads(out.read_text())
     assert set(saved["runs"]) == {"reference", "nccl-torch"}
     assert all(len(run["losses"]) == 2 for run in saved["runs"].values())
-    for column in ("impl", "final loss", "tokens/s/GPU", "step ms", "MoE ms", "peak MiB"):
+    for column in ("impl", "final loss", "tokens/s/GPU", "step ms", "MoE ms", "peak MiB", "graphs"):
         assert column in result.output
     assert "nccl-torch" in result.output.split("tokens/s/GPU")[1]  # a row of the table
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss curves written to {plot}" in result.output
+
+
+def test_table_shows_each_impls_graph_replays_and_captures():
+    run = {"final_loss": 3.5, "tokens_per_s_per_gpu": 1000.0, "step_ms_median": 9.0, "moe_ms_median": 4.0,
+           "peak_memory_bytes": 2**30}
+    graphs = {"kernels": 1, "replays": 9, "captures": 1, "backward_replays": 8, "backward_captures": 2}
+    table = format_table({"runs": {"megamoe": {**run, "graphs": graphs},
+                                   "nccl-torch": {**run, "graphs": {**graphs, "kernels": 0}}}})
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
+    assert rows["megamoe"][-3:] == ["17", "/", "3"] and rows["nccl-torch"][-1] == "-", table
 
 
 def test_plot_losses_writes_a_png(tmp_path):

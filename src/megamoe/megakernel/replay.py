@@ -82,3 +82,17 @@ class GraphReplay:
         graph.replay()
         self.replays += 1
         return result
+
+
+def graph_counts(world) -> dict:
+    """The CUDA-graph replays and captures so far of every kernel ``world`` keeps (``world.resources``), summed:
+    of the forward passes and of the composed backwards' windows. A steady training loop replays every pass and
+    captures each layer's graphs once; captures that keep growing mean the keys (the tensors' addresses) do not
+    repeat."""
+    kept = [obj for obj in world.resources if getattr(obj, "replay", None) is not None]
+    counts = {"kernels": len(kept)}
+    for prefix, name in (("", "replay"), ("backward_", "backward_replay")):
+        graphs = [getattr(k, name) for k in kept if getattr(k, name, None) is not None]
+        counts[prefix + "replays"] = sum(g.replays for g in graphs)
+        counts[prefix + "captures"] = sum(g.captures for g in graphs)
+    return counts

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from megamoe.megakernel.replay import graph_counts
 from megamoe.training.data import MarkovTokens
 from megamoe.training.memory import check_fits
 from megamoe.training.model import build_model, get_preset
@@ -186,6 +187,7 @@ def train_rank(world, options: TrainOptions, impl: str,
         out["expert_grad_norms"].append(math.sqrt(expert_sq))
         out["grad_norms"].append(math.sqrt(expert_sq + _squared_norm(replicated, world.device).item()))
     timer.remove()
+    out["graphs"] = graph_counts(world)
     if world.is_cuda:
         out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(world.device)
     else:  # Linux reports kilobytes: the whole process's peak, the interpreter and the libraries included
@@ -217,6 +219,7 @@ def summarise(per_rank: list[dict], tokens_per_rank: int) -> dict:
         "tokens_per_s_per_gpu": tokens_per_rank / (_steady(step_ms) / 1e3),
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in per_rank),
         "peak_memory_per_rank_bytes": [r["peak_memory_bytes"] for r in per_rank],
+        "graphs": per_rank[0]["graphs"],  # rank 0's megakernel CUDA graphs: replays against captures
     }
 
 

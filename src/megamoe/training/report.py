@@ -7,17 +7,25 @@ import os
 
 
 def format_table(record: dict) -> str:
-    """One line per impl: final loss, tokens/s per GPU, steady step time, its MoE part, peak memory."""
-    header = ("impl", "final loss", "tokens/s/GPU", "step ms", "MoE ms", "peak MiB")
+    """One line per impl: final loss, tokens/s per GPU, steady step time, its MoE part, peak memory, and its
+    megakernels' CUDA graphs (replays / captures, forward + backward; "-" where it kept none)."""
+    header = ("impl", "final loss", "tokens/s/GPU", "step ms", "MoE ms", "peak MiB", "graphs")
     rows = [header]
     for impl, run in record["runs"].items():
         rows.append((impl, f"{run['final_loss']:.4f}", f"{run['tokens_per_s_per_gpu']:.1f}",
                      f"{run['step_ms_median']:.1f}", f"{run['moe_ms_median']:.1f}",
-                     f"{run['peak_memory_bytes'] / 2**20:.0f}"))
+                     f"{run['peak_memory_bytes'] / 2**20:.0f}", _graphs(run.get("graphs"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     return "\n".join(lines)
+
+
+def _graphs(counts: dict | None) -> str:
+    if not counts or not counts["kernels"]:
+        return "-"
+    replays = counts["replays"] + counts["backward_replays"]
+    return f"{replays} / {counts['captures'] + counts['backward_captures']}"
 
 
 def write_json(record: dict, path: str) -> None:
