@@ -124,14 +124,23 @@ def test_a_peer_that_never_comes_is_named_within_the_timeout(monkeypatch):
 
 
 def test_the_waits_budgets_are_configurable_and_checked(monkeypatch):
+    from megamoe import runtime
     from megamoe.parallel.world import DEFAULT_PEER_TIMEOUT_S, peer_timeout_s
     from megamoe.runtime import resolve_wait_budget
 
     assert peer_timeout_s() == DEFAULT_PEER_TIMEOUT_S
     monkeypatch.setenv("MEGAMOE_PEER_TIMEOUT_S", "2.5")
     assert peer_timeout_s() == 2.5
-    monkeypatch.setenv("MEGAMOE_WAIT_BUDGET", "1000")
-    assert resolve_wait_budget() == 1000 and resolve_wait_budget(7) == 7
+    monkeypatch.delenv("MEGAMOE_WAIT_BUDGET", raising=False)
+    with monkeypatch.context() as compiled:  # a barrier waits on the peers' host (a first pass's compiles): longer
+        compiled.setattr(runtime, "interpreting", lambda: False)
+        assert resolve_wait_budget() == runtime.DEFAULT_WAIT_BUDGET
+        assert resolve_wait_budget(barrier=True) == runtime.DEFAULT_BARRIER_WAIT_BUDGET > runtime.DEFAULT_WAIT_BUDGET
+    monkeypatch.setattr(runtime, "interpreting", lambda: True)
+    assert resolve_wait_budget() == resolve_wait_budget(barrier=True) == runtime.DEFAULT_WAIT_BUDGET_INTERPRETED
+    monkeypatch.setenv("MEGAMOE_WAIT_BUDGET", "1000")  # given: every wait's, barriers' too
+    assert resolve_wait_budget() == resolve_wait_budget(barrier=True) == 1000 and resolve_wait_budget(7) == 7
+    assert resolve_wait_budget(7, barrier=True) == 7
     for name, value, call in (("MEGAMOE_PEER_TIMEOUT_S", "0", peer_timeout_s),
                               ("MEGAMOE_PEER_TIMEOUT_S", "nan", peer_timeout_s),
                               ("MEGAMOE_WAIT_BUDGET", "-3", resolve_wait_budget),

@@ -21,6 +21,11 @@ from triton import knobs
 #: take seconds to arrive.
 DEFAULT_WAIT_BUDGET = 1 << 24
 DEFAULT_WAIT_BUDGET_INTERPRETED = 1 << 20
+#: A host-launched barrier's (a pass's start and end, ``device_barrier``) when none is given: it waits for the
+#: peers' host, which on a first pass may be compiling kernels this rank does not need (the shared expert's tiles
+#: follow the rank's own token count; a rank without tokens launches none): tens of seconds. At 2**24 polls the GPU
+#: soak's rank without tokens timed out while its peer compiled (one H200, 2026-12-06); 2**28 polls: minutes.
+DEFAULT_BARRIER_WAIT_BUDGET = 1 << 28
 
 #: Programs of a persistent launch under the interpreter (it runs them one by one: a few cover every role).
 INTERPRETER_PROGRAMS = 4
@@ -59,13 +64,15 @@ def env_switch(name: str, default: bool) -> bool:
     return text.strip() == "1"
 
 
-def resolve_wait_budget(budget: object = None) -> int:
+def resolve_wait_budget(budget: object = None, *, barrier: bool = False) -> int:
     """An in-kernel wait's poll budget: ``budget`` (an int in [1, 2**31)), else ``MEGAMOE_WAIT_BUDGET``, else the
-    default for where kernels run."""
+    default for where kernels run (``barrier``: a host-launched barrier's, ``DEFAULT_BARRIER_WAIT_BUDGET``)."""
     if budget is None:
         text = os.environ.get("MEGAMOE_WAIT_BUDGET")
         if text is None:
-            return DEFAULT_WAIT_BUDGET_INTERPRETED if interpreting() else DEFAULT_WAIT_BUDGET
+            if interpreting():
+                return DEFAULT_WAIT_BUDGET_INTERPRETED
+            return DEFAULT_BARRIER_WAIT_BUDGET if barrier else DEFAULT_WAIT_BUDGET
         budget = int(text) if text.strip().isdigit() else text
         where = "MEGAMOE_WAIT_BUDGET"
     else:

@@ -191,6 +191,7 @@ class MegaKernel:
         # trace (GPU only): per program its globaltimer stamps and wait totals, then its event log (kernels.sync)
         self.trace = torch.zeros(c.num_sms, sync.TRACE_ROW.value, dtype=torch.int64, device=dev) if trace else None
         self.budget = resolve_wait_budget(wait_budget)
+        self.barrier_budget = resolve_wait_budget(wait_budget, barrier=True)  # waits on the peers' host too
         self.flag_ptrs = [self.sym.peer_ptrs("pass_flags") + row * R * 4 for row in range(2)]
         self.launcher = Launcher(self)
         # A route's output stays in y (the schedule's own_rows; else the weighted sum reads its combine slot):
@@ -446,7 +447,8 @@ class MegaKernel:
             self.world.barrier(what)
             return
         sync.pass_barrier_kernel[(1,)](self.flag_ptrs[row], self.sym.local("pass_flags")[row], self.epochs[row:],
-                                     self.world.rank, self.world.size, self.budget, self.error, num_warps=1)
+                                     self.world.rank, self.world.size, self.barrier_budget, self.error,
+                                     num_warps=1)
 
     def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up=None,
                      b_down=None) -> None:

@@ -178,7 +178,7 @@ def device_barrier(ws: CommWorkspace, *, wait_budget: int | None = None, check: 
     the same number of times.
     """
     ws.check_usable()
-    budget = resolve_wait_budget(wait_budget)
+    budget = resolve_wait_budget(wait_budget, barrier=True)
     ws._epochs[WAIT_BARRIER] += 1
     flag_ptrs, flags = ws.flag_ptrs(WAIT_BARRIER)
 
