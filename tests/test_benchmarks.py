@@ -46,7 +46,7 @@ CPU_TOOLS = {
 GPU_TOOLS = {
     "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_trace.py", "gemm_ceiling.py",
     "gemm_vs_dense.py", "megakernel_per_sm.py", "quant_bench.py", "schedule_bench.py", "tiles_ab.py",
-    "weighted_sum_bench.py",
+    "weighted_sum_bench.py", "wgrad_gather_ab.py",
 }
 #: Scripts that make what a GPU run carries (downloads from PyPI): --help only.
 PREP_TOOLS = {"sonic_carry.py"}
@@ -469,6 +469,30 @@ def test_schedule_bench_every_variant_builds_the_same_schedule():
         got = schedule_bench.build(top, 8, 2 * 64 * 2, blocking)
         first = first or got
         assert all(torch.equal(getattr(got, f), getattr(first, f)) for f in schedule_bench.FIELDS), blocking
+
+
+def test_wgrad_gather_ab_variants_give_the_same_bits():
+    """The A/B's premise on a tiny load (64 tokens, 4 experts, k 2): every variant's two wgrads equal the copied
+    rows' (on the CPU the gathers copy first; on a Hopper GPU they gather on load), and each expert's rows are its
+    tokens in order."""
+    import wgrad_gather_ab
+
+    load = wgrad_gather_ab.make_load(64, 64, 32, 4, 2, DEVICE)
+    assert int(load.counts.sum()) == 128 and all(
+        bool((load.tokens[o : o + c].diff() > 0).all()) for o, c in zip(load.offsets.tolist(), load.counts.tolist()))
+    calls, outs, flops = wgrad_gather_ab.variant_calls(load, DEVICE)
+    assert list(calls) == list(wgrad_gather_ab.VARIANTS) and flops == {"down": 2 * 128 * 64 * 32,
+                                                                        "gate_up": 2 * 128 * 64 * 64}
+    for variant in calls:
+        for kind in ("down", "gate_up"):
+            calls[variant][kind]()
+    want = {"down": torch.einsum("rd,ri->di", load.d_out[load.tokens.long()].float(), load.act_w.float()),
+            "gate_up": torch.einsum("rj,rd->jd", load.d_h.float(), load.x[load.tokens.long()].float())}
+    for kind in ("down", "gate_up"):
+        first = outs["copy + wgrad"][kind]
+        assert all(torch.equal(outs[v][kind], first) for v in calls), kind
+        summed = sum(first[e].float() for e in range(4))  # the experts' gradients summed: every row once
+        assert torch.allclose(summed, want[kind], rtol=2e-2, atol=2e-1), kind
 
 
 def test_weighted_sum_bench_tiles_give_the_same_bits(monkeypatch):

@@ -525,11 +525,8 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
-                 "dx_kernel (into the slots)", *by_token - {"wgrad_ws_kernel (carry) (x rows by token)"}):
+                 "dx_kernel (into the slots)", *by_token):  # the x-gathering wgrad's producer: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
-    # the gate/up wgrad's gathering producer warpgroup (48 registers a thread) spills a few loop-invariant values
-    # (40 B on 2026-12-05)
-    assert summary["wgrad_ws_kernel (carry) (x rows by token)"]["stack_bytes"] <= 128, summary
     for name in by_token:  # each gather is cp.async pieces counted on the ring's barriers
         assert summary[name]["cp_async"] > 0, (name, summary[name])
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]

@@ -1,10 +1,10 @@
 """Rows by index into a warp-specialised ring slot, for a producer warpgroup: the Gluon GEMMs' operand that one rank
 reads from its tokens in place of a routed copy (Hopper's TMA has no gather).
 
-``row_starts`` loads the rows' indices once (a tile's rows stay for all its K steps; a wgrad's K rows are loaded
-one step ahead, so the load's latency hides under the next slot's wait), ``copy_rows_async`` issues a step's
-cp.async copies of 16 bytes and zero-fills what lies past the rows or the columns (as TMA fills past a descriptor's
-end), and ``land_on`` makes each producer thread's arrival on the step's ``full`` barrier wait for its copies
+``row_starts`` loads the rows' indices once (a tile's rows stay for all its K steps; a wgrad's K rows,
+``row_indices``, are loaded two steps ahead and made pointers, ``row_starts_of``, at their step), ``copy_rows_async``
+issues a step's cp.async copies of 16 bytes and zero-fills what lies past the rows or the columns (as TMA fills past
+a descriptor's end), and ``land_on`` makes each producer thread's arrival on the step's ``full`` barrier wait for its copies
 (``cp.async.mbarrier.arrive.noinc``: the barrier expects it, ``full_arrivals``). So the step's ``expect`` and its
 TMA loads go first, from one thread, and no barrier between the producer warps orders them (SonicMoE's Hopper
 gathers do the same: QuACK's ``PipelineTmaCpAsync``). cp.async writes through the generic proxy and the wgmma
@@ -46,14 +46,30 @@ def _rows_layout(cols):
 
 
 @gluon.jit
-def row_starts(src_ptr, index_ptr, row0, row_end, stride, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """(``src + index[row0 + q] * stride`` for q < ROWS, ``row0 + q < row_end``): the rows' start pointers and which
-    rows exist, for :func:`copy_rows_async`."""
+def row_indices(index_ptr, row0, row_end, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """``index[row0 + q]`` for q < ROWS (0 past ``row_end``): the source rows of a step, loaded ahead of its
+    :func:`row_starts_of` (a wgrad's K steps each need new rows: loaded two steps ahead, the load's latency is off
+    the producer's path)."""
     layout: gl.constexpr = _rows_layout(COLS)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    row_ok = rows < row_end
-    source_row = gl.load(index_ptr + rows, mask=row_ok, other=0).to(gl.int64)
-    return src_ptr + source_row * stride, row_ok
+    return gl.load(index_ptr + rows, mask=rows < row_end, other=0)
+
+
+@gluon.jit
+def row_starts_of(src_ptr, source_rows, row0, row_end, stride, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """(``src + source_rows[q] * stride``, ``row0 + q < row_end``): the start pointers of :func:`row_indices`'
+    rows and which rows exist, for :func:`copy_rows_async`."""
+    layout: gl.constexpr = _rows_layout(COLS)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    return src_ptr + source_rows.to(gl.int64) * stride, rows < row_end
+
+
+@gluon.jit
+def row_starts(src_ptr, index_ptr, row0, row_end, stride, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """(``src + index[row0 + q] * stride`` for q < ROWS, ``row0 + q < row_end``): the rows' start pointers and which
+    rows exist, for :func:`copy_rows_async` (a tile whose rows stay for all its K steps)."""
+    return row_starts_of(src_ptr, row_indices(index_ptr, row0, row_end, ROWS, COLS), row0, row_end, stride, ROWS,
+                         COLS)
 
 
 @gluon.jit

@@ -33,13 +33,25 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_async, full_arrivals, land_on,
-                                         row_starts)
+                                         row_indices, row_starts_of)
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.tasks import first_task
 from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
+
+
+@gluon.constexpr_function
+def gather_registers(a_gather, b_gather):
+    """The worker partitions' registers (the second consumer's, the producer's; the first consumer gets what they
+    leave): 232 / 40 with the TMA producer, 232 / 48 gathering d_out's 64-wide halves (A_GATHER). Gathering x
+    (B_GATHER, 256-wide K steps) the producer holds a step's eight row pointers and the next two steps' indices: at
+    48 registers the sm_90 build spilled 160 bytes (40 with one step's indices ahead), at 96 none, beside consumers
+    of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either."""
+    if b_gather:
+        return [208, 96]
+    return [232, REGS_GATHER.value if a_gather else REGS_PRODUCER.value]
 
 
 @gluon.jit
@@ -113,11 +125,14 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
         for task in range(first, per_expert, NUM_PROGRAMS):
             m0 = task // num_n * (2 * HALF_M)
             n0 = task % num_n * BLOCK_N
-            # a gathered operand's K rows: the first step's here, each next one's loaded a step ahead
+            # a gathered operand's K rows: each step's indices loaded two steps ahead (a K step's wgmma is shorter
+            # than a dependent global load: loaded a step ahead, the gathering wgrads ran 2x the copied rows' time)
             if A_GATHER:
-                starts, ok = row_starts(a_ptr, a_index_ptr, row0, row_end, OUT_M, BLOCK_K, HALF_M)
+                rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
+                rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
             if B_GATHER:
-                starts, ok = row_starts(b_ptr, b_index_ptr, row0, row_end, OUT_N, BLOCK_K, BLOCK_N)
+                rows_now = row_indices(b_index_ptr, row0, row_end, BLOCK_K, BLOCK_N)
+                rows_next = row_indices(b_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, BLOCK_N)
             for k in range(row0, row_end, BLOCK_K):
                 s = g % STAGES
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
@@ -129,14 +144,18 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
                     tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
                 # a gather under the other operand's TMA; each thread's landing one of the barrier's arrivals
                 if A_GATHER:
+                    starts, ok = row_starts_of(a_ptr, rows_now, k, row_end, OUT_M, BLOCK_K, HALF_M)
                     copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), HALF_M)
                     copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), HALF_M)
                     land_on(full.index(s))
-                    starts, ok = row_starts(a_ptr, a_index_ptr, k + BLOCK_K, row_end, OUT_M, BLOCK_K, HALF_M)
+                    rows_now = rows_next
+                    rows_next = row_indices(a_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, HALF_M)
                 if B_GATHER:
+                    starts, ok = row_starts_of(b_ptr, rows_now, k, row_end, OUT_N, BLOCK_K, BLOCK_N)
                     copy_rows_async(starts, ok, n0, OUT_N, b_smem.index(s), BLOCK_N)
                     land_on(full.index(s))
-                    starts, ok = row_starts(b_ptr, b_index_ptr, k + BLOCK_K, row_end, OUT_N, BLOCK_K, BLOCK_N)
+                    rows_now = rows_next
+                    rows_next = row_indices(b_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, BLOCK_N)
                 g += 1
         site_last = g - 1
     return g, site_last
@@ -255,5 +274,5 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                       OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
                       gl.constexpr(A_GATHER), gl.constexpr(B_GATHER)))],
-        [4, GATHER_WARPS if GATHER else 1], [232, REGS_GATHER if GATHER else REGS_PRODUCER])
+        [4, GATHER_WARPS if GATHER else 1], gather_registers(A_GATHER, B_GATHER))
     invalidate_ring(full, empty, STAGES)
