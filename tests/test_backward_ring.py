@@ -59,12 +59,28 @@ def _problem(world, cfg, tokens, routing, drop, seed, to_one_expert):
     return p
 
 
+def _by_token(world, p, activation) -> dict:
+    """The composed backward's runs with ``GATHER_BACKWARD`` (one rank, BF16: its kernels read each row's d_out and
+    x from the staged tokens by index; the CPU's copy those rows first), every config of one rank, by label."""
+    from megamoe.ops import experts as expert_ops
+
+    kept = expert_ops.GATHER_BACKWARD
+    expert_ops.GATHER_BACKWARD = True
+    try:
+        return {f"{label}, by token": _grads(world, p, activation, config, False)
+                for label, config, fused in _configs() if not fused}
+    finally:
+        expert_ops.GATHER_BACKWARD = kept
+
+
 def _suite(world, cases, precision):
     results = []
     for name, cfg, tokens, routing, drop, seed, one_expert in cases:
         p = _problem(world, cfg, tokens, routing, drop, seed, one_expert)
         runs = {label: _grads(world, p, cfg.activation, config, fused, precision)
                 for label, config, fused in _configs(precision != "bf16") if world.size > 1 or not fused}
+        if world.size == 1 and precision == "bf16":  # one rank reading d_out and x by token: the same bits
+            runs.update(_by_token(world, p, cfg.activation))
         first = runs["default"]
         want = _flatten(ep_reference_forward_backward(world, p)[1])
         results.append({

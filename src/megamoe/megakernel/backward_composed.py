@@ -11,7 +11,7 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      scales, half the bytes), its x row again (BF16 keeps only h: pulling x moves bytes the links have time for
      under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring;
      one rank in BF16 with ``megamoe.ops.experts.GATHER_BACKWARD`` pulls neither: its kernels read each row's token
-     from d_out and x themselves) and its router weight;
+     from the staged d_out and x themselves) and its router weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
@@ -73,16 +73,17 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
     # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped); with
-    # GATHER_BACKWARD the kernels also read each row's d_out from d_out by token (the pull's copy skipped), and where
-    # no window is replayed so does the gate/up wgrad its x
+    # GATHER_BACKWARD the kernels also read each row's d_out from the staged d_out by token (the pull's copy
+    # skipped), and where no window is replayed so does the gate/up wgrad its x
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
     x_by_token = by_token and schedule.capacity <= forward_ring
     d_out = d_out.contiguous()
-    # 1. stage; every rank's rows in place before anyone pulls (FP8: x only where a wrapped forward ring lost rows)
-    pull_x = (fmt == "bf16" and not x_by_token) or schedule.capacity > forward_ring
-    ws.stage(d_out=None if by_token else d_out, router_weights=router_weights.contiguous(),
-             x=x if pull_x else None)
+    # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward
+    # ring lost rows); read by token, the staged rows too (N x D, a k-th of a pull's bytes): the kernel's own
+    # addresses, so the backward's graph replays whatever tensors the caller passes
+    stage_x = fmt == "bf16" or schedule.capacity > forward_ring
+    ws.stage(d_out=d_out, router_weights=router_weights.contiguous(), x=x if stage_x else None)
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
     rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
@@ -106,13 +107,14 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         """2. the windows: device work only, reading and writing the kernel's buffers and the tensors keyed below."""
         for window in ring.windows(schedule):
             tokens = row_tokens(window.src_index, k) if by_token else None
-            dy = d_out if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
+            dy = ws.local("d_out") if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy,
+                                                                         sync=False)
             pull_route_scalars(ws, window, "router_weights", ring.row_w)
             h, x_rows = ring.saved_rows(saved, window)
             in_place = ring.in_forward_ring(saved, window)
             x_index = None
             if x_by_token:
-                x_rows, x_index = x.contiguous(), tokens
+                x_rows, x_index = ws.local("x"), tokens
             elif fmt == "bf16":
                 x_rows = dispatch_pull(ws, window, num_sms=sms, out=ring.x, sync=False)
             elif not in_place and schedule.capacity > forward_ring:
@@ -138,8 +140,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         windows()
     else:  # from a CUDA graph once the token count and every tensor it touches that is not the kernel's repeat
         touched = (w_gate_up, w_down, b_gate_up, b_down, d_w_gate_up, d_w_down, saved.h, saved.ring_x,
-                   saved.ring_scale, *schedule.tensors(), *fp8_weights, d_out if by_token else None,
-                   x if x_by_token else None, *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
+                   saved.ring_scale, *schedule.tensors(), *fp8_weights,
+                   *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
         kernel.backward_replay((n, activation, by_token, x_by_token, layout_key(touched)), windows)
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
