@@ -4,10 +4,11 @@ reads from its tokens in place of a routed copy (Hopper's TMA has no gather).
 ``row_starts`` loads the rows' indices once (a tile's rows stay for all its K steps; a wgrad's K rows,
 ``row_indices``, are loaded two steps ahead and made pointers, ``row_starts_of``, at their step), ``copy_rows_async``
 issues a step's cp.async copies of 16 bytes and zero-fills what lies past the rows or the columns (as TMA fills past
-a descriptor's end), and ``land_on`` makes each producer thread's arrival on the step's ``full`` barrier wait for its copies
-(``cp.async.mbarrier.arrive.noinc``: the barrier expects it, ``full_arrivals``). So the step's ``expect`` and its
-TMA loads go first, from one thread, and no barrier between the producer warps orders them (SonicMoE's Hopper
-gathers do the same: QuACK's ``PipelineTmaCpAsync``). cp.async writes through the generic proxy and the wgmma
+a descriptor's end), and ``land_on`` makes each producer thread's arrival on the step's ``full`` barrier wait for
+its copies (``cp.async.mbarrier.arrive.noinc``: the barrier expects it, ``full_arrivals``). So the step's ``expect``
+and its TMA loads go first, from one thread, and nothing we write orders the producer warps (SonicMoE's Hopper
+gathers do the same: QuACK's ``PipelineTmaCpAsync``); Triton 3.6 lowers the arrive after a ``bar.sync`` of the
+producer warps, so they still meet once a step (seen in the sm_90 build). cp.async writes through the generic proxy and the wgmma
 reads through the async one: a consumer fences (``fence_async_shared``) after its ``full`` wait and before its
 wgmma.
 

@@ -139,8 +139,8 @@ class BackwardRing:
                activation: Activation, experts_q: QuantizedExperts | None, rows_per_expert: float,
                b_gate_up: torch.Tensor | None = None) -> None:
         """h of the window's rows past the forward's ring, recomputed from their x into ``self.h`` (the forward's
-        gate/up tiles, with its optional bias ``b_gate_up``: the same bits). Each expert's piece is cut there on the device: a window the forward's
-        ring holds launches over empty pieces."""
+        gate/up tiles, with its optional bias ``b_gate_up``: the same bits). Each expert's piece is cut there on the
+        device: a window the forward's ring holds launches over empty pieces."""
         lo = (forward_ring - window.start).clamp(min=0)
         first = torch.maximum(window.offsets.long(), lo)
         end = window.offsets.long() + window.tokens_per_expert.long()
