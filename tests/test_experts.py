@@ -505,6 +505,19 @@ def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation):
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
 
 
+def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
+    """The warp-specialised wgrad's register split (``gather_registers``: the second consumer's and the producer's;
+    the first consumer gets what they leave, at least the second's) fits Hopper's 65,536 registers a CTA."""
+    from megamoe.kernels.gluon_gather import GATHER_WARPS
+    from megamoe.kernels.wgrad_warp_specialized import gather_registers
+
+    for a_gather, b_gather in ((False, False), (True, False), (False, True)):
+        consumer, producer = gather_registers(a_gather, b_gather)
+        producer_threads = 32 * (GATHER_WARPS.value if a_gather or b_gather else 1)
+        assert consumer % 8 == producer % 8 == 0 and 24 <= producer <= consumer <= 256, (a_gather, b_gather)
+        assert 2 * 128 * consumer + producer_threads * producer <= 65536, (a_gather, b_gather, consumer, producer)
+
+
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
     too, without spills, also with the backward window's carry, as the Triton wgrad's at its carry tile); the Gluon
