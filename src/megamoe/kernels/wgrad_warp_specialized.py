@@ -125,8 +125,9 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
         for task in range(first, per_expert, NUM_PROGRAMS):
             m0 = task // num_n * (2 * HALF_M)
             n0 = task % num_n * BLOCK_N
-            # a gathered operand's K rows: each step's indices loaded two steps ahead (a K step's wgmma is shorter
-            # than a dependent global load: loaded a step ahead, the gathering wgrads ran 2x the copied rows' time)
+            # a gathered operand's K rows: each step's indices loaded two steps ahead (a 32-row K step's wgmmas take
+            # about as long as a dependent global load; loaded one step ahead, the gathering wgrads ran 2x the copied
+            # rows' time, 2026-12-06)
             if A_GATHER:
                 rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
                 rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
