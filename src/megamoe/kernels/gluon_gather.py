@@ -8,9 +8,9 @@ a descriptor's end), and ``land_on`` makes each producer thread's arrival on the
 its copies (``cp.async.mbarrier.arrive.noinc``: the barrier expects it, ``full_arrivals``). So the step's ``expect``
 and its TMA loads go first, from one thread, and nothing we write orders the producer warps (SonicMoE's Hopper
 gathers do the same: QuACK's ``PipelineTmaCpAsync``); Triton 3.6 lowers the arrive after a ``bar.sync`` of the
-producer warps, so they still meet once a step (seen in the sm_90 build). cp.async writes through the generic proxy and the wgmma
-reads through the async one: a consumer fences (``fence_async_shared``) after its ``full`` wait and before its
-wgmma.
+producer warps, so they still meet once a step (seen in the sm_90 build). cp.async writes through the generic
+proxy and the wgmma reads through the async one: a consumer fences (``fence_async_shared``) after its ``full`` wait
+and before its wgmma.
 
 GATHER_WARPS: one producer warp gathering (2026-12-05, one H200: benchmarks/results/2026-12-05-gather-on-load) ran
 the step 1.37x slower than copying the rows first: 32 pieces of 16 bytes per lane per operand and K step do not
