@@ -101,6 +101,9 @@ def test_rounds_interleave_every_impl_after_the_warm_up_and_the_records_say_how(
         assert r["correct"] and r["iters"] == 3, r
         assert 0 <= r["time_ms_p10"] <= r["time_ms_p50"] <= r["time_ms_p90"] and r["time_ms"] == r["time_ms_p50"], r
         assert r["warmup"] == 2 and r["steady_s"] == 0.05 and r["steady_rounds"] >= 1 and r["rounds"] == "interleaved"
+        # CPU ranks capture no CUDA graph: nothing replayed or captured inside the timed rounds
+        assert r["graphs_in_rounds"] == {"replays": 0, "captures": 0, "backward_replays": 0,
+                                         "backward_captures": 0}, r
         assert r["floor_ms"] is None and r["x_floor"] is None  # no measured rates for a CPU
         assert r["device_name"] and r["device_count"] == os.cpu_count()
         assert r["driver_version"] is None and r["power_limit_w"] is None and r["sm_clock_mhz"] is None
@@ -183,6 +186,23 @@ def test_table_prints_p50_the_floor_and_the_machine():
     assert "p50 ms" in text and "× floor" in text and "1.60" in text and "2.40" in text
     assert "NVIDIA H200 x 2; driver 580.159.04; power limit 700 W; SM clock 1395–1650 MHz" in text, text
     assert f"commit {'a' * 40} (dirty)" in text and "20 interleaved rounds after 3 warm-up and 2 s steady" in text
+
+
+def test_a_graph_captured_inside_the_timed_rounds_is_noted(tmp_path):
+    """A pass whose timed rounds captured a megakernel CUDA graph (a device sync in a timed pass) says so, in the
+    table and the Markdown; a pass that only replayed does not."""
+    from megamoe.bench.report import write_markdown
+
+    clean = {"replays": 40, "captures": 0, "backward_replays": 40, "backward_captures": 0}
+    records = [_record("megamoe", 16.0, graphs_in_rounds=clean),
+               _record("megamoe", 30.0, **{"pass": "bwd"}, graphs_in_rounds={**clean, "backward_captures": 2})]
+    console = Console(file=io.StringIO(), width=250)
+    print_table(records, console)
+    md = tmp_path / "t.md"
+    write_markdown(records, str(md), "megamoe bench")
+    for text in (console.file.getvalue(), md.read_text()):
+        assert "bwd: 2 CUDA graph capture(s) inside the timed rounds" in text, text
+        assert text.count("CUDA graph capture") == 1, text  # not the fwd pass, which only replayed
 
 
 def test_cpu_table_draws_no_ratio_nor_rate_and_explains_its_columns():

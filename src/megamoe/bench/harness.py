@@ -30,6 +30,7 @@ from megamoe.bench.machine import ClockSample, clock_range, floor_ms, machine_in
 from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
 from megamoe.bench.runners import FP8_PEERS, PEER_FP8, RUNNERS, TAKES_EXPERT_FORMAT, _FP8PeerRunner, timed_pass
 from megamoe.config import MoEConfig, preset
+from megamoe.megakernel.replay import graph_counts
 from megamoe.parallel.world import EPWorld
 from megamoe.reference.ep import ep_reference_forward_backward
 
@@ -265,6 +266,7 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
                 if max(world.all_gather_object(time.perf_counter() - start)) >= opts.steady:
                     break
         samples = {}  # rank 0 asks nvidia-smi for the SM clocks as the first and the last round start
+        graphs_before = graph_counts(world)
         for i in range(opts.iters):
             if world.rank == 0 and i in (0, opts.iters - 1):
                 samples[i] = ClockSample(device)
@@ -273,9 +275,13 @@ def run_rank(world: EPWorld, opts: BenchOptions) -> list[dict]:
                 run.times.setdefault(name, []).append(_iteration(world, run, name, want, timed=True))
         clocks = [samples[i].result() if i in samples else None for i in (0, opts.iters - 1)]
         clocks = world.all_gather_object(clocks)[0]
+        # the megakernels' CUDA graphs in the timed rounds (every kernel on the world, whichever impl): a capture
+        # there is a device sync inside a timed pass, so a round's time is not the steady state's
+        graphs_after = graph_counts(world)
+        in_rounds = {key: graphs_after[key] - graphs_before[key] for key in graphs_after if key != "kernels"}
         timing = {"warmup": opts.warmup, "steady_s": opts.steady, "steady_rounds": steady_rounds,
                   "rounds": "interleaved", "sm_clock_mhz": clock_range(clocks),
-                  "sm_clock_samples_mhz": {"start": clocks[0], "end": clocks[1]}}
+                  "sm_clock_samples_mhz": {"start": clocks[0], "end": clocks[1]}, "graphs_in_rounds": in_rounds}
         for k, run in active:
             records[k, name] = _gather_record(world, opts, run, name, work, {**machine, **timing})
     for k, run in enumerate(runs):

@@ -158,15 +158,24 @@ def print_table(records: list[dict], console: Console | None = None, baseline: s
     for line in _tolerance_lines(records):
         say(line)
     say(f"{machine_line(_clock_range_of(records))}; commit {commit_text(first)}")
-    for line in _quantize_notes(records):
+    for line in _run_notes(records):
         say(line)
 
 
-def _quantize_notes(records: list[dict]) -> list[str]:
-    """What the FP8 rows' weight quantisation costs: it runs once per optimizer step, outside their passes."""
-    return [f"{r['impl']}: the routed weights quantised once before the passes, {r['weights_quantize_ms']:.3f} ms "
-            f"(once per optimizer step, megamoe's with the backward's transposes; not in the pass times)"
-            for r in records if r.get("weights_quantize_ms") is not None and r["pass"] == "fwd"]
+def _run_notes(records: list[dict]) -> list[str]:
+    """What the FP8 rows' weight quantisation costs (it runs once per optimizer step, outside their passes), and
+    the passes whose timed rounds captured a CUDA graph (a device sync inside a timed pass)."""
+    notes = [f"{r['impl']}: the routed weights quantised once before the passes, {r['weights_quantize_ms']:.3f} ms "
+             f"(once per optimizer step, megamoe's with the backward's transposes; not in the pass times)"
+             for r in records if r.get("weights_quantize_ms") is not None and r["pass"] == "fwd"]
+    captured = {}  # pass: the graph captures in its timed rounds (the same for every record of the pass)
+    for r in records:
+        g = r.get("graphs_in_rounds") or {}
+        if g.get("captures", 0) + g.get("backward_captures", 0):
+            captured[r["pass"]] = g["captures"] + g["backward_captures"]
+    notes += [f"{name}: {n} CUDA graph capture(s) inside the timed rounds (a device sync each; the keys changed: "
+              f"those rounds are not the steady state)" for name, n in captured.items()]
+    return notes
 
 
 def write_json(records: list[dict], path: str) -> None:
@@ -203,7 +212,7 @@ def write_markdown(records: list[dict], path: str, command: str, baseline: str =
             f"{_fmt(None if cpu else r['tflops'], '.1f')} | {_fmt(None if cpu else r['cross_gbps'], '.1f')} | {r['max_abs_err']:.2e} | {r['rel_err']:.2e} | {r['correct']} | "
             f"{_fmt(r.get('x_floor'), '.2f')} |"
         )
-    notes = _quantize_notes(records)
+    notes = _run_notes(records)
     if cpu:
         notes.insert(0, "CPU run: the Triton kernels ran under the interpreter, so these timings are not GPU "
                         "timings: no ratio, TFLOP/s or GB/s is drawn from them (—)")
