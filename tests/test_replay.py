@@ -105,7 +105,8 @@ def test_graph_counts_sum_the_kept_kernels_forward_and_backward_graphs(fake_cuda
             self.backward_replay = GraphReplay(shared_pool=True) if backward else None
 
     class World:
-        resources = [Kernel(True), Kernel(False), type("CpuKernel", (), {"replay": None})(), object()]
+        resources = [Kernel(True), Kernel(False), type("CpuKernel", (), {"replay": None})(), object(),
+                     type("Other", (), {"replay": lambda self: None})()]  # a method named replay: not a kernel
 
     for kernel, keys in zip(World.resources[:2], ("AAA", "AAAAB")):
         for key in keys:

@@ -89,10 +89,10 @@ def graph_counts(world) -> dict:
     of the forward passes and of the composed backwards' windows. A steady training loop replays every pass and
     captures each layer's graphs once; captures that keep growing mean the keys (the tensors' addresses) do not
     repeat."""
-    kept = [obj for obj in world.resources if getattr(obj, "replay", None) is not None]
+    kept = [obj for obj in world.resources if isinstance(getattr(obj, "replay", None), GraphReplay)]
     counts = {"kernels": len(kept)}
     for prefix, name in (("", "replay"), ("backward_", "backward_replay")):
-        graphs = [getattr(k, name) for k in kept if getattr(k, name, None) is not None]
+        graphs = [getattr(k, name) for k in kept if isinstance(getattr(k, name, None), GraphReplay)]
         counts[prefix + "replays"] = sum(g.replays for g in graphs)
         counts[prefix + "captures"] = sum(g.captures for g in graphs)
     return counts
