@@ -171,8 +171,8 @@ def _run_notes(records: list[dict]) -> list[str]:
     captured = {}  # pass: the graph captures in its timed rounds (the same for every record of the pass)
     for r in records:
         g = r.get("graphs_in_rounds") or {}
-        if g.get("captures", 0) + g.get("backward_captures", 0):
-            captured[r["pass"]] = g["captures"] + g["backward_captures"]
+        if n := g.get("captures", 0) + g.get("backward_captures", 0):
+            captured[r["pass"]] = n
     notes += [f"{name}: {n} CUDA graph capture(s) inside the timed rounds (a device sync each; the keys changed: "
               f"those rounds are not the steady state)" for name, n in captured.items()]
     return notes
