@@ -13,8 +13,10 @@ order as the schedule lays them out) and per wgrad (down: ``d_out_rowsᵀ · act
 
 - ``copy + wgrad``: the rows copied (``index_select``, the pull's work) then the wgrad, as a pass runs them;
 - ``wgrad``: the wgrad alone on copied rows (the floor a gather can reach);
+- ``wgrad BK 64``: the same with 64-row K steps;
 - ``gather``: the wgrad gathering on load at the pass's tile;
-- ``gather BK 64``: the same with 64-row K steps (half the producer's steps per row).
+- ``gather BK 64``: the same with 64-row K steps (half the producer's steps per row; what a pass's gathering wgrad
+  runs, ``megamoe.ops.experts_bwd.gathering_wgrad_tile``).
 
 Every gathering variant's gradient must equal the copied rows' bit for bit. TFLOP/s counts 2 x rows x M x N.
 """
@@ -39,7 +41,7 @@ from sustained import interleaved_rounds  # benchmarks/, beside this script
 
 #: shape: (preset, tokens) — one GPU's fine-grained layers, where the pulls weigh most
 SHAPES = {"qwen3-30b-a3b": ("qwen3-30b-a3b", 8192), "sonic-7b": ("sonic-7b", 24576)}
-VARIANTS = ("copy + wgrad", "wgrad", "gather", "gather BK 64")
+VARIANTS = ("copy + wgrad", "wgrad", "wgrad BK 64", "gather", "gather BK 64")
 
 
 @dataclasses.dataclass
@@ -97,6 +99,8 @@ def variant_calls(load: Load, device) -> tuple[dict, dict, dict]:
     for kind in ("down", "gate_up"):
         calls["copy + wgrad"][kind] = lambda kind=kind: copy_then(kind, outs["copy + wgrad"][kind])
         calls["wgrad"][kind] = lambda kind=kind: run(kind, outs["wgrad"][kind], copied[kind], None, tile)
+        calls["wgrad BK 64"][kind] = lambda kind=kind: run(kind, outs["wgrad BK 64"][kind], copied[kind], None,
+                                                           dataclasses.replace(tile, block_k=64))
         calls["gather"][kind] = lambda kind=kind: run(kind, outs["gather"][kind], None, load.tokens, tile)
         calls["gather BK 64"][kind] = lambda kind=kind: run(kind, outs["gather BK 64"][kind], None, load.tokens,
                                                             dataclasses.replace(tile, block_k=64))

@@ -60,8 +60,9 @@ def _problem(world, cfg, tokens, routing, drop, seed, to_one_expert):
 
 
 def _by_token(world, p, activation) -> dict:
-    """The composed backward's runs with ``GATHER_BACKWARD`` (one rank, BF16: its kernels read each row's d_out and
-    x from the staged tokens by index; the CPU's copy those rows first), every config of one rank, by label."""
+    """The composed backward's runs with ``GATHER_BACKWARD`` (one rank, BF16: its dact and down wgrad read each
+    row's d_out from the staged tokens by index; the CPU's copy those rows first), every config of one rank, by
+    label."""
     from megamoe.ops import experts as expert_ops
 
     kept = expert_ops.GATHER_BACKWARD

@@ -1,5 +1,6 @@
 """Grouped expert GEMM tiles (gate/up + SwiGLU, down) against the torch twin."""
 
+import itertools
 import pytest
 import torch
 import triton
@@ -511,8 +512,8 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
     from megamoe.kernels.gluon_gather import GATHER_WARPS
     from megamoe.kernels.wgrad_warp_specialized import gather_registers
 
-    for a_gather, b_gather in ((False, False), (True, False), (False, True)):
-        consumer, producer = gather_registers(a_gather, b_gather)
+    for (a_gather, b_gather), block_k in itertools.product(((False, False), (True, False), (False, True)), (32, 64)):
+        consumer, producer = gather_registers(a_gather, b_gather, block_k)
         producer_threads = 32 * (GATHER_WARPS.value if a_gather or b_gather else 1)
         assert consumer % 8 == producer % 8 == 0 and 24 <= producer <= consumer <= 256, (a_gather, b_gather)
         assert 2 * 128 * consumer + producer_threads * producer <= 65536, (a_gather, b_gather, consumer, producer)

@@ -5,7 +5,7 @@ E = R * L experts (k may exceed E: the routes past E are -1), D in {64, 128}, I 
 its 128-wide blocks), -1 holes, skewed routing (uniform, Zipf, every token to one rank, every token to one
 expert), 0-2 shared experts, the SwiGLU clamp, the planner's config or a 64-row ring that wraps (forward and
 backward minibatches of 32 or 64 rows), the fused backward megakernel or the composed kernels (on one rank in
-BF16, reading d_out and x by token or from their routed copies: ``GATHER_BACKWARD``), zeroed router weights, and
+BF16, reading d_out by token or from its routed copies: ``GATHER_BACKWARD``), zeroed router weights, and
 each precision. Every case is checked on every rank against ``ep_reference_forward_backward``:
 
 - bf16: the output (the bench's BF16 bounds and relative L1 < 1e-2, as tests/test_megakernel.py) and every

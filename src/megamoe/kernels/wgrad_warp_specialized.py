@@ -43,13 +43,15 @@ REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
 
 
 @gluon.constexpr_function
-def gather_registers(a_gather, b_gather):
+def gather_registers(a_gather, b_gather, block_k):
     """The worker partitions' registers (the second consumer's, the producer's; the first consumer gets what they
-    leave): 232 / 40 with the TMA producer, 232 / 48 gathering d_out's 64-wide halves (A_GATHER). Gathering x
-    (B_GATHER, 256-wide K steps) the producer holds a step's eight row pointers and the next two steps' indices: at
-    48 registers the sm_90 build spilled 160 bytes (40 with one step's indices ahead), at 96 none, beside consumers
-    of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either."""
-    if b_gather:
+    leave): 232 / 40 with the TMA producer, 232 / 48 gathering d_out's 64-wide halves (A_GATHER) in 32-row K steps.
+    Gathering x (B_GATHER, 256-wide rows) in 32-row steps, or d_out in the 64-row steps a pass gathers it in
+    (``megamoe.ops.experts_bwd.gathering_wgrad_tile``), the producer holds a step's row pointers and the next two
+    steps' indices: at 48 registers the sm_90 build spilled 160 bytes (x; 40 with one step's indices ahead) and 48
+    (d_out), at 96 none, beside consumers of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either.
+    x in 64-row steps spills at any split up to 160 / 176 (56 bytes; no pass runs it)."""
+    if b_gather or (a_gather and block_k > 32):
         return [208, 96]
     return [232, REGS_GATHER.value if a_gather else REGS_PRODUCER.value]
 
@@ -275,5 +277,5 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                       OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
                       gl.constexpr(A_GATHER), gl.constexpr(B_GATHER)))],
-        [4, GATHER_WARPS if GATHER else 1], gather_registers(A_GATHER, B_GATHER))
+        [4, GATHER_WARPS if GATHER else 1], gather_registers(A_GATHER, B_GATHER, BLOCK_K))
     invalidate_ring(full, empty, STAGES)

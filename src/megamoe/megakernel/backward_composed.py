@@ -10,8 +10,9 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    - pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled (FP8: its E4M3 row and
      scales, half the bytes), its x row again (BF16 keeps only h: pulling x moves bytes the links have time for
      under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring;
-     one rank in BF16 with ``megamoe.ops.experts.GATHER_BACKWARD`` pulls neither: its kernels read each row's token
-     from the staged d_out and x themselves) and its router weight;
+     one rank in BF16 with ``megamoe.ops.experts.GATHER_BACKWARD`` pulls no d_out: its dact and down wgrad read
+     each row's token from the staged d_out themselves; x is still pulled, its gathering wgrad measured slower
+     than the copy) and its router weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
@@ -73,11 +74,11 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
     # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped); with
-    # GATHER_BACKWARD the kernels also read each row's d_out from the staged d_out by token (the pull's copy
-    # skipped), and where no window is replayed so does the gate/up wgrad its x
+    # GATHER_BACKWARD the dact and the down wgrad also read each row's d_out from the staged d_out by token (the
+    # pull's copy skipped). x is pulled still: the gate/up wgrad gathering x ran 0.70-0.86x the copy and wgrad
+    # (one H100, benchmarks/results/2026-12-07-h100-wgrad-gather; it re-reads each row once per 128 of 2I)
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
-    x_by_token = by_token and schedule.capacity <= forward_ring
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward
     # ring lost rows); read by token, the staged rows too (N x D, a k-th of a pull's bytes): the kernel's own
@@ -112,10 +113,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             pull_route_scalars(ws, window, "router_weights", ring.row_w)
             h, x_rows = ring.saved_rows(saved, window)
             in_place = ring.in_forward_ring(saved, window)
-            x_index = None
-            if x_by_token:
-                x_rows, x_index = ws.local("x"), tokens
-            elif fmt == "bf16":
+            if fmt == "bf16":
                 x_rows = dispatch_pull(ws, window, num_sms=sms, out=ring.x, sync=False)
             elif not in_place and schedule.capacity > forward_ring:
                 dispatch_pull(ws, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x, sync=False)
@@ -131,7 +129,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             else:
                 expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
-                                out=out, bias=bias, x_index=x_index, dy_index=tokens)
+                                out=out, bias=bias, dy_index=tokens)
             if not own_slots:
                 reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
             push_route_scalars(ws, window, ring.d_router, "d_router")
@@ -142,7 +140,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         touched = (w_gate_up, w_down, b_gate_up, b_down, d_w_gate_up, d_w_down, saved.h, saved.ring_x,
                    saved.ring_scale, *schedule.tensors(), *fp8_weights,
                    *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
-        kernel.backward_replay((n, activation, by_token, x_by_token, layout_key(touched)), windows)
+        kernel.backward_replay((n, activation, by_token, layout_key(touched)), windows)
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
     shared_gate_up = shared_down = shared_dx = None

@@ -329,11 +329,11 @@ def expert_forward_reference(
 #: are copied first (``gathered_rows``): the same bits either way. Measured per kernel on one H100
 #: (benchmarks/results/2026-12-06-h100-step-gathers-wsum, a training step at EP 1): the forward's gate/up tiles gather
 #: x for +0.02-0.03 ms and save the 0.16 ms (qwen3-30b-a3b, 8192 tokens) / 0.39 ms (sonic-7b, 24576) copy: on by
-#: default. The backward's (dact and wgrads reading d_out and x by token) cost the wgrads 2x (sonic-7b 1.78 against
-#: 0.79 ms, the step 6.24 against 5.78): off. That wgrad loaded each 32-row K step's indices one step ahead (a
-#: dependent global load about as long as the step's wgmmas) and spilled; it loads them two steps ahead now,
-#: spill-free (not yet measured: ``benchmarks/wgrad_gather_ab.py``). ``MEGAMOE_GATHER_FORWARD`` /
-#: ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set them for A/B runs.
+#: default. The backward's: the dact and the down wgrad read d_out by token (the composed backward's d_out pull goes;
+#: x is still copied: the gate/up wgrad gathering it ran 0.70-0.86x the copy + wgrad, benchmarks/wgrad_gather_ab.py
+#: in benchmarks/results/2026-12-07-h100-wgrad-gather), the gathering wgrad stepping K 64 rows
+#: (``experts_bwd.gathering_wgrad_tile``). ``MEGAMOE_GATHER_FORWARD`` / ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set
+#: them for A/B runs.
 GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
 GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", False)
 

@@ -8,7 +8,7 @@ plain-PyTorch twin.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -143,7 +143,8 @@ def expert_backward(
     carries = (None, None) if carry is None else carry.pairs()
     for (a, b, a_index, b_index, dw), pair in zip(((dy_rows, act_w, dy_index, None, grads.d_w_down),
                                                    (d_h, x_rows, None, x_index, grads.d_w_gate_up)), carries):
-        wgrad(a, b, dw, offsets, counts, cfg["wgrad"], programs, warp_specialized,
+        tile = gathering_wgrad_tile(cfg["wgrad"]) if gathers and a_index is not None else cfg["wgrad"]
+        wgrad(a, b, dw, offsets, counts, tile, programs, warp_specialized,
               carry=None if carry is None else (carry.modes, *pair), a_index=a_index, b_index=b_index)
     return grads
 
@@ -257,6 +258,15 @@ def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
     """True when :func:`wgrad` runs the warp-specialised Gluon kernel: compiled on Hopper, 128-row blocks (its two
     64-row consumer warpgroups)."""
     return compiled_gpu(device) and torch.cuda.get_device_capability(device)[0] == 9 and tile.block_m == 128
+
+
+def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
+    """The down wgrad gathering d_out's rows by token steps K 64 rows at a time (at least): half the producer's
+    index loads and cp.async rounds per row of a 32-row step. One H100, sonic-7b's: 0.396 ms at BK 64 against 0.557
+    at the pass's 32 (the copy + wgrad 0.703; benchmarks/results/2026-12-07-h100-wgrad-gather). The rows are
+    reduced in the same order, so the bits are the 32-row step's. (x gathered in 64-row steps spills: the
+    producer's registers, ``wgrad_warp_specialized.gather_registers``.)"""
+    return tile if tile.block_k >= 64 else replace(tile, block_k=64)
 
 
 def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:

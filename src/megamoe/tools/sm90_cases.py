@@ -81,7 +81,7 @@ def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized, expert_gemm, expert_gemm_bwd, forward_warp_specialized
     from megamoe.kernels import wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
-    from megamoe.ops.experts_bwd import dact_ws_constexprs, wgrad_ws_constexprs
+    from megamoe.ops.experts_bwd import dact_ws_constexprs, gathering_wgrad_tile, wgrad_ws_constexprs
     from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, carry_tile, plan_tiles
 
     gpu = torch.device("cuda")
@@ -145,17 +145,17 @@ def gemm_cases() -> dict[str, Case]:
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
             "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, **kinds}, values, triton_tile.num_warps,
             triton_tile.num_stages)
-        # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel; one rank's wgrads
-        # read d_out (A_GATHER, the down wgrad) and x (B_GATHER, gate/up's) rows by token
+        # read d_out (A_GATHER, the down wgrad) and x (B_GATHER, gate/up's) rows by token, at the gathering tile
         gathers = (("", False, False), (" (d_out rows by token)", True, False), (" (x rows by token)", False, True))
         for suffix, a_gather, b_gather in gathers if carry and t is wide else gathers[:1]:
+            t_ws = gathering_wgrad_tile(t) if a_gather else t
             cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
                 "b_index_ptr": "*i32", "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "B_GATHER": "constexpr"},
-                {**wgrad_ws_constexprs(t, SMS), "CARRY": carry, "A_GATHER": a_gather, "B_GATHER": b_gather},
+                {**wgrad_ws_constexprs(t_ws, SMS), "CARRY": carry, "A_GATHER": a_gather, "B_GATHER": b_gather},
                 num_warps=4)
     return cases
 
