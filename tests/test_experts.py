@@ -1,6 +1,7 @@
 """Grouped expert GEMM tiles (gate/up + SwiGLU, down) against the torch twin."""
 
 import itertools
+
 import pytest
 import torch
 import triton
