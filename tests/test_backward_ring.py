@@ -59,16 +59,17 @@ def _problem(world, cfg, tokens, routing, drop, seed, to_one_expert):
     return p
 
 
-def _by_token(world, p, activation) -> dict:
-    """The composed backward's runs with ``GATHER_BACKWARD`` (one rank, BF16: its dact and down wgrad read each
-    row's d_out from the staged tokens by index; the CPU's copy those rows first), every config of one rank, by
-    label."""
+def _other_d_out_reads(world, p, activation) -> dict:
+    """The composed backward's runs with ``GATHER_BACKWARD`` flipped from its default (one rank, BF16: on, its dact
+    and down wgrad read each row's d_out from the staged tokens by index; off, from the pulled routed copies; the
+    CPU's kernels copy the rows first either way), every config of one rank, by label."""
     from megamoe.ops import experts as expert_ops
 
     kept = expert_ops.GATHER_BACKWARD
-    expert_ops.GATHER_BACKWARD = True
+    expert_ops.GATHER_BACKWARD = not kept
     try:
-        return {f"{label}, by token": _grads(world, p, activation, config, False)
+        reads = "d_out by token" if expert_ops.GATHER_BACKWARD else "d_out pulled"
+        return {f"{label}, {reads}": _grads(world, p, activation, config, False)
                 for label, config, fused in _configs() if not fused}
     finally:
         expert_ops.GATHER_BACKWARD = kept
@@ -80,8 +81,8 @@ def _suite(world, cases, precision):
         p = _problem(world, cfg, tokens, routing, drop, seed, one_expert)
         runs = {label: _grads(world, p, cfg.activation, config, fused, precision)
                 for label, config, fused in _configs(precision != "bf16") if world.size > 1 or not fused}
-        if world.size == 1 and precision == "bf16" and name == "uniform":  # one rank reading by token: the same bits
-            runs.update(_by_token(world, p, cfg.activation))
+        if world.size == 1 and precision == "bf16" and name == "uniform":  # d_out by token or pulled: the same bits
+            runs.update(_other_d_out_reads(world, p, cfg.activation))
         first = runs["default"]
         want = _flatten(ep_reference_forward_backward(world, p)[1])
         results.append({
