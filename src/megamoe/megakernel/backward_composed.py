@@ -76,7 +76,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped); with
     # GATHER_BACKWARD the dact and the down wgrad also read each row's d_out from the staged d_out by token (the
     # pull's copy skipped). x is pulled still: the gate/up wgrad gathering x ran 0.70-0.86x the copy and wgrad
-    # (one H100, benchmarks/results/2026-12-07-h100-wgrad-gather; it re-reads each row once per 128 of 2I)
+    # (one H100, benchmarks/results/2026-12-06-h100-wgrad-gather; it re-reads each row once per 128 of 2I)
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
     d_out = d_out.contiguous()

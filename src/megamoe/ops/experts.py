@@ -333,7 +333,7 @@ def expert_forward_reference(
 #: x is still copied: the gate/up wgrad gathering it ran 0.70-0.86x the copy + wgrad), the gathering wgrad stepping
 #: K 64 rows (``experts_bwd.gathering_wgrad_tile``): the backward 0.34 ms faster at sonic-7b (3.53 against 3.87 ms,
 #: 24576 tokens), 0.17 ms at qwen3-30b-a3b (8192), the same bits (one H100,
-#: benchmarks/results/2026-12-07-h100-wgrad-gather): on by default. ``MEGAMOE_GATHER_FORWARD`` /
+#: benchmarks/results/2026-12-06-h100-wgrad-gather): on by default. ``MEGAMOE_GATHER_FORWARD`` /
 #: ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set them for A/B runs.
 GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
 GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", True)

@@ -263,7 +263,7 @@ def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
 def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
     """The down wgrad gathering d_out's rows by token steps K 64 rows at a time (at least): half the producer's
     index loads and cp.async rounds per row of a 32-row step. One H100, sonic-7b's: 0.396 ms at BK 64 against 0.557
-    at the pass's 32 (the copy + wgrad 0.703; benchmarks/results/2026-12-07-h100-wgrad-gather). The rows are
+    at the pass's 32 (the copy + wgrad 0.703; benchmarks/results/2026-12-06-h100-wgrad-gather). The rows are
     reduced in the same order, so the bits are the 32-row step's. (x gathered in 64-row steps spills: the
     producer's registers, ``wgrad_warp_specialized.gather_registers``.)"""
     return tile if tile.block_k >= 64 else replace(tile, block_k=64)
