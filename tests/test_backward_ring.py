@@ -214,3 +214,47 @@ def test_gpu_replayed_backward_windows_match_launched(ranks, precision):
         # gave them before (most steps of a training loop; here at least once after the capture's own replay)
         assert replays[0] >= 1 and replays[1] >= 2, (rank, replays)
         assert launched is None
+
+
+def _gpu_training_loop_graphs(world, steps):
+    """Two MoEBlock layers of one shape (one kernel) trained with SGD, other tensors of a varying size allocated
+    between and across the layers each step (what a model's other layers do to the allocator): the graph counts
+    after each step, and the addresses of the layers' h and weight gradients."""
+    import random
+
+    from megamoe.megakernel.replay import graph_counts
+    from megamoe.nn import MoEBlock
+
+    rng = random.Random(3)
+    blocks = [MoEBlock(GPU_LAYER, world, max_tokens=1024, seed=7 + i) for i in range(2)]
+    opt = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=1e-3)
+    g = torch.Generator(device=world.device).manual_seed(11 + world.rank)
+    counts, grad_ptrs = [], []
+    for _ in range(steps):
+        x = torch.randn(1024, GPU_LAYER.hidden, generator=g, device=world.device, dtype=torch.bfloat16)
+        others, y = [], x.requires_grad_()
+        for block in blocks:
+            others.append(torch.empty(rng.randrange(1, 64) * 2**20, dtype=torch.uint8, device=world.device))
+            y = y + block(y)
+        y.float().square().mean().backward()
+        grad_ptrs.append([b.moe.w_gate_up.grad.data_ptr() for b in blocks])
+        opt.step()
+        opt.zero_grad()
+        del others, y, x
+        counts.append(graph_counts(world))
+    return counts, grad_ptrs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_a_training_loop_replays_its_graphs_every_step():
+    """A steady training loop captures its graphs once and replays them after (the keys' tensors come from the
+    kernel's own pool, ``KeyedPool``): from the fourth step on, no capture and two forward and two backward replays
+    a step (one per layer), each layer's weight gradient where it was the step before."""
+    steps = 8
+    (counts, grad_ptrs), = launch(_gpu_training_loop_graphs, 1, steps, device="cuda")
+    for before, after in zip(counts[3:], counts[4:]):
+        grew = {key: after[key] - before[key] for key in ("captures", "backward_captures", "replays",
+                                                          "backward_replays")}
+        assert grew == {"captures": 0, "backward_captures": 0, "replays": 2, "backward_replays": 2}, counts
+    assert all(ptrs == grad_ptrs[3] for ptrs in grad_ptrs[3:]), grad_ptrs

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megamoe.megakernel.replay import GraphReplay, graph_counts, layout_key
+from megamoe.megakernel.replay import GraphReplay, KeyedPool, graph_counts, layout_key
 
 
 class _FakeGraph:
@@ -117,3 +117,16 @@ def test_graph_counts_sum_the_kept_kernels_forward_and_backward_graphs(fake_cuda
                                      "backward_replays": 1 + 2, "backward_captures": 2}
     assert graph_counts(type("Empty", (), {"resources": []})()) == {
         "kernels": 0, "replays": 0, "captures": 0, "backward_replays": 0, "backward_captures": 0}
+
+
+def test_the_keyed_pool_is_the_shared_allocator_on_the_cpu_and_inside_another_capture(fake_cuda):
+    """No private pool on the CPU; on the GPU none is entered while another graph is being captured (its
+    allocations belong to that graph's pool)."""
+    import contextlib
+
+    cpu = KeyedPool(torch.device("cpu"))
+    assert cpu.pool is None and isinstance(cpu.allocating(), contextlib.nullcontext)
+    gpu = KeyedPool(torch.device("cpu"))
+    gpu.pool = object()  # a pool (never entered here)
+    fake_cuda["capturing"] = True
+    assert isinstance(gpu.allocating(), contextlib.nullcontext)

@@ -100,9 +100,10 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             fp8_backward = partial(expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8,
                                    weights_t=transposed)
             fp8_weights = (*q.tensors(), *transposed.tensors())
-    d_w_gate_up = torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=x.device)
-    d_w_down = torch.empty(w_down.shape, dtype=torch.bfloat16, device=x.device)
-    bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
+    with kernel.keyed_allocations():  # the graph's key names them: their own pool, so their addresses repeat
+        d_w_gate_up = torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=x.device)
+        d_w_down = torch.empty(w_down.shape, dtype=torch.bfloat16, device=x.device)
+        bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once
 
     def windows() -> None:
         """2. the windows: device work only, reading and writing the kernel's buffers and the tensors keyed below."""

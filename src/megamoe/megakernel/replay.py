@@ -17,18 +17,50 @@ pool (``shared_pool``), so sixty layers' graphs hold one set of temporaries, not
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
+from megamoe import runtime
+
 #: Graphs kept per kernel: a model's MoE layers of one shape (60 in kimi-k2), with room.
 DEFAULT_MAX_GRAPHS = 128
+
+
+#: The tensors a pass hands out that its graphs' keys name come from a private memory pool (``KeyedPool``); off,
+#: from the shared allocator. ``MEGAMOE_KEYED_POOL`` (0 or 1) sets it for A/B runs.
+KEYED_POOL = runtime.env_switch("MEGAMOE_KEYED_POOL", True)
 
 
 def layout_key(tensors: Iterable[torch.Tensor | None]) -> tuple:
     """What a captured kernel baked in about each tensor: address, shape, strides and dtype."""
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+class KeyedPool:
+    """A private CUDA memory pool for the tensors a pass hands out that its graphs are keyed on: a training
+    forward's h (the backward reads it) and a backward's weight gradients (the caller keeps them).
+
+    From the shared allocator their addresses follow whatever else was allocated and freed between two steps, so
+    the keys need not repeat: on one H100 at sonic-7b (24576 tokens) the bench's step captured its forward's graph
+    every other step and never replayed its backward's (benchmarks/results/2026-12-06-h100-wgrad-gather). Here a
+    freed h or gradient goes back to blocks only these tensors use, so the next step's, allocated in the same
+    order, land where the last step's were: one key per layer (two while gradients accumulate: the first
+    microbatch's stays as ``.grad``). The pool's cached blocks serve only these tensors, which a training loop
+    allocates again every step. No pool on the CPU, or while someone else's graph is being captured (its
+    allocations belong to that graph's pool)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.MemPool() if KEYED_POOL and device.type == "cuda" else None
+
+    def allocating(self) -> contextlib.AbstractContextManager:
+        """A context in which this thread's CUDA allocations on the device come from the pool."""
+        if self.pool is None or torch.cuda.is_current_stream_capturing():
+            return contextlib.nullcontext()
+        return torch.cuda.use_mem_pool(self.pool, self.device)
 
 
 class GraphReplay:
