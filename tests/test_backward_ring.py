@@ -216,15 +216,17 @@ def test_gpu_replayed_backward_windows_match_launched(ranks, precision):
         assert launched is None
 
 
-def _gpu_training_loop_graphs(world, steps):
+def _gpu_training_loop_graphs(world, steps, keyed_pool):
     """Two MoEBlock layers of one shape (one kernel) trained with SGD, other tensors of a varying size allocated
     between and across the layers each step (what a model's other layers do to the allocator): the graph counts
     after each step, and the addresses of the layers' h and weight gradients."""
     import random
 
+    from megamoe.megakernel import replay
     from megamoe.megakernel.replay import graph_counts
     from megamoe.nn import MoEBlock
 
+    replay.KEYED_POOL = keyed_pool  # read when the blocks' kernel is made
     rng = random.Random(3)
     blocks = [MoEBlock(GPU_LAYER, world, max_tokens=1024, seed=7 + i) for i in range(2)]
     opt = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=1e-3)
@@ -248,11 +250,11 @@ def _gpu_training_loop_graphs(world, steps):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_a_training_loop_replays_its_graphs_every_step():
-    """A steady training loop captures its graphs once and replays them after (the keys' tensors come from the
-    kernel's own pool, ``KeyedPool``): from the fourth step on, no capture and two forward and two backward replays
-    a step (one per layer), each layer's weight gradient where it was the step before."""
+    """A steady training loop captures its graphs once and replays them after (with ``KEYED_POOL`` on, the keys'
+    tensors come from the kernel's own pool, ``KeyedPool``): from the fourth step on, no capture and two forward
+    and two backward replays a step (one per layer), each layer's weight gradient where it was the step before."""
     steps = 8
-    (counts, grad_ptrs), = launch(_gpu_training_loop_graphs, 1, steps, device="cuda")
+    (counts, grad_ptrs), = launch(_gpu_training_loop_graphs, 1, steps, True, device="cuda")
     for before, after in zip(counts[3:], counts[4:]):
         grew = {key: after[key] - before[key] for key in ("captures", "backward_captures", "replays",
                                                           "backward_replays")}

@@ -124,7 +124,7 @@ def test_the_keyed_pool_is_the_shared_allocator_on_the_cpu_and_inside_another_ca
     allocations belong to that graph's pool)."""
     import contextlib
 
-    cpu = KeyedPool(torch.device("cpu"))
+    cpu = KeyedPool(torch.device("cpu"), enabled=True)
     assert cpu.pool is None and isinstance(cpu.allocating(), contextlib.nullcontext)
     gpu = KeyedPool(torch.device("cpu"))
     gpu.pool = object()  # a pool (never entered here)

@@ -30,8 +30,9 @@ DEFAULT_MAX_GRAPHS = 128
 
 
 #: The tensors a pass hands out that its graphs' keys name come from a private memory pool (``KeyedPool``); off,
-#: from the shared allocator. ``MEGAMOE_KEYED_POOL`` (0 or 1) sets it for A/B runs.
-KEYED_POOL = runtime.env_switch("MEGAMOE_KEYED_POOL", True)
+#: from the shared allocator. Off by default until a GPU has run it (built 2026-12-06 without one:
+#: tests/test_backward_ring.py's training-loop GPU test turns it on). ``MEGAMOE_KEYED_POOL`` (0 or 1) sets it.
+KEYED_POOL = runtime.env_switch("MEGAMOE_KEYED_POOL", False)
 
 
 def layout_key(tensors: Iterable[torch.Tensor | None]) -> tuple:
@@ -52,9 +53,11 @@ class KeyedPool:
     allocates again every step. No pool on the CPU, or while someone else's graph is being captured (its
     allocations belong to that graph's pool)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, enabled: bool | None = None) -> None:
+        """``enabled``: None reads :data:`KEYED_POOL` (at the kernel's construction)."""
         self.device = device
-        self.pool = torch.cuda.MemPool() if KEYED_POOL and device.type == "cuda" else None
+        enabled = KEYED_POOL if enabled is None else enabled
+        self.pool = torch.cuda.MemPool() if enabled and device.type == "cuda" else None
 
     def allocating(self) -> contextlib.AbstractContextManager:
         """A context in which this thread's CUDA allocations on the device come from the pool."""
