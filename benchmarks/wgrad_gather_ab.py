@@ -5,11 +5,12 @@
 
 At EP 1 the composed backward copies each routed row's d_out and x into expert order (two pulls: 0.79 ms of a
 sonic-7b step's 4.51 ms busy time on an H100, benchmarks/results/2026-12-06-h100-graph-step) for the down and
-gate/up weight gradients; with ``megamoe.ops.experts.GATHER_BACKWARD`` the Gluon wgrad's producer reads them by
-token instead (cp.async), which ran the wgrads at 2x their time (2026-12-06-h100-step-gathers-wsum). Per shape
-(the preset's D, I, experts and k; each token routed to k distinct random experts, each expert's rows in token
-order as the schedule lays them out) and per wgrad (down: ``d_out_rowsᵀ · act_w``, d_out gathered as A; gate/up:
-``d_hᵀ · x_rows``, x gathered as B), the variants in interleaved rounds:
+gate/up weight gradients; with ``megamoe.ops.experts.GATHER_BACKWARD`` the Gluon wgrad's producer reads d_out by
+token instead (cp.async; 2026-12-06-h100-wgrad-gather: on, in 64-row K steps). Per shape (the preset's D, I,
+experts and k; each token routed to k distinct random experts, each expert's rows in token order as the schedule
+lays them out) and per wgrad (down: ``d_out_rowsᵀ · act_w``, d_out gathered as A; gate/up: ``d_hᵀ · x_rows``, x
+gathered as A of ``(x_rowsᵀ · d_h)ᵀ``, the blocks stored transposed; at 2026-12-06 it was gathered as B and ran
+0.69-0.84x the copy + wgrad), the variants in interleaved rounds:
 
 - ``copy + wgrad``: the rows copied (``index_select``, the pull's work) then the wgrad, as a pass runs them;
 - ``wgrad``: the wgrad alone on copied rows (the floor a gather can reach);

@@ -513,11 +513,11 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
     from megamoe.kernels.gluon_gather import GATHER_WARPS
     from megamoe.kernels.wgrad_warp_specialized import gather_registers
 
-    for (a_gather, b_gather), block_k in itertools.product(((False, False), (True, False), (False, True)), (32, 64)):
-        consumer, producer = gather_registers(a_gather, b_gather, block_k)
-        producer_threads = 32 * (GATHER_WARPS.value if a_gather or b_gather else 1)
-        assert consumer % 8 == producer % 8 == 0 and 24 <= producer <= consumer <= 256, (a_gather, b_gather)
-        assert 2 * 128 * consumer + producer_threads * producer <= 65536, (a_gather, b_gather, consumer, producer)
+    for a_gather, block_k in itertools.product((False, True), (32, 64)):
+        consumer, producer = gather_registers(a_gather, block_k)
+        producer_threads = 32 * (GATHER_WARPS.value if a_gather else 1)
+        assert consumer % 8 == producer % 8 == 0 and 24 <= producer <= consumer <= 256, (a_gather, block_k)
+        assert 2 * 128 * consumer + producer_threads * producer <= 65536, (a_gather, block_k, consumer, producer)
 
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
@@ -540,7 +540,7 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
-                 "dx_kernel (into the slots)", *by_token):  # the x-gathering wgrad's producer: 96 registers
+                 "dx_kernel (into the slots)", *by_token):  # the gathering wgrads' producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in by_token:  # each gather is cp.async pieces counted on the ring's barriers
         assert summary[name]["cp_async"] > 0, (name, summary[name])

@@ -43,15 +43,15 @@ REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
 
 
 @gluon.constexpr_function
-def gather_registers(a_gather, b_gather, block_k):
+def gather_registers(a_gather, block_k):
     """The worker partitions' registers (the second consumer's, the producer's; the first consumer gets what they
-    leave): 232 / 40 with the TMA producer, 232 / 48 gathering d_out's 64-wide halves (A_GATHER) in 32-row K steps.
-    Gathering x (B_GATHER, 256-wide rows) in 32-row steps, or d_out in the 64-row steps a pass gathers it in
-    (``megamoe.ops.experts_bwd.gathering_wgrad_tile``), the producer holds a step's row pointers and the next two
-    steps' indices: at 48 registers the sm_90 build spilled 160 bytes (x; 40 with one step's indices ahead) and 48
-    (d_out), at 96 none, beside consumers of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either.
-    x in 64-row steps spills at any split up to 160 / 176 (56 bytes; no pass runs it)."""
-    if b_gather or (a_gather and block_k > 32):
+    leave): 232 / 40 with the TMA producer, 232 / 48 gathering A's 64-wide halves (A_GATHER) in 32-row K steps. In
+    the 64-row steps a pass gathers in (``megamoe.ops.experts_bwd.gathering_wgrad_tile``) the producer holds a
+    step's row pointers and the next two steps' indices: at 48 registers the sm_90 build spilled 48 bytes, at 96
+    none, beside consumers of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either. (x gathered
+    as B, 256-wide rows, spilled 160 bytes at 48 in 32-row steps and 56 at any split in 64-row ones: x is gathered
+    as A now, the block stored transposed, OUT_T.)"""
+    if a_gather and block_k > 32:
         return [208, 96]
     return [232, REGS_GATHER.value if a_gather else REGS_PRODUCER.value]
 
@@ -72,37 +72,46 @@ def window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS: gl.constexpr, CARRY
 
 
 @gluon.jit
+def carry_offsets(rows, cols, OUT_M, OUT_N, OUT_T: gl.constexpr):
+    """Element offsets of the block's (rows, cols) in a carry laid out as the gradient: `[OUT_M, OUT_N]`, or with
+    OUT_T `[OUT_N, OUT_M]`."""
+    if OUT_T:
+        return cols.to(gl.int64)[None, :] * OUT_M + rows[:, None]
+    return rows.to(gl.int64)[:, None] * OUT_N + cols[None, :]
+
+
+@gluon.jit
 def carry_start_half(mode, carry_in_ptr, r0, n0, OUT_M, OUT_N, layout: gl.constexpr, ROWS: gl.constexpr,
-                     BLOCK_N: gl.constexpr):
+                     BLOCK_N: gl.constexpr, OUT_T: gl.constexpr):
     """A consumer's starting accumulator (``ROWS x BLOCK_N`` from row ``r0``, in the wgmma's ``layout``): carry_in's
     with CARRY_IN (``wgrad_carry.carry_start``'s elements), else zeros."""
     if (mode & CARRY_IN) != 0:
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         mask = (rows < OUT_M)[:, None] & (cols < OUT_N)[None, :]
-        acc = gl.load(carry_in_ptr + rows.to(gl.int64)[:, None] * OUT_N + cols[None, :], mask=mask, other=0.0)
+        acc = gl.load(carry_in_ptr + carry_offsets(rows, cols, OUT_M, OUT_N, OUT_T), mask=mask, other=0.0)
     else:
         acc = gl.zeros((ROWS, BLOCK_N), gl.float32, layout)
     return acc
 
 
 @gluon.jit
-def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   OUT_T: gl.constexpr):
     """With CARRY_OUT the accumulator into carry_out (``wgrad_carry.carry_end``'s elements); returns whether the
     BF16 gradient is to be written (STORE)."""
     if (mode & CARRY_OUT) != 0:
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc.type.layout))
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
         mask = (rows < OUT_M)[:, None] & (cols < OUT_N)[None, :]
-        gl.store(carry_out_ptr + rows.to(gl.int64)[:, None] * OUT_N + cols[None, :], acc, mask=mask)
+        gl.store(carry_out_ptr + carry_offsets(rows, cols, OUT_M, OUT_N, OUT_T), acc, mask=mask)
     return (mode & STORE) != 0
 
 
 @gluon.jit
-def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N,
+def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N,
                  a_smem, b_smem, full, empty, g, site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr,
-                 B_GATHER: gl.constexpr):
+                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr):
     """Issue this program's K steps of ``expert``'s blocks from ``g`` on; its descriptors go where the descriptors
     of this call site's previous expert were (one global scratch slot per call site), whose last load was step
     ``site_last``. Returns the next step and this site's last one."""
@@ -111,7 +120,7 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     A_TMA_BYTES: gl.constexpr = 0 if A_GATHER else 2 * BLOCK_K * HALF_M * 2
-    B_TMA_BYTES: gl.constexpr = 0 if B_GATHER else BLOCK_K * BLOCK_N * 2
+    B_TMA_BYTES: gl.constexpr = BLOCK_K * BLOCK_N * 2
     step_bytes: gl.constexpr = A_TMA_BYTES + B_TMA_BYTES
     first, _ = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
     if first < per_expert:
@@ -133,9 +142,6 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
             if A_GATHER:
                 rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
                 rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
-            if B_GATHER:
-                rows_now = row_indices(b_index_ptr, row0, row_end, BLOCK_K, BLOCK_N)
-                rows_next = row_indices(b_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, BLOCK_N)
             for k in range(row0, row_end, BLOCK_K):
                 s = g % STAGES
                 mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
@@ -143,9 +149,8 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
                 if not A_GATHER:
                     tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
                     tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
-                if not B_GATHER:
-                    tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
-                # a gather under the other operand's TMA; each thread's landing one of the barrier's arrivals
+                tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
+                # A's gather under B's TMA; each thread's landing one of the barrier's arrivals
                 if A_GATHER:
                     starts, ok = row_starts_of(a_ptr, rows_now, k, row_end, OUT_M, BLOCK_K, HALF_M)
                     copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), HALF_M)
@@ -153,50 +158,51 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr
                     land_on(full.index(s))
                     rows_now = rows_next
                     rows_next = row_indices(a_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, HALF_M)
-                if B_GATHER:
-                    starts, ok = row_starts_of(b_ptr, rows_now, k, row_end, OUT_N, BLOCK_K, BLOCK_N)
-                    copy_rows_async(starts, ok, n0, OUT_N, b_smem.index(s), BLOCK_N)
-                    land_on(full.index(s))
-                    rows_now = rows_next
-                    rows_next = row_indices(b_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, BLOCK_N)
                 g += 1
         site_last = g - 1
     return g, site_last
 
 
 @gluon.jit
-def _producer(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N,
+def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, full, empty, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr, B_GATHER: gl.constexpr):
+              STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr):
     """Experts in pairs through two call sites of ``_load_expert``: each rewrites its own descriptors every other
     expert, so the loads of one expert's last blocks stay in flight while the next expert's are issued."""
     g = 0  # the program's K steps across its blocks: slot g % STAGES, phase (g // STAGES) & 1
     last_even = -1
     last_odd = -1
     for pair in range(0, num_experts, 2):
-        g, last_even = _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, pair,
+        g, last_even = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, pair,
                                     OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_even, NUM_PROGRAMS, BLOCK_N,
-                                    BLOCK_K, STAGES, CARRY, A_GATHER, B_GATHER)
+                                    BLOCK_K, STAGES, CARRY, A_GATHER)
         if pair + 1 < num_experts:
-            g, last_odd = _load_expert(a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr,
+            g, last_odd = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr,
                                        pair + 1, OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_odd, NUM_PROGRAMS,
-                                       BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER, B_GATHER)
+                                       BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER)
 
 
 @gluon.jit
-def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The half's BF16 gradient by TMA from ``c_smem``, waited for only before the buffer's next use."""
+def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+               OUT_T: gl.constexpr):
+    """The half's BF16 gradient by TMA from ``c_smem``, waited for only before the buffer's next use (OUT_T: the
+    block transposed, at (n0, r0) of an `[L, OUT_N, OUT_M]` gradient)."""
     tma.store_wait(pendings=0)  # this half's previous block has left c_smem
-    c_smem.store(acc.to(gl.bfloat16))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [expert, r0, n0], c_smem.reshape([1, ROWS, BLOCK_N]))
+    if OUT_T:
+        c_smem.store(gl.permute(acc.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [expert, n0, r0], c_smem.reshape([1, BLOCK_N, ROWS]))
+    else:
+        c_smem.store(acc.to(gl.bfloat16))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [expert, r0, n0], c_smem.reshape([1, ROWS, BLOCK_N]))
 
 
 @gluon.jit
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
-              CARRY: gl.constexpr, GATHER: gl.constexpr):
+              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
@@ -204,9 +210,14 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     # one descriptor over every expert's block (3-D: a partial block is clipped at its expert's edge), made once: a
     # store in flight reads it until it lands, so it is never rewritten
-    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_M, BLOCK_N], gl.bfloat16)
-    out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_M, OUT_N], [OUT_M * OUT_N, OUT_N, 1],
-                                          [1, HALF_M, BLOCK_N], out_layout)
+    if OUT_T:
+        out_layout_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HALF_M], gl.bfloat16)
+        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_N, OUT_M], [OUT_M * OUT_N, OUT_M, 1],
+                                              [1, BLOCK_N, HALF_M], out_layout_t)
+    else:
+        out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_M, BLOCK_N], gl.bfloat16)
+        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_M, OUT_N], [OUT_M * OUT_N, OUT_N, 1],
+                                              [1, HALF_M, BLOCK_N], out_layout)
     g = 0
     for expert in range(0, num_experts):
         first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
@@ -218,7 +229,7 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
                 n0 = task % num_n * BLOCK_N
                 if CARRY:
                     acc = carry_start_half(mode, carry_in_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, mma, HALF_M,
-                                           BLOCK_N)
+                                           BLOCK_N, OUT_T)
                 else:
                     acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
                 for k in range(row0, row_end, BLOCK_K):
@@ -233,49 +244,53 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
                 acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
                 if CARRY:
                     if carry_end_half(acc, mode, carry_out_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, HALF_M,
-                                      BLOCK_N):
-                        store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N)
+                                      BLOCK_N, OUT_T):
+                        store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
                 else:
-                    store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N)
+                    store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, modes_ptr,
-                    carry_in_ptr, carry_out_ptr, a_index_ptr, b_index_ptr, NUM_PROGRAMS: gl.constexpr,
+                    carry_in_ptr, carry_out_ptr, a_index_ptr, NUM_PROGRAMS: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
-                    B_GATHER: gl.constexpr = False):
+                    OUT_T: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
-    fp32 blocks ``carry_in`` / ``carry_out`` `[OUT_M, OUT_N]`; unread without CARRY). A_GATHER / B_GATHER: A's / B's
-    row r is row ``a_index[r]`` / ``b_index[r]`` (int32 `[R]`) of ``a`` `[S, OUT_M]` / ``b`` `[S, OUT_N]` (one rank's
-    d_out / x: each routed row's token, read in place of a copy; an index is unread without its flag), brought in by
-    cp.async in the producer warp (``megamoe.kernels.gluon_gather``)."""
+    fp32 blocks ``carry_in`` / ``carry_out`` `[OUT_M, OUT_N]`; unread without CARRY). A_GATHER: A's row r is row
+    ``a_index[r]`` (int32 `[R]`) of ``a`` `[S, OUT_M]` (one rank's d_out or x: each routed row's token, read in place
+    of a copy; the index is unread without the flag), brought in by cp.async in the producer warpgroup
+    (``megamoe.kernels.gluon_gather``). OUT_T: out is `[L, OUT_N, OUT_M]` (and the carries `[OUT_N, OUT_M]`), each
+    block stored transposed: the gate/up wgrad with x gathered as A, ``out[l] = (x_rowsᵀ · d_h)ᵀ``, which reads each
+    x row once per BLOCK_N (256) of 2I; gathered as B it was read once per 128."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_N], gl.bfloat16)
+    C_ROWS: gl.constexpr = BLOCK_N if OUT_T else HALF_M
+    C_COLS: gl.constexpr = HALF_M if OUT_T else BLOCK_N
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, C_COLS], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, HALF_M], a_layout)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-    c0 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
-    c1 = gl.allocate_shared_memory(gl.bfloat16, [HALF_M, BLOCK_N], c_layout)
-    gl.static_assert(not (A_GATHER and B_GATHER), "one gathered operand: the producer keeps one set of row starts")
-    GATHER: gl.constexpr = A_GATHER or B_GATHER
-    full, empty = ring_barriers(STAGES, full_arrivals(GATHER))
+    c0 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
+    c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
+    full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
     gl.warp_specialize(
         [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                       OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(GATHER))),
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                      gl.constexpr(OUT_T))),
          (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                       OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(GATHER))),
-         (_producer, (a_ptr, b_ptr, a_index_ptr, b_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
+                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                      gl.constexpr(OUT_T))),
+         (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
                       OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                       gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
-                      gl.constexpr(A_GATHER), gl.constexpr(B_GATHER)))],
-        [4, GATHER_WARPS if GATHER else 1], gather_registers(A_GATHER, B_GATHER, BLOCK_K))
+                      gl.constexpr(A_GATHER)))],
+        [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
     invalidate_ring(full, empty, STAGES)

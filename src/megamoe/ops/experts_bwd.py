@@ -143,7 +143,8 @@ def expert_backward(
     carries = (None, None) if carry is None else carry.pairs()
     for (a, b, a_index, b_index, dw), pair in zip(((dy_rows, act_w, dy_index, None, grads.d_w_down),
                                                    (d_h, x_rows, None, x_index, grads.d_w_gate_up)), carries):
-        tile = gathering_wgrad_tile(cfg["wgrad"]) if gathers and a_index is not None else cfg["wgrad"]
+        tile = gathering_wgrad_tile(cfg["wgrad"]) if gathers and (a_index is not None or b_index is not None) \
+            else cfg["wgrad"]
         wgrad(a, b, dw, offsets, counts, tile, programs, warp_specialized,
               carry=None if carry is None else (carry.modes, *pair), a_index=a_index, b_index=b_index)
     return grads
@@ -261,11 +262,11 @@ def warp_specialized_wgrad(device: torch.device, tile: TileConfig) -> bool:
 
 
 def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
-    """The down wgrad gathering d_out's rows by token steps K 64 rows at a time (at least): half the producer's
-    index loads and cp.async rounds per row of a 32-row step. One H100, sonic-7b's: 0.396 ms at BK 64 against 0.557
-    at the pass's 32 (the copy + wgrad 0.703; benchmarks/results/2026-12-06-h100-wgrad-gather). The rows are
-    reduced in the same order, so the bits are the 32-row step's. (x gathered in 64-row steps spills: the
-    producer's registers, ``wgrad_warp_specialized.gather_registers``.)"""
+    """A wgrad gathering rows by token (d_out for the down wgrad; x for gate/up's, gathered as A too) steps K 64
+    rows at a time (at least): half the producer's index loads and cp.async rounds per row of a 32-row step. One
+    H100, sonic-7b's down wgrad: 0.396 ms at BK 64 against 0.557 at the pass's 32 (the copy + wgrad 0.703;
+    benchmarks/results/2026-12-06-h100-wgrad-gather). The rows are reduced in the same order, so the bits are the
+    32-row step's."""
     return tile if tile.block_k >= 64 else replace(tile, block_k=64)
 
 
@@ -288,10 +289,10 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
     ``b_index``: int32 `[>= R]`, a is `[S, M]` / b `[S, N]` and row r's is ``a[a_index[r]]`` / ``b[b_index[r]]``
     (R: the rows of the other operand, or of ``offsets``' regions).
 
-    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`; b's rows by index
-    gathered by its producer), elsewhere, under the interpreter and with ``warp_specialized=False``
-    ``wgrad_kernel`` (b's rows by index copied first): the same blocks, the same bits (a GPU test holds them to
-    it)."""
+    On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`; the indexed operand's
+    rows gathered by its producer, b's as its A with the blocks stored transposed), elsewhere, under the
+    interpreter and with ``warp_specialized=False`` ``wgrad_kernel`` (the indexed rows copied first): the same
+    sums in the same order, the same bits (a GPU test holds them to it)."""
     experts, out_m, out_n = out.shape
     if a_index is not None and b_index is not None:
         raise ValueError("wgrad gathers one operand's rows, not both")
@@ -304,10 +305,15 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
             b, b_index = gathered_rows(b, b_index, a.shape[0]), None
     with scratch_allocator():
         if gluon:
+            # b gathered (x): as A, the blocks stored transposed (each x row then read once per 256 of out_m, not
+            # per 128; the gatherer fetches A's 64-wide halves)
+            out_t = b_index is not None
+            if out_t:
+                a, b, a_index, out_m, out_n = b, a, b_index, out_n, out_m
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
-                counts if b_index is None else b_index, CARRY=carry is not None, A_GATHER=a_index is not None,
-                B_GATHER=b_index is not None, **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t,
+                **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](

@@ -146,16 +146,17 @@ def gemm_cases() -> dict[str, Case]:
             "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, **kinds}, values, triton_tile.num_warps,
             triton_tile.num_stages)
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel; one rank's wgrads
-        # read d_out (A_GATHER, the down wgrad) and x (B_GATHER, gate/up's) rows by token, at the gathering tile
-        gathers = (("", False, False), (" (d_out rows by token)", True, False), (" (x rows by token)", False, True))
-        for suffix, a_gather, b_gather in gathers if carry and t is wide else gathers[:1]:
+        # read d_out (the down wgrad's A) and x (gate/up's, gathered as A: the blocks stored transposed) rows by
+        # token, at the gathering tile
+        gathers = (("", False, False), (" (d_out rows by token)", True, False), (" (x rows by token)", True, True))
+        for suffix, a_gather, out_t in gathers if carry and t is wide else gathers[:1]:
             t_ws = gathering_wgrad_tile(t) if a_gather else t
             cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
-                "b_index_ptr": "*i32", "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "B_GATHER": "constexpr"},
-                {**wgrad_ws_constexprs(t_ws, SMS), "CARRY": carry, "A_GATHER": a_gather, "B_GATHER": b_gather},
+                "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "OUT_T": "constexpr"},
+                {**wgrad_ws_constexprs(t_ws, SMS), "CARRY": carry, "A_GATHER": a_gather, "OUT_T": out_t},
                 num_warps=4)
     return cases
 
