@@ -310,7 +310,8 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     """The wgrad that expert_backward runs on Hopper (the warp-specialised Gluon kernel) against wgrad_kernel at the
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
-    NaN-poisoned."""
+    NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
+    runs a gathered B: ``(bᵀ · a)ᵀ``)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad
     from megamoe.ops.launch import scratch_allocator
@@ -324,19 +325,24 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     rows, programs = int(counts.sum()), 5
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
-    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "abcd"]
+    outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for _ in "abcde"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, counts, outs[0], outs[0], DOT_FP32=False,
             NUM_PROGRAMS=programs, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             FLATTEN=tile.flatten, num_warps=tile.num_warps, num_stages=tile.num_stages)  # no window: unread
-        for out, in_flight in zip(outs[2:], (False, True)):  # waiting for each wgmma, or one left in flight
+        for out, in_flight in zip(outs[2:4], (False, True)):  # waiting for each wgmma, or one left in flight
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, len(counts), out_m, out_n, counts, out, out, counts, counts,
+                a, b, out, offsets, counts, len(counts), out_m, out_n, counts, out, out, counts,
                 NUM_PROGRAMS=programs,
                 BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), MMA_IN_FLIGHT=in_flight,
                 num_warps=4)
+        wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+            b, a, outs[4], offsets, counts, len(counts), out_n, out_m, counts, outs[4], outs[4], counts,
+            NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=True, num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
@@ -357,7 +363,8 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     experts stored in one window (STORE; an empty one in the first) and skipped in the other (mode 0, no rows). The
     Gluon wgrad (both of the planner's blocks: BK 32 with a wgmma left in flight, BK 64 without) gives
     ``wgrad_kernel``'s bits, gradients and carry, and the unsplit launch's gradients; nothing is written that a mode
-    leaves out (NaN-poisoned); every expert STORE in one launch with CARRY is the launch without it.
+    leaves out (NaN-poisoned); every expert STORE in one launch with CARRY is the launch without it. So does the
+    Gluon wgrad with the operands swapped and the blocks and the carry stored transposed (OUT_T).
 
     ``wgrad_kernel`` runs the 128-wide blocks ``wgrad`` gives it with a carry (``carry_tile``: the same wgmma
     reductions, so the same bits)."""
@@ -389,11 +396,12 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     def launch(gluon, out, c, o, window=None):
         carry = window is not None
         window = window if carry else (c, out, out)  # unread without CARRY
-        if gluon:
+        if gluon:  # "transposed": the operands swapped, the blocks (and the carry's) stored transposed (OUT_T)
+            swap = gluon == "transposed"
+            first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, o, c, experts, out_m, out_n, *window, c, c, CARRY=carry,
-                **wgrad_ws_constexprs(tile, programs),
-                num_warps=4)
+                first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap,
+                **wgrad_ws_constexprs(tile, programs), num_warps=4)
         else:
             expert_gemm_bwd.wgrad_kernel[(programs,)](
                 a, b, out, o, c, experts, out_m, out_n, *window, DOT_FP32=False, NUM_PROGRAMS=programs,
@@ -402,7 +410,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
 
     got = {}
     with scratch_allocator():
-        for gluon in (False, True):
+        for gluon in (False, True, "transposed"):
             whole, stored = (nan(experts, out_m, out_n, dtype=torch.bfloat16) for _ in range(2))
             launch(gluon, whole, counts, offsets)
             every = torch.full((experts,), STORE, dtype=torch.int32, device="cuda")
@@ -428,8 +436,9 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
             assert torch.equal(run[name], run["whole"]), f"{gluon} {name}: experts differing {differ}"
     for name, t in got[False].items():  # bit patterns: the NaN left where nothing is written compares too
         bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype]
-        differ = int((t.view(bits) != got[True][name].view(bits)).sum())
-        assert differ == 0, f"{name}: {differ} elements differ from wgrad_kernel's"
+        for gluon in (True, "transposed"):
+            differ = int((t.view(bits) != got[gluon][name].view(bits)).sum())
+            assert differ == 0, f"{gluon} {name}: {differ} elements differ from wgrad_kernel's"
 
 
 @pytest.mark.gpu
