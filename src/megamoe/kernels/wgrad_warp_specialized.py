@@ -72,7 +72,7 @@ def window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS: gl.constexpr, CARRY
 
 
 @gluon.jit
-def carry_offsets(rows, cols, OUT_M, OUT_N, OUT_T: gl.constexpr):
+def carry_offsets(rows, cols, OUT_M, OUT_N, OUT_T: gl.constexpr = False):
     """Element offsets of the block's (rows, cols) in a carry laid out as the gradient: `[OUT_M, OUT_N]`, or with
     OUT_T `[OUT_N, OUT_M]`."""
     if OUT_T:
@@ -82,7 +82,7 @@ def carry_offsets(rows, cols, OUT_M, OUT_N, OUT_T: gl.constexpr):
 
 @gluon.jit
 def carry_start_half(mode, carry_in_ptr, r0, n0, OUT_M, OUT_N, layout: gl.constexpr, ROWS: gl.constexpr,
-                     BLOCK_N: gl.constexpr, OUT_T: gl.constexpr):
+                     BLOCK_N: gl.constexpr, OUT_T: gl.constexpr = False):
     """A consumer's starting accumulator (``ROWS x BLOCK_N`` from row ``r0``, in the wgmma's ``layout``): carry_in's
     with CARRY_IN (``wgrad_carry.carry_start``'s elements), else zeros."""
     if (mode & CARRY_IN) != 0:
@@ -97,7 +97,7 @@ def carry_start_half(mode, carry_in_ptr, r0, n0, OUT_M, OUT_N, layout: gl.conste
 
 @gluon.jit
 def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   OUT_T: gl.constexpr):
+                   OUT_T: gl.constexpr = False):
     """With CARRY_OUT the accumulator into carry_out (``wgrad_carry.carry_end``'s elements); returns whether the
     BF16 gradient is to be written (STORE)."""
     if (mode & CARRY_OUT) != 0:
@@ -184,7 +184,7 @@ def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num
 
 @gluon.jit
 def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-               OUT_T: gl.constexpr):
+               OUT_T: gl.constexpr = False):
     """The half's BF16 gradient by TMA from ``c_smem``, waited for only before the buffer's next use (OUT_T: the
     block transposed, at (n0, r0) of an `[L, OUT_N, OUT_M]` gradient)."""
     tma.store_wait(pendings=0)  # this half's previous block has left c_smem
