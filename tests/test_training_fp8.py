@@ -77,7 +77,7 @@ def _suite(world, cases, precision, knobs):
 #: the other config too); mxfp8 (slower
 #: under the interpreter) on the two-rank case that wraps, under the wrapping ring (the replay in MXFP8)
 SUITES = [(1, "fp8-block", CASES[1], [None, WRAPPING]), (2, "fp8-block", CASES[2], [None, WRAPPING, OTHER]),
-          (2, "mxfp8", CASES[2][:1], [WRAPPING])]
+          pytest.param(2, "mxfp8", CASES[2][:1], [WRAPPING], marks=pytest.mark.slow)]  # 18 s: -m slow (CI's 15 min)
 
 
 @pytest.mark.parametrize("ranks, precision, cases, knobs", SUITES)
