@@ -75,8 +75,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     sms = runtime.num_programs(world.device)
     # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped); with
     # GATHER_BACKWARD the dact and the down wgrad also read each row's d_out from the staged d_out by token (the
-    # pull's copy skipped). x is pulled still: the gate/up wgrad gathering x ran 0.70-0.86x the copy and wgrad
-    # (one H100, benchmarks/results/2026-12-06-h100-wgrad-gather; it re-reads each row once per 128 of 2I)
+    # pull's copy skipped). x is pulled still: the gate/up wgrad gathering x as its B ran 0.70-0.86x the copy and
+    # wgrad (one H100, benchmarks/results/2026-12-06-h100-wgrad-gather); gathered as its A (OUT_T) it is not timed yet
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
     d_out = d_out.contiguous()
@@ -100,7 +100,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             fp8_backward = partial(expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8,
                                    weights_t=transposed)
             fp8_weights = (*q.tensors(), *transposed.tensors())
-    with kernel.keyed_allocations():  # the graph's key names them: their own pool, so their addresses repeat
+    with kernel.keyed_pool.allocating():  # the graph's key names them: their own pool, so their addresses repeat
         d_w_gate_up = torch.empty(w_gate_up.shape, dtype=torch.bfloat16, device=x.device)
         d_w_down = torch.empty(w_down.shape, dtype=torch.bfloat16, device=x.device)
         bias = BiasGrads.zeros(b_gate_up, b_down)  # FP32 across the windows, rounded once

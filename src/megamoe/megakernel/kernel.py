@@ -43,7 +43,6 @@ and down weights are their concatenations.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from functools import partial
@@ -216,8 +215,8 @@ class MegaKernel:
         # benchmarks/results/2026-12-06-h100-backward-graphs); they leave nothing live, so they share one pool
         self.backward_replay = GraphReplay(shared_pool=True) if replay and self.gpu else None
         # what the graphs' keys name that a pass hands out (a training forward's h, the weight gradients), from a
-        # pool of their own, so that their addresses, and the keys, repeat step after step
-        self.keyed_pool = KeyedPool(dev) if replay and self.gpu else None
+        # pool of their own, so that their addresses, and the keys, repeat step after step (none without graphs)
+        self.keyed_pool = KeyedPool(dev, enabled=None if replay and self.gpu else False)
 
     def tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
         """(gate/up, down) tiles of the routed experts (``routed``) or of the shared expert (always BF16)."""
@@ -244,16 +243,12 @@ class MegaKernel:
         scratch = self.scratch_buffers()
         kept = dict(dtype=torch.bfloat16, device=self.world.device)
         rows, s = self.config.ring_rows, self.shape
-        with self.keyed_allocations():
+        with self.keyed_pool.allocating():
             fresh = dict(h=torch.empty(rows, 2 * s.intermediate, **kept),
                          shared_h=None if scratch.shared_h is None else torch.empty_like(scratch.shared_h))
             if self.quantized:
                 fresh.update(ring_x=torch.zeros_like(scratch.ring_x), ring_scale=torch.zeros_like(scratch.ring_scale))
         return dataclasses.replace(scratch, **fresh)
-
-    def keyed_allocations(self) -> contextlib.AbstractContextManager:
-        """Allocate what a pass hands out and its graphs' keys name (``KeyedPool``): its own pool on the GPU."""
-        return contextlib.nullcontext() if self.keyed_pool is None else self.keyed_pool.allocating()
 
     def backward_launcher(self):
         """The backward megakernel's launcher (made on first use)."""

@@ -54,7 +54,8 @@ class KeyedPool:
     allocations belong to that graph's pool)."""
 
     def __init__(self, device: torch.device, enabled: bool | None = None) -> None:
-        """``enabled``: None reads :data:`KEYED_POOL` (at the kernel's construction)."""
+        """``enabled``: None reads :data:`KEYED_POOL` (at the kernel's construction); False: no pool (its
+        ``allocating`` is the shared allocator)."""
         self.device = device
         enabled = KEYED_POOL if enabled is None else enabled
         self.pool = torch.cuda.MemPool() if enabled and device.type == "cuda" else None
