@@ -59,20 +59,24 @@ def _problem(world, cfg, tokens, routing, drop, seed, to_one_expert):
     return p
 
 
-def _other_d_out_reads(world, p, activation) -> dict:
-    """The composed backward's runs with ``GATHER_BACKWARD`` flipped from its default (one rank, BF16: on, its dact
-    and down wgrad read each row's d_out from the staged tokens by index; off, from the pulled routed copies; the
-    CPU's kernels copy the rows first either way), every config of one rank, by label."""
+def _other_row_reads(world, p, activation) -> dict:
+    """The composed backward's runs with the one-rank BF16 row reads flipped from their defaults, every config of one
+    rank, by label: ``GATHER_BACKWARD`` flipped (on, its dact and down wgrad read each row's d_out from the staged
+    tokens by index; off, from the pulled routed copies), then with it on ``GATHER_X`` flipped (on, the gate/up
+    wgrad reads x by token too; off, the pulled x). The CPU's kernels copy the rows first either way."""
     from megamoe.ops import experts as expert_ops
 
-    kept = expert_ops.GATHER_BACKWARD
-    expert_ops.GATHER_BACKWARD = not kept
+    kept = expert_ops.GATHER_BACKWARD, expert_ops.GATHER_X
+    runs = {}
     try:
-        reads = "d_out by token" if expert_ops.GATHER_BACKWARD else "d_out pulled"
-        return {f"{label}, {reads}": _grads(world, p, activation, config, False)
-                for label, config, fused in _configs() if not fused}
+        for by_token, x_by_token in ((not kept[0], kept[1]), (True, not kept[1])):
+            expert_ops.GATHER_BACKWARD, expert_ops.GATHER_X = by_token, x_by_token
+            reads = ("d_out and x by token" if x_by_token else "d_out by token") if by_token else "d_out pulled"
+            runs.update({f"{label}, {reads}": _grads(world, p, activation, config, False)
+                         for label, config, fused in _configs() if not fused})
     finally:
-        expert_ops.GATHER_BACKWARD = kept
+        expert_ops.GATHER_BACKWARD, expert_ops.GATHER_X = kept
+    return runs
 
 
 def _suite(world, cases, precision):
@@ -81,8 +85,8 @@ def _suite(world, cases, precision):
         p = _problem(world, cfg, tokens, routing, drop, seed, one_expert)
         runs = {label: _grads(world, p, cfg.activation, config, fused, precision)
                 for label, config, fused in _configs(precision != "bf16") if world.size > 1 or not fused}
-        if world.size == 1 and precision == "bf16" and name == "uniform":  # d_out by token or pulled: the same bits
-            runs.update(_other_d_out_reads(world, p, cfg.activation))
+        if world.size == 1 and precision == "bf16" and name == "uniform":  # rows by token or pulled: the same bits
+            runs.update(_other_row_reads(world, p, cfg.activation))
         first = runs["default"]
         want = _flatten(ep_reference_forward_backward(world, p)[1])
         results.append({

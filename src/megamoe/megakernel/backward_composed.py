@@ -114,11 +114,15 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             pull_route_scalars(ws, window, "router_weights", ring.row_w)
             h, x_rows = ring.saved_rows(saved, window)
             in_place = ring.in_forward_ring(saved, window)
-            if fmt == "bf16":
+            replays = not in_place and schedule.capacity > forward_ring  # h recomputed from pulled x rows
+            x_index = tokens if by_token and expert_ops.GATHER_X and not replays else None
+            if x_index is not None:  # the gate/up wgrad reads the staged x by token
+                x_rows = ws.local("x")
+            elif fmt == "bf16":
                 x_rows = dispatch_pull(ws, window, num_sms=sms, out=ring.x, sync=False)
-            elif not in_place and schedule.capacity > forward_ring:
+            elif replays:
                 dispatch_pull(ws, ring.past_forward_ring(window, forward_ring), num_sms=sms, out=ring.x, sync=False)
-            if not in_place and schedule.capacity > forward_ring:
+            if replays:
                 ring.replay(window, forward_ring, x_rows, w_gate_up, activation, q, rows_per_expert, b_gate_up)
             out = ring.grads(d_w_gate_up, d_w_down)
             if own_slots:
@@ -130,7 +134,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             else:
                 expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
-                                out=out, bias=bias, dy_index=tokens)
+                                out=out, bias=bias, dy_index=tokens, x_index=x_index)
             if not own_slots:
                 reverse_dispatch_push(ws, window, ring.d_x, num_sms=sms, sync=False)
             push_route_scalars(ws, window, ring.d_router, "d_router")
@@ -141,7 +145,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         touched = (w_gate_up, w_down, b_gate_up, b_down, d_w_gate_up, d_w_down, saved.h, saved.ring_x,
                    saved.ring_scale, *schedule.tensors(), *fp8_weights,
                    *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
-        kernel.backward_replay((n, activation, by_token, layout_key(touched)), windows)
+        kernel.backward_replay((n, activation, by_token, expert_ops.GATHER_X, layout_key(touched)), windows)
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
     shared_gate_up = shared_down = shared_dx = None

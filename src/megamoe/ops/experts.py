@@ -337,6 +337,10 @@ def expert_forward_reference(
 #: ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set them for A/B runs.
 GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
 GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", True)
+#: With ``GATHER_BACKWARD``, the composed backward's gate/up wgrad also reads x by token (gathered as the Gluon
+#: wgrad's A, its blocks stored transposed: each x row read once per 256 of 2I) and the x pull goes. Off until a
+#: GPU measures it against the copy (``MEGAMOE_GATHER_X``, 0 or 1).
+GATHER_X = runtime.env_switch("MEGAMOE_GATHER_X", False)
 
 
 def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:
