@@ -60,23 +60,20 @@ def _problem(world, cfg, tokens, routing, drop, seed, to_one_expert):
 
 
 def _other_row_reads(world, p, activation) -> dict:
-    """The composed backward's runs with the one-rank BF16 row reads flipped from their defaults, every config of one
-    rank, by label: ``GATHER_BACKWARD`` flipped (on, its dact and down wgrad read each row's d_out from the staged
-    tokens by index; off, from the pulled routed copies), then with it on ``GATHER_X`` flipped (on, the gate/up
-    wgrad reads x by token too; off, the pulled x). The CPU's kernels copy the rows first either way."""
+    """The composed backward's runs with ``GATHER_BACKWARD`` flipped from its default (one rank, BF16: on, its dact
+    and down wgrad read each row's d_out, its gate/up wgrad each row's x, from the staged tokens by index; off, from
+    the pulled routed copies; the CPU's kernels copy the rows first either way), every config of one rank, by
+    label."""
     from megamoe.ops import experts as expert_ops
 
-    kept = expert_ops.GATHER_BACKWARD, expert_ops.GATHER_X
-    runs = {}
+    kept = expert_ops.GATHER_BACKWARD
+    expert_ops.GATHER_BACKWARD = not kept
     try:
-        for by_token, x_by_token in ((not kept[0], kept[1]), (True, not kept[1])):
-            expert_ops.GATHER_BACKWARD, expert_ops.GATHER_X = by_token, x_by_token
-            reads = ("d_out and x by token" if x_by_token else "d_out by token") if by_token else "d_out pulled"
-            runs.update({f"{label}, {reads}": _grads(world, p, activation, config, False)
-                         for label, config, fused in _configs() if not fused})
+        reads = "rows by token" if expert_ops.GATHER_BACKWARD else "rows pulled"
+        return {f"{label}, {reads}": _grads(world, p, activation, config, False)
+                for label, config, fused in _configs() if not fused}
     finally:
-        expert_ops.GATHER_BACKWARD, expert_ops.GATHER_X = kept
-    return runs
+        expert_ops.GATHER_BACKWARD = kept
 
 
 def _suite(world, cases, precision):
@@ -114,7 +111,8 @@ CASES = {
 
 
 # CI keeps 1, 2 and one odd or wide world; the rest run with -m slow (CI stays under 15 minutes on 2 cores)
-@pytest.mark.parametrize("ranks", [pytest.param(r, marks=pytest.mark.slow) if r in (4, 8) else r
+# 3, 4 and 8 ranks under -m slow (CI time: 1 and 2 ranks cover one rank and the pulls across ranks)
+@pytest.mark.parametrize("ranks", [pytest.param(r, marks=pytest.mark.slow) if r in (3, 4, 8) else r
                                    for r in sorted(CASES)])
 def test_gradients_are_the_same_bits_at_every_backward_ring_size(ranks):
     for rank, per_case in enumerate(launch(_suite, ranks, CASES[ranks], "bf16")):

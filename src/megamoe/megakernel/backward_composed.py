@@ -10,9 +10,9 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
    - pull reverse-combine: each routed row's ``d_out`` row from its home rank, unscaled (FP8: its E4M3 row and
      scales, half the bytes), its x row again (BF16 keeps only h: pulling x moves bytes the links have time for
      under the backward's compute; FP8 reads the forward ring's E4M3 x and pulls only rows past a wrapped ring;
-     one rank in BF16 with ``megamoe.ops.experts.GATHER_BACKWARD`` pulls no d_out: its dact and down wgrad read
-     each row's token from the staged d_out themselves; x is still pulled, its gathering wgrad measured slower
-     than the copy) and its router weight;
+     one rank in BF16 with ``megamoe.ops.experts.GATHER_BACKWARD`` pulls neither: its dact and down wgrad read
+     each row's token from the staged d_out themselves, its gate/up wgrad the staged x, but where h is recomputed
+     from pulled x) and its router weight;
    - the rows' pre-activation h: the forward ring's, and the rows past it recomputed from the pulled x (the
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
@@ -74,9 +74,9 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
     # one rank, BF16: the d_x tiles store each row into its route's slot (the push's copy skipped); with
-    # GATHER_BACKWARD the dact and the down wgrad also read each row's d_out from the staged d_out by token (the
-    # pull's copy skipped). x is pulled still: the gate/up wgrad gathering x as its B ran 0.70-0.86x the copy and
-    # wgrad (one H100, benchmarks/results/2026-12-06-h100-wgrad-gather); gathered as its A (OUT_T) it is not timed yet
+    # GATHER_BACKWARD the dact and the down wgrad also read each row's d_out from the staged d_out by token, and the
+    # gate/up wgrad each row's x from the staged x (the pulls' copies skipped; the step 4 % faster at sonic-7b and
+    # qwen3-30b-a3b, one H200: benchmarks/results/2026-12-06-h200-keyed-pool-step)
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
     d_out = d_out.contiguous()
@@ -115,7 +115,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             h, x_rows = ring.saved_rows(saved, window)
             in_place = ring.in_forward_ring(saved, window)
             replays = not in_place and schedule.capacity > forward_ring  # h recomputed from pulled x rows
-            x_index = tokens if by_token and expert_ops.GATHER_X and not replays else None
+            x_index = tokens if by_token and not replays else None
             if x_index is not None:  # the gate/up wgrad reads the staged x by token
                 x_rows = ws.local("x")
             elif fmt == "bf16":
@@ -145,7 +145,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         touched = (w_gate_up, w_down, b_gate_up, b_down, d_w_gate_up, d_w_down, saved.h, saved.ring_x,
                    saved.ring_scale, *schedule.tensors(), *fp8_weights,
                    *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
-        kernel.backward_replay((n, activation, by_token, expert_ops.GATHER_X, layout_key(touched)), windows)
+        kernel.backward_replay((n, activation, by_token, layout_key(touched)), windows)
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
     shared_gate_up = shared_down = shared_dx = None

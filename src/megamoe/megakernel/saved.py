@@ -23,7 +23,8 @@ class SavedForward:
         shared_h: bf16 `[N, 2Is]` the shared experts' pre-activation over this rank's tokens (`[0, 0]` without).
         schedule: the pass's pull schedule (its own_rows is not needed).
         ring_x, ring_scale: FP8 precisions: the ring's E4M3 routed rows `[ring_rows, D]` and their scales along
-            D (routed row t at ring row t), the gate/up wgrad's x; None with BF16 (x is pulled again).
+            D (routed row t at ring row t), the gate/up wgrad's x; None with BF16 (x is pulled again, or one rank
+            reads it by token).
         experts_q: FP8 precisions: the step's weight pack the forward ran on, when its caller gave one
             (:func:`~megamoe.ops.expert_weights.quantize_experts`): the replay and the dgrads read it (with
             ``backward=True`` its transposed weights too) instead of quantising the weights again.

@@ -329,18 +329,15 @@ def expert_forward_reference(
 #: are copied first (``gathered_rows``): the same bits either way. Measured per kernel on one H100
 #: (benchmarks/results/2026-12-06-h100-step-gathers-wsum, a training step at EP 1): the forward's gate/up tiles gather
 #: x for +0.02-0.03 ms and save the 0.16 ms (qwen3-30b-a3b, 8192 tokens) / 0.39 ms (sonic-7b, 24576) copy: on by
-#: default. The backward's: the dact and the down wgrad read d_out by token (the composed backward's d_out pull goes;
-#: x is still copied: the gate/up wgrad gathering it ran 0.70-0.86x the copy + wgrad), the gathering wgrad stepping
-#: K 64 rows (``experts_bwd.gathering_wgrad_tile``): the backward 0.34 ms faster at sonic-7b (3.53 against 3.87 ms,
-#: 24576 tokens), 0.17 ms at qwen3-30b-a3b (8192), the same bits (one H100,
-#: benchmarks/results/2026-12-06-h100-wgrad-gather): on by default. ``MEGAMOE_GATHER_FORWARD`` /
+#: default. The backward's: the dact and the down wgrad read d_out by token, the gate/up wgrad x (gathered as its A,
+#: the blocks stored transposed), so the composed backward pulls neither; the gathering wgrads step K 64 rows
+#: (``experts_bwd.gathering_wgrad_tile``). d_out: the backward 0.34 ms faster at sonic-7b (3.53 against 3.87 ms,
+#: 24576 tokens), 0.17 ms at qwen3-30b-a3b (8192; one H100, benchmarks/results/2026-12-06-h100-wgrad-gather); x
+#: then: the step 4.31 -> 4.15 ms at sonic-7b, 4.66 -> 4.49 at qwen3-30b-a3b (one H200,
+#: benchmarks/results/2026-12-06-h200-keyed-pool-step). The same bits: on by default. ``MEGAMOE_GATHER_FORWARD`` /
 #: ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set them for A/B runs.
 GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
 GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", True)
-#: With ``GATHER_BACKWARD``, the composed backward's gate/up wgrad also reads x by token (gathered as the Gluon
-#: wgrad's A, its blocks stored transposed: each x row read once per 256 of 2I) and the x pull goes. Off until a
-#: GPU measures it against the copy (``MEGAMOE_GATHER_X``, 0 or 1).
-GATHER_X = runtime.env_switch("MEGAMOE_GATHER_X", False)
 
 
 def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:
