@@ -44,7 +44,8 @@ CPU_TOOLS = {
 #: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help, and a CPU
 #: smoke of the parts that run without one.
 GPU_TOOLS = {
-    "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_trace.py", "gemm_ceiling.py",
+    "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_trace.py", "fp8_wgrad_ab.py",
+    "gemm_ceiling.py",
     "gemm_vs_dense.py", "megakernel_per_sm.py", "quant_bench.py", "schedule_bench.py", "tiles_ab.py",
     "weighted_sum_bench.py", "wgrad_gather_ab.py",
 }
@@ -493,6 +494,28 @@ def test_wgrad_gather_ab_variants_give_the_same_bits():
         assert all(torch.equal(outs[v][kind], first) for v in calls), kind
         summed = sum(first[e].float() for e in range(4))  # the experts' gradients summed: every row once
         assert torch.allclose(summed, want[kind], rtol=2e-2, atol=2e-1), kind
+
+
+def test_fp8_wgrad_ab_variants_give_the_gradient():
+    """The FP8 / BF16 wgrad A/B's premise on a tiny load (256 tokens, 4 experts, k 2, D 128, I 128): every variant
+    writes each expert's gradient (the buffer poisoned first), the BF16 wgrad within BF16's rounding of the FP32
+    product, the FP8 ones within FP8's and not at BF16's (they did quantise), and the flops count every row."""
+    import fp8_wgrad_ab
+
+    load = fp8_wgrad_ab.make_load(256, 128, 128, 4, 2, DEVICE)
+    for kind, shape in (("down", (4, 128, 128)), ("gate_up", (4, 256, 128))):
+        out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+        calls, flops = fp8_wgrad_ab.variant_calls(load, kind, out, DEVICE)
+        assert list(calls) == list(fp8_wgrad_ab.VARIANTS) and flops == 2 * 512 * shape[1] * shape[2]
+        rel = {}
+        for variant, call in calls.items():
+            out.fill_(float("nan"))
+            call()
+            rel[variant] = None if variant == "write floor" else fp8_wgrad_ab.relative_error(load, kind, out)
+        assert bool((out == 0).all()), kind  # the write floor zero-fills the gradient
+        assert rel["bf16 wgrad, rows by token"] < 1e-2, (kind, rel)
+        for variant in ("fp8: quantise + wgrad", "fp8 wgrad"):
+            assert 1e-2 < rel[variant] < 8e-2, (kind, variant, rel)
 
 
 def test_weighted_sum_bench_tiles_give_the_same_bits(monkeypatch):
