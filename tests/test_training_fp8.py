@@ -203,3 +203,43 @@ def test_fp8_models_train_like_the_bf16_model():
     """50 steps in bf16, fp8-block and mxfp8 (python -m pytest -m slow)."""
     gaps = _check_curves(launch(_train, 2, ("bf16", "fp8-block", "mxfp8"), 50)[0])
     assert gaps["fp8-block"] > 0 and gaps["mxfp8"] > 0, gaps
+
+
+def _bf16_wgrads(world, case):
+    """One case with ``experts_fp8_bwd.BF16_WGRADS`` on (one rank: the staged BF16 tokens read by index; two: the
+    pulled E4M3 rows dequantised) and off: each run's errors against the oracle, and whether the gradients with the
+    switch on are the same bits under the wrapping ring and again."""
+    from megamoe.ops import experts_fp8_bwd
+
+    name, tokens, routing, drop, seed, activation = case
+    cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation})
+    p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=torch.bfloat16, seed=seed,
+                     routing=routing, drop=drop, device=world.device)
+    want = _flatten(ep_reference_forward_backward(world, p)[1])
+    kept = experts_fp8_bwd.BF16_WGRADS
+    try:
+        runs = {}
+        for switch, config in ((False, None), (True, None), (True, WRAPPING), (True, None)):
+            experts_fp8_bwd.BF16_WGRADS = switch
+            runs.setdefault(switch, []).append(_grads(world, p, activation, "fp8-block", config)[1])
+    finally:
+        experts_fp8_bwd.BF16_WGRADS = kept
+    errors = {switch: {k: error_stats(got[0][k].detach(), v)["rel"] for k, v in want.items() if v.numel()}
+              for switch, got in runs.items()}
+    on = runs[True]
+    same = all(torch.equal(run[k], on[0][k]) for run in on[1:] for k in on[0])
+    return errors, same
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fp8_block_bf16_wgrads_train_within_the_oracle_and_repeat(ranks):
+    """With the BF16 wgrads (``MEGAMOE_FP8_BF16_WGRADS``) every gradient stays within the FP8 bounds, the routed
+    weight gradients come closer to the oracle than the FP8 wgrads' (one rank: BF16 rows, nothing quantised along the
+    tokens; two: the pulled E4M3 rows' values, quantised once, not twice), and they repeat bit for bit across reruns
+    and the wrapping ring."""
+    for rank, (errors, same) in enumerate(launch(_bf16_wgrads, ranks, CASES[ranks][0])):
+        assert same, (ranks, rank)
+        for name, rel in errors[True].items():
+            assert rel <= GRAD_TOLERANCE[0], (ranks, rank, name, rel)
+        for name in ("w_gate_up", "w_down"):
+            assert errors[True][name] < errors[False][name], (ranks, rank, name, errors)

@@ -50,7 +50,8 @@ from megamoe.ops.expert_bias import BiasGrads
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import quantize_experts
 from megamoe.ops.experts_bwd import expert_backward
-from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
+from megamoe.ops import experts_fp8_bwd as fp8_bwd  # its switch, read at each call (tests set it)
+from megamoe.ops.experts_fp8_bwd import TokenRows, expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.experts_mxfp8 import runs_as_bf16
 from megamoe.ops.experts_mxfp8_bf16 import expert_backward_mxfp8_bf16
 from megamoe.routing.schedule import row_tokens
@@ -79,11 +80,15 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # qwen3-30b-a3b, one H200: benchmarks/results/2026-12-06-h200-keyed-pool-step)
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
+    # one rank, fp8-block with BF16 wgrads (experts_fp8_bwd.BF16_WGRADS): they read the staged BF16 d_out and x by
+    # token, not the E4M3 rows (which they would dequantise)
+    bf16_wgrads = fmt == "fp8-block" and fp8_bwd.BF16_WGRADS
+    token_wgrads = world.size == 1 and bf16_wgrads
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward
     # ring lost rows); read by token, the staged rows too (N x D, a k-th of a pull's bytes): the kernel's own
     # addresses, so the backward's graph replays whatever tensors the caller passes
-    stage_x = fmt == "bf16" or schedule.capacity > forward_ring
+    stage_x = fmt == "bf16" or token_wgrads or schedule.capacity > forward_ring
     ws.stage(d_out=d_out, router_weights=router_weights.contiguous(), x=x if stage_x else None)
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
@@ -108,7 +113,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     def windows() -> None:
         """2. the windows: device work only, reading and writing the kernel's buffers and the tensors keyed below."""
         for window in ring.windows(schedule):
-            tokens = row_tokens(window.src_index, k) if by_token else None
+            tokens = row_tokens(window.src_index, k) if by_token or token_wgrads else None
             dy = ws.local("d_out") if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy,
                                                                          sync=False)
             pull_route_scalars(ws, window, "router_weights", ring.row_w)
@@ -129,8 +134,10 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
                 out = replace(out, d_x=ws.local("combine"), d_x_index=window.src_index)
             counts, offsets = window.tokens_per_expert, window.offsets
             if fmt != "bf16":
+                wgrad_rows = {} if fmt != "fp8-block" else dict(bf16_wgrads=bf16_wgrads, token_rows=TokenRows(
+                    ws.local("d_out"), ws.local("x"), tokens) if token_wgrads else None)
                 fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                             activation=activation, carry=ring.carry(window), out=out, bias=bias)
+                             activation=activation, carry=ring.carry(window), out=out, bias=bias, **wgrad_rows)
             else:
                 expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
@@ -145,7 +152,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         touched = (w_gate_up, w_down, b_gate_up, b_down, d_w_gate_up, d_w_down, saved.h, saved.ring_x,
                    saved.ring_scale, *schedule.tensors(), *fp8_weights,
                    *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
-        kernel.backward_replay((n, activation, by_token, layout_key(touched)), windows)
+        kernel.backward_replay((n, activation, by_token, bf16_wgrads, layout_key(touched)), windows)
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
     shared_gate_up = shared_down = shared_dx = None

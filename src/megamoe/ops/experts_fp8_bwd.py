@@ -14,6 +14,10 @@ The dgrads read the weights transposed (``weights_t``: the per-step pack's, :mod
 fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients returned are
 BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
+With :data:`BF16_WGRADS` (fp8-block) both weight gradients run as the BF16 backward's instead (``experts_bwd.wgrad``
+on BF16 rows: dy and x as pulled, dequantised, or one rank's BF16 tokens read by index; act_w and d_h as the dact
+stores them): no operand is quantised along the tokens, and the gradients are BF16 products of the rows.
+
 MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
 the transposed weights are quantised along their own last dim (D for dact, 2I for dx: not the forward's pack,
 whose blocks run along the forward's K), and the tiles dequantise on load (Hopper has no block-scaled MMA).
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe import runtime
+from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import (dact_warp_specialized, expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd,
                              wgrad_fp8_warp_specialized)
@@ -41,7 +45,7 @@ from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig
+from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig, mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.ops.quant import quantize_activations
 from megamoe.routing.row_tiles import build_row_tiles
@@ -49,6 +53,25 @@ from megamoe.reference import activation_backward
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
 from megamoe.runtime import interpreting
+
+
+#: fp8-block's weight gradients as BF16 wgrads of BF16 rows (module docstring), where the FP8 wgrad's per-step
+#: promotion and the four token-axis quantisers cost more than its FP8 MMAs save: deepseek-v3 at EP 1 on one H100,
+#: the FP8 wgrads 13.1 ms + ~2.2 ms of quantisers against ~11 ms of BF16 wgrads (different trees;
+#: ``benchmarks/fp8_wgrad_ab.py`` times them side by side). Off until a GPU measures it
+#: (``MEGAMOE_FP8_BF16_WGRADS``, 0 or 1); the gradients are then closer to the FP32 product, not the same bits.
+BF16_WGRADS = runtime.env_switch("MEGAMOE_FP8_BF16_WGRADS", False)
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """One rank's BF16 tokens for the BF16 wgrads (:data:`BF16_WGRADS`): ``d_out`` and ``x`` `[S, D]`, routed row r
+    of the backward reading token ``index[r]`` (int32 `[>= R]`): the staged upstream gradient and input, read in place
+    of the E4M3 rows (on Hopper gathered on load)."""
+
+    d_out: torch.Tensor
+    x: torch.Tensor
+    index: torch.Tensor
 
 
 def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = WGRAD_FP8_WS_STAGES) -> dict:
@@ -143,7 +166,8 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
                               num_programs: int | None = None,
                               tuning: Tuning | None = None,
                               warp_specialized: bool = True, carry: WgradCarry | None = None,
-                              out: ExpertGrads | None = None, bias: BiasGrads | None = None) -> ExpertGrads:
+                              out: ExpertGrads | None = None, bias: BiasGrads | None = None,
+                              bf16_wgrads: bool | None = None, token_rows: TokenRows | None = None) -> ExpertGrads:
     """:func:`megamoe.ops.experts_bwd.expert_backward` in FP8-block (module docstring): the same arguments (BF16 rows,
     h, master weights), ``weights_t`` the dgrads' transposed E4M3 weights (made here when None). ``dy_rows``
     and ``x_rows`` may instead be E4M3 rows quantised along D (:class:`~megamoe.ops.comm.QuantRows` in this
@@ -153,9 +177,15 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     dact_warp_specialized`, `forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`), the same bits as the
     Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry``, ``out`` and ``bias``
     as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
-    blocks where the whole rows do: cuts at multiples of 128 rows of an expert)."""
+    blocks where the whole rows do: cuts at multiples of 128 rows of an expert). ``bf16_wgrads``: the weight
+    gradients as BF16 wgrads (None reads :data:`BF16_WGRADS`), of ``token_rows``' BF16 tokens where given (one
+    rank), else of dy_rows and x_rows (E4M3 rows dequantised to BF16 first)."""
+    bf16 = BF16_WGRADS if bf16_wgrads is None else bf16_wgrads
+    if token_rows is not None and not bf16:
+        raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set BF16_WGRADS)")
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                activation, weights_t, num_programs, tuning, warp_specialized, carry, out, bias)
+                                activation, weights_t, num_programs, tuning, warp_specialized, carry, out, bias,
+                                bf16_wgrads=bf16, token_rows=token_rows)
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
@@ -172,7 +202,8 @@ def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_ga
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, activation,
                          weights_t, num_programs, tuning: Tuning | None, warp_specialized: bool = False,
                          carry: WgradCarry | None = None, out: ExpertGrads | None = None,
-                         bias: BiasGrads | None = None) -> ExpertGrads:
+                         bias: BiasGrads | None = None, bf16_wgrads: bool = False,
+                         token_rows: TokenRows | None = None) -> ExpertGrads:
     """Both formats' launches: they differ in the dact and wgrad kernels, the dx kernel (the forward's down in
     that format) and mxfp8's flattened weight scales. ``tuning``: its dact, dx and wgrad pin
     a kind's tiles (the planner's otherwise; dx runs the forward's down)."""
@@ -236,15 +267,45 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
                                      grads.d_x, num_programs=programs, tuning=dataclasses.replace(tuning, down=tuning.dx),
                                      **({} if mx else {"warp_specialized": warp_specialized}))
+    carries = (None, None) if carry is None else carry.pairs()
+    if bf16_wgrads:
+        _bf16_wgrads(dy_rows, act_w, d_h, x_rows, token_rows, grads, counts, offsets, tuning, programs,
+                     warp_specialized, carry)
+        return grads
     blocks = token_blocks(counts, offsets, rows)
     c = tuning.tile("wgrad", device, fmt=fmt)
-    carries = (None, None) if carry is None else carry.pairs()
     for (a, b, dw), pair in zip(((dy_rows, act_w, grads.d_w_down), (d_h, x_rows, grads.d_w_gate_up)), carries):
         a_t, a_s = quantize_tokens(a, blocks, fmt)
         b_t, b_s = quantize_tokens(b, blocks, fmt)
         wgrad_fp8(a_t, a_s, b_t, b_s, dw, blocks, counts, c, programs, fmt,
                   warp_specialized=warp_specialized and not mx, carry=None if carry is None else (carry.modes, *pair))
     return grads
+
+
+def _bf16_wgrads(dy_rows, act_w, d_h, x_rows, token_rows: TokenRows | None, grads: ExpertGrads, counts, offsets,
+                 tuning: Tuning, programs: int, warp_specialized: bool, carry: WgradCarry | None) -> None:
+    """Both weight gradients as the BF16 backward's wgrads (:data:`BF16_WGRADS`): ``token_rows``' d_out and x read
+    by token, or the rows as given (E4M3 ones dequantised to BF16 first, :func:`bf16_rows`)."""
+    rows, device = d_h.shape[0], d_h.device
+    per_expert = mean_rows(rows, counts.shape[0], None)
+    tile = tuning.tile("wgrad", device, per_expert)
+    if token_rows is not None:
+        checks.check_row_index("token_rows.index", token_rows.index, rows, device)
+        dy, x, index = token_rows.d_out, token_rows.x, token_rows.index
+        gathers = experts_bwd.gathering_wgrad_tile(tile)
+    else:
+        dy, x, index, gathers = bf16_rows(dy_rows), bf16_rows(x_rows), None, tile
+    carries = (None, None) if carry is None else carry.pairs()
+    experts_bwd.wgrad(dy, act_w, grads.d_w_down, offsets, counts, gathers, programs, warp_specialized,
+                      carry=None if carry is None else (carry.modes, *carries[0]), a_index=index)
+    experts_bwd.wgrad(d_h, x, grads.d_w_gate_up, offsets, counts, gathers, programs, warp_specialized,
+                      carry=None if carry is None else (carry.modes, *carries[1]), b_index=index)
+
+
+def bf16_rows(rows: torch.Tensor | QuantRows) -> torch.Tensor:
+    """The rows as BF16: E4M3 rows (QuantRows) dequantised (``formats``' dequantise) and rounded to BF16 once;
+    BF16 rows as they are."""
+    return _dequantized(rows).to(torch.bfloat16) if isinstance(rows, QuantRows) else rows
 
 
 def expert_backward_mxfp8_reference(
@@ -300,12 +361,20 @@ def expert_backward_fp8_block_reference(
     w_down: torch.Tensor,
     *,
     activation: Activation = SWIGLU,
+    bf16_wgrads: bool = False,
+    token_rows: TokenRows | None = None,
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_fp8_block`: the same quantisations (``formats``), the products in
     the kernels' promotion order (``_promoted_matmul``), d_h and act_w rounded to bf16 where the kernels store
     them. FP32 results; rows outside regions NaN. E4M3 rows (QuantRows) enter as they are for dact and
-    dequantised for the wgrads, as the kernels take them."""
+    dequantised for the wgrads, as the kernels take them. ``bf16_wgrads`` / ``token_rows`` as the kernels': the
+    weight gradients FP32 products of the BF16 rows (``token_rows``' tokens, or the rows as :func:`bf16_rows`)."""
     dy_pulled = dy_rows if isinstance(dy_rows, QuantRows) else None
+    if bf16_wgrads:
+        routed = _rows_of(x_rows, "fp8-block", "x_rows").shape[0]
+        tokens = None if token_rows is None else token_rows.index[:routed].long()
+        wgrad_dy = bf16_rows(dy_rows) if tokens is None else token_rows.d_out[tokens.clamp(min=0)]
+        wgrad_x = bf16_rows(x_rows) if tokens is None else token_rows.x[tokens.clamp(min=0)]
     dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
     f32 = dict(dtype=torch.float32, device=x_rows.device)
@@ -323,8 +392,12 @@ def expert_backward_fp8_block_reference(
         grads.d_router[sl] = d_router
         d_h_q, d_h_s = fp8_block_quantize(d_h)
         grads.d_x[sl] = _promoted_matmul(d_h_q, d_h_s, *fp8_block_quantize(w_gate_up[l].T, (FP8_BLOCK, FP8_BLOCK)))
-        grads.d_w_down[l] = _token_wgrad(dy_rows[sl], act_w)
-        grads.d_w_gate_up[l] = _token_wgrad(d_h, x_rows[sl])
+        if bf16_wgrads:
+            grads.d_w_down[l] = wgrad_dy[sl].float().T @ act_w.float()
+            grads.d_w_gate_up[l] = d_h.float().T @ wgrad_x[sl].float()
+        else:
+            grads.d_w_down[l] = _token_wgrad(dy_rows[sl], act_w)
+            grads.d_w_gate_up[l] = _token_wgrad(d_h, x_rows[sl])
     return grads
 
 
