@@ -17,7 +17,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
      or with ``megamoe.ops.experts_mxfp8.AS_BF16`` the BF16 kernels on MX-rounded operands,
-     ``megamoe.ops.experts_mxfp8_bf16``): ``d_act = d_out_row · W_down``, the
+     ``megamoe.ops.experts_mxfp8_bf16``; with ``experts_fp8_bwd.BF16_WGRADS`` fp8-block's weight gradients BF16
+     wgrads, one rank reading the staged BF16 d_out and x by token): ``d_act = d_out_row · W_down``, the
      SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no division
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
      expert's rows in one fixed order (FP32 accumulation, carried across windows in FP32);
