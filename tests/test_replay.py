@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megamoe.megakernel.replay import GraphReplay, KeyedPool, graph_counts, layout_key
+from megamoe.megakernel.replay import GraphReplay, KeyedPool, device_pool, graph_counts, layout_key
 
 
 class _FakeGraph:
@@ -130,3 +130,22 @@ def test_the_keyed_pool_is_the_shared_allocator_on_the_cpu_and_inside_another_ca
     gpu.pool = object()  # a pool (never entered here)
     fake_cuda["capturing"] = True
     assert isinstance(gpu.allocating(), contextlib.nullcontext)
+
+
+def test_kernels_share_one_keyed_pool_per_device(monkeypatch):
+    """``device_pool``: one enabled pool per CUDA device for the process (``cuda`` and ``cuda:0`` name one device
+    here), so kernels reuse each other's freed blocks; disabled or on the CPU a pool of none, never the shared one."""
+    from megamoe.megakernel import replay
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "MemPool", lambda: made.append(object()) or made[-1])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(replay, "_DEVICE_POOLS", {})
+    first = device_pool(torch.device("cuda"), enabled=True)
+    assert device_pool(torch.device("cuda:0"), enabled=True) is first and first.pool is made[0]
+    other = device_pool(torch.device("cuda:1"), enabled=True)
+    assert other is not first and other.pool is made[1] and len(made) == 2
+    for off in (device_pool(torch.device("cuda:0"), enabled=False), device_pool(torch.device("cpu"), enabled=True)):
+        assert off.pool is None and off is not first
+    monkeypatch.setattr(replay, "KEYED_POOL", True)
+    assert device_pool(torch.device("cuda:0")) is first  # None reads the switch

@@ -60,7 +60,7 @@ from megamoe.kernels import sync
 from megamoe.megakernel.backward_ring import BackwardRing
 from megamoe.megakernel.buffers import ForwardContext, LayerBuffers
 from megamoe.megakernel.launch import Launcher
-from megamoe.megakernel.replay import GraphReplay, KeyedPool, layout_key
+from megamoe.megakernel.replay import GraphReplay, device_pool, layout_key
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import QuantizedExperts, quantize_experts
 from megamoe.ops.experts import ExpertForward, ExpertForwardQuantized, expert_forward
@@ -216,7 +216,7 @@ class MegaKernel:
         self.backward_replay = GraphReplay(shared_pool=True) if replay and self.gpu else None
         # what the graphs' keys name that a pass hands out (a training forward's h, the weight gradients), from a
         # pool of their own, so that their addresses, and the keys, repeat step after step (none without graphs)
-        self.keyed_pool = KeyedPool(dev, enabled=None if replay and self.gpu else False)
+        self.keyed_pool = device_pool(dev, enabled=None if replay and self.gpu else False)
 
     def tiles(self, routed: bool = True) -> tuple[TileConfig, TileConfig]:
         """(gate/up, down) tiles of the routed experts (``routed``) or of the shared expert (always BF16)."""

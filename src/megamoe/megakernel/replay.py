@@ -53,7 +53,9 @@ class KeyedPool:
     freed h or gradient goes back to blocks only these tensors use, so the next step's, allocated in the same
     order, land where the last step's were: one key per layer (two while gradients accumulate: the first
     microbatch's stays as ``.grad``). The pool's cached blocks serve only these tensors, which a training loop
-    allocates again every step. No pool on the CPU, or while someone else's graph is being captured (its
+    allocates again every step. Kernels share one pool per device (:func:`device_pool`): a model's layer shapes, or a
+    bench's BF16 and FP8 runners, reuse each other's freed blocks instead of each keeping its own (kimi-k2's
+    weight gradients are 34 GB). No pool on the CPU, or while someone else's graph is being captured (its
     allocations belong to that graph's pool)."""
 
     def __init__(self, device: torch.device, enabled: bool | None = None) -> None:
@@ -68,6 +70,21 @@ class KeyedPool:
         if self.pool is None or torch.cuda.is_current_stream_capturing():
             return contextlib.nullcontext()
         return torch.cuda.use_mem_pool(self.pool, self.device)
+
+
+_DEVICE_POOLS: dict[torch.device, KeyedPool] = {}
+
+
+def device_pool(device: torch.device, enabled: bool | None = None) -> KeyedPool:
+    """The process's :class:`KeyedPool` of ``device`` (made at the first call that enables it), or a disabled one:
+    ``enabled`` None reads :data:`KEYED_POOL`; the CPU has none."""
+    enabled = KEYED_POOL if enabled is None else enabled
+    if not enabled or device.type != "cuda":
+        return KeyedPool(device, enabled=False)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _DEVICE_POOLS:
+        _DEVICE_POOLS[device] = KeyedPool(device, enabled=True)
+    return _DEVICE_POOLS[device]
 
 
 class GraphReplay:
