@@ -245,7 +245,21 @@ def test_fp8_backward_takes_e4m3_rows(fmt):
         launch(*args)
 
 
-def test_fp8_block_bf16_wgrads_match_their_twin_from_every_kind_of_rows():
+def _as_bf16_kernels(*args, **kwargs):
+    from megamoe.ops.experts_mxfp8_bf16 import expert_backward_mxfp8_bf16
+
+    return expert_backward_mxfp8_bf16(*args, **kwargs)
+
+
+#: the FP8 backwards with BF16 wgrads: (label, launch, twin, format); mxfp8's tiles slow under the interpreter
+BF16_WGRAD_BACKWARDS = [("fp8-block", expert_backward_fp8_block, expert_backward_fp8_block_reference, "fp8-block"),
+                        ("mxfp8 as bf16", _as_bf16_kernels, expert_backward_mxfp8_reference, "mxfp8"),
+                        pytest.param("mxfp8 tiles", expert_backward_mxfp8, expert_backward_mxfp8_reference, "mxfp8",
+                                     marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("label, launch, reference, fmt", BF16_WGRAD_BACKWARDS)
+def test_bf16_wgrads_match_their_twin_from_every_kind_of_rows(label, launch, reference, fmt):
     """``bf16_wgrads``: the weight gradients BF16 wgrads of BF16 rows -- the rows as given (BF16), E4M3 rows
     dequantised, or one rank's tokens read by index (``TokenRows``: here the rows shuffled into token order) -- each
     within BF16's rounding of its twin, closer to the FP32 oracle than the FP8 wgrads' (nothing quantised along the
@@ -256,28 +270,28 @@ def test_fp8_block_bf16_wgrads_match_their_twin_from_every_kind_of_rows():
     p = _problem(*FP8_BACKWARD_LOADS["mixed"], seed=7)
     args = list(_args(p))
     inside = _inside(p)
-    fp8 = expert_backward_fp8_block(*args)
+    fp8 = launch(*args, bf16_wgrads=False)
     oracle = expert_backward_reference(*args)
     rows = p["x"].shape[0]
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     tokens = TokenRows(p["dy"][order].contiguous(), p["x"][order].contiguous(),
                        torch.argsort(order).to(torch.int32))  # row r is token index[r]: order[index[r]] == r
-    pulled = [QuantRows(*quantize_activations(p[k], "fp8-block"), "fp8-block") for k in ("dy", "x")]
-    for label, (dy, x, token_rows) in {"bf16 rows": (p["dy"], p["x"], None),
-                                       "e4m3 rows": (*pulled, None),
-                                       "token rows": (pulled[0], pulled[1], tokens)}.items():
+    pulled = [QuantRows(*quantize_activations(p[k], fmt), fmt) for k in ("dy", "x")]
+    for rows_as, (dy, x, token_rows) in {"bf16 rows": (p["dy"], p["x"], None),
+                                         "e4m3 rows": (*pulled, None),
+                                         "token rows": (pulled[0], pulled[1], tokens)}.items():
         run = [dy, args[1], x, *args[3:]]
-        got = expert_backward_fp8_block(*run, bf16_wgrads=True, token_rows=token_rows)
-        twin = expert_backward_fp8_block_reference(*run, bf16_wgrads=True, token_rows=token_rows)
+        got = launch(*run, bf16_wgrads=True, token_rows=token_rows)
+        twin = reference(*run, bf16_wgrads=True, token_rows=token_rows)
         for name in ("d_w_gate_up", "d_w_down"):
             kernel = getattr(got, name)
-            assert torch.isfinite(kernel).all(), (label, name)
-            assert rel(kernel, getattr(twin, name)) < 4e-3, (label, name, rel(kernel, getattr(twin, name)))
-            if label != "e4m3 rows":  # the E4M3 rows' dequantised values carry FP8's error themselves
-                assert rel(kernel, getattr(oracle, name)) < rel(getattr(fp8, name), getattr(oracle, name)), (label,
-                                                                                                             name)
-        if label == "bf16 rows":
+            assert torch.isfinite(kernel).all(), (rows_as, name)
+            assert rel(kernel, getattr(twin, name)) < 4e-3, (rows_as, name, rel(kernel, getattr(twin, name)))
+            if rows_as != "e4m3 rows":  # the E4M3 rows' dequantised values carry FP8's error themselves
+                assert rel(kernel, getattr(oracle, name)) < rel(getattr(fp8, name), getattr(oracle, name)), (
+                    rows_as, name)
+        if rows_as == "bf16 rows":
             for name in ("d_x", "d_router"):
                 assert torch.equal(getattr(got, name)[inside], getattr(fp8, name)[inside]), name
     with pytest.raises(ValueError, match="bf16_wgrads"):
-        expert_backward_fp8_block(*args, token_rows=tokens)
+        launch(*args, bf16_wgrads=False, token_rows=tokens)

@@ -17,8 +17,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
      or with ``megamoe.ops.experts_mxfp8.AS_BF16`` the BF16 kernels on MX-rounded operands,
-     ``megamoe.ops.experts_mxfp8_bf16``; with ``experts_fp8_bwd.BF16_WGRADS`` fp8-block's weight gradients BF16
-     wgrads, one rank reading the staged BF16 d_out and x by token): ``d_act = d_out_row · W_down``, the
+     ``megamoe.ops.experts_mxfp8_bf16``; with ``experts_fp8_bwd.BF16_WGRADS`` the weight gradients BF16 wgrads,
+     one rank reading the staged BF16 d_out and x by token): ``d_act = d_out_row · W_down``, the
      SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no division
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
      expert's rows in one fixed order (FP32 accumulation, carried across windows in FP32);
@@ -81,9 +81,9 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # qwen3-30b-a3b, one H200: benchmarks/results/2026-12-06-h200-keyed-pool-step)
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
-    # one rank, fp8-block with BF16 wgrads (experts_fp8_bwd.BF16_WGRADS): they read the staged BF16 d_out and x by
-    # token, not the E4M3 rows (which they would dequantise)
-    bf16_wgrads = fmt == "fp8-block" and fp8_bwd.BF16_WGRADS
+    # one rank, FP8 with BF16 wgrads (experts_fp8_bwd.BF16_WGRADS): they read the staged BF16 d_out and x by token,
+    # not the E4M3 rows (which they would dequantise)
+    bf16_wgrads = fmt != "bf16" and fp8_bwd.BF16_WGRADS
     token_wgrads = world.size == 1 and bf16_wgrads
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward
@@ -135,10 +135,10 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
                 out = replace(out, d_x=ws.local("combine"), d_x_index=window.src_index)
             counts, offsets = window.tokens_per_expert, window.offsets
             if fmt != "bf16":
-                wgrad_rows = {} if fmt != "fp8-block" else dict(bf16_wgrads=bf16_wgrads, token_rows=TokenRows(
-                    ws.local("d_out"), ws.local("x"), tokens) if token_wgrads else None)
+                token_rows = TokenRows(ws.local("d_out"), ws.local("x"), tokens) if token_wgrads else None
                 fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
-                             activation=activation, carry=ring.carry(window), out=out, bias=bias, **wgrad_rows)
+                             activation=activation, carry=ring.carry(window), out=out, bias=bias,
+                             bf16_wgrads=bf16_wgrads, token_rows=token_rows)
             else:
                 expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),

@@ -14,9 +14,10 @@ The dgrads read the weights transposed (``weights_t``: the per-step pack's, :mod
 fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients returned are
 BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
-With :data:`BF16_WGRADS` (fp8-block) both weight gradients run as the BF16 backward's instead (``experts_bwd.wgrad``
-on BF16 rows: dy and x as pulled, dequantised, or one rank's BF16 tokens read by index; act_w and d_h as the dact
-stores them): no operand is quantised along the tokens, and the gradients are BF16 products of the rows.
+With :data:`BF16_WGRADS` (either format, and MXFP8 as the BF16 kernels) both weight gradients run as the BF16
+backward's instead (:func:`bf16_wgrads`: dy and x as pulled, dequantised, or one rank's BF16 tokens read by index;
+act_w and d_h as the dact stores them): no operand is quantised along the tokens, and the gradients are BF16
+products of the rows.
 
 MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
 the transposed weights are quantised along their own last dim (D for dact, 2I for dx: not the forward's pack,
@@ -47,7 +48,7 @@ from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig, mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
-from megamoe.ops.quant import quantize_activations
+from megamoe.ops.quant import mx_round_activations, quantize_activations
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.reference import activation_backward
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
@@ -55,11 +56,12 @@ from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize
 from megamoe.runtime import interpreting
 
 
-#: fp8-block's weight gradients as BF16 wgrads of BF16 rows (module docstring), where the FP8 wgrad's per-step
-#: promotion and the four token-axis quantisers cost more than its FP8 MMAs save: deepseek-v3 at EP 1 on one H100,
-#: the FP8 wgrads 13.1 ms + ~2.2 ms of quantisers against ~11 ms of BF16 wgrads (different trees;
-#: ``benchmarks/fp8_wgrad_ab.py`` times them side by side). Off until a GPU measures it
-#: (``MEGAMOE_FP8_BF16_WGRADS``, 0 or 1); the gradients are then closer to the FP32 product, not the same bits.
+#: The FP8 backwards' weight gradients as BF16 wgrads of BF16 rows (module docstring; torchao's "rowwise,
+#: high-precision grad weight" recipe), where the FP8 wgrad's per-step promotion and the four token-axis quantisers
+#: (MXFP8 as BF16: roundings) cost more than its FP8 MMAs save: deepseek-v3 at EP 1 on one H100, the FP8 wgrads
+#: 13.1 ms + ~2.2 ms of quantisers against ~11 ms of BF16 wgrads (different trees; ``benchmarks/fp8_wgrad_ab.py``
+#: times them side by side). Off until a GPU measures it (``MEGAMOE_FP8_BF16_WGRADS``, 0 or 1); the gradients are
+#: then closer to the FP32 product, not the same bits.
 BF16_WGRADS = runtime.env_switch("MEGAMOE_FP8_BF16_WGRADS", False)
 
 
@@ -180,23 +182,31 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     blocks where the whole rows do: cuts at multiples of 128 rows of an expert). ``bf16_wgrads``: the weight
     gradients as BF16 wgrads (None reads :data:`BF16_WGRADS`), of ``token_rows``' BF16 tokens where given (one
     rank), else of dy_rows and x_rows (E4M3 rows dequantised to BF16 first)."""
+    return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
+                                activation, weights_t, num_programs, tuning, warp_specialized, carry, out, bias,
+                                bf16_wgrads=wants_bf16_wgrads(bf16_wgrads, token_rows), token_rows=token_rows)
+
+
+def wants_bf16_wgrads(bf16_wgrads: bool | None, token_rows: TokenRows | None) -> bool:
+    """An FP8 backward's ``bf16_wgrads`` argument resolved (None reads :data:`BF16_WGRADS`); ``token_rows`` without
+    them refused."""
     bf16 = BF16_WGRADS if bf16_wgrads is None else bf16_wgrads
     if token_rows is not None and not bf16:
         raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set BF16_WGRADS)")
-    return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                activation, weights_t, num_programs, tuning, warp_specialized, carry, out, bias,
-                                bf16_wgrads=bf16, token_rows=token_rows)
+    return bf16
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
                           activation: Activation = SWIGLU, weights_t: TransposedWeights | None = None,
                           num_programs: int | None = None,
                           tuning: Tuning | None = None, carry: WgradCarry | None = None,
-                          out: ExpertGrads | None = None, bias: BiasGrads | None = None) -> ExpertGrads:
+                          out: ExpertGrads | None = None, bias: BiasGrads | None = None,
+                          bf16_wgrads: bool | None = None, token_rows: TokenRows | None = None) -> ExpertGrads:
     """:func:`expert_backward_fp8_block` in MXFP8 (module docstring); ``weights_t`` from
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
     return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
-                                activation, weights_t, num_programs, tuning, False, carry, out, bias)
+                                activation, weights_t, num_programs, tuning, False, carry, out, bias,
+                                bf16_wgrads=wants_bf16_wgrads(bf16_wgrads, token_rows), token_rows=token_rows)
 
 
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, activation,
@@ -269,8 +279,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
                                      **({} if mx else {"warp_specialized": warp_specialized}))
     carries = (None, None) if carry is None else carry.pairs()
     if bf16_wgrads:
-        _bf16_wgrads(dy_rows, act_w, d_h, x_rows, token_rows, grads, counts, offsets, tuning, programs,
-                     warp_specialized, carry)
+        bf16_wgrads_of(bf16_rows(dy_rows), act_w, d_h, bf16_rows(x_rows), token_rows, grads, counts, offsets, tuning,
+                       programs, warp_specialized, carry)
         return grads
     blocks = token_blocks(counts, offsets, rows)
     c = tuning.tile("wgrad", device, fmt=fmt)
@@ -282,30 +292,34 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     return grads
 
 
-def _bf16_wgrads(dy_rows, act_w, d_h, x_rows, token_rows: TokenRows | None, grads: ExpertGrads, counts, offsets,
-                 tuning: Tuning, programs: int, warp_specialized: bool, carry: WgradCarry | None) -> None:
-    """Both weight gradients as the BF16 backward's wgrads (:data:`BF16_WGRADS`): ``token_rows``' d_out and x read
-    by token, or the rows as given (E4M3 ones dequantised to BF16 first, :func:`bf16_rows`)."""
+def bf16_wgrads_of(dy: torch.Tensor, act_w: torch.Tensor, d_h: torch.Tensor, x: torch.Tensor,
+                   token_rows: TokenRows | None, grads: ExpertGrads, counts, offsets, tuning: Tuning, programs: int,
+                   warp_specialized: bool, carry: WgradCarry | None, rows_per_expert: float | None = None) -> None:
+    """Both weight gradients as the BF16 backward's wgrads (:data:`BF16_WGRADS`) of BF16 rows: ``token_rows``' d_out
+    and x read by token where given, else ``dy`` and ``x`` (`[R, D]`, the rows in order); act_w and d_h as the dact
+    stored them. int32 counts and offsets; ``rows_per_expert`` for the tile plan (default: the rows' mean)."""
     rows, device = d_h.shape[0], d_h.device
-    per_expert = mean_rows(rows, counts.shape[0], None)
-    tile = tuning.tile("wgrad", device, per_expert)
+    tile = tuning.tile("wgrad", device, mean_rows(rows, counts.shape[0], rows_per_expert))
+    index = None
     if token_rows is not None:
         checks.check_row_index("token_rows.index", token_rows.index, rows, device)
         dy, x, index = token_rows.d_out, token_rows.x, token_rows.index
-        gathers = experts_bwd.gathering_wgrad_tile(tile)
-    else:
-        dy, x, index, gathers = bf16_rows(dy_rows), bf16_rows(x_rows), None, tile
+        tile = experts_bwd.gathering_wgrad_tile(tile)
     carries = (None, None) if carry is None else carry.pairs()
-    experts_bwd.wgrad(dy, act_w, grads.d_w_down, offsets, counts, gathers, programs, warp_specialized,
+    experts_bwd.wgrad(dy, act_w, grads.d_w_down, offsets, counts, tile, programs, warp_specialized,
                       carry=None if carry is None else (carry.modes, *carries[0]), a_index=index)
-    experts_bwd.wgrad(d_h, x, grads.d_w_gate_up, offsets, counts, gathers, programs, warp_specialized,
+    experts_bwd.wgrad(d_h, x, grads.d_w_gate_up, offsets, counts, tile, programs, warp_specialized,
                       carry=None if carry is None else (carry.modes, *carries[1]), b_index=index)
 
 
 def bf16_rows(rows: torch.Tensor | QuantRows) -> torch.Tensor:
-    """The rows as BF16: E4M3 rows (QuantRows) dequantised (``formats``' dequantise) and rounded to BF16 once;
-    BF16 rows as they are."""
-    return _dequantized(rows).to(torch.bfloat16) if isinstance(rows, QuantRows) else rows
+    """The rows as BF16: E4M3 rows (QuantRows) dequantised (``formats``' dequantise; mxfp8's exactly, by one
+    ``mx_round_activations`` launch) and rounded to BF16 once; BF16 rows as they are."""
+    if not isinstance(rows, QuantRows):
+        return rows
+    if rows.format == "mxfp8":
+        return mx_round_activations(rows.data, x_scale=rows.scale)
+    return _dequantized(rows).to(torch.bfloat16)
 
 
 def expert_backward_mxfp8_reference(
@@ -319,15 +333,18 @@ def expert_backward_mxfp8_reference(
     w_down: torch.Tensor,
     *,
     activation: Activation = SWIGLU,
+    bf16_wgrads: bool = False,
+    token_rows: TokenRows | None = None,
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_mxfp8`: ``formats.mxfp8_quantize`` along each GEMM's reduction
     axis, operands dequantised exactly, fp32 matmuls; d_h and act_w rounded to bf16 where the kernels store
     them. FP32 results; rows outside regions NaN. E4M3 rows (QuantRows) enter dequantised (idempotent: MX
-    quantisation gives them back)."""
+    quantisation gives them back). ``bf16_wgrads`` / ``token_rows``: as :func:`expert_backward_fp8_block_reference`'s."""
 
     def mx(t, dim=-1):
         return mxfp8_dequantize(*mxfp8_quantize(t, dim), dim)
 
+    wgrad_dy, wgrad_x = _twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
     dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
     f32 = dict(dtype=torch.float32, device=x_rows.device)
@@ -343,11 +360,25 @@ def expert_backward_mxfp8_reference(
         act_w = (act * row_weights[sl, None]).to(torch.bfloat16)
         grads.d_router[sl] = d_router
         grads.d_x[sl] = mx(d_h) @ mx(w_gate_up[l].T).T
+        if bf16_wgrads:
+            grads.d_w_down[l] = wgrad_dy[sl].float().T @ act_w.float()
+            grads.d_w_gate_up[l] = d_h.float().T @ wgrad_x[sl].float()
+            continue
         pad = -(-count // 128) * 128 - count
         padded = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (dy_rows[sl], act_w, d_h, x_rows[sl])]
         grads.d_w_down[l] = mx(padded[0], 0).T @ mx(padded[1], 0)
         grads.d_w_gate_up[l] = mx(padded[2], 0).T @ mx(padded[3], 0)
     return grads
+
+
+def _twin_wgrad_rows(dy_rows, x_rows, token_rows: TokenRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The BF16 wgrads' dy and x rows in routed order, as the kernels read them: ``token_rows``' tokens, or the rows
+    as :func:`bf16_rows` gives them."""
+    if token_rows is None:
+        return bf16_rows(dy_rows), bf16_rows(x_rows)
+    routed = (x_rows.data if isinstance(x_rows, QuantRows) else x_rows).shape[0]
+    tokens = token_rows.index[:routed].long().clamp(min=0)
+    return token_rows.d_out[tokens], token_rows.x[tokens]
 
 
 def expert_backward_fp8_block_reference(
@@ -370,11 +401,7 @@ def expert_backward_fp8_block_reference(
     dequantised for the wgrads, as the kernels take them. ``bf16_wgrads`` / ``token_rows`` as the kernels': the
     weight gradients FP32 products of the BF16 rows (``token_rows``' tokens, or the rows as :func:`bf16_rows`)."""
     dy_pulled = dy_rows if isinstance(dy_rows, QuantRows) else None
-    if bf16_wgrads:
-        routed = _rows_of(x_rows, "fp8-block", "x_rows").shape[0]
-        tokens = None if token_rows is None else token_rows.index[:routed].long()
-        wgrad_dy = bf16_rows(dy_rows) if tokens is None else token_rows.d_out[tokens.clamp(min=0)]
-        wgrad_x = bf16_rows(x_rows) if tokens is None else token_rows.x[tokens.clamp(min=0)]
+    wgrad_dy, wgrad_x = _twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
     dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
     f32 = dict(dtype=torch.float32, device=x_rows.device)

@@ -17,7 +17,8 @@ differ from the MXFP8 tiles' by the order of the FP32 sums only.
     d_out rows (dact)                    D                                 pulled E4M3 rows dequantised, or rounded
     d_h (dx)                             2I                                here
     d_out, act_w, d_h, x (wgrads)        tokens: 32-row blocks of each     here, into each expert's 128-row span
-                                         expert's rows, zero-padded        (``token_blocks``), the wgrads' regions
+                                         expert's rows, zero-padded        (``token_blocks``), the wgrads' regions;
+                                         (none with ``BF16_WGRADS``)       ``experts_fp8_bwd.BF16_WGRADS``: BF16 rows
 
 E4M3 rows (:class:`~megamoe.ops.comm.QuantRows`: the pulled upstream gradient, the forward ring's x) are
 dequantised on load (exact: their values are on the grid along D) and, for the wgrads, rounded again along the
@@ -43,7 +44,8 @@ from megamoe.ops.expert_weights import RoundedWeights, rounded_weights
 from megamoe.ops.experts import ExpertForward, check_operands, expert_forward, warp_specialized_forward
 from megamoe.ops.experts_bwd import (ExpertGrads, WgradCarry, check_grads, dact, dx, new_grads, nothing_to_launch,
                                      wgrad)
-from megamoe.ops.experts_fp8_bwd import TokenBlocks, token_blocks
+from megamoe.ops.experts_fp8_bwd import (TokenBlocks, TokenRows, bf16_rows, bf16_wgrads_of, token_blocks,
+                                         wants_bf16_wgrads)
 from megamoe.ops.quant import mx_round_activations
 from megamoe.planner.tiles import mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
@@ -120,13 +122,16 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
                                num_programs: int | None = None, tuning: Tuning | None = None,
                                rows_per_expert: float | None = None, warp_specialized: bool = True,
                                carry: WgradCarry | None = None, out: ExpertGrads | None = None,
-                               bias: BiasGrads | None = None) -> ExpertGrads:
+                               bias: BiasGrads | None = None, bf16_wgrads: bool | None = None,
+                               token_rows: TokenRows | None = None) -> ExpertGrads:
     """:func:`~megamoe.ops.experts_fp8_bwd.expert_backward_mxfp8`'s numbers in the BF16 backward kernels (the module
     docstring's table): the same arguments, ``weights`` the pack's rounded weights with the dgrads'
     (``rounded_weights(..., backward=True)``; made here when None or without them). ``dy_rows`` and ``x_rows``: bf16
     `[R, D]`, or mxfp8 E4M3 rows (:class:`QuantRows`). D and I multiples of 32. ``tuning``, ``rows_per_expert``,
     ``warp_specialized``, ``carry``, ``out`` (its ``d_x_index`` too) and ``bias`` as
-    :func:`~megamoe.ops.experts_bwd.expert_backward`'s."""
+    :func:`~megamoe.ops.experts_bwd.expert_backward`'s; ``bf16_wgrads`` and ``token_rows`` as
+    :func:`~megamoe.ops.experts_fp8_bwd.expert_backward_mxfp8`'s (the wgrads on BF16 rows, none rounded)."""
+    bf16 = wants_bf16_wgrads(bf16_wgrads, token_rows)
     x_data = x_rows.data if isinstance(x_rows, QuantRows) else x_rows
     dy_data = dy_rows.data if isinstance(dy_rows, QuantRows) else dy_rows
     for name, r in (("x_rows", x_rows), ("dy_rows", dy_rows)):
@@ -152,13 +157,18 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
     # dact: d_out on the grid along D (the pulled E4M3 rows' own values), w_down along D
     gluon_dact = warp_specialized and warp_specialized_forward(device, cfg["dact"]) and cfg["dact"].block_n == 128
-    d_h, act_w = dact(dequantized_rows(dy_rows), row_weights, h, counts, offsets, wt.down_along_d, grads.d_router,
+    dy_grid = dequantized_rows(dy_rows)
+    d_h, act_w = dact(dy_grid, row_weights, h, counts, offsets, wt.down_along_d, grads.d_router,
                       cfg["dact"], programs, activation, gluon_dact)
     if bias is not None:  # from the rows as pulled (E4M3: dequantised, as the MXFP8 backward sums them)
         dy_sums = mxfp8_dequantize(dy_rows.data, dy_rows.scale) if isinstance(dy_rows, QuantRows) else dy_rows
         bias_backward(bias, d_h, dy_sums, row_weights, counts, offsets, grads.d_router)
     # dx: d_h on the grid along 2I, w_gate_up along 2I
     dx(mx_round_activations(d_h), wt.gate_up_along_2i, grads, counts, offsets, cfg["dx"], programs)
+    if bf16:  # E4M3 dy's dequantised rows are the dact's (exact); BF16 rows as given
+        bf16_wgrads_of(dy_grid if isinstance(dy_rows, QuantRows) else dy_rows, act_w, d_h, bf16_rows(x_rows),
+                       token_rows, grads, counts, offsets, tuning, programs, warp_specialized, carry, rows_per_expert)
+        return grads
     # the wgrads: both operands on the grid along each expert's tokens, in its 128-row span (zero-padded)
     blocks = token_blocks(counts, offsets, rows)
     span0 = blocks.block0 * FP8_BLOCK
