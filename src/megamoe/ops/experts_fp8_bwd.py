@@ -339,7 +339,8 @@ def expert_backward_mxfp8_reference(
     """The torch twin of :func:`expert_backward_mxfp8`: ``formats.mxfp8_quantize`` along each GEMM's reduction
     axis, operands dequantised exactly, fp32 matmuls; d_h and act_w rounded to bf16 where the kernels store
     them. FP32 results; rows outside regions NaN. E4M3 rows (QuantRows) enter dequantised (idempotent: MX
-    quantisation gives them back). ``bf16_wgrads`` / ``token_rows``: as :func:`expert_backward_fp8_block_reference`'s."""
+    quantisation gives them back). ``bf16_wgrads`` / ``token_rows``: as
+    :func:`expert_backward_fp8_block_reference`'s."""
 
     def mx(t, dim=-1):
         return mxfp8_dequantize(*mxfp8_quantize(t, dim), dim)
