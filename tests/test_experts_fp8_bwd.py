@@ -265,7 +265,7 @@ def test_bf16_wgrads_match_their_twin_from_every_kind_of_rows(label, launch, ref
     within BF16's rounding of its twin, closer to the FP32 oracle than the FP8 wgrads' (nothing quantised along the
     tokens), d_x and the router gradients the FP8 backward's bits (the wgrads leave them alone); token rows without
     the BF16 wgrads are refused."""
-    from megamoe.ops.experts_fp8_bwd import TokenRows
+    from megamoe.ops.bf16_wgrads import TokenRows
 
     p = _problem(*FP8_BACKWARD_LOADS["mixed"], seed=7)
     args = list(_args(p))

@@ -17,7 +17,7 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
      or with ``megamoe.ops.experts_mxfp8.AS_BF16`` the BF16 kernels on MX-rounded operands,
-     ``megamoe.ops.experts_mxfp8_bf16``; with ``experts_fp8_bwd.BF16_WGRADS`` the weight gradients BF16 wgrads,
+     ``megamoe.ops.experts_mxfp8_bf16``; with ``megamoe.ops.bf16_wgrads.BF16_WGRADS`` the weight gradients BF16 wgrads,
      one rank reading the staged BF16 d_out and x by token): ``d_act = d_out_row · W_down``, the
      SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no division
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
@@ -51,8 +51,9 @@ from megamoe.ops.expert_bias import BiasGrads
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import quantize_experts
 from megamoe.ops.experts_bwd import expert_backward
-from megamoe.ops import experts_fp8_bwd as fp8_bwd  # its switch, read at each call (tests set it)
-from megamoe.ops.experts_fp8_bwd import TokenRows, expert_backward_fp8_block, expert_backward_mxfp8
+from megamoe.ops import bf16_wgrads as fp8_wgrads  # its switch, read at each call (tests set it)
+from megamoe.ops.bf16_wgrads import TokenRows
+from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.experts_mxfp8 import runs_as_bf16
 from megamoe.ops.experts_mxfp8_bf16 import expert_backward_mxfp8_bf16
 from megamoe.routing.schedule import row_tokens
@@ -69,7 +70,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     ``d_out`` bf16 `[N, D]` the upstream gradient; the other arguments are the forward's (``b_gate_up``, ``b_down``
     its optional expert biases: their gradients are FP32 segment sums over the windows, ``megamoe.ops.expert_bias``).
     ``check`` reads the kernel's error word after the pass (a timed-out barrier raises RuntimeError)."""
-    world, s, c = kernel.world, kernel.shape, kernel.config
+    world, s = kernel.world, kernel.shape
     n, D, k = x.shape[0], s.hidden, s.top_k
     schedule, fmt = saved.schedule, kernel.precision
     forward_ring = saved.h.shape[0]
@@ -81,9 +82,9 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # qwen3-30b-a3b, one H200: benchmarks/results/2026-12-06-h200-keyed-pool-step)
     own_slots = world.size == 1 and fmt == "bf16"
     by_token = own_slots and expert_ops.GATHER_BACKWARD
-    # one rank, FP8 with BF16 wgrads (experts_fp8_bwd.BF16_WGRADS): they read the staged BF16 d_out and x by token,
+    # one rank, FP8 with BF16 wgrads (bf16_wgrads.BF16_WGRADS): they read the staged BF16 d_out and x by token,
     # not the E4M3 rows (which they would dequantise)
-    bf16_wgrads = fmt != "bf16" and fp8_bwd.BF16_WGRADS
+    bf16_wgrads = fmt != "bf16" and fp8_wgrads.BF16_WGRADS
     token_wgrads = world.size == 1 and bf16_wgrads
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward

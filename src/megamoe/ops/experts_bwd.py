@@ -140,14 +140,25 @@ def expert_backward(
                       activation, gluon_dact, dy_index)
     bias_backward(bias, d_h, dy_rows, row_weights, counts, offsets, grads.d_router)
     dx(d_h, w_gate_up, grads, counts, offsets, cfg["dx"], programs)
+    wgrads(dy_rows, act_w, d_h, x_rows, grads, offsets, counts, cfg["wgrad"], programs, warp_specialized, carry,
+           dy_index, x_index, gathers)
+    return grads
+
+
+def wgrads(dy_rows: torch.Tensor, act_w: torch.Tensor, d_h: torch.Tensor, x_rows: torch.Tensor, grads: ExpertGrads,
+           offsets: torch.Tensor, counts: torch.Tensor, tile: TileConfig, programs: int, warp_specialized: bool,
+           carry: WgradCarry | None, dy_index: torch.Tensor | None = None, x_index: torch.Tensor | None = None,
+           gathers: bool = True) -> None:
+    """Both weight gradients of :func:`expert_backward` (BF16 rows, int32 offsets and counts): ``dW_down = dyᵀ ·
+    act_w``, then ``dW_gate_up = d_hᵀ · x``, each from the window's ``carry`` where given; ``dy_index`` / ``x_index``
+    read those rows by token (:func:`wgrad`), at :func:`gathering_wgrad_tile` where ``gathers`` (the pass's kernels
+    gather on load)."""
     carries = (None, None) if carry is None else carry.pairs()
     for (a, b, a_index, b_index, dw), pair in zip(((dy_rows, act_w, dy_index, None, grads.d_w_down),
                                                    (d_h, x_rows, None, x_index, grads.d_w_gate_up)), carries):
-        tile = gathering_wgrad_tile(cfg["wgrad"]) if gathers and (a_index is not None or b_index is not None) \
-            else cfg["wgrad"]
-        wgrad(a, b, dw, offsets, counts, tile, programs, warp_specialized,
+        t = gathering_wgrad_tile(tile) if gathers and (a_index is not None or b_index is not None) else tile
+        wgrad(a, b, dw, offsets, counts, t, programs, warp_specialized,
               carry=None if carry is None else (carry.modes, *pair), a_index=a_index, b_index=b_index)
-    return grads
 
 
 def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, counts: torch.Tensor,

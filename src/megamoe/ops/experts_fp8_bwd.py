@@ -14,10 +14,8 @@ The dgrads read the weights transposed (``weights_t``: the per-step pack's, :mod
 fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients returned are
 BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
-With :data:`BF16_WGRADS` (either format, and MXFP8 as the BF16 kernels) both weight gradients run as the BF16
-backward's instead (:func:`bf16_wgrads`: dy and x as pulled, dequantised, or one rank's BF16 tokens read by index;
-act_w and d_h as the dact stores them): no operand is quantised along the tokens, and the gradients are BF16
-products of the rows.
+With ``megamoe.ops.bf16_wgrads.BF16_WGRADS`` (either format) both weight gradients run as the BF16 backward's
+instead (that module's recipe): no operand is quantised along the tokens.
 
 MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
 the transposed weights are quantised along their own last dim (D for dact, 2I for dx: not the forward's pack,
@@ -32,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe import checks, runtime
+from megamoe import runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import (dact_warp_specialized, expert_gemm_bwd, expert_gemm_fp8_bwd, expert_gemm_mxfp8_bwd,
                              wgrad_fp8_warp_specialized)
@@ -46,34 +44,15 @@ from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig, mean_rows
+from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
-from megamoe.ops.quant import mx_round_activations, quantize_activations
+from megamoe.ops.bf16_wgrads import TokenRows, bf16_rows, bf16_wgrads_of, twin_wgrad_rows, wants_bf16_wgrads
+from megamoe.ops.quant import quantize_activations
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.reference import activation_backward
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
 from megamoe.runtime import interpreting
-
-
-#: The FP8 backwards' weight gradients as BF16 wgrads of BF16 rows (module docstring; torchao's "rowwise,
-#: high-precision grad weight" recipe), where the FP8 wgrad's per-step promotion and the four token-axis quantisers
-#: (MXFP8 as BF16: roundings) cost more than its FP8 MMAs save: deepseek-v3 at EP 1 on one H100, the FP8 wgrads
-#: 13.1 ms + ~2.2 ms of quantisers against ~11 ms of BF16 wgrads (different trees; ``benchmarks/fp8_wgrad_ab.py``
-#: times them side by side). Off until a GPU measures it (``MEGAMOE_FP8_BF16_WGRADS``, 0 or 1); the gradients are
-#: then closer to the FP32 product, not the same bits.
-BF16_WGRADS = runtime.env_switch("MEGAMOE_FP8_BF16_WGRADS", False)
-
-
-@dataclass(frozen=True)
-class TokenRows:
-    """One rank's BF16 tokens for the BF16 wgrads (:data:`BF16_WGRADS`): ``d_out`` and ``x`` `[S, D]`, routed row r
-    of the backward reading token ``index[r]`` (int32 `[>= R]`): the staged upstream gradient and input, read in place
-    of the E4M3 rows (on Hopper gathered on load)."""
-
-    d_out: torch.Tensor
-    x: torch.Tensor
-    index: torch.Tensor
 
 
 def wgrad_fp8_ws_constexprs(programs: int, *, stages: int = WGRAD_FP8_WS_STAGES) -> dict:
@@ -180,20 +159,11 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry``, ``out`` and ``bias``
     as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
     blocks where the whole rows do: cuts at multiples of 128 rows of an expert). ``bf16_wgrads``: the weight
-    gradients as BF16 wgrads (None reads :data:`BF16_WGRADS`), of ``token_rows``' BF16 tokens where given (one
+    gradients as BF16 wgrads (None reads ``bf16_wgrads.BF16_WGRADS``), of ``token_rows``' BF16 tokens where given (one
     rank), else of dy_rows and x_rows (E4M3 rows dequantised to BF16 first)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation, weights_t, num_programs, tuning, warp_specialized, carry, out, bias,
                                 bf16_wgrads=wants_bf16_wgrads(bf16_wgrads, token_rows), token_rows=token_rows)
-
-
-def wants_bf16_wgrads(bf16_wgrads: bool | None, token_rows: TokenRows | None) -> bool:
-    """An FP8 backward's ``bf16_wgrads`` argument resolved (None reads :data:`BF16_WGRADS`); ``token_rows`` without
-    them refused."""
-    bf16 = BF16_WGRADS if bf16_wgrads is None else bf16_wgrads
-    if token_rows is not None and not bf16:
-        raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set BF16_WGRADS)")
-    return bf16
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
@@ -292,36 +262,6 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     return grads
 
 
-def bf16_wgrads_of(dy: torch.Tensor, act_w: torch.Tensor, d_h: torch.Tensor, x: torch.Tensor,
-                   token_rows: TokenRows | None, grads: ExpertGrads, counts, offsets, tuning: Tuning, programs: int,
-                   warp_specialized: bool, carry: WgradCarry | None, rows_per_expert: float | None = None) -> None:
-    """Both weight gradients as the BF16 backward's wgrads (:data:`BF16_WGRADS`) of BF16 rows: ``token_rows``' d_out
-    and x read by token where given, else ``dy`` and ``x`` (`[R, D]`, the rows in order); act_w and d_h as the dact
-    stored them. int32 counts and offsets; ``rows_per_expert`` for the tile plan (default: the rows' mean)."""
-    rows, device = d_h.shape[0], d_h.device
-    tile = tuning.tile("wgrad", device, mean_rows(rows, counts.shape[0], rows_per_expert))
-    index = None
-    if token_rows is not None:
-        checks.check_row_index("token_rows.index", token_rows.index, rows, device)
-        dy, x, index = token_rows.d_out, token_rows.x, token_rows.index
-        tile = experts_bwd.gathering_wgrad_tile(tile)
-    carries = (None, None) if carry is None else carry.pairs()
-    experts_bwd.wgrad(dy, act_w, grads.d_w_down, offsets, counts, tile, programs, warp_specialized,
-                      carry=None if carry is None else (carry.modes, *carries[0]), a_index=index)
-    experts_bwd.wgrad(d_h, x, grads.d_w_gate_up, offsets, counts, tile, programs, warp_specialized,
-                      carry=None if carry is None else (carry.modes, *carries[1]), b_index=index)
-
-
-def bf16_rows(rows: torch.Tensor | QuantRows) -> torch.Tensor:
-    """The rows as BF16: E4M3 rows (QuantRows) dequantised (``formats``' dequantise; mxfp8's exactly, by one
-    ``mx_round_activations`` launch) and rounded to BF16 once; BF16 rows as they are."""
-    if not isinstance(rows, QuantRows):
-        return rows
-    if rows.format == "mxfp8":
-        return mx_round_activations(rows.data, x_scale=rows.scale)
-    return _dequantized(rows).to(torch.bfloat16)
-
-
 def expert_backward_mxfp8_reference(
     dy_rows: torch.Tensor,
     row_weights: torch.Tensor,
@@ -345,7 +285,7 @@ def expert_backward_mxfp8_reference(
     def mx(t, dim=-1):
         return mxfp8_dequantize(*mxfp8_quantize(t, dim), dim)
 
-    wgrad_dy, wgrad_x = _twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
+    wgrad_dy, wgrad_x = twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
     dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
     f32 = dict(dtype=torch.float32, device=x_rows.device)
@@ -372,16 +312,6 @@ def expert_backward_mxfp8_reference(
     return grads
 
 
-def _twin_wgrad_rows(dy_rows, x_rows, token_rows: TokenRows | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The BF16 wgrads' dy and x rows in routed order, as the kernels read them: ``token_rows``' tokens, or the rows
-    as :func:`bf16_rows` gives them."""
-    if token_rows is None:
-        return bf16_rows(dy_rows), bf16_rows(x_rows)
-    routed = (x_rows.data if isinstance(x_rows, QuantRows) else x_rows).shape[0]
-    tokens = token_rows.index[:routed].long().clamp(min=0)
-    return token_rows.d_out[tokens], token_rows.x[tokens]
-
-
 def expert_backward_fp8_block_reference(
     dy_rows: torch.Tensor,
     row_weights: torch.Tensor,
@@ -402,7 +332,7 @@ def expert_backward_fp8_block_reference(
     dequantised for the wgrads, as the kernels take them. ``bf16_wgrads`` / ``token_rows`` as the kernels': the
     weight gradients FP32 products of the BF16 rows (``token_rows``' tokens, or the rows as :func:`bf16_rows`)."""
     dy_pulled = dy_rows if isinstance(dy_rows, QuantRows) else None
-    wgrad_dy, wgrad_x = _twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
+    wgrad_dy, wgrad_x = twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
     dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
     f32 = dict(dtype=torch.float32, device=x_rows.device)

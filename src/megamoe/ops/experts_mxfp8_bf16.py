@@ -18,7 +18,7 @@ differ from the MXFP8 tiles' by the order of the FP32 sums only.
     d_h (dx)                             2I                                here
     d_out, act_w, d_h, x (wgrads)        tokens: 32-row blocks of each     here, into each expert's 128-row span
                                          expert's rows, zero-padded        (``token_blocks``), the wgrads' regions;
-                                         (none with ``BF16_WGRADS``)       ``experts_fp8_bwd.BF16_WGRADS``: BF16 rows
+                                         (none with ``BF16_WGRADS``)       ``bf16_wgrads.BF16_WGRADS``: BF16 rows
 
 E4M3 rows (:class:`~megamoe.ops.comm.QuantRows`: the pulled upstream gradient, the forward ring's x) are
 dequantised on load (exact: their values are on the grid along D) and, for the wgrads, rounded again along the
@@ -44,8 +44,8 @@ from megamoe.ops.expert_weights import RoundedWeights, rounded_weights
 from megamoe.ops.experts import ExpertForward, check_operands, expert_forward, warp_specialized_forward
 from megamoe.ops.experts_bwd import (ExpertGrads, WgradCarry, check_grads, dact, dx, new_grads, nothing_to_launch,
                                      wgrad)
-from megamoe.ops.experts_fp8_bwd import (TokenBlocks, TokenRows, bf16_rows, bf16_wgrads_of, token_blocks,
-                                         wants_bf16_wgrads)
+from megamoe.ops.bf16_wgrads import TokenRows, bf16_rows, bf16_wgrads_of, wants_bf16_wgrads
+from megamoe.ops.experts_fp8_bwd import TokenBlocks, token_blocks
 from megamoe.ops.quant import mx_round_activations
 from megamoe.planner.tiles import mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning

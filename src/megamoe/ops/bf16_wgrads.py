@@ -1,0 +1,88 @@
+"""The FP8 backwards' weight gradients as BF16 wgrads of BF16 rows (torchao's "rowwise, high-precision grad weight"
+recipe): :data:`BF16_WGRADS`.
+
+The FP8 backwards (:mod:`megamoe.ops.experts_fp8_bwd`'s fp8-block and MXFP8 tiles, MXFP8 as the BF16 kernels in
+:mod:`megamoe.ops.experts_mxfp8_bf16`) quantise (or round) four operands along each expert's tokens for their
+wgrads. With the switch on they run the BF16 backward's wgrads instead (:func:`bf16_wgrads_of`): dy and x as
+pulled, dequantised to BF16 once (:func:`bf16_rows`), or one rank's staged BF16 tokens read by index
+(:class:`TokenRows`); act_w and d_h as the dact stores them. Nothing is quantised along the tokens, and the gradients
+are BF16 products of the rows: closer to the FP32 product, not the FP8 wgrads' bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megamoe import checks, runtime
+from megamoe.ops import experts_bwd
+from megamoe.ops.comm import QuantRows
+from megamoe.ops.experts_bwd import ExpertGrads, WgradCarry
+from megamoe.ops.quant import mx_round_activations
+from megamoe.planner.tiles import mean_rows
+from megamoe.planner.tuning import Tuning
+from megamoe.reference.formats import fp8_block_dequantize
+
+#: The FP8 backwards' weight gradients as BF16 wgrads (module docstring), where the FP8 wgrad's per-step promotion
+#: and the four token-axis quantisers (MXFP8 as BF16: roundings) cost more than its FP8 MMAs save: deepseek-v3 at EP 1
+#: on one H100, the FP8 wgrads 13.1 ms + ~2.2 ms of quantisers against ~11 ms of BF16 wgrads (different trees;
+#: ``benchmarks/fp8_wgrad_ab.py`` times them side by side). Off until a GPU measures it (``MEGAMOE_FP8_BF16_WGRADS``,
+#: 0 or 1).
+BF16_WGRADS = runtime.env_switch("MEGAMOE_FP8_BF16_WGRADS", False)
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """One rank's BF16 tokens for the BF16 wgrads: ``d_out`` and ``x`` `[S, D]`, routed row r of the backward reading
+    token ``index[r]`` (int32 `[>= R]`): the staged upstream gradient and input, read in place of the E4M3 rows (on
+    Hopper gathered on load)."""
+
+    d_out: torch.Tensor
+    x: torch.Tensor
+    index: torch.Tensor
+
+
+def wants_bf16_wgrads(bf16_wgrads: bool | None, token_rows: TokenRows | None) -> bool:
+    """An FP8 backward's ``bf16_wgrads`` argument resolved (None reads :data:`BF16_WGRADS`); ``token_rows`` without
+    them refused."""
+    bf16 = BF16_WGRADS if bf16_wgrads is None else bf16_wgrads
+    if token_rows is not None and not bf16:
+        raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set BF16_WGRADS)")
+    return bf16
+
+
+def bf16_rows(rows: torch.Tensor | QuantRows) -> torch.Tensor:
+    """The rows as BF16: E4M3 rows (QuantRows) dequantised (``formats``' dequantise; mxfp8's exactly, by one
+    ``mx_round_activations`` launch) and rounded to BF16 once; BF16 rows as they are."""
+    if not isinstance(rows, QuantRows):
+        return rows
+    if rows.format == "mxfp8":
+        return mx_round_activations(rows.data, x_scale=rows.scale)
+    return fp8_block_dequantize(rows.data, rows.scale).to(torch.bfloat16)
+
+
+def bf16_wgrads_of(dy: torch.Tensor, act_w: torch.Tensor, d_h: torch.Tensor, x: torch.Tensor,
+                   token_rows: TokenRows | None, grads: ExpertGrads, counts, offsets, tuning: Tuning, programs: int,
+                   warp_specialized: bool, carry: WgradCarry | None, rows_per_expert: float | None = None) -> None:
+    """Both weight gradients as the BF16 backward's wgrads (``experts_bwd.wgrads``) of BF16 rows: ``token_rows``' d_out
+    and x read by token where given, else ``dy`` and ``x`` (`[R, D]`, the rows in order); act_w and d_h as the dact
+    stored them. int32 counts and offsets; ``rows_per_expert`` for the tile plan (default: the rows' mean)."""
+    rows, device = d_h.shape[0], d_h.device
+    tile = tuning.tile("wgrad", device, mean_rows(rows, counts.shape[0], rows_per_expert))
+    index = None
+    if token_rows is not None:
+        checks.check_row_index("token_rows.index", token_rows.index, rows, device)
+        dy, x, index = token_rows.d_out, token_rows.x, token_rows.index
+    experts_bwd.wgrads(dy, act_w, d_h, x, grads, offsets, counts, tile, programs, warp_specialized, carry, index,
+                       index)
+
+
+def twin_wgrad_rows(dy_rows, x_rows, token_rows: TokenRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twins' BF16 wgrad rows, dy and x in routed order, as the kernels read them: ``token_rows``' tokens,
+    or the rows as :func:`bf16_rows` gives them."""
+    if token_rows is None:
+        return bf16_rows(dy_rows), bf16_rows(x_rows)
+    routed = (x_rows.data if isinstance(x_rows, QuantRows) else x_rows).shape[0]
+    tokens = token_rows.index[:routed].long().clamp(min=0)
+    return token_rows.d_out[tokens], token_rows.x[tokens]
