@@ -104,6 +104,67 @@ def test_fp8_block_backward_is_bitwise_deterministic():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+def _slots_of(p, seed):
+    """A slot for every routed row in a set twice as large (rows outside regions and every 7th inside: -1)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = p["x"].shape[0]
+    inside = _inside(p).cpu()
+    index = torch.randperm(2 * rows, generator=g)[:rows].to(torch.int32)
+    index[~inside] = -1
+    index[torch.nonzero(inside)[::7, 0]] = -1
+    return index
+
+
+def _d_x_into_slots(p, index, **kwargs):
+    """(the backward with rows in order, the one storing d_x into NaN-poisoned slots, the slots)."""
+    from dataclasses import replace
+
+    from megamoe.ops.experts_bwd import new_grads
+
+    rows = p["x"].shape[0]
+    want = expert_backward_fp8_block(*_args(p), **kwargs)
+    slots = torch.full((2 * rows, p["x"].shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = replace(new_grads(rows, p["wgu"], p["wd"]), d_x=slots, d_x_index=index.to(DEVICE))
+    return want, expert_backward_fp8_block(*_args(p), out=out, **kwargs), slots
+
+
+def _check_slots(want, got, slots, index, inside):
+    stored = index >= 0
+    assert torch.equal(slots[index[stored].long()].cpu(), want.d_x[stored.to(DEVICE)].cpu())
+    untouched = torch.ones(slots.shape[0], dtype=torch.bool)
+    untouched[index[stored].long()] = False
+    assert bool(slots[untouched.to(DEVICE)].isnan().all())
+    assert torch.equal(got.d_router[inside], want.d_router[inside])
+    assert torch.equal(got.d_w_gate_up, want.d_w_gate_up) and torch.equal(got.d_w_down, want.d_w_down)
+
+
+def test_fp8_block_backward_stores_d_x_rows_into_their_slots_with_the_same_bits():
+    """``out.d_x_index`` (one rank's composed backward: each row's d_x straight into its route's slot) gives the
+    in-order rows' bits there and touches no other slot; mxfp8's own tiles refuse it."""
+    from dataclasses import replace
+
+    from megamoe.ops.experts_bwd import new_grads
+
+    p = _problem(*FP8_BACKWARD_LOADS["mixed"], seed=5)
+    index = _slots_of(p, 6)
+    _check_slots(*_d_x_into_slots(p, index), index, _inside(p))
+    rows = p["x"].shape[0]
+    out = replace(new_grads(rows, p["wgu"], p["wd"]), d_x_index=index.to(DEVICE))
+    with pytest.raises(ValueError, match="mxfp8 tiles' d_x writes rows in order"):
+        expert_backward_mxfp8(*_args(p), out=out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+def test_gpu_fp8_block_d_x_into_slots_gives_the_rows_bits():
+    """The Gluon dx (``forward_fp8_ws_kernel``'s SCATTER) stores each row's d_x into its slot with the bits of the
+    rows in order, on the Hopper load of the test below."""
+    p = _problem([70, 0, 300, 129, 5, 200, 131], 3, d=384, i=384, seed=9)
+    index = _slots_of(p, 11)
+    _check_slots(*_d_x_into_slots(p, index, num_programs=5), index, _inside(p))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")

@@ -111,10 +111,11 @@ def down_fp8_tile(
     act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr,
     stride_as, stride_ws_n, stride_y,
     row0, row_end, expert, n0, D, K,
-    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, b_ptr=None,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, b_ptr=None, y_index_ptr=None,
 ):
     """One [BLOCK_M x BLOCK_N] tile of y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (+ the optional bias
-    ``b_ptr`` `[L, D]`; K = I), rows < row_end."""
+    ``b_ptr`` `[L, D]`; K = I), rows < row_end: row r to y row r, or with ``y_index_ptr`` (int32) to y row
+    ``y_index[r]`` (rows whose index is < 0 not stored: the FP8 backward's dx into its rows' slots)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_row = expert * D + n0
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -130,8 +131,12 @@ def down_fp8_tile(
         acc += _dot_block(a, w, DOT_FP32) * (a_s[:, None] * s)
     cols = n0 + tl.arange(0, BLOCK_N)
     acc = add_bias(acc, b_ptr, expert * D, cols, D)
+    dest = rows.to(tl.int64)
+    if y_index_ptr is not None:
+        dest = tl.load(y_index_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        row_ok = row_ok & (dest >= 0)
     mask = row_ok[:, None] & (cols < D)[None, :]
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
+    tl.store(y_ptr + dest[:, None] * stride_y + cols[None, :], to_bf16(acc, DOT_FP32), mask=mask)
 
 
 @triton.jit
@@ -169,9 +174,10 @@ def down_fp8_kernel(
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None,
+    y_index_ptr=None,
 ):
     """Persistent FP8-block down projection over every (tile, n-tile) task (``b_ptr``: the optional bias
-    `[L, D]`)."""
+    `[L, D]`; ``y_index_ptr``: the rows' destinations, :func:`down_fp8_tile`)."""
     tl.static_assert(BLOCK_N % 128 == 0 or 128 % BLOCK_N == 0, "down BLOCK_N must divide or be a multiple of 128")
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
@@ -180,4 +186,4 @@ def down_fp8_kernel(
         expert, row0, row_end, n = tile_task(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_fp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
-                      row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N, b_ptr)
+                      row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N, b_ptr, y_index_ptr)

@@ -26,7 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from megamoe.kernels.activation import activation
-from megamoe.kernels.forward_warp_specialized import HALF_M, add_bias_columns, forward_producer, store_half_tile
+from megamoe.kernels.forward_warp_specialized import (HALF_M, add_bias_columns, forward_producer, store_half_tile,
+                                                      store_half_tile_at)
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.quant import fp8_block_quantize_tile
 from megamoe.kernels.tasks import tile_task
@@ -115,14 +116,16 @@ def paired_k_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HAL
 
 
 @gluon.jit
-def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, stride_xs, stride_ws_n, stride_out,
-              stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
-              N, K, limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr, GATE_UP: gl.constexpr,
-              ACT: gl.constexpr, STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, out_index_ptr, stride_xs,
+              stride_ws_n, stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+              tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr,
+              GATE_UP: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr,
+              NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+              SCATTER: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
     columns 0..N-1, up columns N..2N-1; written with STORE_H), act_q / act_scale the act quantised 1 x 128; down:
-    out is y. HAS_BIAS: b_ptr's expert row is added to the accumulators first."""
+    out is y (with SCATTER row r at y row ``out_index[r]``). HAS_BIAS: b_ptr's expert row is added to the
+    accumulators first."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     runs16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte runs of bf16
     runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # and of e4m3
@@ -157,16 +160,21 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr
             acc, g = paired_k_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
             if HAS_BIAS:
                 acc = add_bias_columns(acc, b_ptr, expert * N, col0, N, False, BLOCK, mma)
-            store_half_tile(out_ptr, stride_out, acc, first, row_end - first, col0, N - col0, runs16)
+            if SCATTER:
+                store_half_tile_at(out_ptr, stride_out, acc, out_index_ptr, first, row_end - first, col0, N - col0,
+                                   runs16)
+            else:
+                store_half_tile(out_ptr, stride_out, acc, first, row_end - first, col0, N - col0, runs16)
 
 
 @gluon.jit
 def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr,
-                          stride_a, stride_as_in, stride_ws_n, stride_out, stride_act, stride_as,
+                          out_index_ptr, stride_a, stride_as_in, stride_ws_n, stride_out, stride_act, stride_as,
                           tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                           rows, w_rows, N, K, limit, alpha, GATE_UP: gl.constexpr, ACT: gl.constexpr,
                           STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr = False):
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr = False,
+                          SCATTER: gl.constexpr = False):
     """One persistent launch of 128 x 128 tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): a = x_q `[rows, K=D]` e4m3 with a_scale `[rows, D/128]`, w = w_gate_up_q `[w_rows = L*2N, K]`
@@ -174,7 +182,8 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
     view of e4m3), act_scale `[rows, N/128]` fp32. down: a = act_q `[rows, K=I]` with its scales, w = w_down_q
     `[w_rows = L*N, K]`, out = y `[rows, N=D]` bf16; the act pointers unused. N and K multiples of 128. HAS_BIAS:
     ``b_ptr`` the experts' bf16 bias (gate/up's `[L, 2N]`, down's `[L, N]`) is added before the epilogue (else never
-    read)."""
+    read). SCATTER (down): row r of y is stored at y row ``out_index_ptr[r]`` (int32; < 0: not stored; else never
+    read): the FP8 backward's dx into its rows' slots."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
@@ -182,18 +191,18 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
     w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W_SLICES * BLOCK, BLOCK], w_layout)
     full, empty = ring_barriers(STAGES)
     gl.warp_specialize(
-        [(_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, stride_as_in, stride_ws_n,
-                      stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+        [(_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, out_index_ptr, stride_as_in,
+                      stride_ws_n, stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
-                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS))),
-         (_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, stride_as_in, stride_ws_n,
-                      stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER))),
+         (_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, out_index_ptr, stride_as_in,
+                      stride_ws_n, stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
-                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS))),
+                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                              tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                              gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M),

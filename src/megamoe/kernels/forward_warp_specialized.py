@@ -93,6 +93,18 @@ def store_half_tile(ptr, stride, values, row0, rows_ok, col0, cols_ok, layout: g
 
 
 @gluon.jit
+def store_half_tile_at(ptr, stride, values, index_ptr, row0, rows_ok, col0, cols_ok, layout: gl.constexpr):
+    """:func:`store_half_tile` with row r of the half tile (rows row0..) stored at ``ptr``'s row ``index[row0 + r]``
+    (int32; rows whose index is < 0 not stored)."""
+    tile = gl.convert_layout(values.to(ptr.dtype.element_ty), layout)
+    r = gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, layout))
+    dest = gl.load(index_ptr + row0 + r, mask=r < rows_ok, other=-1).to(gl.int64)
+    mask = (dest >= 0)[:, None] & (c < cols_ok)[None, :]
+    gl.store(ptr + col0 + (dest[:, None] * stride + c[None, :]), tile, mask=mask)
+
+
+@gluon.jit
 def add_bias_columns(acc, b_ptr, offset, col0, N, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
                      layout: gl.constexpr):
     """acc + bias elements ``b[offset + col0 + c]`` along acc's columns c, in FP32 (``expert_bias.add_bias``'s add in

@@ -23,8 +23,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
      expert's rows in one fixed order (FP32 accumulation, carried across windows in FP32);
    - push reverse-dispatch: each row's ``d_x`` into its home rank's ``[N*k, D]`` slots, its router-weight
-     gradient into the home rank's ``[N*k]`` slots (one rank, BF16 or mxfp8 as BF16 kernels: the d_x tiles store
-     each row into its slot themselves, no copy);
+     gradient into the home rank's ``[N*k]`` slots (one rank, but for mxfp8's own tiles: the d_x tiles store each
+     row into its slot themselves, no copy);
 3. a device barrier; at home: ``d_x[i] = sum_j slot[i*k + j]`` in fixed order in FP32, plus the shared experts'
    ``d_x`` (their backward over this rank's tokens, from the h the forward kept), rounded once.
 
@@ -76,11 +76,12 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     forward_ring = saved.h.shape[0]
     ws, ring = kernel.sym, kernel.backward_ring()
     sms = runtime.num_programs(world.device)
-    # one rank, BF16 (and mxfp8 as the BF16 kernels): the d_x tiles store each row into its route's slot (the
-    # push's copy skipped); BF16 with GATHER_BACKWARD: the dact and the down wgrad also read each row's d_out from
-    # the staged d_out by token, and the gate/up wgrad each row's x from the staged x (the pulls' copies skipped;
-    # the step 4 % faster at sonic-7b and qwen3-30b-a3b, one H200: benchmarks/results/2026-12-06-h200-keyed-pool-step)
-    own_slots = world.size == 1 and (fmt == "bf16" or runs_as_bf16(fmt))
+    # one rank, BF16, fp8-block and mxfp8 as the BF16 kernels: the d_x tiles store each row into its route's slot
+    # (the push's copy skipped; mxfp8's own tiles write rows in order); BF16 with GATHER_BACKWARD: the dact and the
+    # down wgrad also read each row's d_out from the staged d_out by token, and the gate/up wgrad each row's x from
+    # the staged x (the pulls' copies skipped; the step 4 % faster at sonic-7b and qwen3-30b-a3b, one H200:
+    # benchmarks/results/2026-12-06-h200-keyed-pool-step)
+    own_slots = world.size == 1 and (fmt != "mxfp8" or runs_as_bf16(fmt))
     by_token = own_slots and fmt == "bf16" and expert_ops.GATHER_BACKWARD
     # one rank, FP8 with BF16 wgrads (bf16_wgrads.BF16_WGRADS): they read the staged BF16 d_out and x by token,
     # not the E4M3 rows (which they would dequantise)

@@ -129,12 +129,14 @@ def gate_up_fp8(x_q, x_scale, counts, offsets, w_gate_up_q, w_gate_up_scale, out
 
 def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, num_programs=None,
              tuning: Tuning | None = None, rows_per_expert: float | None = None,
-             warp_specialized: bool = True, bias: torch.Tensor | None = None) -> None:
+             warp_specialized: bool = True, bias: torch.Tensor | None = None,
+             y_index: torch.Tensor | None = None) -> None:
     """y = dequant(act_q) · dequant(w_down_q)ᵀ (+ the optional ``bias`` bf16 `[L, D]`) on every expert region: one
     persistent launch; the tiles are
     ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128 x 128 tiles run in the
     warp-specialised Gluon kernel, elsewhere (and with ``warp_specialized=False``) ``down_fp8_kernel``: the same
-    bits."""
+    bits. ``y_index`` (int32 `[>= rows]`): row r lands in ``y[y_index[r]]`` instead (< 0: not stored; the caller
+    checks it: the FP8 backward's dx into its rows' slots)."""
     experts, d, i = w_down_q.shape
     rows = act_q.shape[0]
     c = (tuning or DEFAULT_TUNING).tile("down", act_q.device, mean_rows(rows, experts, rows_per_expert), fmt="fp8-block")
@@ -143,7 +145,8 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
         return
     programs = runtime.num_programs(act_q.device, num_programs)
     if warp_specialized and warp_specialized_fp8(act_q.device, c):
-        forward_fp8_ws(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, c, programs, bias=bias)
+        forward_fp8_ws(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, c, programs, bias=bias,
+                       out_index=y_index)
         return
     launch_row_tasks(
         expert_gemm_fp8.down_fp8_kernel, c, programs,
@@ -151,7 +154,7 @@ def down_fp8(act_q, act_scale, counts, offsets, w_down_q, w_down_scale, y, *, nu
         head=(TensorDescriptor.from_tensor(act_q, [c.block_m, FP8_BLOCK]),
               TensorDescriptor.from_tensor(w_down_q.view(experts * d, i), [c.block_n, FP8_BLOCK]),
               act_scale, w_down_scale, y, act_scale.stride(0), flat_row_stride(w_down_scale), y.stride(0)),
-        tail=(d, i), b_ptr=bias,
+        tail=(d, i), b_ptr=bias, y_index_ptr=y_index,
     )
 
 
@@ -172,12 +175,15 @@ def forward_fp8_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool,
 
 def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileConfig, programs: int, *,
                    act_q=None, act_scale=None, activation: Activation = SWIGLU, store_h: bool = True,
-                   bias: torch.Tensor | None = None) -> None:
+                   bias: torch.Tensor | None = None, out_index: torch.Tensor | None = None) -> None:
     """An FP8-block forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128 x 128 tiles of ``tile``'s
     GROUP_M and ring depth): gate/up + SwiGLU + act quantisation when ``act_q`` is given (w `[L, 2I, D]`, out h
     `[R, 2I]`, written with ``store_h``), else down (w `[L, D, I]`, out y `[R, D]`); ``bias`` the optional bf16 expert
-    bias (`[L, 2I]` / `[L, D]`). The Triton kernels' tasks and bits."""
+    bias (`[L, 2I]` / `[L, D]`); ``out_index`` (down): row r stored at out row ``out_index[r]``. The Triton kernels'
+    tasks and bits."""
     gate_up = act_q is not None
+    if gate_up and out_index is not None:
+        raise ValueError("out_index places down's rows (y); gate/up writes h and act in row order")
     experts, w_n, k = w_q.shape
     rows = a_q.shape[0]
     # the kernel's descriptors and scale loads take rows of unit column stride and the weights as [L * N, K]
@@ -190,12 +196,12 @@ def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileC
     with scratch_allocator():
         forward_fp8_warp_specialized.forward_fp8_ws_kernel[(programs,)](
             a_q, w_q, a_scale, w_scale, out, act_q, act_scale, out if bias is None else bias,
-            a_q.stride(0), a_scale.stride(0), flat_row_stride(w_scale), out.stride(0), act_q.stride(0),
-            act_scale.stride(0), tiles.tile_expert, tiles.tile_row0, tiles.tile_row_end, tiles.tile_run,
-            tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k, activation.kernel_limit,
-            activation.kernel_alpha,
-            num_warps=4, HAS_BIAS=bias is not None, **forward_fp8_ws_constexprs(tile, programs, gate_up=gate_up,
-                                                     act=activation.kernel_id, store_h=store_h))
+            out if out_index is None else out_index, a_q.stride(0), a_scale.stride(0), flat_row_stride(w_scale),
+            out.stride(0), act_q.stride(0), act_scale.stride(0), tiles.tile_expert, tiles.tile_row0,
+            tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k,
+            activation.kernel_limit, activation.kernel_alpha, num_warps=4, HAS_BIAS=bias is not None,
+            SCATTER=out_index is not None, **forward_fp8_ws_constexprs(tile, programs, gate_up=gate_up,
+                                                                       act=activation.kernel_id, store_h=store_h))
 
 
 def expert_forward_fp8_block_reference(

@@ -156,8 +156,9 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     dequantise both and quantise them again along the tokens. D and I must be multiples of 128. On Hopper the
     dact's, dx's and wgrads' 128 x 128 tiles run in warp-specialised Gluon kernels (`megamoe.kernels.
     dact_warp_specialized`, `forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`), the same bits as the
-    Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry``, ``out`` and ``bias``
-    as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows start each expert's token
+    Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry``, ``out`` (its
+    ``d_x_index`` too) and ``bias`` as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows
+    start each expert's token
     blocks where the whole rows do: cuts at multiples of 128 rows of an expert). ``bf16_wgrads``: the weight
     gradients as BF16 wgrads (None reads ``bf16_wgrads.BF16_WGRADS``), of ``token_rows``' BF16 tokens where given (one
     rank), else of dy_rows and x_rows (E4M3 rows dequantised to BF16 first)."""
@@ -200,8 +201,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     mx = fmt == "mxfp8"
     rows, device = x_data.shape[0], x_data.device
     grads = out or new_grads(rows, w_gate_up, w_down)
-    if grads.d_x_index is not None:
-        raise ValueError(f"out.d_x_index (d_x rows stored into slots) is BF16's; the {fmt} d_x writes rows in order")
+    if grads.d_x_index is not None and fmt != "fp8-block":
+        raise ValueError(f"out.d_x_index (d_x rows stored into slots): the {fmt} tiles' d_x writes rows in order")
     check_grads(grads, rows, w_gate_up, w_down, carry)
     if nothing_to_launch(grads, experts, rows):
         return grads
@@ -246,7 +247,8 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     d_h_q, d_h_s = quantize_activations(d_h, fmt)
     (down_mxfp8 if mx else down_fp8)(d_h_q, d_h_s, counts, offsets, wt.w_gate_up_t, wt.w_gate_up_t_scale,
                                      grads.d_x, num_programs=programs, tuning=dataclasses.replace(tuning, down=tuning.dx),
-                                     **({} if mx else {"warp_specialized": warp_specialized}))
+                                     **({} if mx else {"warp_specialized": warp_specialized,
+                                                       "y_index": grads.d_x_index}))
     carries = (None, None) if carry is None else carry.pairs()
     if bf16_wgrads:
         bf16_wgrads_of(bf16_rows(dy_rows), act_w, d_h, bf16_rows(x_rows), token_rows, grads, counts, offsets, tuning,

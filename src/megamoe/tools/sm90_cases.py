@@ -19,6 +19,7 @@ Over 450 lines: one table of launches, a function per group, each case beside it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -186,6 +187,9 @@ def fp8_cases() -> dict[str, Case]:
         "stride_ws_n": "i32", "stride_y": "i32", **_TILES, **kinds, "D": "i32", "K": "i32"},
         values, t.num_warps, t.num_stages)
     cases["down_fp8_kernel"] = down
+    # the FP8 backward's dx into its rows' slots (one rank)
+    cases["down_fp8_kernel (rows into slots)"] = dataclasses.replace(
+        down, signature={**down.signature, "y_index_ptr": "*i32"})
     # what gate_up_fp8 / down_fp8 run on Hopper at the same tiles: the warp-specialised Gluon kernel
     for kind, gate_up in (("gate/up", True), ("down", False)):
         t = plan_tiles_fp8("gate_up" if gate_up else "down", gpu)
@@ -196,7 +200,12 @@ def fp8_cases() -> dict[str, Case]:
             "out_ptr": "*bf16", "act_q_ptr": "*u8" if gate_up else "*bf16", "act_scale_ptr": "*fp32" if gate_up
             else "*bf16", "b_ptr": "*bf16", "stride_a": "i32", "stride_as_in": "i32", "stride_ws_n": "i32", "stride_out": "i32",
             "stride_act": "i32", "stride_as": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "N": "i32",
-            "K": "i32", "limit": "fp32", "alpha": "fp32", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+            "K": "i32", "limit": "fp32", "alpha": "fp32", "out_index_ptr": "*bf16",
+            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+    ws_down = cases["forward_fp8_ws_kernel (down)"]
+    cases["forward_fp8_ws_kernel (down, rows into slots)"] = dataclasses.replace(
+        ws_down, signature={**ws_down.signature, "out_index_ptr": "*i32", "SCATTER": "constexpr"},
+        constexprs={**ws_down.constexprs, "SCATTER": True})
     return {**cases, **fp8_backward_cases()}
 
 
