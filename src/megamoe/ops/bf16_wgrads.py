@@ -62,18 +62,21 @@ def bf16_rows(rows: torch.Tensor | QuantRows) -> torch.Tensor:
     return fp8_block_dequantize(rows.data, rows.scale).to(torch.bfloat16)
 
 
-def bf16_wgrads_of(dy: torch.Tensor, act_w: torch.Tensor, d_h: torch.Tensor, x: torch.Tensor,
+def bf16_wgrads_of(dy: torch.Tensor | QuantRows, act_w: torch.Tensor, d_h: torch.Tensor, x: torch.Tensor | QuantRows,
                    token_rows: TokenRows | None, grads: ExpertGrads, counts, offsets, tuning: Tuning, programs: int,
                    warp_specialized: bool, carry: WgradCarry | None, rows_per_expert: float | None = None) -> None:
     """Both weight gradients as the BF16 backward's wgrads (``experts_bwd.wgrads``) of BF16 rows: ``token_rows``' d_out
-    and x read by token where given, else ``dy`` and ``x`` (`[R, D]`, the rows in order); act_w and d_h as the dact
-    stored them. int32 counts and offsets; ``rows_per_expert`` for the tile plan (default: the rows' mean)."""
+    and x read by token where given, else ``dy`` and ``x`` (`[R, D]`, the rows in order; E4M3 rows dequantised by
+    :func:`bf16_rows` here, only then); act_w and d_h as the dact stored them. int32 counts and offsets;
+    ``rows_per_expert`` for the tile plan (default: the rows' mean)."""
     rows, device = d_h.shape[0], d_h.device
     tile = tuning.tile("wgrad", device, mean_rows(rows, counts.shape[0], rows_per_expert))
     index = None
     if token_rows is not None:
         checks.check_row_index("token_rows.index", token_rows.index, rows, device)
         dy, x, index = token_rows.d_out, token_rows.x, token_rows.index
+    else:
+        dy, x = bf16_rows(dy), bf16_rows(x)
     experts_bwd.wgrads(dy, act_w, d_h, x, grads, offsets, counts, tile, programs, warp_specialized, carry, index,
                        index)
 

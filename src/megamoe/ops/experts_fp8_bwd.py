@@ -46,7 +46,7 @@ from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
-from megamoe.ops.bf16_wgrads import TokenRows, bf16_rows, bf16_wgrads_of, twin_wgrad_rows, wants_bf16_wgrads
+from megamoe.ops.bf16_wgrads import TokenRows, bf16_wgrads_of, twin_wgrad_rows, wants_bf16_wgrads
 from megamoe.ops.quant import quantize_activations
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.reference import activation_backward
@@ -251,7 +251,7 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
                                                        "y_index": grads.d_x_index}))
     carries = (None, None) if carry is None else carry.pairs()
     if bf16_wgrads:
-        bf16_wgrads_of(bf16_rows(dy_rows), act_w, d_h, bf16_rows(x_rows), token_rows, grads, counts, offsets, tuning,
+        bf16_wgrads_of(dy_rows, act_w, d_h, x_rows, token_rows, grads, counts, offsets, tuning,
                        programs, warp_specialized, carry)
         return grads
     blocks = token_blocks(counts, offsets, rows)

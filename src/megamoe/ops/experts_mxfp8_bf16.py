@@ -44,7 +44,7 @@ from megamoe.ops.expert_weights import RoundedWeights, rounded_weights
 from megamoe.ops.experts import ExpertForward, check_operands, expert_forward, warp_specialized_forward
 from megamoe.ops.experts_bwd import (ExpertGrads, WgradCarry, check_grads, dact, dx, new_grads, nothing_to_launch,
                                      wgrad)
-from megamoe.ops.bf16_wgrads import TokenRows, bf16_rows, bf16_wgrads_of, wants_bf16_wgrads
+from megamoe.ops.bf16_wgrads import TokenRows, bf16_wgrads_of, wants_bf16_wgrads
 from megamoe.ops.experts_fp8_bwd import TokenBlocks, token_blocks
 from megamoe.ops.quant import mx_round_activations
 from megamoe.planner.tiles import mean_rows
@@ -166,7 +166,7 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     # dx: d_h on the grid along 2I, w_gate_up along 2I
     dx(mx_round_activations(d_h), wt.gate_up_along_2i, grads, counts, offsets, cfg["dx"], programs)
     if bf16:  # E4M3 dy's dequantised rows are the dact's (exact); BF16 rows as given
-        bf16_wgrads_of(dy_grid if isinstance(dy_rows, QuantRows) else dy_rows, act_w, d_h, bf16_rows(x_rows),
+        bf16_wgrads_of(dy_grid if isinstance(dy_rows, QuantRows) else dy_rows, act_w, d_h, x_rows,
                        token_rows, grads, counts, offsets, tuning, programs, warp_specialized, carry, rows_per_expert)
         return grads
     # the wgrads: both operands on the grid along each expert's tokens, in its 128-row span (zero-padded)
