@@ -157,9 +157,10 @@ def test_backward_gives_the_mxfp8_twin_and_tiles_and_rounds_every_operand(rows_a
     if rows_as == "e4m3":
         args[0], args[2] = (QuantRows(*quantize_activations(p[k], "mxfp8"), "mxfp8") for k in ("dy", "x"))
     inside = in_regions(p["counts"], p["offsets"], p["x"].shape[0])
-    got = _grads(expert_backward_mxfp8_bf16(*args, num_programs=3), inside)
-    twin = _grads(expert_backward_mxfp8_reference(*args), inside)
-    tiles = _grads(expert_backward_mxfp8(*args, num_programs=3), inside)
+    fp8 = dict(bf16_wgrads=False)  # the MX-rounded wgrads (the BF16 wgrads, their default here: test_experts_fp8_bwd)
+    got = _grads(expert_backward_mxfp8_bf16(*args, num_programs=3, **fp8), inside)
+    twin = _grads(expert_backward_mxfp8_reference(*args, **fp8), inside)
+    tiles = _grads(expert_backward_mxfp8(*args, num_programs=3, **fp8), inside)
     plain = _grads(expert_backward(*_args(p)), inside)
     for name, t in got.items():
         assert torch.isfinite(t).all(), name

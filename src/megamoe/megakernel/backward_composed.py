@@ -17,8 +17,8 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
      or with ``megamoe.ops.experts_mxfp8.AS_BF16`` the BF16 kernels on MX-rounded operands,
-     ``megamoe.ops.experts_mxfp8_bf16``; with ``megamoe.ops.bf16_wgrads.BF16_WGRADS`` the weight gradients BF16 wgrads,
-     one rank reading the staged BF16 d_out and x by token): ``d_act = d_out_row · W_down``, the
+     ``megamoe.ops.experts_mxfp8_bf16``; where ``megamoe.ops.bf16_wgrads.bf16_wgrads_pay`` the weight gradients
+     BF16 wgrads, one rank reading the staged BF16 d_out and x by token): ``d_act = d_out_row · W_down``, the
      SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no division
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
      expert's rows in one fixed order (FP32 accumulation, carried across windows in FP32);
@@ -83,9 +83,10 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # benchmarks/results/2026-12-06-h200-keyed-pool-step)
     own_slots = world.size == 1 and (fmt != "mxfp8" or runs_as_bf16(fmt))
     by_token = own_slots and fmt == "bf16" and expert_ops.GATHER_BACKWARD
-    # one rank, FP8 with BF16 wgrads (bf16_wgrads.BF16_WGRADS): they read the staged BF16 d_out and x by token,
-    # not the E4M3 rows (which they would dequantise)
-    bf16_wgrads = fmt != "bf16" and fp8_wgrads.BF16_WGRADS
+    rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
+    # FP8 with BF16 wgrads (bf16_wgrads.bf16_wgrads_pay: mxfp8, and fp8-block at few rows per expert); one rank's
+    # read the staged BF16 d_out and x by token, not the E4M3 rows (which they would dequantise)
+    bf16_wgrads = fmt != "bf16" and fp8_wgrads.bf16_wgrads_pay(fmt, rows_per_expert)
     token_wgrads = world.size == 1 and bf16_wgrads
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward
@@ -95,7 +96,6 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     ws.stage(d_out=d_out, router_weights=router_weights.contiguous(), x=x if stage_x else None)
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
-    rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
     fp8_weights = ()  # what the FP8 backward reads of the weights besides the masters
     if fmt != "bf16":
         q = q or quantize_experts(w_gate_up, w_down, fmt)

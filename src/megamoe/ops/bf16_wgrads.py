@@ -11,6 +11,7 @@ are BF16 products of the rows: closer to the FP32 product, not the FP8 wgrads' b
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +25,27 @@ from megamoe.planner.tiles import mean_rows
 from megamoe.planner.tuning import Tuning
 from megamoe.reference.formats import fp8_block_dequantize
 
-#: The FP8 backwards' weight gradients as BF16 wgrads (module docstring), where the FP8 wgrad's per-step promotion
-#: and the four token-axis quantisers (MXFP8 as BF16: roundings) cost more than its FP8 MMAs save: deepseek-v3 at EP 1
-#: on one H100, the FP8 wgrads 13.1 ms + ~2.2 ms of quantisers against ~11 ms of BF16 wgrads (different trees;
-#: ``benchmarks/fp8_wgrad_ab.py`` times them side by side). Off until a GPU measures it (``MEGAMOE_FP8_BF16_WGRADS``,
-#: 0 or 1).
-BF16_WGRADS = runtime.env_switch("MEGAMOE_FP8_BF16_WGRADS", False)
+#: Forces the FP8 backwards' weight gradients as BF16 wgrads (True) or as FP8 wgrads (False):
+#: ``MEGAMOE_FP8_BF16_WGRADS`` = 1 / 0; unset (None), :func:`bf16_wgrads_pay` decides.
+BF16_WGRADS: bool | None = (None if os.environ.get("MEGAMOE_FP8_BF16_WGRADS") is None
+                            else runtime.env_switch("MEGAMOE_FP8_BF16_WGRADS", False))
+
+#: fp8-block's FP8 wgrads (quantisers included) pay from this many rows per expert: on one H100
+#: (benchmarks/results/2026-12-06-h100-fp8-bf16-wgrads, ``fp8_wgrad_ab.py``) the BF16 wgrads of the rows by token
+#: took 14.6 against 17.3 ms at deepseek-v3 (256 rows an expert) and 16.4 against 23.2 at kimi-k2 (171), but 2.13
+#: against 1.77 at qwen3-30b-a3b (512): at a few K steps a block the FP8 wgrad's per-step promotion and its
+#: quantisers cost more than its MMAs save.
+FP8_WGRAD_MIN_ROWS = 384
+
+
+def bf16_wgrads_pay(fmt: str, rows_per_expert: float) -> bool:
+    """Whether an FP8 backward in ``fmt`` runs its weight gradients as BF16 wgrads: :data:`BF16_WGRADS` where set;
+    else mxfp8 always (its MX roundings along the tokens cost more than they save: qwen3-30b-a3b's mxfp8 backward
+    5.42 -> 5.03 ms on an H100, with the E4M3 rows still dequantised eagerly then), fp8-block below
+    :data:`FP8_WGRAD_MIN_ROWS` rows per expert."""
+    if BF16_WGRADS is not None:
+        return BF16_WGRADS
+    return fmt == "mxfp8" or rows_per_expert < FP8_WGRAD_MIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -43,10 +59,11 @@ class TokenRows:
     index: torch.Tensor
 
 
-def wants_bf16_wgrads(bf16_wgrads: bool | None, token_rows: TokenRows | None) -> bool:
-    """An FP8 backward's ``bf16_wgrads`` argument resolved (None reads :data:`BF16_WGRADS`); ``token_rows`` without
-    them refused."""
-    bf16 = BF16_WGRADS if bf16_wgrads is None else bf16_wgrads
+def wants_bf16_wgrads(bf16_wgrads: bool | None, token_rows: TokenRows | None, fmt: str,
+                      rows_per_expert: float) -> bool:
+    """An FP8 backward's ``bf16_wgrads`` argument resolved (None: :func:`bf16_wgrads_pay` at its ``fmt`` and mean
+    rows per expert); ``token_rows`` without them refused."""
+    bf16 = bf16_wgrads_pay(fmt, rows_per_expert) if bf16_wgrads is None else bf16_wgrads
     if token_rows is not None and not bf16:
         raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set BF16_WGRADS)")
     return bf16

@@ -14,8 +14,9 @@ The dgrads read the weights transposed (``weights_t``: the per-step pack's, :mod
 fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients returned are
 BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
-With ``megamoe.ops.bf16_wgrads.BF16_WGRADS`` (either format) both weight gradients run as the BF16 backward's
-instead (that module's recipe): no operand is quantised along the tokens.
+Where ``megamoe.ops.bf16_wgrads.bf16_wgrads_pay`` (mxfp8; fp8-block at few rows per expert; or forced by
+``MEGAMOE_FP8_BF16_WGRADS``) both weight gradients run as the BF16 backward's instead (that module's recipe): no
+operand is quantised along the tokens.
 
 MXFP8 (:func:`expert_backward_mxfp8`) is the same with an E8M0 scale per 32 along each GEMM's reduction axis:
 the transposed weights are quantised along their own last dim (D for dact, 2I for dx: not the forward's pack,
@@ -44,7 +45,7 @@ from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig
+from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig, mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.ops.bf16_wgrads import TokenRows, bf16_wgrads_of, twin_wgrad_rows, wants_bf16_wgrads
 from megamoe.ops.quant import quantize_activations
@@ -158,13 +159,20 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     dact_warp_specialized`, `forward_fp8_warp_specialized`, `wgrad_fp8_warp_specialized`), the same bits as the
     Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry``, ``out`` (its
     ``d_x_index`` too) and ``bias`` as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows
-    start each expert's token
-    blocks where the whole rows do: cuts at multiples of 128 rows of an expert). ``bf16_wgrads``: the weight
-    gradients as BF16 wgrads (None reads ``bf16_wgrads.BF16_WGRADS``), of ``token_rows``' BF16 tokens where given (one
-    rank), else of dy_rows and x_rows (E4M3 rows dequantised to BF16 first)."""
+    start each expert's token blocks where the whole rows do: cuts at multiples of 128 rows of an expert).
+    ``bf16_wgrads``: the weight gradients as BF16 wgrads (None: ``bf16_wgrads.bf16_wgrads_pay`` at the rows' mean per
+    expert), of ``token_rows``' BF16 tokens where given (one rank), else of dy_rows and x_rows (E4M3 rows dequantised
+    to BF16 first)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation, weights_t, num_programs, tuning, warp_specialized, carry, out, bias,
-                                bf16_wgrads=wants_bf16_wgrads(bf16_wgrads, token_rows), token_rows=token_rows)
+                                bf16_wgrads=wants_bf16_wgrads(bf16_wgrads, token_rows, "fp8-block",
+                                                              _rows_per_expert(x_rows, w_gate_up)),
+                                token_rows=token_rows)
+
+
+def _rows_per_expert(x_rows, w_gate_up) -> float:
+    """The call's mean rows per expert (E4M3 rows or BF16), for :func:`~megamoe.ops.bf16_wgrads.bf16_wgrads_pay`."""
+    return mean_rows((x_rows.data if isinstance(x_rows, QuantRows) else x_rows).shape[0], w_gate_up.shape[0])
 
 
 def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, *,
@@ -177,7 +185,9 @@ def expert_backward_mxfp8(dy_rows, row_weights, x_rows, h, counts, offsets, w_ga
     ``transposed_weights(..., "mxfp8")``. D and I must be multiples of 32."""
     return _expert_backward_fp8("mxfp8", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation, weights_t, num_programs, tuning, False, carry, out, bias,
-                                bf16_wgrads=wants_bf16_wgrads(bf16_wgrads, token_rows), token_rows=token_rows)
+                                bf16_wgrads=wants_bf16_wgrads(bf16_wgrads, token_rows, "mxfp8",
+                                                              _rows_per_expert(x_rows, w_gate_up)),
+                                token_rows=token_rows)
 
 
 def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down, activation,
@@ -275,7 +285,7 @@ def expert_backward_mxfp8_reference(
     w_down: torch.Tensor,
     *,
     activation: Activation = SWIGLU,
-    bf16_wgrads: bool = False,
+    bf16_wgrads: bool | None = None,
     token_rows: TokenRows | None = None,
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_mxfp8`: ``formats.mxfp8_quantize`` along each GEMM's reduction
@@ -287,6 +297,7 @@ def expert_backward_mxfp8_reference(
     def mx(t, dim=-1):
         return mxfp8_dequantize(*mxfp8_quantize(t, dim), dim)
 
+    bf16_wgrads = wants_bf16_wgrads(bf16_wgrads, token_rows, "mxfp8", _rows_per_expert(x_rows, w_gate_up))
     wgrad_dy, wgrad_x = twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
     dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape
@@ -325,7 +336,7 @@ def expert_backward_fp8_block_reference(
     w_down: torch.Tensor,
     *,
     activation: Activation = SWIGLU,
-    bf16_wgrads: bool = False,
+    bf16_wgrads: bool | None = None,
     token_rows: TokenRows | None = None,
 ) -> ExpertGrads:
     """The torch twin of :func:`expert_backward_fp8_block`: the same quantisations (``formats``), the products in
@@ -334,6 +345,7 @@ def expert_backward_fp8_block_reference(
     dequantised for the wgrads, as the kernels take them. ``bf16_wgrads`` / ``token_rows`` as the kernels': the
     weight gradients FP32 products of the BF16 rows (``token_rows``' tokens, or the rows as :func:`bf16_rows`)."""
     dy_pulled = dy_rows if isinstance(dy_rows, QuantRows) else None
+    bf16_wgrads = wants_bf16_wgrads(bf16_wgrads, token_rows, "fp8-block", _rows_per_expert(x_rows, w_gate_up))
     wgrad_dy, wgrad_x = twin_wgrad_rows(dy_rows, x_rows, token_rows) if bf16_wgrads else (None, None)
     dy_rows, x_rows = _dequantized(dy_rows), _dequantized(x_rows)
     rows, d = x_rows.shape

@@ -18,7 +18,8 @@ differ from the MXFP8 tiles' by the order of the FP32 sums only.
     d_h (dx)                             2I                                here
     d_out, act_w, d_h, x (wgrads)        tokens: 32-row blocks of each     here, into each expert's 128-row span
                                          expert's rows, zero-padded        (``token_blocks``), the wgrads' regions;
-                                         (none with ``BF16_WGRADS``)       ``bf16_wgrads.BF16_WGRADS``: BF16 rows
+                                         (none with BF16 wgrads, the       BF16 wgrads: BF16 rows
+                                         default: ``bf16_wgrads``)
 
 E4M3 rows (:class:`~megamoe.ops.comm.QuantRows`: the pulled upstream gradient, the forward ring's x) are
 dequantised on load (exact: their values are on the grid along D) and, for the wgrads, rounded again along the
@@ -131,8 +132,9 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     ``warp_specialized``, ``carry``, ``out`` (its ``d_x_index`` too) and ``bias`` as
     :func:`~megamoe.ops.experts_bwd.expert_backward`'s; ``bf16_wgrads`` and ``token_rows`` as
     :func:`~megamoe.ops.experts_fp8_bwd.expert_backward_mxfp8`'s (the wgrads on BF16 rows, none rounded)."""
-    bf16 = wants_bf16_wgrads(bf16_wgrads, token_rows)
     x_data = x_rows.data if isinstance(x_rows, QuantRows) else x_rows
+    bf16 = wants_bf16_wgrads(bf16_wgrads, token_rows, "mxfp8",
+                             mean_rows(x_data.shape[0], w_gate_up.shape[0], rows_per_expert))
     dy_data = dy_rows.data if isinstance(dy_rows, QuantRows) else dy_rows
     for name, r in (("x_rows", x_rows), ("dy_rows", dy_rows)):
         if isinstance(r, QuantRows) and r.format != "mxfp8":
