@@ -139,6 +139,36 @@ def test_fp8_gradients_are_the_same_bits_at_every_backward_ring_size(precision):
             assert rel <= 0.1 and row <= 0.3, (precision, rank, name, rel, row)
 
 
+def _mxfp8_row_reads(world):
+    """One rank, mxfp8: the planner's config reading d_out by token (the default) and pulled, and a 128-row backward
+    ring by token (its weight gradients cross windows); the first run's errors against the oracle."""
+    from megamoe.ops import experts as expert_ops
+
+    p = _problem(world, FP8, (150,), "uniform", 0.1, 8, False)
+    small = _configs(True)[1][1]
+    kept = expert_ops.GATHER_BACKWARD
+    runs = {}
+    try:
+        for label, gather, config in (("by token", True, None), ("pulled", False, None), ("ring 128", True, small)):
+            expert_ops.GATHER_BACKWARD = gather
+            runs[label] = _grads(world, p, FP8.activation, config, False, "mxfp8")
+    finally:
+        expert_ops.GATHER_BACKWARD = kept
+    first = runs["by token"]
+    want = _flatten(ep_reference_forward_backward(world, p)[1])
+    return ({k: (e["rel"], e["row"]) for k, v in want.items() if v.numel() for e in (error_stats(first[k], v),)},
+            [(label, k) for label, got in runs.items() for k in first if not torch.equal(got[k], first[k])])
+
+
+def test_one_rank_mxfp8_reads_d_out_by_token_with_the_pulled_rows_bits():
+    """One rank, mxfp8 as the BF16 kernels: its dact reading the staged E4M3 d_out by token gives the bits of the
+    pulled rows (``GATHER_BACKWARD`` off) and of a smaller backward ring, within the FP8 bounds of the oracle."""
+    errors, differ = launch(_mxfp8_row_reads, 1)[0]
+    assert not differ, differ
+    for name, (rel, row) in errors.items():
+        assert rel <= 0.1 and row <= 0.3, (name, rel, row)
+
+
 # --------------------------------------------------------------------------- on GPUs (skipped on the CPU)
 
 GPU_LAYER = MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared=(256,))

@@ -170,6 +170,31 @@ def test_backward_gives_the_mxfp8_twin_and_tiles_and_rounds_every_operand(rows_a
     assert got["d_w_gate_up"][1].eq(0).all() and got["d_w_down"][1].eq(0).all()
 
 
+def test_backward_reading_d_out_by_token_gives_the_routed_rows_bits():
+    """``dy_index`` (one rank's composed backward: the staged E4M3 d_out tokens, dequantised once, read by token)
+    against the same tokens' routed E4M3 rows, with the BF16 wgrads of the tokens (the layer's default at one rank)
+    and with the MX-rounded ones: every gradient the same bits. On Hopper the Gluon dact's producer gathers the
+    token rows (128-row tiles); elsewhere one gather copies them first. A wrong index is refused."""
+    from megamoe.ops.bf16_wgrads import TokenRows
+
+    p = _backward_problem(*FP8_BACKWARD_LOADS["mixed"], d=128, i=128, seed=6)
+    rows = p["x"].shape[0]
+    g = torch.Generator().manual_seed(7)
+    tokens_bf16 = (torch.randn(rows // 3 + 1, p["x"].shape[1], generator=g) * 3).bfloat16().to(DEVICE)
+    index = torch.randint(0, tokens_bf16.shape[0], (rows,), generator=g).to(torch.int32).to(DEVICE)
+    tokens = QuantRows(*quantize_activations(tokens_bf16, "mxfp8"), "mxfp8")
+    routed = QuantRows(tokens.data[index.long()], tokens.scale[index.long()], "mxfp8")
+    inside = in_regions(p["counts"], p["offsets"], rows)
+    args = list(_args(p))
+    for wgrads in ({"bf16_wgrads": True, "token_rows": TokenRows(tokens_bf16, p["x"], index)}, {"bf16_wgrads": False}):
+        want = _grads(expert_backward_mxfp8_bf16(routed, *args[1:], **wgrads), inside)
+        got = _grads(expert_backward_mxfp8_bf16(tokens, *args[1:], dy_index=index, **wgrads), inside)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (wgrads["bf16_wgrads"], name)
+    with pytest.raises(ValueError, match="dy_index"):
+        expert_backward_mxfp8_bf16(tokens, *args[1:], dy_index=index[:3])
+
+
 def test_backward_refuses_other_rows_and_sizes():
     p = _backward_problem([3, 2], 0, d=128)
     args = list(_args(p))

@@ -45,8 +45,8 @@ from megamoe import runtime
 from megamoe.config import Activation
 from megamoe.megakernel.replay import layout_key
 from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
-from megamoe.ops.comm import (dispatch_pull, pull_route_scalars, push_route_scalars, reverse_combine_pull,
-                              reverse_dispatch_push)
+from megamoe.ops.comm import (QuantRows, dispatch_pull, pull_route_scalars, push_route_scalars,
+                              reverse_combine_pull, reverse_dispatch_push)
 from megamoe.ops.expert_bias import BiasGrads
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import quantize_experts
@@ -83,6 +83,9 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # benchmarks/results/2026-12-06-h200-keyed-pool-step)
     own_slots = world.size == 1 and (fmt != "mxfp8" or runs_as_bf16(fmt))
     by_token = own_slots and fmt == "bf16" and expert_ops.GATHER_BACKWARD
+    # one rank, mxfp8 as the BF16 kernels: its dact reads the staged E4M3 d_out by token too, dequantised once (N
+    # rows, not N*k; the pull and the rows' dequantisation skipped, the same values)
+    mx_by_token = own_slots and fmt == "mxfp8" and expert_ops.GATHER_BACKWARD
     rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
     # FP8 with BF16 wgrads (bf16_wgrads.bf16_wgrads_pay: mxfp8, and fp8-block at few rows per expert); one rank's
     # read the staged BF16 d_out and x by token, not the E4M3 rows (which they would dequantise)
@@ -115,10 +118,18 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
 
     def windows() -> None:
         """2. the windows: device work only, reading and writing the kernel's buffers and the tensors keyed below."""
+        if mx_by_token:
+            staged = max(n, 1)  # a row to read when none is routed (rows outside the regions are never kept)
+            dy_tokens = QuantRows(ws.local("d_out_q")[:staged].view(torch.float8_e4m3fn),
+                                  ws.local("d_out_scale")[:staged], fmt)
         for window in ring.windows(schedule):
-            tokens = row_tokens(window.src_index, k) if by_token or token_wgrads else None
-            dy = ws.local("d_out") if by_token else reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy,
-                                                                         sync=False)
+            tokens = row_tokens(window.src_index, k) if by_token or token_wgrads or mx_by_token else None
+            if by_token:
+                dy = ws.local("d_out")
+            elif mx_by_token:
+                dy = dy_tokens
+            else:
+                dy = reverse_combine_pull(ws, window, num_sms=sms, out=ring.dy, sync=False)
             pull_route_scalars(ws, window, "router_weights", ring.row_w)
             h, x_rows = ring.saved_rows(saved, window)
             in_place = ring.in_forward_ring(saved, window)
@@ -138,9 +149,10 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
             counts, offsets = window.tokens_per_expert, window.offsets
             if fmt != "bf16":
                 token_rows = TokenRows(ws.local("d_out"), ws.local("x"), tokens) if token_wgrads else None
-                fp8_backward(ring.dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
+                fp8_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                              activation=activation, carry=ring.carry(window), out=out, bias=bias,
-                             bf16_wgrads=bf16_wgrads, token_rows=token_rows)
+                             bf16_wgrads=bf16_wgrads, token_rows=token_rows,
+                             **({"dy_index": tokens} if mx_by_token else {}))
             else:
                 expert_backward(dy, ring.row_w, x_rows, h, counts, offsets, w_gate_up, w_down,
                                 activation=activation, rows_per_expert=rows_per_expert, carry=ring.carry(window),
@@ -155,7 +167,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
         touched = (w_gate_up, w_down, b_gate_up, b_down, d_w_gate_up, d_w_down, saved.h, saved.ring_x,
                    saved.ring_scale, *schedule.tensors(), *fp8_weights,
                    *(() if bias is None else (bias.d_b_gate_up, bias.d_b_down)))
-        kernel.backward_replay((n, activation, by_token, bf16_wgrads, layout_key(touched)), windows)
+        kernel.backward_replay((n, activation, by_token, mx_by_token, bf16_wgrads, layout_key(touched)), windows)
     # 3. every push landed before anyone reads its slots; at home the k slots in fixed order, plus the shared experts
     kernel._barrier(0, "the end of a backward pass (every d_x push landed)")
     shared_gate_up = shared_down = shared_dx = None

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import torch
 
-from megamoe import runtime
+from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import RoundedWeights, rounded_weights
-from megamoe.ops.experts import ExpertForward, check_operands, expert_forward, warp_specialized_forward
+from megamoe.ops.experts import (ExpertForward, check_operands, expert_forward, gathered_rows,
+                                 warp_specialized_forward)
 from megamoe.ops.experts_bwd import (ExpertGrads, WgradCarry, check_grads, dact, dx, new_grads, nothing_to_launch,
                                      wgrad)
 from megamoe.ops.bf16_wgrads import TokenRows, bf16_wgrads_of, wants_bf16_wgrads
@@ -124,14 +125,19 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
                                rows_per_expert: float | None = None, warp_specialized: bool = True,
                                carry: WgradCarry | None = None, out: ExpertGrads | None = None,
                                bias: BiasGrads | None = None, bf16_wgrads: bool | None = None,
-                               token_rows: TokenRows | None = None) -> ExpertGrads:
+                               token_rows: TokenRows | None = None,
+                               dy_index: torch.Tensor | None = None) -> ExpertGrads:
     """:func:`~megamoe.ops.experts_fp8_bwd.expert_backward_mxfp8`'s numbers in the BF16 backward kernels (the module
     docstring's table): the same arguments, ``weights`` the pack's rounded weights with the dgrads'
     (``rounded_weights(..., backward=True)``; made here when None or without them). ``dy_rows`` and ``x_rows``: bf16
     `[R, D]`, or mxfp8 E4M3 rows (:class:`QuantRows`). D and I multiples of 32. ``tuning``, ``rows_per_expert``,
     ``warp_specialized``, ``carry``, ``out`` (its ``d_x_index`` too) and ``bias`` as
     :func:`~megamoe.ops.experts_bwd.expert_backward`'s; ``bf16_wgrads`` and ``token_rows`` as
-    :func:`~megamoe.ops.experts_fp8_bwd.expert_backward_mxfp8`'s (the wgrads on BF16 rows, none rounded)."""
+    :func:`~megamoe.ops.experts_fp8_bwd.expert_backward_mxfp8`'s (the wgrads on BF16 rows, none rounded).
+    ``dy_index`` (int32 `[>= R]`, one rank): ``dy_rows`` is then bf16 `[S, D]`, one rank's d_out tokens on the grid
+    along D (rounded once), and row r's is ``dy_rows[dy_index[r]]``: on Hopper the Gluon dact's producer gathers them
+    (no pull, no rounding of R rows); elsewhere, with biases or with wgrads that read dy in row order, one gather
+    copies them first. The same bits as the routed rows."""
     x_data = x_rows.data if isinstance(x_rows, QuantRows) else x_rows
     bf16 = wants_bf16_wgrads(bf16_wgrads, token_rows, "mxfp8",
                              mean_rows(x_data.shape[0], w_gate_up.shape[0], rows_per_expert))
@@ -142,7 +148,11 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     like_x = x_rows if x_data is x_rows else torch.zeros((), dtype=torch.bfloat16, device=x_data.device).expand(
         x_data.shape)
     experts, i, d = check_operands(like_x, counts, offsets, w_gate_up, w_down)
-    if tuple(dy_data.shape) != tuple(x_data.shape):
+    if dy_index is not None:
+        checks.check_row_index("dy_index", dy_index, x_data.shape[0], x_data.device)
+        if dy_data.dim() != 2 or dy_data.shape[1] != d:
+            raise ValueError(f"dy_rows read by dy_index must be [S, D={d}] tokens, got {tuple(dy_data.shape)}")
+    elif tuple(dy_data.shape) != tuple(x_data.shape):
         raise ValueError(f"dy_rows {tuple(dy_data.shape)} and x_rows {tuple(x_data.shape)} must have one shape")
     if d % MX_BLOCK or i % MX_BLOCK:
         raise ValueError(f"mxfp8 needs D and I multiples of {MX_BLOCK}, got D={d}, I={i}")
@@ -159,9 +169,12 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     counts, offsets = counts.to(torch.int32), offsets.to(torch.int32)
     # dact: d_out on the grid along D (the pulled E4M3 rows' own values), w_down along D
     gluon_dact = warp_specialized and warp_specialized_forward(device, cfg["dact"]) and cfg["dact"].block_n == 128
-    dy_grid = dequantized_rows(dy_rows)
+    dy_grid = dequantized_rows(dy_rows)  # with dy_index the tokens: S rows, not R
+    if dy_index is not None and (bias is not None or not gluon_dact or not (bf16 and token_rows is not None)):
+        dy_grid = dy_rows = gathered_rows(dy_grid, dy_index, rows)  # a reader here takes the rows in order
+        dy_index = None
     d_h, act_w = dact(dy_grid, row_weights, h, counts, offsets, wt.down_along_d, grads.d_router,
-                      cfg["dact"], programs, activation, gluon_dact)
+                      cfg["dact"], programs, activation, gluon_dact, dy_index)
     if bias is not None:  # from the rows as pulled (E4M3: dequantised, as the MXFP8 backward sums them)
         dy_sums = mxfp8_dequantize(dy_rows.data, dy_rows.scale) if isinstance(dy_rows, QuantRows) else dy_rows
         bias_backward(bias, d_h, dy_sums, row_weights, counts, offsets, grads.d_router)
