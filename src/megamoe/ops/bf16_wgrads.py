@@ -1,9 +1,10 @@
 """The FP8 backwards' weight gradients as BF16 wgrads of BF16 rows (torchao's "rowwise, high-precision grad weight"
-recipe): :data:`BF16_WGRADS`.
+recipe), and where they pay: :func:`bf16_wgrads_pay`.
 
 The FP8 backwards (:mod:`megamoe.ops.experts_fp8_bwd`'s fp8-block and MXFP8 tiles, MXFP8 as the BF16 kernels in
 :mod:`megamoe.ops.experts_mxfp8_bf16`) quantise (or round) four operands along each expert's tokens for their
-wgrads. With the switch on they run the BF16 backward's wgrads instead (:func:`bf16_wgrads_of`): dy and x as
+wgrads. Where :func:`bf16_wgrads_pay` (mxfp8; fp8-block at few rows per expert; :data:`BF16_WGRADS` forces either
+way) they run the BF16 backward's wgrads instead (:func:`bf16_wgrads_of`): dy and x as
 pulled, dequantised to BF16 once (:func:`bf16_rows`), or one rank's staged BF16 tokens read by index
 (:class:`TokenRows`); act_w and d_h as the dact stores them. Nothing is quantised along the tokens, and the gradients
 are BF16 products of the rows: closer to the FP32 product, not the FP8 wgrads' bits.
