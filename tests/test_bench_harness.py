@@ -113,6 +113,21 @@ def test_row_groups_never_straddle_chunks():
     assert error_stats(got, ref, chunk_rows=100)["row_group"] == error_stats(got, ref)["row_group"] > 0.9
 
 
+def test_errors_in_chunks_of_bounded_bytes_are_the_one_chunk_numbers(monkeypatch):
+    """By default a chunk holds :data:`CHUNK_BYTES` of FP32 rows (wide rows: fewer of them, so the check's
+    temporaries stay small beside a model's gradients): the same errors as one chunk of every row (the sums in
+    another order: within 1e-12)."""
+    from megamoe.bench import accuracy
+
+    ref, got = _weight_grads(rows=1000)
+    whole = error_stats(got, ref, chunk_rows=1 << 20)
+    monkeypatch.setattr(accuracy, "CHUNK_BYTES", 64 * 4 * ref.shape[-1] * 3)  # 192 rows a chunk
+    chunked = error_stats(got, ref)
+    assert chunked["finite"] and whole["finite"]
+    for name in ("max_abs", "rel", "row", "row_group"):  # the row norms' typical size: a float64 sum of its own
+        assert chunked[name] == pytest.approx(whole[name], rel=1e-12), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the oracle's large gradients parked on host)")
 def test_errors_against_a_reference_parked_on_host_are_the_same():

@@ -48,9 +48,16 @@ def _flatten(grads: dict) -> dict[str, torch.Tensor]:
     return flat
 
 
-def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14) -> dict:
-    """Errors of ``out`` against ``ref`` in float32 chunks of rows (the last dim is a row), on ``out``'s device
-    (``ref`` may be held on the host: each chunk is brought over).
+#: The FP32 bytes of one operand's chunk in :func:`error_stats` (its temporaries take a few of these): 16,384 rows
+#: of deepseek-v3's D = 7168 were 448 MB each, and the check ran a bench on one H100 out of memory
+#: (benchmarks/results/2026-12-06-h100-fp8-bf16-wgrads, call 1).
+CHUNK_BYTES = 64 << 20
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int | None = None) -> dict:
+    """Errors of ``out`` against ``ref`` in float32 chunks of rows (the last dim is a row; ``chunk_rows`` rows, by
+    default :data:`CHUNK_BYTES` of them), on ``out``'s device (``ref`` may be held on the host: each chunk is brought
+    over).
 
     max_abs = max|out-ref|; rel = sum|out-ref| / sum|ref|; row = the largest
     ||out_row - ref_row|| / max(||ref_row||, typical row norm), the typical
@@ -59,7 +66,9 @@ def error_stats(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 1 << 14)
     has no NaN or inf.
     """
     a, b = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    chunk_rows = -(-chunk_rows // ROW_GROUP) * ROW_GROUP  # groups never straddle chunks
+    if chunk_rows is None:
+        chunk_rows = CHUNK_BYTES // (4 * max(a.shape[-1], 1))
+    chunk_rows = max(-(-chunk_rows // ROW_GROUP), 1) * ROW_GROUP  # groups never straddle chunks
     chunks = range(0, a.shape[0], chunk_rows)
     ref_sq = sum(float(b[i : i + chunk_rows].to(a.device).float().pow(2).sum(dtype=torch.float64)) for i in chunks)
     typical_row = max((ref_sq / max(a.shape[0], 1)) ** 0.5, torch.finfo(torch.float32).tiny)
