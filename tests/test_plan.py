@@ -180,3 +180,33 @@ def test_a_memory_budget_shrinks_the_backward_ring_and_says_what_it_costs():
     assert result.exit_code == 0 and f"backward_ring_rows={ring})" in result.output, result.output
     bad = CliRunner().invoke(app, ["plan", "--ep", "8", "--layers", "60", "--memory", "20"])
     assert bad.exit_code == 2 and "need at least" in bad.output
+
+
+def test_the_fp8_wgrad_recipe_by_rows_per_expert_and_what_the_plan_counts(monkeypatch):
+    """``planner.wgrads.bf16_wgrads_pay``: mxfp8's weight gradients always BF16 wgrads, fp8-block's below
+    FP8_WGRAD_MIN_ROWS rows per expert, ``BF16_WGRADS`` forcing either; the plan counts the recipe's buffers: the
+    token-major FP8 operands only where the FP8 wgrads run, the dequantised rows where BF16 wgrads read pulled E4M3
+    rows (EP > 1), nothing more where one rank reads its staged tokens."""
+    from megamoe.planner import wgrads
+
+    monkeypatch.setattr(wgrads, "BF16_WGRADS", None)
+    few, many = wgrads.FP8_WGRAD_MIN_ROWS - 1, wgrads.FP8_WGRAD_MIN_ROWS
+    assert wgrads.bf16_wgrads_pay("fp8-block", few) and not wgrads.bf16_wgrads_pay("fp8-block", many)
+    assert wgrads.bf16_wgrads_pay("mxfp8", few) and wgrads.bf16_wgrads_pay("mxfp8", 10 * many)
+
+    def entries(cfg, ep, tokens, precision="fp8-block"):
+        names = plan(cfg, ep, tokens, precision=precision).memory
+        return ({"token-major" for name in names if "token-major" in name}
+                | {"dequantised" for name in names if "dequantised" in name})
+
+    kimi, qwen = preset("kimi-k2"), preset("qwen3-30b-a3b")
+    assert entries(kimi, 1, 8192) == set()  # ~171 rows an expert, one rank: the staged tokens
+    assert entries(kimi, 1, 8192, "mxfp8") == set()
+    assert entries(qwen, 1, 8192) == {"token-major"}  # 512 rows an expert
+    assert entries(kimi, 8, 8192) == {"token-major"}  # ~1365 rows a local expert
+    assert entries(kimi, 2, 1024) == {"dequantised"}  # ~43 rows, pulled across ranks
+    assert entries(qwen, 1, 8192, "bf16") == set()
+    monkeypatch.setattr(wgrads, "BF16_WGRADS", False)
+    assert entries(kimi, 1, 8192) == {"token-major"} and not wgrads.bf16_wgrads_pay("mxfp8", few)
+    monkeypatch.setattr(wgrads, "BF16_WGRADS", True)
+    assert entries(qwen, 1, 8192) == set()

@@ -206,24 +206,24 @@ def test_fp8_models_train_like_the_bf16_model():
 
 
 def _bf16_wgrads(world, case, precision):
-    """One case with ``bf16_wgrads.BF16_WGRADS`` on (one rank: the staged BF16 tokens read by index; two: the
+    """One case with ``planner.wgrads.BF16_WGRADS`` on (one rank: the staged BF16 tokens read by index; two: the
     pulled E4M3 rows dequantised) and off: each run's errors against the oracle, and whether the gradients with the
     switch on are the same bits under the wrapping ring."""
-    from megamoe.ops import bf16_wgrads
+    from megamoe.planner import wgrads
 
     name, tokens, routing, drop, seed, activation = case
     cfg = MoEConfig(**{**CONFIG.__dict__, "activation": activation})
     p = make_problem(cfg, world.rank, world.size, tokens[world.rank], dtype=torch.bfloat16, seed=seed,
                      routing=routing, drop=drop, device=world.device)
     want = _flatten(ep_reference_forward_backward(world, p)[1])
-    kept = bf16_wgrads.BF16_WGRADS
+    kept = wgrads.BF16_WGRADS
     try:
         runs = {}
         for switch, config in ((False, None), (True, None), (True, WRAPPING)):
-            bf16_wgrads.BF16_WGRADS = switch
+            wgrads.BF16_WGRADS = switch
             runs.setdefault(switch, []).append(_grads(world, p, activation, precision, config)[1])
     finally:
-        bf16_wgrads.BF16_WGRADS = kept
+        wgrads.BF16_WGRADS = kept
     errors = {switch: {k: error_stats(got[0][k].detach(), v)["rel"] for k, v in want.items() if v.numel()}
               for switch, got in runs.items()}
     on = runs[True]

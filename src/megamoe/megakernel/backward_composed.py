@@ -17,7 +17,7 @@ Driven by the forward's pull schedule, per rank, all on the current stream:
      same bits);
    - the expert backward (:func:`~megamoe.ops.experts_bwd.expert_backward`; FP8: ``megamoe.ops.experts_fp8_bwd``'s,
      or with ``megamoe.ops.experts_mxfp8.AS_BF16`` the BF16 kernels on MX-rounded operands,
-     ``megamoe.ops.experts_mxfp8_bf16``; where ``megamoe.ops.bf16_wgrads.bf16_wgrads_pay`` the weight gradients
+     ``megamoe.ops.experts_mxfp8_bf16``; where ``megamoe.planner.wgrads.bf16_wgrads_pay`` the weight gradients
      BF16 wgrads, one rank reading the staged BF16 d_out and x by token): ``d_act = d_out_row · W_down``, the
      SwiGLU backward with the router-weight gradient ``<d_act, act>`` fused (from the unscaled rows: no division
      by w), ``d_h = w · SwiGLU'(h) ⊙ d_act``, ``d_x_row = d_h · W_gate_up``, and the weight gradients over each
@@ -51,11 +51,11 @@ from megamoe.ops.expert_bias import BiasGrads
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.expert_weights import quantize_experts
 from megamoe.ops.experts_bwd import expert_backward
-from megamoe.ops import bf16_wgrads as fp8_wgrads  # its switch, read at each call (tests set it)
 from megamoe.ops.bf16_wgrads import TokenRows
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.experts_mxfp8 import runs_as_bf16
 from megamoe.ops.experts_mxfp8_bf16 import expert_backward_mxfp8_bf16
+from megamoe.planner.wgrads import bf16_wgrads_pay
 from megamoe.routing.schedule import row_tokens
 
 
@@ -87,9 +87,9 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # rows, not N*k; the pull and the rows' dequantisation skipped, the same values)
     mx_by_token = own_slots and fmt == "mxfp8" and expert_ops.GATHER_BACKWARD
     rows_per_expert = s.max_tokens * k / max(s.experts_per_rank, 1)  # the balanced mean, for the tile plans
-    # FP8 with BF16 wgrads (bf16_wgrads.bf16_wgrads_pay: mxfp8, and fp8-block at few rows per expert); one rank's
+    # FP8 with BF16 wgrads (planner.wgrads.bf16_wgrads_pay: mxfp8, and fp8-block at few rows per expert); one rank's
     # read the staged BF16 d_out and x by token, not the E4M3 rows (which they would dequantise)
-    bf16_wgrads = fmt != "bf16" and fp8_wgrads.bf16_wgrads_pay(fmt, rows_per_expert)
+    bf16_wgrads = fmt != "bf16" and bf16_wgrads_pay(fmt, rows_per_expert)
     token_wgrads = world.size == 1 and bf16_wgrads
     d_out = d_out.contiguous()
     # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward

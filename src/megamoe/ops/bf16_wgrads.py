@@ -1,10 +1,10 @@
 """The FP8 backwards' weight gradients as BF16 wgrads of BF16 rows (torchao's "rowwise, high-precision grad weight"
-recipe), and where they pay: :func:`bf16_wgrads_pay`.
+recipe); where they pay: :func:`megamoe.planner.wgrads.bf16_wgrads_pay`.
 
 The FP8 backwards (:mod:`megamoe.ops.experts_fp8_bwd`'s fp8-block and MXFP8 tiles, MXFP8 as the BF16 kernels in
 :mod:`megamoe.ops.experts_mxfp8_bf16`) quantise (or round) four operands along each expert's tokens for their
-wgrads. Where :func:`bf16_wgrads_pay` (mxfp8; fp8-block at few rows per expert; :data:`BF16_WGRADS` forces either
-way) they run the BF16 backward's wgrads instead (:func:`bf16_wgrads_of`): dy and x as
+wgrads. Where ``bf16_wgrads_pay`` (mxfp8; fp8-block at few rows per expert; ``MEGAMOE_FP8_BF16_WGRADS`` forces
+either way) they run the BF16 backward's wgrads instead (:func:`bf16_wgrads_of`): dy and x as
 pulled, dequantised to BF16 once (:func:`bf16_rows`), or one rank's staged BF16 tokens read by index
 (:class:`TokenRows`); act_w and d_h as the dact stores them. Nothing is quantised along the tokens, and the gradients
 are BF16 products of the rows: closer to the FP32 product, not the FP8 wgrads' bits.
@@ -12,42 +12,19 @@ are BF16 products of the rows: closer to the FP32 product, not the FP8 wgrads' b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from megamoe import checks, runtime
+from megamoe import checks
 from megamoe.ops import experts_bwd
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.experts_bwd import ExpertGrads, WgradCarry
 from megamoe.ops.quant import mx_round_activations
 from megamoe.planner.tiles import mean_rows
 from megamoe.planner.tuning import Tuning
+from megamoe.planner.wgrads import bf16_wgrads_pay
 from megamoe.reference.formats import fp8_block_dequantize
-
-#: Forces the FP8 backwards' weight gradients as BF16 wgrads (True) or as FP8 wgrads (False):
-#: ``MEGAMOE_FP8_BF16_WGRADS`` = 1 / 0; unset (None), :func:`bf16_wgrads_pay` decides.
-BF16_WGRADS: bool | None = (None if os.environ.get("MEGAMOE_FP8_BF16_WGRADS") is None
-                            else runtime.env_switch("MEGAMOE_FP8_BF16_WGRADS", False))
-
-#: fp8-block's FP8 wgrads (quantisers included) pay from this many rows per expert: on one H100
-#: (benchmarks/results/2026-12-06-h100-fp8-bf16-wgrads, ``fp8_wgrad_ab.py``) the BF16 wgrads of the rows by token
-#: took 14.6 against 17.3 ms at deepseek-v3 (256 rows an expert) and 16.4 against 23.2 at kimi-k2 (171), but 2.13
-#: against 1.77 at qwen3-30b-a3b (512): at a few K steps a block the FP8 wgrad's per-step promotion and its
-#: quantisers cost more than its MMAs save.
-FP8_WGRAD_MIN_ROWS = 384
-
-
-def bf16_wgrads_pay(fmt: str, rows_per_expert: float) -> bool:
-    """Whether an FP8 backward in ``fmt`` runs its weight gradients as BF16 wgrads: :data:`BF16_WGRADS` where set;
-    else mxfp8 always (its MX roundings along the tokens cost more than they save: qwen3-30b-a3b's mxfp8 backward
-    5.42 -> 5.03 ms on an H100, with the E4M3 rows still dequantised eagerly then), fp8-block below
-    :data:`FP8_WGRAD_MIN_ROWS` rows per expert."""
-    if BF16_WGRADS is not None:
-        return BF16_WGRADS
-    return fmt == "mxfp8" or rows_per_expert < FP8_WGRAD_MIN_ROWS
-
 
 @dataclass(frozen=True)
 class TokenRows:
@@ -66,7 +43,7 @@ def wants_bf16_wgrads(bf16_wgrads: bool | None, token_rows: TokenRows | None, fm
     rows per expert); ``token_rows`` without them refused."""
     bf16 = bf16_wgrads_pay(fmt, rows_per_expert) if bf16_wgrads is None else bf16_wgrads
     if token_rows is not None and not bf16:
-        raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set BF16_WGRADS)")
+        raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set MEGAMOE_FP8_BF16_WGRADS=1)")
     return bf16
 
 

@@ -14,7 +14,7 @@ The dgrads read the weights transposed (``weights_t``: the per-step pack's, :mod
 fp8-block's are the forward pack's 128x128 blocks transposed). Master weights and the gradients returned are
 BF16, as on the BF16 path. docs/design.md tabulates every tensor's format and why.
 
-Where ``megamoe.ops.bf16_wgrads.bf16_wgrads_pay`` (mxfp8; fp8-block at few rows per expert; or forced by
+Where ``megamoe.planner.wgrads.bf16_wgrads_pay`` (mxfp8; fp8-block at few rows per expert; or forced by
 ``MEGAMOE_FP8_BF16_WGRADS``) both weight gradients run as the BF16 backward's instead (that module's recipe): no
 operand is quantised along the tokens.
 
@@ -160,7 +160,7 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
     Triton ones, which ``warp_specialized=False`` runs there too (A/B runs, tests). ``carry``, ``out`` (its
     ``d_x_index`` too) and ``bias`` as :func:`~megamoe.ops.experts_bwd.expert_backward`'s (a backward window's rows
     start each expert's token blocks where the whole rows do: cuts at multiples of 128 rows of an expert).
-    ``bf16_wgrads``: the weight gradients as BF16 wgrads (None: ``bf16_wgrads.bf16_wgrads_pay`` at the rows' mean per
+    ``bf16_wgrads``: the weight gradients as BF16 wgrads (None: ``planner.wgrads.bf16_wgrads_pay`` at the rows' mean per
     expert), of ``token_rows``' BF16 tokens where given (one rank), else of dy_rows and x_rows (E4M3 rows dequantised
     to BF16 first)."""
     return _expert_backward_fp8("fp8-block", dy_rows, row_weights, x_rows, h, counts, offsets, w_gate_up, w_down,
@@ -171,7 +171,7 @@ def expert_backward_fp8_block(dy_rows, row_weights, x_rows, h, counts, offsets, 
 
 
 def _rows_per_expert(x_rows, w_gate_up) -> float:
-    """The call's mean rows per expert (E4M3 rows or BF16), for :func:`~megamoe.ops.bf16_wgrads.bf16_wgrads_pay`."""
+    """The call's mean rows per expert (E4M3 rows or BF16), for :func:`~megamoe.planner.wgrads.bf16_wgrads_pay`."""
     return mean_rows((x_rows.data if isinstance(x_rows, QuantRows) else x_rows).shape[0], w_gate_up.shape[0])
 
 

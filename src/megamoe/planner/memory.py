@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from megamoe.config import MoEConfig
 from megamoe.planner.kernel_config import KernelConfig
+from megamoe.planner.wgrads import bf16_wgrads_pay
 from megamoe.routing.windows import WINDOW_ALIGN, window_rows
 
 #: Bytes per element of the routed rows in each precision: E4M3 and its scales (fp8-block: an fp32 per 128,
@@ -66,11 +67,15 @@ def backward_memory(cfg: MoEConfig, tokens: int, ring: int, precision: str, ep: 
         "backward dgrads d_h, w*act, router partials [ring+128, 3I]": rows * (3 * i * 2 + -(-i // DACT_BLOCK_N) * 4),
         "backward weight-gradient carries, fp32 [3I, D] x 2": 2 * 3 * i * d * 4,
     }
-    if precision != "bf16":  # the FP8 dgrads' and wgrads' operands: d_h along I, four along the tokens
+    if precision != "bf16":  # the FP8 dx's d_h along 2I, and the wgrads' operands (planner.wgrads's recipe)
         experts = cfg.experts_per_rank(ep)
-        padded = -(-(rows + experts * (WINDOW_ALIGN - 1)) // WINDOW_ALIGN) * WINDOW_ALIGN
-        memory["backward FP8 operands: d_h [ring+128, 2I], the wgrads' token-major [2D + 3I, ring+pad]"] = int(
-            rows * 2 * i * act + padded * (2 * d + 3 * i) * act)
+        memory["backward FP8 d_h [ring+128, 2I]"] = int(rows * 2 * i * act)
+        if not bf16_wgrads_pay(precision, tokens * cfg.top_k / max(experts, 1)):  # four along the tokens
+            padded = -(-(rows + experts * (WINDOW_ALIGN - 1)) // WINDOW_ALIGN) * WINDOW_ALIGN
+            memory["backward FP8 wgrads' token-major operands [2D + 3I, ring+pad]"] = int(
+                padded * (2 * d + 3 * i) * act)
+        elif ep > 1:  # BF16 wgrads of the pulled E4M3 rows, dequantised (one rank reads its staged tokens)
+            memory["backward BF16 wgrads' d_out and x, dequantised [ring+128, D] x 2"] = 2 * rows * d * 2
     if shared:
         memory["backward shared expert d_h, w*act, d_x [N, 3*Is + D]"] = tokens * (3 * shared + d) * 2
     return memory
