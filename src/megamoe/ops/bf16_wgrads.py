@@ -43,7 +43,8 @@ def wants_bf16_wgrads(bf16_wgrads: bool | None, token_rows: TokenRows | None, fm
     rows per expert); ``token_rows`` without them refused."""
     bf16 = bf16_wgrads_pay(fmt, rows_per_expert) if bf16_wgrads is None else bf16_wgrads
     if token_rows is not None and not bf16:
-        raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True (or set MEGAMOE_FP8_BF16_WGRADS=1)")
+        raise ValueError("token_rows are the BF16 wgrads' rows: pass bf16_wgrads=True "
+                         "(or set MEGAMOE_FP8_BF16_WGRADS=1)")
     return bf16
 
 
