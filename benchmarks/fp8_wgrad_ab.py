@@ -23,14 +23,11 @@ gradients of one wgrad share one buffer (a kimi-k2 gate/up gradient is 22.5 GB),
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 
 import torch
 
 from megamoe import runtime
-from megamoe.config import preset
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.comm import QuantRows
 from megamoe.ops.experts_bwd import wgrad
@@ -40,7 +37,7 @@ from megamoe.planner.tiles import mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING
 
 from sustained import interleaved_rounds  # benchmarks/, beside this script
-from wgrad_gather_ab import make_load  # one rank's routed rows and the wgrads' operands
+from wgrad_gather_ab import shape_args, shape_loads, write_results  # one rank's routed rows, the CLI, the record
 
 #: shape: (preset, tokens) at EP 1
 SHAPES = {"deepseek-v3": ("deepseek-v3", 8192), "kimi-k2": ("kimi-k2", 8192),
@@ -98,19 +95,11 @@ def relative_error(load, kind: str, out: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=0.3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = shape_args(__doc__, SHAPES)
     device = torch.device("cuda")
     expert_ops.GATHER_BACKWARD = True  # the BF16 wgrad reads the rows by token, as one rank's backward does
     results = []
-    for shape in args.shapes.split(","):
-        name, t = SHAPES[shape]
-        cfg = preset(name)
-        load = make_load(t, cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, device)
+    for shape, t, cfg, load in shape_loads(args, SHAPES, device):
         for kind in ("down", "gate_up"):
             d, i = cfg.hidden, cfg.intermediate
             out = torch.empty((cfg.num_experts, d, i) if kind == "down" else (cfg.num_experts, 2 * i, d),
@@ -131,9 +120,7 @@ def main() -> None:
                                 "rel": rel[v]})
             del out, calls
             torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
+    write_results(args.out, results)
     print("| shape | wgrad | variant | ms | TFLOP/s | x write floor | rel error |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

@@ -72,6 +72,31 @@ def make_load(t: int, d: int, i: int, experts: int, k: int, device, seed: int = 
                 rand(t, d), rand(rows, i), rand(rows, 2 * i))
 
 
+def shape_args(doc: str, shapes: dict) -> argparse.Namespace:
+    """The wgrad A/B tools' command line: ``--shapes`` (of ``shapes``), ``--rounds``, ``--seconds``, ``--out``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--shapes", default=",".join(shapes), help=f"comma-separated, of {', '.join(shapes)}")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.3)
+    parser.add_argument("--out", default=None)
+    return parser.parse_args()
+
+
+def shape_loads(args: argparse.Namespace, shapes: dict, device):
+    """``(shape, tokens, layer config, Load)`` of each of ``args.shapes``: one rank's routed rows at EP 1."""
+    for shape in args.shapes.split(","):
+        name, t = shapes[shape]
+        cfg = preset(name)
+        yield shape, t, cfg, make_load(t, cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, device)
+
+
+def write_results(out: str | None, results: list) -> None:
+    """The rounds' records as JSON at ``out`` (when given), with the device's name."""
+    if out:
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
+
+
 def variant_calls(load: Load, device) -> tuple[dict, dict, dict]:
     """({variant: {wgrad: call}}, {variant: {wgrad: output}}, {wgrad: flops}): each call writes its output."""
     rows, experts = load.tokens.shape[0], load.counts.shape[0]
@@ -110,19 +135,11 @@ def variant_calls(load: Load, device) -> tuple[dict, dict, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=0.3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = shape_args(__doc__, SHAPES)
     device = torch.device("cuda")
     expert_ops.GATHER_BACKWARD = True  # the gathering variants gather (the copied ones pass no index)
     results = []
-    for shape in args.shapes.split(","):
-        name, t = SHAPES[shape]
-        cfg = preset(name)
-        load = make_load(t, cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, device)
+    for shape, t, _, load in shape_loads(args, SHAPES, device):
         calls, outs, flops = variant_calls(load, device)
         for kind in ("down", "gate_up"):
             for v in VARIANTS:  # once each: compiles, and the outputs to compare
@@ -136,9 +153,7 @@ def main() -> None:
                 results.append({"shape": shape, "tokens": t, "wgrad": kind, "variant": v, "ms": ms,
                                 "rounds_ms": times[v], "tflops": flops[kind] / ms / 1e9,
                                 "x_copy_then_wgrad": base / ms, "same_bits": same[v]})
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
+    write_results(args.out, results)
     print("| shape | wgrad | variant | ms | TFLOP/s | x copy + wgrad | same bits |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

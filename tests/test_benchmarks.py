@@ -501,8 +501,9 @@ def test_fp8_wgrad_ab_variants_give_the_gradient():
     writes each expert's gradient (the buffer poisoned first), the BF16 wgrad within BF16's rounding of the FP32
     product, the FP8 ones within FP8's and not at BF16's (they did quantise), and the flops count every row."""
     import fp8_wgrad_ab
+    from wgrad_gather_ab import make_load  # the load both wgrad A/B tools time
 
-    load = fp8_wgrad_ab.make_load(256, 128, 128, 4, 2, DEVICE)
+    load = make_load(256, 128, 128, 4, 2, DEVICE)
     for kind, shape in (("down", (4, 128, 128)), ("gate_up", (4, 256, 128))):
         out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
         calls, flops = fp8_wgrad_ab.variant_calls(load, kind, out, DEVICE)

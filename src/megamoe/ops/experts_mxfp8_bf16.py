@@ -134,10 +134,10 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     ``warp_specialized``, ``carry``, ``out`` (its ``d_x_index`` too) and ``bias`` as
     :func:`~megamoe.ops.experts_bwd.expert_backward`'s; ``bf16_wgrads`` and ``token_rows`` as
     :func:`~megamoe.ops.experts_fp8_bwd.expert_backward_mxfp8`'s (the wgrads on BF16 rows, none rounded).
-    ``dy_index`` (int32 `[>= R]`, one rank): ``dy_rows`` is then bf16 `[S, D]`, one rank's d_out tokens on the grid
-    along D (rounded once), and row r's is ``dy_rows[dy_index[r]]``: on Hopper the Gluon dact's producer gathers them
-    (no pull, no rounding of R rows); elsewhere, with biases or with wgrads that read dy in row order, one gather
-    copies them first. The same bits as the routed rows."""
+    ``dy_index`` (int32 `[>= R]`, one rank): ``dy_rows`` is then one rank's `[S, D]` d_out tokens (bf16, or the
+    staged mxfp8 E4M3 rows), put on the grid here once (S rows, not R), and row r's is ``dy_rows[dy_index[r]]``: on
+    Hopper the Gluon dact's producer gathers them (no pull); elsewhere, with biases or with wgrads that read dy in
+    row order, one gather copies them first. The same bits as the routed rows."""
     x_data = x_rows.data if isinstance(x_rows, QuantRows) else x_rows
     bf16 = wants_bf16_wgrads(bf16_wgrads, token_rows, "mxfp8",
                              mean_rows(x_data.shape[0], w_gate_up.shape[0], rows_per_expert))
