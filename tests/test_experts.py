@@ -302,6 +302,24 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
     assert got.d_w_gate_up.eq(0).all() and got.d_w_down.eq(0).all()
 
 
+def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
+    """``wgrad_deal`` (the Gluon wgrad's DYNAMIC deal): a zero counter, the blocks of the experts a launch computes,
+    those experts by their rows heaviest first (ties in expert order, an empty expert dealt too, the ones a window
+    skips last); the takes, even ones from the heavy end and odd ones from the light end (``dealt_block``'s
+    arithmetic), name every dealt block once."""
+    from megamoe.ops.experts_bwd import wgrad_deal
+
+    counts = torch.tensor([5, 0, 40, 33, 40, 7], dtype=torch.int32, device=DEVICE)
+    for modes, order, dealt in ((None, [2, 4, 3, 5, 0, 1], 6), (torch.tensor([1, 0, 0, 2, 3, 0], dtype=torch.int32,
+                                                                             device=DEVICE), [4, 3, 0], 3)):
+        deal = wgrad_deal(counts, modes, per_expert=7).cpu()
+        assert deal.dtype == torch.int32 and deal[0] == 0 and deal[1] == 7 * dealt
+        assert deal[2:2 + dealt].tolist() == order and sorted(deal[2:].tolist()) == list(range(6))
+        total = int(deal[1])
+        named = [t // 2 + (t % 2) * (total - 1 - 2 * (t // 2)) for t in range(total)]  # dealt_block's position
+        assert sorted(named) == list(range(total)) and named[:2] == [0, total - 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("out_m, out_n", [(384, 512), (320, 448)])
@@ -311,9 +329,9 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
     NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
-    runs a gathered B: ``(bᵀ · a)ᵀ``)."""
+    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with the blocks dealt dynamically (DYNAMIC)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad
+    from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad, wgrad_deal
     from megamoe.ops.launch import scratch_allocator
 
     gpu = torch.device("cuda")
@@ -326,7 +344,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
     outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            for _ in "abcde"]
+            for _ in "abcdefg"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, counts, outs[0], outs[0], DOT_FP32=False,
@@ -343,6 +361,16 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
             b, a, outs[4], offsets, counts, len(counts), out_n, out_m, counts, outs[4], outs[4], counts,
             NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=True, num_warps=4)
+        # the dynamic deal (blocks from a counter, heavy experts first from one end, light from the other)
+        for out, swap in zip(outs[5:7], (False, True)):
+            first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
+            deal = wgrad_deal(counts, None, -(-m // 128) * -(-n // tile.block_n))
+            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                first, second, out, offsets, counts, len(counts), m, n, counts, out, out, counts,
+                NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=swap, deal_ptr=deal, DYNAMIC=True,
+                num_warps=4)
+            assert int(deal[0]) == int(deal[1]) + programs  # every block taken, each program's last take past them
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
@@ -364,12 +392,13 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     Gluon wgrad (both of the planner's blocks: BK 32 with a wgmma left in flight, BK 64 without) gives
     ``wgrad_kernel``'s bits, gradients and carry, and the unsplit launch's gradients; nothing is written that a mode
     leaves out (NaN-poisoned); every expert STORE in one launch with CARRY is the launch without it. So does the
-    Gluon wgrad with the operands swapped and the blocks and the carry stored transposed (OUT_T).
+    Gluon wgrad with the operands swapped and the blocks and the carry stored transposed (OUT_T), and both with the
+    blocks dealt dynamically (DYNAMIC: the skipped experts never dealt).
 
     ``wgrad_kernel`` runs the 128-wide blocks ``wgrad`` gives it with a carry (``carry_tile``: the same wgmma
     reductions, so the same bits)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts_bwd import wgrad_ws_constexprs
+    from megamoe.ops.experts_bwd import wgrad_deal, wgrad_ws_constexprs
     from megamoe.planner.tiles import carry_tile
     from megamoe.ops.launch import scratch_allocator
     from megamoe.routing.windows import CARRY_IN, CARRY_OUT, STORE
@@ -397,11 +426,13 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
         carry = window is not None
         window = window if carry else (c, out, out)  # unread without CARRY
         if gluon:  # "transposed": the operands swapped, the blocks (and the carry's) stored transposed (OUT_T)
-            swap = gluon == "transposed"
+            swap = gluon.startswith("transposed")
+            dynamic = gluon.endswith("dynamic")  # the blocks dealt from a counter
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
+            deal = wgrad_deal(c, window[0] if carry else None, -(-m // 128) * -(-n // tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap,
-                **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap, deal_ptr=deal,
+                DYNAMIC=dynamic, **wgrad_ws_constexprs(tile, programs), num_warps=4)
         else:
             expert_gemm_bwd.wgrad_kernel[(programs,)](
                 a, b, out, o, c, experts, out_m, out_n, *window, DOT_FP32=False, NUM_PROGRAMS=programs,
@@ -410,7 +441,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
 
     got = {}
     with scratch_allocator():
-        for gluon in (False, True, "transposed"):
+        for gluon in (False, "static", "transposed", "dynamic", "transposed dynamic"):
             whole, stored = (nan(experts, out_m, out_n, dtype=torch.bfloat16) for _ in range(2))
             launch(gluon, whole, counts, offsets)
             every = torch.full((experts,), STORE, dtype=torch.int32, device="cuda")
@@ -426,7 +457,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
     o3 = int(offsets[split])
-    assert _rel(got[True]["carry"], a[o3:o3 + cut].float().T @ b[o3:o3 + cut].float()) < 1e-5
+    assert _rel(got["static"]["carry"], a[o3:o3 + cut].float().T @ b[o3:o3 + cut].float()) < 1e-5
     for gluon, run in got.items():
         assert _rel(run["whole"], want) < 1e-2 and run["whole"][1].eq(0).all(), gluon
         assert run["after_first"][split:].isnan().all() and not run["after_first"][:split].isnan().any(), gluon
@@ -436,7 +467,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
             assert torch.equal(run[name], run["whole"]), f"{gluon} {name}: experts differing {differ}"
     for name, t in got[False].items():  # bit patterns: the NaN left where nothing is written compares too
         bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype]
-        for gluon in (True, "transposed"):
+        for gluon in ("static", "transposed", "dynamic", "transposed dynamic"):
             differ = int((t.view(bits) != got[gluon][name].view(bits)).sum())
             assert differ == 0, f"{gluon} {name}: {differ} elements differ from wgrad_kernel's"
 
@@ -531,7 +562,8 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills, also with the backward window's carry, as the Triton wgrad's at its carry tile); the Gluon
+    too, without spills, also with the backward window's carry and dealt dynamically, as the Triton wgrad's at its
+    carry tile); the Gluon
     dact sums its rows' router-gradient
     partials in the Triton dact's register layout (their order, so their bits: in another layout 400 of them
     differed on the GPU)."""
@@ -539,20 +571,25 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     wgrads = {f"{kernel}{tile}" for kernel in ("wgrad_kernel", "wgrad_ws_kernel")
               for tile in ("", " (few rows per expert)", " (carry)", " (few rows per expert, carry)")}
     by_token = {"forward_ws_kernel (gate/up, x rows by token)", "dact_ws_kernel (d_out rows by token)",
-                "wgrad_ws_kernel (carry) (d_out rows by token)", "wgrad_ws_kernel (carry) (x rows by token)"}
+                "wgrad_ws_kernel (carry) (d_out rows by token)", "wgrad_ws_kernel (carry) (x rows by token)",
+                "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
+    dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
-                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token}
+                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
-                 "dx_kernel (into the slots)", *by_token):  # the gathering wgrads' producers: 96 registers
+                 "dx_kernel (into the slots)", *by_token, *dynamic):  # the gathering wgrads' producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in by_token:  # each gather is cp.async pieces counted on the ring's barriers
         assert summary[name]["cp_async"] > 0, (name, summary[name])
+    for name in dynamic:  # the block counter's take and the tag steps' shared-memory word
+        assert summary[name]["shared_bytes"] > summary[name.replace(", dynamic)", ")").replace(" (dynamic)", "")][
+            "shared_bytes"], (name, summary[name])
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]
     assert len(triton_sums) == 1 and summary["dact_ws_kernel"]["reduce_layouts"] == triton_sums, summary
 

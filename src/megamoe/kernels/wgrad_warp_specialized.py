@@ -252,11 +252,182 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
 
 
 @gluon.jit
+def dealt_block(deal_ptr, t, per_expert):
+    """DYNAMIC: the t-th block taken from the launch's counter, ``(expert, task)``. ``deal`` int32 `[2 + L]`: the
+    counter, the blocks to deal and the experts heaviest first; even takes walk the blocks from the heaviest expert,
+    odd ones from the lightest (write-bound light blocks beside compute-bound heavy ones, the heaviest started
+    first)."""
+    half = t // 2
+    pos = half + (t % 2) * (gl.load(deal_ptr + 1) - 1 - 2 * half)
+    return gl.load(deal_ptr + 2 + pos // per_expert), pos % per_expert
+
+
+@gluon.jit
+def _tag_step(tags, full, empty, g, block, STAGES: gl.constexpr, FULL_ARRIVALS: gl.constexpr, WARPS: gl.constexpr):
+    """A ring step that carries no data, only the next block's number for the consumers (-1: no more blocks)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    s = g % STAGES
+    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+    tags.index(s).store(gl.full([1], block, gl.int32, layout))
+    mbarrier.arrive(full.index(s), count=FULL_ARRIVALS)
+    return g + 1
+
+
+@gluon.jit
+def _producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_ptr, OUT_M, OUT_N,
+                      a_smem, b_smem, tags, full, empty, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      STAGES: gl.constexpr, A_GATHER: gl.constexpr):
+    """DYNAMIC: takes blocks from the launch's counter until none is left; each block's K steps follow a tag step
+    that names it. Descriptors are remade when the expert changes, in two call sites used in turn (a rewrite waits
+    for the last load through that site to land, as ``_load_expert``'s)."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    WARPS: gl.constexpr = GATHER_WARPS.value if A_GATHER else 1
+    FULL: gl.constexpr = full_arrivals(A_GATHER)
+    num_n = gl.cdiv(OUT_N, BLOCK_N)
+    per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
+    A_TMA_BYTES: gl.constexpr = 0 if A_GATHER else 2 * BLOCK_K * HALF_M * 2
+    step_bytes: gl.constexpr = A_TMA_BYTES + BLOCK_K * BLOCK_N * 2
+    total = gl.load(deal_ptr + 1)
+    g = 0
+    last_expert = -1
+    site = 1
+    site_last0 = -1
+    site_last1 = -1
+    row0 = 0
+    row_end = 0
+    # both sites' descriptors exist from the start (over one row) so that the loop carries them
+    a_desc0 = tma.make_tensor_descriptor(a_ptr, [1, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+    b_desc0 = tma.make_tensor_descriptor(b_ptr, [1, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+    a_desc1 = tma.make_tensor_descriptor(a_ptr, [1, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+    b_desc1 = tma.make_tensor_descriptor(b_ptr, [1, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+    t = gl.atomic_add(deal_ptr, 1)
+    while t < total:
+        expert, task = dealt_block(deal_ptr, t, per_expert)
+        g = _tag_step(tags, full, empty, g, t, STAGES, FULL, WARPS)
+        if expert != last_expert:
+            last_expert = expert
+            site = 1 - site
+            row0 = gl.load(offsets_ptr + expert)
+            row_end = row0 + gl.load(counts_ptr + expert)
+            rows = gl.maximum(row_end, 1)
+            if site == 0:
+                if (site_last0 >= 0) & (g - site_last0 <= STAGES):
+                    mbarrier.wait(full.index(site_last0 % STAGES), (site_last0 // STAGES) & 1)
+                a_desc0 = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+                b_desc0 = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N],
+                                                     b_layout)
+            else:
+                if (site_last1 >= 0) & (g - site_last1 <= STAGES):
+                    mbarrier.wait(full.index(site_last1 % STAGES), (site_last1 // STAGES) & 1)
+                a_desc1 = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+                b_desc1 = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N],
+                                                     b_layout)
+        m0 = task // num_n * (2 * HALF_M)
+        n0 = task % num_n * BLOCK_N
+        if A_GATHER:
+            rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
+            rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
+        for k in range(row0, row_end, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+            mbarrier.expect(full.index(s), step_bytes)
+            if site == 0:
+                if not A_GATHER:
+                    tma.async_copy_global_to_shared(a_desc0, [k, m0], full.index(s), a_smem.index(2 * s))
+                    tma.async_copy_global_to_shared(a_desc0, [k, m0 + HALF_M], full.index(s),
+                                                    a_smem.index(2 * s + 1))
+                tma.async_copy_global_to_shared(b_desc0, [k, n0], full.index(s), b_smem.index(s))
+            else:
+                if not A_GATHER:
+                    tma.async_copy_global_to_shared(a_desc1, [k, m0], full.index(s), a_smem.index(2 * s))
+                    tma.async_copy_global_to_shared(a_desc1, [k, m0 + HALF_M], full.index(s),
+                                                    a_smem.index(2 * s + 1))
+                tma.async_copy_global_to_shared(b_desc1, [k, n0], full.index(s), b_smem.index(s))
+            if A_GATHER:
+                starts, ok = row_starts_of(a_ptr, rows_now, k, row_end, OUT_M, BLOCK_K, HALF_M)
+                copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), HALF_M)
+                copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), HALF_M)
+                land_on(full.index(s))
+                rows_now = rows_next
+                rows_next = row_indices(a_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, HALF_M)
+            if site == 0:
+                site_last0 = g
+            else:
+                site_last1 = g
+            g += 1
+        t = gl.atomic_add(deal_ptr, 1)
+    _tag_step(tags, full, empty, g, -1, STAGES, FULL, WARPS)
+
+
+@gluon.jit
+def _consumer_dynamic(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, deal_ptr, num_experts,
+                      OUT_M, OUT_N, a_smem, b_smem, c_smem, tags, full, empty, HALF: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
+    """DYNAMIC: rows HALF * 64 .. HALF * 64 + 63 of each block the producer's tag steps name, in their order."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    tag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    num_n = gl.cdiv(OUT_N, BLOCK_N)
+    per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
+    if OUT_T:
+        out_layout_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HALF_M], gl.bfloat16)
+        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_N, OUT_M], [OUT_M * OUT_N, OUT_M, 1],
+                                              [1, BLOCK_N, HALF_M], out_layout_t)
+    else:
+        out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_M, BLOCK_N], gl.bfloat16)
+        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_M, OUT_N], [OUT_M * OUT_N, OUT_N, 1],
+                                              [1, HALF_M, BLOCK_N], out_layout)
+    g = 0
+    mbarrier.wait(full.index(0), 0)
+    t = gl.max(tags.index(0).load(tag_layout), 0)
+    mbarrier.arrive(empty.index(0), count=1)
+    g = 1
+    while t >= 0:
+        expert, task = dealt_block(deal_ptr, t, per_expert)
+        if CARRY:
+            mode = gl.load(modes_ptr + expert)
+        else:
+            mode = STORE
+        row0 = gl.load(offsets_ptr + expert)
+        row_end = row0 + gl.load(counts_ptr + expert)
+        m0 = task // num_n * (2 * HALF_M)
+        n0 = task % num_n * BLOCK_N
+        if CARRY:
+            acc = carry_start_half(mode, carry_in_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, mma, HALF_M, BLOCK_N,
+                                   OUT_T)
+        else:
+            acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+        for k in range(row0, row_end, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            if GATHER:
+                fence_async_shared()
+            acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc, is_async=True)
+            acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
+            g += 1
+        acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
+        if CARRY:
+            if carry_end_half(acc, mode, carry_out_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, HALF_M, BLOCK_N,
+                              OUT_T):
+                store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
+        else:
+            store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
+        s = g % STAGES
+        mbarrier.wait(full.index(s), (g // STAGES) & 1)
+        t = gl.max(tags.index(s).load(tag_layout), 0)
+        mbarrier.arrive(empty.index(s), count=1)
+        g += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts, OUT_M, OUT_N, modes_ptr,
                     carry_in_ptr, carry_out_ptr, a_index_ptr, NUM_PROGRAMS: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
-                    OUT_T: gl.constexpr = False):
+                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -265,7 +436,10 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     of a copy; the index is unread without the flag), brought in by cp.async in the producer warpgroup
     (``megamoe.kernels.gluon_gather``). OUT_T: out is `[L, OUT_N, OUT_M]` (and the carries `[OUT_N, OUT_M]`), each
     block stored transposed: the gate/up wgrad with x gathered as A, ``out[l] = (x_rowsᵀ · d_h)ᵀ``, which reads each
-    x row once per BLOCK_N (256) of 2I; gathered as B it was read once per 128."""
+    x row once per BLOCK_N (256) of 2I; gathered as B it was read once per 128.
+    DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + L]`, zero, the blocks to deal,
+    the experts heaviest first: :func:`dealt_block`), the producer naming each block to the consumers in a tag step
+    of the ring; a block is still reduced by one program in one order, so the bits are the static deal's."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     C_ROWS: gl.constexpr = BLOCK_N if OUT_T else HALF_M
@@ -276,21 +450,39 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     c0 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
     c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
-    # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
-    gl.warp_specialize(
-        [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
-                      OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                      gl.constexpr(OUT_T))),
-         (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
-                      OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                      gl.constexpr(OUT_T))),
-         (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
-                      OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
-                      gl.constexpr(A_GATHER)))],
-        [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
+    if DYNAMIC:
+        tags = gl.allocate_shared_memory(gl.int32, [STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        gl.warp_specialize(
+            [(_consumer_dynamic, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, deal_ptr,
+                                  num_experts, OUT_M, OUT_N, a_smem, b_smem, c0, tags, full, empty, gl.constexpr(0),
+                                  gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
+                                  gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                                  gl.constexpr(OUT_T))),
+             (_consumer_dynamic, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, deal_ptr,
+                                  num_experts, OUT_M, OUT_N, a_smem, b_smem, c1, tags, full, empty, gl.constexpr(1),
+                                  gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
+                                  gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                                  gl.constexpr(OUT_T))),
+             (_producer_dynamic, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_ptr, OUT_M, OUT_N,
+                                  a_smem, b_smem, tags, full, empty, gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                                  gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
+            [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
+    else:
+        # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
+        gl.warp_specialize(
+            [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                          OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
+                          gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                          gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                          gl.constexpr(OUT_T))),
+             (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                          OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
+                          gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                          gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                          gl.constexpr(OUT_T))),
+             (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
+                          OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
+                          gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
+                          gl.constexpr(A_GATHER)))],
+            [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
     invalidate_ring(full, empty, STAGES)

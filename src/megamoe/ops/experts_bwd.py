@@ -290,6 +290,26 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
                 MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES)
 
 
+#: The Gluon wgrad takes its blocks from a counter as programs come free, heavy experts first from one end and light
+#: ones from the other (``wgrad_warp_specialized.dealt_block``), instead of each expert's blocks round robin. Under
+#: zipf routing the static deal piles the hot expert's long blocks onto programs that hold their share of the rest,
+#: and runs write-bound light experts and compute-bound heavy ones one after another (the wgrads 1.30x / 1.38x
+#: uniform routing's at deepseek-v3 / qwen3-30b-a3b on one H100, benchmarks/results/2026-12-07-defaults-step). The
+#: same bits; built and checked offline (sm_90), off until a GPU has run and timed it. ``MEGAMOE_WGRAD_DYNAMIC``
+#: (0 or 1) sets it.
+WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
+
+
+def wgrad_deal(counts: torch.Tensor, modes: torch.Tensor | None, per_expert: int) -> torch.Tensor:
+    """The dynamic deal's int32 `[2 + L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0), the blocks to deal
+    (every expert's, or with a window's ``modes`` those of the experts it computes) and the experts by their rows,
+    heaviest first (the ones the window skips last, never dealt); ties in expert order. Device work only."""
+    active = torch.ones_like(counts, dtype=torch.bool) if modes is None else modes != 0
+    order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True).to(torch.int32)
+    blocks = (active.sum(dtype=torch.int32) * per_expert).view(1)
+    return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device), blocks, order])
+
+
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
           tile: TileConfig, programs: int, warp_specialized: bool = True,
           carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -321,10 +341,14 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
             out_t = b_index is not None
             if out_t:
                 a, b, a_index, out_m, out_n = b, a, b_index, out_n, out_m
+            deal = None
+            if WGRAD_DYNAMIC:
+                per_expert = -(-out_m // 128) * -(-out_n // tile.block_n)
+                deal = wgrad_deal(counts, None if carry is None else carry[0], per_expert)
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
-                CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t,
-                **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, deal_ptr=deal,
+                DYNAMIC=WGRAD_DYNAMIC, **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
