@@ -109,6 +109,38 @@ def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.cons
 
 
 @gluon.jit
+def _load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full, empty, g,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_GATHER: gl.constexpr):
+    """Issue the block at (m0, n0)'s K steps (rows row0 .. row_end of its expert) into the ring from step g on;
+    returns the next step. A_GATHER: A's rows gathered by cp.async, each step's indices loaded two steps ahead (a
+    32-row K step's wgmmas take about as long as a dependent global load; loaded one step ahead, the gathering
+    wgrads ran 2x the copied rows' time, 2026-12-06)."""
+    A_TMA_BYTES: gl.constexpr = 0 if A_GATHER else 2 * BLOCK_K * HALF_M * 2
+    step_bytes: gl.constexpr = A_TMA_BYTES + BLOCK_K * BLOCK_N * 2
+    if A_GATHER:
+        rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
+        rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
+    for k in range(row0, row_end, BLOCK_K):
+        s = g % STAGES
+        mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
+        mbarrier.expect(full.index(s), step_bytes)
+        if not A_GATHER:
+            tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
+        tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
+        # A's gather under B's TMA; each thread's landing one of the barrier's arrivals
+        if A_GATHER:
+            starts, ok = row_starts_of(a_ptr, rows_now, k, row_end, OUT_M, BLOCK_K, HALF_M)
+            copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), HALF_M)
+            copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), HALF_M)
+            land_on(full.index(s))
+            rows_now = rows_next
+            rows_next = row_indices(a_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, HALF_M)
+        g += 1
+    return g
+
+
+@gluon.jit
 def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N,
                  a_smem, b_smem, full, empty, g, site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr):
@@ -119,9 +151,6 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
-    A_TMA_BYTES: gl.constexpr = 0 if A_GATHER else 2 * BLOCK_K * HALF_M * 2
-    B_TMA_BYTES: gl.constexpr = BLOCK_K * BLOCK_N * 2
-    step_bytes: gl.constexpr = A_TMA_BYTES + B_TMA_BYTES
     first, _ = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
     if first < per_expert:
         # the TMA unit reads a descriptor until its load lands: wait for the site's last load before rewriting it,
@@ -134,31 +163,9 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
         a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
         b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
         for task in range(first, per_expert, NUM_PROGRAMS):
-            m0 = task // num_n * (2 * HALF_M)
-            n0 = task % num_n * BLOCK_N
-            # a gathered operand's K rows: each step's indices loaded two steps ahead (a 32-row K step's wgmmas take
-            # about as long as a dependent global load; loaded one step ahead, the gathering wgrads ran 2x the copied
-            # rows' time, 2026-12-06)
-            if A_GATHER:
-                rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
-                rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
-            for k in range(row0, row_end, BLOCK_K):
-                s = g % STAGES
-                mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
-                mbarrier.expect(full.index(s), step_bytes)
-                if not A_GATHER:
-                    tma.async_copy_global_to_shared(a_desc, [k, m0], full.index(s), a_smem.index(2 * s))
-                    tma.async_copy_global_to_shared(a_desc, [k, m0 + HALF_M], full.index(s), a_smem.index(2 * s + 1))
-                tma.async_copy_global_to_shared(b_desc, [k, n0], full.index(s), b_smem.index(s))
-                # A's gather under B's TMA; each thread's landing one of the barrier's arrivals
-                if A_GATHER:
-                    starts, ok = row_starts_of(a_ptr, rows_now, k, row_end, OUT_M, BLOCK_K, HALF_M)
-                    copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), HALF_M)
-                    copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), HALF_M)
-                    land_on(full.index(s))
-                    rows_now = rows_next
-                    rows_next = row_indices(a_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, HALF_M)
-                g += 1
+            g = _load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, task // num_n * (2 * HALF_M),
+                            task % num_n * BLOCK_N, OUT_M, a_smem, b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES,
+                            A_GATHER)
         site_last = g - 1
     return g, site_last
 
@@ -199,25 +206,59 @@ def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N: gl.constexpr, OUT_T: gl.constexpr):
+    """One descriptor over every expert's block (3-D: a partial block is clipped at its expert's edge), made once: a
+    store in flight reads it until it lands, so it is never rewritten. OUT_T: the blocks stored transposed."""
+    if OUT_T:
+        layout_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HALF_M], gl.bfloat16)
+        return tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_N, OUT_M], [OUT_M * OUT_N, OUT_M, 1],
+                                          [1, BLOCK_N, HALF_M], layout_t)
+    else:
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_M, BLOCK_N], gl.bfloat16)
+        return tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_M, OUT_N], [OUT_M * OUT_N, OUT_N, 1],
+                                          [1, HALF_M, BLOCK_N], layout)
+
+
+@gluon.jit
+def _half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end, m0, n0, carry_in_ptr,
+                carry_out_ptr, OUT_M, OUT_N, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
+                OUT_T: gl.constexpr):
+    """One consumer's half of the block at (m0, n0) of ``expert``: its K steps from ring step g (returns the next),
+    the rows reduced in order from zeros or the window's carry, then stored (or carried out, by ``mode``)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    r0 = m0 + HALF * HALF_M
+    if CARRY:
+        acc = carry_start_half(mode, carry_in_ptr, r0, n0, OUT_M, OUT_N, mma, HALF_M, BLOCK_N, OUT_T)
+    else:
+        acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+    for k in range(row0, row_end, BLOCK_K):
+        s = g % STAGES
+        mbarrier.wait(full.index(s), (g // STAGES) & 1)
+        if GATHER:  # cp.async wrote through the generic proxy; the wgmma reads through the async one
+            fence_async_shared()
+        acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc, is_async=True)
+        acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
+        g += 1
+    acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
+    if CARRY:
+        if carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, HALF_M, BLOCK_N, OUT_T):
+            store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T)
+    else:
+        store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T)
+    return g
+
+
+@gluon.jit
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
               CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
-    # one descriptor over every expert's block (3-D: a partial block is clipped at its expert's edge), made once: a
-    # store in flight reads it until it lands, so it is never rewritten
-    if OUT_T:
-        out_layout_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HALF_M], gl.bfloat16)
-        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_N, OUT_M], [OUT_M * OUT_N, OUT_M, 1],
-                                              [1, BLOCK_N, HALF_M], out_layout_t)
-    else:
-        out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_M, BLOCK_N], gl.bfloat16)
-        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_M, OUT_N], [OUT_M * OUT_N, OUT_N, 1],
-                                              [1, HALF_M, BLOCK_N], out_layout)
+    out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
     g = 0
     for expert in range(0, num_experts):
         first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
@@ -225,29 +266,9 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
             row0 = gl.load(offsets_ptr + expert)
             row_end = row0 + gl.load(counts_ptr + expert)
             for task in range(first, per_expert, NUM_PROGRAMS):
-                m0 = task // num_n * (2 * HALF_M)
-                n0 = task % num_n * BLOCK_N
-                if CARRY:
-                    acc = carry_start_half(mode, carry_in_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, mma, HALF_M,
-                                           BLOCK_N, OUT_T)
-                else:
-                    acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
-                for k in range(row0, row_end, BLOCK_K):
-                    s = g % STAGES
-                    mbarrier.wait(full.index(s), (g // STAGES) & 1)
-                    if GATHER:  # cp.async wrote through the generic proxy; the wgmma reads through the async one
-                        fence_async_shared()
-                    acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc,
-                                        is_async=True)
-                    acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
-                    g += 1
-                acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
-                if CARRY:
-                    if carry_end_half(acc, mode, carry_out_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, HALF_M,
-                                      BLOCK_N, OUT_T):
-                        store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
-                else:
-                    store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
+                g = _half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
+                                task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr,
+                                OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
     tma.store_wait(pendings=0)
 
 
@@ -286,8 +307,6 @@ def _producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_p
     FULL: gl.constexpr = full_arrivals(A_GATHER)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
-    A_TMA_BYTES: gl.constexpr = 0 if A_GATHER else 2 * BLOCK_K * HALF_M * 2
-    step_bytes: gl.constexpr = A_TMA_BYTES + BLOCK_K * BLOCK_N * 2
     total = gl.load(deal_ptr + 1)
     g = 0
     last_expert = -1
@@ -325,37 +344,16 @@ def _producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_p
                                                      b_layout)
         m0 = task // num_n * (2 * HALF_M)
         n0 = task % num_n * BLOCK_N
-        if A_GATHER:
-            rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
-            rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
-        for k in range(row0, row_end, BLOCK_K):
-            s = g % STAGES
-            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-            mbarrier.expect(full.index(s), step_bytes)
-            if site == 0:
-                if not A_GATHER:
-                    tma.async_copy_global_to_shared(a_desc0, [k, m0], full.index(s), a_smem.index(2 * s))
-                    tma.async_copy_global_to_shared(a_desc0, [k, m0 + HALF_M], full.index(s),
-                                                    a_smem.index(2 * s + 1))
-                tma.async_copy_global_to_shared(b_desc0, [k, n0], full.index(s), b_smem.index(s))
-            else:
-                if not A_GATHER:
-                    tma.async_copy_global_to_shared(a_desc1, [k, m0], full.index(s), a_smem.index(2 * s))
-                    tma.async_copy_global_to_shared(a_desc1, [k, m0 + HALF_M], full.index(s),
-                                                    a_smem.index(2 * s + 1))
-                tma.async_copy_global_to_shared(b_desc1, [k, n0], full.index(s), b_smem.index(s))
-            if A_GATHER:
-                starts, ok = row_starts_of(a_ptr, rows_now, k, row_end, OUT_M, BLOCK_K, HALF_M)
-                copy_rows_async(starts, ok, m0, OUT_M, a_smem.index(2 * s), HALF_M)
-                copy_rows_async(starts, ok, m0 + HALF_M, OUT_M, a_smem.index(2 * s + 1), HALF_M)
-                land_on(full.index(s))
-                rows_now = rows_next
-                rows_next = row_indices(a_index_ptr, k + 2 * BLOCK_K, row_end, BLOCK_K, HALF_M)
-            if site == 0:
-                site_last0 = g
-            else:
-                site_last1 = g
-            g += 1
+        if site == 0:
+            g = _load_block(a_ptr, a_desc0, b_desc0, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
+                            empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+            if row_end > row0:
+                site_last0 = g - 1
+        else:
+            g = _load_block(a_ptr, a_desc1, b_desc1, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
+                            empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+            if row_end > row0:
+                site_last1 = g - 1
         t = gl.atomic_add(deal_ptr, 1)
     _tag_step(tags, full, empty, g, -1, STAGES, FULL, WARPS)
 
@@ -366,20 +364,10 @@ def _consumer_dynamic(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
     """DYNAMIC: rows HALF * 64 .. HALF * 64 + 63 of each block the producer's tag steps name, in their order."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
     tag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
-    if OUT_T:
-        out_layout_t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HALF_M], gl.bfloat16)
-        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_N, OUT_M], [OUT_M * OUT_N, OUT_M, 1],
-                                              [1, BLOCK_N, HALF_M], out_layout_t)
-    else:
-        out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_M, BLOCK_N], gl.bfloat16)
-        out_desc = tma.make_tensor_descriptor(out_ptr, [num_experts, OUT_M, OUT_N], [OUT_M * OUT_N, OUT_N, 1],
-                                              [1, HALF_M, BLOCK_N], out_layout)
-    g = 0
+    out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
     mbarrier.wait(full.index(0), 0)
     t = gl.max(tags.index(0).load(tag_layout), 0)
     mbarrier.arrive(empty.index(0), count=1)
@@ -392,28 +380,9 @@ def _consumer_dynamic(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr,
             mode = STORE
         row0 = gl.load(offsets_ptr + expert)
         row_end = row0 + gl.load(counts_ptr + expert)
-        m0 = task // num_n * (2 * HALF_M)
-        n0 = task % num_n * BLOCK_N
-        if CARRY:
-            acc = carry_start_half(mode, carry_in_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, mma, HALF_M, BLOCK_N,
-                                   OUT_T)
-        else:
-            acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
-        for k in range(row0, row_end, BLOCK_K):
-            s = g % STAGES
-            mbarrier.wait(full.index(s), (g // STAGES) & 1)
-            if GATHER:
-                fence_async_shared()
-            acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc, is_async=True)
-            acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
-            g += 1
-        acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
-        if CARRY:
-            if carry_end_half(acc, mode, carry_out_ptr, m0 + HALF * HALF_M, n0, OUT_M, OUT_N, HALF_M, BLOCK_N,
-                              OUT_T):
-                store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
-        else:
-            store_half(acc, out_desc, c_smem, expert, m0 + HALF * HALF_M, n0, HALF_M, BLOCK_N, OUT_T)
+        g = _half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
+                        task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr, OUT_M,
+                        OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
         s = g % STAGES
         mbarrier.wait(full.index(s), (g // STAGES) & 1)
         t = gl.max(tags.index(s).load(tag_layout), 0)
