@@ -5,8 +5,8 @@ cap() { local l=$(( 560 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ?
 say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }
 nvidia-smi --query-gpu=name,power.limit,clocks.sm,memory.total --format=csv >> $L
 timeout $(cap 120) python3 -m pytest -v -m gpu tests/test_experts.py -k "wgrad_ws" -p no:cacheprovider > $OUT/r/t_wgrad.txt 2>&1; say t_wgrad $?; grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/r/t_wgrad.txt | tail -8 >> $L
-K="python3 benchmarks/backward_kernels.py --impl megamoe --out $OUT/r --rounds 3 --steady 1 --pass bwd"
 for d in 0 1; do
+  mkdir -p $OUT/r/d$d; K="python3 benchmarks/backward_kernels.py --impl megamoe --out $OUT/r/d$d --rounds 3 --steady 1 --pass bwd"
   for args in "--preset qwen3-30b-a3b --tokens 16384 --routing zipf" "--preset qwen3-30b-a3b --tokens 16384" "--preset deepseek-v3 --routing zipf" "--preset deepseek-v3"; do
     n=bk_d${d}_$(echo $args | tr -d ' -' | cut -c1-40)
     MEGAMOE_WGRAD_DYNAMIC=$d timeout $(cap 75) $K $args > $OUT/r/$n.txt 2>&1; say "$n" $?; grep -E "wgrad_ws_kernel|between events" $OUT/r/$n.txt >> $L
