@@ -34,7 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
-from megamoe.kernels.wgrad_warp_specialized import carry_end_half, carry_start_half, store_half, window_task
+from megamoe.kernels.wgrad_blocks import carry_end_half, carry_start_half, store_half
+from megamoe.kernels.wgrad_warp_specialized import window_task
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
 BLOCK = gl.constexpr(128)  # the K step (a scale block of tokens) and the block's columns

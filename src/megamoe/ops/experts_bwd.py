@@ -291,7 +291,7 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 
 
 #: The Gluon wgrad takes its blocks from a counter as programs come free, heavy experts first from one end and light
-#: ones from the other (``wgrad_warp_specialized.dealt_block``), instead of each expert's blocks round robin. Under
+#: ones from the other (``wgrad_dynamic.dealt_block``), instead of each expert's blocks round robin. Under
 #: zipf routing the static deal piles the hot expert's long blocks onto programs that hold their share of the rest,
 #: and runs write-bound light experts and compute-bound heavy ones one after another (the wgrads 1.30x / 1.38x
 #: uniform routing's at deepseek-v3 / qwen3-30b-a3b on one H100, benchmarks/results/2026-12-07-defaults-step). The

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe import runtime
-from megamoe.kernels.wgrad_warp_specialized import HALF_M
+from megamoe.kernels.wgrad_blocks import HALF_M
 from megamoe.precision import FP8_BLOCK
 
 
