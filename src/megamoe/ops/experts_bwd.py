@@ -15,6 +15,7 @@ import torch
 from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
+from megamoe.kernels.wgrad_blocks import HALF_M
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
@@ -343,7 +344,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
                 a, b, a_index, out_m, out_n = b, a, b_index, out_n, out_m
             deal = None
             if WGRAD_DYNAMIC:
-                per_expert = -(-out_m // 128) * -(-out_n // tile.block_n)
+                per_expert = -(-out_m // (2 * HALF_M.value)) * -(-out_n // tile.block_n)  # the kernel's blocks
                 deal = wgrad_deal(counts, None if carry is None else carry[0], per_expert)
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
