@@ -169,6 +169,15 @@ def _run_case(world, case: dict, failures: list[str]) -> None:
         data, scale = comm.quantize_rows_reference(ref_b, fmt)
         check(f"reverse_combine_pull row_format={fmt} data", got.data, data, valid)
         check(f"reverse_combine_pull row_format={fmt} scale", got.scale, scale, valid)
+        # rows nobody reads as E4M3 (one rank's BF16 wgrads): staged as BF16, their E4M3 twin left as it was
+        qws.local("x_q").fill_(0x7F)
+        qws.local("x").fill_(3.0)
+        x_me = xs[me].to(device)
+        qws.stage(x=x_me, d_out=d_outs[me].to(device), unquantized=("x",))
+        if not torch.equal(qws.local("x")[: x_me.shape[0]].cpu(), x_me.cpu()):
+            failures.append(f"{name} rank {me}: stage(unquantized=('x',)) did not copy x ({fmt})")
+        if not (qws.local("x_q").cpu() == 0x7F).all():
+            failures.append(f"{name} rank {me}: stage(unquantized=('x',)) wrote x's E4M3 rows ({fmt})")
         qws.free()
     if ws.claims.cpu().tolist() != [0, 0]:  # the last program out of every launch zeroes the tile claims
         failures.append(f"{name} rank {me}: tile claims left at {ws.claims.cpu().tolist()} after the launches")

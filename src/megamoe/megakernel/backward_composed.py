@@ -95,8 +95,11 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # 1. stage; every rank's rows in place before anyone pulls (BF16 reads x again, FP8 only where a wrapped forward
     # ring lost rows); read by token, the staged rows too (N x D, a k-th of a pull's bytes): the kernel's own
     # addresses, so the backward's graph replays whatever tensors the caller passes
-    stage_x = fmt == "bf16" or token_wgrads or schedule.capacity > forward_ring
-    ws.stage(d_out=d_out, router_weights=router_weights.contiguous(), x=x if stage_x else None)
+    # (its E4M3 rows only for the replay's pulls: one rank's BF16 wgrads read the BF16 rows)
+    replays_any = schedule.capacity > forward_ring
+    stage_x = fmt == "bf16" or token_wgrads or replays_any
+    ws.stage(d_out=d_out, router_weights=router_weights.contiguous(), x=x if stage_x else None,
+             unquantized=() if replays_any else ("x",))
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
     fp8_weights = ()  # what the FP8 backward reads of the weights besides the masters

@@ -222,10 +222,11 @@ class CommWorkspace:
         x: torch.Tensor | None = None,
         router_weights: torch.Tensor | None = None,
         d_out: torch.Tensor | None = None,
+        unquantized: tuple[str, ...] = (),
     ) -> None:
         """Copy this rank's ``x`` / ``d_out`` (bf16 `[n, D]`, n <= N) and ``router_weights`` (fp32 `[n, k]`)
         into its buffers; with a quantised row format each is also quantised into ``x_q``/``x_scale``
-        (``d_out_q``/``d_out_scale``), once, at home.
+        (``d_out_q``/``d_out_scale``), once, at home, unless ``unquantized`` names it (nobody reads its E4M3 rows).
         Local only: peers see the rows after the next barrier (a launch with ``sync=True``)."""
         self.check_usable()
         N, D, k = self.shape.max_tokens, self.shape.hidden, self.shape.top_k
@@ -234,7 +235,7 @@ class CommWorkspace:
                 continue
             check_rows(t, name, D, self.world.device, max_rows=N)
             self.local(name)[: t.shape[0]].copy_(t)
-            if self.shape.row_format != "bf16" and t.shape[0]:  # the forward's quantiser: the same bits
+            if self.shape.row_format != "bf16" and t.shape[0] and name not in unquantized:  # the forward's quantiser
                 quantize_activations(t, self.shape.row_format,
                                      out=(self.local(f"{name}_q")[: t.shape[0]].view(torch.float8_e4m3fn),
                                           self.local(f"{name}_scale")[: t.shape[0]]))
