@@ -296,8 +296,9 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 #: zipf routing the static deal piles the hot expert's long blocks onto programs that hold their share of the rest,
 #: and runs write-bound light experts and compute-bound heavy ones one after another (the wgrads 1.30x / 1.38x
 #: uniform routing's at deepseek-v3 / qwen3-30b-a3b on one H100, benchmarks/results/2026-12-07-defaults-step). The
-#: same bits; built and checked offline (sm_90), off until a GPU has run and timed it. ``MEGAMOE_WGRAD_DYNAMIC``
-#: (0 or 1) sets it.
+#: same bits (GPU-tested). Off: on one H100 it took qwen3-30b-a3b's zipf wgrads from 3.24 to 2.54 ms but cost every
+#: block a fixed ~1.5 us (deepseek-v3's uniform wgrads 14.67 -> 18.56 ms; benchmarks/results/2026-12-06-dynamic-wgrad).
+#: ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1) sets it.
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
 
