@@ -1,9 +1,11 @@
 """The Gluon wgrad's blocks dealt dynamically (``wgrad_ws_kernel``'s DYNAMIC): the producer warp takes each block
 with one atomic add on the launch's counter and names it to the two consumer warpgroups in a tag step of the ring
-(a slot with no data, the block's number in shared memory; -1 ends). The counter's blocks come heaviest expert first
-from one end and lightest first from the other (``megamoe.ops.experts_bwd.wgrad_deal``), so the heaviest blocks start
-first and write-bound light blocks run beside compute-bound heavy ones. A block is one program's, its rows reduced
-in one order: the static deal's bits. Read in its sm_90 build: the atomic runs on one lane and reaches the warp through
+(a slot with no data, the block's coordinates in shared memory; expert -1 ends). The counter's blocks come heaviest
+expert first from one end and lightest first from the other (``megamoe.ops.experts_bwd.wgrad_deal``), so the heaviest
+blocks start first and write-bound light blocks run beside compute-bound heavy ones. A block is one program's, its
+rows reduced in one order: the static deal's bits. Its first build (the block's number alone in the tag, the consumers
+loading its expert, rows and mode between blocks, one pair of descriptor sites used in turn) cost ~1.5 us a block on
+one H100 (benchmarks/results/2026-12-06-dynamic-wgrad); this one keeps the consumers off global memory. Read in its sm_90 build: the atomic runs on one lane and reaches the warp through
 shared memory and a warp barrier; the partitions' barriers are named ones of 128 threads."""
 
 from __future__ import annotations
@@ -28,15 +30,35 @@ def dealt_block(deal_ptr, t, per_expert):
     return gl.load(deal_ptr + 2 + pos // per_expert), pos % per_expert
 
 
+TAG = gl.constexpr(4)  # a tag step's int32s: expert (-1 ends), task, row0, row_end
+
+
 @gluon.jit
-def tag_step(tags, full, empty, g, block, STAGES: gl.constexpr, FULL_ARRIVALS: gl.constexpr, WARPS: gl.constexpr):
-    """A ring step that carries no data, only the next block's number for the consumers (-1: no more blocks)."""
+def tag_step(tags, full, empty, g, expert, task, row0, row_end, STAGES: gl.constexpr,
+             FULL_ARRIVALS: gl.constexpr, WARPS: gl.constexpr):
+    """A ring step that carries no data, only the next block's coordinates for the consumers (expert -1: no more
+    blocks), so that between blocks they wait on no global load (but a window's mode) while the tensor cores idle."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    i = gl.arange(0, TAG, layout=layout)
+    tag = gl.where(i == 0, expert, gl.where(i == 1, task, gl.where(i == 2, row0, row_end)))
     s = g % STAGES
     mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-    tags.index(s).store(gl.full([1], block, gl.int32, layout))
+    tags.index(s).store(tag)
     mbarrier.arrive(full.index(s), count=FULL_ARRIVALS)
     return g + 1
+
+
+@gluon.jit
+def read_tag(tags, full, empty, g, STAGES: gl.constexpr):
+    """A consumer's read of tag step g: ``(expert, task, row0, row_end)``, the slot released."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    s = g % STAGES
+    mbarrier.wait(full.index(s), (g // STAGES) & 1)
+    tag = tags.index(s).load(layout)
+    mbarrier.arrive(empty.index(s), count=1)
+    i = gl.arange(0, TAG, layout=layout)
+    return (gl.sum(gl.where(i == 0, tag, 0), 0), gl.sum(gl.where(i == 1, tag, 0), 0),
+            gl.sum(gl.where(i == 2, tag, 0), 0), gl.sum(gl.where(i == 3, tag, 0), 0))
 
 
 @gluon.jit
@@ -44,8 +66,10 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
                       a_smem, b_smem, tags, full, empty, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, A_GATHER: gl.constexpr):
     """DYNAMIC: takes blocks from the launch's counter until none is left; each block's K steps follow a tag step
-    that names it. Descriptors are remade when the expert changes, in two call sites used in turn (a rewrite waits
-    for the last load through that site to land, as ``_load_expert``'s)."""
+    that names it. Each end of the deal has its descriptors at a call site of its own (even takes: the heavy end,
+    odd: the light end), remade only when that end's expert changes, so a program whose takes alternate between
+    the ends does not remake them every block (a rewrite waits for the last load through its site to land, as
+    ``_load_expert``'s)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     WARPS: gl.constexpr = GATHER_WARPS.value if A_GATHER else 1
@@ -54,12 +78,10 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     total = gl.load(deal_ptr + 1)
     g = 0
-    last_expert = -1
-    site = 1
+    expert0 = -1
+    expert1 = -1
     site_last0 = -1
     site_last1 = -1
-    row0 = 0
-    row_end = 0
     # both sites' descriptors exist from the start (over one row) so that the loop carries them
     a_desc0 = tma.make_tensor_descriptor(a_ptr, [1, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
     b_desc0 = tma.make_tensor_descriptor(b_ptr, [1, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
@@ -68,28 +90,31 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
     t = gl.atomic_add(deal_ptr, 1)
     while t < total:
         expert, task = dealt_block(deal_ptr, t, per_expert)
-        g = tag_step(tags, full, empty, g, t, STAGES, FULL, WARPS)
-        if expert != last_expert:
-            last_expert = expert
-            site = 1 - site
-            row0 = gl.load(offsets_ptr + expert)
-            row_end = row0 + gl.load(counts_ptr + expert)
-            rows = gl.maximum(row_end, 1)
-            if site == 0:
+        row0 = gl.load(offsets_ptr + expert)
+        row_end = row0 + gl.load(counts_ptr + expert)
+        heavy_end = t % 2 == 0
+        if heavy_end:
+            if expert != expert0:
+                expert0 = expert
                 if (site_last0 >= 0) & (g - site_last0 <= STAGES):
                     mbarrier.wait(full.index(site_last0 % STAGES), (site_last0 // STAGES) & 1)
+                rows = gl.maximum(row_end, 1)
                 a_desc0 = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
                 b_desc0 = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N],
                                                      b_layout)
-            else:
+        else:
+            if expert != expert1:
+                expert1 = expert
                 if (site_last1 >= 0) & (g - site_last1 <= STAGES):
                     mbarrier.wait(full.index(site_last1 % STAGES), (site_last1 // STAGES) & 1)
+                rows = gl.maximum(row_end, 1)
                 a_desc1 = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
                 b_desc1 = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N],
                                                      b_layout)
+        g = tag_step(tags, full, empty, g, expert, task, row0, row_end, STAGES, FULL, WARPS)
         m0 = task // num_n * (2 * HALF_M)
         n0 = task % num_n * BLOCK_N
-        if site == 0:
+        if heavy_end:
             g = load_block(a_ptr, a_desc0, b_desc0, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
                             empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
             if row_end > row0:
@@ -100,37 +125,27 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
             if row_end > row0:
                 site_last1 = g - 1
         t = gl.atomic_add(deal_ptr, 1)
-    tag_step(tags, full, empty, g, -1, STAGES, FULL, WARPS)
+    tag_step(tags, full, empty, g, -1, 0, 0, 0, STAGES, FULL, WARPS)
 
 
 @gluon.jit
-def consumer_dynamic(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, deal_ptr, num_experts,
-                      OUT_M, OUT_N, a_smem, b_smem, c_smem, tags, full, empty, HALF: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
+def consumer_dynamic(out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c_smem, tags,
+                      full, empty, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
+                      OUT_T: gl.constexpr):
     """DYNAMIC: rows HALF * 64 .. HALF * 64 + 63 of each block the producer's tag steps name, in their order."""
-    tag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     num_n = gl.cdiv(OUT_N, BLOCK_N)
-    per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
-    mbarrier.wait(full.index(0), 0)
-    t = gl.max(tags.index(0).load(tag_layout), 0)
-    mbarrier.arrive(empty.index(0), count=1)
+    expert, task, row0, row_end = read_tag(tags, full, empty, 0, STAGES)
     g = 1
-    while t >= 0:
-        expert, task = dealt_block(deal_ptr, t, per_expert)
-        if CARRY:
+    while expert >= 0:
+        if CARRY:  # the window's mode: the one global load between blocks, and only with a carry
             mode = gl.load(modes_ptr + expert)
         else:
             mode = STORE
-        row0 = gl.load(offsets_ptr + expert)
-        row_end = row0 + gl.load(counts_ptr + expert)
         g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
                         task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr, OUT_M,
                         OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
-        s = g % STAGES
-        mbarrier.wait(full.index(s), (g // STAGES) & 1)
-        t = gl.max(tags.index(s).load(tag_layout), 0)
-        mbarrier.arrive(empty.index(s), count=1)
+        expert, task, row0, row_end = read_tag(tags, full, empty, g, STAGES)
         g += 1
     tma.store_wait(pendings=0)

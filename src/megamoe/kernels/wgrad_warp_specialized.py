@@ -40,7 +40,7 @@ from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.tasks import first_task
 from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor
 from megamoe.kernels.wgrad_carry import STORE
-from megamoe.kernels.wgrad_dynamic import consumer_dynamic, producer_dynamic
+from megamoe.kernels.wgrad_dynamic import TAG, consumer_dynamic, producer_dynamic
 
 REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
 
@@ -174,18 +174,16 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     if DYNAMIC:
-        tags = gl.allocate_shared_memory(gl.int32, [STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tags = gl.allocate_shared_memory(gl.int32, [STAGES, TAG], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize(
-            [(consumer_dynamic, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, deal_ptr,
-                                  num_experts, OUT_M, OUT_N, a_smem, b_smem, c0, tags, full, empty, gl.constexpr(0),
-                                  gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
-                                  gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                                  gl.constexpr(OUT_T))),
-             (consumer_dynamic, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, deal_ptr,
-                                  num_experts, OUT_M, OUT_N, a_smem, b_smem, c1, tags, full, empty, gl.constexpr(1),
-                                  gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
-                                  gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                                  gl.constexpr(OUT_T))),
+            [(consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
+                                  b_smem, c0, tags, full, empty, gl.constexpr(0), gl.constexpr(BLOCK_N),
+                                  gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
+                                  gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
+             (consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
+                                  b_smem, c1, tags, full, empty, gl.constexpr(1), gl.constexpr(BLOCK_N),
+                                  gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
+                                  gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
              (producer_dynamic, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_ptr, OUT_M, OUT_N,
                                   a_smem, b_smem, tags, full, empty, gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                                   gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
