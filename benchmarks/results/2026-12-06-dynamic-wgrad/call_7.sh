@@ -1,4 +1,4 @@
-# call 7: on an H200 the big presets' step in bf16 and fp8-block at 8192 tokens (kimi-k2 one format a process); on an H100 call 5's FP8-wgrad A/B instead (MEGAMOE_FP8_BF16_WGRADS=0/1 at qwen3-30b-a3b 8192 and 16384)
+# call 7: on an H200 the big presets' step in bf16 and fp8-block at 8192 tokens (kimi-k2 one format a process); on an H100 the FP8-wgrad A/B instead (MEGAMOE_FP8_BF16_WGRADS=0/1 at qwen3-30b-a3b 8192 and 16384)
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd .gpu; mkdir -p $OUT/r; L=$OUT/log.txt; t0=$(date +%s)
 cap() { local l=$(( 565 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
