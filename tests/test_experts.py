@@ -331,7 +331,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
     runs a gathered B: ``(bᵀ · a)ᵀ``); both again with the blocks dealt dynamically (DYNAMIC)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad, wgrad_deal
+    from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal
     from megamoe.ops.launch import scratch_allocator
 
     gpu = torch.device("cuda")
@@ -364,7 +364,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
         # the dynamic deal (blocks from a counter, heavy experts first from one end, light from the other)
         for out, swap in zip(outs[5:7], (False, True)):
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
-            deal = wgrad_deal(counts, None, -(-m // 128) * -(-n // tile.block_n))
+            deal = wgrad_deal(counts, None, wgrad_blocks_per_expert(m, n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, offsets, counts, len(counts), m, n, counts, out, out, counts,
                 NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -398,7 +398,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     ``wgrad_kernel`` runs the 128-wide blocks ``wgrad`` gives it with a carry (``carry_tile``: the same wgmma
     reductions, so the same bits)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts_bwd import wgrad_deal, wgrad_ws_constexprs
+    from megamoe.ops.experts_bwd import wgrad_blocks_per_expert, wgrad_deal, wgrad_ws_constexprs
     from megamoe.planner.tiles import carry_tile
     from megamoe.ops.launch import scratch_allocator
     from megamoe.routing.windows import CARRY_IN, CARRY_OUT, STORE
@@ -429,7 +429,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
             swap = gluon.startswith("transposed")
             dynamic = gluon.endswith("dynamic")  # the blocks dealt from a counter
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
-            deal = wgrad_deal(c, window[0] if carry else None, -(-m // 128) * -(-n // tile.block_n))
+            deal = wgrad_deal(c, window[0] if carry else None, wgrad_blocks_per_expert(m, n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap, deal_ptr=deal,
                 DYNAMIC=dynamic, **wgrad_ws_constexprs(tile, programs), num_warps=4)

@@ -1,12 +1,13 @@
 """The Gluon wgrad's blocks dealt dynamically (``wgrad_ws_kernel``'s DYNAMIC): the producer warp takes each block
 with one atomic add on the launch's counter and names it to the two consumer warpgroups in a tag step of the ring
 (a slot with no data, the block's coordinates in shared memory; expert -1 ends). The counter's blocks come heaviest
-expert first from one end and lightest first from the other (``megamoe.ops.experts_bwd.wgrad_deal``), so the heaviest
-blocks start first and write-bound light blocks run beside compute-bound heavy ones. A block is one program's, its
-rows reduced in one order: the static deal's bits. Its first build (the block's number alone in the tag, the consumers
-loading its expert, rows and mode between blocks, one pair of descriptor sites used in turn) cost ~1.5 us a block on
-one H100 (benchmarks/results/2026-12-06-dynamic-wgrad); this one keeps the consumers off global memory. Read in its sm_90 build: the atomic runs on one lane and reaches the warp through
-shared memory and a warp barrier; the partitions' barriers are named ones of 128 threads."""
+expert first from one end and lightest first from the other (``megamoe.ops.experts_bwd.wgrad_deal``), so the
+heaviest blocks start first and write-bound light blocks run beside compute-bound heavy ones. A block is one
+program's, its rows reduced in one order: the static deal's bits. Its first build (the block's number alone in the
+tag, the consumers loading its expert, rows and mode between blocks, one pair of descriptor sites used in turn) cost
+~1.5 us a block on one H100 (benchmarks/results/2026-12-06-dynamic-wgrad); this one keeps the consumers off global
+memory but a window's mode. Read in its sm_90 build: the atomic runs on one lane and reaches the warp through shared
+memory and a warp barrier; the partitions' barriers are named ones of 128 threads."""
 
 from __future__ import annotations
 
@@ -62,6 +63,22 @@ def read_tag(tags, full, empty, g, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """A call site's A and B descriptors over an expert's rows (up to ``row_end``), made once the site's last load
+    (step ``site_last``; -1: none) has landed, unless a later load into its slot was issued (that one waited for
+    the slot's release, so it landed): the TMA unit reads a descriptor until its load lands."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    if (site_last >= 0) & (g - site_last <= STAGES):
+        mbarrier.wait(full.index(site_last % STAGES), (site_last // STAGES) & 1)
+    rows = gl.maximum(row_end, 1)
+    a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+    b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+    return a_desc, b_desc
+
+
+@gluon.jit
 def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_ptr, OUT_M, OUT_N,
                       a_smem, b_smem, tags, full, empty, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, A_GATHER: gl.constexpr):
@@ -70,8 +87,6 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
     odd: the light end), remade only when that end's expert changes, so a program whose takes alternate between
     the ends does not remake them every block (a rewrite waits for the last load through its site to land, as
     ``_load_expert``'s)."""
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     WARPS: gl.constexpr = GATHER_WARPS.value if A_GATHER else 1
     FULL: gl.constexpr = full_arrivals(A_GATHER)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
@@ -83,10 +98,8 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
     site_last0 = -1
     site_last1 = -1
     # both sites' descriptors exist from the start (over one row) so that the loop carries them
-    a_desc0 = tma.make_tensor_descriptor(a_ptr, [1, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
-    b_desc0 = tma.make_tensor_descriptor(b_ptr, [1, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
-    a_desc1 = tma.make_tensor_descriptor(a_ptr, [1, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
-    b_desc1 = tma.make_tensor_descriptor(b_ptr, [1, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+    a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
+    a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
     t = gl.atomic_add(deal_ptr, 1)
     while t < total:
         expert, task = dealt_block(deal_ptr, t, per_expert)
@@ -96,21 +109,13 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
         if heavy_end:
             if expert != expert0:
                 expert0 = expert
-                if (site_last0 >= 0) & (g - site_last0 <= STAGES):
-                    mbarrier.wait(full.index(site_last0 % STAGES), (site_last0 // STAGES) & 1)
-                rows = gl.maximum(row_end, 1)
-                a_desc0 = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
-                b_desc0 = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N],
-                                                     b_layout)
+                a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, row_end, site_last0, g, full, OUT_M, OUT_N,
+                                                    BLOCK_N, BLOCK_K, STAGES)
         else:
             if expert != expert1:
                 expert1 = expert
-                if (site_last1 >= 0) & (g - site_last1 <= STAGES):
-                    mbarrier.wait(full.index(site_last1 % STAGES), (site_last1 // STAGES) & 1)
-                rows = gl.maximum(row_end, 1)
-                a_desc1 = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
-                b_desc1 = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N],
-                                                     b_layout)
+                a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, row_end, site_last1, g, full, OUT_M, OUT_N,
+                                                    BLOCK_N, BLOCK_K, STAGES)
         g = tag_step(tags, full, empty, g, expert, task, row0, row_end, STAGES, FULL, WARPS)
         m0 = task // num_n * (2 * HALF_M)
         n0 = task % num_n * BLOCK_N
@@ -129,8 +134,8 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
 
 
 @gluon.jit
-def consumer_dynamic(out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem, c_smem, tags,
-                      full, empty, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+def consumer_dynamic(out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem,
+                      c_smem, tags, full, empty, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
                       OUT_T: gl.constexpr):
     """DYNAMIC: rows HALF * 64 .. HALF * 64 + 63 of each block the producer's tag steps name, in their order."""

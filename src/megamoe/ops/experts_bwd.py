@@ -302,6 +302,11 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
 
+def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
+    """The Gluon wgrad's blocks of one expert's `[out_m, out_n]` gradient (two 64-row halves by ``block_n``)."""
+    return -(-out_m // (2 * HALF_M.value)) * -(-out_n // block_n)
+
+
 def wgrad_deal(counts: torch.Tensor, modes: torch.Tensor | None, per_expert: int) -> torch.Tensor:
     """The dynamic deal's int32 `[2 + L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0), the blocks to deal
     (every expert's, or with a window's ``modes`` those of the experts it computes) and the experts by their rows,
@@ -345,8 +350,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
                 a, b, a_index, out_m, out_n = b, a, b_index, out_n, out_m
             deal = None
             if WGRAD_DYNAMIC:
-                per_expert = -(-out_m // (2 * HALF_M.value)) * -(-out_n // tile.block_n)  # the kernel's blocks
-                deal = wgrad_deal(counts, None if carry is None else carry[0], per_expert)
+                deal = wgrad_deal(counts, None if carry is None else carry[0],
+                                  wgrad_blocks_per_expert(out_m, out_n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
                 CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, deal_ptr=deal,

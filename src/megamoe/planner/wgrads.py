@@ -20,7 +20,8 @@ BF16_WGRADS: bool | None = (None if os.environ.get("MEGAMOE_FP8_BF16_WGRADS") is
 #: against 1.77 at qwen3-30b-a3b (512): the FP8 wgrad's token-axis blocks of 128 rows pad a 171-row expert to 256,
 #: and at a few K steps a block its per-step promotion and its quantisers cost more than its MMAs save. In the step
 #: (benchmarks/results/2026-12-07-defaults-step, one A/B in separate processes) qwen3-30b-a3b's fp8-block ran 1.02x
-#: BF16's with BF16 wgrads against 0.96x with the FP8 ones: the bound may belong higher (that folder's call_5.sh).
+#: BF16's with BF16 wgrads against 0.96x with the FP8 ones: the bound may belong higher
+#: (benchmarks/results/2026-12-06-dynamic-wgrad/call_7.sh, its H100 branch, measures it).
 FP8_WGRAD_MIN_ROWS = 384
 
 
