@@ -13,7 +13,7 @@ from megamoe.planner.tuning import Tuning
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
 
-from kinds import EVERY_KIND, clamped  # tests/kinds.py
+from kinds import EVERY_KIND  # tests/kinds.py
 from loads import DEVICE, LOADS, in_regions, regions  # tests/loads.py
 from sm90 import sm90_report  # tests/sm90.py
 
@@ -305,19 +305,30 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
 def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
     """``wgrad_deal`` (the Gluon wgrad's DYNAMIC deal): a zero counter, the blocks of the experts a launch computes,
     those experts by their rows heaviest first (ties in expert order, an empty expert dealt too, the ones a window
-    skips last); the takes, even ones from the heavy end and odd ones from the light end (``dealt_block``'s
-    arithmetic), name every dealt block once."""
+    skips last), each with its rows (a window's offsets, not the counts' running sum); the takes, even ones from the
+    heavy end and odd ones from the light end (``dealt_block``'s arithmetic, a take past the end clamped to the
+    last), name every dealt block once."""
     from megamoe.ops.experts_bwd import wgrad_deal
 
     counts = torch.tensor([5, 0, 40, 33, 40, 7], dtype=torch.int32, device=DEVICE)
+    offsets = torch.tensor([3, 9, 9, 60, 100, 150], dtype=torch.int32, device=DEVICE)
     for modes, order, dealt in ((None, [2, 4, 3, 5, 0, 1], 6), (torch.tensor([1, 0, 0, 2, 3, 0], dtype=torch.int32,
                                                                              device=DEVICE), [4, 3, 0], 3)):
-        deal = wgrad_deal(counts, modes, per_expert=7).cpu()
-        assert deal.dtype == torch.int32 and deal[0] == 0 and deal[1] == 7 * dealt
-        assert deal[2:2 + dealt].tolist() == order and sorted(deal[2:].tolist()) == list(range(6))
+        deal = wgrad_deal(counts, offsets, modes, per_expert=7).cpu()
+        assert deal.dtype == torch.int32 and deal.shape == (2 + 4 * 6,) and deal[0] == 0 and deal[1] == 7 * dealt
+        fields = deal[2:].view(6, 4)
+        assert fields[:dealt, 0].tolist() == order and sorted(fields[:, 0].tolist()) == list(range(6))
+        assert fields[:, 1].tolist() == offsets.cpu()[fields[:, 0].long()].tolist()
+        assert (fields[:, 2] - fields[:, 1]).tolist() == counts.cpu()[fields[:, 0].long()].tolist()
         total = int(deal[1])
-        named = [t // 2 + (t % 2) * (total - 1 - 2 * (t // 2)) for t in range(total)]  # dealt_block's position
+
+        def position(t):  # dealt_block's
+            t = max(min(t, total - 1), 0)
+            return t // 2 + (t % 2) * (total - 1 - 2 * (t // 2))
+
+        named = [position(t) for t in range(total)]
         assert sorted(named) == list(range(total)) and named[:2] == [0, total - 1]
+        assert position(total + 5) == named[-1]
 
 
 @pytest.mark.gpu
@@ -364,7 +375,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
         # the dynamic deal (blocks from a counter, heavy experts first from one end, light from the other)
         for out, swap in zip(outs[5:7], (False, True)):
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
-            deal = wgrad_deal(counts, None, wgrad_blocks_per_expert(m, n, tile.block_n))
+            deal = wgrad_deal(counts, offsets, None, wgrad_blocks_per_expert(m, n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, offsets, counts, len(counts), m, n, counts, out, out, counts,
                 NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -429,7 +440,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
             swap = gluon.startswith("transposed")
             dynamic = gluon.endswith("dynamic")  # the blocks dealt from a counter
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
-            deal = wgrad_deal(c, window[0] if carry else None, wgrad_blocks_per_expert(m, n, tile.block_n))
+            deal = wgrad_deal(c, o, window[0] if carry else None, wgrad_blocks_per_expert(m, n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap, deal_ptr=deal,
                 DYNAMIC=dynamic, **wgrad_ws_constexprs(tile, programs), num_warps=4)

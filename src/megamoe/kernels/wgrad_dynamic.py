@@ -5,8 +5,10 @@ expert first from one end and lightest first from the other (``megamoe.ops.exper
 heaviest blocks start first and write-bound light blocks run beside compute-bound heavy ones. A block is one
 program's, its rows reduced in one order: the static deal's bits. Its first build (the block's number alone in the
 tag, the consumers loading its expert, rows and mode between blocks, one pair of descriptor sites used in turn) cost
-~1.5 us a block on one H100 (benchmarks/results/2026-12-06-dynamic-wgrad); this one keeps the consumers off global
-memory but a window's mode. Read in its sm_90 build: the atomic runs on one lane and reaches the warp through shared
+~1.5 us a block on one H100 (benchmarks/results/2026-12-06-dynamic-wgrad); with the coordinates in the tag and a
+descriptor site per deal end it still did (benchmarks/results/2026-12-06-deal-rebuilt: the producer took a block,
+then loaded its expert, then its rows, between blocks); this one holds the next take a block ahead and reads its
+coordinates from the deal in loads that depend on the take alone. Read in its sm_90 build: the atomic runs on one lane and reaches the warp through shared
 memory and a warp barrier; the partitions' barriers are named ones of 128 threads."""
 
 from __future__ import annotations
@@ -20,15 +22,39 @@ from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_des
 from megamoe.kernels.wgrad_carry import STORE
 
 
+DEAL_FIELDS = gl.constexpr(4)  # a dealt expert's int32s in ``deal``: expert, row0, row_end, unused (16 bytes)
+
+
 @gluon.jit
-def dealt_block(deal_ptr, t, per_expert):
-    """DYNAMIC: the t-th block taken from the launch's counter, ``(expert, task)``. ``deal`` int32 `[2 + L]`: the
-    counter, the blocks to deal and the experts heaviest first; even takes walk the blocks from the heaviest expert,
-    odd ones from the lightest (write-bound light blocks beside compute-bound heavy ones, the heaviest started
-    first)."""
+def dealt_block(deal_ptr, total, t, per_expert):
+    """DYNAMIC: the t-th block taken from the launch's counter, ``(expert, task, row0, row_end)``. ``deal`` int32
+    `[2 + 4 L]`: the counter, the blocks to deal and, experts heaviest first, each one's number and rows; even takes
+    walk the blocks from the heaviest expert, odd ones from the lightest (write-bound light blocks beside
+    compute-bound heavy ones, the heaviest started first). A take past the end (a program holds its next one)
+    reads the last block's coordinates, never loaded: three loads that depend on ``t`` alone, so the producer
+    issues them a block ahead."""
+    t = gl.maximum(gl.minimum(t, total - 1), 0)
     half = t // 2
-    pos = half + (t % 2) * (gl.load(deal_ptr + 1) - 1 - 2 * half)
-    return gl.load(deal_ptr + 2 + pos // per_expert), pos % per_expert
+    pos = half + (t % 2) * (total - 1 - 2 * half)
+    at = deal_ptr + 2 + DEAL_FIELDS * (pos // per_expert)
+    return gl.load(at), pos % per_expert, gl.load(at + 1), gl.load(at + 2)
+
+
+@gluon.jit
+def take(deal_ptr, WARPS: gl.constexpr):
+    """One take from the launch's counter, as a tensor over the partition's lanes (lane 0's add, zeros elsewhere):
+    a scalar atomic reaches the warp through shared memory at once, stalling on the round trip; this one is waited
+    for only where :func:`taken` reads it. Relaxed: the counter orders nothing (an earlier launch wrote the deal)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    lane = gl.arange(0, 32 * WARPS, layout=layout)
+    return gl.atomic_add(deal_ptr + lane * 0, gl.full([32 * WARPS], 1, gl.int32, layout), mask=lane == 0,
+                         sem="relaxed")
+
+
+@gluon.jit
+def taken(take_lanes):
+    """The take :func:`take` returned, as a scalar."""
+    return gl.sum(take_lanes, 0)
 
 
 TAG = gl.constexpr(4)  # a tag step's int32s: expert (-1 ends), task, row0, row_end
@@ -79,7 +105,7 @@ def site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BL
 
 
 @gluon.jit
-def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_ptr, OUT_M, OUT_N,
+def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
                       a_smem, b_smem, tags, full, empty, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, A_GATHER: gl.constexpr):
     """DYNAMIC: takes blocks from the launch's counter until none is left; each block's K steps follow a tag step
@@ -100,11 +126,14 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
     # both sites' descriptors exist from the start (over one row) so that the loop carries them
     a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
     a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
-    t = gl.atomic_add(deal_ptr, 1)
+    # a take and its block's coordinates are chained global round trips (~1.5 us a block when the producer waited
+    # for them between blocks): the next take is held a block ahead and its coordinates loaded under this block's
+    # loads, the take after it read only a block later
+    t = taken(take(deal_ptr, WARPS))
+    expert, task, row0, row_end = dealt_block(deal_ptr, total, t, per_expert)
+    t_next = taken(take(deal_ptr, WARPS))
+    after = take(deal_ptr, WARPS)
     while t < total:
-        expert, task = dealt_block(deal_ptr, t, per_expert)
-        row0 = gl.load(offsets_ptr + expert)
-        row_end = row0 + gl.load(counts_ptr + expert)
         heavy_end = t % 2 == 0
         if heavy_end:
             if expert != expert0:
@@ -119,6 +148,7 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
         g = tag_step(tags, full, empty, g, expert, task, row0, row_end, STAGES, FULL, WARPS)
         m0 = task // num_n * (2 * HALF_M)
         n0 = task % num_n * BLOCK_N
+        next_expert, next_task, next_row0, next_row_end = dealt_block(deal_ptr, total, t_next, per_expert)
         if heavy_end:
             g = load_block(a_ptr, a_desc0, b_desc0, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
                             empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
@@ -129,7 +159,13 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_pt
                             empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
             if row_end > row0:
                 site_last1 = g - 1
-        t = gl.atomic_add(deal_ptr, 1)
+        t = t_next
+        t_next = taken(after)
+        after = take(deal_ptr, WARPS)
+        expert = next_expert
+        task = next_task
+        row0 = next_row0
+        row_end = next_row_end
     tag_step(tags, full, empty, g, -1, 0, 0, 0, STAGES, FULL, WARPS)
 
 

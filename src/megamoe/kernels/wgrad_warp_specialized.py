@@ -160,8 +160,8 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     (``megamoe.kernels.gluon_gather``). OUT_T: out is `[L, OUT_N, OUT_M]` (and the carries `[OUT_N, OUT_M]`), each
     block stored transposed: the gate/up wgrad with x gathered as A, ``out[l] = (x_rowsᵀ · d_h)ᵀ``, which reads each
     x row once per BLOCK_N (256) of 2I; gathered as B it was read once per 128.
-    DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + L]`, zero, the blocks to deal,
-    the experts heaviest first: ``wgrad_dynamic.dealt_block``), the producer naming each block to the consumers in a tag step
+    DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + 4 L]`, zero, the blocks to
+    deal, the experts heaviest first with their rows: ``wgrad_dynamic.dealt_block``), the producer naming each block to the consumers in a tag step
     of the ring; a block is still reduced by one program in one order, so the bits are the static deal's."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
@@ -184,7 +184,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                                   b_smem, c1, tags, full, empty, gl.constexpr(1), gl.constexpr(BLOCK_N),
                                   gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
                                   gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
-             (producer_dynamic, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, deal_ptr, OUT_M, OUT_N,
+             (producer_dynamic, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
                                   a_smem, b_smem, tags, full, empty, gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                                   gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
             [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))

@@ -307,14 +307,18 @@ def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
     return -(-out_m // (2 * HALF_M.value)) * -(-out_n // block_n)
 
 
-def wgrad_deal(counts: torch.Tensor, modes: torch.Tensor | None, per_expert: int) -> torch.Tensor:
-    """The dynamic deal's int32 `[2 + L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0), the blocks to deal
-    (every expert's, or with a window's ``modes`` those of the experts it computes) and the experts by their rows,
-    heaviest first (the ones the window skips last, never dealt); ties in expert order. Device work only."""
+def wgrad_deal(counts: torch.Tensor, offsets: torch.Tensor, modes: torch.Tensor | None,
+               per_expert: int) -> torch.Tensor:
+    """The dynamic deal's int32 `[2 + 4 L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0), the blocks to
+    deal (every expert's, or with a window's ``modes`` those of the experts it computes), then the experts by their
+    rows, heaviest first (the ones the window skips last, never dealt; ties in expert order), each as
+    ``(expert, row0, row_end, 0)`` (``wgrad_dynamic.DEAL_FIELDS``). Device work only."""
     active = torch.ones_like(counts, dtype=torch.bool) if modes is None else modes != 0
-    order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True).to(torch.int32)
+    order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True)
+    row0 = offsets[order].to(torch.int32)
+    dealt = torch.stack([order.to(torch.int32), row0, row0 + counts[order].to(torch.int32), torch.zeros_like(row0)], 1)
     blocks = (active.sum(dtype=torch.int32) * per_expert).view(1)
-    return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device), blocks, order])
+    return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device), blocks, dealt.flatten()])
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
@@ -350,7 +354,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
                 a, b, a_index, out_m, out_n = b, a, b_index, out_n, out_m
             deal = None
             if WGRAD_DYNAMIC:
-                deal = wgrad_deal(counts, None if carry is None else carry[0],
+                deal = wgrad_deal(counts, offsets, None if carry is None else carry[0],
                                   wgrad_blocks_per_expert(out_m, out_n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
