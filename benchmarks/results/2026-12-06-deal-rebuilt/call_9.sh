@@ -9,7 +9,7 @@ K="python3 benchmarks/backward_kernels.py --impl megamoe --rounds 3 --steady 1 -
 for dargs in "0 --preset qwen3-30b-a3b --tokens 16384" "1 --preset qwen3-30b-a3b --tokens 16384" "0 --preset deepseek-v3" "1 --preset deepseek-v3" "1 --preset qwen3-30b-a3b --tokens 16384 --routing zipf" "1 --preset deepseek-v3 --routing zipf" "0 --preset qwen3-30b-a3b --tokens 16384 --routing zipf"; do
   d=${dargs%% *}; args=${dargs#* }
   mkdir -p $OUT/r/d$d; n=bk_d${d}_$(echo $args | tr -d ' -' | cut -c1-40)
-  MEGAMOE_WGRAD_DYNAMIC=$d timeout $(cap 45) $K --out $OUT/r/d$d $args > $OUT/r/$n.txt 2>&1; say "$n" $?; grep -E "wgrad_ws_kernel|between events" $OUT/r/$n.txt >> $L
+  MEGAMOE_WGRAD_DYNAMIC=$d timeout $(cap 50) $K --out $OUT/r/d$d $args > $OUT/r/$n.txt 2>&1; say "$n" $?; grep -E "wgrad_ws_kernel|between events" $OUT/r/$n.txt >> $L
 done
 (cd $OUT && tar czf r.tgz r && rm -rf r)
 grep -v "^\s*$" $L | tail -60
