@@ -16,13 +16,12 @@ BF16_WGRADS: bool | None = (None if os.environ.get("MEGAMOE_FP8_BF16_WGRADS") is
 
 #: fp8-block's FP8 wgrads (quantisers included) pay from this many rows per expert: on one H100
 #: (benchmarks/results/2026-12-06-h100-fp8-bf16-wgrads, ``fp8_wgrad_ab.py``) the BF16 wgrads of the rows by token
-#: took 14.6 against 17.3 ms at deepseek-v3 (256 rows an expert) and 16.4 against 23.2 at kimi-k2 (171), but 2.13
-#: against 1.77 at qwen3-30b-a3b (512): the FP8 wgrad's token-axis blocks of 128 rows pad a 171-row expert to 256,
-#: and at a few K steps a block its per-step promotion and its quantisers cost more than its MMAs save. In the step
-#: (benchmarks/results/2026-12-07-defaults-step, one A/B in separate processes) qwen3-30b-a3b's fp8-block ran 1.02x
-#: BF16's with BF16 wgrads against 0.96x with the FP8 ones: the bound may belong higher
-#: (benchmarks/results/2026-12-06-dynamic-wgrad/call_7.sh, its H100 branch, measures it).
-FP8_WGRAD_MIN_ROWS = 384
+#: took 14.6 against 17.3 ms at deepseek-v3 (256 rows an expert) and 16.4 against 23.2 at kimi-k2 (171); alone,
+#: qwen3-30b-a3b's (512) took 2.13 against 1.77, but in the backward the FP8 wgrads' quantisers and replays cost
+#: more than that: qwen3-30b-a3b's fp8-block backward ran 3.71 ms with BF16 wgrads against 4.07 with FP8 ones at
+#: 512 rows an expert, 6.19 against 6.64 at 1024 (benchmarks/results/2026-12-06-deal-rebuilt, call 7, each in its
+#: own process). Above 1024 unmeasured (that folder's call_10.sh: 2048 rows).
+FP8_WGRAD_MIN_ROWS = 2048
 
 
 def bf16_wgrads_pay(fmt: str, rows_per_expert: float) -> bool:
