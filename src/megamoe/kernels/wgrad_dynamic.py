@@ -18,7 +18,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from megamoe.kernels.gluon_gather import GATHER_WARPS, full_arrivals
-from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor
+from megamoe.kernels.wgrad_blocks import HALF_M, half_block, lead_end, lead_step, lead_wait, load_block, out_descriptor
 from megamoe.kernels.wgrad_carry import STORE
 
 
@@ -171,22 +171,26 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
 
 @gluon.jit
 def consumer_dynamic(out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem,
-                      c_smem, tags, full, empty, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
-                      OUT_T: gl.constexpr):
+                      c_smem, tags, full, empty, lead, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr,
+                      GATHER: gl.constexpr, OUT_T: gl.constexpr, LAG: gl.constexpr):
     """DYNAMIC: rows HALF * 64 .. HALF * 64 + 63 of each block the producer's tag steps name, in their order."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
+    lead_wait(lead, HALF, LAG)
     expert, task, row0, row_end = read_tag(tags, full, empty, 0, STAGES)
     g = 1
+    lead_step(lead, g, HALF, LAG)
     while expert >= 0:
         if CARRY:  # the window's mode: the one global load between blocks, and only with a carry
             mode = gl.load(modes_ptr + expert)
         else:
             mode = STORE
-        g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
+        g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, lead, g, expert, mode, row0, row_end,
                         task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr, OUT_M,
-                        OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
+                        OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T, LAG)
         expert, task, row0, row_end = read_tag(tags, full, empty, g, STAGES)
         g += 1
+        lead_step(lead, g, HALF, LAG)
+    lead_end(lead, g, HALF, LAG)
     tma.store_wait(pendings=0)
