@@ -1,7 +1,7 @@
 # call 9: two wgrad levers against the static deal, each setting in its own process (MEGAMOE_WGRAD_STAGGER=s, MEGAMOE_WGRAD_DYNAMIC=d): the consumers staggered (the second warpgroup half a ring behind the first, so the two halves' stores do not idle the tensor cores at once), and the dynamic deal with its next take held a block ahead; first the GPU bit tests (both levers), then the backward per kernel, uniform first
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd .gpu; mkdir -p $OUT/r; L=$OUT/log.txt; t0=$(date +%s)
-cap() { local l=$(( 320 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
+cap() { local l=$(( 250 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
 say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }
 nvidia-smi --query-gpu=name,power.limit,clocks.sm,memory.total --format=csv >> $L
 timeout $(cap 70) python3 -m pytest -v -m gpu tests/test_experts.py -k "wgrad_ws" -p no:cacheprovider > $OUT/r/t_wgrad.txt 2>&1; say t_wgrad $?; grep -E "FAILED|ERROR|passed|failed" $OUT/r/t_wgrad.txt | tail -8 >> $L
