@@ -340,8 +340,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
     NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
-    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with the blocks dealt dynamically (DYNAMIC); and with the
-    consumers staggered (LAG)."""
+    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with the blocks dealt dynamically (DYNAMIC)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal
     from megamoe.ops.launch import scratch_allocator
@@ -356,7 +355,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
     outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            for _ in range(10)]
+            for _ in "abcdefg"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, counts, outs[0], outs[0], DOT_FP32=False,
@@ -382,21 +381,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
                 NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=swap, deal_ptr=deal, DYNAMIC=True,
                 num_warps=4)
-            # every block taken; each program's last three takes past them (it holds two ahead of its block)
-            assert int(deal[0]) == int(deal[1]) + 3 * programs
-        # the second consumer warpgroup staggered (LAG steps behind the first): half the ring and the most it may
-        # be; the latter also with more programs than blocks (a first warpgroup with fewer than LAG steps must
-        # still let the second start), and the dynamic deal's tag steps counted in the lag
-        stages = wgrad_ws_stages(tile.block_n, tile.block_k)
-        for out, lag, many, dynamic in zip(outs[7:10], (stages // 2, stages - 1, stages // 2), (False, True, True),
-                                           (False, False, True)):
-            per_expert = wgrad_blocks_per_expert(out_m, out_n, tile.block_n)
-            launched = len(counts) * per_expert + 12 if many else programs
-            deal = wgrad_deal(counts, offsets, None, per_expert)
-            wgrad_warp_specialized.wgrad_ws_kernel[(launched,)](
-                a, b, out, offsets, counts, len(counts), out_m, out_n, counts, out, out, counts,
-                NUM_PROGRAMS=launched, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages, deal_ptr=deal,
-                DYNAMIC=dynamic, LAG=lag, num_warps=4)
+            assert int(deal[0]) == int(deal[1]) + programs  # every block taken, each program's last take past them
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
@@ -588,8 +573,8 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills, also with the backward window's carry, dealt dynamically and its consumers staggered, as the
-    Triton wgrad's at its carry tile); the Gluon
+    too, without spills, also with the backward window's carry and dealt dynamically, as the Triton wgrad's at its
+    carry tile); the Gluon
     dact sums its rows' router-gradient
     partials in the Triton dact's register layout (their order, so their bits: in another layout 400 of them
     differed on the GPU)."""
@@ -600,18 +585,16 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
                 "wgrad_ws_kernel (carry) (d_out rows by token)", "wgrad_ws_kernel (carry) (x rows by token)",
                 "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
-    staggered = {"wgrad_ws_kernel (carry) (stagger)", "wgrad_ws_kernel (carry) (x rows by token, dynamic, stagger)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
-                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic,
-                            *staggered}
+                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
-                 "dx_kernel (into the slots)", *by_token, *dynamic, *staggered):  # the gathering producers: 96 registers
+                 "dx_kernel (into the slots)", *by_token, *dynamic):  # the gathering wgrads' producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in by_token:  # each gather is cp.async pieces counted on the ring's barriers
         assert summary[name]["cp_async"] > 0, (name, summary[name])

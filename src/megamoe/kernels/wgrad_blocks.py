@@ -55,35 +55,6 @@ def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.cons
 
 
 @gluon.jit
-def lead_step(lead, g, HALF: gl.constexpr, LAG: gl.constexpr):
-    """STAGGER (LAG > 0): the first consumer warpgroup tells the second, once, that it has taken LAG ring steps
-    (``g`` just counted one more), so the second starts that far behind it and the two blocks' epilogues run under
-    each other's wgmmas instead of both at once. LAG < STAGES: the first reaches it whatever the second does."""
-    if LAG > 0:
-        if HALF == 0:
-            if g == LAG:
-                mbarrier.arrive(lead, count=1)
-
-
-@gluon.jit
-def lead_wait(lead, HALF: gl.constexpr, LAG: gl.constexpr):
-    """STAGGER: the second consumer warpgroup's start, once the first has taken LAG steps (:func:`lead_step`)."""
-    if LAG > 0:
-        if HALF == 1:
-            mbarrier.wait(lead, 0)
-
-
-@gluon.jit
-def lead_end(lead, g, HALF: gl.constexpr, LAG: gl.constexpr):
-    """STAGGER: the first consumer warpgroup's end: if its program had fewer than LAG steps it never told the second
-    to start (:func:`lead_step`); it does now."""
-    if LAG > 0:
-        if HALF == 0:
-            if g < LAG:
-                mbarrier.arrive(lead, count=1)
-
-
-@gluon.jit
 def load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full, empty, g,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_GATHER: gl.constexpr):
     """Issue the block at (m0, n0)'s K steps (rows row0 .. row_end of its expert) into the ring from step g on;
@@ -146,10 +117,10 @@ def out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N: gl.constexpr, OU
 
 
 @gluon.jit
-def half_block(out_desc, a_smem, b_smem, c_smem, full, empty, lead, g, expert, mode, row0, row_end, m0, n0,
-                carry_in_ptr, carry_out_ptr, OUT_M, OUT_N, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr,
-                GATHER: gl.constexpr, OUT_T: gl.constexpr, LAG: gl.constexpr = 0):
+def half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end, m0, n0, carry_in_ptr,
+                carry_out_ptr, OUT_M, OUT_N, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
+                OUT_T: gl.constexpr):
     """One consumer's half of the block at (m0, n0) of ``expert``: its K steps from ring step g (returns the next),
     the rows reduced in order from zeros or the window's carry, then stored (or carried out, by ``mode``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -167,7 +138,6 @@ def half_block(out_desc, a_smem, b_smem, c_smem, full, empty, lead, g, expert, m
         acc = warpgroup_mma(a_smem.index(2 * s + HALF).permute((1, 0)), b_smem.index(s), acc, is_async=True)
         acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
         g += 1
-        lead_step(lead, g, HALF, LAG)
     acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
     if CARRY:
         if carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, HALF_M, BLOCK_N, OUT_T):

@@ -4,12 +4,13 @@ with one atomic add on the launch's counter and names it to the two consumer war
 expert first from one end and lightest first from the other (``megamoe.ops.experts_bwd.wgrad_deal``), so the
 heaviest blocks start first and write-bound light blocks run beside compute-bound heavy ones. A block is one
 program's, its rows reduced in one order: the static deal's bits. Its first build (the block's number alone in the
-tag, the consumers loading its expert, rows and mode between blocks, one pair of descriptor sites used in turn) cost
-~1.5 us a block on one H100 (benchmarks/results/2026-12-06-dynamic-wgrad); with the coordinates in the tag and a
-descriptor site per deal end it still did (benchmarks/results/2026-12-06-deal-rebuilt: the producer took a block,
-then loaded its expert, then its rows, between blocks); this one holds the next take a block ahead and reads its
-coordinates from the deal in loads that depend on the take alone. Read in its sm_90 build: the atomic runs on one lane and reaches the warp through shared
-memory and a warp barrier; the partitions' barriers are named ones of 128 threads."""
+tag, the consumers loading its expert, rows and mode between blocks) cost ~1.5 us a block on one H100
+(benchmarks/results/2026-12-06-dynamic-wgrad), and still did with the coordinates in the tag and a descriptor site
+per deal end (benchmarks/results/2026-12-06-deal-rebuilt): between blocks the producer took a block (an ``acq_rel``
+atomic whose result reached the warp through shared memory at once), then loaded its expert, then its rows. Now the
+take is a relaxed add read where it is used, issued before the current block's last STAGES loads, and the take's
+coordinates come from the deal in loads that depend on it alone. Held a whole block ahead instead, the takes cost
+uniform loads far less but kept hot blocks from programs that came free (that folder's call 9)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from megamoe.kernels.gluon_gather import GATHER_WARPS, full_arrivals
-from megamoe.kernels.wgrad_blocks import HALF_M, half_block, lead_end, lead_step, lead_wait, load_block, out_descriptor
+from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor
 from megamoe.kernels.wgrad_carry import STORE
 
 
@@ -30,9 +31,8 @@ def dealt_block(deal_ptr, total, t, per_expert):
     """DYNAMIC: the t-th block taken from the launch's counter, ``(expert, task, row0, row_end)``. ``deal`` int32
     `[2 + 4 L]`: the counter, the blocks to deal and, experts heaviest first, each one's number and rows; even takes
     walk the blocks from the heaviest expert, odd ones from the lightest (write-bound light blocks beside
-    compute-bound heavy ones, the heaviest started first). A take past the end (a program holds its next one)
-    reads the last block's coordinates, never loaded: three loads that depend on ``t`` alone, so the producer
-    issues them a block ahead."""
+    compute-bound heavy ones, the heaviest started first). A take past the end (each program's last) reads the
+    last block's coordinates, never loaded: three loads that depend on ``t`` alone."""
     t = gl.maximum(gl.minimum(t, total - 1), 0)
     half = t // 2
     pos = half + (t % 2) * (total - 1 - 2 * half)
@@ -126,13 +126,14 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
     # both sites' descriptors exist from the start (over one row) so that the loop carries them
     a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
     a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
-    # a take and its block's coordinates are chained global round trips (~1.5 us a block when the producer waited
-    # for them between blocks): the next take is held a block ahead and its coordinates loaded under this block's
-    # loads, the take after it read only a block later
+    # a take and its block's coordinates are chained global round trips (~1.5 us a block where the producer waited
+    # for them between blocks, 2026-12-06-dynamic-wgrad): the next take is issued before the block's last STAGES
+    # loads, its round trip under them, and its coordinates loaded after them, while the ring still holds those
+    # steps for the consumers. Not earlier: a take held over a block keeps it from programs that come free (holding
+    # the next two, a program took the hot expert's blocks in pairs: qwen3-30b-a3b's zipf wgrads 2.57 -> 3.01 ms,
+    # 2026-12-06-deal-rebuilt).
     t = taken(take(deal_ptr, WARPS))
     expert, task, row0, row_end = dealt_block(deal_ptr, total, t, per_expert)
-    t_next = taken(take(deal_ptr, WARPS))
-    after = take(deal_ptr, WARPS)
     while t < total:
         heavy_end = t % 2 == 0
         if heavy_end:
@@ -140,57 +141,53 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
                 expert0 = expert
                 a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, row_end, site_last0, g, full, OUT_M, OUT_N,
                                                     BLOCK_N, BLOCK_K, STAGES)
+            a_desc = a_desc0
+            b_desc = b_desc0
         else:
             if expert != expert1:
                 expert1 = expert
                 a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, row_end, site_last1, g, full, OUT_M, OUT_N,
                                                     BLOCK_N, BLOCK_K, STAGES)
+            a_desc = a_desc1
+            b_desc = b_desc1
         g = tag_step(tags, full, empty, g, expert, task, row0, row_end, STAGES, FULL, WARPS)
         m0 = task // num_n * (2 * HALF_M)
         n0 = task % num_n * BLOCK_N
-        next_expert, next_task, next_row0, next_row_end = dealt_block(deal_ptr, total, t_next, per_expert)
-        if heavy_end:
-            g = load_block(a_ptr, a_desc0, b_desc0, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
-                            empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
-            if row_end > row0:
+        steps = gl.cdiv(gl.maximum(row_end - row0, 0), BLOCK_K)
+        split = row0 + gl.maximum(steps - STAGES, 0) * BLOCK_K
+        g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, split, m0, n0, OUT_M, a_smem, b_smem, full, empty,
+                       g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+        next_take = take(deal_ptr, WARPS)
+        g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, split, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
+                       empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+        if row_end > row0:
+            if heavy_end:
                 site_last0 = g - 1
-        else:
-            g = load_block(a_ptr, a_desc1, b_desc1, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
-                            empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
-            if row_end > row0:
+            else:
                 site_last1 = g - 1
-        t = t_next
-        t_next = taken(after)
-        after = take(deal_ptr, WARPS)
-        expert = next_expert
-        task = next_task
-        row0 = next_row0
-        row_end = next_row_end
+        t = taken(next_take)
+        expert, task, row0, row_end = dealt_block(deal_ptr, total, t, per_expert)
     tag_step(tags, full, empty, g, -1, 0, 0, 0, STAGES, FULL, WARPS)
 
 
 @gluon.jit
 def consumer_dynamic(out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem, b_smem,
-                      c_smem, tags, full, empty, lead, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr,
-                      GATHER: gl.constexpr, OUT_T: gl.constexpr, LAG: gl.constexpr):
+                      c_smem, tags, full, empty, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
+                      OUT_T: gl.constexpr):
     """DYNAMIC: rows HALF * 64 .. HALF * 64 + 63 of each block the producer's tag steps name, in their order."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
-    lead_wait(lead, HALF, LAG)
     expert, task, row0, row_end = read_tag(tags, full, empty, 0, STAGES)
     g = 1
-    lead_step(lead, g, HALF, LAG)
     while expert >= 0:
         if CARRY:  # the window's mode: the one global load between blocks, and only with a carry
             mode = gl.load(modes_ptr + expert)
         else:
             mode = STORE
-        g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, lead, g, expert, mode, row0, row_end,
+        g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
                         task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr, OUT_M,
-                        OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T, LAG)
+                        OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
         expert, task, row0, row_end = read_tag(tags, full, empty, g, STAGES)
         g += 1
-        lead_step(lead, g, HALF, LAG)
-    lead_end(lead, g, HALF, LAG)
     tma.store_wait(pendings=0)

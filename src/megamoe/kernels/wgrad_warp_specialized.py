@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, full_arrivals
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.tasks import first_task
-from megamoe.kernels.wgrad_blocks import HALF_M, half_block, lead_end, lead_wait, load_block, out_descriptor
+from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor
 from megamoe.kernels.wgrad_carry import STORE
 from megamoe.kernels.wgrad_dynamic import TAG, consumer_dynamic, producer_dynamic
 
@@ -125,14 +125,13 @@ def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num
 
 @gluon.jit
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
-              a_smem, b_smem, c_smem, full, empty, lead, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
-              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr, LAG: gl.constexpr):
+              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
-    lead_wait(lead, HALF, LAG)
     g = 0
     for expert in range(0, num_experts):
         first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
@@ -140,11 +139,9 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
             row0 = gl.load(offsets_ptr + expert)
             row_end = row0 + gl.load(counts_ptr + expert)
             for task in range(first, per_expert, NUM_PROGRAMS):
-                g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, lead, g, expert, mode, row0, row_end,
+                g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
                                 task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr,
-                                OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T,
-                                LAG)
-    lead_end(lead, g, HALF, LAG)
+                                OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
     tma.store_wait(pendings=0)
 
 
@@ -153,8 +150,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                     carry_in_ptr, carry_out_ptr, a_index_ptr, NUM_PROGRAMS: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
-                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False,
-                    LAG: gl.constexpr = 0):
+                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -166,11 +162,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     x row once per BLOCK_N (256) of 2I; gathered as B it was read once per 128.
     DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + 4 L]`, zero, the blocks to
     deal, the experts heaviest first with their rows: ``wgrad_dynamic.dealt_block``), the producer naming each block to the consumers in a tag step
-    of the ring; a block is still reduced by one program in one order, so the bits are the static deal's.
-    LAG (STAGGER, ``0 < LAG < STAGES``; 0: off): the second consumer warpgroup starts LAG ring steps behind the
-    first (``wgrad_blocks.lead_step``), so that one's epilogue runs under the other's wgmmas; each still reduces
-    its rows in order, so the bits are the same. A block of a few K steps (deepseek-v3's and kimi-k2's 171-256 rows
-    an expert: 6-8 steps) otherwise idles the tensor cores through both halves' stores at once."""
+    of the ring; a block is still reduced by one program in one order, so the bits are the static deal's."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     C_ROWS: gl.constexpr = BLOCK_N if OUT_T else HALF_M
@@ -181,21 +173,17 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     c0 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
     c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
-    lead = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # STAGGER's (LAG > 0) one signal
-    mbarrier.init(lead, count=1)
     if DYNAMIC:
         tags = gl.allocate_shared_memory(gl.int32, [STAGES, TAG], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize(
             [(consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
-                                  b_smem, c0, tags, full, empty, lead, gl.constexpr(0), gl.constexpr(BLOCK_N),
+                                  b_smem, c0, tags, full, empty, gl.constexpr(0), gl.constexpr(BLOCK_N),
                                   gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
-                                  gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T),
-                                  gl.constexpr(LAG))),
+                                  gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
              (consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
-                                  b_smem, c1, tags, full, empty, lead, gl.constexpr(1), gl.constexpr(BLOCK_N),
+                                  b_smem, c1, tags, full, empty, gl.constexpr(1), gl.constexpr(BLOCK_N),
                                   gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
-                                  gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T),
-                                  gl.constexpr(LAG))),
+                                  gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
              (producer_dynamic, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
                                   a_smem, b_smem, tags, full, empty, gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                                   gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
@@ -204,20 +192,19 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
         # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
         gl.warp_specialize(
             [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
-                          OUT_N, a_smem, b_smem, c0, full, empty, lead, gl.constexpr(0),
+                          OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T), gl.constexpr(LAG))),
+                          gl.constexpr(OUT_T))),
              (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
-                          OUT_N, a_smem, b_smem, c1, full, empty, lead, gl.constexpr(1),
+                          OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T), gl.constexpr(LAG))),
+                          gl.constexpr(OUT_T))),
              (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                           gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
                           gl.constexpr(A_GATHER)))],
             [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
     invalidate_ring(full, empty, STAGES)
-    mbarrier.invalidate(lead)
 

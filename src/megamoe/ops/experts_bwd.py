@@ -285,11 +285,10 @@ def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
 def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
     (:func:`~megamoe.planner.tiles.wgrad_ws_stages`), one wgmma left in flight from
-    :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there), the second consumer's
-    lag (:func:`wgrad_lag`)."""
+    :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there)."""
     stages = wgrad_ws_stages(tile.block_n, tile.block_k)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES, LAG=wgrad_lag(stages))
+                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES)
 
 
 #: The Gluon wgrad takes its blocks from a counter as programs come free, heavy experts first from one end and light
@@ -301,20 +300,6 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 #: block a fixed ~1.5 us (deepseek-v3's uniform wgrads 14.67 -> 18.56 ms; benchmarks/results/2026-12-06-dynamic-wgrad).
 #: ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1) sets it.
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
-
-
-#: The Gluon wgrad's second consumer warpgroup starts half a ring behind the first (``wgrad_ws_kernel``'s LAG), so
-#: that a block's two halves store one after the other, each under the other's wgmmas: at a few K steps a block
-#: (171-256 rows an expert) both stores at once idle the tensor cores for a share of every block (deepseek-v3's
-#: uniform wgrads at ~393 TFLOP/s on one H100, qwen3-30b-a3b's 1024-row ones at ~514). The same bits. Off until
-#: measured; ``MEGAMOE_WGRAD_STAGGER`` (0 or 1) sets it.
-WGRAD_STAGGER = runtime.env_switch("MEGAMOE_WGRAD_STAGGER", False)
-
-
-def wgrad_lag(stages: int) -> int:
-    """The ring steps the second consumer warpgroup starts behind the first with :data:`WGRAD_STAGGER` (0: off):
-    half the ring, so the first keeps half of it to prefetch into."""
-    return stages // 2 if WGRAD_STAGGER else 0
 
 
 def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:

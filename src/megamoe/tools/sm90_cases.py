@@ -149,23 +149,20 @@ def gemm_cases() -> dict[str, Case]:
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel; one rank's wgrads
         # read d_out (the down wgrad's A) and x (gate/up's, gathered as A: the blocks stored transposed) rows by
         # token, at the gathering tile
-        # (and with the blocks dealt dynamically, ``WGRAD_DYNAMIC``: its plain and its gathering producer; and the
-        # consumers staggered, ``WGRAD_STAGGER``)
-        gathers = (("", False, False, False, False), (" (d_out rows by token)", True, False, False, False),
-                   (" (x rows by token)", True, True, False, False), (" (dynamic)", False, False, True, False),
-                   (" (x rows by token, dynamic)", True, True, True, False), (" (stagger)", False, False, False, True),
-                   (" (x rows by token, dynamic, stagger)", True, True, True, True))
-        for suffix, a_gather, out_t, dynamic, stagger in gathers if carry and t is wide else gathers[:1]:
+        # (and with the blocks dealt dynamically, ``WGRAD_DYNAMIC``: its plain and its gathering producer)
+        gathers = (("", False, False, False), (" (d_out rows by token)", True, False, False),
+                   (" (x rows by token)", True, True, False), (" (dynamic)", False, False, True),
+                   (" (x rows by token, dynamic)", True, True, True))
+        for suffix, a_gather, out_t, dynamic in gathers if carry and t is wide else gathers[:1]:
             t_ws = gathering_wgrad_tile(t) if a_gather else t
-            ws = wgrad_ws_constexprs(t_ws, SMS)
             cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
                 "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "OUT_T": "constexpr",
-                "deal_ptr": "*i32", "DYNAMIC": "constexpr", "LAG": "constexpr"},
-                {**ws, "CARRY": carry, "A_GATHER": a_gather, "OUT_T": out_t, "DYNAMIC": dynamic,
-                 "LAG": ws["STAGES"] // 2 if stagger else 0}, num_warps=4)
+                "deal_ptr": "*i32", "DYNAMIC": "constexpr"},
+                {**wgrad_ws_constexprs(t_ws, SMS), "CARRY": carry, "A_GATHER": a_gather, "OUT_T": out_t,
+                 "DYNAMIC": dynamic}, num_warps=4)
     return cases
 
 
