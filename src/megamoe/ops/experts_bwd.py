@@ -297,8 +297,11 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 #: and runs write-bound light experts and compute-bound heavy ones one after another (the wgrads 1.30x / 1.38x
 #: uniform routing's at deepseek-v3 / qwen3-30b-a3b on one H100, benchmarks/results/2026-12-07-defaults-step). The
 #: same bits (GPU-tested). Off: on one H100 it took qwen3-30b-a3b's zipf wgrads from 3.24 to 2.54 ms but cost every
-#: block a fixed ~1.5 us (deepseek-v3's uniform wgrads 14.67 -> 18.56 ms; benchmarks/results/2026-12-06-dynamic-wgrad).
-#: ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1) sets it.
+#: block a fixed ~1.5 us (deepseek-v3's uniform wgrads 14.67 -> 18.56 ms; benchmarks/results/2026-12-06-dynamic-wgrad),
+#: the producer's chained round trips between blocks; with them hidden under a block held ahead the cost fell to
+#: +2.0 ms / +2 % but the zipf gain went (benchmarks/results/2026-12-06-deal-rebuilt, call 9); the take before a
+#: block's last loads that keeps both is not yet timed (that folder's call_11.sh). ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1)
+#: sets it.
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
 
