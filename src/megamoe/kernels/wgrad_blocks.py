@@ -55,6 +55,22 @@ def carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, ROWS: gl.cons
 
 
 @gluon.jit
+def site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """A call site's A and B descriptors over an expert's rows (up to ``row_end``), made once the site's last load
+    (step ``site_last``; -1: none) has landed, unless a later load into its slot was issued (that one waited for
+    the slot's release, so it landed): the TMA unit reads a descriptor until its load lands."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    if (site_last >= 0) & (g - site_last <= STAGES):
+        mbarrier.wait(full.index(site_last % STAGES), (site_last // STAGES) & 1)
+    rows = gl.maximum(row_end, 1)
+    a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
+    b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+    return a_desc, b_desc
+
+
+@gluon.jit
 def load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full, empty, g,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_GATHER: gl.constexpr):
     """Issue the block at (m0, n0)'s K steps (rows row0 .. row_end of its expert) into the ring from step g on;

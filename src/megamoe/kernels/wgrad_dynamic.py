@@ -19,7 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from megamoe.kernels.gluon_gather import GATHER_WARPS, full_arrivals
-from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor
+from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor, site_descriptors
 from megamoe.kernels.wgrad_carry import STORE
 
 
@@ -86,22 +86,6 @@ def read_tag(tags, full, empty, g, STAGES: gl.constexpr):
     i = gl.arange(0, TAG, layout=layout)
     return (gl.sum(gl.where(i == 0, tag, 0), 0), gl.sum(gl.where(i == 1, tag, 0), 0),
             gl.sum(gl.where(i == 2, tag, 0), 0), gl.sum(gl.where(i == 3, tag, 0), 0))
-
-
-@gluon.jit
-def site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BLOCK_N: gl.constexpr,
-                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """A call site's A and B descriptors over an expert's rows (up to ``row_end``), made once the site's last load
-    (step ``site_last``; -1: none) has landed, unless a later load into its slot was issued (that one waited for
-    the slot's release, so it landed): the TMA unit reads a descriptor until its load lands."""
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
-    if (site_last >= 0) & (g - site_last <= STAGES):
-        mbarrier.wait(full.index(site_last % STAGES), (site_last // STAGES) & 1)
-    rows = gl.maximum(row_end, 1)
-    a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
-    b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
-    return a_desc, b_desc
 
 
 @gluon.jit

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, full_arrivals
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.tasks import first_task
-from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor
+from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor, site_descriptors
 from megamoe.kernels.wgrad_carry import STORE
 from megamoe.kernels.wgrad_dynamic import TAG, consumer_dynamic, producer_dynamic
 
@@ -81,21 +81,14 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
     """Issue this program's K steps of ``expert``'s blocks from ``g`` on; its descriptors go where the descriptors
     of this call site's previous expert were (one global scratch slot per call site), whose last load was step
     ``site_last``. Returns the next step and this site's last one."""
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     first, _ = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
     if first < per_expert:
-        # the TMA unit reads a descriptor until its load lands: wait for the site's last load before rewriting it,
-        # unless a later load into the same slot was issued (that one waited for the slot's release, so it landed)
-        if (site_last >= 0) & (g - site_last <= STAGES):
-            mbarrier.wait(full.index(site_last % STAGES), (site_last // STAGES) & 1)
         row0 = gl.load(offsets_ptr + expert)
         row_end = row0 + gl.load(counts_ptr + expert)
-        rows = gl.maximum(row_end, 1)
-        a_desc = tma.make_tensor_descriptor(a_ptr, [rows, OUT_M], [OUT_M, 1], [BLOCK_K, HALF_M], a_layout)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [rows, OUT_N], [OUT_N, 1], [BLOCK_K, BLOCK_N], b_layout)
+        a_desc, b_desc = site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K,
+                                          STAGES)
         for task in range(first, per_expert, NUM_PROGRAMS):
             g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, task // num_n * (2 * HALF_M),
                             task % num_n * BLOCK_N, OUT_M, a_smem, b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES,
