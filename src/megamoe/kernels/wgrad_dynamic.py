@@ -89,6 +89,18 @@ def read_tag(tags, full, empty, g, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def end_descriptors(a_ptr, b_ptr, expert, row_end, site_expert, a_desc, b_desc, site_last, g, full, OUT_M, OUT_N,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """One end of the deal's descriptor site: ``(expert, a_desc, b_desc)``, remade (``site_descriptors``, this
+    call's own scratch slots) only when the block's expert is not the one the site holds."""
+    if expert != site_expert:
+        site_expert = expert
+        a_desc, b_desc = site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K,
+                                          STAGES)
+    return site_expert, a_desc, b_desc
+
+
+@gluon.jit
 def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
                       a_smem, b_smem, tags, full, empty, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, A_GATHER: gl.constexpr):
@@ -121,17 +133,13 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
     while t < total:
         heavy_end = t % 2 == 0
         if heavy_end:
-            if expert != expert0:
-                expert0 = expert
-                a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, row_end, site_last0, g, full, OUT_M, OUT_N,
-                                                    BLOCK_N, BLOCK_K, STAGES)
+            expert0, a_desc0, b_desc0 = end_descriptors(a_ptr, b_ptr, expert, row_end, expert0, a_desc0, b_desc0,
+                                                        site_last0, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
             a_desc = a_desc0
             b_desc = b_desc0
         else:
-            if expert != expert1:
-                expert1 = expert
-                a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, row_end, site_last1, g, full, OUT_M, OUT_N,
-                                                    BLOCK_N, BLOCK_K, STAGES)
+            expert1, a_desc1, b_desc1 = end_descriptors(a_ptr, b_ptr, expert, row_end, expert1, a_desc1, b_desc1,
+                                                        site_last1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
             a_desc = a_desc1
             b_desc = b_desc1
         g = tag_step(tags, full, empty, g, expert, task, row0, row_end, STAGES, FULL, WARPS)
