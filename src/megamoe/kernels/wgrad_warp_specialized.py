@@ -75,6 +75,16 @@ def window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS: gl.constexpr, CARRY
 
 
 @gluon.jit
+def walk_start(num_experts, PHASES: gl.constexpr):
+    """The expert this program's walk starts at: programs in PHASES interleaved groups, group p from expert
+    p * L / PHASES on (1: every program from expert 0). Under skewed routing the lock-stepped walk runs the light
+    experts' write-bound blocks on every SM at once and then the heavy ones' compute-bound blocks; phases run both
+    at once. Each block stays with the program ``window_task`` names, so the work per program and the bits are
+    unchanged."""
+    return gl.program_id(0) % PHASES * num_experts // PHASES
+
+
+@gluon.jit
 def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N,
                  a_smem, b_smem, full, empty, g, site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr):
@@ -100,33 +110,36 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
 @gluon.jit
 def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, full, empty, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr):
+              STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr, PHASES: gl.constexpr):
     """Experts in pairs through two call sites of ``_load_expert``: each rewrites its own descriptors every other
     expert, so the loads of one expert's last blocks stay in flight while the next expert's are issued."""
     g = 0  # the program's K steps across its blocks: slot g % STAGES, phase (g // STAGES) & 1
     last_even = -1
     last_odd = -1
+    start = walk_start(num_experts, PHASES)
     for pair in range(0, num_experts, 2):
-        g, last_even = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, pair,
-                                    OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_even, NUM_PROGRAMS, BLOCK_N,
-                                    BLOCK_K, STAGES, CARRY, A_GATHER)
+        g, last_even = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr,
+                                    (start + pair) % num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty, g,
+                                    last_even, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER)
         if pair + 1 < num_experts:
             g, last_odd = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr,
-                                       pair + 1, OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_odd, NUM_PROGRAMS,
-                                       BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER)
+                                       (start + pair + 1) % num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty, g,
+                                       last_odd, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER)
 
 
 @gluon.jit
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
-              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
+              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr, PHASES: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
     g = 0
-    for expert in range(0, num_experts):
+    start = walk_start(num_experts, PHASES)
+    for step in range(0, num_experts):
+        expert = (start + step) % num_experts
         first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
         if first < per_expert:
             row0 = gl.load(offsets_ptr + expert)
@@ -143,7 +156,8 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                     carry_in_ptr, carry_out_ptr, a_index_ptr, NUM_PROGRAMS: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
-                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False):
+                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False,
+                    PHASES: gl.constexpr = 1):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -188,16 +202,16 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                           OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T))),
+                          gl.constexpr(OUT_T), gl.constexpr(PHASES))),
              (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T))),
+                          gl.constexpr(OUT_T), gl.constexpr(PHASES))),
              (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                           gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
-                          gl.constexpr(A_GATHER)))],
+                          gl.constexpr(A_GATHER), gl.constexpr(PHASES)))],
             [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
     invalidate_ring(full, empty, STAGES)
 

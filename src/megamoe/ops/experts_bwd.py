@@ -8,6 +8,7 @@ plain-PyTorch twin.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -304,6 +305,12 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 #: sets it.
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
+#: The static deal's expert walk in this many phases (``wgrad_warp_specialized.walk_start``): an A/B knob,
+#: ``MEGAMOE_WGRAD_PHASES`` (1, 2 or 4).
+WGRAD_PHASES = int(os.environ.get("MEGAMOE_WGRAD_PHASES", "1"))
+if WGRAD_PHASES not in (1, 2, 4):
+    raise ValueError(f"MEGAMOE_WGRAD_PHASES must be 1, 2 or 4, got {WGRAD_PHASES}")
+
 
 def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
     """The Gluon wgrad's blocks of one expert's `[out_m, out_n]` gradient (two 64-row halves by ``block_n``)."""
@@ -362,7 +369,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
                 CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, deal_ptr=deal,
-                DYNAMIC=WGRAD_DYNAMIC, **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                DYNAMIC=WGRAD_DYNAMIC, PHASES=WGRAD_PHASES, **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
