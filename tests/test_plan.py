@@ -203,7 +203,8 @@ def test_the_fp8_wgrad_recipe_by_rows_per_expert_and_what_the_plan_counts(monkey
     assert entries(kimi, 1, 8192) == set()  # ~171 rows an expert, one rank: the staged tokens
     assert entries(kimi, 1, 8192, "mxfp8") == set()
     assert entries(qwen, 1, 8192) == set()  # 512 rows an expert: BF16 wgrads of the staged tokens
-    assert entries(qwen, 1, 32768) == {"token-major"}  # 2048 rows an expert
+    assert entries(qwen, 1, 32768) == set()  # 2048 rows an expert: BF16 wgrads too
+    assert entries(qwen, 1, 65536) == {"token-major"}  # 4096
     assert entries(kimi, 8, 8192) == {"dequantised"}  # ~1365 rows a local expert, pulled across ranks
     assert entries(kimi, 64, 8192) == {"token-major"}  # ~10923
     assert entries(kimi, 2, 1024) == {"dequantised"}  # ~43 rows, pulled across ranks

@@ -19,9 +19,10 @@ BF16_WGRADS: bool | None = (None if os.environ.get("MEGAMOE_FP8_BF16_WGRADS") is
 #: took 14.6 against 17.3 ms at deepseek-v3 (256 rows an expert) and 16.4 against 23.2 at kimi-k2 (171); alone,
 #: qwen3-30b-a3b's (512) took 2.13 against 1.77, but in the backward the FP8 wgrads' quantisers and replays cost
 #: more than that: qwen3-30b-a3b's fp8-block backward ran 3.71 ms with BF16 wgrads against 4.07 with FP8 ones at
-#: 512 rows an expert, 6.19 against 6.64 at 1024 (benchmarks/results/2026-12-06-deal-rebuilt, call 7, each in its
-#: own process). Above 1024 unmeasured (that folder's call_10.sh: 2048 rows).
-FP8_WGRAD_MIN_ROWS = 2048
+#: 512 rows an expert, 6.19 against 6.64 at 1024 (benchmarks/results/2026-12-06-deal-rebuilt, call 7) and 11.09
+#: against 11.85 at 2048 (call 10), each in its own process. Every measured load runs BF16 wgrads; above 2048
+#: unmeasured.
+FP8_WGRAD_MIN_ROWS = 4096
 
 
 def bf16_wgrads_pay(fmt: str, rows_per_expert: float) -> bool:
