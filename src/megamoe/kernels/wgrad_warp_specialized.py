@@ -131,12 +131,15 @@ def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
-              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr, PHASES: gl.constexpr):
-    """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
+              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr, PHASES: gl.constexpr,
+              OUT_BUFFERS: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup), its blocks stored from
+    OUT_BUFFERS output buffers in turn."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
     g = 0
+    blocks = 0
     start = walk_start(num_experts, PHASES)
     for step in range(0, num_experts):
         expert = (start + step) % num_experts
@@ -145,9 +148,11 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
             row0 = gl.load(offsets_ptr + expert)
             row_end = row0 + gl.load(counts_ptr + expert)
             for task in range(first, per_expert, NUM_PROGRAMS):
-                g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
-                                task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr,
-                                OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
+                g = half_block(out_desc, a_smem, b_smem, c_smem.index(blocks % OUT_BUFFERS), full, empty, g, expert,
+                                mode, row0, row_end, task // num_n * (2 * HALF_M), task % num_n * BLOCK_N,
+                                carry_in_ptr, carry_out_ptr, OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES,
+                                MMA_IN_FLIGHT, CARRY, GATHER, OUT_T, OUT_BUFFERS - 1)
+                blocks += 1
     tma.store_wait(pendings=0)
 
 
@@ -157,7 +162,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
                     OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False,
-                    PHASES: gl.constexpr = 1):
+                    PHASES: gl.constexpr = 1, OUT_BUFFERS: gl.constexpr = 1):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -177,18 +182,18 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, C_COLS], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, HALF_M], a_layout)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-    c0 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
-    c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
+    c0 = gl.allocate_shared_memory(gl.bfloat16, [OUT_BUFFERS, C_ROWS, C_COLS], c_layout)
+    c1 = gl.allocate_shared_memory(gl.bfloat16, [OUT_BUFFERS, C_ROWS, C_COLS], c_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     if DYNAMIC:
         tags = gl.allocate_shared_memory(gl.int32, [STAGES, TAG], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize(
             [(consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
-                                  b_smem, c0, tags, full, empty, gl.constexpr(0), gl.constexpr(BLOCK_N),
+                                  b_smem, c0.index(0), tags, full, empty, gl.constexpr(0), gl.constexpr(BLOCK_N),
                                   gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
                                   gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
              (consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
-                                  b_smem, c1, tags, full, empty, gl.constexpr(1), gl.constexpr(BLOCK_N),
+                                  b_smem, c1.index(0), tags, full, empty, gl.constexpr(1), gl.constexpr(BLOCK_N),
                                   gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
                                   gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
              (producer_dynamic, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
@@ -202,12 +207,12 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                           OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T), gl.constexpr(PHASES))),
+                          gl.constexpr(OUT_T), gl.constexpr(PHASES), gl.constexpr(OUT_BUFFERS))),
              (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T), gl.constexpr(PHASES))),
+                          gl.constexpr(OUT_T), gl.constexpr(PHASES), gl.constexpr(OUT_BUFFERS))),
              (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                           gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),

@@ -283,13 +283,20 @@ def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
     return tile if tile.block_k >= 64 else replace(tile, block_k=64)
 
 
+#: The Gluon wgrad's output buffers a consumer stores from in turn (a block's store left in flight under the next
+#: block's and the one after's MMAs), its ring as much shallower: an A/B knob, ``MEGAMOE_WGRAD_OUT_BUFFERS`` (1 or 2).
+WGRAD_OUT_BUFFERS = int(os.environ.get("MEGAMOE_WGRAD_OUT_BUFFERS", "1"))
+if WGRAD_OUT_BUFFERS not in (1, 2):
+    raise ValueError(f"MEGAMOE_WGRAD_OUT_BUFFERS must be 1 or 2, got {WGRAD_OUT_BUFFERS}")
+
+
 def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
     (:func:`~megamoe.planner.tiles.wgrad_ws_stages`), one wgmma left in flight from
     :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there)."""
-    stages = wgrad_ws_stages(tile.block_n, tile.block_k)
+    stages = wgrad_ws_stages(tile.block_n, tile.block_k, WGRAD_OUT_BUFFERS)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES)
+                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES, OUT_BUFFERS=WGRAD_OUT_BUFFERS)
 
 
 #: The Gluon wgrad takes its blocks from a counter as programs come free, heavy experts first from one end and light
