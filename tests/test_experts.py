@@ -340,8 +340,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
     NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
-    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with the blocks dealt dynamically (DYNAMIC); and the static deal
-    walking the experts in two phases from two output buffers a consumer (PHASES, OUT_BUFFERS)."""
+    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with the blocks dealt dynamically (DYNAMIC)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal
     from megamoe.ops.launch import scratch_allocator
@@ -356,7 +355,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
     outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            for _ in "abcdefgh"]
+            for _ in "abcdefg"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, counts, outs[0], outs[0], DOT_FP32=False,
@@ -373,11 +372,6 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
             b, a, outs[4], offsets, counts, len(counts), out_n, out_m, counts, outs[4], outs[4], counts,
             NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=True, num_warps=4)
-        # the expert walk in two phases (half the programs from the middle expert on), two output buffers a consumer
-        wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-            a, b, outs[7], offsets, counts, len(counts), out_m, out_n, counts, outs[7], outs[7], counts,
-            NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-            STAGES=wgrad_ws_stages(tile.block_n, tile.block_k, 2), PHASES=2, OUT_BUFFERS=2, num_warps=4)
         # the dynamic deal (blocks from a counter, heavy experts first from one end, light from the other)
         for out, swap in zip(outs[5:7], (False, True)):
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)

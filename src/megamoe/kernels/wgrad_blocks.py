@@ -104,11 +104,10 @@ def load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, m0, n0, OUT_M,
 
 @gluon.jit
 def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-               OUT_T: gl.constexpr = False, PENDING: gl.constexpr = 0):
+               OUT_T: gl.constexpr = False):
     """The half's BF16 gradient by TMA from ``c_smem``, waited for only before the buffer's next use (OUT_T: the
-    block transposed, at (n0, r0) of an `[L, OUT_N, OUT_M]` gradient). PENDING: the half's stores from its other
-    buffers that may stay in flight (buffers - 1; stores leave in order, so this buffer's last one has left)."""
-    tma.store_wait(pendings=PENDING)  # this half's block before the last PENDING has left c_smem
+    block transposed, at (n0, r0) of an `[L, OUT_N, OUT_M]` gradient)."""
+    tma.store_wait(pendings=0)  # this half's previous block has left c_smem
     if OUT_T:
         c_smem.store(gl.permute(acc.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
@@ -137,7 +136,7 @@ def out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N: gl.constexpr, OU
 def half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end, m0, n0, carry_in_ptr,
                 carry_out_ptr, OUT_M, OUT_N, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
-                OUT_T: gl.constexpr, PENDING: gl.constexpr = 0):
+                OUT_T: gl.constexpr):
     """One consumer's half of the block at (m0, n0) of ``expert``: its K steps from ring step g (returns the next),
     the rows reduced in order from zeros or the window's carry, then stored (or carried out, by ``mode``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -158,7 +157,7 @@ def half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, r
     acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
     if CARRY:
         if carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, HALF_M, BLOCK_N, OUT_T):
-            store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T, PENDING)
+            store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T)
     else:
-        store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T, PENDING)
+        store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T)
     return g

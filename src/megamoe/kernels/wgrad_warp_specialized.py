@@ -75,16 +75,6 @@ def window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS: gl.constexpr, CARRY
 
 
 @gluon.jit
-def walk_start(num_experts, PHASES: gl.constexpr):
-    """The expert this program's walk starts at: programs in PHASES interleaved groups, group p from expert
-    p * L / PHASES on (1: every program from expert 0). Under skewed routing the lock-stepped walk runs the light
-    experts' write-bound blocks on every SM at once and then the heavy ones' compute-bound blocks; phases run both
-    at once. Each block stays with the program ``window_task`` names, so the work per program and the bits are
-    unchanged."""
-    return gl.program_id(0) % PHASES * num_experts // PHASES
-
-
-@gluon.jit
 def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, expert, OUT_M, OUT_N,
                  a_smem, b_smem, full, empty, g, site_last, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr):
@@ -110,49 +100,41 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
 @gluon.jit
 def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, full, empty, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr, PHASES: gl.constexpr):
+              STAGES: gl.constexpr, CARRY: gl.constexpr, A_GATHER: gl.constexpr):
     """Experts in pairs through two call sites of ``_load_expert``: each rewrites its own descriptors every other
     expert, so the loads of one expert's last blocks stay in flight while the next expert's are issued."""
     g = 0  # the program's K steps across its blocks: slot g % STAGES, phase (g // STAGES) & 1
     last_even = -1
     last_odd = -1
-    start = walk_start(num_experts, PHASES)
     for pair in range(0, num_experts, 2):
-        g, last_even = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr,
-                                    (start + pair) % num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty, g,
-                                    last_even, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER)
+        g, last_even = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, pair,
+                                    OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_even, NUM_PROGRAMS, BLOCK_N,
+                                    BLOCK_K, STAGES, CARRY, A_GATHER)
         if pair + 1 < num_experts:
             g, last_odd = _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr,
-                                       (start + pair + 1) % num_experts, OUT_M, OUT_N, a_smem, b_smem, full, empty, g,
-                                       last_odd, NUM_PROGRAMS, BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER)
+                                       pair + 1, OUT_M, OUT_N, a_smem, b_smem, full, empty, g, last_odd, NUM_PROGRAMS,
+                                       BLOCK_N, BLOCK_K, STAGES, CARRY, A_GATHER)
 
 
 @gluon.jit
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
-              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr, PHASES: gl.constexpr,
-              OUT_BUFFERS: gl.constexpr):
-    """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup), its blocks stored from
-    OUT_BUFFERS output buffers in turn."""
+              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
+    """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
     g = 0
-    blocks = 0
-    start = walk_start(num_experts, PHASES)
-    for step in range(0, num_experts):
-        expert = (start + step) % num_experts
+    for expert in range(0, num_experts):
         first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
         if first < per_expert:
             row0 = gl.load(offsets_ptr + expert)
             row_end = row0 + gl.load(counts_ptr + expert)
             for task in range(first, per_expert, NUM_PROGRAMS):
-                g = half_block(out_desc, a_smem, b_smem, c_smem.index(blocks % OUT_BUFFERS), full, empty, g, expert,
-                                mode, row0, row_end, task // num_n * (2 * HALF_M), task % num_n * BLOCK_N,
-                                carry_in_ptr, carry_out_ptr, OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES,
-                                MMA_IN_FLIGHT, CARRY, GATHER, OUT_T, OUT_BUFFERS - 1)
-                blocks += 1
+                g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
+                                task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr,
+                                OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
     tma.store_wait(pendings=0)
 
 
@@ -161,8 +143,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                     carry_in_ptr, carry_out_ptr, a_index_ptr, NUM_PROGRAMS: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
-                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False,
-                    PHASES: gl.constexpr = 1, OUT_BUFFERS: gl.constexpr = 1):
+                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -182,18 +163,18 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, C_COLS], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, HALF_M], a_layout)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-    c0 = gl.allocate_shared_memory(gl.bfloat16, [OUT_BUFFERS, C_ROWS, C_COLS], c_layout)
-    c1 = gl.allocate_shared_memory(gl.bfloat16, [OUT_BUFFERS, C_ROWS, C_COLS], c_layout)
+    c0 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
+    c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     if DYNAMIC:
         tags = gl.allocate_shared_memory(gl.int32, [STAGES, TAG], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize(
             [(consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
-                                  b_smem, c0.index(0), tags, full, empty, gl.constexpr(0), gl.constexpr(BLOCK_N),
+                                  b_smem, c0, tags, full, empty, gl.constexpr(0), gl.constexpr(BLOCK_N),
                                   gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
                                   gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
              (consumer_dynamic, (out_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N, a_smem,
-                                  b_smem, c1.index(0), tags, full, empty, gl.constexpr(1), gl.constexpr(BLOCK_N),
+                                  b_smem, c1, tags, full, empty, gl.constexpr(1), gl.constexpr(BLOCK_N),
                                   gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
                                   gl.constexpr(CARRY), gl.constexpr(A_GATHER), gl.constexpr(OUT_T))),
              (producer_dynamic, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
@@ -207,16 +188,16 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                           OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T), gl.constexpr(PHASES), gl.constexpr(OUT_BUFFERS))),
+                          gl.constexpr(OUT_T))),
              (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T), gl.constexpr(PHASES), gl.constexpr(OUT_BUFFERS))),
+                          gl.constexpr(OUT_T))),
              (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                           gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
-                          gl.constexpr(A_GATHER), gl.constexpr(PHASES)))],
+                          gl.constexpr(A_GATHER)))],
             [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
     invalidate_ring(full, empty, STAGES)
 

@@ -8,7 +8,6 @@ plain-PyTorch twin.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -283,20 +282,13 @@ def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
     return tile if tile.block_k >= 64 else replace(tile, block_k=64)
 
 
-#: The Gluon wgrad's output buffers a consumer stores from in turn (a block's store left in flight under the next
-#: block's and the one after's MMAs), its ring as much shallower: an A/B knob, ``MEGAMOE_WGRAD_OUT_BUFFERS`` (1 or 2).
-WGRAD_OUT_BUFFERS = int(os.environ.get("MEGAMOE_WGRAD_OUT_BUFFERS", "1"))
-if WGRAD_OUT_BUFFERS not in (1, 2):
-    raise ValueError(f"MEGAMOE_WGRAD_OUT_BUFFERS must be 1 or 2, got {WGRAD_OUT_BUFFERS}")
-
-
 def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
     (:func:`~megamoe.planner.tiles.wgrad_ws_stages`), one wgmma left in flight from
     :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there)."""
-    stages = wgrad_ws_stages(tile.block_n, tile.block_k, WGRAD_OUT_BUFFERS)
+    stages = wgrad_ws_stages(tile.block_n, tile.block_k)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES, OUT_BUFFERS=WGRAD_OUT_BUFFERS)
+                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES)
 
 
 #: The Gluon wgrad takes its blocks from a counter as programs come free, heavy experts first from one end and light
@@ -307,16 +299,10 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
 #: same bits (GPU-tested). Off: on one H100 it took qwen3-30b-a3b's zipf wgrads from 3.24 to 2.54 ms but cost every
 #: block a fixed ~1.5 us (deepseek-v3's uniform wgrads 14.67 -> 18.56 ms; benchmarks/results/2026-12-06-dynamic-wgrad),
 #: the producer's chained round trips between blocks; with them hidden under a block held ahead the cost fell to
-#: +2.0 ms / +2 % but the zipf gain went (benchmarks/results/2026-12-06-deal-rebuilt, call 9); the take before a
-#: block's last loads that keeps both is not yet timed (that folder's call_11.sh). ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1)
-#: sets it.
+#: +2.0 ms / +2 % but the zipf gain went (benchmarks/results/2026-12-06-deal-rebuilt, call 9); taken before a
+#: block's last loads it kept the zipf gain (2.55 ms) but uniform loads paid more again (deepseek-v3 14.52 -> 17.51
+#: ms, qwen3-30b-a3b +7 %; call 11). ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1) sets it.
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
-
-#: The static deal's expert walk in this many phases (``wgrad_warp_specialized.walk_start``): an A/B knob,
-#: ``MEGAMOE_WGRAD_PHASES`` (1, 2 or 4).
-WGRAD_PHASES = int(os.environ.get("MEGAMOE_WGRAD_PHASES", "1"))
-if WGRAD_PHASES not in (1, 2, 4):
-    raise ValueError(f"MEGAMOE_WGRAD_PHASES must be 1, 2 or 4, got {WGRAD_PHASES}")
 
 
 def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
@@ -376,7 +362,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
                 CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, deal_ptr=deal,
-                DYNAMIC=WGRAD_DYNAMIC, PHASES=WGRAD_PHASES, **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                DYNAMIC=WGRAD_DYNAMIC, **wgrad_ws_constexprs(tile, programs), num_warps=4)
             return
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](

@@ -187,14 +187,14 @@ def carry_tile(tile: TileConfig) -> TileConfig:
 HOPPER_SHARED_BYTES = 227 * 1024
 
 
-def wgrad_ws_stages(block_n: int, block_k: int, out_buffers: int = 1) -> int:
+def wgrad_ws_stages(block_n: int, block_k: int) -> int:
     """The BF16 Gluon wgrad's ring depth: the deepest ring of K steps (a 128 x ``block_k`` slot of a, a ``block_k`` x
     ``block_n`` one of b, two 8-byte mbarriers) that fits beside its two 64 x ``block_n`` bf16 output buffers: 6 at
     BK 32, 3 at BK 64 for 256-wide blocks. As deep as it fits because deeper ran faster: at BK 32 6 stages took
     10.0 / 10.2 % off gate/up / down against 4 at ~341 rows per expert, equal to BK 64 x 3 at ~170
     (benchmarks/results/2026-12-03-wgrad-ring-depth)."""
     step = (2 * HALF_M.value * block_k + block_k * block_n) * 2 + 16
-    return (HOPPER_SHARED_BYTES - out_buffers * 2 * HALF_M.value * block_n * 2) // step
+    return (HOPPER_SHARED_BYTES - 2 * HALF_M.value * block_n * 2) // step
 
 
 #: The BF16 Gluon wgrad leaves one wgmma in flight (holding its slot a step longer) from this ring depth on: it
