@@ -340,7 +340,8 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
     NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
-    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with the blocks dealt dynamically (DYNAMIC)."""
+    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with each half stored in 64-column quarters (SPLIT_STORE) and
+    with the blocks dealt dynamically (DYNAMIC)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
     from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal
     from megamoe.ops.launch import scratch_allocator
@@ -355,7 +356,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
     outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            for _ in "abcdefg"]
+            for _ in "abcdefghi"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, counts, outs[0], outs[0], DOT_FP32=False,
@@ -372,6 +373,13 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
             b, a, outs[4], offsets, counts, len(counts), out_n, out_m, counts, outs[4], outs[4], counts,
             NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=True, num_warps=4)
+        # each half stored in 64-column quarters through two buffers, the ring deeper (plain and transposed)
+        for out, swap in zip(outs[7:9], (False, True)):
+            first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
+            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                first, second, out, offsets, counts, len(counts), m, n, counts, out, out, counts,
+                NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                STAGES=wgrad_ws_stages(tile.block_n, tile.block_k, True), OUT_T=swap, SPLIT_STORE=True, num_warps=4)
         # the dynamic deal (blocks from a counter, heavy experts first from one end, light from the other)
         for out, swap in zip(outs[5:7], (False, True)):
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
@@ -443,7 +451,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
             deal = wgrad_deal(c, o, window[0] if carry else None, wgrad_blocks_per_expert(m, n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap, deal_ptr=deal,
-                DYNAMIC=dynamic, **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                **wgrad_ws_constexprs(tile, programs, dynamic), num_warps=4)
         else:
             expert_gemm_bwd.wgrad_kernel[(programs,)](
                 a, b, out, o, c, experts, out_m, out_n, *window, DOT_FP32=False, NUM_PROGRAMS=programs,

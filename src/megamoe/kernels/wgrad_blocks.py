@@ -15,6 +15,7 @@ from megamoe.kernels.gluon_ring import drain_steps, release_step
 from megamoe.kernels.wgrad_carry import CARRY_IN, CARRY_OUT, STORE
 
 HALF_M = gl.constexpr(64)  # rows of one consumer warpgroup
+SPLIT_N = gl.constexpr(64)  # columns of one store of a split epilogue (SPLIT_STORE)
 
 
 @gluon.jit
@@ -119,6 +120,44 @@ def store_half(acc, out_desc, c_smem, expert, r0, n0, ROWS: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def column_halves(x):
+    """``x`` `[R, N]` -> its first and last N / 2 columns, in registers (the wgmma layout holds a row's columns in
+    one thread's registers, so the split moves no data)."""
+    R: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    return gl.split(x.reshape([R, 2, N // 2]).permute((0, 2, 1)))
+
+
+@gluon.jit
+def store_quarter(x, out_desc, c_smem, i: gl.constexpr, expert, r0, n0, OUT_T: gl.constexpr):
+    """Quarter i of a half's block (``x`` `[64, 64]` bf16, its columns n0 + 64 i ..) by TMA from buffer i % 2 of
+    ``c_smem``, once that buffer's store two quarters back has left it."""
+    buf = c_smem.index(i % 2)
+    tma.store_wait(pendings=1)
+    if OUT_T:
+        buf.store(gl.permute(x, (1, 0)))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [expert, n0 + i * SPLIT_N, r0], buf.reshape([1, SPLIT_N, HALF_M]))
+    else:
+        buf.store(x)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [expert, r0, n0 + i * SPLIT_N], buf.reshape([1, HALF_M, SPLIT_N]))
+
+
+@gluon.jit
+def store_half_split(acc, out_desc, c_smem, expert, r0, n0, OUT_T: gl.constexpr = False):
+    """The half's BF16 gradient (`[64, 256]`) in four 64-column quarters through two 64 x 64 buffers in turn: a
+    quarter of the shared memory a whole half's buffer takes, left to the ring."""
+    lo, hi = column_halves(acc.to(gl.bfloat16))
+    q0, q1 = column_halves(lo)
+    q2, q3 = column_halves(hi)
+    store_quarter(q0, out_desc, c_smem, 0, expert, r0, n0, OUT_T)
+    store_quarter(q1, out_desc, c_smem, 1, expert, r0, n0, OUT_T)
+    store_quarter(q2, out_desc, c_smem, 2, expert, r0, n0, OUT_T)
+    store_quarter(q3, out_desc, c_smem, 3, expert, r0, n0, OUT_T)
+
+
+@gluon.jit
 def out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N: gl.constexpr, OUT_T: gl.constexpr):
     """One descriptor over every expert's block (3-D: a partial block is clipped at its expert's edge), made once: a
     store in flight reads it until it lands, so it is never rewritten. OUT_T: the blocks stored transposed."""
@@ -136,7 +175,7 @@ def out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N: gl.constexpr, OU
 def half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end, m0, n0, carry_in_ptr,
                 carry_out_ptr, OUT_M, OUT_N, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr, CARRY: gl.constexpr, GATHER: gl.constexpr,
-                OUT_T: gl.constexpr):
+                OUT_T: gl.constexpr, SPLIT_STORE: gl.constexpr = False):
     """One consumer's half of the block at (m0, n0) of ``expert``: its K steps from ring step g (returns the next),
     the rows reduced in order from zeros or the window's carry, then stored (or carried out, by ``mode``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -155,9 +194,12 @@ def half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, r
         acc = release_step(acc, empty, s, k == row0, STAGES, MMA_IN_FLIGHT)
         g += 1
     acc = drain_steps(acc, empty, g, row_end > row0, STAGES, MMA_IN_FLIGHT)
+    store = True
     if CARRY:
-        if carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, HALF_M, BLOCK_N, OUT_T):
+        store = carry_end_half(acc, mode, carry_out_ptr, r0, n0, OUT_M, OUT_N, HALF_M, BLOCK_N, OUT_T)
+    if store:
+        if SPLIT_STORE:
+            store_half_split(acc, out_desc, c_smem, expert, r0, n0, OUT_T)
+        else:
             store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T)
-    else:
-        store_half(acc, out_desc, c_smem, expert, r0, n0, HALF_M, BLOCK_N, OUT_T)
     return g

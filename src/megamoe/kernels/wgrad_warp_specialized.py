@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, full_arrivals
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.tasks import first_task
-from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor, site_descriptors
+from megamoe.kernels.wgrad_blocks import HALF_M, SPLIT_N, half_block, load_block, out_descriptor, site_descriptors
 from megamoe.kernels.wgrad_carry import STORE
 from megamoe.kernels.wgrad_dynamic import TAG, consumer_dynamic, producer_dynamic
 
@@ -120,11 +120,12 @@ def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num
 def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
               a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
-              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr):
+              CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr, SPLIT_STORE: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
-    out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BLOCK_N, OUT_T)
+    BOX_N: gl.constexpr = SPLIT_N if SPLIT_STORE else BLOCK_N
+    out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BOX_N, OUT_T)
     g = 0
     for expert in range(0, num_experts):
         first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
@@ -134,7 +135,8 @@ def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_o
             for task in range(first, per_expert, NUM_PROGRAMS):
                 g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
                                 task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr,
-                                OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T)
+                                OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T,
+                                SPLIT_STORE)
     tma.store_wait(pendings=0)
 
 
@@ -143,7 +145,8 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                     carry_in_ptr, carry_out_ptr, a_index_ptr, NUM_PROGRAMS: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
-                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False):
+                    OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False,
+                    SPLIT_STORE: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -163,8 +166,14 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_ROWS, C_COLS], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, HALF_M], a_layout)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-    c0 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
-    c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
+    gl.static_assert(not (SPLIT_STORE and DYNAMIC), "the dynamic deal stores whole halves")
+    if SPLIT_STORE:  # two 64 x 64 buffers a consumer (wgrad_blocks.store_half_split)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, SPLIT_N], gl.bfloat16)
+        c0 = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, SPLIT_N], q_layout)
+        c1 = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, SPLIT_N], q_layout)
+    else:
+        c0 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
+        c1 = gl.allocate_shared_memory(gl.bfloat16, [C_ROWS, C_COLS], c_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     if DYNAMIC:
         tags = gl.allocate_shared_memory(gl.int32, [STAGES, TAG], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -188,12 +197,12 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                           OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T))),
+                          gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
              (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                          gl.constexpr(OUT_T))),
+                          gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
              (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
                           OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                           gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),

@@ -282,13 +282,20 @@ def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
     return tile if tile.block_k >= 64 else replace(tile, block_k=64)
 
 
-def wgrad_ws_constexprs(tile: TileConfig, programs: int) -> dict:
+#: The Gluon wgrad stores each half block in four 64-column quarters through two 64 x 64 buffers a consumer
+#: (``wgrad_blocks.store_half_split``), its ring deeper by the shared memory that frees (8 slots instead of 6 at
+#: BK 32, 4 instead of 3 at BK 64): an A/B knob, ``MEGAMOE_WGRAD_SPLIT_STORE`` (0 or 1).
+WGRAD_SPLIT_STORE = runtime.env_switch("MEGAMOE_WGRAD_SPLIT_STORE", False)
+
+
+def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
     (:func:`~megamoe.planner.tiles.wgrad_ws_stages`), one wgmma left in flight from
     :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there)."""
-    stages = wgrad_ws_stages(tile.block_n, tile.block_k)
+    split = WGRAD_SPLIT_STORE and not dynamic  # the dynamic deal stores whole halves
+    stages = wgrad_ws_stages(tile.block_n, tile.block_k, split)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES)
+                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES, SPLIT_STORE=split, DYNAMIC=dynamic)
 
 
 #: The Gluon wgrad takes its blocks from a counter as programs come free, heavy experts first from one end and light
@@ -362,7 +369,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
                 CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, deal_ptr=deal,
-                DYNAMIC=WGRAD_DYNAMIC, **wgrad_ws_constexprs(tile, programs), num_warps=4)
+                **wgrad_ws_constexprs(tile, programs, WGRAD_DYNAMIC), num_warps=4)
             return
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](

@@ -83,6 +83,7 @@ def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
     from megamoe.ops.experts_bwd import dact_ws_constexprs, gathering_wgrad_tile, wgrad_ws_constexprs
+    from megamoe.planner.tiles import wgrad_ws_stages
     from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, carry_tile, plan_tiles
 
     gpu = torch.device("cuda")
@@ -153,16 +154,20 @@ def gemm_cases() -> dict[str, Case]:
         gathers = (("", False, False, False), (" (d_out rows by token)", True, False, False),
                    (" (x rows by token)", True, True, False), (" (dynamic)", False, False, True),
                    (" (x rows by token, dynamic)", True, True, True))
-        for suffix, a_gather, out_t, dynamic in gathers if carry and t is wide else gathers[:1]:
+        # (and storing each half in 64-column quarters, ``WGRAD_SPLIT_STORE``, its ring deeper)
+        splits = ((" (split store)", False, False, False), (" (x rows by token, split store)", True, True, False))
+        for suffix, a_gather, out_t, dynamic in gathers + splits if carry and t is wide else gathers[:1]:
             t_ws = gathering_wgrad_tile(t) if a_gather else t
+            split = suffix.endswith("split store)")
             cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
                 "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "OUT_T": "constexpr",
-                "deal_ptr": "*i32", "DYNAMIC": "constexpr"},
-                {**wgrad_ws_constexprs(t_ws, SMS), "CARRY": carry, "A_GATHER": a_gather, "OUT_T": out_t,
-                 "DYNAMIC": dynamic}, num_warps=4)
+                "deal_ptr": "*i32", "DYNAMIC": "constexpr", "SPLIT_STORE": "constexpr"},
+                {**wgrad_ws_constexprs(t_ws, SMS, dynamic), "CARRY": carry, "A_GATHER": a_gather, "OUT_T": out_t,
+                 "SPLIT_STORE": split,
+                 "STAGES": wgrad_ws_stages(t_ws.block_n, t_ws.block_k, split)}, num_warps=4)
     return cases
 
 
