@@ -98,6 +98,19 @@ def test_compiled_plan_by_rows_per_expert():
         assert plan_tiles("wgrad", gpu, rows, compiled=True).block_k == 32
 
 
+def test_the_gluon_wgrad_ring_is_as_deep_as_its_shared_memory_allows():
+    """``wgrad_ws_stages``: 6 / 3 slots at BK 32 / 64 beside two 64 x 256 output buffers, 8 / 4 beside the split
+    store's four 64 x 64 ones; each ring fits with its buffers in the 227 KB a block may take, one slot more would
+    not."""
+    from megamoe.planner.tiles import HOPPER_SHARED_BYTES
+
+    for block_k, split, want in ((32, False, 6), (64, False, 3), (32, True, 8), (64, True, 4)):
+        stages = wgrad_ws_stages(256, block_k, split)
+        slot = (128 * block_k + block_k * 256) * 2 + 16
+        outputs = 2 * 64 * (128 if split else 256) * 2
+        assert stages == want and stages * slot + outputs <= HOPPER_SHARED_BYTES < (stages + 1) * slot + outputs
+
+
 def test_forward_ops_plan_their_tiles_for_the_loads_mean_rows():
     """gate/up and down ask the planner for rows / experts by default, and for the caller's mean when given
     (a capacity's rows are not the load's)."""

@@ -190,9 +190,10 @@ HOPPER_SHARED_BYTES = 227 * 1024
 def wgrad_ws_stages(block_n: int, block_k: int, split_store: bool = False) -> int:
     """The BF16 Gluon wgrad's ring depth: the deepest ring of K steps (a 128 x ``block_k`` slot of a, a ``block_k`` x
     ``block_n`` one of b, two 8-byte mbarriers) that fits beside its two 64 x ``block_n`` bf16 output buffers: 6 at
-    BK 32, 3 at BK 64 for 256-wide blocks. As deep as it fits because deeper ran faster: at BK 32 6 stages took
-    10.0 / 10.2 % off gate/up / down against 4 at ~341 rows per expert, equal to BK 64 x 3 at ~170
-    (benchmarks/results/2026-12-03-wgrad-ring-depth)."""
+    BK 32, 3 at BK 64 for 256-wide blocks; with ``split_store`` (four 64 x 64 buffers) 8 and 4. As deep as it fits
+    because deeper ran faster: at BK 32 6 stages took 10.0 / 10.2 % off gate/up / down against 4 at ~341 rows per
+    expert, equal to BK 64 x 3 at ~170 (benchmarks/results/2026-12-03-wgrad-ring-depth), and 4 took 21 % more than 6
+    at deepseek-v3's 256 (benchmarks/results/2026-12-07-wgrad-phases)."""
     step = (2 * HALF_M.value * block_k + block_k * block_n) * 2 + 16
     out_cols = 2 * SPLIT_N.value if split_store else block_n  # split: two 64 x 64 buffers a consumer
     return (HOPPER_SHARED_BYTES - 2 * HALF_M.value * out_cols * 2) // step
