@@ -148,6 +148,7 @@ def store_quarter(x, out_desc, c_smem, i: gl.constexpr, expert, r0, n0, OUT_T: g
 def store_half_split(acc, out_desc, c_smem, expert, r0, n0, OUT_T: gl.constexpr = False):
     """The half's BF16 gradient (`[64, 256]`) in four 64-column quarters through two 64 x 64 buffers in turn: a
     quarter of the shared memory a whole half's buffer takes, left to the ring."""
+    gl.static_assert(acc.shape[1] == 4 * SPLIT_N, "a split store takes 256-wide blocks")
     lo, hi = column_halves(acc.to(gl.bfloat16))
     q0, q1 = column_halves(lo)
     q2, q3 = column_halves(hi)

@@ -158,7 +158,9 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     x row once per BLOCK_N (256) of 2I; gathered as B it was read once per 128.
     DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + 4 L]`, zero, the blocks to
     deal, the experts heaviest first with their rows: ``wgrad_dynamic.dealt_block``), the producer naming each block to the consumers in a tag step
-    of the ring; a block is still reduced by one program in one order, so the bits are the static deal's."""
+    of the ring; a block is still reduced by one program in one order, so the bits are the static deal's.
+    SPLIT_STORE (the static deal, 256-wide blocks): each consumer stores its half in four 64-column quarters through
+    two 64 x 64 buffers (``wgrad_blocks.store_half_split``), leaving the ring 32 KB more (``wgrad_ws_stages``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     C_ROWS: gl.constexpr = BLOCK_N if OUT_T else HALF_M
