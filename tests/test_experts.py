@@ -594,8 +594,8 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills, also with the backward window's carry and dealt dynamically, as the Triton wgrad's at its
-    carry tile); the Gluon
+    too, without spills, also with the backward window's carry, dealt dynamically and with its split store, as the
+    Triton wgrad's at its carry tile); the Gluon
     dact sums its rows' router-gradient
     partials in the Triton dact's register layout (their order, so their bits: in another layout 400 of them
     differed on the GPU)."""
@@ -606,22 +606,26 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
                 "wgrad_ws_kernel (carry) (d_out rows by token)", "wgrad_ws_kernel (carry) (x rows by token)",
                 "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
+    split = {"wgrad_ws_kernel (carry) (split store)", "wgrad_ws_kernel (carry) (x rows by token, split store)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
-                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic}
+                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *split}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
-                 "dx_kernel (into the slots)", *by_token, *dynamic):  # the gathering wgrads' producers: 96 registers
+                 "dx_kernel (into the slots)", *by_token, *dynamic, *split):  # the gathering producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in by_token:  # each gather is cp.async pieces counted on the ring's barriers
         assert summary[name]["cp_async"] > 0, (name, summary[name])
     for name in dynamic:  # the block counter's take and the tag steps' shared-memory word
         assert summary[name]["shared_bytes"] > summary[name.replace(", dynamic)", ")").replace(" (dynamic)", "")][
             "shared_bytes"], (name, summary[name])
+    for name in split:  # the freed output buffers went to the ring: more shared memory in use, not less
+        whole = summary[name.replace(", split store)", ")").replace(" (split store)", "")]
+        assert summary[name]["shared_bytes"] > whole["shared_bytes"], (name, summary[name], whole)
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]
     assert len(triton_sums) == 1 and summary["dact_ws_kernel"]["reduce_layouts"] == triton_sums, summary
 
