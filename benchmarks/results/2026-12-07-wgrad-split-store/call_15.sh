@@ -1,4 +1,4 @@
-# call 15: what bounds deepseek-v3's dact (5.1 ms, ~377 TFLOP/s: its K loop of 7168 and its SwiGLU' epilogue) and dx (7.5 ms, ~514 TFLOP/s) in the backward: ncu's full set on one launch of each (gemm_vs_dense.py's expert backward at 256 x 256 rows), clocks uncontrolled (the power cap's)
+# call 15: what bounds deepseek-v3's dact (5.1 ms with the shared expert's, ~420 TFLOP/s: its K loop of 7168 and its SwiGLU' epilogue) and dx (7.5 ms, ~580 TFLOP/s) in the backward: ncu's full set on one launch of each (gemm_vs_dense.py's expert backward at 256 x 256 rows), clocks uncontrolled (the power cap's)
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd .gpu; mkdir -p $OUT/r; L=$OUT/log.txt
 nvidia-smi --query-gpu=name,power.limit,clocks.sm,memory.total --format=csv >> $L
