@@ -552,12 +552,16 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight, 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("activation", EVERY_KIND[1:], ids=lambda a: a.kind)
-def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation):
+@pytest.mark.parametrize("wide", (False, True), ids=("128", "256"))
+def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation, wide, monkeypatch):
     """The Gluon BF16 dact and wgrads (``warp_specialized``, Hopper's default) against ``dact_swiglu_bwd_kernel``
     and ``wgrad_kernel``: every gradient bit for bit (d_h and act_w feed dx and the wgrads; the router partials are
     summed in the Triton order) on a load with an empty expert, partial row tiles, a partial n-tile (I 320) and the
-    SwiGLU clamp, more tasks than programs."""
+    SwiGLU clamp, more tasks than programs; in the dact's 128-wide tiles and in 256-wide ones (``DACT_WIDE``: the
+    last tile's right half past I)."""
     from megamoe.ops import experts_bwd
+
+    monkeypatch.setattr(experts_bwd, "DACT_WIDE", wide)
 
     g = torch.Generator(device="cuda").manual_seed(12)
     counts = torch.tensor([70, 0, 33, 129, 5, 200, 131], dtype=torch.int32, device="cuda")
@@ -607,9 +611,11 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
                 "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     split = {"wgrad_ws_kernel (carry) (split store)", "wgrad_ws_kernel (carry) (x rows by token, split store)"}
+    wide = {"dact_ws_kernel (wide)", "dact_ws_kernel (d_out rows by token, wide)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
-                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *split}
+                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *split,
+                            *wide}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
@@ -626,8 +632,13 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     for name in split:  # the freed output buffers went to the ring: more shared memory in use, not less
         whole = summary[name.replace(", split store)", ")").replace(" (split store)", "")]
         assert summary[name]["shared_bytes"] > whole["shared_bytes"], (name, summary[name], whole)
+    for name in wide:  # no local memory (a few bytes of stack reserved: 16-24); the wider ring of weight slices
+        assert not summary[name]["local_memory"], summary[name]
+        assert summary[name]["shared_bytes"] > summary[name.replace(", wide)", ")").replace(" (wide)", "")][
+            "shared_bytes"], summary[name]
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]
-    assert len(triton_sums) == 1 and summary["dact_ws_kernel"]["reduce_layouts"] == triton_sums, summary
+    assert len(triton_sums) == 1 and all(summary[name]["reduce_layouts"] == triton_sums
+                                         for name in ("dact_ws_kernel", *wide)), summary
 
 
 def _rel(a, b):

@@ -186,6 +186,7 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
                 tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
                 activation.kernel_limit, activation.kernel_alpha,
                 tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
+                BLOCK_N=2 * c.block_n if DACT_WIDE else c.block_n,
                 **dact_ws_constexprs(c, programs, act=activation.kernel_id))
     else:
         launch_row_tasks(
@@ -257,6 +258,12 @@ def nothing_to_launch(grads: ExpertGrads, experts: int, rows: int) -> bool:
         grads.d_w_gate_up.zero_()
         grads.d_w_down.zero_()
     return not experts or not rows
+
+
+#: The BF16 Gluon dact in 128 x 256 tiles (two 128-wide epilogues each, the same router partials): 85 FLOP a byte
+#: of its operands from L2 against the 128 x 128 tiles' 64 (deepseek-v3's dacts ran ~420 TFLOP/s on one H100,
+#: benchmarks/results/2026-12-07-wgrad-phases call 13b). Not yet timed: an A/B knob, ``MEGAMOE_DACT_WIDE`` (0 or 1).
+DACT_WIDE = runtime.env_switch("MEGAMOE_DACT_WIDE", False)
 
 
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:

@@ -118,8 +118,11 @@ def gemm_cases() -> dict[str, Case]:
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
         "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # the Gluon dact that Hopper runs at the same tile
-    for name, gather in (("dact_ws_kernel", False), ("dact_ws_kernel (d_out rows by token)", True)):
-        consts = {**dact_ws_constexprs(t, SMS, act=ACT_BUILT), "A_GATHER": gather}
+    # (and in 128 x 256 tiles, ``DACT_WIDE``)
+    for name, gather, width in (("dact_ws_kernel", False, 128), ("dact_ws_kernel (d_out rows by token)", True, 128),
+                                ("dact_ws_kernel (wide)", False, 256),
+                                ("dact_ws_kernel (d_out rows by token, wide)", True, 256)):
+        consts = {**dact_ws_constexprs(t, SMS, act=ACT_BUILT), "A_GATHER": gather, "BLOCK_N": width}
         cases[name] = Case(dact_warp_specialized.dact_ws_kernel, {
             "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
             "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32",
