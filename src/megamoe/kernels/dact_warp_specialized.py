@@ -154,7 +154,7 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
                    tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
                    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, dy_index_ptr,
                    A_GATHER: gl.constexpr, BLOCK_N: gl.constexpr):
-    """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x 128],
+    """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x BLOCK_N],
     N-major; the descriptor spans every expert's rows as the Triton dact's does). A_GATHER: dy row r is row
     ``dy_index[r]`` of dy (``megamoe.kernels.gluon_gather``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
@@ -233,8 +233,9 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                    tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, dy_index_ptr, ACT: gl.constexpr,
                    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                    A_GATHER: gl.constexpr = False, BLOCK_N: gl.constexpr = 128):
-    """One persistent launch of 128 x BLOCK_N (128 or 256) BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows = L*D, I]`, h `[rows,
-    2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`.
+    """One persistent launch of 128 x BLOCK_N (128 or 256) BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows =
+    L*D, I]`, h `[rows, 2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial
+    `[rows, I/128]` (per 128 columns at either width).
     A_GATHER: dy row r is row ``dy_index[r]`` (int32) of dy `[S, D]` (one rank reads d_out in place of routed
     copies; else dy_index is never read)."""
     gl.static_assert((BLOCK_N == BLOCK) | (BLOCK_N == 2 * BLOCK), "dact tiles are 128 or 256 wide")
