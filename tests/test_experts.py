@@ -413,6 +413,10 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
         assert torch.equal(outs[0], got), f"(expert, m block, n block) differing: {differ.tolist()}"
 
 
+#: The Gluon wgrad's launches the carry test holds to ``wgrad_kernel``'s bits.
+GLUON_WGRADS = ("static", "transposed", "dynamic", "transposed dynamic", "whole halves", "transposed whole halves")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
@@ -425,7 +429,8 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     ``wgrad_kernel``'s bits, gradients and carry, and the unsplit launch's gradients; nothing is written that a mode
     leaves out (NaN-poisoned); every expert STORE in one launch with CARRY is the launch without it. So does the
     Gluon wgrad with the operands swapped and the blocks and the carry stored transposed (OUT_T), and both with the
-    blocks dealt dynamically (DYNAMIC: the skipped experts never dealt).
+    blocks dealt dynamically (DYNAMIC: the skipped experts never dealt) and storing whole halves (without the
+    default split store).
 
     ``wgrad_kernel`` runs the 128-wide blocks ``wgrad`` gives it with a carry (``carry_tile``: the same wgmma
     reductions, so the same bits)."""
@@ -460,11 +465,12 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
         if gluon:  # "transposed": the operands swapped, the blocks (and the carry's) stored transposed (OUT_T)
             swap = gluon.startswith("transposed")
             dynamic = gluon.endswith("dynamic")  # the blocks dealt from a counter
+            split = False if gluon.endswith("whole halves") else None  # else the default store
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
             deal = wgrad_deal(c, o, window[0] if carry else None, wgrad_blocks_per_expert(m, n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap, deal_ptr=deal,
-                **wgrad_ws_constexprs(tile, programs, dynamic), num_warps=4)
+                **wgrad_ws_constexprs(tile, programs, dynamic, split), num_warps=4)
         else:
             expert_gemm_bwd.wgrad_kernel[(programs,)](
                 a, b, out, o, c, experts, out_m, out_n, *window, DOT_FP32=False, NUM_PROGRAMS=programs,
@@ -473,7 +479,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
 
     got = {}
     with scratch_allocator():
-        for gluon in (False, "static", "transposed", "dynamic", "transposed dynamic"):
+        for gluon in (False, *GLUON_WGRADS):
             whole, stored = (nan(experts, out_m, out_n, dtype=torch.bfloat16) for _ in range(2))
             launch(gluon, whole, counts, offsets)
             every = torch.full((experts,), STORE, dtype=torch.int32, device="cuda")
@@ -499,7 +505,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
             assert torch.equal(run[name], run["whole"]), f"{gluon} {name}: experts differing {differ}"
     for name, t in got[False].items():  # bit patterns: the NaN left where nothing is written compares too
         bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype]
-        for gluon in ("static", "transposed", "dynamic", "transposed dynamic"):
+        for gluon in GLUON_WGRADS:
             differ = int((t.view(bits) != got[gluon][name].view(bits)).sum())
             assert differ == 0, f"{gluon} {name}: {differ} elements differ from wgrad_kernel's"
 
@@ -552,16 +558,12 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight, 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("activation", EVERY_KIND[1:], ids=lambda a: a.kind)
-@pytest.mark.parametrize("wide", (False, True), ids=("128", "256"))
-def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation, wide, monkeypatch):
+def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation):
     """The Gluon BF16 dact and wgrads (``warp_specialized``, Hopper's default) against ``dact_swiglu_bwd_kernel``
     and ``wgrad_kernel``: every gradient bit for bit (d_h and act_w feed dx and the wgrads; the router partials are
     summed in the Triton order) on a load with an empty expert, partial row tiles, a partial n-tile (I 320) and the
-    SwiGLU clamp, more tasks than programs; in the dact's 128-wide tiles and in 256-wide ones (``DACT_WIDE``: the
-    last tile's right half past I)."""
+    SwiGLU clamp, more tasks than programs."""
     from megamoe.ops import experts_bwd
-
-    monkeypatch.setattr(experts_bwd, "DACT_WIDE", wide)
 
     g = torch.Generator(device="cuda").manual_seed(12)
     counts = torch.tensor([70, 0, 33, 129, 5, 200, 131], dtype=torch.int32, device="cuda")
@@ -598,11 +600,13 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills, also with the backward window's carry, dealt dynamically and with its split store, as the
+    too, without spills, also with the backward window's carry, dealt dynamically and storing whole halves, as the
     Triton wgrad's at its carry tile); the Gluon
     dact sums its rows' router-gradient
     partials in the Triton dact's register layout (their order, so their bits: in another layout 400 of them
     differed on the GPU)."""
+    from megamoe.ops import experts_bwd
+
     summary = sm90_report("gemm")
     wgrads = {f"{kernel}{tile}" for kernel in ("wgrad_kernel", "wgrad_ws_kernel")
               for tile in ("", " (few rows per expert)", " (carry)", " (few rows per expert, carry)")}
@@ -610,35 +614,29 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
                 "wgrad_ws_kernel (carry) (d_out rows by token)", "wgrad_ws_kernel (carry) (x rows by token)",
                 "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
-    split = {"wgrad_ws_kernel (carry) (split store)", "wgrad_ws_kernel (carry) (x rows by token, split store)"}
-    wide = {"dact_ws_kernel (wide)", "dact_ws_kernel (d_out rows by token, wide)"}
+    whole = {"wgrad_ws_kernel (carry) (whole halves)", "wgrad_ws_kernel (carry) (x rows by token, whole halves)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
-                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *split,
-                            *wide}
+                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *whole}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
-                 "dx_kernel (into the slots)", *by_token, *dynamic, *split):  # the gathering producers: 96 registers
+                 "dx_kernel (into the slots)", *by_token, *dynamic, *whole):  # the gathering producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in by_token:  # each gather is cp.async pieces counted on the ring's barriers
         assert summary[name]["cp_async"] > 0, (name, summary[name])
-    for name in dynamic:  # the block counter's take and the tag steps' shared-memory word
-        assert summary[name]["shared_bytes"] > summary[name.replace(", dynamic)", ")").replace(" (dynamic)", "")][
-            "shared_bytes"], (name, summary[name])
-    for name in split:  # the freed output buffers went to the ring: more shared memory in use, not less
-        whole = summary[name.replace(", split store)", ")").replace(" (split store)", "")]
-        assert summary[name]["shared_bytes"] > whole["shared_bytes"], (name, summary[name], whole)
-    for name in wide:  # no local memory (a few bytes of stack reserved: 16-24); the wider ring of weight slices
-        assert not summary[name]["local_memory"], summary[name]
-        assert summary[name]["shared_bytes"] > summary[name.replace(", wide)", ")").replace(" (wide)", "")][
-            "shared_bytes"], summary[name]
+    for name in dynamic:  # the block counter's take and the tag steps' shared-memory word (it stores whole halves)
+        assert summary[name]["shared_bytes"] > summary[name.replace("dynamic)", "whole halves)")]["shared_bytes"], (
+            name, summary[name])
+    if experts_bwd.WGRAD_SPLIT_STORE:  # the split store's freed output buffers went to the ring: more shared memory
+        for name in whole:
+            split = summary[name.replace(", whole halves)", ")").replace(" (whole halves)", "")]
+            assert split["shared_bytes"] > summary[name]["shared_bytes"], (name, split, summary[name])
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]
-    assert len(triton_sums) == 1 and all(summary[name]["reduce_layouts"] == triton_sums
-                                         for name in ("dact_ws_kernel", *wide)), summary
+    assert len(triton_sums) == 1 and summary["dact_ws_kernel"]["reduce_layouts"] == triton_sums, summary
 
 
 def _rel(a, b):

@@ -34,7 +34,6 @@ from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_a
                                          row_starts)
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.tasks import tile_task
-from megamoe.kernels.wgrad_blocks import column_halves
 
 
 @gluon.jit
@@ -68,7 +67,7 @@ def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride
 def _half(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I, limit,
           alpha, ACT: gl.constexpr):
     """Columns c0.. of ``g`` [64, 64] as two quarters, the Triton dact's ``_dact_quarters`` order."""
-    lo, hi = column_halves(g)
+    lo, hi = gl.split(gl.permute(gl.reshape(g, (g.shape[0], 2, g.shape[1] // 2)), (0, 2, 1)))
     part = _quarter(lo, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
                     stride_act_w, I, limit, alpha, ACT)
     part += _quarter(hi, c0 + g.shape[1] // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h,
@@ -105,7 +104,7 @@ def dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, 
                   stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT: gl.constexpr):
     """The dact epilogue of g = ``acc`` [64, 128] (rows first.., n-tile n) in the Triton dact's order: column
     halves, each as two quarters (the router-gradient partials' sum order), then the rows' partial stored."""
-    lo, hi = column_halves(acc)
+    lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK // 2)), (0, 2, 1)))
     n0 = n * BLOCK
     part = _half(lo, n0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
                  I, limit, alpha, ACT)
@@ -153,17 +152,17 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
 def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                    tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
                    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, dy_index_ptr,
-                   A_GATHER: gl.constexpr, BLOCK_N: gl.constexpr):
-    """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x BLOCK_N],
+                   A_GATHER: gl.constexpr):
+    """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x 128],
     N-major; the descriptor spans every expert's rows as the Triton dact's does). A_GATHER: dy row r is row
     ``dy_index[r]`` of dy (``megamoe.kernels.gluon_gather``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
     a_desc = tma.make_tensor_descriptor(dy_ptr, [rows, D], [stride_dy, 1], [HALF_M, BLOCK_K], a_layout)
-    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, I], [I, 1], [BLOCK_K, BLOCK_N], w_layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, I], [I, 1], [BLOCK_K, BLOCK], w_layout)
     A_TMA_ROWS: gl.constexpr = 0 if A_GATHER else 2 * HALF_M
-    step_bytes: gl.constexpr = (A_TMA_ROWS + BLOCK_N) * BLOCK_K * 2
-    num_n = gl.cdiv(I, BLOCK_N)
+    step_bytes: gl.constexpr = (A_TMA_ROWS + BLOCK) * BLOCK_K * 2
+    num_n = gl.cdiv(I, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -179,7 +178,7 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
             if not A_GATHER:
                 tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
                 tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(w_desc, [expert * D + k, n * BLOCK_N], full.index(s), w_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, [expert * D + k, n * BLOCK], full.index(s), w_smem.index(s))
             if A_GATHER:  # under the weights' TMA; each thread's landing one of the barrier's arrivals
                 copy_rows_async(top, top_ok, k, D, a_smem.index(2 * s), BLOCK_K)
                 copy_rows_async(bottom, bottom_ok, k, D, a_smem.index(2 * s + 1), BLOCK_K)
@@ -192,19 +191,17 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
                    stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D,
                    limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr, ACT: gl.constexpr,
                    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   A_GATHER: gl.constexpr, BLOCK_N: gl.constexpr):
+                   A_GATHER: gl.constexpr):
     """BF16: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup); the K loop the BF16
-    forward's (one wgmma group in flight), each output column's k16 sequence the Triton dact's. A 256-wide tile's
-    epilogue is two 128-wide ones (n-tiles 2n and 2n + 1: the router partials per 128 columns, the Triton dact's)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    num_n = gl.cdiv(I, BLOCK_N)
+    forward's (one wgmma group in flight), the same m64n128k16 sequence as the Triton dact's."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
+    num_n = gl.cdiv(I, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                                              tile_run_ptr, GROUP_M)
-        acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+        acc = gl.zeros((HALF_M, BLOCK), gl.float32, mma)
         for k in range(0, D, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
@@ -214,17 +211,8 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
             acc = release_step(acc, empty, s, k == 0, STAGES, True)
             g += 1
         acc = drain_steps(acc, empty, g, D > 0, STAGES, True)
-        if BLOCK_N == BLOCK:
-            dact_epilogue(acc, n, row0 + HALF * HALF_M, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr,
-                          d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT)
-        else:
-            left, right = column_halves(acc)
-            dact_epilogue(left, 2 * n, row0 + HALF * HALF_M, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr,
-                          d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT)
-            if (2 * n + 1) * BLOCK < I:  # I a multiple of 128, not of 256: the last tile's right half is past it
-                dact_epilogue(right, 2 * n + 1, row0 + HALF * HALF_M, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr,
-                              d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, alpha,
-                              ACT)
+        dact_epilogue(acc, n, row0 + HALF * HALF_M, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
+                      stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT)
 
 
 @gluon.jit
@@ -232,34 +220,30 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                    stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                    tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, dy_index_ptr, ACT: gl.constexpr,
                    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   A_GATHER: gl.constexpr = False, BLOCK_N: gl.constexpr = 128):
-    """One persistent launch of 128 x BLOCK_N (128 or 256) BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows =
-    L*D, I]`, h `[rows, 2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial
-    `[rows, I/128]` (per 128 columns at either width).
+                   A_GATHER: gl.constexpr = False):
+    """One persistent launch of 128 x 128 BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows = L*D, I]`, h `[rows,
+    2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`.
     A_GATHER: dy row r is row ``dy_index[r]`` (int32) of dy `[S, D]` (one rank reads d_out in place of routed
     copies; else dy_index is never read)."""
-    gl.static_assert((BLOCK_N == BLOCK) | (BLOCK_N == 2 * BLOCK), "dact tiles are 128 or 256 wide")
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
-    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], w_layout)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK], w_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     gl.warp_specialize(
         [(_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER),
-                           gl.constexpr(BLOCK_N))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
          (_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER),
-                           gl.constexpr(BLOCK_N))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
          (_bf16_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                            tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
                            gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
-                           gl.constexpr(STAGES), dy_index_ptr, gl.constexpr(A_GATHER), gl.constexpr(BLOCK_N)))],
+                           gl.constexpr(STAGES), dy_index_ptr, gl.constexpr(A_GATHER)))],
         [4, GATHER_WARPS if A_GATHER else 1], [REGS_CONSUMER, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -15,7 +15,7 @@ import torch
 from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
-from megamoe.kernels.wgrad_blocks import HALF_M
+from megamoe.kernels.wgrad_blocks import HALF_M, SPLIT_N
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
@@ -186,7 +186,6 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
                 tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
                 activation.kernel_limit, activation.kernel_alpha,
                 tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
-                BLOCK_N=2 * c.block_n if DACT_WIDE else c.block_n,
                 **dact_ws_constexprs(c, programs, act=activation.kernel_id))
     else:
         launch_row_tasks(
@@ -260,12 +259,6 @@ def nothing_to_launch(grads: ExpertGrads, experts: int, rows: int) -> bool:
     return not experts or not rows
 
 
-#: The BF16 Gluon dact in 128 x 256 tiles (two 128-wide epilogues each, the same router partials): 85 FLOP a byte
-#: of its operands from L2 against the 128 x 128 tiles' 64 (deepseek-v3's dacts ran ~420 TFLOP/s on one H100,
-#: benchmarks/results/2026-12-07-wgrad-phases call 13b). Not yet timed: an A/B knob, ``MEGAMOE_DACT_WIDE`` (0 or 1).
-DACT_WIDE = runtime.env_switch("MEGAMOE_DACT_WIDE", False)
-
-
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:
     """The Gluon dacts' constexprs at ``tile`` (BF16's and FP8-block's; shared with the sm_90 build check): the
     plan's BLOCK_K (FP8-block's is its scale block, 128), ring depth (at least ``gluon_ring.MIN_STAGES``: a wgmma
@@ -291,15 +284,19 @@ def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
 
 #: The Gluon wgrad stores each half block in four 64-column quarters through two 64 x 64 buffers a consumer
 #: (``wgrad_blocks.store_half_split``), its ring deeper by the shared memory that frees (8 slots instead of 6 at
-#: BK 32, 4 instead of 3 at BK 64): an A/B knob, ``MEGAMOE_WGRAD_SPLIT_STORE`` (0 or 1).
-WGRAD_SPLIT_STORE = runtime.env_switch("MEGAMOE_WGRAD_SPLIT_STORE", False)
+#: BK 32, 4 instead of 3 at BK 64). One H100, the backward's wgrads against whole-half stores, each in its own
+#: process: qwen3-235b-a22b 4.60 against 4.89 ms, deepseek-v3 14.12 / 14.30 against 14.33 / 14.49 (zipf 18.46
+#: against 18.62), qwen3-30b-a3b and sonic-120b ties, gpt-oss-120b 3.85-3.86 against 3.83 (the same bits, GPU-tested;
+#: benchmarks/results/2026-12-07-wgrad-split-store, calls 14, 18, 19). ``MEGAMOE_WGRAD_SPLIT_STORE`` (0 or 1) sets it.
+WGRAD_SPLIT_STORE = runtime.env_switch("MEGAMOE_WGRAD_SPLIT_STORE", True)
 
 
-def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False) -> dict:
+def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False, split: bool | None = None) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
     (:func:`~megamoe.planner.tiles.wgrad_ws_stages`), one wgmma left in flight from
-    :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there)."""
-    split = WGRAD_SPLIT_STORE and not dynamic  # the dynamic deal stores whole halves
+    :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there). ``split``: the
+    split store (None: :data:`WGRAD_SPLIT_STORE`) where the block is 256 wide; the dynamic deal stores whole halves."""
+    split = (WGRAD_SPLIT_STORE if split is None else split) and not dynamic and tile.block_n == 4 * SPLIT_N.value
     stages = wgrad_ws_stages(tile.block_n, tile.block_k, split)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
                 MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES, SPLIT_STORE=split, DYNAMIC=dynamic)

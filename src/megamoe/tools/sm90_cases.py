@@ -83,7 +83,6 @@ def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
     from megamoe.ops.experts_bwd import dact_ws_constexprs, gathering_wgrad_tile, wgrad_ws_constexprs
-    from megamoe.planner.tiles import wgrad_ws_stages
     from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, carry_tile, plan_tiles
 
     gpu = torch.device("cuda")
@@ -118,11 +117,8 @@ def gemm_cases() -> dict[str, Case]:
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
         "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # the Gluon dact that Hopper runs at the same tile
-    # (and in 128 x 256 tiles, ``DACT_WIDE``)
-    for name, gather, width in (("dact_ws_kernel", False, 128), ("dact_ws_kernel (d_out rows by token)", True, 128),
-                                ("dact_ws_kernel (wide)", False, 256),
-                                ("dact_ws_kernel (d_out rows by token, wide)", True, 256)):
-        consts = {**dact_ws_constexprs(t, SMS, act=ACT_BUILT), "A_GATHER": gather, "BLOCK_N": width}
+    for name, gather in (("dact_ws_kernel", False), ("dact_ws_kernel (d_out rows by token)", True)):
+        consts = {**dact_ws_constexprs(t, SMS, act=ACT_BUILT), "A_GATHER": gather}
         cases[name] = Case(dact_warp_specialized.dact_ws_kernel, {
             "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
             "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32",
@@ -157,20 +153,19 @@ def gemm_cases() -> dict[str, Case]:
         gathers = (("", False, False, False), (" (d_out rows by token)", True, False, False),
                    (" (x rows by token)", True, True, False), (" (dynamic)", False, False, True),
                    (" (x rows by token, dynamic)", True, True, True))
-        # (and storing each half in 64-column quarters, ``WGRAD_SPLIT_STORE``, its ring deeper)
-        splits = ((" (split store)", False, False, False), (" (x rows by token, split store)", True, True, False))
-        for suffix, a_gather, out_t, dynamic in gathers + splits if carry and t is wide else gathers[:1]:
+        # (and storing each half whole, as before ``WGRAD_SPLIT_STORE``: its ring two slots shallower)
+        wholes = ((" (whole halves)", False, False, False), (" (x rows by token, whole halves)", True, True, False))
+        for suffix, a_gather, out_t, dynamic in gathers + wholes if carry and t is wide else gathers[:1]:
             t_ws = gathering_wgrad_tile(t) if a_gather else t
-            split = suffix.endswith("split store)")
+            split = False if suffix.endswith("whole halves)") else None
             cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
                 "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "OUT_T": "constexpr",
                 "deal_ptr": "*i32", "DYNAMIC": "constexpr", "SPLIT_STORE": "constexpr"},
-                {**wgrad_ws_constexprs(t_ws, SMS, dynamic), "CARRY": carry, "A_GATHER": a_gather, "OUT_T": out_t,
-                 "SPLIT_STORE": split,
-                 "STAGES": wgrad_ws_stages(t_ws.block_n, t_ws.block_k, split)}, num_warps=4)
+                {**wgrad_ws_constexprs(t_ws, SMS, dynamic, split), "CARRY": carry, "A_GATHER": a_gather,
+                 "OUT_T": out_t}, num_warps=4)
     return cases
 
 
