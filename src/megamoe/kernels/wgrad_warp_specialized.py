@@ -16,7 +16,8 @@ nothing). Here
   waiting for a slot, running its wgmma over the block's columns, waiting for it and releasing the slot; then
   converting its 64 x BLOCK_N half and storing it by TMA through one 3-D descriptor over every expert's block
   (made once, so never rewritten under a store; a partial block is clipped at its expert's edge), the store
-  waited for only before that buffer's next use.
+  waited for only before that buffer's next use; by default (SPLIT_STORE) in four 64-column quarters through two
+  64 x 64 buffers, whose freed shared memory deepens the ring.
 
 With CARRY (one window of the backward's rows, ``megamoe.kernels.wgrad_carry``'s modes) both sides skip an
 expert without a mode, the consumers start a block from ``carry_in`` and leave ``carry_out`` (plain global
