@@ -344,6 +344,60 @@ def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
         assert position(total + 5) == named[-1]
 
 
+def planned_blocks(program: int, programs: int, total: int) -> list[tuple[int, bool]]:
+    """``wgrad_planned.planned_block``'s arithmetic in Python: program's blocks in its order, each as (place in the
+    deal's order, heavy)."""
+    heavy_blocks, got = (total + 1) // 2, []
+    for k in range(2 * -(-heavy_blocks // programs)):
+        t, heavy = k // 2, k % 2 == 0
+        j = program + (t % 2) * (programs - 1 - 2 * program)
+        h, light = t * programs + j, t * programs + (programs - 1 - j)
+        if (h < heavy_blocks) if heavy else (light < total - heavy_blocks):
+            got.append((h if heavy else total - 1 - light, heavy))
+    return got
+
+
+@pytest.mark.parametrize("programs, total", [(5, 0), (5, 1), (5, 7), (4, 9), (132, 6144), (132, 301), (7, 14)])
+def test_the_planned_wgrad_deal_names_every_block_once_heavy_and_light_in_turn(programs, total):
+    """The planned deal (``WGRAD_PLANNED``): over the programs every block of the deal's order once; a program's
+    heavy blocks (the first half of the order) come heaviest first, each followed by a light one while it has
+    them."""
+    plans = [planned_blocks(p, programs, total) for p in range(programs)]
+    places = sorted(pos for plan in plans for pos, _ in plan)
+    assert places == list(range(total))
+    for plan in plans:
+        heavy = [pos for pos, h in plan if h]
+        assert heavy == sorted(heavy) and all(pos < (total + 1) // 2 for pos in heavy)
+        assert all(pos >= (total + 1) // 2 for pos, h in plan if not h)
+        assert all(a[1] != b[1] for a, b in zip(plan, plan[1:]) if a[1])  # a heavy block never follows a heavy one
+
+
+def test_the_planned_wgrad_deal_balances_the_bench_zipf_load():
+    """qwen3-30b-a3b at 16384 tokens under the bench's zipf routing (its hottest expert ~15x the median), each block
+    costing its expert's rows and a fixed 64: the planned deal's busiest program carries at most 1.06x the mean,
+    and dealing each expert's blocks round robin (the static deal) gives one 0.05x of the mean more (the down
+    wgrad's 48 blocks an expert: 1.05x against 1.13x; gate/up's 96: 1.02x against 1.09x). Its limit: a block near
+    a program's mean share, whose program the snake cannot spare later blocks (the counter deal can)."""
+    from megamoe.bench.problem import _route
+    from megamoe.config import preset
+
+    cfg, programs = preset("qwen3-30b-a3b"), 132
+    g = torch.Generator().manual_seed(0)
+    rows = torch.bincount(_route(cfg, 16384, 0, 1, "zipf", 0.0, g, "cpu").flatten().long(),
+                          minlength=cfg.num_experts).tolist()
+    order = sorted(rows, reverse=True)
+    for per_expert in (48, 96):
+        cost = [order[pos // per_expert] + 64 for pos in range(len(rows) * per_expert)]
+        mean = sum(cost) / programs
+        planned = max(sum(cost[pos] for pos, _ in planned_blocks(p, programs, len(cost))) for p in range(programs))
+        static = [0] * programs
+        for e, r in enumerate(rows):
+            for b in range(per_expert):
+                static[(e * per_expert + b) % programs] += r + 64
+        assert planned <= 1.06 * mean and max(static) >= planned + 0.05 * mean, (per_expert, planned / mean,
+                                                                               max(static) / mean)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("out_m, out_n", [(384, 512), (320, 448)])
@@ -353,10 +407,11 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
     NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
-    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with each half stored in 64-column quarters (SPLIT_STORE) and
-    with the blocks dealt dynamically (DYNAMIC)."""
+    runs a gathered B: ``(bᵀ · a)ᵀ``); both again with each half stored in 64-column quarters (SPLIT_STORE),
+    with the blocks dealt dynamically (DYNAMIC) and by the plan (PLANNED)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts_bwd import warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal
+    from megamoe.ops.experts_bwd import (warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal,
+                                         wgrad_ws_constexprs)
     from megamoe.ops.launch import scratch_allocator
 
     gpu = torch.device("cuda")
@@ -369,7 +424,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
     a = torch.randn(rows, out_m, generator=g, device="cuda").bfloat16()
     b = torch.randn(rows, out_n, generator=g, device="cuda").bfloat16()
     outs = [torch.full((len(counts), out_m, out_n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            for _ in "abcdefghi"]
+            for _ in "abcdefghijk"]
     with scratch_allocator():
         expert_gemm_bwd.wgrad_kernel[(programs,)](
             a, b, outs[0], offsets, counts, len(counts), out_m, out_n, counts, outs[0], outs[0], DOT_FP32=False,
@@ -403,6 +458,13 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
                 STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=swap, deal_ptr=deal, DYNAMIC=True,
                 num_warps=4)
             assert int(deal[0]) == int(deal[1]) + programs  # every block taken, each program's last take past them
+        # the planned deal (the same order, heavy and light blocks in turn a program)
+        for out, swap in zip(outs[9:11], (False, True)):
+            first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
+            deal = wgrad_deal(counts, offsets, None, wgrad_blocks_per_expert(m, n, tile.block_n))
+            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                first, second, out, offsets, counts, len(counts), m, n, counts, out, out, counts, deal_ptr=deal,
+                **wgrad_ws_constexprs(tile, programs, planned=True), OUT_T=swap, num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
@@ -414,7 +476,8 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
 
 
 #: The Gluon wgrad's launches the carry test holds to ``wgrad_kernel``'s bits.
-GLUON_WGRADS = ("static", "transposed", "dynamic", "transposed dynamic", "whole halves", "transposed whole halves")
+GLUON_WGRADS = ("static", "transposed", "dynamic", "transposed dynamic", "whole halves", "transposed whole halves",
+                "planned", "transposed planned")
 
 
 @pytest.mark.gpu
@@ -429,8 +492,8 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     ``wgrad_kernel``'s bits, gradients and carry, and the unsplit launch's gradients; nothing is written that a mode
     leaves out (NaN-poisoned); every expert STORE in one launch with CARRY is the launch without it. So does the
     Gluon wgrad with the operands swapped and the blocks and the carry stored transposed (OUT_T), and both with the
-    blocks dealt dynamically (DYNAMIC: the skipped experts never dealt) and storing whole halves (without the
-    default split store).
+    blocks dealt dynamically (DYNAMIC: the skipped experts never dealt) or by the plan (PLANNED) and storing whole
+    halves (without the default split store).
 
     ``wgrad_kernel`` runs the 128-wide blocks ``wgrad`` gives it with a carry (``carry_tile``: the same wgmma
     reductions, so the same bits)."""
@@ -465,12 +528,13 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
         if gluon:  # "transposed": the operands swapped, the blocks (and the carry's) stored transposed (OUT_T)
             swap = gluon.startswith("transposed")
             dynamic = gluon.endswith("dynamic")  # the blocks dealt from a counter
+            planned = gluon.endswith("planned")  # or by the plan
             split = False if gluon.endswith("whole halves") else None  # else the default store
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
             deal = wgrad_deal(c, o, window[0] if carry else None, wgrad_blocks_per_expert(m, n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, o, c, experts, m, n, *window, c, CARRY=carry, OUT_T=swap, deal_ptr=deal,
-                **wgrad_ws_constexprs(tile, programs, dynamic, split), num_warps=4)
+                **wgrad_ws_constexprs(tile, programs, dynamic, split, planned), num_warps=4)
         else:
             expert_gemm_bwd.wgrad_kernel[(programs,)](
                 a, b, out, o, c, experts, out_m, out_n, *window, DOT_FP32=False, NUM_PROGRAMS=programs,
@@ -600,7 +664,8 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills, also with the backward window's carry, dealt dynamically and storing whole halves, as the
+    too, without spills, also with the backward window's carry, dealt dynamically, by the plan and storing whole
+    halves, as the
     Triton wgrad's at its carry tile); the Gluon
     dact sums its rows' router-gradient
     partials in the Triton dact's register layout (their order, so their bits: in another layout 400 of them
@@ -614,19 +679,22 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
                 "wgrad_ws_kernel (carry) (d_out rows by token)", "wgrad_ws_kernel (carry) (x rows by token)",
                 "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
+    planned = {"wgrad_ws_kernel (carry) (planned)", "wgrad_ws_kernel (carry) (x rows by token, planned)"}
     whole = {"wgrad_ws_kernel (carry) (whole halves)", "wgrad_ws_kernel (carry) (x rows by token, whole halves)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
-                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *whole}
+                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *whole,
+                            *planned}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
                  "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
-                 "dx_kernel (into the slots)", *by_token, *dynamic, *whole):  # the gathering producers: 96 registers
+                 "dx_kernel (into the slots)", *by_token, *dynamic, *whole, *planned):  # the gathering producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
-    for name in by_token:  # each gather is cp.async pieces counted on the ring's barriers
+    for name in (*by_token, "wgrad_ws_kernel (carry) (x rows by token, planned)"):  # each gather is cp.async pieces
+        # counted on the ring's barriers
         assert summary[name]["cp_async"] > 0, (name, summary[name])
     for name in dynamic:  # the block counter's take and the tag steps' shared-memory word (it stores whole halves)
         assert summary[name]["shared_bytes"] > summary[name.replace("dynamic)", "whole halves)")]["shared_bytes"], (

@@ -1,8 +1,9 @@
 """One block of the Gluon wgrad (``out[l] = A[rows of l]ᵀ · B[rows of l]``, 128 x BLOCK_N, two 64-row consumer halves),
 the parts every deal of its blocks shares: the producer's K-step loads of a block, a consumer's half (its wgmmas
 from zeros or the backward window's carry, then its BF16 store by TMA or its carry out), the output descriptor and
-the carry's addressing. The deals are :mod:`megamoe.kernels.wgrad_warp_specialized` (each expert's blocks round robin)
-and :mod:`megamoe.kernels.wgrad_dynamic` (from a counter); the FP8 wgrad reuses the carry and the store."""
+the carry's addressing. The deals are :mod:`megamoe.kernels.wgrad_warp_specialized` (each expert's blocks round robin),
+:mod:`megamoe.kernels.wgrad_dynamic` (from a counter) and :mod:`megamoe.kernels.wgrad_planned` (the counter's order
+in a fixed plan); the FP8 wgrad reuses the carry and the store."""
 
 from __future__ import annotations
 

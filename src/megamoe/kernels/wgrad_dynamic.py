@@ -27,17 +27,23 @@ DEAL_FIELDS = gl.constexpr(4)  # a dealt expert's int32s in ``deal``: expert, ro
 
 
 @gluon.jit
-def dealt_block(deal_ptr, total, t, per_expert):
-    """DYNAMIC: the t-th block taken from the launch's counter, ``(expert, task, row0, row_end)``. ``deal`` int32
-    `[2 + 4 L]`: the counter, the blocks to deal and, experts heaviest first, each one's number and rows; even takes
-    walk the blocks from the heaviest expert, odd ones from the lightest (write-bound light blocks beside
-    compute-bound heavy ones, the heaviest started first). A take past the end (each program's last) reads the
-    last block's coordinates, never loaded: three loads that depend on ``t`` alone."""
-    t = gl.maximum(gl.minimum(t, total - 1), 0)
-    half = t // 2
-    pos = half + (t % 2) * (total - 1 - 2 * half)
+def deal_entry(deal_ptr, pos, per_expert):
+    """Block ``pos`` of the deal's order (experts heaviest first, each one's blocks in task order): ``(expert, task,
+    row0, row_end)``, three loads that depend on ``pos`` alone. ``deal`` int32 `[2 + 4 L]`: the counter, the blocks
+    to deal and, experts heaviest first, each one's number and rows (``megamoe.ops.experts_bwd.wgrad_deal``)."""
     at = deal_ptr + 2 + DEAL_FIELDS * (pos // per_expert)
     return gl.load(at), pos % per_expert, gl.load(at + 1), gl.load(at + 2)
+
+
+@gluon.jit
+def dealt_block(deal_ptr, total, t, per_expert):
+    """DYNAMIC: the t-th block taken from the launch's counter (:func:`deal_entry`'s fields): even takes walk the
+    blocks from the heaviest expert, odd ones from the lightest (write-bound light blocks beside compute-bound heavy
+    ones, the heaviest started first). A take past the end (each program's last) reads the last block's
+    coordinates, never loaded."""
+    t = gl.maximum(gl.minimum(t, total - 1), 0)
+    half = t // 2
+    return deal_entry(deal_ptr, half + (t % 2) * (total - 1 - 2 * half), per_expert)
 
 
 @gluon.jit

@@ -24,7 +24,8 @@ expert without a mode, the consumers start a block from ``carry_in`` and leave `
 loads and stores of the accumulator's registers: one block per window) as ``wgrad_kernel`` does.
 
 One block's loads, consumer half and store are ``megamoe.kernels.wgrad_blocks``'s; the dynamic deal's partitions
-``megamoe.kernels.wgrad_dynamic``'s (this kernel launches either).
+``megamoe.kernels.wgrad_dynamic``'s, the planned deal's ``megamoe.kernels.wgrad_planned``'s (this kernel launches
+any of the three).
 
 GPU only: Gluon has no interpreter mode, so the CPU runs ``wgrad_kernel`` (`megamoe.ops.experts_bwd`), and a GPU test
 holds the two to the same bits. Launch with a scratch allocator (the descriptors), 4 warps.
@@ -42,6 +43,7 @@ from megamoe.kernels.tasks import first_task
 from megamoe.kernels.wgrad_blocks import HALF_M, SPLIT_N, half_block, load_block, out_descriptor, site_descriptors
 from megamoe.kernels.wgrad_carry import STORE
 from megamoe.kernels.wgrad_dynamic import TAG, consumer_dynamic, producer_dynamic
+from megamoe.kernels.wgrad_planned import consumer_planned, producer_planned
 
 REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
 
@@ -147,7 +149,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
                     OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False,
-                    SPLIT_STORE: gl.constexpr = False):
+                    SPLIT_STORE: gl.constexpr = False, PLANNED: gl.constexpr = False):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -160,8 +162,11 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + 4 L]`, zero, the blocks to
     deal, the experts heaviest first with their rows: ``wgrad_dynamic.dealt_block``), the producer naming each block to the consumers in a tag step
     of the ring; a block is still reduced by one program in one order, so the bits are the static deal's.
-    SPLIT_STORE (the static deal, 256-wide blocks): each consumer stores its half in four 64-column quarters through
-    two 64 x 64 buffers (``wgrad_blocks.store_half_split``), leaving the ring 32 KB more (``wgrad_ws_stages``)."""
+    PLANNED: the same deal's blocks in a fixed plan, heavy and light blocks in turn a program
+    (``wgrad_planned.planned_block``): no counter, the consumers find their blocks themselves.
+    SPLIT_STORE (256-wide blocks, not with DYNAMIC): each consumer stores its half in four 64-column quarters
+    through two 64 x 64 buffers (``wgrad_blocks.store_half_split``), leaving the ring 32 KB more
+    (``wgrad_ws_stages``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, HALF_M], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     C_ROWS: gl.constexpr = BLOCK_N if OUT_T else HALF_M
@@ -170,6 +175,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_K, HALF_M], a_layout)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], b_layout)
     gl.static_assert(not (SPLIT_STORE and DYNAMIC), "the dynamic deal stores whole halves")
+    gl.static_assert(not (PLANNED and DYNAMIC), "one deal: planned or from the counter")
     if SPLIT_STORE:  # two 64 x 64 buffers a consumer (wgrad_blocks.store_half_split)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, SPLIT_N], gl.bfloat16)
         c0 = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_M, SPLIT_N], q_layout)
@@ -192,6 +198,22 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
              (producer_dynamic, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
                                   a_smem, b_smem, tags, full, empty, gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                                   gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
+            [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
+    elif PLANNED:
+        gl.warp_specialize(
+            [(consumer_planned, (out_ptr, deal_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
+                                 a_smem, b_smem, c0, full, empty, gl.constexpr(0), gl.constexpr(NUM_PROGRAMS),
+                                 gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
+                                 gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                                 gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
+             (consumer_planned, (out_ptr, deal_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
+                                 a_smem, b_smem, c1, full, empty, gl.constexpr(1), gl.constexpr(NUM_PROGRAMS),
+                                 gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
+                                 gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                                 gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
+             (producer_planned, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, b_smem, full, empty,
+                                 gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                                 gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
             [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
     else:
         # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)

@@ -291,15 +291,21 @@ def gathering_wgrad_tile(tile: TileConfig) -> TileConfig:
 WGRAD_SPLIT_STORE = runtime.env_switch("MEGAMOE_WGRAD_SPLIT_STORE", True)
 
 
-def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False, split: bool | None = None) -> dict:
+def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False, split: bool | None = None,
+                        planned: bool = False) -> dict:
     """The Gluon wgrad's constexprs at ``tile``'s block: its ring as deep as shared memory allows
     (:func:`~megamoe.planner.tiles.wgrad_ws_stages`), one wgmma left in flight from
     :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there). ``split``: the
-    split store (None: :data:`WGRAD_SPLIT_STORE`) where the block is 256 wide; the dynamic deal stores whole halves."""
+    split store (None: :data:`WGRAD_SPLIT_STORE`) where the block is 256 wide; the dynamic deal stores whole halves.
+    ``dynamic`` / ``planned``: the blocks dealt from a counter / by the plan (:data:`WGRAD_DYNAMIC`,
+    :data:`WGRAD_PLANNED`), not both."""
+    if dynamic and planned:
+        raise ValueError("the Gluon wgrad deals its blocks from a counter or by a plan, not both")
     split = (WGRAD_SPLIT_STORE if split is None else split) and not dynamic and tile.block_n == 4 * SPLIT_N.value
     stages = wgrad_ws_stages(tile.block_n, tile.block_k, split)
     return dict(NUM_PROGRAMS=programs, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES, SPLIT_STORE=split, DYNAMIC=dynamic)
+                MMA_IN_FLIGHT=stages >= WGRAD_MMA_IN_FLIGHT_STAGES, SPLIT_STORE=split, DYNAMIC=dynamic,
+                PLANNED=planned)
 
 
 #: The Gluon wgrad takes its blocks from a counter as programs come free, heavy experts first from one end and light
@@ -315,6 +321,12 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False, 
 #: ms, qwen3-30b-a3b +7 %; call 11). ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1) sets it.
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
+#: The Gluon wgrad deals the counter's order by a fixed plan (``wgrad_planned.planned_block``: each program heavy
+#: and light blocks in turn, the heavy ones in a snake): the counter deal's balance and mix under skewed routing
+#: without its round trips a block. Not yet timed: an A/B knob, ``MEGAMOE_WGRAD_PLANNED`` (0 or 1); with
+#: ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
+WGRAD_PLANNED = runtime.env_switch("MEGAMOE_WGRAD_PLANNED", False)
+
 
 def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
     """The Gluon wgrad's blocks of one expert's `[out_m, out_n]` gradient (two 64-row halves by ``block_n``)."""
@@ -323,10 +335,11 @@ def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
 
 def wgrad_deal(counts: torch.Tensor, offsets: torch.Tensor, modes: torch.Tensor | None,
                per_expert: int) -> torch.Tensor:
-    """The dynamic deal's int32 `[2 + 4 L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0), the blocks to
-    deal (every expert's, or with a window's ``modes`` those of the experts it computes), then the experts by their
-    rows, heaviest first (the ones the window skips last, never dealt; ties in expert order), each as
-    ``(expert, row0, row_end, 0)`` (``wgrad_dynamic.DEAL_FIELDS``). Device work only."""
+    """The dynamic and the planned deals' int32 `[2 + 4 L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0;
+    the plan leaves it unread), the blocks to deal (every expert's, or with a window's ``modes`` those of the
+    experts it computes), then the experts by their rows, heaviest first (the ones the window skips last, never
+    dealt; ties in expert order), each as ``(expert, row0, row_end, 0)`` (``wgrad_dynamic.DEAL_FIELDS``). Device
+    work only."""
     active = torch.ones_like(counts, dtype=torch.bool) if modes is None else modes != 0
     order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True)
     row0 = offsets[order].to(torch.int32)
@@ -367,13 +380,14 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
             if out_t:
                 a, b, a_index, out_m, out_n = b, a, b_index, out_n, out_m
             deal = None
-            if WGRAD_DYNAMIC:
+            planned = WGRAD_PLANNED and not WGRAD_DYNAMIC
+            if WGRAD_DYNAMIC or planned:
                 deal = wgrad_deal(counts, offsets, None if carry is None else carry[0],
                                   wgrad_blocks_per_expert(out_m, out_n, tile.block_n))
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
                 CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, deal_ptr=deal,
-                **wgrad_ws_constexprs(tile, programs, WGRAD_DYNAMIC), num_warps=4)
+                **wgrad_ws_constexprs(tile, programs, WGRAD_DYNAMIC, planned=planned), num_warps=4)
             return
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](
