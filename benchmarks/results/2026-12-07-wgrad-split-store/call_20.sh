@@ -5,6 +5,7 @@ cap() { local l=$(( 500 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ?
 say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }
 nvidia-smi --query-gpu=name,power.limit,clocks.sm,memory.total --format=csv >> $L
 timeout $(cap 90) python3 -m pytest -v -m gpu tests/test_experts.py -k "wgrad_ws" -p no:cacheprovider > $OUT/r/t_wgrad.txt 2>&1; say t_wgrad $?; grep -E "FAILED|ERROR|passed|failed" $OUT/r/t_wgrad.txt | tail -6 >> $L
+MEGAMOE_WGRAD_PLANNED=1 timeout $(cap 50) python3 -m pytest -v -m gpu tests/test_experts.py -k "gathered_operands" -p no:cacheprovider > $OUT/r/t_gather_planned.txt 2>&1; say t_gather_planned $?; grep -E "FAILED|ERROR|passed|failed" $OUT/r/t_gather_planned.txt | tail -4 >> $L
 K="python3 benchmarks/backward_kernels.py --impl megamoe --rounds 3 --steady 1 --pass bwd"
 for load in "--preset qwen3-30b-a3b --tokens 16384 --routing zipf" "--preset qwen3-30b-a3b --tokens 16384" "--preset deepseek-v3 --routing zipf" "--preset deepseek-v3" "--preset sonic-7b --tokens 24576 --routing zipf"; do
   for d in 1 0; do
