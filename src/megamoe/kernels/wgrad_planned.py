@@ -48,6 +48,17 @@ def planned_block(k, total, NUM_PROGRAMS: gl.constexpr):
 
 
 @gluon.jit
+def planned_entry(deal_ptr, k, total, per_expert, NUM_PROGRAMS: gl.constexpr):
+    """``(ok, expert, task, row0, row_end)`` of this program's k-th block (:func:`planned_block`,
+    :func:`deal_entry`), its loads issued at once so that a loop can hold them a block ahead; where the program has
+    no k-th block the loads read a block that exists (ok is False)."""
+    pos, ok = planned_block(k, total, NUM_PROGRAMS)
+    pos = gl.minimum(gl.maximum(pos, 0), gl.maximum(total - 1, 0))
+    expert, task, row0, row_end = deal_entry(deal_ptr, pos, per_expert)
+    return ok, expert, task, row0, row_end
+
+
+@gluon.jit
 def producer_planned(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, b_smem, full, empty,
                      NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                      A_GATHER: gl.constexpr):
@@ -65,27 +76,29 @@ def producer_planned(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, 
     # both sites' descriptors exist from the start (over one row) so that the loop carries them
     a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
     a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
+    # the producer loads each block's entry as it comes to it: the ring's lead over the consumers covers the round
+    # trip (held a block ahead as the consumers do, the 40-register producer reserved a stack frame)
     for k in range(0, 2 * planned_rounds(total, NUM_PROGRAMS)):
-        pos, ok = planned_block(k, total, NUM_PROGRAMS)
-        if ok:
-            expert, task, row0, row_end = deal_entry(deal_ptr, pos, per_expert)
+        this_ok, this_expert, this_task, this_row0, this_row_end = planned_entry(deal_ptr, k, total, per_expert,
+                                                                                 NUM_PROGRAMS)
+        if this_ok:
             heavy = k % 2 == 0
             if heavy:
-                expert0, a_desc0, b_desc0 = end_descriptors(a_ptr, b_ptr, expert, row_end, expert0, a_desc0,
-                                                            b_desc0, site_last0, g, full, OUT_M, OUT_N, BLOCK_N,
-                                                            BLOCK_K, STAGES)
+                expert0, a_desc0, b_desc0 = end_descriptors(a_ptr, b_ptr, this_expert, this_row_end, expert0,
+                                                            a_desc0, b_desc0, site_last0, g, full, OUT_M, OUT_N,
+                                                            BLOCK_N, BLOCK_K, STAGES)
                 a_desc = a_desc0
                 b_desc = b_desc0
             else:
-                expert1, a_desc1, b_desc1 = end_descriptors(a_ptr, b_ptr, expert, row_end, expert1, a_desc1,
-                                                            b_desc1, site_last1, g, full, OUT_M, OUT_N, BLOCK_N,
-                                                            BLOCK_K, STAGES)
+                expert1, a_desc1, b_desc1 = end_descriptors(a_ptr, b_ptr, this_expert, this_row_end, expert1,
+                                                            a_desc1, b_desc1, site_last1, g, full, OUT_M, OUT_N,
+                                                            BLOCK_N, BLOCK_K, STAGES)
                 a_desc = a_desc1
                 b_desc = b_desc1
-            g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, task // num_n * (2 * HALF_M),
-                           task % num_n * BLOCK_N, OUT_M, a_smem, b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES,
-                           A_GATHER)
-            if row_end > row0:
+            g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, this_row0, this_row_end,
+                           this_task // num_n * (2 * HALF_M), this_task % num_n * BLOCK_N, OUT_M, a_smem, b_smem,
+                           full, empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+            if this_row_end > this_row0:
                 if heavy:
                     site_last0 = g - 1
                 else:
@@ -104,15 +117,22 @@ def consumer_planned(out_ptr, deal_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, 
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BOX_N, OUT_T)
     total = gl.load(deal_ptr + 1)
     g = 0
+    ok, expert, task, row0, row_end = planned_entry(deal_ptr, 0, total, per_expert, NUM_PROGRAMS)
     for k in range(0, 2 * planned_rounds(total, NUM_PROGRAMS)):
-        pos, ok = planned_block(k, total, NUM_PROGRAMS)
-        if ok:
-            expert, task, row0, row_end = deal_entry(deal_ptr, pos, per_expert)
+        this_ok = ok
+        this_expert = expert
+        this_task = task
+        this_row0 = row0
+        this_row_end = row_end
+        # the next block's entry, loaded under this block's wgmmas (the tensor cores wait on no load between blocks)
+        ok, expert, task, row0, row_end = planned_entry(deal_ptr, k + 1, total, per_expert, NUM_PROGRAMS)
+        if this_ok:
             if CARRY:
-                mode = gl.load(modes_ptr + expert)
+                mode = gl.load(modes_ptr + this_expert)
             else:
                 mode = STORE
-            g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, expert, mode, row0, row_end,
-                           task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, carry_in_ptr, carry_out_ptr, OUT_M,
-                           OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER, OUT_T, SPLIT_STORE)
+            g = half_block(out_desc, a_smem, b_smem, c_smem, full, empty, g, this_expert, mode, this_row0,
+                           this_row_end, this_task // num_n * (2 * HALF_M), this_task % num_n * BLOCK_N, carry_in_ptr,
+                           carry_out_ptr, OUT_M, OUT_N, HALF, BLOCK_N, BLOCK_K, STAGES, MMA_IN_FLIGHT, CARRY, GATHER,
+                           OUT_T, SPLIT_STORE)
     tma.store_wait(pendings=0)
