@@ -34,6 +34,7 @@ from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_a
                                          row_starts)
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
 from megamoe.kernels.tasks import tile_task
+from megamoe.kernels.wgrad_blocks import column_halves
 
 
 @gluon.jit
@@ -67,7 +68,7 @@ def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride
 def _half(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I, limit,
           alpha, ACT: gl.constexpr):
     """Columns c0.. of ``g`` [64, 64] as two quarters, the Triton dact's ``_dact_quarters`` order."""
-    lo, hi = gl.split(gl.permute(gl.reshape(g, (g.shape[0], 2, g.shape[1] // 2)), (0, 2, 1)))
+    lo, hi = column_halves(g)
     part = _quarter(lo, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
                     stride_act_w, I, limit, alpha, ACT)
     part += _quarter(hi, c0 + g.shape[1] // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h,
@@ -104,7 +105,7 @@ def dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, 
                   stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT: gl.constexpr):
     """The dact epilogue of g = ``acc`` [64, 128] (rows first.., n-tile n) in the Triton dact's order: column
     halves, each as two quarters (the router-gradient partials' sum order), then the rows' partial stored."""
-    lo, hi = gl.split(gl.permute(gl.reshape(acc, (HALF_M, 2, BLOCK // 2)), (0, 2, 1)))
+    lo, hi = column_halves(acc)
     n0 = n * BLOCK
     part = _half(lo, n0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
                  I, limit, alpha, ACT)
