@@ -344,6 +344,25 @@ def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
         assert position(total + 5) == named[-1]
 
 
+def test_the_gluon_wgrad_constexprs_pick_one_deal_and_split_only_256_wide_blocks():
+    """``wgrad_ws_constexprs``: the split store (the default) only on 256-wide blocks and never with the counter
+    deal, whose ring is then the whole-half store's; the counter and the plan together are refused."""
+    import dataclasses
+
+    from megamoe.ops.experts_bwd import WGRAD_SPLIT_STORE, wgrad_ws_constexprs
+
+    tile = plan_tiles("wgrad", torch.device("cuda"), compiled=True)
+    assert tile.block_n == 256
+    assert wgrad_ws_constexprs(tile, 5)["SPLIT_STORE"] is WGRAD_SPLIT_STORE
+    split, whole = wgrad_ws_constexprs(tile, 5, split=True), wgrad_ws_constexprs(tile, 5, split=False)
+    assert split["SPLIT_STORE"] and not whole["SPLIT_STORE"] and split["STAGES"] > whole["STAGES"]
+    assert wgrad_ws_constexprs(tile, 5, True, split=True) == {**whole, "DYNAMIC": True}
+    assert wgrad_ws_constexprs(tile, 5, split=True, planned=True) == {**split, "PLANNED": True}
+    assert not wgrad_ws_constexprs(dataclasses.replace(tile, block_n=128), 5, split=True)["SPLIT_STORE"]
+    with pytest.raises(ValueError, match="not both"):
+        wgrad_ws_constexprs(tile, 5, True, planned=True)
+
+
 def planned_blocks(program: int, programs: int, total: int) -> list[tuple[int, bool]]:
     """``wgrad_planned.planned_block``'s arithmetic in Python: program's blocks in its order, each as (place in the
     deal's order, heavy)."""
