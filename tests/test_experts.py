@@ -315,6 +315,23 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
     assert got.d_w_gate_up.eq(0).all() and got.d_w_down.eq(0).all()
 
 
+def test_wgrad_with_no_experts_launches_nothing(monkeypatch):
+    """``wgrad`` into an `[0, M, N]` gradient (a rank without local experts) returns before any launch, whatever the
+    deal (a deal of no expert has no first entry for a kernel to read)."""
+    from megamoe.ops import experts_bwd
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError(f"a wgrad kernel launched on {grid} for no experts")
+
+    monkeypatch.setattr(experts_bwd.expert_gemm_bwd, "wgrad_kernel", NoLaunch())
+    monkeypatch.setattr(experts_bwd.wgrad_warp_specialized, "wgrad_ws_kernel", NoLaunch())
+    rows = torch.randn(6, 16, device=DEVICE).bfloat16()
+    none = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    experts_bwd.wgrad(rows, rows, torch.empty(0, 16, 16, dtype=torch.bfloat16, device=DEVICE), none, none,
+                      plan_tiles("wgrad", torch.device(DEVICE)), 4)
+
+
 def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
     """``wgrad_deal`` (the Gluon wgrad's DYNAMIC deal): a zero counter, the blocks of the experts a launch computes,
     those experts by their rows heaviest first (ties in expert order, an empty expert dealt too, the ones a window

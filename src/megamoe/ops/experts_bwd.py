@@ -365,6 +365,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
     experts, out_m, out_n = out.shape
     if a_index is not None and b_index is not None:
         raise ValueError("wgrad gathers one operand's rows, not both")
+    if not experts:  # no gradient to write (and the deals' first entry would lie past an empty deal)
+        return
     window = carry if carry is not None else (counts, out, out)  # never read without CARRY
     gluon = warp_specialized and warp_specialized_wgrad(a.device, tile)
     if not gathers_on_load(gluon, expert_ops.GATHER_BACKWARD, a if a_index is not None else b):  # the rows copied first
