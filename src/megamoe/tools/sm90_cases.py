@@ -149,25 +149,23 @@ def gemm_cases() -> dict[str, Case]:
         # what expert_backward runs on Hopper at the same tile: the warp-specialised Gluon kernel; one rank's wgrads
         # read d_out (the down wgrad's A) and x (gate/up's, gathered as A: the blocks stored transposed) rows by
         # token, at the gathering tile
-        # (and with the blocks dealt dynamically, ``WGRAD_DYNAMIC``: its plain and its gathering producer)
-        # (and by the plan, ``WGRAD_PLANNED``)
-        gathers = (("", False, False, False), (" (d_out rows by token)", True, False, False),
-                   (" (x rows by token)", True, True, False), (" (dynamic)", False, False, True),
-                   (" (x rows by token, dynamic)", True, True, True), (" (planned)", False, False, False),
-                   (" (x rows by token, planned)", True, True, False))
-        # (and storing each half whole, as before ``WGRAD_SPLIT_STORE``: its ring two slots shallower)
-        wholes = ((" (whole halves)", False, False, False), (" (x rows by token, whole halves)", True, True, False))
-        for suffix, a_gather, out_t, dynamic in gathers + wholes if carry and t is wide else gathers[:1]:
+        gathers = (("", False, False), (" (d_out rows by token)", True, False), (" (x rows by token)", True, True))
+        # (and, plain and gathering x, the other deals and stores: from a counter, ``WGRAD_DYNAMIC``; by the plan,
+        # ``WGRAD_PLANNED``; each half stored whole, as before ``WGRAD_SPLIT_STORE``, its ring two slots shallower)
+        variants = (("dynamic", dict(dynamic=True)), ("planned", dict(planned=True)),
+                    ("whole halves", dict(split=False)))
+        launches = [(suffix, a_gather, out_t, {}) for suffix, a_gather, out_t in gathers]
+        launches += [(f" (x rows by token, {kind})" if a_gather else f" ({kind})", a_gather, out_t, choice)
+                     for kind, choice in variants for _, a_gather, out_t in (gathers[0], gathers[2])]
+        for suffix, a_gather, out_t, choice in launches if carry and t is wide else launches[:1]:
             t_ws = gathering_wgrad_tile(t) if a_gather else t
-            split = False if suffix.endswith("whole halves)") else None
-            planned = suffix.endswith("planned)")
             cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
                 "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "OUT_T": "constexpr",
                 "deal_ptr": "*i32", "DYNAMIC": "constexpr", "SPLIT_STORE": "constexpr", "PLANNED": "constexpr"},
-                {**wgrad_ws_constexprs(t_ws, SMS, dynamic, split, planned), "CARRY": carry, "A_GATHER": a_gather,
+                {**wgrad_ws_constexprs(t_ws, SMS, **choice), "CARRY": carry, "A_GATHER": a_gather,
                  "OUT_T": out_t}, num_warps=4)
     return cases
 
