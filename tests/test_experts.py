@@ -380,32 +380,27 @@ def test_the_gluon_wgrad_constexprs_pick_one_deal_and_split_only_256_wide_blocks
         wgrad_ws_constexprs(tile, 5, True, planned=True)
 
 
-def planned_blocks(program: int, programs: int, total: int) -> list[tuple[int, bool]]:
-    """``wgrad_planned.planned_block``'s arithmetic in Python: program's blocks in its order, each as (place in the
-    deal's order, heavy)."""
-    heavy_blocks, got = (total + 1) // 2, []
-    for k in range(2 * -(-heavy_blocks // programs)):
-        t, heavy = k // 2, k % 2 == 0
-        j = program + (t % 2) * (programs - 1 - 2 * program)
-        h, light = t * programs + j, t * programs + (programs - 1 - j)
-        if (h < heavy_blocks) if heavy else (light < total - heavy_blocks):
-            got.append((h if heavy else total - 1 - light, heavy))
+def planned_blocks(program: int, programs: int, total: int) -> list[int]:
+    """``wgrad_planned.planned_block``'s arithmetic in Python: program's blocks in its order, each as its place in
+    the deal's order."""
+    got = []
+    for k in range(-(-total // programs)):
+        pos = k * programs + program + (k % 2) * (programs - 1 - 2 * program)
+        if pos < total:
+            got.append(pos)
     return got
 
 
 @pytest.mark.parametrize("programs, total", [(5, 0), (5, 1), (5, 7), (4, 9), (132, 6144), (132, 301), (7, 14)])
-def test_the_planned_wgrad_deal_names_every_block_once_heavy_and_light_in_turn(programs, total):
-    """The planned deal (``WGRAD_PLANNED``): over the programs every block of the deal's order once; a program's
-    heavy blocks (the first half of the order) come heaviest first, each followed by a light one while it has
-    them."""
+def test_the_planned_wgrad_deal_names_every_block_once_a_round_side_by_side(programs, total):
+    """The planned deal (``WGRAD_PLANNED``): over the programs every block of the deal's order once, each program's
+    heaviest first; round k's blocks are the order's k-th run of ``programs`` (side by side, as the static deal's:
+    the programs share their experts' rows in L2), the snake turning each round."""
     plans = [planned_blocks(p, programs, total) for p in range(programs)]
-    places = sorted(pos for plan in plans for pos, _ in plan)
-    assert places == list(range(total))
-    for plan in plans:
-        heavy = [pos for pos, h in plan if h]
-        assert heavy == sorted(heavy) and all(pos < (total + 1) // 2 for pos in heavy)
-        assert all(pos >= (total + 1) // 2 for pos, h in plan if not h)
-        assert all(a[1] != b[1] for a, b in zip(plan, plan[1:]) if a[1])  # a heavy block never follows a heavy one
+    assert sorted(pos for plan in plans for pos in plan) == list(range(total))
+    for p, plan in enumerate(plans):
+        assert plan == sorted(plan) and all(pos // programs == k for k, pos in enumerate(plan))
+        assert all(pos % programs == (p if k % 2 == 0 else programs - 1 - p) for k, pos in enumerate(plan))
 
 
 def test_the_planned_wgrad_deal_balances_the_bench_zipf_load():
@@ -425,7 +420,7 @@ def test_the_planned_wgrad_deal_balances_the_bench_zipf_load():
     for per_expert in (48, 96):
         cost = [order[pos // per_expert] + 64 for pos in range(len(rows) * per_expert)]
         mean = sum(cost) / programs
-        planned = max(sum(cost[pos] for pos, _ in planned_blocks(p, programs, len(cost))) for p in range(programs))
+        planned = max(sum(cost[pos] for pos in planned_blocks(p, programs, len(cost))) for p in range(programs))
         static = [0] * programs
         for e, r in enumerate(rows):
             for b in range(per_expert):
@@ -494,7 +489,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
                 STAGES=wgrad_ws_stages(tile.block_n, tile.block_k), OUT_T=swap, deal_ptr=deal, DYNAMIC=True,
                 num_warps=4)
             assert int(deal[0]) == int(deal[1]) + programs  # every block taken, each program's last take past them
-        # the planned deal (the same order, heavy and light blocks in turn a program)
+        # the planned deal (the same order in a fixed plan, a snake over the programs)
         for out, swap in zip(outs[9:11], (False, True)):
             first, second, m, n = (b, a, out_n, out_m) if swap else (a, b, out_m, out_n)
             deal = wgrad_deal(counts, offsets, None, wgrad_blocks_per_expert(m, n, tile.block_n))

@@ -162,7 +162,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + 4 L]`, zero, the blocks to
     deal, the experts heaviest first with their rows: ``wgrad_dynamic.dealt_block``), the producer naming each block to the consumers in a tag step
     of the ring; a block is still reduced by one program in one order, so the bits are the static deal's.
-    PLANNED: the same deal's blocks in a fixed plan, heavy and light blocks in turn a program
+    PLANNED: the same deal's order in a fixed plan, a round's blocks side by side, a snake over the programs
     (``wgrad_planned.planned_block``): no counter, the consumers find their blocks themselves.
     SPLIT_STORE (256-wide blocks, not with DYNAMIC): each consumer stores its half in four 64-column quarters
     through two 64 x 64 buffers (``wgrad_blocks.store_half_split``), leaving the ring 32 KB more
