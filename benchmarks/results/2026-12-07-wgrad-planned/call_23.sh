@@ -1,0 +1,16 @@
+# call 23: the planned deal (one region a round; .gpu/new) in the training step, on and off, qwen3-30b-a3b 16384 and deepseek-v3 8192, uniform and zipf routing (issue 49's zipf-within-10 % target), BF16, settings alternated
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+cd .gpu/new; mkdir -p $OUT/r; L=$OUT/log.txt; t0=$(date +%s)
+cap() { local l=$(( 560 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
+say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }
+nvidia-smi --query-gpu=name,power.limit,clocks.sm,memory.total --format=csv >> $L
+B="python3 -m megamoe bench --ep 1 --impl megamoe --passes fwd,bwd,step --iters 5 --steady 1"
+run() { local name=$1; shift; timeout $(cap $1) "${@:2}" --json $OUT/r/$name.json --md $OUT/r/$name.md > $OUT/r/$name.txt 2>&1; say "$name" $?; grep -E "^\| megamoe" $OUT/r/$name.md >> $L 2>/dev/null || tail -3 $OUT/r/$name.txt >> $L; }
+for load in "qwen3-30b-a3b 16384 zipf" "qwen3-30b-a3b 16384 uniform" "deepseek-v3 8192 zipf" "deepseek-v3 8192 uniform"; do
+  set -- $load
+  for d in 1 0; do
+    MEGAMOE_WGRAD_PLANNED=$d run p${d}_$1_$3 80 $B --preset $1 --tokens $2 --routing $3
+  done
+done
+(cd $OUT && tar czf r.tgz r && rm -rf r)
+grep -v "^\s*$" $L | tail -60
