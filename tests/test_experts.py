@@ -335,9 +335,9 @@ def test_wgrad_with_no_experts_launches_nothing(monkeypatch):
 def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
     """``wgrad_deal`` (the Gluon wgrad's DYNAMIC deal): a zero counter, the blocks of the experts a launch computes,
     those experts by their rows heaviest first (ties in expert order, an empty expert dealt too, the ones a window
-    skips last), each with its rows (a window's offsets, not the counts' running sum); the takes
-    (``dealt_block``'s arithmetic: the heaviest expert's blocks first, a take past the end clamped to the last) name
-    every dealt block once."""
+    skips last), each with its rows (a window's offsets, not the counts' running sum); the takes, even ones from the
+    heavy end and odd ones from the light end (``dealt_block``'s arithmetic, a take past the end clamped to the
+    last), name every dealt block once."""
     from megamoe.ops.experts_bwd import wgrad_deal
 
     counts = torch.tensor([5, 0, 40, 33, 40, 7], dtype=torch.int32, device=DEVICE)
@@ -353,10 +353,11 @@ def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
         total = int(deal[1])
 
         def position(t):  # dealt_block's
-            return max(min(t, total - 1), 0)
+            t = max(min(t, total - 1), 0)
+            return t // 2 + (t % 2) * (total - 1 - 2 * (t // 2))
 
         named = [position(t) for t in range(total)]
-        assert named == list(range(total))
+        assert sorted(named) == list(range(total)) and named[:2] == [0, total - 1]
         assert position(total + 5) == named[-1]
 
 

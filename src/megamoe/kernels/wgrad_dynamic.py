@@ -1,9 +1,8 @@
 """The Gluon wgrad's blocks dealt dynamically (``wgrad_ws_kernel``'s DYNAMIC): the producer warp takes each block
 with one atomic add on the launch's counter and names it to the two consumer warpgroups in a tag step of the ring
 (a slot with no data, the block's coordinates in shared memory; expert -1 ends). The counter's blocks come heaviest
-expert first (``megamoe.ops.experts_bwd.wgrad_deal``), so the heaviest blocks start first and the lightest fill in
-last, and the blocks in flight lie side by side in that order, sharing their experts' rows in L2 (taken from both
-ends, heavy and light in turn, two regions stayed hot: benchmarks/results/2026-12-07-wgrad-planned). A block is one
+expert first from one end and lightest first from the other (``megamoe.ops.experts_bwd.wgrad_deal``), so the
+heaviest blocks start first and write-bound light blocks run beside compute-bound heavy ones. A block is one
 program's, its rows reduced in one order: the static deal's bits. Its first build (the block's number alone in the
 tag, the consumers loading its expert, rows and mode between blocks) cost ~1.5 us a block on one H100
 (benchmarks/results/2026-12-06-dynamic-wgrad), and still did with the coordinates in the tag and a descriptor site
@@ -38,9 +37,13 @@ def deal_entry(deal_ptr, pos, per_expert):
 
 @gluon.jit
 def dealt_block(deal_ptr, total, t, per_expert):
-    """DYNAMIC: the t-th block taken from the launch's counter (:func:`deal_entry`'s fields), the heaviest expert's
-    first. A take past the end (each program's last) reads the last block's coordinates, never loaded."""
-    return deal_entry(deal_ptr, gl.maximum(gl.minimum(t, total - 1), 0), per_expert)
+    """DYNAMIC: the t-th block taken from the launch's counter (:func:`deal_entry`'s fields): even takes walk the
+    blocks from the heaviest expert, odd ones from the lightest (write-bound light blocks beside compute-bound heavy
+    ones, the heaviest started first). A take past the end (each program's last) reads the last block's
+    coordinates, never loaded."""
+    t = gl.maximum(gl.minimum(t, total - 1), 0)
+    half = t // 2
+    return deal_entry(deal_ptr, half + (t % 2) * (total - 1 - 2 * half), per_expert)
 
 
 @gluon.jit
@@ -108,9 +111,10 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
                       a_smem, b_smem, tags, full, empty, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, A_GATHER: gl.constexpr):
     """DYNAMIC: takes blocks from the launch's counter until none is left; each block's K steps follow a tag step
-    that names it. The program's even and odd blocks have their descriptors at call sites of their own, remade only
-    when that site's expert changes (a rewrite waits for the last load through its site to land, as
-    ``_load_expert``'s: two blocks back, long landed)."""
+    that names it. Each end of the deal has its descriptors at a call site of its own (even takes: the heavy end,
+    odd: the light end), remade only when that end's expert changes, so a program whose takes alternate between
+    the ends does not remake them every block (a rewrite waits for the last load through its site to land, as
+    ``_load_expert``'s)."""
     WARPS: gl.constexpr = GATHER_WARPS.value if A_GATHER else 1
     FULL: gl.constexpr = full_arrivals(A_GATHER)
     num_n = gl.cdiv(OUT_N, BLOCK_N)
@@ -132,11 +136,9 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
     # 2026-12-06-deal-rebuilt).
     t = taken(take(deal_ptr, WARPS))
     expert, task, row0, row_end = dealt_block(deal_ptr, total, t, per_expert)
-    k = 0  # this program's blocks: even and odd ones have descriptor sites of their own
     while t < total:
-        even = k % 2 == 0
-        k += 1
-        if even:
+        heavy_end = t % 2 == 0
+        if heavy_end:
             expert0, a_desc0, b_desc0 = end_descriptors(a_ptr, b_ptr, expert, row_end, expert0, a_desc0, b_desc0,
                                                         site_last0, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
             a_desc = a_desc0
@@ -157,7 +159,7 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
         g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, split, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
                        empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
         if row_end > row0:
-            if even:
+            if heavy_end:
                 site_last0 = g - 1
             else:
                 site_last1 = g - 1
