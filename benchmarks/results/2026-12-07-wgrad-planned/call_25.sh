@@ -1,4 +1,4 @@
-# call 25 (next GPU session; .gpu/new = this tree, .gpu/base = git archive f1716b2): the plan with its producer's entry a block ahead (new), the same with the static deal's blocks a program (both: the deal in expert order, no snake; made here by two seds, never committed), the first plan (base, two regions, entries loaded as it came to them) and the static deal; GPU bits first
+# call 25 (next GPU session; .gpu/new = this tree, .gpu/base = git archive f1716b2): the plan with its producer's entries two blocks ahead and its first rows' indices one (new), the same with the static deal's blocks a program (both: the deal in expert order, no snake; made here by two seds, never committed), the first plan (base, two regions, entries loaded as it came to them) and the static deal with its first rows' indices once an expert (new:0) or once a block (base:0); GPU bits first
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 G=$PWD/.gpu; mkdir -p $OUT/r; L=$OUT/log.txt; t0=$(date +%s)
 cap() { local l=$(( 560 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
@@ -13,10 +13,10 @@ timeout $(cap 90) python3 -m pytest -v -m gpu tests/test_experts.py -k "wgrad_ws
 MEGAMOE_WGRAD_PLANNED=1 timeout $(cap 50) python3 -m pytest -v -m gpu tests/test_experts.py -k "gathered_operands" -p no:cacheprovider > $OUT/r/t_gather.txt 2>&1; say t_gather $?; grep -E "FAILED|ERROR|passed|failed" $OUT/r/t_gather.txt | tail -4 >> $L
 K="python3 benchmarks/backward_kernels.py --impl megamoe --rounds 3 --steady 1 --pass bwd"
 for load in "--preset deepseek-v3" "--preset qwen3-30b-a3b --tokens 16384" "--preset qwen3-30b-a3b --tokens 16384 --routing zipf" "--preset deepseek-v3 --routing zipf" "--preset sonic-7b --tokens 24576 --routing zipf"; do
-  for s in new:1 both:1 base:1 new:0; do
+  for s in new:1 both:1 base:1 new:0 base:0; do
     IFS=: read t d <<< "$s"; cd $G/$t
     n=bk_${t}${d}_$(echo $load | tr -d ' -' | cut -c1-40)
-    MEGAMOE_WGRAD_PLANNED=$d timeout $(cap 40) $K --out /tmp/o_$t$d $load > $OUT/r/$n.txt 2>&1; say "$n" $?; grep -E "wgrad_ws_kernel|between events" $OUT/r/$n.txt >> $L
+    MEGAMOE_WGRAD_PLANNED=$d timeout $(cap 35) $K --out /tmp/o_$t$d $load > $OUT/r/$n.txt 2>&1; say "$n" $?; grep -E "wgrad_ws_kernel|between events" $OUT/r/$n.txt >> $L
   done
 done
 (cd $OUT && tar czf r.tgz r && rm -rf r)

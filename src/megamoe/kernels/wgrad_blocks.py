@@ -73,17 +73,27 @@ def site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BL
 
 
 @gluon.jit
-def load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, m0, n0, OUT_M, a_smem, b_smem, full, empty, g,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_GATHER: gl.constexpr):
+def first_rows(a_index_ptr, row0, row_end, BLOCK_K: gl.constexpr, A_GATHER: gl.constexpr):
+    """A_GATHER: the row indices of the first two K steps from ``row0`` (:func:`load_block`'s ``rows_now`` and
+    ``rows_next``), loaded by the caller where their round trip is off the producer's path (once an expert, or a
+    block ahead); else zeros, never read."""
+    if A_GATHER:
+        return (row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M),
+                row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M))
+    else:
+        return 0, 0
+
+
+@gluon.jit
+def load_block(a_ptr, a_desc, b_desc, a_index_ptr, rows_now, rows_next, row0, row_end, m0, n0, OUT_M, a_smem,
+               b_smem, full, empty, g, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+               A_GATHER: gl.constexpr):
     """Issue the block at (m0, n0)'s K steps (rows row0 .. row_end of its expert) into the ring from step g on;
     returns the next step. A_GATHER: A's rows gathered by cp.async, each step's indices loaded two steps ahead (a
     32-row K step's wgmmas take about as long as a dependent global load; loaded one step ahead, the gathering
-    wgrads ran 2x the copied rows' time, 2026-12-06)."""
+    wgrads ran 2x the copied rows' time, 2026-12-06), the first two steps' by the caller (:func:`first_rows`)."""
     A_TMA_BYTES: gl.constexpr = 0 if A_GATHER else 2 * BLOCK_K * HALF_M * 2
     step_bytes: gl.constexpr = A_TMA_BYTES + BLOCK_K * BLOCK_N * 2
-    if A_GATHER:
-        rows_now = row_indices(a_index_ptr, row0, row_end, BLOCK_K, HALF_M)
-        rows_next = row_indices(a_index_ptr, row0 + BLOCK_K, row_end, BLOCK_K, HALF_M)
     for k in range(row0, row_end, BLOCK_K):
         s = g % STAGES
         mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free

@@ -19,7 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from megamoe.kernels.gluon_gather import GATHER_WARPS, full_arrivals
-from megamoe.kernels.wgrad_blocks import HALF_M, half_block, load_block, out_descriptor, site_descriptors
+from megamoe.kernels.wgrad_blocks import HALF_M, first_rows, half_block, load_block, out_descriptor, site_descriptors
 from megamoe.kernels.wgrad_carry import STORE
 
 
@@ -153,11 +153,13 @@ def producer_dynamic(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N,
         n0 = task % num_n * BLOCK_N
         steps = gl.cdiv(gl.maximum(row_end - row0, 0), BLOCK_K)
         split = row0 + gl.maximum(steps - STAGES, 0) * BLOCK_K
-        g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, split, m0, n0, OUT_M, a_smem, b_smem, full, empty,
-                       g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+        rows_now, rows_next = first_rows(a_index_ptr, row0, split, BLOCK_K, A_GATHER)
+        g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, rows_now, rows_next, row0, split, m0, n0, OUT_M, a_smem,
+                       b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
         next_take = take(deal_ptr, WARPS)
-        g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, split, row_end, m0, n0, OUT_M, a_smem, b_smem, full,
-                       empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+        rows_now, rows_next = first_rows(a_index_ptr, split, row_end, BLOCK_K, A_GATHER)
+        g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, rows_now, rows_next, split, row_end, m0, n0, OUT_M, a_smem,
+                       b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
         if row_end > row0:
             if heavy_end:
                 site_last0 = g - 1

@@ -19,7 +19,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-from megamoe.kernels.wgrad_blocks import HALF_M, SPLIT_N, half_block, load_block, out_descriptor, site_descriptors
+from megamoe.kernels.wgrad_blocks import (HALF_M, SPLIT_N, first_rows, half_block, load_block, out_descriptor,
+                                          site_descriptors)
 from megamoe.kernels.wgrad_carry import STORE
 from megamoe.kernels.wgrad_dynamic import deal_entry, end_descriptors
 
@@ -73,18 +74,30 @@ def producer_planned(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, 
     # both sites' descriptors exist from the start (over one row) so that the loop carries them
     a_desc0, b_desc0 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
     a_desc1, b_desc1 = site_descriptors(a_ptr, b_ptr, 1, -1, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K, STAGES)
-    # each block's entry loaded a block ahead: loaded as the producer came to the block, its round trip stood
-    # before the block's row indices and their gather, a chain longer than the ring's lead (the plan's wgrads 1.10x
-    # the static deal's at qwen3-30b-a3b uniform, 1.24x at deepseek-v3; 2026-12-07-wgrad-planned, call 22)
+    # the chain before a block's first gather is its deal entry, then its first rows' indices: the entries are loaded
+    # two blocks ahead and the indices a block ahead, so neither round trip stands between two blocks (loaded as
+    # the producer came to the block, the chain outran the ring's lead: the plan's wgrads 1.10x the static deal's at
+    # qwen3-30b-a3b uniform, 1.24x at deepseek-v3; 2026-12-07-wgrad-planned, call 22)
     ok, expert, task, row0, row_end, _ = planned_entry(deal_ptr, deal_ptr, 0, total, per_expert, NUM_PROGRAMS, False)
+    later_ok, later_expert, later_task, later_row0, later_row_end, _ = planned_entry(deal_ptr, deal_ptr, 1, total,
+                                                                                     per_expert, NUM_PROGRAMS, False)
+    rows_now, rows_next = first_rows(a_index_ptr, row0, row_end, BLOCK_K, A_GATHER)
     for k in range(0, planned_rounds(total, NUM_PROGRAMS)):
         this_ok = ok
         this_expert = expert
         this_task = task
         this_row0 = row0
         this_row_end = row_end
-        ok, expert, task, row0, row_end, _ = planned_entry(deal_ptr, deal_ptr, k + 1, total, per_expert,
-                                                           NUM_PROGRAMS, False)
+        this_rows_now = rows_now
+        this_rows_next = rows_next
+        ok = later_ok
+        expert = later_expert
+        task = later_task
+        row0 = later_row0
+        row_end = later_row_end
+        later_ok, later_expert, later_task, later_row0, later_row_end, _ = planned_entry(
+            deal_ptr, deal_ptr, k + 2, total, per_expert, NUM_PROGRAMS, False)
+        rows_now, rows_next = first_rows(a_index_ptr, row0, row_end, BLOCK_K, A_GATHER)
         if this_ok:
             even = k % 2 == 0
             if even:
@@ -99,9 +112,9 @@ def producer_planned(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, 
                                                             BLOCK_N, BLOCK_K, STAGES)
                 a_desc = a_desc1
                 b_desc = b_desc1
-            g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, this_row0, this_row_end,
-                           this_task // num_n * (2 * HALF_M), this_task % num_n * BLOCK_N, OUT_M, a_smem, b_smem,
-                           full, empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
+            g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, this_rows_now, this_rows_next, this_row0,
+                           this_row_end, this_task // num_n * (2 * HALF_M), this_task % num_n * BLOCK_N, OUT_M, a_smem,
+                           b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
             if this_row_end > this_row0:
                 if even:
                     site_last0 = g - 1

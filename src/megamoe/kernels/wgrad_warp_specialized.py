@@ -40,26 +40,31 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from megamoe.kernels.gluon_gather import GATHER_WARPS, REGS_GATHER, full_arrivals
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 from megamoe.kernels.tasks import first_task
-from megamoe.kernels.wgrad_blocks import HALF_M, SPLIT_N, half_block, load_block, out_descriptor, site_descriptors
+from megamoe.kernels.wgrad_blocks import (HALF_M, SPLIT_N, first_rows, half_block, load_block, out_descriptor,
+                                          site_descriptors)
 from megamoe.kernels.wgrad_carry import STORE
 from megamoe.kernels.wgrad_dynamic import TAG, consumer_dynamic, producer_dynamic
 from megamoe.kernels.wgrad_planned import consumer_planned, producer_planned
 
 REGS_PRODUCER = gl.constexpr(40)  # the TMA producer warp's registers
+REGS_PLANNED = gl.constexpr(64)  # the plan's TMA producer: two deal entries held ahead
 
 
 @gluon.constexpr_function
-def gather_registers(a_gather, block_k):
+def gather_registers(a_gather, block_k, planned=False):
     """The worker partitions' registers (the second consumer's, the producer's; the first consumer gets what they
-    leave): 232 / 40 with the TMA producer, 232 / 48 gathering A's 64-wide halves (A_GATHER) in 32-row K steps. In
-    the 64-row steps a pass gathers in (``megamoe.ops.experts_bwd.gathering_wgrad_tile``) the producer holds a
+    leave): 232 / 40 with the TMA producer (64 with the plan's, which holds two deal entries ahead: at 40 and 48
+    the sm_90 build reserved 24 bytes of stack), 232 / 48 gathering A's 64-wide halves (A_GATHER) in 32-row K
+    steps. In the 64-row steps a pass gathers in (``megamoe.ops.experts_bwd.gathering_wgrad_tile``) the producer holds a
     step's row pointers and the next two steps' indices: at 48 registers the sm_90 build spilled 48 bytes, at 96
     none, beside consumers of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either. (x gathered
     as B, 256-wide rows, spilled 160 bytes at 48 in 32-row steps and 56 at any split in 64-row ones: x is gathered
     as A now, the block stored transposed, OUT_T.)"""
     if a_gather and block_k > 32:
         return [208, 96]
-    return [232, REGS_GATHER.value if a_gather else REGS_PRODUCER.value]
+    if a_gather:
+        return [232, REGS_GATHER.value]
+    return [232, REGS_PLANNED.value if planned else REGS_PRODUCER.value]
 
 
 @gluon.jit
@@ -92,8 +97,11 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
         row_end = row0 + gl.load(counts_ptr + expert)
         a_desc, b_desc = site_descriptors(a_ptr, b_ptr, row_end, site_last, g, full, OUT_M, OUT_N, BLOCK_N, BLOCK_K,
                                           STAGES)
+        # every block of the expert starts at its first rows: their indices loaded once, not a round trip a block
+        rows_now, rows_next = first_rows(a_index_ptr, row0, row_end, BLOCK_K, A_GATHER)
         for task in range(first, per_expert, NUM_PROGRAMS):
-            g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, row0, row_end, task // num_n * (2 * HALF_M),
+            g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, rows_now, rows_next, row0, row_end,
+                           task // num_n * (2 * HALF_M),
                             task % num_n * BLOCK_N, OUT_M, a_smem, b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES,
                             A_GATHER)
         site_last = g - 1
@@ -214,7 +222,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
              (producer_planned, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, b_smem, full, empty,
                                  gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                                  gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
-            [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
+            [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K, planned=True))
     else:
         # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
         gl.warp_specialize(
