@@ -324,9 +324,12 @@ WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 #: The Gluon wgrad deals the counter's order (experts heaviest first) by a fixed plan (``wgrad_planned.planned_block``:
 #: a round's blocks side by side in that order, a snake over the programs): the counter deal's balance under skewed
 #: routing without its round trip a block, and the static deal's L2 reuse. Its first plan (heavy and light blocks in
-#: turn a program, from the order's two ends) kept two regions hot: qwen3-30b-a3b uniform wgrads 2.730 against the
-#: static 2.401 ms (L2 hits 61 % against 83 %), zipf 2.735 against 3.264 (benchmarks/results/2026-12-07-wgrad-planned).
-#: An A/B knob, ``MEGAMOE_WGRAD_PLANNED`` (0 or 1); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
+#: turn a program, from the order's two ends) won under zipf routing (qwen3-30b-a3b's wgrads 2.735 against the static
+#: 3.264 ms, sonic-7b's 1.171 against 1.571) and lost on uniform loads (2.730 against 2.401; deepseek-v3 1.08x), one
+#: region a round lost as much (benchmarks/results/2026-12-07-wgrad-planned, calls 20-24): its producer loaded each
+#: block's entry as it came to it, a round trip before the block's row indices and gather; now held two blocks
+#: ahead, not yet timed. Off: an A/B knob, ``MEGAMOE_WGRAD_PLANNED`` (0 or 1); with ``MEGAMOE_WGRAD_DYNAMIC`` the
+#: counter deals.
 WGRAD_PLANNED = runtime.env_switch("MEGAMOE_WGRAD_PLANNED", False)
 
 
