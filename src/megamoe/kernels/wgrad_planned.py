@@ -60,13 +60,14 @@ def planned_entry(deal_ptr, modes_ptr, k, total, per_expert, NUM_PROGRAMS: gl.co
 def producer_planned(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, b_smem, full, empty,
                      NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                      A_GATHER: gl.constexpr):
-    """PLANNED: the K steps of this program's blocks in the plan's order. Even and odd blocks have their descriptors
-    at call sites of their own, remade only when that site's expert changes (a rewrite waits for the last load
-    through its site to land, as ``_load_expert``'s: two blocks back, long landed)."""
+    """PLANNED: the K steps of this program's blocks in the plan's order. Two call sites hold descriptors, the
+    experts taking them in turn (a rewrite waits for the last load through its site to land, as
+    ``_load_expert``'s: the expert before last's, landed unless that expert's last block was the one before)."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     total = gl.load(deal_ptr + 1)
     g = 0
+    site = 1  # the call site of the last block's descriptors (the first block takes site 0)
     expert0 = -1
     expert1 = -1
     site_last0 = -1
@@ -99,8 +100,16 @@ def producer_planned(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, 
             deal_ptr, deal_ptr, k + 2, total, per_expert, NUM_PROGRAMS, False)
         rows_now, rows_next = first_rows(a_index_ptr, row0, row_end, BLOCK_K, A_GATHER)
         if this_ok:
-            even = k % 2 == 0
-            if even:
+            # a new expert goes to the other site, so each expert's descriptors are made once, where the expert
+            # before last was (on the block's parity the plan remade them twice an expert: two blocks in a row of
+            # one expert took both sites)
+            if site == 0:
+                stay = this_expert == expert0
+            else:
+                stay = this_expert == expert1
+            if not stay:
+                site = 1 - site
+            if site == 0:
                 expert0, a_desc0, b_desc0 = end_descriptors(a_ptr, b_ptr, this_expert, this_row_end, expert0,
                                                             a_desc0, b_desc0, site_last0, g, full, OUT_M, OUT_N,
                                                             BLOCK_N, BLOCK_K, STAGES)
@@ -116,7 +125,7 @@ def producer_planned(a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, 
                            this_row_end, this_task // num_n * (2 * HALF_M), this_task % num_n * BLOCK_N, OUT_M, a_smem,
                            b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES, A_GATHER)
             if this_row_end > this_row0:
-                if even:
+                if site == 0:
                     site_last0 = g - 1
                 else:
                     site_last1 = g - 1
