@@ -884,7 +884,9 @@ def test_gpu_gathered_operands_give_the_routed_copies_bits(d, i, monkeypatch):
     for name in ("h", "act", "y"):
         assert torch.equal(getattr(got, name)[:803], getattr(want, name)[:803]), name
     f32 = dict(dtype=torch.float32, device="cuda")
-    for carried in (False, True):
+    # every SM a program, and 3 (several blocks of one expert a program: the wgrad producers' first rows kept over
+    # an expert's blocks, the plan's entries held ahead)
+    for carried, programs in ((False, None), (True, None), (False, 3), (True, 3)):
         runs = []
         for x_src, dy_src, x_index, dy_index in ((x[index.long()], d_out[index.long()], None, None),
                                                  (x, d_out, index, index)):
@@ -892,7 +894,7 @@ def test_gpu_gathered_operands_give_the_routed_copies_bits(d, i, monkeypatch):
                            torch.ones(d, i, **f32), torch.full((d, i), float("nan"), **f32),
                            torch.ones(2 * i, d, **f32), torch.full((2 * i, d), float("nan"), **f32)) if carried else None
             runs.append((expert_backward(dy_src, w, x_src, want.h, counts, offsets, wgu, wd, carry=c, x_index=x_index,
-                                         dy_index=dy_index, **plan), c))
+                                         dy_index=dy_index, num_programs=programs, **plan), c))
         (a, ca), (b, cb) = runs
         stored = slice(0, 3) if carried else slice(0, 4)
         assert torch.equal(a.d_x[:803], b.d_x[:803]) and torch.equal(a.d_router[:803], b.d_router[:803])

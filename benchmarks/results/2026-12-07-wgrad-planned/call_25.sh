@@ -10,7 +10,9 @@ sed -i 's/pos = k \* NUM_PROGRAMS + p + (k % 2) \* (NUM_PROGRAMS - 1 - 2 \* p)/p
 (cd $G; diff -r new both | grep '^[<>]') >> $L
 cd $G/new
 timeout $(cap 90) python3 -m pytest -v -m gpu tests/test_experts.py -k "wgrad_ws" -p no:cacheprovider > $OUT/r/t_wgrad.txt 2>&1; say t_wgrad $?; grep -E "FAILED|ERROR|passed|failed" $OUT/r/t_wgrad.txt | tail -6 >> $L
-MEGAMOE_WGRAD_PLANNED=1 timeout $(cap 50) python3 -m pytest -v -m gpu tests/test_experts.py -k "gathered_operands" -p no:cacheprovider > $OUT/r/t_gather.txt 2>&1; say t_gather $?; grep -E "FAILED|ERROR|passed|failed" $OUT/r/t_gather.txt | tail -4 >> $L
+for d in 0 1; do  # the gathering producers, static (first rows once an expert) and planned
+  MEGAMOE_WGRAD_PLANNED=$d timeout $(cap 50) python3 -m pytest -v -m gpu tests/test_experts.py -k "gathered_operands" -p no:cacheprovider > $OUT/r/t_gather$d.txt 2>&1; say t_gather$d $?; grep -E "FAILED|ERROR|passed|failed" $OUT/r/t_gather$d.txt | tail -4 >> $L
+done
 K="python3 benchmarks/backward_kernels.py --impl megamoe --rounds 3 --steady 1 --pass bwd"
 for load in "--preset deepseek-v3" "--preset qwen3-30b-a3b --tokens 16384" "--preset qwen3-30b-a3b --tokens 16384 --routing zipf" "--preset deepseek-v3 --routing zipf" "--preset sonic-7b --tokens 24576 --routing zipf"; do
   for s in new:1 both:1 base:1 new:0 base:0; do
