@@ -361,6 +361,43 @@ def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
         assert position(total + 5) == named[-1]
 
 
+def _deal_by_torch(counts, offsets, modes, per_expert):
+    """``wgrad_deal``'s table from torch ops (its first build): a stable descending argsort of the keys."""
+    active = torch.ones_like(counts, dtype=torch.bool) if modes is None else modes != 0
+    order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True)
+    row0 = offsets[order].to(torch.int32)
+    dealt = torch.stack([order.to(torch.int32), row0, row0 + counts[order].to(torch.int32), torch.zeros_like(row0)], 1)
+    blocks = (active.sum(dtype=torch.int32) * per_expert).view(1)
+    return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device), blocks, dealt.flatten()])
+
+
+@pytest.mark.parametrize("experts", [1, 5, 32, 33, 256, 384])
+def test_the_wgrad_deal_kernel_gives_the_torch_builders_table(experts):
+    """``wgrad_deal_kernel`` (one launch) against the torch ops it replaced, on random rows with many ties (rows
+    drawn from a few values, zeros among them), with and without a window's modes (some experts skipped), through
+    ``wgrad_deal`` and into a poisoned table."""
+    import triton
+
+    from megamoe.kernels.wgrad_deal import wgrad_deal_kernel
+    from megamoe.ops.experts_bwd import DEAL_CHUNK, wgrad_deal
+
+    g = torch.Generator().manual_seed(experts)
+    for trial in range(3):
+        counts = torch.randint(0, 4, (experts,), generator=g, dtype=torch.int32) * torch.randint(
+            1, 300, (1,), generator=g, dtype=torch.int32)
+        offsets = (torch.cumsum(counts, 0) - counts + torch.randint(0, 9, (experts,), generator=g)).to(torch.int32)
+        modes = torch.randint(0, 4, (experts,), generator=g, dtype=torch.int32) if trial else None
+        counts, offsets = counts.to(DEVICE), offsets.to(DEVICE)
+        modes = None if modes is None else modes.to(DEVICE)
+        want = _deal_by_torch(counts, offsets, modes, 7)
+        got = wgrad_deal(counts, offsets, modes, per_expert=7)
+        assert got.dtype == torch.int32 and torch.equal(got, want), (experts, trial)
+        poisoned = torch.full_like(want, -7)
+        wgrad_deal_kernel[(1,)](counts, offsets, counts if modes is None else modes, poisoned, experts, 7,
+                                HAS_MODES=modes is not None, EXPERTS=triton.next_power_of_2(experts), CHUNK=DEAL_CHUNK)
+        assert torch.equal(poisoned, want), (experts, trial)
+
+
 def test_the_gluon_wgrad_constexprs_pick_one_deal_and_split_only_256_wide_blocks():
     """``wgrad_ws_constexprs``: the split store (the default) only on 256-wide blocks and never with the counter
     deal, whose ring is then the whole-half store's; the counter and the plan together are refused."""

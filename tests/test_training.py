@@ -273,6 +273,8 @@ def test_backward_megakernel_compiles_for_sm90():
     assert gather["loads_b16"] == 0 and gather["stores_b16"] == 0 and gather["stores_v4"] > 0, gather
     assert not gather["local_memory"], gather
     assert not report["window_table"]["local_memory"], report["window_table"]  # one launch per window, no spills
+    deal = report["wgrad_deal"]  # one launch a dealt wgrad: no spills
+    assert not deal["local_memory"] and deal["stack_bytes"] == 0, deal
     facts = report["bf16"]
     assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"] and facts["fence_proxy_async"], facts
     assert facts["stores_b16"] == 0 and facts["loads_b16"] == 0 and facts["stores_v4"] > 0, facts

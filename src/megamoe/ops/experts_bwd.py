@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring, wgrad_warp_specialized
 from megamoe.kernels.wgrad_blocks import HALF_M, SPLIT_N
+from megamoe.kernels.wgrad_deal import wgrad_deal_kernel
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
@@ -332,6 +334,8 @@ WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 #: counter deals.
 WGRAD_PLANNED = runtime.env_switch("MEGAMOE_WGRAD_PLANNED", False)
 
+DEAL_CHUNK = 32  # experts wgrad_deal_kernel compares each expert with at a time
+
 
 def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
     """The Gluon wgrad's blocks of one expert's `[out_m, out_n]` gradient (two 64-row halves by ``block_n``)."""
@@ -343,14 +347,14 @@ def wgrad_deal(counts: torch.Tensor, offsets: torch.Tensor, modes: torch.Tensor 
     """The dynamic and the planned deals' int32 `[2 + 4 L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0;
     the plan leaves it unread), the blocks to deal (every expert's, or with a window's ``modes`` those of the
     experts it computes), then the experts by their rows, heaviest first (the ones the window skips last, never
-    dealt; ties in expert order), each as ``(expert, row0, row_end, 0)`` (``wgrad_dynamic.DEAL_FIELDS``). Device
-    work only."""
-    active = torch.ones_like(counts, dtype=torch.bool) if modes is None else modes != 0
-    order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True)
-    row0 = offsets[order].to(torch.int32)
-    dealt = torch.stack([order.to(torch.int32), row0, row0 + counts[order].to(torch.int32), torch.zeros_like(row0)], 1)
-    blocks = (active.sum(dtype=torch.int32) * per_expert).view(1)
-    return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device), blocks, dealt.flatten()])
+    dealt; ties in expert order), each as ``(expert, row0, row_end, 0)`` (``wgrad_dynamic.DEAL_FIELDS``). One
+    launch of ``wgrad_deal_kernel`` (int32 counts, offsets and modes; device work only)."""
+    experts = counts.numel()
+    deal = torch.empty(2 + 4 * experts, dtype=torch.int32, device=counts.device)
+    wgrad_deal_kernel[(1,)](counts, offsets, counts if modes is None else modes, deal, experts, per_expert,
+                            HAS_MODES=modes is not None, EXPERTS=triton.next_power_of_2(max(experts, 1)),
+                            CHUNK=DEAL_CHUNK, num_warps=4)
+    return deal
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,

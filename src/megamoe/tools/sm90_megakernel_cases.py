@@ -149,9 +149,22 @@ def window_table_case() -> Case:
     return Case(window_table_kernel, signature, consts, 4)
 
 
+def wgrad_deal_case() -> Case:
+    """The Gluon wgrad's deal (``megamoe.ops.experts_bwd.wgrad_deal``, one launch a dealt wgrad): kimi-k2's 384
+    experts of a rank at EP 1, a window's modes."""
+    from megamoe.kernels.wgrad_deal import wgrad_deal_kernel
+    from megamoe.ops.experts_bwd import DEAL_CHUNK
+
+    consts = dict(HAS_MODES=True, EXPERTS=512, CHUNK=DEAL_CHUNK)
+    signature = {name: "*i32" for name in wgrad_deal_kernel.arg_names if name.endswith("_ptr")}
+    signature.update(experts="i32", per_expert="i32", **dict.fromkeys(consts, "constexpr"))
+    return Case(wgrad_deal_kernel, signature, consts, 4)
+
+
 def megakernel_cases() -> dict[str, Case]:
     return {"weighted_sum": weighted_sum_case(), **{fmt: megakernel_case(fmt) for fmt in _MEGA_TILES}}
 
 
 def backward_cases() -> dict[str, Case]:
-    return {"bf16": backward_megakernel_case(), "gather_rows": gather_rows_case(), "window_table": window_table_case()}
+    return {"bf16": backward_megakernel_case(), "gather_rows": gather_rows_case(), "window_table": window_table_case(),
+            "wgrad_deal": wgrad_deal_case()}
