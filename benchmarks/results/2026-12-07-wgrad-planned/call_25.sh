@@ -5,7 +5,7 @@ cap() { local l=$(( 560 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ?
 say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }
 nvidia-smi --query-gpu=name,power.limit,clocks.sm,memory.total --format=csv >> $L
 rm -rf $G/both && cp -r $G/new $G/both
-sed -i 's/order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True)/order = torch.argsort(active.to(torch.int32), descending=True, stable=True)/' $G/both/src/megamoe/ops/experts_bwd.py
+sed -i 's/return tl.where(active, rows, -1), rows, active/return tl.where(active, 0, -1), rows, active/' $G/both/src/megamoe/kernels/wgrad_deal.py  # every computed expert as heavy: expert order
 sed -i 's/pos = k \* NUM_PROGRAMS + p + (k % 2) \* (NUM_PROGRAMS - 1 - 2 \* p)/pos = k * NUM_PROGRAMS + p/' $G/both/src/megamoe/kernels/wgrad_planned.py
 (cd $G; diff -r new both | grep '^[<>]') >> $L
 cd $G/new
