@@ -1,5 +1,5 @@
 """The Gluon wgrad's deals on a cost model (CPU only; `PYTHONPATH=src python3 deal_model.py` -> `deal_model.txt`;
-2026-12-07-wgrad-split-store's with the one-region plan and a one-end counter beside the others):
+2026-12-07-wgrad-split-store's deal_model.txt came from its first three columns, `first_plan` then `planned`):
 the busiest of 132 programs over the mean, each block costing max(its expert's rows x 9.3 ns, 2.6 us) + 0.3 us
 (a 128 x 256 block's MMA at ~990 TFLOP/s over 132 SMs; its SM's share of the write bandwidth; a fixed cost).
 static: each expert's blocks round robin (wgrad_warp_specialized); counter: the deal's alternating heavy / light

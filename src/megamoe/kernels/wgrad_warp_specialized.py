@@ -55,9 +55,9 @@ def gather_registers(a_gather, block_k, planned=False):
     """The worker partitions' registers (the second consumer's, the producer's; the first consumer gets what they
     leave): 232 / 40 with the TMA producer (64 with the plan's, which holds two deal entries ahead: at 40 and 48
     the sm_90 build reserved 24 bytes of stack), 232 / 48 gathering A's 64-wide halves (A_GATHER) in 32-row K
-    steps. In the 64-row steps a pass gathers in (``megamoe.ops.experts_bwd.gathering_wgrad_tile``) the producer holds a
-    step's row pointers and the next two steps' indices: at 48 registers the sm_90 build spilled 48 bytes, at 96
-    none, beside consumers of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either. (x gathered
+    steps. In the 64-row steps a pass gathers in (``megamoe.ops.experts_bwd.gathering_wgrad_tile``) the producer
+    holds a step's row pointers and the next two steps' indices: at 48 registers the sm_90 build spilled 48 bytes, at
+    96 none, beside consumers of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either. (x gathered
     as B, 256-wide rows, spilled 160 bytes at 48 in 32-row steps and 56 at any split in 64-row ones: x is gathered
     as A now, the block stored transposed, OUT_T.)"""
     if a_gather and block_k > 32:
@@ -101,9 +101,8 @@ def _load_expert(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, 
         rows_now, rows_next = first_rows(a_index_ptr, row0, row_end, BLOCK_K, A_GATHER)
         for task in range(first, per_expert, NUM_PROGRAMS):
             g = load_block(a_ptr, a_desc, b_desc, a_index_ptr, rows_now, rows_next, row0, row_end,
-                           task // num_n * (2 * HALF_M),
-                            task % num_n * BLOCK_N, OUT_M, a_smem, b_smem, full, empty, g, BLOCK_N, BLOCK_K, STAGES,
-                            A_GATHER)
+                           task // num_n * (2 * HALF_M), task % num_n * BLOCK_N, OUT_M, a_smem, b_smem, full, empty, g,
+                           BLOCK_N, BLOCK_K, STAGES, A_GATHER)
         site_last = g - 1
     return g, site_last
 
@@ -168,8 +167,9 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     block stored transposed: the gate/up wgrad with x gathered as A, ``out[l] = (x_rowsᵀ · d_h)ᵀ``, which reads each
     x row once per BLOCK_N (256) of 2I; gathered as B it was read once per 128.
     DYNAMIC: the blocks taken from a counter as programs come free (``deal`` int32 `[2 + 4 L]`, zero, the blocks to
-    deal, the experts heaviest first with their rows: ``wgrad_dynamic.dealt_block``), the producer naming each block to the consumers in a tag step
-    of the ring; a block is still reduced by one program in one order, so the bits are the static deal's.
+    deal, the experts heaviest first with their rows: ``wgrad_dynamic.dealt_block``), the producer naming each block
+    to the consumers in a tag step of the ring; a block is still reduced by one program in one order, so the bits
+    are the static deal's.
     PLANNED: the same deal's order in a fixed plan, a round's blocks side by side, a snake over the programs
     (``wgrad_planned.planned_block``): no counter, the consumers find their blocks themselves.
     SPLIT_STORE (256-wide blocks, not with DYNAMIC): each consumer stores its half in four 64-column quarters
