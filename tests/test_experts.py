@@ -361,13 +361,17 @@ def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
         assert position(total + 5) == named[-1]
 
 
-def _deal_by_torch(counts, offsets, modes, per_expert):
-    """``wgrad_deal``'s table from torch ops (its first build): a stable descending argsort of the keys."""
+def _deal_by_torch(counts, offsets, modes, per_expert, skew=0.0):
+    """``wgrad_deal``'s table from torch ops (its first build): a stable descending argsort of the keys; no blocks
+    where the heaviest computed expert has under ``skew`` times their mean rows (the kernel's two fp32 products)."""
     active = torch.ones_like(counts, dtype=torch.bool) if modes is None else modes != 0
     order = torch.argsort(torch.where(active, counts, -1), descending=True, stable=True)
     row0 = offsets[order].to(torch.int32)
     dealt = torch.stack([order.to(torch.int32), row0, row0 + counts[order].to(torch.int32), torch.zeros_like(row0)], 1)
-    blocks = (active.sum(dtype=torch.int32) * per_expert).view(1)
+    computed = torch.where(active, counts, 0)
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    skewed = bool(f32(int(computed.max())) * f32(int(active.sum())) >= f32(skew) * f32(int(computed.sum())))
+    blocks = (active.sum(dtype=torch.int32) * per_expert * skewed).view(1)
     return torch.cat([torch.zeros(1, dtype=torch.int32, device=counts.device), blocks, dealt.flatten()])
 
 
@@ -393,9 +397,15 @@ def test_the_wgrad_deal_kernel_gives_the_torch_builders_table(experts):
         got = wgrad_deal(counts, offsets, modes, per_expert=7)
         assert got.dtype == torch.int32 and torch.equal(got, want), (experts, trial)
         poisoned = torch.full_like(want, -7)
-        wgrad_deal_kernel[(1,)](counts, offsets, counts if modes is None else modes, poisoned, experts, 7,
+        wgrad_deal_kernel[(1,)](counts, offsets, counts if modes is None else modes, poisoned, experts, 7, 0.0,
                                 HAS_MODES=modes is not None, EXPERTS=triton.next_power_of_2(experts), CHUNK=DEAL_CHUNK)
         assert torch.equal(poisoned, want), (experts, trial)
+        # the plan's skew test: its blocks at any skew up to the rows' (heaviest over mean), none above it
+        computed = counts if modes is None else torch.where(modes != 0, counts, 0)
+        ratio = float(computed.max()) * int(want[1] // 7) / max(float(computed.sum()), 1.0)
+        for skew in (1.0, ratio, ratio * 1.01 + 0.01, 3.0, float("inf")):
+            want = _deal_by_torch(counts, offsets, modes, 7, skew)
+            assert torch.equal(wgrad_deal(counts, offsets, modes, 7, skew), want), (experts, trial, skew)
 
 
 def test_the_gluon_wgrad_constexprs_pick_one_deal_and_split_only_256_wide_blocks():
@@ -470,14 +480,17 @@ def test_the_planned_wgrad_deal_balances_the_bench_zipf_load():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("out_m, out_n", [(384, 512), (320, 448)])
 @pytest.mark.parametrize("rows_per_expert", [None, FEW_ROWS_PER_EXPERT])
-def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
+def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert, monkeypatch):
     """The wgrad that expert_backward runs on Hopper (the warp-specialised Gluon kernel) against wgrad_kernel at the
     same block (both of the planner's: BK 32, BK 64; the Gluon ring as deep as the launch makes it): the same bits
     on a load with an empty expert, partial K steps, partial blocks (320 x 448) and more blocks than programs,
     NaN-poisoned; and the Gluon kernel with the operands swapped and the blocks stored transposed (OUT_T, how it
     runs a gathered B: ``(bᵀ · a)ᵀ``); both again with each half stored in 64-column quarters (SPLIT_STORE),
-    with the blocks dealt dynamically (DYNAMIC) and by the plan (PLANNED)."""
+    with the blocks dealt dynamically (DYNAMIC) and by the plan (PLANNED); ``wgrad`` at every plan skew
+    (``WGRAD_PLAN_SKEW``: the plan's launch, the static deal's, both with either dealing); the static deal told
+    that the plan took its blocks writes nothing."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
+    from megamoe.ops import experts_bwd
     from megamoe.ops.experts_bwd import (warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal,
                                          wgrad_ws_constexprs)
     from megamoe.ops.launch import scratch_allocator
@@ -533,8 +546,24 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert):
             wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                 first, second, out, offsets, counts, len(counts), m, n, counts, out, out, counts, deal_ptr=deal,
                 **wgrad_ws_constexprs(tile, programs, planned=True), OUT_T=swap, num_warps=4)
+        # the static deal beside the plan's launch: a no-op where the plan counted blocks (the output left poisoned)
+        skipped = torch.full_like(outs[0], float("nan"))
+        wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+            a, b, skipped, offsets, counts, len(counts), out_m, out_n, counts, skipped, skipped, counts,
+            skip_ptr=torch.tensor([1], dtype=torch.int32, device="cuda"), **wgrad_ws_constexprs(tile, programs),
+            num_warps=4)
     wgrad(a, b, outs[1], offsets, counts, tile, programs)
+    # the plan's skew test (the heaviest expert 200 rows, 2.75x the mean): 2.5 deals by the plan, 3 by the static
+    # deal's launch beside it; 0 the plan's launch alone, inf the static deal's
+    per_expert = wgrad_blocks_per_expert(out_m, out_n, tile.block_n)
+    assert int(wgrad_deal(counts, offsets, None, per_expert, 2.5)[1]) == 6 * per_expert
+    assert int(wgrad_deal(counts, offsets, None, per_expert, 3.0)[1]) == 0
+    for skew in (0.0, 2.5, 3.0, float("inf")):
+        monkeypatch.setattr(experts_bwd, "WGRAD_PLAN_SKEW", skew)
+        outs.append(torch.full_like(outs[0], float("nan")))
+        wgrad(a, b, outs[-1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
+    assert skipped.isnan().all()
     want = torch.stack([a[o:o + c].float().T @ b[o:o + c].float() for o, c in zip(offsets.tolist(), counts.tolist())])
     assert _rel(outs[0], want) < 1e-2 and outs[0][1].eq(0).all()
     for got in outs[1:]:

@@ -164,6 +164,20 @@ def test_the_ab_switches_read_0_or_1_and_refuse_anything_else(monkeypatch):
             env_switch("MEGAMOE_TEST_SWITCH", False)
 
 
+def test_the_ratio_knobs_read_a_number_at_least_0_and_refuse_anything_else(monkeypatch):
+    from megamoe.runtime import env_ratio
+
+    monkeypatch.delenv("MEGAMOE_TEST_RATIO", raising=False)
+    assert env_ratio("MEGAMOE_TEST_RATIO", 2.5) == 2.5
+    for text, want in (("0", 0.0), ("3", 3.0), (" 1.5 ", 1.5), ("inf", float("inf"))):
+        monkeypatch.setenv("MEGAMOE_TEST_RATIO", text)
+        assert env_ratio("MEGAMOE_TEST_RATIO", 7.0) == want
+    for text in ("-1", "nan", "", "two", "-inf"):
+        monkeypatch.setenv("MEGAMOE_TEST_RATIO", text)
+        with pytest.raises(ValueError, match="MEGAMOE_TEST_RATIO must be a number >= 0"):
+            env_ratio("MEGAMOE_TEST_RATIO", 1.0)
+
+
 def _gpu_rank_never_comes(world):
     import time
 

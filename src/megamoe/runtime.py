@@ -64,6 +64,21 @@ def env_switch(name: str, default: bool) -> bool:
     return text.strip() == "1"
 
 
+def env_ratio(name: str, default: float) -> float:
+    """A non-negative number from the environment (an A/B knob read at import; ``inf`` allowed): ``default`` when
+    unset; ValueError naming it for anything else (a typo must not silently leave a default in place)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{name} must be a number >= 0 (or inf), got {text!r}")
+    return value
+
+
 def resolve_wait_budget(budget: object = None, *, barrier: bool = False) -> int:
     """An in-kernel wait's poll budget: ``budget`` (an int in [1, 2**31)), else ``MEGAMOE_WAIT_BUDGET``, else the
     default for where kernels run (``barrier``: a host-launched barrier's, ``DEFAULT_BARRIER_WAIT_BUDGET``)."""

@@ -1,12 +1,14 @@
 """The Gluon wgrad's deal in one launch: the dynamic and the planned deals' int32 `[2 + 4 L]` table
-(``megamoe.ops.experts_bwd.wgrad_deal`` documents it): the block counter (0), the blocks to deal, then the experts by
-their rows, heaviest first, ties in expert order, the ones a window skips last, each as ``(expert, row0, row_end, 0)``.
+(``megamoe.ops.experts_bwd.wgrad_deal`` documents it): the block counter (0), the blocks to deal (none where the
+rows are too even for the plan to pay: the heaviest computed expert's under ``skew`` times their mean; the static
+deal's launch beside the plan's then deals them), then the experts by their rows, heaviest first, ties in expert
+order, the ones a window skips last, each as ``(expert, row0, row_end, 0)``.
 
 Built from torch ops (an argsort, gathers, a stack, a sum and a concatenation) it took ~19 small launches a wgrad
 launch: the planned deal's backward ran 60 launches against the static deal's 22 at qwen3-30b-a3b
 (benchmarks/results/2026-12-07-wgrad-planned, call 20). Here one program ranks the experts itself: an expert's place
 is the number of experts that come before it (heavier, or as heavy and numbered lower), counted CHUNK experts at a
-time. Integer arithmetic only, so it runs the same under the interpreter.
+time. Integer arithmetic but the skew test's two fp32 products (IEEE, so it runs the same under the interpreter).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def _keys(counts_ptr, modes_ptr, e, experts, HAS_MODES: tl.constexpr):
     return tl.where(active, rows, -1), rows, active
 
 
-@triton.jit(do_not_specialize=["experts", "per_expert"])
-def wgrad_deal_kernel(counts_ptr, offsets_ptr, modes_ptr, deal_ptr, experts, per_expert,
+@triton.jit(do_not_specialize=["experts", "per_expert", "skew"])
+def wgrad_deal_kernel(counts_ptr, offsets_ptr, modes_ptr, deal_ptr, experts, per_expert, skew,
                       HAS_MODES: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
     e = tl.arange(0, EXPERTS)
     key, rows, active = _keys(counts_ptr, modes_ptr, e, experts, HAS_MODES)
@@ -45,5 +47,9 @@ def wgrad_deal_kernel(counts_ptr, offsets_ptr, modes_ptr, deal_ptr, experts, per
     tl.store(at + 1, row0, mask=valid)
     tl.store(at + 2, row0 + rows, mask=valid)
     tl.store(at + 3, tl.zeros([EXPERTS], dtype=tl.int32), mask=valid)
+    computed = tl.where(active, rows, 0)
+    dealt = tl.sum(active.to(tl.int32), axis=0)
+    skewed = tl.max(computed, axis=0).to(tl.float32) * dealt.to(tl.float32) >= skew * tl.sum(computed, axis=0).to(
+        tl.float32)
     head = tl.arange(0, 2)
-    tl.store(deal_ptr + head, tl.where(head == 1, tl.sum(active.to(tl.int32), axis=0) * per_expert, 0))
+    tl.store(deal_ptr + head, tl.where(head == 1, tl.where(skewed, dealt * per_expert, 0), 0))

@@ -127,17 +127,18 @@ def _producer(a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num
 
 
 @gluon.jit
-def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
-              a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+def _consumer(out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, dealt, OUT_M,
+              OUT_N, a_smem, b_smem, c_smem, full, empty, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl.constexpr,
               CARRY: gl.constexpr, GATHER: gl.constexpr, OUT_T: gl.constexpr, SPLIT_STORE: gl.constexpr):
-    """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup)."""
+    """Rows HALF * 64 .. HALF * 64 + 63 of every block of this program (one warpgroup), of experts 0 .. dealt - 1
+    (none, or all ``num_experts``)."""
     num_n = gl.cdiv(OUT_N, BLOCK_N)
     per_expert = gl.cdiv(OUT_M, 2 * HALF_M) * num_n
     BOX_N: gl.constexpr = SPLIT_N if SPLIT_STORE else BLOCK_N
     out_desc = out_descriptor(out_ptr, num_experts, OUT_M, OUT_N, BOX_N, OUT_T)
     g = 0
-    for expert in range(0, num_experts):
+    for expert in range(0, dealt):
         first, mode = window_task(expert, per_expert, modes_ptr, NUM_PROGRAMS, CARRY)
         if first < per_expert:
             row0 = gl.load(offsets_ptr + expert)
@@ -156,7 +157,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     MMA_IN_FLIGHT: gl.constexpr = False, CARRY: gl.constexpr = False, A_GATHER: gl.constexpr = False,
                     OUT_T: gl.constexpr = False, deal_ptr=None, DYNAMIC: gl.constexpr = False,
-                    SPLIT_STORE: gl.constexpr = False, PLANNED: gl.constexpr = False):
+                    SPLIT_STORE: gl.constexpr = False, PLANNED: gl.constexpr = False, skip_ptr=None):
     """out[l] = A[rows of l]ᵀ · B[rows of l] (`wgrad_kernel`'s contract: A `[R, OUT_M]`, B `[R, OUT_N]`, out
     `[L, OUT_M, OUT_N]`, contiguous bf16), blocks of 128 x BLOCK_N; 4 warps here (the first consumer), 4 + 1 in
     the worker partitions. CARRY: one window of the backward's rows, as ``wgrad_kernel`` (``modes [L]`` int32, the
@@ -172,6 +173,8 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     are the static deal's.
     PLANNED: the same deal's order in a fixed plan, a round's blocks side by side, a snake over the programs
     (``wgrad_planned.planned_block``): no counter, the consumers find their blocks themselves.
+    ``skip_ptr`` (the static deal; int32 `[1]`, the plan's count of blocks: ``deal[1:]``): nothing to do where it is
+    not 0, the plan's launch beside this one deals them (``megamoe.ops.experts_bwd.WGRAD_PLAN_SKEW``).
     SPLIT_STORE (256-wide blocks, not with DYNAMIC): each consumer stores its half in four 64-column quarters
     through two 64 x 64 buffers (``wgrad_blocks.store_half_split``), leaving the ring 32 KB more
     (``wgrad_ws_stages``)."""
@@ -224,19 +227,22 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                                  gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
             [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K, planned=True))
     else:
+        dealt = num_experts
+        if skip_ptr is not None:  # the plan's launch took the blocks
+            dealt = gl.where(gl.load(skip_ptr) != 0, 0, num_experts)
         # constexprs reach the partitions only wrapped; the tuples are written out (no unpacking in Gluon)
         gl.warp_specialize(
-            [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
-                          OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
+            [(_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, dealt,
+                          OUT_M, OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
                           gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
-             (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
-                          OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
+             (_consumer, (out_ptr, offsets_ptr, counts_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, dealt,
+                          OUT_M, OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
                           gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
                           gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
-             (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, num_experts, OUT_M,
+             (_producer, (a_ptr, b_ptr, a_index_ptr, offsets_ptr, counts_ptr, modes_ptr, dealt, OUT_M,
                           OUT_N, a_smem, b_smem, full, empty, gl.constexpr(NUM_PROGRAMS),
                           gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES), gl.constexpr(CARRY),
                           gl.constexpr(A_GATHER)))],

@@ -8,6 +8,7 @@ plain-PyTorch twin.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -300,7 +301,7 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False, 
     :data:`~megamoe.planner.tiles.WGRAD_MMA_IN_FLIGHT_STAGES` on (the measurements are there). ``split``: the
     split store (None: :data:`WGRAD_SPLIT_STORE`) where the block is 256 wide; the dynamic deal stores whole halves.
     ``dynamic`` / ``planned``: the blocks dealt from a counter / by the plan (:data:`WGRAD_DYNAMIC`,
-    :data:`WGRAD_PLANNED`), not both."""
+    :data:`WGRAD_PLAN_SKEW`), not both."""
     if dynamic and planned:
         raise ValueError("the Gluon wgrad deals its blocks from a counter or by a plan, not both")
     split = (WGRAD_SPLIT_STORE if split is None else split) and not dynamic and tile.block_n == 4 * SPLIT_N.value
@@ -324,15 +325,16 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False, 
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
 #: The Gluon wgrad deals the counter's order (experts heaviest first) by a fixed plan (``wgrad_planned.planned_block``:
-#: a round's blocks side by side in that order, a snake over the programs): the counter deal's balance under skewed
-#: routing without its round trip a block, and the static deal's L2 reuse. Its first plan (heavy and light blocks in
-#: turn a program, from the order's two ends) won under zipf routing (qwen3-30b-a3b's wgrads 2.735 against the static
-#: 3.264 ms, sonic-7b's 1.171 against 1.571) and lost on uniform loads (2.730 against 2.401; deepseek-v3 1.08x), one
-#: region a round lost as much (benchmarks/results/2026-12-07-wgrad-planned, calls 20-24): its producer loaded each
-#: block's entry as it came to it, a round trip before the block's row indices and gather; now held two blocks
-#: ahead, not yet timed. Off: an A/B knob, ``MEGAMOE_WGRAD_PLANNED`` (0 or 1); with ``MEGAMOE_WGRAD_DYNAMIC`` the
-#: counter deals.
-WGRAD_PLANNED = runtime.env_switch("MEGAMOE_WGRAD_PLANNED", False)
+#: a round's blocks side by side in that order, a snake over the programs) where the routing is skewed: where the
+#: heaviest expert the launch computes has at least this many times their mean rows. The counter deal's balance
+#: without its round trip a block, and the static deal's L2 reuse, but a cost of its own: on one H100 the plan's
+#: wgrads ran qwen3-30b-a3b's and deepseek-v3's zipf loads 0.83x / 0.91x the static deal's and sonic-7b's 0.75x, and
+#: their uniform loads 1.09x / 1.07x (benchmarks/results/2026-12-07-wgrad-planned, calls 25-26). The deal kernel
+#: takes the test on the device (no host sync) and the static deal's launch beside it deals the blocks where the
+#: plan's deal counted none: each launch is the other's no-op. Both deals reduce a block's rows in one order: the
+#: same bits whichever runs. ``MEGAMOE_WGRAD_PLAN_SKEW`` (a number >= 0: 0, the plan always; ``inf``, the static
+#: deal always, one launch); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
+WGRAD_PLAN_SKEW = runtime.env_ratio("MEGAMOE_WGRAD_PLAN_SKEW", 3.0)
 
 DEAL_CHUNK = 32  # experts wgrad_deal_kernel compares each expert with at a time
 
@@ -343,15 +345,17 @@ def wgrad_blocks_per_expert(out_m: int, out_n: int, block_n: int) -> int:
 
 
 def wgrad_deal(counts: torch.Tensor, offsets: torch.Tensor, modes: torch.Tensor | None,
-               per_expert: int) -> torch.Tensor:
+               per_expert: int, skew: float = 0.0) -> torch.Tensor:
     """The dynamic and the planned deals' int32 `[2 + 4 L]` (``wgrad_ws_kernel``'s ``deal``): the block counter (0;
     the plan leaves it unread), the blocks to deal (every expert's, or with a window's ``modes`` those of the
-    experts it computes), then the experts by their rows, heaviest first (the ones the window skips last, never
-    dealt; ties in expert order), each as ``(expert, row0, row_end, 0)`` (``wgrad_dynamic.DEAL_FIELDS``). One
-    launch of ``wgrad_deal_kernel`` (int32 counts, offsets and modes; device work only)."""
+    experts it computes; none where the heaviest of those has fewer than ``skew`` times their mean rows: the plan
+    then deals nothing and the static deal's launch everything, :data:`WGRAD_PLAN_SKEW`), then the experts by their
+    rows, heaviest first (the ones the window skips last, never dealt; ties in expert order), each as
+    ``(expert, row0, row_end, 0)`` (``wgrad_dynamic.DEAL_FIELDS``). One launch of ``wgrad_deal_kernel`` (int32
+    counts, offsets and modes; device work only)."""
     experts = counts.numel()
     deal = torch.empty(2 + 4 * experts, dtype=torch.int32, device=counts.device)
-    wgrad_deal_kernel[(1,)](counts, offsets, counts if modes is None else modes, deal, experts, per_expert,
+    wgrad_deal_kernel[(1,)](counts, offsets, counts if modes is None else modes, deal, experts, per_expert, skew,
                             HAS_MODES=modes is not None, EXPERTS=triton.next_power_of_2(max(experts, 1)),
                             CHUNK=DEAL_CHUNK, num_warps=4)
     return deal
@@ -390,15 +394,19 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
             out_t = b_index is not None
             if out_t:
                 a, b, a_index, out_m, out_n = b, a, b_index, out_n, out_m
+            args = (a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index)
+            flags = dict(CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, num_warps=4)
             deal = None
-            planned = WGRAD_PLANNED and not WGRAD_DYNAMIC
-            if WGRAD_DYNAMIC or planned:
+            if WGRAD_DYNAMIC or WGRAD_PLAN_SKEW != math.inf:
                 deal = wgrad_deal(counts, offsets, None if carry is None else carry[0],
-                                  wgrad_blocks_per_expert(out_m, out_n, tile.block_n))
-            wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                a, b, out, offsets, counts, experts, out_m, out_n, *window, counts if a_index is None else a_index,
-                CARRY=carry is not None, A_GATHER=a_index is not None, OUT_T=out_t, deal_ptr=deal,
-                **wgrad_ws_constexprs(tile, programs, WGRAD_DYNAMIC, planned=planned), num_warps=4)
+                                  wgrad_blocks_per_expert(out_m, out_n, tile.block_n),
+                                  0.0 if WGRAD_DYNAMIC else WGRAD_PLAN_SKEW)
+                wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                    *args, deal_ptr=deal, **wgrad_ws_constexprs(tile, programs, WGRAD_DYNAMIC, planned=not WGRAD_DYNAMIC),
+                    **flags)
+            if not WGRAD_DYNAMIC and WGRAD_PLAN_SKEW != 0:  # the static deal, a no-op where the plan dealt
+                wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
+                    *args, skip_ptr=None if deal is None else deal[1:], **wgrad_ws_constexprs(tile, programs), **flags)
             return
         tile = tile if carry is None else carry_tile(tile)
         expert_gemm_bwd.wgrad_kernel[(programs,)](

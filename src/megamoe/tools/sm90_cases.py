@@ -151,7 +151,8 @@ def gemm_cases() -> dict[str, Case]:
         # token, at the gathering tile
         gathers = (("", False, False), (" (d_out rows by token)", True, False), (" (x rows by token)", True, True))
         # (and, plain and gathering x, the other deals and stores: from a counter, ``WGRAD_DYNAMIC``; by the plan,
-        # ``WGRAD_PLANNED``; each half stored whole, as before ``WGRAD_SPLIT_STORE``, its ring two slots shallower)
+        # ``WGRAD_PLAN_SKEW``; each half stored whole, as before ``WGRAD_SPLIT_STORE``, its ring two slots shallower);
+        # the static deal as it runs beside the plan's launch, reading whether the plan took its blocks (skip_ptr)
         variants = (("dynamic", dict(dynamic=True)), ("planned", dict(planned=True)),
                     ("whole halves", dict(split=False)))
         launches = [(suffix, a_gather, out_t, {}) for suffix, a_gather, out_t in gathers]
@@ -159,14 +160,16 @@ def gemm_cases() -> dict[str, Case]:
                      for kind, choice in variants for _, a_gather, out_t in (gathers[0], gathers[2])]
         for suffix, a_gather, out_t, choice in launches if carry and t is wide else launches[:1]:
             t_ws = gathering_wgrad_tile(t) if a_gather else t
+            static_deal = not (choice.get("dynamic") or choice.get("planned"))
             cases[name.replace("wgrad_kernel", "wgrad_ws_kernel") + suffix] = Case(wgrad_warp_specialized.wgrad_ws_kernel, {
                 "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "offsets_ptr": "*i32", "counts_ptr": "*i32",
                 "num_experts": "i32", "OUT_M": "i32", "OUT_N": "i32", **_CARRY, "a_index_ptr": "*i32",
                 "NUM_PROGRAMS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "STAGES": "constexpr", "MMA_IN_FLIGHT": "constexpr", "A_GATHER": "constexpr", "OUT_T": "constexpr",
-                "deal_ptr": "*i32", "DYNAMIC": "constexpr", "SPLIT_STORE": "constexpr", "PLANNED": "constexpr"},
+                "deal_ptr": "*i32", "DYNAMIC": "constexpr", "SPLIT_STORE": "constexpr", "PLANNED": "constexpr",
+                "skip_ptr": "*i32" if static_deal else "constexpr"},
                 {**wgrad_ws_constexprs(t_ws, SMS, **choice), "CARRY": carry, "A_GATHER": a_gather,
-                 "OUT_T": out_t}, num_warps=4)
+                 "OUT_T": out_t, **({} if static_deal else {"skip_ptr": None})}, num_warps=4)
     return cases
 
 

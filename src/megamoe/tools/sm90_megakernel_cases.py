@@ -157,7 +157,7 @@ def wgrad_deal_case() -> Case:
 
     consts = dict(HAS_MODES=True, EXPERTS=512, CHUNK=DEAL_CHUNK)
     signature = {name: "*i32" for name in wgrad_deal_kernel.arg_names if name.endswith("_ptr")}
-    signature.update(experts="i32", per_expert="i32", **dict.fromkeys(consts, "constexpr"))
+    signature.update(experts="i32", per_expert="i32", skew="fp32", **dict.fromkeys(consts, "constexpr"))
     return Case(wgrad_deal_kernel, signature, consts, 4)
 
 
