@@ -440,7 +440,7 @@ def planned_blocks(program: int, programs: int, total: int) -> list[int]:
 
 @pytest.mark.parametrize("programs, total", [(5, 0), (5, 1), (5, 7), (4, 9), (132, 6144), (132, 301), (7, 14)])
 def test_the_planned_wgrad_deal_names_every_block_once_a_round_side_by_side(programs, total):
-    """The planned deal (``WGRAD_PLANNED``): over the programs every block of the deal's order once, each program's
+    """The planned deal (``WGRAD_PLAN_SKEW``): over the programs every block of the deal's order once, each program's
     heaviest first; round k's blocks are the order's k-th run of ``programs`` (side by side, as the static deal's:
     the programs share their experts' rows in L2), the snake turning each round."""
     plans = [planned_blocks(p, programs, total) for p in range(programs)]

@@ -11,7 +11,9 @@ experts' rows in L2: the first plan, heavy and light blocks in turn a program fr
 regions of it hot and read qwen3-30b-a3b's uniform gate/up operands from DRAM 2.6x over (L2 hits 61 % against
 83 %, 1.83 against 1.58 ms; benchmarks/results/2026-12-07-wgrad-planned). Its limit: a block near a program's mean
 share (a few experts, far hotter than the rest) still lands on a program that takes its share of the others; the
-counter spares that program. A block is one program's, its rows reduced in one order: the static deal's bits."""
+counter spares that program. A block is one program's, its rows reduced in one order: the static deal's bits.
+Its machinery and its order cost uniform loads ~8 %, so it deals only where the routing is skewed
+(``megamoe.ops.experts_bwd.WGRAD_PLAN_SKEW``; the static deal's launch beside it takes the rest)."""
 
 from __future__ import annotations
 

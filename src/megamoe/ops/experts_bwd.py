@@ -326,15 +326,17 @@ WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
 #: The Gluon wgrad deals the counter's order (experts heaviest first) by a fixed plan (``wgrad_planned.planned_block``:
 #: a round's blocks side by side in that order, a snake over the programs) where the routing is skewed: where the
-#: heaviest expert the launch computes has at least this many times their mean rows. The counter deal's balance
-#: without its round trip a block, and the static deal's L2 reuse, but a cost of its own: on one H100 the plan's
-#: wgrads ran qwen3-30b-a3b's and deepseek-v3's zipf loads 0.83x / 0.91x the static deal's and sonic-7b's 0.75x, and
-#: their uniform loads 1.09x / 1.07x (benchmarks/results/2026-12-07-wgrad-planned, calls 25-26). The deal kernel
-#: takes the test on the device (no host sync) and the static deal's launch beside it deals the blocks where the
-#: plan's deal counted none: each launch is the other's no-op. Both deals reduce a block's rows in one order: the
-#: same bits whichever runs. ``MEGAMOE_WGRAD_PLAN_SKEW`` (a number >= 0: 0, the plan always; ``inf``, the static
-#: deal always, one launch); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
-WGRAD_PLAN_SKEW = runtime.env_ratio("MEGAMOE_WGRAD_PLAN_SKEW", 3.0)
+#: heaviest expert the launch computes has at least this many times their mean rows. The plan balances skewed loads
+#: without the counter's round trip a block, but its machinery and its order cost uniform ones: on one H100 its
+#: wgrads ran the bench's zipf loads 0.82x (qwen3-30b-a3b), 0.91x (deepseek-v3) and 0.75x (sonic-7b) the static
+#: deal's, uniform ones 1.07-1.09x; at heaviest / mean 2.1 the static deal won by 7 %, at 3.4 they tied, at 4.2
+#: (deepseek-v3) the static deal won by 2 %, at 5.2 the plan by 4 % (benchmarks/results/2026-12-07-wgrad-planned,
+#: calls 25-27). The deal kernel takes the test on the device (no host sync) and the static deal's launch beside
+#: the plan's reads its count and deals nothing where the plan dealt: each launch is the other's no-op (~11 us a
+#: wgrad on uniform loads, 1 %). Both deals reduce a block's rows in one order: the same bits whichever runs.
+#: ``MEGAMOE_WGRAD_PLAN_SKEW`` (a number >= 0; 0: the plan always, one launch; ``inf``: the static deal always, one
+#: launch and no deal); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
+WGRAD_PLAN_SKEW = runtime.env_ratio("MEGAMOE_WGRAD_PLAN_SKEW", 5.0)
 
 DEAL_CHUNK = 32  # experts wgrad_deal_kernel compares each expert with at a time
 
