@@ -15,7 +15,8 @@ operators too). Rank 0 prints, per implementation, the pass's wall time between 
 the rounds), its kernels' time grouped by kind (expert GEMM tiles, quantisers, row copies, weighted sums, schedule,
 elementwise, memsets and copies), the time no kernel ran (launch gaps, host work, allocations), the largest
 kernels, and the gaps between device work (``gaps``: whether each one waited for the host's launch, the host
-operator around that launch with --host, and the host's syncs, allocations and graph captures); writes
+operator around that launch with --host, and the host's syncs, allocations and graph captures) and at the pass's
+two ends (the host's time to its first launch, with --host what it ran meanwhile, Python frames included); writes
 DIR/backward_kernels_<preset>_<tokens>_<pass>.json (every kernel of the median round) and
 DIR/<preset>_<tokens>_<pass>_<impl>.json.gz (``_<routing>`` after the pass unless uniform, then ``_<experts>``
 unless bf16; that round's Chrome / Perfetto trace). Each runner's gradients are dropped after its pass, so that two
@@ -70,7 +71,7 @@ def profiled(fn, host: bool = False) -> tuple[float, list[dict], dict]:
     µs) and the Chrome trace (with ``host``, the host's operators too: what each gap waited on)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=host) as prof:  # with --host: Python frames too
         start.record()
         fn()
         end.record()
@@ -133,13 +134,37 @@ def gaps(trace: dict, min_us: float = 5.0) -> dict:
                           "api": None if call is None else call["name"], "host_op": _host_op(ops, call)})
         reach = max(reach, e["ts"] + e["dur"])
     host_bound = sum(g["us"] for g in found if g["late_us"] is not None and g["late_us"] > 0)
+    ends = _ends(events, device)
     stalls = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and STALLS.search(e["name"]):
             stalls[e["name"]][0] += 1
             stalls[e["name"]][1] += e.get("dur", 0.0)
     return {"gaps": found, "gap_ms": sum(g["us"] for g in found) / 1e3, "host_bound_ms": host_bound / 1e3,
-            "stalls": {name: {"calls": n, "ms": us / 1e3} for name, (n, us) in sorted(stalls.items())}}
+            "stalls": {name: {"calls": n, "ms": us / 1e3} for name, (n, us) in sorted(stalls.items())}, **ends}
+
+
+def _ends(events: list[dict], device: list[dict], top: int = 12) -> dict:
+    """The pass's two ends, from its CUDA events' records (the first and the last ``cudaEventRecord*`` call):
+    ``lead_us``, from the start event's record returning to the first device work (the GPU idle, as the pass
+    starts after a sync: the host's time to its first launch), ``tail_us``, from the last device work's end to the
+    end event's record (positive: the GPU waited for the host to finish the pass; negative: the host was that far
+    ahead), and with host activity the host operators and Python frames over the lead (``lead_ops``: each one's
+    time inside it, nested ones counted in each enclosing one, longest first). None without the records."""
+    records = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                      and e["name"].startswith("cudaEventRecord")), key=lambda e: e["ts"])
+    if len(records) < 2 or not device:
+        return {"lead_us": None, "tail_us": None, "lead_ops": []}
+    lead_from = records[0]["ts"] + records[0].get("dur", 0.0)
+    lead_to = device[0]["ts"]
+    inside = defaultdict(float)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e:
+            overlap = min(e["ts"] + e["dur"], lead_to) - max(e["ts"], lead_from)
+            if overlap > 0:
+                inside[e["name"][:80]] += overlap
+    return {"lead_us": lead_to - lead_from, "tail_us": records[-1]["ts"] - max(e["ts"] + e["dur"] for e in device),
+            "lead_ops": [{"name": n, "us": us} for n, us in sorted(inside.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def _host_op(ops: list[dict], call: dict | None) -> str | None:
@@ -255,6 +280,11 @@ def print_gaps(g: dict, top: int) -> None:
         late = "" if gap["late_us"] is None else f", launched {gap['late_us']:+.1f} us into it by {gap['api']}"
         op = f" in {gap['host_op']}" if gap["host_op"] else ""
         print(f"    {gap['us']:8.1f} us before {gap['before'][:60]}{late}{op}")
+    if g.get("lead_us") is not None:  # records before 2026-12-07 have none
+        print(f"  the pass's ends: {g['lead_us']:.1f} us from the start event's record to the first device work, "
+              f"{g['tail_us']:+.1f} us from the last device work's end to the end event's record")
+        for op in g["lead_ops"][:top]:
+            print(f"    {op['us']:8.1f} us of the lead in {op['name']}")
 
 
 def main() -> None:

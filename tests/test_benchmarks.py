@@ -323,7 +323,8 @@ def test_backward_kernels_finds_the_gaps_and_what_the_host_did():
     """A recorded megamoe step (2026-12-05-step-timeline, CUDA activity): its gaps between device work sum to no
     more than the time no kernel ran, each launched by a host call that returned after the gap began (host-bound:
     that tree's step was), and its allocations show as stalls; a synthetic trace with host operators names the
-    operator around each late launch and tells a device-side gap (launched before it began) apart."""
+    operator around each late launch and tells a device-side gap (launched before it began) apart; the pass's two
+    ends from its CUDA events' records (the host's lead to its first launch, what ran over it, the tail)."""
     import gzip
 
     import backward_kernels
@@ -350,6 +351,22 @@ def test_backward_kernels_finds_the_gaps_and_what_the_host_did():
     assert [(x["us"], x["before"], x["late_us"], x["host_op"]) for x in g["gaps"]] == [
         (32, "b", 30, "aten::empty"), (10, "c", -4, "megamoe::layer_backward")]
     assert g["gap_ms"] == pytest.approx(0.042) and g["host_bound_ms"] == pytest.approx(0.032) and g["stalls"] == {}
+    assert g["lead_us"] is None and g["lead_ops"] == []  # no event records: no ends
+    # the pass's ends: the start event recorded at -5..-4, the first device work at 10 (a 14 us lead: 10 of it in
+    # the operator around it, 4 in a Python frame, 3 in an operator that began before the record), the end event
+    # recorded at 90 (13 us after the last device work ended)
+    record = lambda ts: {"cat": "cuda_runtime", "name": "cudaEventRecordWithFlags", "ts": ts, "dur": 1.0}  # noqa: E731
+    frame = {"cat": "python_function", "name": "megamoe/ops/experts_bwd.py(70): expert_backward", "ts": 2, "dur": 4}
+    trace["traceEvents"] += [record(-5), record(90), frame, op("aten::zeros", -10, 9)]
+    g = backward_kernels.gaps(trace)
+    assert g["lead_us"] == 14 and g["tail_us"] == 13
+    assert g["lead_ops"] == [{"name": "megamoe::layer_backward", "us": 10},
+                             {"name": "megamoe/ops/experts_bwd.py(70): expert_backward", "us": 4},
+                             {"name": "aten::zeros", "us": 3}]
+    # a recorded step: the host took 0.84 ms to its first launch, and the GPU ended 4.6 ms after the end record
+    with gzip.open(d / "qwen3-30b-a3b_16384_step_megamoe.json.gz", "rt") as f:
+        g = backward_kernels.gaps(json.load(f))
+    assert g["lead_us"] == pytest.approx(837, abs=1) and g["tail_us"] == pytest.approx(-4613, abs=1)
 
 
 def test_backward_kernels_accounts_a_recorded_step_again(capsys):
