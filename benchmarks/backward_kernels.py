@@ -1,7 +1,7 @@
 """Where a training step (or its backward) goes on the GPU: every kernel named and grouped, side by side.
 
     PYTHONPATH=src python3 benchmarks/backward_kernels.py [--preset kimi-k2] [--tokens 8192] [--ranks 1]
-        [--impl nccl-torch,megamoe] [--pass step|bwd] [--routing uniform|zipf|one-rank]
+        [--impl nccl-torch,megamoe] [--pass step|bwd] [--routing uniform|zipf|zipf-A|one-rank]
         [--experts bf16|fp8-block|mxfp8] [--host] [--steady 2] [--rounds 3] [--out DIR]
     python3 benchmarks/backward_kernels.py --from DIR/backward_kernels_<preset>_<tokens>_<pass>.json  # no GPU
 
@@ -37,7 +37,7 @@ from collections import defaultdict
 
 import torch
 
-from megamoe.bench.problem import ROUTINGS, make_problem
+from megamoe.bench.problem import make_problem, zipf_exponent
 from megamoe.bench.runners import RUNNERS, TAKES_EXPERT_FORMAT
 from megamoe.config import preset
 from megamoe.megakernel.replay import graph_counts
@@ -287,6 +287,12 @@ def print_gaps(g: dict, top: int) -> None:
             print(f"    {op['us']:8.1f} us of the lead in {op['name']}")
 
 
+def routing(text: str) -> str:
+    """--routing's type: a routing ``make_problem`` knows (``zipf_exponent``'s ValueError otherwise)."""
+    zipf_exponent(text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="kimi-k2")
@@ -294,7 +300,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--impl", default="nccl-torch,megamoe")
     parser.add_argument("--pass", dest="pass_", choices=("step", "bwd"), default="step")
-    parser.add_argument("--routing", choices=ROUTINGS, default="uniform", help="the bench problem's routing")
+    parser.add_argument("--routing", type=routing, default="uniform",
+                        help="the bench problem's routing: uniform, zipf, zipf-A (popularity exponent A) or one-rank")
     parser.add_argument("--experts", choices=PRECISIONS, default="bf16", help="megamoe's routed-expert format")
     parser.add_argument("--steady", type=float, default=2.0, help="seconds of steps before the profiled rounds")
     parser.add_argument("--rounds", type=int, default=3)

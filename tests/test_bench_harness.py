@@ -47,6 +47,10 @@ def test_percentile_refuses_no_values_and_q_out_of_range():
 @pytest.mark.parametrize("kwargs, match", [
     ({"ep": 0}, "ep must be a positive int"),
     ({"routing": "foo"}, "routing must be one of uniform, zipf, one-rank"),
+    ({"routing": "zipf-0"}, "zipf-A .A > 0"),
+    ({"routing": "zipf-nan"}, "zipf-A .A > 0"),
+    ({"routing": "zipf-"}, "zipf-A .A > 0"),
+    ({"routing": "zipf--1"}, "zipf-A .A > 0"),
     ({"routing": "one-rank", "ep": 8}, "k <= experts per rank"),
     ({"device": "tpu"}, "device must be one of cpu, cuda"),
     ({"tokens": (-5,)}, r"tokens must be >= 0"),
@@ -55,6 +59,28 @@ def test_percentile_refuses_no_values_and_q_out_of_range():
 def test_bench_options_refuse_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BenchOptions(**{"preset": "tiny", "tokens": (8,), "ep": 2, "device": "cpu", **kwargs})
+
+
+def test_zipf_routing_takes_an_exponent_and_zipf_is_its_default():
+    """``zipf-A``: expert popularity ~ rank^-A; ``zipf`` is ``zipf-1.2`` (the same draw), a smaller exponent a less
+    skewed load (the heaviest expert's rows over the mean: qwen3-30b-a3b's 128 experts at 4096 tokens), and the
+    options take it."""
+    from megamoe.bench.problem import _route
+    from megamoe.config import preset
+
+    cfg = preset("qwen3-30b-a3b")
+
+    def heaviest_over_mean(routing):
+        g = torch.Generator().manual_seed(0)
+        counts = torch.bincount(_route(cfg, 4096, 0, 1, routing, 0.0, g, "cpu").flatten().long(),
+                                minlength=cfg.num_experts).float()
+        return float(counts.max() / counts.mean())
+
+    g0, g1 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(_route(cfg, 512, 0, 1, "zipf", 0.0, g0, "cpu"), _route(cfg, 512, 0, 1, "zipf-1.2", 0.0, g1, "cpu"))
+    skews = [heaviest_over_mean(r) for r in ("uniform", "zipf-0.2", "zipf-0.5", "zipf")]
+    assert skews == sorted(skews) and skews[0] < 1.5 < skews[1] and skews[3] > 10, skews
+    BenchOptions(preset="tiny", tokens=(8,), ep=2, device="cpu", routing="zipf-0.35")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs no visible GPU")

@@ -389,6 +389,9 @@ def test_backward_kernels_accounts_a_recorded_step_again(capsys):
     assert out[0].startswith("qwen3-30b-a3b, 8192 tokens/rank, 1 rank(s), pass step, uniform routing")
     assert backward_kernels.record_name("qwen3-30b-a3b", 8192, "step", "uniform") == "qwen3-30b-a3b_8192_step"
     assert backward_kernels.record_name("qwen3-30b-a3b", 8192, "step", "zipf") == "qwen3-30b-a3b_8192_step_zipf"
+    assert backward_kernels.routing("zipf-0.5") == "zipf-0.5"
+    with pytest.raises(ValueError, match="zipf-A"):
+        backward_kernels.routing("zipf-hot")
     assert out[1].startswith("nccl-torch: 11.08 ms between events") and "125 launches" in out[1]
 
 

@@ -111,7 +111,8 @@ def bench(
     steady: float = typer.Option(None, help="Seconds of every implementation back to back after the warm-up, "
                                             "per pass, so that the GPU settles at its power cap's clock before "
                                             "the timed rounds (default 2 on GPU, 0 on CPU)."),
-    routing: str = typer.Option("uniform", help="uniform, zipf or one-rank."),
+    routing: str = typer.Option("uniform", help="uniform, zipf (popularity ~ rank^-1.2), zipf-A (rank^-A) or "
+                                "one-rank."),
     seed: int = typer.Option(0, help="Seed of every input."),
     json_path: str = typer.Option(None, "--json", help="Write the records as JSON here."),
     md_path: str = typer.Option(None, "--md", help="Write a Markdown table (with machine, commit, command) here."),

@@ -27,7 +27,7 @@ import torch
 from megamoe.baselines import deepep_torch
 from megamoe.bench.accuracy import TOLERANCES, _flatten, bounds, compare, parked_on_host
 from megamoe.bench.machine import ClockSample, clock_range, floor_ms, machine_info
-from megamoe.bench.problem import ROUTINGS, RankProblem, make_problem
+from megamoe.bench.problem import RankProblem, make_problem, zipf_exponent
 from megamoe.bench.runners import FP8_PEERS, PEER_FP8, RUNNERS, TAKES_EXPERT_FORMAT, _FP8PeerRunner, timed_pass
 from megamoe.config import MoEConfig, preset
 from megamoe.megakernel.replay import graph_counts
@@ -80,8 +80,7 @@ class BenchOptions:
         if self.device == "cuda" and torch.cuda.device_count() == 0:
             raise ValueError(f"device cuda: no CUDA GPU is visible (ep={self.ep} needs {self.ep} GPUs, 0 visible)")
         cfg.experts_per_rank(self.ep)
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        zipf_exponent(self.routing)  # ValueError for an unknown routing
         if self.routing == "one-rank" and cfg.top_k > cfg.num_experts // self.ep:
             raise ValueError(f"routing one-rank sends each token's k={cfg.top_k} routes to one rank's experts: it "
                              f"needs k <= experts per rank ({cfg.num_experts // self.ep} at ep={self.ep})")

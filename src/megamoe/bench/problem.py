@@ -15,6 +15,23 @@ import torch
 from megamoe.config import MoEConfig
 
 ROUTINGS = ("uniform", "zipf", "one-rank")
+ZIPF_EXPONENT = 1.2  # ``zipf``'s: the hottest expert ~15x the median at qwen3-30b-a3b's 128 experts
+
+
+def zipf_exponent(routing: str) -> float | None:
+    """The popularity exponent of a zipf routing (``zipf``: :data:`ZIPF_EXPONENT`; ``zipf-A``: A, a number > 0),
+    None for the other routings; ValueError for an unknown routing or a bad exponent."""
+    if routing in ROUTINGS:
+        return ZIPF_EXPONENT if routing == "zipf" else None
+    if routing.startswith("zipf-"):
+        try:
+            exponent = float(routing[len("zipf-"):])
+        except ValueError:
+            exponent = float("nan")
+        if exponent > 0 and exponent != float("inf"):
+            return exponent
+    raise ValueError(f"routing must be one of {', '.join(ROUTINGS)} or zipf-A (A > 0: the popularity exponent, "
+                     f"zipf's is {ZIPF_EXPONENT}), got {routing!r}")
 
 
 @dataclass
@@ -61,10 +78,11 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 def _route(cfg: MoEConfig, n: int, rank: int, ranks: int, routing: str, drop: float, g, device) -> torch.Tensor:
     e, k = cfg.num_experts, cfg.top_k
+    exponent = zipf_exponent(routing)
     if routing == "uniform":
         scores = torch.rand(n, e, generator=g, device=device)
-    elif routing == "zipf":  # expert popularity ~ 1 / (rank of expert)^1.2, a random permutation of experts
-        popularity = torch.arange(1, e + 1, device=device, dtype=torch.float32).pow(-1.2)
+    elif exponent is not None:  # expert popularity ~ 1 / (rank of expert)^exponent, a random permutation of experts
+        popularity = torch.arange(1, e + 1, device=device, dtype=torch.float32).pow(-exponent)
         popularity = popularity[torch.randperm(e, generator=g, device=device)]
         scores = torch.rand(n, e, generator=g, device=device).log() / popularity  # Gumbel-top-k sampling
     elif routing == "one-rank":  # every token to the experts of one rank (the next one)
@@ -75,8 +93,8 @@ def _route(cfg: MoEConfig, n: int, rank: int, ranks: int, routing: str, drop: fl
         mask = torch.zeros(e, dtype=torch.bool, device=device)
         mask[target * (e // ranks) : (target + 1) * (e // ranks)] = True
         scores = torch.where(mask, scores, -1.0)
-    else:
-        raise ValueError(f"unknown routing {routing!r}; known: {', '.join(ROUTINGS)}")
+    else:  # zipf_exponent refused any other
+        raise AssertionError(routing)
     top = scores.topk(k, dim=1).indices.to(torch.int32)
     if drop > 0:
         top = torch.where(torch.rand(n, k, generator=g, device=device) < drop, -1, top)
