@@ -77,7 +77,8 @@ def test_zipf_routing_takes_an_exponent_and_zipf_is_its_default():
         return float(counts.max() / counts.mean())
 
     g0, g1 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    assert torch.equal(_route(cfg, 512, 0, 1, "zipf", 0.0, g0, "cpu"), _route(cfg, 512, 0, 1, "zipf-1.2", 0.0, g1, "cpu"))
+    assert torch.equal(_route(cfg, 512, 0, 1, "zipf", 0.0, g0, "cpu"),
+                       _route(cfg, 512, 0, 1, "zipf-1.2", 0.0, g1, "cpu"))
     skews = [heaviest_over_mean(r) for r in ("uniform", "zipf-0.2", "zipf-0.5", "zipf")]
     assert skews == sorted(skews) and skews[0] < 1.5 < skews[1] and skews[3] > 10, skews
     BenchOptions(preset="tiny", tokens=(8,), ep=2, device="cpu", routing="zipf-0.35")

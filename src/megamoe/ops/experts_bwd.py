@@ -374,7 +374,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
     (R: the rows of the other operand, or of ``offsets``' regions).
 
     On Hopper the warp-specialised Gluon kernel (`megamoe.kernels.wgrad_warp_specialized`; the indexed operand's
-    rows gathered by its producer, b's as its A with the blocks stored transposed), elsewhere, under the
+    rows gathered by its producer, b's as its A with the blocks stored transposed; two launches, the plan's and the
+    static deal's, one of them a no-op: :data:`WGRAD_PLAN_SKEW`), elsewhere, under the
     interpreter and with ``warp_specialized=False`` ``wgrad_kernel`` (the indexed rows copied first): the same
     sums in the same order, the same bits (a GPU test holds them to it)."""
     experts, out_m, out_n = out.shape
@@ -403,9 +404,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Te
                 deal = wgrad_deal(counts, offsets, None if carry is None else carry[0],
                                   wgrad_blocks_per_expert(out_m, out_n, tile.block_n),
                                   0.0 if WGRAD_DYNAMIC else WGRAD_PLAN_SKEW)
-                wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
-                    *args, deal_ptr=deal, **wgrad_ws_constexprs(tile, programs, WGRAD_DYNAMIC, planned=not WGRAD_DYNAMIC),
-                    **flags)
+                dealt_consts = wgrad_ws_constexprs(tile, programs, WGRAD_DYNAMIC, planned=not WGRAD_DYNAMIC)
+                wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](*args, deal_ptr=deal, **dealt_consts, **flags)
             if not WGRAD_DYNAMIC and WGRAD_PLAN_SKEW != 0:  # the static deal, a no-op where the plan dealt
                 wgrad_warp_specialized.wgrad_ws_kernel[(programs,)](
                     *args, skip_ptr=None if deal is None else deal[1:], **wgrad_ws_constexprs(tile, programs), **flags)
