@@ -18,7 +18,8 @@ from megamoe.parallel.world import launch
 FIELDS = {"impl", "preset", "precision", "pass", "ep", "tokens_per_rank", "device", "machine", "commit", "run_id",
           "time_ms", "time_ms_p10", "time_ms_p90", "tflops", "max_abs_err", "rel_err", "correct",
           "time_ms_p50", "floor_ms", "x_floor", "dirty", "device_name", "device_count", "driver_version",
-          "power_limit_w", "sm_clock_mhz", "torch", "triton", "warmup", "steady_s", "steady_rounds"}
+          "power_limit_w", "sm_clock_mhz", "torch", "triton", "warmup", "steady_s", "steady_rounds", "routing",
+          "knobs"}
 
 
 def test_bench_writes_correct_records(tmp_path):
@@ -53,15 +54,21 @@ def test_bench_rejects_bad_options_with_exit_code_2():
 
 # mxfp8's (19 s on 2 cores) under -m slow: CI's 15 minutes; the bench's FP8 path is fp8-block's
 @pytest.mark.parametrize("experts", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])
-def test_bench_megamoe_with_fp8_experts(tmp_path, experts):
-    out = tmp_path / "fp8.json"
+def test_bench_megamoe_with_fp8_experts(tmp_path, experts, monkeypatch):
+    """FP8 experts beside BF16's in one run, under a zipf-A routing with a knob set: the records and the Markdown
+    name both (the knob as the command's prefix)."""
+    out, md = tmp_path / "fp8.json", tmp_path / "fp8.md"
+    monkeypatch.setenv("MEGAMOE_WGRAD_PLAN_SKEW", "inf")  # GPU-only: the CPU runs wgrad_kernel either way
     result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--ep", "2", "--tokens", "40,23", "--impl",
                                       "megamoe", "--experts", f"bf16,{experts}", "--passes", "fwd", "--iters",
-                                      "1", "--json", str(out)])
+                                      "1", "--routing", "zipf-0.5", "--json", str(out), "--md", str(md)])
     assert result.exit_code == 0, result.output
     bf16, r = json.loads(out.read_text())
     assert bf16["impl"] == "megamoe" and bf16["weights_quantize_ms"] is None and bf16["correct"], bf16
     assert r["impl"] == f"megamoe ({experts} experts)" and r["correct"], r
+    assert r["routing"] == "zipf-0.5" and r["knobs"]["MEGAMOE_WGRAD_PLAN_SKEW"] == "inf"
+    lines = md.read_text().splitlines()
+    assert lines[0].endswith("tokens/rank · zipf-0.5 routing · bf16") and "MEGAMOE_WGRAD_PLAN_SKEW=inf " in lines[3]
     assert 1e-3 < r["rel_err"] < 6e-2, r  # FP8 rounding shows; a wrong row would not pass the row check
     assert r["weights_quantize_ms"] > 0 and "quantised once before the passes" in result.output
 

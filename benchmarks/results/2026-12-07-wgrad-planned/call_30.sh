@@ -3,7 +3,7 @@
 # 2.350 ms with both launches against 2.327 with the static deal's alone) - its producer makes its two descriptor
 # sites before finding no block. The patch skips its partitions where the deal counted no block (sm_90: 168
 # registers, no stack, as before). GPU bits of the patched tree (every plan skew), then the wgrads A/B, interleaved.
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MEGAMOE_COMMIT=$(cat $PWD/.gpu/COMMIT 2>/dev/null) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 G=$PWD/.gpu; mkdir -p $OUT/r; L=$OUT/log.txt; t0=$(date +%s)
 cap() { local l=$(( 560 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
 say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }

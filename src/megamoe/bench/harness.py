@@ -318,6 +318,7 @@ def _gather_record(world, opts: BenchOptions, run: _Run, name: str, work, shared
         "pass": name,
         "ep": world.size,
         "tokens_per_rank": opts.tokens_of(0) if len(opts.tokens) == 1 else list(opts.tokens),
+        "routing": opts.routing,
         "device": world.device.type,
         "time_ms": median,
         "time_ms_p10": percentile(slowest, 0.1),

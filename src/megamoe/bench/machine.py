@@ -1,7 +1,8 @@
 """What a `megamoe bench` record says about where it ran, and the physical floor of a pass's time.
 
 :func:`machine_info`: the device (name, count), the GPU driver and power limit (``nvidia-smi``), torch and
-Triton versions, the commit of the checkout the package runs from and whether it had changes.
+Triton versions, the commit of the checkout the package runs from and whether it had changes, and the run's
+``MEGAMOE_*`` knobs (:func:`knobs`).
 :class:`ClockSample`: the SM clock of each GPU used, asked for as a round starts and read after the rounds.
 :func:`floor_ms`: the time a pass cannot beat on an H200: its FLOPs at the sustained dense rate, or its
 cross-rank bytes at the NVLink rate, whichever is longer. Every field is None where it is not known
@@ -136,6 +137,12 @@ class ClockSample:
         return [c for c in clocks if c is not None] or None
 
 
+def knobs() -> dict[str, str]:
+    """The ``MEGAMOE_*`` environment variables set for the run (its A/B switches and knobs, read at import), but
+    ``MEGAMOE_COMMIT`` (the record's commit): what a reproducing command needs besides its arguments."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MEGAMOE_") and k != "MEGAMOE_COMMIT"}
+
+
 def machine_info(device: str) -> dict:
     """The fields every record of a run carries about its machine and code (see the module docstring)."""
     try:
@@ -147,7 +154,7 @@ def machine_info(device: str) -> dict:
     commit, dirty = git_commit()
     info = {"device_name": platform.processor() or "cpu", "device_count": os.cpu_count(), "driver_version": None,
             "power_limit_w": None, "torch": torch.__version__, "triton": triton_version, "commit": commit,
-            "dirty": dirty}
+            "dirty": dirty, "knobs": knobs()}
     if device == "cuda":
         info["device_name"], info["device_count"] = torch.cuda.get_device_name(0), torch.cuda.device_count()
         rows = nvidia_smi("driver_version,power.limit")

@@ -30,6 +30,17 @@ def run_metadata(device: str) -> dict:
     }
 
 
+def _routing_text(r: dict) -> str:
+    """`` · <routing> routing`` unless uniform (records before 2026-12-07 have none: uniform or their command's)."""
+    routing = r.get("routing", "uniform")
+    return "" if routing == "uniform" else f" · {routing} routing"
+
+
+def _knobs_text(r: dict) -> str:
+    """The run's ``MEGAMOE_*`` variables as a command's prefix (``K=V `` each), empty without any."""
+    return "".join(f"{k}={v} " for k, v in (r.get("knobs") or {}).items())
+
+
 def _fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -112,7 +123,8 @@ def print_table(records: list[dict], console: Console | None = None, baseline: s
     with_floor = any(r.get("floor_ms") for r in records)
     first = records[0] if records else {}
     table = Table(title=f"megamoe bench · {first.get('preset')} · EP {first.get('ep')} · "
-                        f"{first.get('tokens_per_rank')} tokens/rank · {first.get('precision')} · {first.get('machine')}")
+                        f"{first.get('tokens_per_rank')} tokens/rank{_routing_text(first)} · {first.get('precision')} · "
+                        f"{first.get('machine')}")
     columns = ["impl", "pass", "p50 ms", "p10–p90"]
     columns += [f"× vs {baseline}"] if base else []
     columns += ["TFLOP/s"] + (["× floor"] if with_floor else []) + ["cross GB/s", "rel err ≤ tol", "correct"]
@@ -193,12 +205,12 @@ def write_markdown(records: list[dict], path: str, command: str, baseline: str =
     cpu = interpreted(records)  # the columns keep their places; the ratio and the rates are blank on the CPU
     base = {(r["preset"], r["pass"], r["ep"]): r["time_ms"] for r in records if r["impl"] == baseline and not cpu}
     lines = [
-        f"# {first.get('preset')} · EP {first.get('ep')} · {first.get('tokens_per_rank')} tokens/rank · "
-        f"{first.get('precision')}",
+        f"# {first.get('preset')} · EP {first.get('ep')} · {first.get('tokens_per_rank')} tokens/rank"
+        f"{_routing_text(first)} · {first.get('precision')}",
         "",
         f"- machine: {first.get('machine')}; commit: {commit_text(first)}; date: {first.get('date')}"
         + (f"; {machine_line(_clock_range_of(records))}" if records else ""),
-        f"- command: `{command}`",
+        f"- command: `{_knobs_text(first)}{command}`",
         "",
         f"| impl | pass | ms (median) | p10–p90 | × vs {baseline} | TFLOP/s | cross GB/s | max abs | rel | correct "
         f"| × floor |",
