@@ -1,5 +1,7 @@
 """No silent wrong answer: ranks that disagree, expert ids out of range under check=False, peers that never come."""
 
+import os
+
 import pytest
 import torch
 
@@ -176,6 +178,24 @@ def test_the_ratio_knobs_read_a_number_at_least_0_and_refuse_anything_else(monke
         monkeypatch.setenv("MEGAMOE_TEST_RATIO", text)
         with pytest.raises(ValueError, match="MEGAMOE_TEST_RATIO must be a number >= 0"):
             env_ratio("MEGAMOE_TEST_RATIO", 1.0)
+
+
+def test_a_retired_knob_still_set_is_refused_at_import(monkeypatch):
+    """``retired_knob``: a gone knob in the environment raises, naming what replaced it; unset, nothing. The
+    plan's old switch is one: importing megamoe with it set fails (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    from megamoe.runtime import retired_knob
+
+    monkeypatch.delenv("MEGAMOE_TEST_GONE", raising=False)
+    retired_knob("MEGAMOE_TEST_GONE", "use MEGAMOE_TEST_NEW")
+    monkeypatch.setenv("MEGAMOE_TEST_GONE", "1")
+    with pytest.raises(ValueError, match="MEGAMOE_TEST_GONE is gone: use MEGAMOE_TEST_NEW"):
+        retired_knob("MEGAMOE_TEST_GONE", "use MEGAMOE_TEST_NEW")
+    done = subprocess.run([sys.executable, "-c", "import megamoe.ops.experts_bwd"], capture_output=True, text=True,
+                          env={**os.environ, "MEGAMOE_WGRAD_PLANNED": "1"}, timeout=300)
+    assert done.returncode != 0 and "MEGAMOE_WGRAD_PLANNED is gone: MEGAMOE_WGRAD_PLAN_SKEW=0" in done.stderr
 
 
 def _gpu_rank_never_comes(world):

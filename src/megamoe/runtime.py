@@ -79,6 +79,13 @@ def env_ratio(name: str, default: float) -> float:
     return value
 
 
+def retired_knob(name: str, instead: str) -> None:
+    """ValueError naming ``instead`` when the environment still sets ``name``, a knob that is gone (read at import:
+    a run that set it must not silently measure something else)."""
+    if name in os.environ:
+        raise ValueError(f"{name} is gone: {instead}")
+
+
 def resolve_wait_budget(budget: object = None, *, barrier: bool = False) -> int:
     """An in-kernel wait's poll budget: ``budget`` (an int in [1, 2**31)), else ``MEGAMOE_WAIT_BUDGET``, else the
     default for where kernels run (``barrier``: a host-launched barrier's, ``DEFAULT_BARRIER_WAIT_BUDGET``)."""

@@ -337,6 +337,8 @@ WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 #: ``MEGAMOE_WGRAD_PLAN_SKEW`` (a number >= 0; 0: the plan always, one launch; ``inf``: the static deal always, one
 #: launch and no deal); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
 WGRAD_PLAN_SKEW = runtime.env_ratio("MEGAMOE_WGRAD_PLAN_SKEW", 5.0)
+runtime.retired_knob("MEGAMOE_WGRAD_PLANNED", "MEGAMOE_WGRAD_PLAN_SKEW=0 deals by the plan always, inf never "
+                                              "(the default, 5, where the routing is skewed)")
 
 DEAL_CHUNK = 32  # experts wgrad_deal_kernel compares each expert with at a time
 
