@@ -324,18 +324,13 @@ def wgrad_ws_constexprs(tile: TileConfig, programs: int, dynamic: bool = False, 
 #: ms, qwen3-30b-a3b +7 %; call 11). ``MEGAMOE_WGRAD_DYNAMIC`` (0 or 1) sets it.
 WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 
-#: The Gluon wgrad deals the counter's order (experts heaviest first) by a fixed plan (``wgrad_planned.planned_block``:
-#: a round's blocks side by side in that order, a snake over the programs) where the routing is skewed: where the
-#: heaviest expert the launch computes has at least this many times their mean rows. The plan balances skewed loads
-#: without the counter's round trip a block, but its machinery and its order cost uniform ones: on one H100 its
-#: wgrads ran the bench's zipf loads 0.82x (qwen3-30b-a3b), 0.91x (deepseek-v3) and 0.75x (sonic-7b) the static
-#: deal's, uniform ones 1.07-1.09x; at heaviest / mean 2.1 the static deal won by 7 %, at 3.4 they tied, at 4.2
-#: (deepseek-v3) the static deal won by 2 %, at 5.2 the plan by 4 % (benchmarks/results/2026-12-07-wgrad-planned,
-#: calls 25-27). The deal kernel takes the test on the device (no host sync) and the static deal's launch beside
-#: the plan's reads its count and deals nothing where the plan dealt: each launch is the other's no-op (~11 us a
-#: wgrad on uniform loads, 1 %). Both deals reduce a block's rows in one order: the same bits whichever runs.
-#: ``MEGAMOE_WGRAD_PLAN_SKEW`` (a number >= 0; 0: the plan always, one launch; ``inf``: the static deal always, one
-#: launch and no deal); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
+#: The Gluon wgrad deals the counter's order (experts heaviest first) by a fixed plan (``wgrad_planned``) where the
+#: heaviest expert a launch computes has at least this many times their mean rows, else round robin: on one H100 the
+#: plan ran zipf wgrads 0.75-0.91x the static deal's and uniform ones 1.07-1.09x, tying near 3.4x the mean
+#: (benchmarks/results/2026-12-07-wgrad-planned, calls 25-27; docs/performance.md). The deal kernel tests it on the
+#: device and the static deal's launch beside the plan's does nothing where the plan dealt (~11 us a wgrad on even
+#: loads); either deal gives the same bits. ``MEGAMOE_WGRAD_PLAN_SKEW`` (>= 0; 0: the plan alone, ``inf``: the
+#: static deal alone); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
 WGRAD_PLAN_SKEW = runtime.env_ratio("MEGAMOE_WGRAD_PLAN_SKEW", 5.0)
 runtime.retired_knob("MEGAMOE_WGRAD_PLANNED", "MEGAMOE_WGRAD_PLAN_SKEW=0 deals by the plan always, inf never "
                                               "(the default, 5, where the routing is skewed)")
