@@ -22,11 +22,10 @@ from megamoe.kernels.wgrad_deal import wgrad_deal_kernel
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
-from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
+from megamoe.ops.launch import descriptor, expert_row_tiles, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows, wgrad_ws_stages
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate
-from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import compiled_gpu, interpreting
 
 
@@ -180,7 +179,7 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
     num_n = -(-i // c.block_n)
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
     if gluon:
-        tile_map = build_row_tiles(counts, offsets, rows, 128)
+        tile_map = expert_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
             dact_warp_specialized.dact_ws_kernel[(programs,)](
                 dy_rows, w_down.view(experts * d, i), h, row_weights, d_h, act_w, partial, dy_rows.stride(0),
@@ -189,6 +188,7 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
                 tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
                 activation.kernel_limit, activation.kernel_alpha,
                 tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
+                TWO_ENDED=tile_map.heavy_first,
                 **dact_ws_constexprs(c, programs, act=activation.kernel_id))
     else:
         launch_row_tasks(
