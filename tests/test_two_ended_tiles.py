@@ -146,3 +146,36 @@ def test_gpu_two_ended_tiles_give_the_same_bits(monkeypatch):
     for name in ("d_x", "d_router", "d_w_gate_up", "d_w_down"):
         a, b = getattr(b0, name), getattr(b1, name)
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "mxfp8"])
+def test_two_ended_tiles_give_the_fp8_backwards_bits(fmt, monkeypatch):
+    """The FP8 backwards' row-tile kernels (dact, dx) with the tiles heaviest first and dealt from both ends: the
+    bits of the expert-order run (mxfp8 as its own tiles and as the BF16 kernels, whichever the switch picks)."""
+    from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
+
+    backward = expert_backward_fp8_block if fmt == "fp8-block" else expert_backward_mxfp8
+    built = []
+    real = launch.build_row_tiles
+    monkeypatch.setattr(launch, "build_row_tiles",
+                        lambda *a, **k: built.append(k.get("heavy_first")) or real(*a, **k))
+    g = torch.Generator().manual_seed(23)
+    counts, offsets, rows = regions([3, 140, 0, 40, 7, 1], 2)
+    d, i = 256, 128
+    t = dict(dy=torch.randn(rows, d, generator=g).bfloat16(), w=torch.rand(rows, generator=g),
+             x=torch.randn(rows, d, generator=g).bfloat16(), h=(torch.randn(rows, 2 * i, generator=g) * 2).bfloat16(),
+             wgu=(torch.randn(len(counts), 2 * i, d, generator=g) / d**0.5).bfloat16(),
+             wd=(torch.randn(len(counts), d, i, generator=g) / i**0.5).bfloat16())
+    t = {k: v.to(DEVICE) for k, v in t.items()}
+    counts, offsets = counts.to(DEVICE), offsets.to(DEVICE)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(launch, "TWO_ENDED_TILES", on)
+        built.clear()
+        runs.append(backward(t["dy"], t["w"], t["x"], t["h"], counts, offsets, t["wgu"], t["wd"], num_programs=4))
+        assert built and set(built) == {on}, built
+    inside = in_regions(counts, offsets, rows)
+    for name in ("d_x", "d_router"):
+        assert torch.equal(getattr(runs[0], name)[inside], getattr(runs[1], name)[inside]), name
+    for name in ("d_w_gate_up", "d_w_down"):
+        assert torch.equal(getattr(runs[0], name), getattr(runs[1], name)), name
