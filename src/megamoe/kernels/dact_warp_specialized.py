@@ -81,7 +81,6 @@ def _fp8_consumer(dy_scale_ptr, w_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_pt
               stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr,
               tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty,
               HALF: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
-              TWO_ENDED: gl.constexpr,
               STAGES: gl.constexpr):
     """FP8-block: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
@@ -90,7 +89,7 @@ def _fp8_consumer(dy_scale_ptr, w_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_pt
     g = 0  # the program's K steps, in the producer's order
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                             tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+                                             tile_run_ptr, GROUP_M)
         first = row0 + HALF * HALF_M
         rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
         row_ok = rows < row_end
@@ -121,8 +120,7 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
                        d_w_partial_ptr, stride_dy, stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w,
                        stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                        rows, w_rows, D, I, limit, alpha, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       TWO_ENDED: gl.constexpr = False):
+                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """One persistent launch of 128 x 128 dact tiles: dy `[rows, D]` e4m3 with dy_scale `[rows, D/128]`, w_t =
     w_down_t_q `[w_rows = L*I, D]` with scales `[L*I/128, D/128]` rows of stride_ws_n; h `[rows, 2I]` bf16, row_w
     `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]` fp32."""
@@ -137,16 +135,15 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
                       stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
                       tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem,
                       full, empty, gl.constexpr(0), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED), gl.constexpr(STAGES))),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
          (_fp8_consumer, (dy_scale_ptr, w_t_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
                       stride_dys, stride_ws_n, stride_h, stride_d_h, stride_act_w, stride_partial, tile_expert_ptr,
                       tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem,
                       full, empty, gl.constexpr(1), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED), gl.constexpr(STAGES))),
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES))),
          (forward_producer, (dy_ptr, w_t_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D, a_smem, w_smem, full, empty,
                              gl.constexpr(False), gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M),
-                             gl.constexpr(TWO_ENDED),
                              gl.constexpr(STAGES), dy_ptr, gl.constexpr(False)))],
         [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)
@@ -155,8 +152,7 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
 @gluon.jit
 def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                    tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
-                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TWO_ENDED: gl.constexpr, STAGES: gl.constexpr,
-                   dy_index_ptr,
+                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, dy_index_ptr,
                    A_GATHER: gl.constexpr):
     """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x 128],
     N-major; the descriptor spans every expert's rows as the Triton dact's does). A_GATHER: dy row r is row
@@ -172,7 +168,7 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                             tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+                                             tile_run_ptr, GROUP_M)
         if A_GATHER:  # the tile's rows, once for its K steps
             top, top_ok = row_starts(dy_ptr, dy_index_ptr, row0, row_end, stride_dy, HALF_M, BLOCK_K)
             bottom, bottom_ok = row_starts(dy_ptr, dy_index_ptr, row0 + HALF_M, row_end, stride_dy, HALF_M, BLOCK_K)
@@ -195,8 +191,7 @@ def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile
 def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                    stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D,
                    limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr, ACT: gl.constexpr,
-                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TWO_ENDED: gl.constexpr,
-                   STAGES: gl.constexpr,
+                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                    A_GATHER: gl.constexpr):
     """BF16: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup); the K loop the BF16
     forward's (one wgmma group in flight), the same m64n128k16 sequence as the Triton dact's."""
@@ -206,7 +201,7 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                             tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+                                             tile_run_ptr, GROUP_M)
         acc = gl.zeros((HALF_M, BLOCK), gl.float32, mma)
         for k in range(0, D, BLOCK_K):
             s = g % STAGES
@@ -226,7 +221,7 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                    stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                    tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, dy_index_ptr, ACT: gl.constexpr,
                    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   A_GATHER: gl.constexpr = False, TWO_ENDED: gl.constexpr = False):
+                   A_GATHER: gl.constexpr = False):
     """One persistent launch of 128 x 128 BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows = L*D, I]`, h `[rows,
     2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`.
     A_GATHER: dy row r is row ``dy_index[r]`` (int32) of dy `[S, D]` (one rank reads d_out in place of routed
@@ -241,18 +236,15 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED), gl.constexpr(STAGES),
-                           gl.constexpr(A_GATHER))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
          (_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED), gl.constexpr(STAGES),
-                           gl.constexpr(A_GATHER))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
          (_bf16_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                            tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
                            gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
-                           gl.constexpr(TWO_ENDED),
                            gl.constexpr(STAGES), dy_index_ptr, gl.constexpr(A_GATHER)))],
         [4, GATHER_WARPS if A_GATHER else 1], [REGS_CONSUMER, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -135,7 +135,7 @@ def gate_up_kernel(
     I, K, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, b_ptr=None, MX_ROUND: tl.constexpr = False, TWO_ENDED: tl.constexpr = False,
+    FLATTEN: tl.constexpr, b_ptr=None, MX_ROUND: tl.constexpr = False,
 ):
     """Persistent gate/up + SwiGLU over every (tile, n-tile) task (``b_ptr``: the optional bias `[L, 2I]`; MX_ROUND:
     act rounded to the MXFP8 grid along I, ``gate_up_act_tile``'s)."""
@@ -145,7 +145,7 @@ def gate_up_kernel(
     # FLATTEN lets the pipeliner fetch the next task's first K tiles during this task's epilogue.
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_act_tile(
             x_desc, w_desc, h_ptr, act_ptr, stride_h, stride_act, row0, row_end, expert, n * BLOCK_N, I, K, limit,
             alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr, MX_ROUND,
@@ -159,7 +159,7 @@ def down_kernel(
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, b_ptr=None, TWO_ENDED: tl.constexpr = False,
+    FLATTEN: tl.constexpr, b_ptr=None,
 ):
     """Persistent down projection over every (tile, n-tile) task (``b_ptr``: the optional bias `[L, D]`)."""
     num_n = tl.cdiv(D, BLOCK_N)
@@ -167,6 +167,6 @@ def down_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_tile(act_desc, w_desc, y_ptr, stride_y, row0, row_end, expert, n * BLOCK_N, D, K,
                   DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)

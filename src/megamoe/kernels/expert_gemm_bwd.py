@@ -95,15 +95,14 @@ def dact_swiglu_bwd_kernel(
     D, I, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, TWO_ENDED: tl.constexpr = False,
+    FLATTEN: tl.constexpr,
 ):
     """Persistent :func:`dact_tile` over every (row tile, n-tile) task."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    num_tasks = num_tiles * num_n
-    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr,
                   d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n,
                   D, I, limit, alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -190,15 +189,14 @@ def dx_kernel(
     D, I,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, SCATTER: tl.constexpr = False, TWO_ENDED: tl.constexpr = False,
+    FLATTEN: tl.constexpr, SCATTER: tl.constexpr = False,
 ):
     """Persistent :func:`dx_tile` over every (row tile, n-tile) task."""
     num_n = tl.cdiv(D, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    num_tasks = num_tiles * num_n
-    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dx_tile(d_h_desc, w_gate_up_desc, d_x_ptr, stride_d_x, d_x_index_ptr, row0, row_end, expert, n, D, I,
                 DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, SCATTER)
 

@@ -147,7 +147,7 @@ def gate_up_fp8_kernel(
     I, K, limit, alpha,
     ACT: tl.constexpr, STORE_H: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, b_ptr=None, TWO_ENDED: tl.constexpr = False,
+    FLATTEN: tl.constexpr, b_ptr=None,
 ):
     """Persistent FP8-block gate/up + SwiGLU + act quantisation over every (tile, n-tile) task (``b_ptr``: the
     optional bias `[L, 2I]`)."""
@@ -157,7 +157,7 @@ def gate_up_fp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_fp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws_n, stride_h, stride_act, stride_as,
@@ -174,7 +174,7 @@ def down_fp8_kernel(
     D, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None,
-    y_index_ptr=None, TWO_ENDED: tl.constexpr = False,
+    y_index_ptr=None,
 ):
     """Persistent FP8-block down projection over every (tile, n-tile) task (``b_ptr``: the optional bias
     `[L, D]`; ``y_index_ptr``: the rows' destinations, :func:`down_fp8_tile`)."""
@@ -184,6 +184,6 @@ def down_fp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_fp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws_n, stride_y,
                       row0, row_end, expert, n * BLOCK_N, D, K, DOT_FP32, BLOCK_M, BLOCK_N, b_ptr, y_index_ptr)

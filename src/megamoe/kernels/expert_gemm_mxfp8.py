@@ -198,7 +198,7 @@ def gate_up_mxfp8_kernel(
     ACT: tl.constexpr, STORE_H: tl.constexpr,
     DOT_FP32: tl.constexpr, SOFT_E4M3: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None, TWO_ENDED: tl.constexpr = False,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, b_ptr=None,
 ):
     """Persistent MXFP8 gate/up + SwiGLU + act quantisation (along I) over every (tile, n-tile) task (``b_ptr``:
     the optional bias `[L, 2I]`)."""
@@ -208,7 +208,7 @@ def gate_up_mxfp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         gate_up_mxfp8_tile(
             x_desc, w_desc, x_scale_ptr, w_scale_ptr, h_ptr, act_q_ptr, act_scale_ptr,
             stride_xs, stride_ws, stride_h, stride_act, stride_as, row0, row_end, expert, n * BLOCK_N, I, W_ROWS, K,
@@ -223,7 +223,7 @@ def down_mxfp8_kernel(
     D, W_ROWS, K,
     DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, b_ptr=None, TWO_ENDED: tl.constexpr = False,
+    FLATTEN: tl.constexpr, b_ptr=None,
 ):
     """Persistent MXFP8 down projection y = dequant(act_q) · dequant(w_down_q[expert])ᵀ (K = I; ``b_ptr``: the
     optional bias `[L, D]`)."""
@@ -232,7 +232,7 @@ def down_mxfp8_kernel(
     num_tasks = num_tiles * num_n
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         down_mxfp8_tile(act_desc, w_desc, act_scale_ptr, w_scale_ptr, y_ptr, stride_as, stride_ws, stride_y,
                         row0, row_end, expert, n * BLOCK_N, D, W_ROWS, K,
                         DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, b_ptr)

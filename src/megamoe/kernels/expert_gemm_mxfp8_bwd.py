@@ -38,16 +38,15 @@ def dact_mxfp8_kernel(
     D, I, W_ROWS, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, TWO_ENDED: tl.constexpr = False,
+    FLATTEN: tl.constexpr,
 ):
     """Persistent MXFP8 dact over every (row tile, n-tile) task: g = dequant(dy_q) · dequant(w_down_t_q[l])ᵀ
     (K = D), then the BF16 dact epilogue. W_ROWS: rows of the flattened [L*I, D] weight."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
-    num_tasks = num_tiles * num_n
-    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS, flatten=FLATTEN):
+    for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         expert, row0, row_end, n = tile_task(
-            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+            task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         row_ok = row0 + tl.arange(0, BLOCK_M) < row_end
         g, _unused = _mx_gemm_pair(dy_desc, w_t_desc, dy_scale_ptr, w_t_scale_ptr, stride_dys, stride_ws, row0,
                                    row_ok, expert * I + n * BLOCK_N, 0, W_ROWS, D, False, DOT_FP32,

@@ -120,8 +120,7 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr
               stride_ws_n, stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
               tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr,
               GATE_UP: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr,
-              NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, TWO_ENDED: gl.constexpr, STAGES: gl.constexpr,
-              HAS_BIAS: gl.constexpr,
+              NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
               SCATTER: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
     columns 0..N-1, up columns N..2N-1; written with STORE_H), act_q / act_scale the act quantised 1 x 128; down:
@@ -136,7 +135,7 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr
     g = 0  # the program's K steps, in the producer's order
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                             tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+                                             tile_run_ptr, GROUP_M)
         first = row0 + HALF * HALF_M
         rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
         row_ok = rows < row_end
@@ -175,7 +174,7 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
                           rows, w_rows, N, K, limit, alpha, GATE_UP: gl.constexpr, ACT: gl.constexpr,
                           STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr = False,
-                          SCATTER: gl.constexpr = False, TWO_ENDED: gl.constexpr = False):
+                          SCATTER: gl.constexpr = False):
     """One persistent launch of 128 x 128 tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): a = x_q `[rows, K=D]` e4m3 with a_scale `[rows, D/128]`, w = w_gate_up_q `[w_rows = L*2N, K]`
@@ -197,18 +196,16 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
-                      gl.constexpr(TWO_ENDED),
                       gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER))),
          (_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, out_index_ptr, stride_as_in,
                       stride_ws_n, stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
-                      gl.constexpr(TWO_ENDED),
                       gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                              tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
-                             gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED),
+                             gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M),
                              gl.constexpr(STAGES), a_ptr, gl.constexpr(False)))],
         [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -40,7 +40,6 @@ REGS_PRODUCER = gl.constexpr(80)  # the producer warp's registers: at 40-64 the 
 def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                      tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, GATE_UP: gl.constexpr,
                      NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                     TWO_ENDED: gl.constexpr,
                      STAGES: gl.constexpr, a_index_ptr, A_GATHER: gl.constexpr):
     """The K steps of this program's tasks, in the operands' dtype (bf16 here, e4m3 for the FP8-block kernel). Weight
     rows: gate/up's expert l holds gate rows l*2N .. and up rows l*2N + N ..; down's holds rows l*N .. A_GATHER (bf16):
@@ -59,7 +58,7 @@ def forward_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile
     g = 0  # the program's K steps: slot g % STAGES, phase (g // STAGES) & 1
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                             tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+                                             tile_run_ptr, GROUP_M)
         w_row = expert * W_SLICES * N + n * BLOCK_N
         if A_GATHER:  # the tile's rows, once for its K steps
             top, top_ok = row_starts(a_ptr, a_index_ptr, row0, row_end, stride_a, HALF_M, BLOCK_K)
@@ -124,8 +123,7 @@ def add_bias_columns(acc, b_ptr, offset, col0, N, SPLIT: gl.constexpr, BLOCK_N: 
 def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
               tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty,
               HALF: gl.constexpr, GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, TWO_ENDED: gl.constexpr,
-              STAGES: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, A_GATHER: gl.constexpr, MX_ROUND: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
     columns 0..N-1, up columns N..2N-1) and act_ptr act (MX_ROUND: rounded to the MXFP8 grid along N first); down:
@@ -139,7 +137,7 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                             tile_run_ptr, GROUP_M, num_tasks, TWO_ENDED)
+                                             tile_run_ptr, GROUP_M)
         acc = gl.zeros((HALF_M, W_SLICES * BLOCK_N), gl.float32, mma)  # gate/up: gate columns, then up columns
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
@@ -174,7 +172,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
                       GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       MMA_IN_FLIGHT: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
-                      A_GATHER: gl.constexpr = False, MX_ROUND: gl.constexpr = False, TWO_ENDED: gl.constexpr = False):
+                      A_GATHER: gl.constexpr = False, MX_ROUND: gl.constexpr = False):
     """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): A = x_rows `[rows, K=D]`, w = w_gate_up `[w_rows = L*2N, K]`, out = h `[rows, 2N]`, act
@@ -194,21 +192,18 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
         [(_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED),
-                      gl.constexpr(STAGES),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
                       gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
                       gl.constexpr(MX_ROUND))),
          (_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED),
-                      gl.constexpr(STAGES),
+                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
                       gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
                       gl.constexpr(MX_ROUND))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                       gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(GROUP_M), gl.constexpr(TWO_ENDED), gl.constexpr(STAGES), a_index_ptr,
-                      gl.constexpr(A_GATHER)))],
+                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), a_index_ptr, gl.constexpr(A_GATHER)))],
         [4, GATHER_WARPS if A_GATHER else 1], [232, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -165,13 +165,12 @@ def _uncut_layout(first, end, valid, lo, hi, block_m):
 @triton.jit
 def row_tiles_kernel(counts_ptr, offsets_ptr, cut_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                      tile_run_ptr, num_tiles_ptr, minibatch_tiles_ptr, num_experts, num_batches, minibatch, block_m,
-                     EXPERTS: tl.constexpr, CUT: tl.constexpr, HEAVY_FIRST: tl.constexpr = False):
+                     EXPERTS: tl.constexpr, CUT: tl.constexpr):
     """Program j writes the tiles of minibatch j. CUT 1: every region's tiles inside minibatch j, in
     (minibatch, expert, row) order, so region l's first tile index is every tile of earlier minibatches plus
     minibatch j's in experts < l. CUT 0: the regions' own tiles (expert, row order) that start in minibatch j.
     CUT -1: as ``cut_ptr[0]`` (nonzero: cut) says. Either way a region's tiles in minibatch j are one run
-    ``[base, base + tiles)`` (tile_run). EXPERTS >= L is a power of two. HEAVY_FIRST (one minibatch only): the
-    regions in order of their tile counts, most first (ties in expert order), not in expert order."""
+    ``[base, base + tiles)`` (tile_run). EXPERTS >= L is a power of two."""
     batch = tl.program_id(0).to(tl.int64)
     lo = batch * minibatch
     hi = lo + minibatch
@@ -189,11 +188,6 @@ def row_tiles_kernel(counts_ptr, offsets_ptr, cut_ptr, tile_expert_ptr, tile_row
         w = _uncut_layout(first, end, valid, lo, hi, block_m)
         before, seg_start, seg_end = tl.where(cut, c[0], w[0]), tl.where(cut, c[1], w[1]), tl.where(cut, c[2], w[2])
         tiles, base = tl.where(cut, c[3], w[3]), tl.where(cut, c[4], w[4])
-    if HEAVY_FIRST:  # one minibatch: a region's tiles follow those of every region with more (ties: lower ids)
-        base = tl.zeros_like(tiles)
-        for m in range(num_experts):
-            more = (tl.load(counts_ptr + m).to(tl.int64) + block_m - 1) // block_m
-            base += tl.where((more > tiles) | ((more == tiles) & (m < local)), more, 0)
     for u in range(tl.max(tiles, axis=0)):  # the regions' tiles side by side, as many steps as the largest has
         keep = u < tiles
         row0 = seg_start + u * block_m

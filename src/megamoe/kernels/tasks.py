@@ -5,9 +5,7 @@ expert kernels and both megakernels.
                     were dealt before it (a megakernel's lists one after another; a wgrad's expert-major blocks)
     grouped_task    task -> (row tile, n-tile) over one run of tiles: groups of GROUP_M row tiles, n-tile outer
     row_tile_task   the same over the device-built row tiles (``megamoe.routing.row_tiles``), run by run
-    two_ended       the task a program's i-th pick is when programs deal from both ends of the list
-    tile_task       row_tile_task's tile read back as (expert, row0, row_end, n-tile), dealt from both ends
-                    (TWO_ENDED) or in order
+    tile_task       row_tile_task's tile read back as (expert, row0, row_end, n-tile)
 
 The loops around them stay in each kernel: each interleaves its own waits, counters and tile call with the task
 (a shell taking the tile function as a constexpr would need each tile's arguments packed into tuples around the
@@ -53,22 +51,8 @@ def row_tile_task(task, num_n, t0, tile_run_ptr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def two_ended(task, num_tasks):
-    """Even picks from the front of the list, odd ones from the back, one-to-one: with an even number of
-    programs half walk the list's head and half its tail at once. Over tiles heaviest expert first
-    (``RowTiles.heavy_first``) a compute-bound heavy expert's tiles then run beside light experts' ones, which
-    read a weight slice for few rows (memory-bound), instead of the two kinds one after another."""
-    half = task // 2
-    return tl.where(task % 2 == 0, half, num_tasks - 1 - half)
-
-
-@triton.jit
-def tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: tl.constexpr,
-              num_tasks, TWO_ENDED: tl.constexpr):
-    """Task -> (expert, row0, row_end, n-tile) in ``row_tile_task`` order, or in ``two_ended`` order of it
-    (TWO_ENDED: ``num_tasks`` in all)."""
-    if TWO_ENDED:
-        task = two_ended(task, num_tasks)
+def tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M: tl.constexpr):
+    """Task -> (expert, row0, row_end, n-tile) in ``row_tile_task`` order."""
     tile, n = row_tile_task(task, num_n, 0, tile_run_ptr, GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     row0 = tl.load(tile_row0_ptr + tile)

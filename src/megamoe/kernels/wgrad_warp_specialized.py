@@ -211,21 +211,24 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
                                   gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
             [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K))
     elif PLANNED:
-        gl.warp_specialize(
-            [(consumer_planned, (out_ptr, deal_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
-                                 a_smem, b_smem, c0, full, empty, gl.constexpr(0), gl.constexpr(NUM_PROGRAMS),
-                                 gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
-                                 gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                                 gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
-             (consumer_planned, (out_ptr, deal_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M, OUT_N,
-                                 a_smem, b_smem, c1, full, empty, gl.constexpr(1), gl.constexpr(NUM_PROGRAMS),
-                                 gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(STAGES),
-                                 gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
-                                 gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
-             (producer_planned, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, b_smem, full, empty,
-                                 gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                                 gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
-            [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K, planned=True))
+        if gl.load(deal_ptr + 1) != 0:  # blocks dealt (else the static deal's launch beside this one takes them)
+            gl.warp_specialize(
+                [(consumer_planned, (out_ptr, deal_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                                     OUT_N, a_smem, b_smem, c0, full, empty, gl.constexpr(0),
+                                     gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                                     gl.constexpr(STAGES),
+                                     gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                                     gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
+                 (consumer_planned, (out_ptr, deal_ptr, modes_ptr, carry_in_ptr, carry_out_ptr, num_experts, OUT_M,
+                                     OUT_N, a_smem, b_smem, c1, full, empty, gl.constexpr(1),
+                                     gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                                     gl.constexpr(STAGES),
+                                     gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(CARRY), gl.constexpr(A_GATHER),
+                                     gl.constexpr(OUT_T), gl.constexpr(SPLIT_STORE))),
+                 (producer_planned, (a_ptr, b_ptr, a_index_ptr, deal_ptr, OUT_M, OUT_N, a_smem, b_smem, full, empty,
+                                     gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                                     gl.constexpr(STAGES), gl.constexpr(A_GATHER)))],
+                [4, GATHER_WARPS if A_GATHER else 1], gather_registers(A_GATHER, BLOCK_K, planned=True))
     else:
         dealt = num_experts
         if skip_ptr is not None:  # the plan's launch took the blocks

@@ -20,10 +20,11 @@ import torch
 from megamoe import checks
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
-from megamoe.ops.launch import descriptor, expert_row_tiles, launch_row_tasks, scratch_allocator
+from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import TileConfig, mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate, expert_ffn
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe import runtime
 from megamoe.runtime import compiled_gpu
 
@@ -280,7 +281,7 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
     rows = out.shape[0]
     if rows == 0 or experts == 0:
         return
-    tiles = expert_row_tiles(counts, offsets, rows, 128, minibatch=minibatch)
+    tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128, minibatch=minibatch)
     act = act if gate_up else out
     with scratch_allocator():
         forward_warp_specialized.forward_ws_kernel[(programs,)](
@@ -289,7 +290,7 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, n, k,
             activation.kernel_limit, activation.kernel_alpha, tiles.tile_expert if a_index is None else a_index,
             num_warps=4, HAS_BIAS=bias is not None, A_GATHER=a_index is not None,
-            MX_ROUND=mx_act, TWO_ENDED=tiles.heavy_first,
+            MX_ROUND=mx_act,
             **forward_ws_constexprs(tile, programs, gate_up=gate_up, act=activation.kernel_id, stages=stages,
                                     mma_in_flight=mma_in_flight))
 

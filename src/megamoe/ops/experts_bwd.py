@@ -22,10 +22,11 @@ from megamoe.kernels.wgrad_deal import wgrad_deal_kernel
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
-from megamoe.ops.launch import descriptor, expert_row_tiles, launch_row_tasks, scratch_allocator
+from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows, wgrad_ws_stages
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import compiled_gpu, interpreting
 
 
@@ -179,7 +180,7 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
     num_n = -(-i // c.block_n)
     partial = torch.zeros(rows, num_n, dtype=torch.float32, device=device)
     if gluon:
-        tile_map = expert_row_tiles(counts, offsets, rows, 128)
+        tile_map = build_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
             dact_warp_specialized.dact_ws_kernel[(programs,)](
                 dy_rows, w_down.view(experts * d, i), h, row_weights, d_h, act_w, partial, dy_rows.stride(0),
@@ -188,7 +189,6 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
                 tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
                 activation.kernel_limit, activation.kernel_alpha,
                 tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
-                TWO_ENDED=tile_map.heavy_first,
                 **dact_ws_constexprs(c, programs, act=activation.kernel_id))
     else:
         launch_row_tasks(
@@ -328,8 +328,8 @@ WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 #: heaviest expert a launch computes has at least this many times their mean rows, else round robin: on one H100 the
 #: plan ran zipf wgrads 0.75-0.91x the static deal's and uniform ones 1.07-1.09x, tying near 3.4x the mean
 #: (benchmarks/results/2026-12-07-wgrad-planned, calls 25-27; docs/performance.md). The deal kernel tests it on the
-#: device and the static deal's launch beside the plan's does nothing where the plan dealt (~11 us a wgrad on even
-#: loads); either deal gives the same bits. ``MEGAMOE_WGRAD_PLAN_SKEW`` (>= 0; 0: the plan alone, ``inf``: the
+#: device; each launch skips its partitions where the other deals (the plan's no-op ~1-2 % of even loads' wgrads
+#: before it did: benchmarks/results/2026-12-07-two-ended-tiles); either deal gives the same bits. ``MEGAMOE_WGRAD_PLAN_SKEW`` (>= 0; 0: the plan alone, ``inf``: the
 #: static deal alone); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
 WGRAD_PLAN_SKEW = runtime.env_ratio("MEGAMOE_WGRAD_PLAN_SKEW", 5.0)
 runtime.retired_knob("MEGAMOE_WGRAD_PLANNED", "MEGAMOE_WGRAD_PLAN_SKEW=0 deals by the plan always, inf never "

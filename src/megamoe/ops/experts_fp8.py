@@ -20,11 +20,12 @@ from megamoe import checks
 from megamoe import runtime
 from megamoe.config import SWIGLU, Activation
 from megamoe.ops.experts import ExpertForwardQuantized, warp_specialized_forward
-from megamoe.ops.launch import expert_row_tiles, flat_row_stride, launch_row_tasks, scratch_allocator
+from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import TileConfig, mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference.formats import FP8_BLOCK, fp8_block_quantize
 from megamoe.kernels import expert_gemm_fp8, forward_fp8_warp_specialized, gluon_ring
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.quant import soft_e4m3_default
 from megamoe.reference import activate
 
@@ -190,7 +191,7 @@ def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileC
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
     w_q = w_q.view(experts * w_n, k)  # raises where the weights are not one [L * N, K] block
-    tiles = expert_row_tiles(counts, offsets, rows, 128)
+    tiles = build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, 128)
     act_q, act_scale = (act_q.view(torch.uint8), act_scale) if gate_up else (out, out)  # down: never touched
     with scratch_allocator():
         forward_fp8_warp_specialized.forward_fp8_ws_kernel[(programs,)](
@@ -199,8 +200,7 @@ def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileC
             out.stride(0), act_q.stride(0), act_scale.stride(0), tiles.tile_expert, tiles.tile_row0,
             tiles.tile_row_end, tiles.tile_run, tiles.num_tiles, rows, experts * w_n, w_n // 2 if gate_up else w_n, k,
             activation.kernel_limit, activation.kernel_alpha, num_warps=4, HAS_BIAS=bias is not None,
-            SCATTER=out_index is not None, TWO_ENDED=tiles.heavy_first, **forward_fp8_ws_constexprs(tile, programs,
-            gate_up=gate_up,
+            SCATTER=out_index is not None, **forward_fp8_ws_constexprs(tile, programs, gate_up=gate_up,
                                                                        act=activation.kernel_id, store_h=store_h))
 
 

@@ -44,11 +44,12 @@ from megamoe.ops.comm import QuantRows
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import TransposedWeights, transposed_weights
 from megamoe.ops.experts_mxfp8 import down_mxfp8
-from megamoe.ops.launch import expert_row_tiles, flat_row_stride, launch_row_tasks, scratch_allocator
+from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import WGRAD_FP8_WS_STAGES, TileConfig, mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.ops.bf16_wgrads import TokenRows, bf16_wgrads_of, twin_wgrad_rows, wants_bf16_wgrads
 from megamoe.ops.quant import quantize_activations
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.reference import activation_backward
 from megamoe.reference.formats import (FP8_BLOCK, MX_BLOCK, fp8_block_dequantize, fp8_block_quantize, mxfp8_dequantize,
                                       mxfp8_quantize)
@@ -229,14 +230,14 @@ def _expert_backward_fp8(fmt, dy_rows, row_weights, x_rows, h, counts, offsets, 
     # mxfp8's scales are per weight row ([L*I, D/32]); fp8-block's per 128x128 block ([L, I/128, D/128])
     w_dn_t_scale = wt.w_down_t_scale.view(experts * i, d // MX_BLOCK) if mx else wt.w_down_t_scale
     if not mx and warp_specialized and warp_specialized_fp8(device, c):
-        tile_map = expert_row_tiles(counts, offsets, rows, 128)
+        tile_map = build_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
             dact_warp_specialized.dact_fp8_ws_kernel[(programs,)](
                 dy_q, wt.w_down_t.view(experts * i, d), dy_s, w_dn_t_scale, h, row_weights, d_h, act_w, partial,
                 dy_q.stride(0), dy_s.stride(0), flat_row_stride(w_dn_t_scale), h.stride(0), d_h.stride(0),
                 act_w.stride(0), partial.stride(0), tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end,
                 tile_map.tile_run, tile_map.num_tiles, rows, experts * i, d, i, activation.kernel_limit,
-                activation.kernel_alpha, num_warps=4, TWO_ENDED=tile_map.heavy_first,
+                activation.kernel_alpha, num_warps=4,
                 **experts_bwd.dact_ws_constexprs(c, programs, act=activation.kernel_id))
     else:
         launch_row_tasks(

@@ -14,25 +14,9 @@ import torch
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megamoe import runtime
 from megamoe.planner.tiles import TileConfig
-from megamoe.routing.row_tiles import RowTiles, build_row_tiles
+from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import interpreting
-
-#: The standalone expert kernels take their row tiles heaviest expert first and deal them from both ends of the list
-#: (``RowTiles.heavy_first``, ``megamoe.kernels.tasks.two_ended``), so that under skewed routing a heavy expert's
-#: compute-bound tiles run beside light experts' weight-bound ones instead of after them. The same bits (each tile
-#: is one program's, whenever it runs). ``MEGAMOE_TWO_ENDED_TILES`` (0 or 1) sets it; one minibatch only.
-TWO_ENDED_TILES = runtime.env_switch("MEGAMOE_TWO_ENDED_TILES", False)
-
-
-def expert_row_tiles(counts: torch.Tensor, offsets: torch.Tensor, rows: int, block_m: int,
-                     minibatch: int | None = None) -> RowTiles:
-    """The row tiles a standalone expert kernel walks: heaviest first where :data:`TWO_ENDED_TILES` is on and the
-    rows are one minibatch (launch the kernel with ``TWO_ENDED=tiles.heavy_first``)."""
-    heavy_first = TWO_ENDED_TILES and (minibatch is None or minibatch >= rows)
-    return build_row_tiles(counts.to(torch.int32), offsets.to(torch.int32), rows, block_m, minibatch=minibatch,
-                           heavy_first=heavy_first)
 
 
 @contextlib.contextmanager
@@ -76,9 +60,9 @@ def launch_row_tasks(kernel, cfg: TileConfig, programs: int, counts: torch.Tenso
     tensor arguments (``head``) and its sizes (``tail``), and the tile constexprs it declares
     (FP8-block kernels fix BLOCK_K at 128 and do not take it).
     """
-    row_tiles = expert_row_tiles(counts, offsets, rows, cfg.block_m, minibatch=minibatch)
+    row_tiles = build_row_tiles(counts, offsets, rows, cfg.block_m, minibatch=minibatch)
     tile = dict(DOT_FP32=interpreting(), NUM_PROGRAMS=programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, TWO_ENDED=row_tiles.heavy_first)
+                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     kernel[(programs,)](
         *head, row_tiles.tile_expert, row_tiles.tile_row0, row_tiles.tile_row_end, row_tiles.tile_run,
         row_tiles.num_tiles, *tail,

@@ -36,9 +36,6 @@ class RowTiles:
         minibatch_tiles: int32 `[num_minibatches + 1]` tiles of minibatch j are
             ``[minibatch_tiles[j], minibatch_tiles[j + 1])``.
         block_m: rows per tile.
-        heavy_first: the regions in order of their tile counts, most first (ties in expert order), not in
-            expert order (one minibatch only): the kernels then deal tasks from both ends of the list
-            (``megamoe.kernels.tasks.two_ended``), a heavy expert's tiles beside a light one's.
     """
 
     tile_expert: torch.Tensor
@@ -48,12 +45,11 @@ class RowTiles:
     num_tiles: torch.Tensor
     minibatch_tiles: torch.Tensor
     block_m: int
-    heavy_first: bool = False
 
 
 def build_row_tiles(
     counts: torch.Tensor, offsets: torch.Tensor, capacity: int, block_m: int, *, minibatch: int | None = None,
-    cut: bool | torch.Tensor = True, backend: str | None = None, heavy_first: bool = False,
+    cut: bool | torch.Tensor = True, backend: str | None = None,
 ) -> RowTiles:
     """Tiles of ``block_m`` rows per expert region (and per minibatch of rows, when given and ``cut``).
 
@@ -61,7 +57,7 @@ def build_row_tiles(
     one-element device tensor (nonzero: cut), read on the device (the megakernel cuts only when its ring
     wraps). ``backend``: ``"triton"`` (one launch, `megamoe.kernels.schedule.row_tiles_kernel`) or
     ``"torch"`` (~15 torch ops); None picks triton on a GPU and torch on the CPU. Both give the same tiles;
-    entries past ``num_tiles`` are unspecified. ``heavy_first``: the regions heaviest first (one minibatch only).
+    entries past ``num_tiles`` are unspecified.
     """
     if backend is None:
         backend = "triton" if counts.is_cuda else "torch"
@@ -69,24 +65,19 @@ def build_row_tiles(
         raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
     minibatch = minibatch or max(capacity, 1)
     batches = max(1, -(-capacity // minibatch))
-    if heavy_first and batches > 1:
-        raise ValueError(f"heavy_first orders one minibatch's tiles; capacity {capacity} holds {batches} of "
-                         f"{minibatch} rows")
     if backend == "triton":
-        return _row_tiles_by_kernel(counts, offsets, capacity, block_m, minibatch, batches, cut, heavy_first)
+        return _row_tiles_by_kernel(counts, offsets, capacity, block_m, minibatch, batches, cut)
     if not isinstance(cut, torch.Tensor):
-        return _row_tiles_by_torch(counts, offsets, capacity, block_m, minibatch, batches, cut, heavy_first)
-    a, b = (_row_tiles_by_torch(counts, offsets, capacity, block_m, minibatch, batches, c, heavy_first)
-            for c in (True, False))
+        return _row_tiles_by_torch(counts, offsets, capacity, block_m, minibatch, batches, cut)
+    a, b = (_row_tiles_by_torch(counts, offsets, capacity, block_m, minibatch, batches, c) for c in (True, False))
     flag = cut.reshape(1) != 0
     return RowTiles(*(torch.where(flag, x, y) for x, y in zip(
         (a.tile_expert, a.tile_row0, a.tile_row_end, a.tile_run, a.num_tiles, a.minibatch_tiles),
-        (b.tile_expert, b.tile_row0, b.tile_row_end, b.tile_run, b.num_tiles, b.minibatch_tiles))), block_m,
-        heavy_first)
+        (b.tile_expert, b.tile_row0, b.tile_row_end, b.tile_run, b.num_tiles, b.minibatch_tiles))), block_m)
 
 
 def _row_tiles_by_torch(counts, offsets, capacity: int, block_m: int, minibatch: int, batches: int,
-                        cut: bool, heavy_first: bool = False) -> RowTiles:
+                        cut: bool) -> RowTiles:
     device = counts.device
     experts = counts.numel()
     # segment (j, l) = region l ∩ minibatch j, in minibatch-major order (uncut: one span of every row)
@@ -98,10 +89,6 @@ def _row_tiles_by_torch(counts, offsets, capacity: int, block_m: int, minibatch:
     seg_start = torch.maximum(start[None, :], batch_start)
     seg_end = torch.minimum(end[None, :], batch_start + span)
     seg_tiles = ((seg_end - seg_start).clamp_min(0) + block_m - 1) // block_m  # [spans, L]
-    order = torch.arange(experts, device=device)
-    if heavy_first:  # one span: its segments (regions) by tile count, most first, ties in expert order
-        order = torch.sort(seg_tiles[0], descending=True, stable=True).indices
-        seg_start, seg_end, seg_tiles = seg_start[:, order], seg_end[:, order], seg_tiles[:, order]
     ends = seg_tiles.reshape(-1).cumsum(0)
     max_tiles = -(-capacity // block_m) + experts + batches
     tile = torch.arange(max_tiles, device=device)
@@ -121,14 +108,12 @@ def _row_tiles_by_torch(counts, offsets, capacity: int, block_m: int, minibatch:
     batch = (torch.searchsorted(minibatch_tiles, tile.to(torch.int32), right=True) - 1).clamp(0, batches - 1)
     run_first = torch.maximum(first[segment], minibatch_tiles[batch].long()) if experts else tile * 0
     run_end = torch.minimum(ends[segment], minibatch_tiles[batch + 1].long()) if experts else tile * 0
-    expert = order[segment % max(experts, 1)] if experts else segment
-    return RowTiles(expert.to(torch.int32), row0.to(torch.int32), row_end.to(torch.int32),
-                    torch.stack([run_first, run_end], 1).to(torch.int32), num_tiles, minibatch_tiles, block_m,
-                    heavy_first)
+    return RowTiles((segment % max(experts, 1)).to(torch.int32), row0.to(torch.int32), row_end.to(torch.int32),
+                    torch.stack([run_first, run_end], 1).to(torch.int32), num_tiles, minibatch_tiles, block_m)
 
 
 def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch: int, batches: int,
-                         cut: bool | torch.Tensor, heavy_first: bool) -> RowTiles:
+                         cut: bool | torch.Tensor) -> RowTiles:
     experts, device = counts.numel(), counts.device
     max_tiles = -(-capacity // block_m) + experts + batches
     tile_expert, tile_row0, tile_row_end = (torch.empty(max_tiles, dtype=torch.int32, device=device)
@@ -142,5 +127,5 @@ def _row_tiles_by_kernel(counts, offsets, capacity: int, block_m: int, minibatch
         schedule_kernels.row_tiles_kernel[(batches,)](
             counts, offsets, flag, tile_expert, tile_row0, tile_row_end, tile_run, num_tiles, minibatch_tiles, experts,
             batches, minibatch, block_m, EXPERTS=triton.next_power_of_2(experts),
-            CUT=-1 if isinstance(cut, torch.Tensor) else int(cut), HEAVY_FIRST=heavy_first)
-    return RowTiles(tile_expert, tile_row0, tile_row_end, tile_run, num_tiles, minibatch_tiles, block_m, heavy_first)
+            CUT=-1 if isinstance(cut, torch.Tensor) else int(cut))
+    return RowTiles(tile_expert, tile_row0, tile_row_end, tile_run, num_tiles, minibatch_tiles, block_m)

@@ -170,11 +170,6 @@ def gemm_cases() -> dict[str, Case]:
                 "skip_ptr": "*i32" if static_deal else "constexpr"},
                 {**wgrad_ws_constexprs(t_ws, SMS, **choice), "CARRY": carry, "A_GATHER": a_gather,
                  "OUT_T": out_t, **({} if static_deal else {"skip_ptr": None})}, num_warps=4)
-    # the row tiles dealt from both ends of a heaviest-first list (``megamoe.ops.launch.TWO_ENDED_TILES``)
-    for name in ("forward_ws_kernel (gate/up)", "down_kernel", "dact_ws_kernel", "dx_kernel"):
-        c = cases[name]
-        cases[f"{name} (two-ended)"] = dataclasses.replace(
-            c, signature={**c.signature, "TWO_ENDED": "constexpr"}, constexprs={**c.constexprs, "TWO_ENDED": True})
     return cases
 
 
