@@ -160,6 +160,7 @@ def _mxfp8_row_reads(world):
             [(label, k) for label, got in runs.items() for k in first if not torch.equal(got[k], first[k])])
 
 
+@pytest.mark.slow  # 63 s on 2 CPU cores; its kernels' twin: test_experts_mxfp8_bf16.py's by-token bits test
 def test_one_rank_mxfp8_reads_d_out_by_token_with_the_pulled_rows_bits():
     """One rank, mxfp8 as the BF16 kernels: its dact reading the staged E4M3 d_out by token gives the bits of the
     pulled rows (``GATHER_BACKWARD`` off) and of a smaller backward ring, within the FP8 bounds of the oracle."""
