@@ -143,7 +143,9 @@ def _layer(world, precision):
     return result
 
 
-@pytest.mark.parametrize("ranks,precision", [(1, "bf16"), (2, "bf16"), (2, "fp8-block")])
+# two ranks in BF16 (36 s on 2 cores) under -m slow: CI's 15 minutes; one rank's BF16 and two ranks' fp8-block stay
+@pytest.mark.parametrize("ranks,precision", [(1, "bf16"), pytest.param(2, "bf16", marks=pytest.mark.slow),
+                                             (2, "fp8-block")])
 def test_layer_with_biases_matches_the_oracle(ranks, precision):
     """Output and every gradient (x, router weights, weights, both biases, the shared expert) against the FP32
     oracle; in BF16 a wrapping ring, other knobs and the backward megakernel (phased, at R = 2) give the same bits,
