@@ -1,0 +1,3 @@
+import os
+if os.environ.get('MEGAMOE_POISON_PROBE'):
+    import poison  # noqa: F401
