@@ -1,9 +1,10 @@
 # call 31 (.gpu/new = git archive HEAD src tests pyproject.toml benchmarks): on an H200, issue 49's BF16 step targets side
 # by side with nccl-torch (qwen3-30b-a3b at 8192 and 16384 tokens, deepseek-v3 at 8192) and the zipf-within-10 % one
-# (megamoe with the default plan skew); on an H100 call_29.sh instead
+# (megamoe with the default plan skew); on an H100 the GPU poison probe instead (call_37.sh of
+# 2026-12-07-ring-poison-probe, copied to .gpu/ with its poison.py and sitecustomize.py in .gpu/probe/)
 export MEGAMOE_COMMIT=$(cat $PWD/.gpu/COMMIT 2>/dev/null) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_DIR=$PWD/.tcache
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-[ "$MEM" -lt 100000 ] && exec bash .gpu/call_29.sh
+[ "$MEM" -lt 100000 ] && exec bash .gpu/call_37.sh
 cd .gpu/new; mkdir -p $OUT/r; L=$OUT/log.txt; t0=$(date +%s)
 cap() { local l=$(( 560 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
 say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }
