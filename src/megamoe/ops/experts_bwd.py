@@ -328,9 +328,10 @@ WGRAD_DYNAMIC = runtime.env_switch("MEGAMOE_WGRAD_DYNAMIC", False)
 #: heaviest expert a launch computes has at least this many times their mean rows, else round robin: on one H100 the
 #: plan ran zipf wgrads 0.75-0.91x the static deal's and uniform ones 1.07-1.09x, tying near 3.4x the mean
 #: (benchmarks/results/2026-12-07-wgrad-planned, calls 25-27; docs/performance.md). The deal kernel tests it on the
-#: device; each launch skips its partitions where the other deals (the plan's no-op ~1-2 % of even loads' wgrads
-#: before it did: benchmarks/results/2026-12-07-two-ended-tiles); either deal gives the same bits. ``MEGAMOE_WGRAD_PLAN_SKEW`` (>= 0; 0: the plan alone, ``inf``: the
-#: static deal alone); with ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
+#: device; the launch not picked does nothing (the plan's exits before its partitions: its no-op had cost even loads'
+#: wgrads 0.5-1.7 %, benchmarks/results/2026-12-07-two-ended-tiles); either deal gives the same bits.
+#: ``MEGAMOE_WGRAD_PLAN_SKEW`` (>= 0; 0: the plan alone, ``inf``: the static deal alone); with
+#: ``MEGAMOE_WGRAD_DYNAMIC`` the counter deals.
 WGRAD_PLAN_SKEW = runtime.env_ratio("MEGAMOE_WGRAD_PLAN_SKEW", 5.0)
 runtime.retired_knob("MEGAMOE_WGRAD_PLANNED", "MEGAMOE_WGRAD_PLAN_SKEW=0 deals by the plan always, inf never "
                                               "(the default, 5, where the routing is skewed)")
