@@ -78,7 +78,7 @@ def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = 
     if kind not in GEMM_KINDS:
         raise ValueError(f"kind must be one of {GEMM_KINDS}, got {kind!r}")
     if not compiled and not runtime.compiled_gpu(device):
-        return TileConfig(32, 32, 32, num_warps=4, num_stages=1)
+        return TileConfig(32, 64, 64, num_warps=4, num_stages=1)
     few = rows_per_expert is not None and rows_per_expert <= FEW_ROWS_PER_EXPERT
     if kind == "gate_up" and few:
         return TileConfig(64, 128, 64, num_warps=4, num_stages=4, group_m=8)
