@@ -161,7 +161,7 @@ def plan_tiles_fp8_bwd(kind: str, device: torch.device, fmt: str = "fp8-block", 
         raise ValueError(f"fmt must be 'fp8-block' or 'mxfp8', got {fmt!r}")
     bk = FP8_BLOCK if fmt == "fp8-block" else 64
     if not compiled and not runtime.compiled_gpu(device):
-        return TileConfig(32, 32 if kind == "wgrad" else 64, bk, num_warps=4, num_stages=1)
+        return TileConfig(32, 64, bk, num_warps=4, num_stages=1)
     if fmt == "mxfp8":
         return TileConfig(128, 64 if kind == "dact" else 128, bk, num_warps=8, num_stages=3, group_m=8)
     if kind == "wgrad":
