@@ -92,6 +92,43 @@ def test_fp8_gradients_match_the_oracle_and_are_bitwise_stable(ranks, precision,
             assert all(r["same_bits"]), (ranks, rank, r)
 
 
+
+def _filled_ring_grads(world, precision):
+    """Each config's output and gradients with the kept E4M3 ring (rows and scales, allocated unfilled) filled
+    with zero bytes, then with NaN bytes (E4M3 0x7F, FP32 / E8M0 0xFF) before the forward writes it; and how many
+    forwards each fill reached."""
+    from megamoe.megakernel import kernel as K
+
+    real = K.MegaKernel.training_buffers
+    p = make_problem(CONFIG, world.rank, world.size, 37, dtype=torch.bfloat16, seed=4, routing="uniform", drop=0.1,
+                     device=world.device)
+    runs, filled = {}, {}
+    for byte in (0x00, 0x7F):
+        def fill(self, byte=byte):
+            b = real(self)
+            filled[byte] = filled.get(byte, 0) + 1
+            b.ring_x.view(torch.uint8).fill_(byte)
+            b.ring_scale.view(torch.uint8).fill_(0xFF if byte else 0)
+            return b
+        K.MegaKernel.training_buffers = fill
+        try:
+            runs[byte] = [_grads(world, p, SWIGLU, precision, config) for config in (None, WRAPPING)]
+        finally:
+            K.MegaKernel.training_buffers = real
+    return runs, filled
+
+
+@pytest.mark.parametrize("precision", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])
+def test_the_kept_e4m3_ring_needs_no_zero_fill(precision):
+    """The ring's rows no route writes (between expert regions, past the last) never reach a result: NaN bytes
+    there give the zero bytes' outputs and gradients, bit for bit, with the planner's ring and one that wraps."""
+    runs, filled = launch(_filled_ring_grads, 1, precision)[0]
+    assert filled == {0x00: 2, 0x7F: 2}, filled
+    for (out0, grads0), (out1, grads1) in zip(runs[0x00], runs[0x7F]):
+        assert torch.equal(out0, out1) and bool(torch.isfinite(out1.float()).all())
+        assert all(torch.equal(grads0[k], grads1[k]) and bool(torch.isfinite(grads1[k].float()).all())
+                   for k in grads0), [k for k in grads0 if not torch.equal(grads0[k], grads1[k])]
+
 def _api(world):
     cfg = MoEConfig(**{**CONFIG.__dict__})
     p = make_problem(cfg, world.rank, world.size, 9, dtype=torch.bfloat16, seed=2, device=world.device)

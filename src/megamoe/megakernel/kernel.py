@@ -239,15 +239,15 @@ class MegaKernel:
         """Buffers for a pass whose backward keeps only what the training op returns (``megamoe::layer_forward``):
         new ones for h, the shared expert's h and (FP8) the ring's E4M3 rows and scales, the kernel's scratch for
         the rest (BF16's ring rows, the activations: written and read within the pass). A layer's pass then
-        allocates and zero-fills no ``[ring, D + I]`` of its own."""
+        allocates and zero-fills no ``[ring, D + I]`` of its own (the kept E4M3 ring is not zero-filled either)."""
         scratch = self.scratch_buffers()
         kept = dict(dtype=torch.bfloat16, device=self.world.device)
         rows, s = self.config.ring_rows, self.shape
         with self.keyed_pool.allocating():
             fresh = dict(h=torch.empty(rows, 2 * s.intermediate, **kept),
                          shared_h=None if scratch.shared_h is None else torch.empty_like(scratch.shared_h))
-            if self.quantized:
-                fresh.update(ring_x=torch.zeros_like(scratch.ring_x), ring_scale=torch.zeros_like(scratch.ring_scale))
+            if self.quantized:  # unfilled: no unwritten row reaches a result (results/2026-12-07-ring-poison-probe)
+                fresh.update(ring_x=torch.empty_like(scratch.ring_x), ring_scale=torch.empty_like(scratch.ring_scale))
         return dataclasses.replace(scratch, **fresh)
 
     def backward_launcher(self):
