@@ -102,28 +102,34 @@ def _filled_ring_grads(world, precision):
     real = K.MegaKernel.training_buffers
     p = make_problem(CONFIG, world.rank, world.size, 37, dtype=torch.bfloat16, seed=4, routing="uniform", drop=0.1,
                      device=world.device)
-    runs, filled = {}, {}
+    runs, filled, rings = {}, {}, []
     for byte in (0x00, 0x7F):
         def fill(self, byte=byte):
             b = real(self)
             filled[byte] = filled.get(byte, 0) + 1
             b.ring_x.view(torch.uint8).fill_(byte)
             b.ring_scale.view(torch.uint8).fill_(0xFF if byte else 0)
+            rings.append(b.ring_x)
             return b
         K.MegaKernel.training_buffers = fill
         try:
             runs[byte] = [_grads(world, p, SWIGLU, precision, config) for config in (None, WRAPPING)]
         finally:
             K.MegaKernel.training_buffers = real
-    return runs, filled
+    untouched = [bool((ring.view(torch.uint8) == 0x7F).all()) for ring in rings[2:]]  # the poisoned ones, after
+    return runs, filled, untouched
 
 
 @pytest.mark.parametrize("precision", ["fp8-block", pytest.param("mxfp8", marks=pytest.mark.slow)])
 def test_the_kept_e4m3_ring_needs_no_zero_fill(precision):
     """The ring's rows no route writes (between expert regions, past the last) never reach a result: NaN bytes
-    there give the zero bytes' outputs and gradients, bit for bit, with the planner's ring and one that wraps."""
-    runs, filled = launch(_filled_ring_grads, 1, precision)[0]
+    there give the zero bytes' outputs and gradients, bit for bit, with the planner's ring and one that wraps (one
+    rank's mxfp8 writes none of it: its backward reads x by token)."""
+    runs, filled, untouched = launch(_filled_ring_grads, 1, precision)[0]
     assert filled == {0x00: 2, 0x7F: 2}, filled
+    # one rank's mxfp8 as the BF16 kernels with BF16 wgrads reads x by token: its forward gathers no E4M3 x rows
+    # (the planner's config); the wrapping ring runs the megakernel, whose pulls land in the ring
+    assert untouched == [precision == "mxfp8", False], untouched
     for (out0, grads0), (out1, grads1) in zip(runs[0x00], runs[0x7F]):
         assert torch.equal(out0, out1) and bool(torch.isfinite(out1.float()).all())
         assert all(torch.equal(grads0[k], grads1[k]) and bool(torch.isfinite(grads1[k].float()).all())

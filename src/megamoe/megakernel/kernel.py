@@ -70,6 +70,7 @@ from megamoe.ops.experts_mxfp8_bf16 import expert_forward_mxfp8_bf16
 from megamoe.ops.quant import quantize_activations
 from megamoe.planner.tiles import TileConfig, plan_tiles
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
+from megamoe.planner.wgrads import reads_x_by_token
 from megamoe.ops.weighted_sum import weighted_sum
 from megamoe.planner import KernelConfig, LayerShape, check_kernel_config, plan
 from megamoe.precision import SCALE_BLOCK, check_precision
@@ -457,8 +458,9 @@ class MegaKernel:
     def _run_experts(self, n, schedule, buffers, w_gate_up, w_down, experts_q, shared, activation, b_gate_up=None,
                      b_down=None) -> None:
         """One rank: the routed rows gathered into the ring (BF16 with ``GATHER_FORWARD``: read from the tokens by
-        index instead, no copy), the expert kernels on every SM, and the map from each route to its output row (the
-        weighted sum reads the rows in place: no combine copy)."""
+        index instead, no copy; mxfp8 as the BF16 kernels where the backward reads x by token: none, as nobody reads
+        them), the expert kernels on every SM, and the map from each route to its output row (the weighted sum reads
+        the rows in place: no combine copy)."""
         cap = schedule.capacity
         rows = slice(0, cap)
         b = buffers
@@ -467,10 +469,11 @@ class MegaKernel:
         if self.quantized:
             x_index, token = token, token.long()
             q = experts_q  # never None here: forward quantises before the device work when the caller did not
-            torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
-            torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
+            if not (runs_as_bf16(self.precision) and reads_x_by_token(self.precision, self.shape)):
+                torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
+                torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
             if runs_as_bf16(self.precision):  # the BF16 kernels on the tokens' E4M3 rows dequantised (the ring's
-                # E4M3 rows stay for the backward), the pack's rounded weights, act rounded in the gate/up epilogue
+                # E4M3 rows only for a backward that reads them), the pack's rounded weights, act rounded in gate/up
                 if self._act_bf16 is None:
                     self._act_bf16 = torch.empty(self.config.ring_rows, self.shape.intermediate, dtype=torch.bfloat16,
                                                  device=self.world.device)
