@@ -74,7 +74,7 @@ def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = 
     ``rows_per_expert`` (the load's mean) is at most :data:`FEW_ROWS_PER_EXPERT`, and the wgrad takes
     BK 64 there. The
     interpreter gets 32-row tiles 64 wide and deep: it runs one program at a time and each op of it in numpy, so
-    wider tiles cost fewer ops (32x32x32 took the CPU suite 947 s on 2 cores, 32x64x64 762 s); 32 rows keep several
+    wider tiles cost fewer ops (32x32x32 took the CPU suite 947 s on 2 cores, 32x64x64 762-884 s); 32 rows keep several
     row tiles an expert in the tests' small layers.
     """
     if kind not in GEMM_KINDS:
