@@ -48,7 +48,8 @@ def _poison(on):
 
 
 def _step(world, p, precision, config, fused):
-    leaves = {n: getattr(p, n).detach().clone().requires_grad_() for n in ("x", "router_weights", "w_gate_up", "w_down")}
+    leaves = {n: getattr(p, n).detach().clone().requires_grad_()
+              for n in ("x", "router_weights", "w_gate_up", "w_down")}
     shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
     out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], leaves["w_down"],
               shared, CFG.activation, precision=precision, config=config, fused_backward=fused)
@@ -63,8 +64,9 @@ def _rank(world):
     lines = []
     for precision in ("fp8-block", "mxfp8") if DEVICE == "cuda" else ("fp8-block",):
         for name, tokens, routing, drop in CASES:
-            p = make_problem(CFG, world.rank, world.size, tokens - (311 if DEVICE == 'cuda' else 7) * world.rank, dtype=torch.bfloat16, seed=7,
-                             routing=routing, drop=drop, device=world.device)
+            tokens -= (311 if DEVICE == "cuda" else 7) * world.rank  # uneven token counts across ranks
+            p = make_problem(CFG, world.rank, world.size, tokens, dtype=torch.bfloat16, seed=7, routing=routing,
+                             drop=drop, device=world.device)
             for config in (None, WRAPPING):
                 for fused in (False,):  # the FP8 backward runs the composed kernels only
                     _poison(False)
