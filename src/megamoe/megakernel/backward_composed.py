@@ -55,7 +55,7 @@ from megamoe.ops.bf16_wgrads import TokenRows
 from megamoe.ops.experts_fp8_bwd import expert_backward_fp8_block, expert_backward_mxfp8
 from megamoe.ops.experts_mxfp8 import runs_as_bf16
 from megamoe.ops.experts_mxfp8_bf16 import expert_backward_mxfp8_bf16
-from megamoe.planner.wgrads import backward_rows_per_expert, bf16_wgrads_pay, reads_x_by_token
+from megamoe.planner.wgrads import bf16_wgrads_pay, reads_x_by_token
 from megamoe.routing.schedule import row_tokens
 
 
@@ -86,7 +86,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # one rank, mxfp8 as the BF16 kernels: its dact reads the staged E4M3 d_out by token too, dequantised once (N
     # rows, not N*k; the pull and the rows' dequantisation skipped, the same values)
     mx_by_token = own_slots and fmt == "mxfp8" and expert_ops.GATHER_BACKWARD
-    rows_per_expert = backward_rows_per_expert(s)  # the balanced mean, for the tile plans
+    rows_per_expert = s.rows_per_expert  # the balanced mean, for the tile plans
     # FP8 with BF16 wgrads (planner.wgrads.bf16_wgrads_pay: mxfp8, and fp8-block at few rows per expert); one rank's
     # read the staged BF16 d_out and x by token, not the E4M3 rows (which they would dequantise)
     bf16_wgrads = fmt != "bf16" and bf16_wgrads_pay(fmt, rows_per_expert)

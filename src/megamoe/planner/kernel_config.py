@@ -40,6 +40,12 @@ class LayerShape:
         """Routed rows of the worst case: every route of every rank to this rank (R * N * k)."""
         return self.num_ranks * max(self.max_tokens, 1) * self.top_k
 
+    @property
+    def rows_per_expert(self) -> float:
+        """Routed rows per local expert under balanced routing (N * k / L): what the tile plans and the backward's
+        weight-gradient recipe are picked for."""
+        return self.max_tokens * self.top_k / max(self.experts_per_rank, 1)
+
     def config(self) -> MoEConfig:
         """The layer as a :class:`MoEConfig` (one shared expert of the summed size)."""
         return MoEConfig(hidden=self.hidden, intermediate=self.intermediate,

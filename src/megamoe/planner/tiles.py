@@ -221,5 +221,4 @@ def tile_stages(shape) -> int:
     wait). A fourth stage where experts hold more rows than :data:`FEW_ROWS_PER_EXPERT` on average: on kimi-k2's
     EP 2 load (192 experts x 341 rows) the BF16 compute workers ended 5-7 % sooner in two runs (FP8-block: a
     tie); at 170 rows they ended 6-7 % later (2026-12-04-megakernel-stages)."""
-    rows_per_expert = shape.max_tokens * shape.top_k / shape.experts_per_rank
-    return MAX_TILE_STAGES if rows_per_expert > FEW_ROWS_PER_EXPERT else MAX_TILE_STAGES - 1
+    return MAX_TILE_STAGES if shape.rows_per_expert > FEW_ROWS_PER_EXPERT else MAX_TILE_STAGES - 1

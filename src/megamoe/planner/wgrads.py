@@ -35,15 +35,9 @@ def bf16_wgrads_pay(fmt: str, rows_per_expert: float) -> bool:
     return fmt == "mxfp8" or rows_per_expert < FP8_WGRAD_MIN_ROWS
 
 
-def backward_rows_per_expert(shape) -> float:
-    """The balanced rows per local expert the layer's backward plans for (its tiles and :func:`bf16_wgrads_pay`):
-    ``N * k / L`` of a :class:`~megamoe.planner.kernel_config.LayerShape`."""
-    return shape.max_tokens * shape.top_k / max(shape.experts_per_rank, 1)
-
-
 def reads_x_by_token(fmt: str, shape) -> bool:
-    """Whether the FP8 layer backward of ``shape`` reads x by token from the staged BF16 x: one rank with BF16
-    wgrads. Its dact and dx never read x, so it then reads none of the E4M3 x rows the forward keeps in its ring,
-    and a forward that does not read them itself (mxfp8 as the BF16 kernels, which read the tokens by index) need
-    not gather them."""
-    return shape.num_ranks == 1 and fmt != "bf16" and bf16_wgrads_pay(fmt, backward_rows_per_expert(shape))
+    """Whether the FP8 layer backward of ``shape`` (a :class:`~megamoe.planner.kernel_config.LayerShape`) reads x
+    by token from the staged BF16 x: one rank with BF16 wgrads. Its dact and dx never read x, so it then reads none
+    of the E4M3 x rows the forward keeps in its ring, and a forward that does not read them itself (mxfp8 as the
+    BF16 kernels, which read the tokens by index) need not gather them."""
+    return shape.num_ranks == 1 and fmt != "bf16" and bf16_wgrads_pay(fmt, shape.rows_per_expert)
