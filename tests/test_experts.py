@@ -773,6 +773,7 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     wgrads = {f"{kernel}{tile}" for kernel in ("wgrad_kernel", "wgrad_ws_kernel")
               for tile in ("", " (few rows per expert)", " (carry)", " (few rows per expert, carry)")}
     by_token = {"forward_ws_kernel (gate/up, x rows by token)", "dact_ws_kernel (d_out rows by token)",
+                "dact_ws_kernel (d_out by token, d_h on the MXFP8 grid)",
                 "wgrad_ws_kernel (carry) (d_out rows by token)", "wgrad_ws_kernel (carry) (x rows by token)",
                 "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}

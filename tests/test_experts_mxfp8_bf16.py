@@ -195,6 +195,93 @@ def test_backward_reading_d_out_by_token_gives_the_routed_rows_bits():
         expert_backward_mxfp8_bf16(tokens, *args[1:], dy_index=index[:3])
 
 
+def _dact_problem(seed):
+    """A dact load whose d_h 32-blocks span many scales: rows' weights from 2**-130 (d_h below bf16's normal range)
+    to 8, a zero-weight row (all-zero blocks), a partial n-tile (I 160), an empty expert, rows outside the
+    regions."""
+    p = _backward_problem([70, 0, 33, 5], 3, d=64, i=160, seed=seed)
+    w = p["w"].clone()
+    w[:4] = torch.tensor([0.0, 2.0**-130, 2.0**-120, 8.0])
+    w[40:50] *= 2.0**-100
+    return p, w
+
+
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_dact_stores_d_h_on_the_grid_as_the_rounding_pass(block_n):
+    """``dact(..., d_h_grid=)``: d_h rounded to the MXFP8 grid along 2I, dx's operand, stored by the epilogue
+    (column quarters of whole 32-blocks: 128-wide tiles) or by the rounding pass after it (64-wide): bit for bit
+    ``mx_round_activations(d_h)`` and ``formats``' round trip in the regions' rows (the epilogue leaves the rows
+    outside them untouched; the pass rounds whatever d_h holds there, which dx never reads); d_h, act_w and the
+    router gradients the same bits as without it."""
+    import dataclasses
+
+    from megamoe.config import SWIGLU
+    from megamoe.ops.experts_bwd import dact
+    from megamoe.planner.tiles import plan_tiles
+
+    p, w = _dact_problem(seed=11)
+    rows, i = p["h"].shape[0], p["wd"].shape[2]
+    tile = dataclasses.replace(plan_tiles("dact", torch.device(DEVICE)), block_m=32, block_n=block_n)
+    counts, offsets = p["counts"].to(torch.int32), p["offsets"].to(torch.int32)
+
+    def run(grid):
+        d_router = torch.full((rows,), float("nan"), device=DEVICE)
+        d_h, act_w = dact(p["dy"], w, p["h"], counts, offsets, p["wd"], d_router, tile, 3, SWIGLU, False,
+                          d_h_grid=grid)
+        return d_h, act_w, d_router
+
+    grid = torch.full((rows, 2 * i), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got, want = run(grid), run(None)
+    inside = in_regions(p["counts"], p["offsets"], rows)
+    for name, a, b in zip(("d_h", "act_w", "d_router"), got, want):
+        assert torch.equal(a[inside], b[inside]), name
+    d_h = got[0][inside]
+    assert d_h.abs().max() > 1 and (d_h != 0).any(1).all() == False  # noqa: E712 (a zero row too)
+    _same_bits(grid[inside], mx_round_activations(d_h))
+    _same_bits(grid[inside], _round_ref(d_h.float(), 1))
+    assert not torch.equal(grid[inside], d_h)  # rounded, not copied
+    if block_n == 128:
+        assert grid[~inside].isnan().all()
+    with pytest.raises(ValueError, match="d_h_grid"):
+        run(grid[:, : 2 * i - 32])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("by_token", [False, True])
+def test_gpu_gluon_dact_stores_d_h_on_the_grid_as_the_rounding_pass(by_token):
+    """The Gluon dact's epilogue (Hopper) with ``d_h_grid``: bit for bit ``mx_round_activations(d_h)`` in the
+    regions' rows, untouched outside them, and d_h, act_w and the router gradients the same bits as without it
+    (also reading d_out by token, as one rank's backward does)."""
+    from megamoe.config import SWIGLU
+    from megamoe.ops.experts_bwd import dact
+    from megamoe.planner.tiles import plan_tiles
+
+    p, w = _dact_problem(seed=12)
+    rows, i = p["h"].shape[0], p["wd"].shape[2]
+    tile = plan_tiles("dact", torch.device("cuda"))
+    counts, offsets = p["counts"].to(torch.int32), p["offsets"].to(torch.int32)
+    dy, index = p["dy"], None
+    if by_token:
+        index = torch.randperm(rows, device="cuda").to(torch.int32)
+        dy = torch.empty_like(dy).index_copy_(0, index.long(), dy)  # row index[r] of dy is routed row r's
+
+    def run(grid):
+        d_router = torch.full((rows,), float("nan"), device="cuda")
+        return (*dact(dy, w, p["h"], counts, offsets, p["wd"], d_router, tile, 5, SWIGLU, True, index,
+                      d_h_grid=grid), d_router)
+
+    grid = torch.full((rows, 2 * i), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, want = run(grid), run(None)
+    torch.cuda.synchronize()
+    inside = in_regions(p["counts"], p["offsets"], rows)
+    for name, a, b in zip(("d_h", "act_w", "d_router"), got, want):
+        assert torch.equal(a[inside], b[inside]), name
+    _same_bits(grid[inside], mx_round_activations(got[0][inside]))
+    assert grid[~inside].isnan().all()
+
+
 def test_backward_refuses_other_rows_and_sizes():
     p = _backward_problem([3, 2], 0, d=128)
     args = list(_args(p))

@@ -33,17 +33,18 @@ from megamoe.kernels.forward_warp_specialized import HALF_M, forward_producer
 from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_async, full_arrivals, land_on,
                                          row_starts)
 from megamoe.kernels.gluon_ring import drain_steps, invalidate_ring, release_step, ring_barriers
+from megamoe.kernels.quant import mxfp8_round_tile
 from megamoe.kernels.tasks import tile_task
 from megamoe.kernels.wgrad_blocks import column_halves
 
 
 @gluon.jit
 def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I,
-             limit, alpha, ACT: gl.constexpr):
+             limit, alpha, ACT: gl.constexpr, d_h_grid_ptr, D_H_GRID: gl.constexpr):
     """The SwiGLU backward of columns c0.. of rows first.. (``g`` [64, 32], in its split layout): d_h and act·w
-    stored, the rows' partial returned. The math runs in the Triton dact's layout (``io``: 16-byte row runs, 8
-    columns per thread, 4 lanes per row), so the rows' sums reduce in its order and give its bits; the loads and
-    stores are coalesced there too."""
+    stored (D_H_GRID: d_h on the MXFP8 grid too, each row's 32 columns one block), the rows' partial returned.
+    The math runs in the Triton dact's layout (``io``: 16-byte row runs, 8 columns per thread, 4 lanes per row),
+    so the rows' sums reduce in its order and give its bits; the loads and stores are coalesced there too."""
     io: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # bf16 [64, 32]: 8 per thread
     g = gl.convert_layout(g, io)
     rows = first + gl.arange(0, g.shape[0], layout=gl.SliceLayout(1, io))
@@ -59,20 +60,26 @@ def _quarter(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride
     act_w_tile = act_w_ptr + (rows64[:, None] * stride_act_w + cols[None, :])
     gl.store(act_w_tile, to_bf16(act_w, False), mask=mask)
     d_h_tile = d_h_ptr + (rows64[:, None] * stride_d_h + cols[None, :])
-    gl.store(d_h_tile, to_bf16(d_gate, False), mask=mask)
-    gl.store(d_h_tile + I, to_bf16(d_up, False), mask=mask)
+    d_gate = to_bf16(d_gate, False)
+    gl.store(d_h_tile, d_gate, mask=mask)
+    d_up = to_bf16(d_up, False)
+    gl.store(d_h_tile + I, d_up, mask=mask)
+    if D_H_GRID:  # dx's operand as mx_round_activations(d_h) gives it, without a pass over d_h
+        grid_tile = d_h_grid_ptr + (rows64[:, None] * stride_d_h + cols[None, :])
+        gl.store(grid_tile, mxfp8_round_tile(d_gate, 1).to(gl.bfloat16), mask=mask)
+        gl.store(grid_tile + I, mxfp8_round_tile(d_up, 1).to(gl.bfloat16), mask=mask)
     return part
 
 
 @gluon.jit
 def _half(g, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w, I, limit,
-          alpha, ACT: gl.constexpr):
+          alpha, ACT: gl.constexpr, d_h_grid_ptr, D_H_GRID: gl.constexpr):
     """Columns c0.. of ``g`` [64, 64] as two quarters, the Triton dact's ``_dact_quarters`` order."""
     lo, hi = column_halves(g)
     part = _quarter(lo, c0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                    stride_act_w, I, limit, alpha, ACT)
+                    stride_act_w, I, limit, alpha, ACT, d_h_grid_ptr, D_H_GRID)
     part += _quarter(hi, c0 + g.shape[1] // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h,
-                     stride_d_h, stride_act_w, I, limit, alpha, ACT)
+                     stride_d_h, stride_act_w, I, limit, alpha, ACT, d_h_grid_ptr, D_H_GRID)
     return part
 
 
@@ -97,20 +104,22 @@ def _fp8_consumer(dy_scale_ptr, w_scale_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_pt
         ws_n = w_scale_ptr + (expert.to(gl.int64) * (I // BLOCK) + n) * stride_ws_n
         acc, g = paired_k_steps(ds_rows, row_ok, ws_n, D, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
         dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h,
-                      stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT)
+                      stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT, d_h_ptr, False)
 
 
 @gluon.jit
 def dact_epilogue(acc, n, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h,
-                  stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT: gl.constexpr):
+                  stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT: gl.constexpr, d_h_grid_ptr,
+                  D_H_GRID: gl.constexpr):
     """The dact epilogue of g = ``acc`` [64, 128] (rows first.., n-tile n) in the Triton dact's order: column
-    halves, each as two quarters (the router-gradient partials' sum order), then the rows' partial stored."""
+    halves, each as two quarters (the router-gradient partials' sum order), then the rows' partial stored.
+    D_H_GRID: d_h on the MXFP8 grid along 2I also stored at ``d_h_grid_ptr`` (d_h's strides)."""
     lo, hi = column_halves(acc)
     n0 = n * BLOCK
     part = _half(lo, n0, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                 I, limit, alpha, ACT)
+                 I, limit, alpha, ACT, d_h_grid_ptr, D_H_GRID)
     part += _half(hi, n0 + BLOCK // 2, first, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                  stride_act_w, I, limit, alpha, ACT)
+                  stride_act_w, I, limit, alpha, ACT, d_h_grid_ptr, D_H_GRID)
     part_rows = first + gl.arange(0, HALF_M, layout=part.type.layout)
     gl.store(d_w_partial_ptr + part_rows.to(gl.int64) * stride_partial + n, part, mask=part_rows < row_end)
 
@@ -192,7 +201,7 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
                    stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, I, D,
                    limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr, ACT: gl.constexpr,
                    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   A_GATHER: gl.constexpr):
+                   A_GATHER: gl.constexpr, d_h_grid_ptr, D_H_GRID: gl.constexpr):
     """BF16: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup); the K loop the BF16
     forward's (one wgmma group in flight), the same m64n128k16 sequence as the Triton dact's."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
@@ -213,19 +222,20 @@ def _bf16_consumer(h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride
             g += 1
         acc = drain_steps(acc, empty, g, D > 0, STAGES, True)
         dact_epilogue(acc, n, row0 + HALF * HALF_M, row_end, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
-                      stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT)
+                      stride_h, stride_d_h, stride_act_w, stride_partial, I, limit, alpha, ACT, d_h_grid_ptr, D_H_GRID)
 
 
 @gluon.jit
 def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_dy, stride_h,
                    stride_d_h, stride_act_w, stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                   tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, dy_index_ptr, ACT: gl.constexpr,
-                   NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   A_GATHER: gl.constexpr = False):
+                   tile_run_ptr, num_tiles_ptr, rows, w_rows, D, I, limit, alpha, dy_index_ptr, d_h_grid_ptr,
+                   ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr, A_GATHER: gl.constexpr = False, D_H_GRID: gl.constexpr = False):
     """One persistent launch of 128 x 128 BF16 dact tiles: dy `[rows, D]`, w = w_down `[w_rows = L*D, I]`, h `[rows,
     2I]` bf16, row_w `[rows]` fp32; out d_h `[rows, 2I]`, act_w `[rows, I]` bf16, d_w_partial `[rows, I/128]`.
     A_GATHER: dy row r is row ``dy_index[r]`` (int32) of dy `[S, D]` (one rank reads d_out in place of routed
-    copies; else dy_index is never read)."""
+    copies; else dy_index is never read). D_H_GRID: d_h rounded to the MXFP8 grid along 2I also stored at
+    ``d_h_grid_ptr`` (d_h's strides; MXFP8 run as BF16 operands, dx's operand; else never written)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
@@ -236,12 +246,14 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER), d_h_grid_ptr,
+                           gl.constexpr(D_H_GRID))),
          (_bf16_consumer, (h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
                            stride_partial, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
                            num_tiles_ptr, I, D, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
-                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER))),
+                           gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER), d_h_grid_ptr,
+                           gl.constexpr(D_H_GRID))),
          (_bf16_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                            tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
                            gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),

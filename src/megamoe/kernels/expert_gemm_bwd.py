@@ -11,7 +11,8 @@ Per routed row r of local expert l (rows grouped by expert as in the forward):
     dW_gate_up[l] = Σ_r d_h[r]ᵀ x[r]
 
 act is recomputed from the saved pre-activation h in the dact epilogue, which
-also writes act_w = w ⊙ act for the wgrad. The router gradient of a row is
+also writes act_w = w ⊙ act for the wgrad (and, for MXFP8 run as BF16 operands, d_h
+rounded to the MXFP8 grid along 2I: dx's operand, D_H_GRID). The router gradient of a row is
 summed over I in two steps: each n-tile writes its partial sum to
 d_w_partial[r, n]; the launcher adds the partials in n order (no float
 atomics anywhere: bitwise deterministic). wgrad tasks own one
@@ -26,6 +27,7 @@ import triton.language as tl
 from megamoe.kernels.activation import activation_bwd
 from megamoe.kernels.convert import to_bf16
 from megamoe.kernels.expert_gemm import tile_dot
+from megamoe.kernels.quant import mxfp8_round_tile
 from megamoe.kernels.tasks import first_task, tile_task
 from megamoe.kernels.wgrad_carry import carry_end, carry_start, wgrad_mode
 
@@ -50,24 +52,29 @@ def dact_tile(
     dy_desc, w_down_desc, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr,
     stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n, D, I, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, d_h_grid_ptr=None,
+    D_H_GRID: tl.constexpr = False,
 ):
     """One [BLOCK_M rows x BLOCK_N] tile of g = dy · w_down[l]; epilogue: router-gradient partials, SwiGLU
-    backward -> d_h, act_w. ``h_base`` points at the tile's first row of h (the ring's, or a replay's);
-    dy, row weights, d_h, act_w and the partials are addressed by routed row."""
+    backward -> d_h, act_w (D_H_GRID: and d_h on the MXFP8 grid, :func:`dact_epilogue`). ``h_base`` points at
+    the tile's first row of h (the ring's, or a replay's); dy, row weights, d_h, act_w and the partials are
+    addressed by routed row."""
     g = rows_times_kn(dy_desc, w_down_desc, row0, expert * D, n * BLOCK_N, D, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     dact_epilogue(g, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w,
-                  stride_partial, row0, row_end, n, I, limit, alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N)
+                  stride_partial, row0, row_end, n, I, limit, alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, d_h_grid_ptr,
+                  D_H_GRID)
 
 
 @triton.jit
 def dact_epilogue(
     g, h_base, row_w_ptr, d_h_ptr, act_w_ptr, d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial,
     row0, row_end, n, I, limit, alpha, ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, d_h_grid_ptr=None, D_H_GRID: tl.constexpr = False,
 ):
     """The dact tile's epilogue from g [BLOCK_M, BLOCK_N] (fp32, n-tile n): router-gradient partials, the
-    SwiGLU backward in FP32 from h -> d_h, act_w (the BF16 and the FP8 dgrads share it)."""
+    SwiGLU backward in FP32 from h -> d_h, act_w (the BF16 and the FP8 dgrads share it). D_H_GRID: d_h rounded
+    to the MXFP8 grid along 2I also stored at ``d_h_grid_ptr`` (d_h's strides; BLOCK_N a multiple of 128, so
+    each column quarter is whole 32-blocks)."""
     n0 = n * BLOCK_N
     # The epilogue runs on column quarters: one [BM, BN] pass kept ~10 [BM, BN] fp32/pointer
     # tensors live and spilled 3.5 KB of stack per thread (cuobjdump --dump-resource-usage).
@@ -79,11 +86,13 @@ def dact_epilogue(
     row0_64 = row0.to(tl.int64)
     d_h_base = d_h_ptr + row0_64 * stride_d_h
     act_w_base = act_w_ptr + row0_64 * stride_act_w
+    grid_base = d_h_grid_ptr + row0_64 * stride_d_h if D_H_GRID else d_h_base
     local = tl.arange(0, BLOCK_M)
     part = _dact_quarters(g_lo, w, local, row_ok, n0, h_base, d_h_base, act_w_base, stride_h, stride_d_h,
-                          stride_act_w, I, limit, alpha, ACT, BLOCK_N // 2, DOT_FP32)
+                          stride_act_w, I, limit, alpha, ACT, BLOCK_N // 2, DOT_FP32, grid_base, D_H_GRID)
     part += _dact_quarters(g_hi, w, local, row_ok, n0 + BLOCK_N // 2, h_base, d_h_base, act_w_base, stride_h,
-                           stride_d_h, stride_act_w, I, limit, alpha, ACT, BLOCK_N // 2, DOT_FP32)
+                           stride_d_h, stride_act_w, I, limit, alpha, ACT, BLOCK_N // 2, DOT_FP32, grid_base,
+                           D_H_GRID)
     tl.store(d_w_partial_ptr + rows.to(tl.int64) * stride_partial + n, part, mask=row_ok)
 
 
@@ -95,9 +104,10 @@ def dact_swiglu_bwd_kernel(
     D, I, limit, alpha,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, d_h_grid_ptr=None, D_H_GRID: tl.constexpr = False,
 ):
-    """Persistent :func:`dact_tile` over every (row tile, n-tile) task."""
+    """Persistent :func:`dact_tile` over every (row tile, n-tile) task (D_H_GRID: also d_h on the MXFP8 grid
+    along 2I into ``d_h_grid_ptr``, d_h's strides)."""
     num_n = tl.cdiv(I, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     for task in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN):
@@ -105,7 +115,7 @@ def dact_swiglu_bwd_kernel(
             task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, GROUP_M)
         dact_tile(dy_desc, w_down_desc, h_ptr + row0.to(tl.int64) * stride_h, row_w_ptr, d_h_ptr, act_w_ptr,
                   d_w_partial_ptr, stride_h, stride_d_h, stride_act_w, stride_partial, row0, row_end, expert, n,
-                  D, I, limit, alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                  D, I, limit, alpha, ACT, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, d_h_grid_ptr, D_H_GRID)
 
 
 @triton.jit
@@ -130,23 +140,26 @@ def router_grad_kernel(d_w_partial_ptr, stride_partial, d_router_ptr, rows, num_
 
 @triton.jit
 def _dact_quarters(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                   I, limit, alpha, ACT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+                   I, limit, alpha, ACT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr, grid_ptr,
+                   D_H_GRID: tl.constexpr):
     """:func:`_dact_half` on the two column halves of ``g`` ([BM, HALF]) in turn."""
     BM: tl.constexpr = g.shape[0]
     g_lo, g_hi = tl.split(tl.permute(tl.reshape(g, (BM, 2, HALF // 2)), (0, 2, 1)))
     part = _dact_half(g_lo, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-                      I, limit, alpha, ACT, HALF // 2, EXACT)
+                      I, limit, alpha, ACT, HALF // 2, EXACT, grid_ptr, D_H_GRID)
     part += _dact_half(g_hi, w, local, row_ok, c0 + HALF // 2, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h,
-                       stride_act_w, I, limit, alpha, ACT, HALF // 2, EXACT)
+                       stride_act_w, I, limit, alpha, ACT, HALF // 2, EXACT, grid_ptr, D_H_GRID)
     return part
 
 
 @triton.jit
 def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, stride_d_h, stride_act_w,
-               I, limit, alpha, ACT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+               I, limit, alpha, ACT: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr, grid_ptr,
+               D_H_GRID: tl.constexpr):
     """SwiGLU backward of columns c0..c0+HALF of a row tile; returns the rows' router-gradient partial.
 
-    The pointers point at the tile's first row; ``local`` is 0..BLOCK_M-1.
+    The pointers point at the tile's first row; ``local`` is 0..BLOCK_M-1. D_H_GRID: d_h's bf16 values rounded
+    to the MXFP8 grid along 2I (each gate and up 32-block of the row its own scale) also stored at ``grid_ptr``.
     """
     cols = c0 + tl.arange(0, HALF)
     mask = row_ok[:, None] & (cols < I)[None, :]
@@ -157,8 +170,15 @@ def _dact_half(g, w, local, row_ok, c0, h_ptr, d_h_ptr, act_w_ptr, stride_h, str
     act_w_tile = act_w_ptr + (local[:, None] * stride_act_w + cols[None, :])
     tl.store(act_w_tile, to_bf16(act_w, EXACT), mask=mask)
     d_h_tile = d_h_ptr + (local[:, None] * stride_d_h + cols[None, :])
-    tl.store(d_h_tile, to_bf16(d_gate, EXACT), mask=mask)
-    tl.store(d_h_tile + I, to_bf16(d_up, EXACT), mask=mask)
+    d_gate = to_bf16(d_gate, EXACT)
+    tl.store(d_h_tile, d_gate, mask=mask)
+    d_up = to_bf16(d_up, EXACT)
+    tl.store(d_h_tile + I, d_up, mask=mask)
+    if D_H_GRID:  # dx's operand as mx_round_activations(d_h) gives it, without a pass over d_h
+        tl.static_assert(HALF % 32 == 0, "d_h on the MXFP8 grid needs column quarters of whole 32-blocks")
+        grid_tile = grid_ptr + (local[:, None] * stride_d_h + cols[None, :])
+        tl.store(grid_tile, to_bf16(mxfp8_round_tile(d_gate, 1), EXACT), mask=mask)
+        tl.store(grid_tile + I, to_bf16(mxfp8_round_tile(d_up, 1), EXACT), mask=mask)
     return part
 
 

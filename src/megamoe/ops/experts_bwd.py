@@ -23,8 +23,10 @@ from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
+from megamoe.ops.quant import mx_round_activations
 from megamoe.planner.tiles import WGRAD_MMA_IN_FLIGHT_STAGES, TileConfig, carry_tile, mean_rows, wgrad_ws_stages
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
+from megamoe.precision import MX_BLOCK
 from megamoe.reference import activate
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.runtime import compiled_gpu, interpreting
@@ -167,14 +169,25 @@ def wgrads(dy_rows: torch.Tensor, act_w: torch.Tensor, d_h: torch.Tensor, x_rows
 
 def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, counts: torch.Tensor,
          offsets: torch.Tensor, w_down: torch.Tensor, d_router: torch.Tensor, tile: TileConfig, programs: int,
-         activation: Activation, gluon: bool, dy_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         activation: Activation, gluon: bool, dy_index: torch.Tensor | None = None,
+         d_h_grid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dact launch of :func:`expert_backward` over ``h``'s rows (at least one): ``g = dy · w_down[l]`` and the
     SwiGLU backward in its epilogue; returns bf16 ``d_h [R, 2I]`` and ``act_w [R, I]`` and writes the rows' router
     gradients into ``d_router`` (the n-tiles' partials added in n order). ``gluon``: the warp-specialised kernel
-    (Hopper, 128 x 128 tiles; ``dy_index`` gathers d_out rows by token there only); int32 counts and offsets."""
+    (Hopper, 128 x 128 tiles; ``dy_index`` gathers d_out rows by token there only); int32 counts and offsets.
+    ``d_h_grid`` (bf16 `[R, 2I]`, contiguous): also d_h rounded to the MXFP8 grid along 2I, the values
+    ``mx_round_activations(d_h)`` gives: stored by the epilogue where its column quarters are whole 32-blocks
+    (the Gluon kernel; Triton tiles 128 wide or more), else by that pass after it."""
     experts, d, i = w_down.shape
     rows, device = h.shape[0], h.device
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
+    if d_h_grid is not None:
+        checks.check_tensors((("d_h_grid", d_h_grid, (rows, 2 * i), torch.bfloat16),), device)
+        if not d_h_grid.is_contiguous() or i % MX_BLOCK:
+            raise ValueError(f"d_h_grid must be contiguous and I a multiple of {MX_BLOCK}, got strides "
+                             f"{d_h_grid.stride()}, I={i}")
+    fuse_grid = d_h_grid is not None and (gluon or tile.block_n % (4 * MX_BLOCK) == 0)
+    grid_args = {"d_h_grid_ptr": d_h_grid, "D_H_GRID": True} if fuse_grid else {}
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
     c = tile
     num_n = -(-i // c.block_n)
@@ -188,7 +201,8 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
                 tile_map.tile_row0,
                 tile_map.tile_row_end, tile_map.tile_run, tile_map.num_tiles, rows, experts * d, d, i,
                 activation.kernel_limit, activation.kernel_alpha,
-                tile_map.tile_expert if dy_index is None else dy_index, num_warps=4, A_GATHER=dy_index is not None,
+                tile_map.tile_expert if dy_index is None else dy_index, d_h_grid if fuse_grid else d_h, num_warps=4,
+                A_GATHER=dy_index is not None, D_H_GRID=fuse_grid,
                 **dact_ws_constexprs(c, programs, act=activation.kernel_id))
     else:
         launch_row_tasks(
@@ -198,11 +212,13 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
                   h, row_weights, d_h, act_w, partial,
                   h.stride(0), d_h.stride(0), act_w.stride(0), partial.stride(0)),
             tail=(d, i, activation.kernel_limit, activation.kernel_alpha),
-            ACT=activation.kernel_id,
+            ACT=activation.kernel_id, **grid_args,
         )
     # the n-tiles' partials added in n order (the backward megakernel adds them the same way)
     expert_gemm_bwd.router_grad_kernel[(-(-rows // ROUTER_GRAD_ROWS),)](
         partial, partial.stride(0), d_router, rows, num_n, BLOCK_M=ROUTER_GRAD_ROWS)
+    if d_h_grid is not None and not fuse_grid:
+        mx_round_activations(d_h, out=d_h_grid)
     return d_h, act_w
 
 

@@ -15,7 +15,7 @@ differ from the MXFP8 tiles' by the order of the FP32 sums only.
     x rows                               D                                 E4M3 rows dequantised (the forward's input)
     act = SwiGLU(h)                      I                                 the gate/up epilogue (MX_ROUND)
     d_out rows (dact)                    D                                 pulled E4M3 rows dequantised, or rounded
-    d_h (dx)                             2I                                here
+    d_h (dx)                             2I                                the dact epilogue (``d_h_grid``)
     d_out, act_w, d_h, x (wgrads)        tokens: 32-row blocks of each     here, into each expert's 128-row span
                                          expert's rows, zero-padded        (``token_blocks``), the wgrads' regions;
                                          (none with BF16 wgrads, the       BF16 wgrads: BF16 rows
@@ -173,13 +173,15 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     if dy_index is not None and (bias is not None or not gluon_dact or not (bf16 and token_rows is not None)):
         dy_grid = dy_rows = gathered_rows(dy_grid, dy_index, rows)  # a reader here takes the rows in order
         dy_index = None
+    # dx's d_h on the grid along 2I, stored by the dact's epilogue beside d_h (which the wgrads and biases read)
+    d_h_grid = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
     d_h, act_w = dact(dy_grid, row_weights, h, counts, offsets, wt.down_along_d, grads.d_router,
-                      cfg["dact"], programs, activation, gluon_dact, dy_index)
+                      cfg["dact"], programs, activation, gluon_dact, dy_index, d_h_grid=d_h_grid)
     if bias is not None:  # from the rows as pulled (E4M3: dequantised, as the MXFP8 backward sums them)
         dy_sums = mxfp8_dequantize(dy_rows.data, dy_rows.scale) if isinstance(dy_rows, QuantRows) else dy_rows
         bias_backward(bias, d_h, dy_sums, row_weights, counts, offsets, grads.d_router)
     # dx: d_h on the grid along 2I, w_gate_up along 2I
-    dx(mx_round_activations(d_h), wt.gate_up_along_2i, grads, counts, offsets, cfg["dx"], programs)
+    dx(d_h_grid, wt.gate_up_along_2i, grads, counts, offsets, cfg["dx"], programs)
     if bf16:  # E4M3 dy's dequantised rows are the dact's (exact); BF16 rows as given
         bf16_wgrads_of(dy_grid if isinstance(dy_rows, QuantRows) else dy_rows, act_w, d_h, x_rows,
                        token_rows, grads, counts, offsets, tuning, programs, warp_specialized, carry, rows_per_expert)

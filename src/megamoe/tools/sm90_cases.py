@@ -117,14 +117,16 @@ def gemm_cases() -> dict[str, Case]:
         "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, **kinds, "D": "i32", "I": "i32",
         "limit": "fp32", "alpha": "fp32"}, values, t.num_warps, t.num_stages)
     # the Gluon dact that Hopper runs at the same tile
-    for name, gather in (("dact_ws_kernel", False), ("dact_ws_kernel (d_out rows by token)", True)):
-        consts = {**dact_ws_constexprs(t, SMS, act=ACT_BUILT), "A_GATHER": gather}
+    # (mxfp8 as BF16 operands: d_h also rounded to the MXFP8 grid in the epilogue, one rank's d_out by token)
+    for name, gather, grid in (("dact_ws_kernel", False, False), ("dact_ws_kernel (d_out rows by token)", True, False),
+                               ("dact_ws_kernel (d_out by token, d_h on the MXFP8 grid)", True, True)):
+        consts = {**dact_ws_constexprs(t, SMS, act=ACT_BUILT), "A_GATHER": gather, "D_H_GRID": grid}
         cases[name] = Case(dact_warp_specialized.dact_ws_kernel, {
             "dy_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "row_w_ptr": "*fp32", "d_h_ptr": "*bf16",
             "act_w_ptr": "*bf16", "d_w_partial_ptr": "*fp32", "stride_dy": "i32", "stride_h": "i32",
             "stride_d_h": "i32", "stride_act_w": "i32", "stride_partial": "i32", **_TILES, "rows": "i32",
             "w_rows": "i32", "D": "i32", "I": "i32", "limit": "fp32", "alpha": "fp32", "dy_index_ptr": "*i32",
-            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+            "d_h_grid_ptr": "*bf16", **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     # one rank stores each row's d_x straight into its route's slot (SCATTER): no push
     for name, t, scatter in (("dx_kernel", plan_tiles("dx", gpu), False),
                              ("dx_kernel (few rows per expert)", plan_tiles("dx", gpu, FEW_ROWS_PER_EXPERT), False),
