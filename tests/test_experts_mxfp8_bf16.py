@@ -171,10 +171,11 @@ def test_backward_gives_the_mxfp8_twin_and_tiles_and_rounds_every_operand(rows_a
 
 
 def test_backward_reading_d_out_by_token_gives_the_routed_rows_bits():
-    """``dy_index`` (one rank's composed backward: the staged E4M3 d_out tokens, dequantised once, read by token)
-    against the same tokens' routed E4M3 rows, with the BF16 wgrads of the tokens (the layer's default at one rank)
-    and with the MX-rounded ones: every gradient the same bits. On Hopper the Gluon dact's producer gathers the
-    token rows (128-row tiles); elsewhere one gather copies them first. A wrong index is refused."""
+    """``dy_index`` (one rank's composed backward: the staged d_out tokens, BF16 as the layer stages them or E4M3,
+    put on the grid once and read by token) against the same tokens' routed E4M3 rows, with the BF16 wgrads of the
+    tokens (the layer's default at one rank) and with the MX-rounded ones: every gradient the same bits. On Hopper
+    the Gluon dact's producer gathers the token rows (128-row tiles); elsewhere one gather copies them first. A
+    wrong index is refused."""
     from megamoe.ops.bf16_wgrads import TokenRows
 
     p = _backward_problem(*FP8_BACKWARD_LOADS["mixed"], d=128, i=128, seed=6)
@@ -188,9 +189,10 @@ def test_backward_reading_d_out_by_token_gives_the_routed_rows_bits():
     args = list(_args(p))
     for wgrads in ({"bf16_wgrads": True, "token_rows": TokenRows(tokens_bf16, p["x"], index)}, {"bf16_wgrads": False}):
         want = _grads(expert_backward_mxfp8_bf16(routed, *args[1:], **wgrads), inside)
-        got = _grads(expert_backward_mxfp8_bf16(tokens, *args[1:], dy_index=index, **wgrads), inside)
-        for name in want:
-            assert torch.equal(got[name], want[name]), (wgrads["bf16_wgrads"], name)
+        for staged in (tokens, tokens_bf16):
+            got = _grads(expert_backward_mxfp8_bf16(staged, *args[1:], dy_index=index, **wgrads), inside)
+            for name in want:
+                assert torch.equal(got[name], want[name]), (wgrads["bf16_wgrads"], staged is tokens, name)
     with pytest.raises(ValueError, match="dy_index"):
         expert_backward_mxfp8_bf16(tokens, *args[1:], dy_index=index[:3])
 

@@ -45,7 +45,7 @@ from megamoe import runtime
 from megamoe.config import Activation
 from megamoe.megakernel.replay import layout_key
 from megamoe.megakernel.saved import LayerGrads, SavedForward, home_sums
-from megamoe.ops.comm import (QuantRows, dispatch_pull, pull_route_scalars, push_route_scalars,
+from megamoe.ops.comm import (dispatch_pull, pull_route_scalars, push_route_scalars,
                               reverse_combine_pull, reverse_dispatch_push)
 from megamoe.ops.expert_bias import BiasGrads
 from megamoe.ops import experts as expert_ops
@@ -83,8 +83,8 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     # benchmarks/results/2026-12-06-h200-keyed-pool-step)
     own_slots = world.size == 1 and (fmt != "mxfp8" or runs_as_bf16(fmt))
     by_token = own_slots and fmt == "bf16" and expert_ops.GATHER_BACKWARD
-    # one rank, mxfp8 as the BF16 kernels: its dact reads the staged E4M3 d_out by token too, dequantised once (N
-    # rows, not N*k; the pull and the rows' dequantisation skipped, the same values)
+    # one rank, mxfp8 as the BF16 kernels: its dact reads the staged d_out by token too, rounded to the grid once (N
+    # rows, not N*k; the pull skipped) from the BF16 rows: the E4M3 rows' values, without quantising them first
     mx_by_token = own_slots and fmt == "mxfp8" and expert_ops.GATHER_BACKWARD
     rows_per_expert = s.rows_per_expert  # the balanced mean, for the tile plans
     # FP8 with BF16 wgrads (planner.wgrads.bf16_wgrads_pay: mxfp8, and fp8-block at few rows per expert); one rank's
@@ -99,7 +99,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     replays_any = schedule.capacity > forward_ring
     stage_x = fmt == "bf16" or token_wgrads or replays_any
     ws.stage(d_out=d_out, router_weights=router_weights.contiguous(), x=x if stage_x else None,
-             unquantized=() if replays_any else ("x",))
+             unquantized=(() if replays_any else ("x",)) + (("d_out",) if mx_by_token else ()))
     kernel._barrier(0, "the start of a backward pass (every rank staged)")
     q = saved.experts_q
     fp8_weights = ()  # what the FP8 backward reads of the weights besides the masters
@@ -122,9 +122,7 @@ def composed_backward(kernel, saved: SavedForward, d_out: torch.Tensor, x: torch
     def windows() -> None:
         """2. the windows: device work only, reading and writing the kernel's buffers and the tensors keyed below."""
         if mx_by_token:
-            staged = max(n, 1)  # a row to read when none is routed (rows outside the regions are never kept)
-            dy_tokens = QuantRows(ws.local("d_out_q")[:staged].view(torch.float8_e4m3fn),
-                                  ws.local("d_out_scale")[:staged], fmt)
+            dy_tokens = ws.local("d_out")[:max(n, 1)]  # a row to read when none is routed (never kept)
         for window in ring.windows(schedule):
             tokens = row_tokens(window.src_index, k) if by_token or token_wgrads or mx_by_token else None
             if by_token:
