@@ -393,12 +393,20 @@ class MegaKernel:
         if n > s.max_tokens:
             raise ValueError(f"this MegaKernel was built for at most {s.max_tokens} tokens per rank, the pass has {n}")
 
+    @property
+    def _rounds_staged_x(self) -> bool:
+        """One rank's mxfp8 as the BF16 kernels (the switch read at each pass), reading the tokens by index, and
+        nobody their E4M3 rows (the backward reads x by token): x is staged BF16 and rounded to the grid in the
+        device work (a copy at the stage, not a quantiser launch; the same values)."""
+        return self.direct and runs_as_bf16(self.precision) and reads_x_by_token(self.precision, self.shape)
+
     def _stage(self, x: torch.Tensor, top_experts: torch.Tensor, has_shared: bool) -> None:
         """Step 1: x into the symmetric rows (FP8: quantised, once per token; the BF16 rows only for the shared
-        expert, from the same read of x) and the routing ids into row ``rank`` of every rank's routing buffer."""
+        expert, from the same read of x; BF16 rows alone where nobody reads E4M3 ones, ``_rounds_staged_x``) and the
+        routing ids into row ``rank`` of every rank's routing buffer."""
         n, me = x.shape[0], self.world.rank
         x_sym = self.sym.local("x")[:n]
-        if not self.quantized:
+        if not self.quantized or self._rounds_staged_x:
             x_sym.copy_(x)
         elif n:  # straight into the symmetric rows the comm workers pull
             quantize_activations(x, self.precision, out=(self.sym.local("x_q")[:n].view(torch.float8_e4m3fn),
@@ -469,7 +477,7 @@ class MegaKernel:
         if self.quantized:
             x_index, token = token, token.long()
             q = experts_q  # never None here: forward quantises before the device work when the caller did not
-            if not (runs_as_bf16(self.precision) and reads_x_by_token(self.precision, self.shape)):
+            if not self._rounds_staged_x:
                 torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
                 torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
             if runs_as_bf16(self.precision):  # the BF16 kernels on the tokens' E4M3 rows dequantised (the ring's
@@ -477,9 +485,11 @@ class MegaKernel:
                 if self._act_bf16 is None:
                     self._act_bf16 = torch.empty(self.config.ring_rows, self.shape.intermediate, dtype=torch.bfloat16,
                                                  device=self.world.device)
+                x_rows = ((self.sym.local("x")[:n], None) if self._rounds_staged_x else
+                          (self.sym.local("x_q")[:n].view(torch.float8_e4m3fn), self.sym.local("x_scale")[:n]))
                 expert_forward_mxfp8_bf16(
-                    self.sym.local("x_q")[:n].view(torch.float8_e4m3fn), self.sym.local("x_scale")[:n], counts,
-                    offsets, q.rounded_weights(w_gate_up, w_down), activation=activation, b_gate_up=b_gate_up,
+                    *x_rows, counts, offsets, q.rounded_weights(w_gate_up, w_down), activation=activation,
+                    b_gate_up=b_gate_up,
                     b_down=b_down, out=ExpertForward(b.h[rows], self._act_bf16[rows], self.y[rows]),
                     rows_per_expert=self._rows_per_expert, x_index=x_index, tuning=self.tuning)
             else:

@@ -77,7 +77,7 @@ def token_rounded(rows: torch.Tensor | QuantRows, blocks: TokenBlocks) -> torch.
 
 def expert_forward_mxfp8_bf16(
     x_q: torch.Tensor,
-    x_scale: torch.Tensor,
+    x_scale: torch.Tensor | None,
     counts: torch.Tensor,
     offsets: torch.Tensor,
     weights: RoundedWeights,
@@ -95,23 +95,26 @@ def expert_forward_mxfp8_bf16(
 
     Args:
         x_q: E4M3 `[S, D]` rows quantised along D, x_scale uint8 E8M0 `[S, D/32]`: dequantised into bf16 rows (one
-            launch), then read as :func:`~megamoe.ops.experts.expert_forward` reads its rows (with ``x_index``
-            int32 `[R]`, row r's input is row ``x_index[r]``: one rank's tokens; else S = R routed rows).
+            launch); or, with x_scale None, bf16 rows rounded to the grid along D (one launch: the same values,
+            without an E4M3 copy first). Then read as :func:`~megamoe.ops.experts.expert_forward` reads its rows
+            (with ``x_index`` int32 `[R]`, row r's input is row ``x_index[r]``: one rank's tokens; else S = R
+            routed rows).
         counts, offsets: int `[L]` each expert's rows and region start.
         weights: the pack's :class:`~megamoe.ops.expert_weights.RoundedWeights` (``gate_up_along_d``,
             ``down_along_i``); D and I multiples of 32.
         activation, num_programs, out, tuning, rows_per_expert, b_gate_up, b_down: as ``expert_forward``'s
             (``out.act`` bf16 holds act on the MX grid along I: the down GEMM's operand).
     """
-    if x_q.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"x_q must be float8_e4m3fn rows quantised along D, got {x_q.dtype}")
+    if x_q.dtype != (torch.bfloat16 if x_scale is None else torch.float8_e4m3fn):
+        raise ValueError(f"x_q must be float8_e4m3fn rows quantised along D with x_scale, or bfloat16 rows without, "
+                         f"got {x_q.dtype} rows and x_scale {'None' if x_scale is None else x_scale.dtype}")
     i, d = weights.down_along_i.shape[2], weights.down_along_i.shape[1]
     if d % MX_BLOCK or i % MX_BLOCK:
         raise ValueError(f"mxfp8 needs D and I multiples of {MX_BLOCK}, got D={d}, I={i}")
     if x_q.shape[0] == 0 and x_index is not None:  # no tokens: any row for the index to name (none is kept)
         x = torch.zeros(1, d, dtype=torch.bfloat16, device=x_q.device)
     else:
-        x = mx_round_activations(x_q, x_scale=x_scale)
+        x = dequantized_rows(x_q if x_scale is None else QuantRows(x_q, x_scale, "mxfp8"))
     return expert_forward(x, counts, offsets, weights.gate_up_along_d, weights.down_along_i, activation=activation,
                           num_programs=num_programs, out=out, tuning=tuning, rows_per_expert=rows_per_expert,
                           b_gate_up=b_gate_up, b_down=b_down, x_index=x_index, mx_act=True)
