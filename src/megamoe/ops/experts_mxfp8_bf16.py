@@ -12,9 +12,11 @@ differ from the MXFP8 tiles' by the order of the FP32 sums only.
     operand                              rounded along                     where
     w_gate_up, w_down (forward)          D, I                              the step's pack (``RoundedWeights``)
     w_down, w_gate_up (dgrads)           D, 2I                             the pack, with ``backward``
-    x rows                               D                                 E4M3 rows dequantised (the forward's input)
+    x rows                               D                                 E4M3 rows dequantised (the forward's input;
+                                                                           one rank: its BF16 tokens rounded)
     act = SwiGLU(h)                      I                                 the gate/up epilogue (MX_ROUND)
     d_out rows (dact)                    D                                 pulled E4M3 rows dequantised, or rounded
+                                                                           (one rank: its staged BF16 tokens)
     d_h (dx)                             2I                                the dact epilogue (``d_h_grid``)
     d_out, act_w, d_h, x (wgrads)        tokens: 32-row blocks of each     here, into each expert's 128-row span
                                          expert's rows, zero-padded        (``token_blocks``), the wgrads' regions;
