@@ -252,13 +252,16 @@ def test_dact_stores_d_h_on_the_grid_as_the_rounding_pass(block_n):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("by_token", [False, True])
-def test_gpu_gluon_dact_stores_d_h_on_the_grid_as_the_rounding_pass(by_token):
-    """The Gluon dact's epilogue (Hopper) with ``d_h_grid``: bit for bit ``mx_round_activations(d_h)`` in the
-    regions' rows, untouched outside them, and d_h, act_w and the router gradients the same bits as without it
-    (also reading d_out by token, as one rank's backward does)."""
+def test_gpu_gluon_dact_stores_d_h_on_the_grid_as_the_rounding_pass(by_token, monkeypatch):
+    """The Gluon dact's epilogue (Hopper) with ``d_h_grid`` (``GLUON_D_H_GRID`` on): bit for bit
+    ``mx_round_activations(d_h)`` in the regions' rows, untouched outside them, and d_h, act_w and the router
+    gradients the same bits as without it (also reading d_out by token, as one rank's backward does)."""
     from megamoe.config import SWIGLU
+    from megamoe.ops import experts_bwd
     from megamoe.ops.experts_bwd import dact
     from megamoe.planner.tiles import plan_tiles
+
+    monkeypatch.setattr(experts_bwd, "GLUON_D_H_GRID", True)
 
     p, w = _dact_problem(seed=12)
     rows, i = p["h"].shape[0], p["wd"].shape[2]

@@ -34,6 +34,11 @@ from megamoe.runtime import compiled_gpu, interpreting
 
 #: Rows per program of the router-gradient sum (a few loads per row: any size does).
 ROUTER_GRAD_ROWS = 128
+#: The Gluon dact (Hopper) stores dx's MXFP8-grid copy of d_h in its epilogue (``dact``'s ``d_h_grid``; off: the
+#: rounding pass after it, 0.150 ms of qwen3-30b-a3b's mxfp8 step on one H100, benchmarks/results/
+#: 2026-12-07-mxfp8-step-cuts). Built for sm_90 without spills and the Triton epilogue's bits on the CPU; off until
+#: its GPU test (tests/test_experts_mxfp8_bf16.py, ``-m gpu``) has run. ``MEGAMOE_GLUON_D_H_GRID`` (0 or 1) sets it.
+GLUON_D_H_GRID = runtime.env_switch("MEGAMOE_GLUON_D_H_GRID", False)
 
 @dataclass(frozen=True)
 class WgradCarry:
@@ -177,7 +182,7 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
     (Hopper, 128 x 128 tiles; ``dy_index`` gathers d_out rows by token there only); int32 counts and offsets.
     ``d_h_grid`` (bf16 `[R, 2I]`, contiguous): also d_h rounded to the MXFP8 grid along 2I, the values
     ``mx_round_activations(d_h)`` gives: stored by the epilogue where its column quarters are whole 32-blocks
-    (the Gluon kernel; Triton tiles 128 wide or more), else by that pass after it."""
+    (Triton tiles 128 wide or more; the Gluon kernel with :data:`GLUON_D_H_GRID`), else by that pass after it."""
     experts, d, i = w_down.shape
     rows, device = h.shape[0], h.device
     d_h = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
@@ -186,7 +191,7 @@ def dact(dy_rows: torch.Tensor, row_weights: torch.Tensor, h: torch.Tensor, coun
         if not d_h_grid.is_contiguous() or i % MX_BLOCK:
             raise ValueError(f"d_h_grid must be contiguous and I a multiple of {MX_BLOCK}, got strides "
                              f"{d_h_grid.stride()}, I={i}")
-    fuse_grid = d_h_grid is not None and (gluon or tile.block_n % (4 * MX_BLOCK) == 0)
+    fuse_grid = d_h_grid is not None and (GLUON_D_H_GRID if gluon else tile.block_n % (4 * MX_BLOCK) == 0)
     grid_args = {"d_h_grid_ptr": d_h_grid, "D_H_GRID": True} if fuse_grid else {}
     act_w = torch.empty(rows, i, dtype=torch.bfloat16, device=device)
     c = tile
