@@ -30,7 +30,7 @@ import torch
 from megamoe import runtime
 from megamoe.ops import experts as expert_ops
 from megamoe.ops.comm import QuantRows
-from megamoe.ops.experts_bwd import wgrad
+from megamoe.ops.expert_wgrad import wgrad
 from megamoe.ops.experts_fp8_bwd import quantize_tokens, token_blocks, wgrad_fp8
 from megamoe.ops.quant import quantize_activations
 from megamoe.planner.tiles import mean_rows

@@ -17,7 +17,7 @@ gathered as A of ``(x_rowsᵀ · d_h)ᵀ``, the blocks stored transposed; at 202
 - ``wgrad BK 64``: the same with 64-row K steps;
 - ``gather``: the wgrad gathering on load at the pass's tile;
 - ``gather BK 64``: the same with 64-row K steps (half the producer's steps per row; what a pass's gathering wgrad
-  runs, ``megamoe.ops.experts_bwd.gathering_wgrad_tile``).
+  runs, ``megamoe.ops.expert_wgrad.gathering_wgrad_tile``).
 
 Every gathering variant's gradient must equal the copied rows' bit for bit. TFLOP/s counts 2 x rows x M x N.
 """
@@ -34,7 +34,7 @@ import torch
 from megamoe import runtime
 from megamoe.config import preset
 from megamoe.ops import experts as expert_ops
-from megamoe.ops.experts_bwd import wgrad
+from megamoe.ops.expert_wgrad import wgrad
 from megamoe.planner.tiles import mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING
 

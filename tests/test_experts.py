@@ -318,17 +318,17 @@ def test_backward_with_no_rows_gives_zero_weight_gradients():
 def test_wgrad_with_no_experts_launches_nothing(monkeypatch):
     """``wgrad`` into an `[0, M, N]` gradient (a rank without local experts) returns before any launch, whatever the
     deal (a deal of no expert has no first entry for a kernel to read)."""
-    from megamoe.ops import experts_bwd
+    from megamoe.ops import expert_wgrad
 
     class NoLaunch:
         def __getitem__(self, grid):
             raise AssertionError(f"a wgrad kernel launched on {grid} for no experts")
 
-    monkeypatch.setattr(experts_bwd.expert_gemm_bwd, "wgrad_kernel", NoLaunch())
-    monkeypatch.setattr(experts_bwd.wgrad_warp_specialized, "wgrad_ws_kernel", NoLaunch())
+    monkeypatch.setattr(expert_wgrad.expert_gemm_bwd, "wgrad_kernel", NoLaunch())
+    monkeypatch.setattr(expert_wgrad.wgrad_warp_specialized, "wgrad_ws_kernel", NoLaunch())
     rows = torch.randn(6, 16, device=DEVICE).bfloat16()
     none = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    experts_bwd.wgrad(rows, rows, torch.empty(0, 16, 16, dtype=torch.bfloat16, device=DEVICE), none, none,
+    expert_wgrad.wgrad(rows, rows, torch.empty(0, 16, 16, dtype=torch.bfloat16, device=DEVICE), none, none,
                       plan_tiles("wgrad", torch.device(DEVICE)), 4)
 
 
@@ -338,7 +338,7 @@ def test_the_dynamic_wgrad_deal_names_every_block_once_heavy_experts_first():
     skips last), each with its rows (a window's offsets, not the counts' running sum); the takes, even ones from the
     heavy end and odd ones from the light end (``dealt_block``'s arithmetic, a take past the end clamped to the
     last), name every dealt block once."""
-    from megamoe.ops.experts_bwd import wgrad_deal
+    from megamoe.ops.expert_wgrad import wgrad_deal
 
     counts = torch.tensor([5, 0, 40, 33, 40, 7], dtype=torch.int32, device=DEVICE)
     offsets = torch.tensor([3, 9, 9, 60, 100, 150], dtype=torch.int32, device=DEVICE)
@@ -383,7 +383,7 @@ def test_the_wgrad_deal_kernel_gives_the_torch_builders_table(experts):
     import triton
 
     from megamoe.kernels.wgrad_deal import wgrad_deal_kernel
-    from megamoe.ops.experts_bwd import DEAL_CHUNK, wgrad_deal
+    from megamoe.ops.expert_wgrad import DEAL_CHUNK, wgrad_deal
 
     g = torch.Generator().manual_seed(experts)
     for trial in range(3):
@@ -413,7 +413,7 @@ def test_the_gluon_wgrad_constexprs_pick_one_deal_and_split_only_256_wide_blocks
     deal, whose ring is then the whole-half store's; the counter and the plan together are refused."""
     import dataclasses
 
-    from megamoe.ops.experts_bwd import WGRAD_SPLIT_STORE, wgrad_ws_constexprs
+    from megamoe.ops.expert_wgrad import WGRAD_SPLIT_STORE, wgrad_ws_constexprs
 
     tile = plan_tiles("wgrad", torch.device("cuda"), compiled=True)
     assert tile.block_n == 256
@@ -490,9 +490,9 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert, mo
     (``WGRAD_PLAN_SKEW``: the plan's launch, the static deal's, both with either dealing); the static deal told
     that the plan took its blocks writes nothing."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops import experts_bwd
-    from megamoe.ops.experts_bwd import (warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal,
-                                         wgrad_ws_constexprs)
+    from megamoe.ops import expert_wgrad
+    from megamoe.ops.expert_wgrad import (warp_specialized_wgrad, wgrad, wgrad_blocks_per_expert, wgrad_deal,
+                                          wgrad_ws_constexprs)
     from megamoe.ops.launch import scratch_allocator
 
     gpu = torch.device("cuda")
@@ -559,7 +559,7 @@ def test_gpu_wgrad_ws_gives_wgrad_kernels_bits(out_m, out_n, rows_per_expert, mo
     assert int(wgrad_deal(counts, offsets, None, per_expert, 2.5)[1]) == 6 * per_expert
     assert int(wgrad_deal(counts, offsets, None, per_expert, 3.0)[1]) == 0
     for skew in (0.0, 2.5, 3.0, float("inf")):
-        monkeypatch.setattr(experts_bwd, "WGRAD_PLAN_SKEW", skew)
+        monkeypatch.setattr(expert_wgrad, "WGRAD_PLAN_SKEW", skew)
         outs.append(torch.full_like(outs[0], float("nan")))
         wgrad(a, b, outs[-1], offsets, counts, tile, programs)
     torch.cuda.synchronize()
@@ -595,7 +595,7 @@ def test_gpu_wgrad_ws_carry_gives_wgrad_kernels_bits_and_the_unsplit_ones(rows_p
     ``wgrad_kernel`` runs the 128-wide blocks ``wgrad`` gives it with a carry (``carry_tile``: the same wgmma
     reductions, so the same bits)."""
     from megamoe.kernels import expert_gemm_bwd, wgrad_warp_specialized
-    from megamoe.ops.experts_bwd import wgrad_blocks_per_expert, wgrad_deal, wgrad_ws_constexprs
+    from megamoe.ops.expert_wgrad import wgrad_blocks_per_expert, wgrad_deal, wgrad_ws_constexprs
     from megamoe.planner.tiles import carry_tile
     from megamoe.ops.launch import scratch_allocator
     from megamoe.routing.windows import CARRY_IN, CARRY_OUT, STORE
@@ -767,7 +767,7 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     dact sums its rows' router-gradient
     partials in the Triton dact's register layout (their order, so their bits: in another layout 400 of them
     differed on the GPU)."""
-    from megamoe.ops import experts_bwd
+    from megamoe.ops import expert_wgrad
 
     summary = sm90_report("gemm")
     wgrads = {f"{kernel}{tile}" for kernel in ("wgrad_kernel", "wgrad_ws_kernel")
@@ -797,7 +797,7 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     for name in dynamic:  # the block counter's take and the tag steps' shared-memory word (it stores whole halves)
         assert summary[name]["shared_bytes"] > summary[name.replace("dynamic)", "whole halves)")]["shared_bytes"], (
             name, summary[name])
-    if experts_bwd.WGRAD_SPLIT_STORE:  # the split store's freed output buffers went to the ring: more shared memory
+    if expert_wgrad.WGRAD_SPLIT_STORE:  # the split store's freed output buffers went to the ring: more shared memory
         for name in whole:
             split = summary[name.replace(", whole halves)", ")").replace(" (whole halves)", "")]
             assert split["shared_bytes"] > summary[name]["shared_bytes"], (name, split, summary[name])

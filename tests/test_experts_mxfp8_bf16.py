@@ -208,25 +208,23 @@ def _dact_problem(seed):
     return p, w
 
 
-@pytest.mark.parametrize("block_n", [128, 64])
-def test_dact_stores_d_h_on_the_grid_as_the_rounding_pass(block_n):
-    """``dact(..., d_h_grid=)``: d_h rounded to the MXFP8 grid along 2I, dx's operand, stored by the epilogue
-    (column quarters of whole 32-blocks: 128-wide tiles) or by the rounding pass after it (64-wide): bit for bit
-    ``mx_round_activations(d_h)`` and ``formats``' round trip in the regions' rows (the epilogue leaves the rows
-    outside them untouched; the pass rounds whatever d_h holds there, which dx never reads); d_h, act_w and the
-    router gradients the same bits as without it."""
+def test_dact_stores_d_h_on_the_grid_as_the_rounding_pass():
+    """``dact(..., d_h_grid=)`` on a Triton tile 128 wide (column quarters of whole 32-blocks): the epilogue's d_h
+    rounded to the MXFP8 grid along 2I, dx's operand, bit for bit ``mx_round_activations(d_h)`` and ``formats``'
+    round trip in the regions' rows, untouched outside them; d_h, act_w and the router gradients the same bits as
+    without it. A 64-wide tile (quarters of 16 columns) is refused: the caller rounds d_h in a pass instead."""
     import dataclasses
 
     from megamoe.config import SWIGLU
-    from megamoe.ops.experts_bwd import dact
+    from megamoe.ops.experts_bwd import dact, grid_in_epilogue
     from megamoe.planner.tiles import plan_tiles
 
     p, w = _dact_problem(seed=11)
     rows, i = p["h"].shape[0], p["wd"].shape[2]
-    tile = dataclasses.replace(plan_tiles("dact", torch.device(DEVICE)), block_m=32, block_n=block_n)
+    tile = dataclasses.replace(plan_tiles("dact", torch.device(DEVICE)), block_m=32, block_n=128)
     counts, offsets = p["counts"].to(torch.int32), p["offsets"].to(torch.int32)
 
-    def run(grid):
+    def run(grid, tile=tile):
         d_router = torch.full((rows,), float("nan"), device=DEVICE)
         d_h, act_w = dact(p["dy"], w, p["h"], counts, offsets, p["wd"], d_router, tile, 3, SWIGLU, False,
                           d_h_grid=grid)
@@ -238,30 +236,29 @@ def test_dact_stores_d_h_on_the_grid_as_the_rounding_pass(block_n):
     for name, a, b in zip(("d_h", "act_w", "d_router"), got, want):
         assert torch.equal(a[inside], b[inside]), name
     d_h = got[0][inside]
-    assert d_h.abs().max() > 1 and (d_h != 0).any(1).all() == False  # noqa: E712 (a zero row too)
+    assert d_h.abs().max() > 1 and not (d_h != 0).any(1).all()  # large values and a zero row
     _same_bits(grid[inside], mx_round_activations(d_h))
     _same_bits(grid[inside], _round_ref(d_h.float(), 1))
     assert not torch.equal(grid[inside], d_h)  # rounded, not copied
-    if block_n == 128:
-        assert grid[~inside].isnan().all()
-    with pytest.raises(ValueError, match="d_h_grid"):
-        run(grid[:, : 2 * i - 32])
+    assert grid[~inside].isnan().all()
+    narrow = dataclasses.replace(tile, block_n=64)
+    assert grid_in_epilogue(tile, False) and not grid_in_epilogue(narrow, False) and grid_in_epilogue(narrow, True)
+    for bad, bad_tile in ((grid[:, : 2 * i - 32], tile), (grid, narrow)):
+        with pytest.raises(ValueError, match="d_h_grid"):
+            run(bad, bad_tile)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("by_token", [False, True])
-def test_gpu_gluon_dact_stores_d_h_on_the_grid_as_the_rounding_pass(by_token, monkeypatch):
-    """The Gluon dact's epilogue (Hopper) with ``d_h_grid`` (``GLUON_D_H_GRID`` on): bit for bit
-    ``mx_round_activations(d_h)`` in the regions' rows, untouched outside them, and d_h, act_w and the router
+def test_gpu_gluon_dact_stores_d_h_on_the_grid_as_the_rounding_pass(by_token):
+    """The Gluon dact's epilogue (Hopper) with ``d_h_grid`` (what ``GLUON_D_H_GRID`` turns on in the layer): bit for
+    bit ``mx_round_activations(d_h)`` in the regions' rows, untouched outside them, and d_h, act_w and the router
     gradients the same bits as without it (also reading d_out by token, as one rank's backward does)."""
     from megamoe.config import SWIGLU
-    from megamoe.ops import experts_bwd
     from megamoe.ops.experts_bwd import dact
     from megamoe.planner.tiles import plan_tiles
-
-    monkeypatch.setattr(experts_bwd, "GLUON_D_H_GRID", True)
 
     p, w = _dact_problem(seed=12)
     rows, i = p["h"].shape[0], p["wd"].shape[2]

@@ -1,5 +1,5 @@
 """The Gluon wgrad's deal in one launch: the dynamic and the planned deals' int32 `[2 + 4 L]` table
-(``megamoe.ops.experts_bwd.wgrad_deal`` documents it): the block counter (0), the blocks to deal (none where the
+(``megamoe.ops.expert_wgrad.wgrad_deal`` documents it): the block counter (0), the blocks to deal (none where the
 rows are too even for the plan to pay: the heaviest computed expert's under ``skew`` times their mean; the static
 deal's launch beside the plan's then deals them), then the experts by their rows, heaviest first, ties in expert
 order, the ones a window skips last, each as ``(expert, row0, row_end, 0)``.

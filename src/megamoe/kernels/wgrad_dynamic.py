@@ -1,7 +1,7 @@
 """The Gluon wgrad's blocks dealt dynamically (``wgrad_ws_kernel``'s DYNAMIC): the producer warp takes each block
 with one atomic add on the launch's counter and names it to the two consumer warpgroups in a tag step of the ring
 (a slot with no data, the block's coordinates in shared memory; expert -1 ends). The counter's blocks come heaviest
-expert first from one end and lightest first from the other (``megamoe.ops.experts_bwd.wgrad_deal``), so the
+expert first from one end and lightest first from the other (``megamoe.ops.expert_wgrad.wgrad_deal``), so the
 heaviest blocks start first and write-bound light blocks run beside compute-bound heavy ones. A block is one
 program's, its rows reduced in one order: the static deal's bits. Its first build (the block's number alone in the
 tag, the consumers loading its expert, rows and mode between blocks) cost ~1.5 us a block on one H100
@@ -30,7 +30,7 @@ DEAL_FIELDS = gl.constexpr(4)  # a dealt expert's int32s in ``deal``: expert, ro
 def deal_entry(deal_ptr, pos, per_expert):
     """Block ``pos`` of the deal's order (experts heaviest first, each one's blocks in task order): ``(expert, task,
     row0, row_end)``, three loads that depend on ``pos`` alone. ``deal`` int32 `[2 + 4 L]`: the counter, the blocks
-    to deal and, experts heaviest first, each one's number and rows (``megamoe.ops.experts_bwd.wgrad_deal``)."""
+    to deal and, experts heaviest first, each one's number and rows (``megamoe.ops.expert_wgrad.wgrad_deal``)."""
     at = deal_ptr + 2 + DEAL_FIELDS * (pos // per_expert)
     return gl.load(at), pos % per_expert, gl.load(at + 1), gl.load(at + 2)
 

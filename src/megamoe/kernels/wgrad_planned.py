@@ -1,5 +1,5 @@
 """The Gluon wgrad's blocks dealt by a plan (``wgrad_ws_kernel``'s PLANNED): the counter deal's order without its
-counter. The deal (``megamoe.ops.experts_bwd.wgrad_deal``) lists the blocks heaviest expert first, each expert's in
+counter. The deal (``megamoe.ops.expert_wgrad.wgrad_deal``) lists the blocks heaviest expert first, each expert's in
 task order; round k's P blocks (k P .. k P + P - 1) go one a program, program p taking the p-th of an even round
 and the (P - 1 - p)-th of an odd one (a snake: the programs that took the heaviest blocks of one round take the
 lightest of the next). Under skewed routing that spreads the hot experts' long blocks over the programs
@@ -13,7 +13,7 @@ regions of it hot and read qwen3-30b-a3b's uniform gate/up operands from DRAM 2.
 share (a few experts, far hotter than the rest) still lands on a program that takes its share of the others; the
 counter spares that program. A block is one program's, its rows reduced in one order: the static deal's bits.
 Its machinery and its order cost uniform loads ~8 %, so it deals only where the routing is skewed
-(``megamoe.ops.experts_bwd.WGRAD_PLAN_SKEW``; the static deal's launch beside it takes the rest)."""
+(``megamoe.ops.expert_wgrad.WGRAD_PLAN_SKEW``; the static deal's launch beside it takes the rest)."""
 
 from __future__ import annotations
 

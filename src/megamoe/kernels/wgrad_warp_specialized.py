@@ -55,7 +55,7 @@ def gather_registers(a_gather, block_k, planned=False):
     """The worker partitions' registers (the second consumer's, the producer's; the first consumer gets what they
     leave): 232 / 40 with the TMA producer (64 with the plan's, which holds two deal entries ahead: at 40 and 48
     the sm_90 build reserved 24 bytes of stack), 232 / 48 gathering A's 64-wide halves (A_GATHER) in 32-row K
-    steps. In the 64-row steps a pass gathers in (``megamoe.ops.experts_bwd.gathering_wgrad_tile``) the producer
+    steps. In the 64-row steps a pass gathers in (``megamoe.ops.expert_wgrad.gathering_wgrad_tile``) the producer
     holds a step's row pointers and the next two steps' indices: at 48 registers the sm_90 build spilled 48 bytes, at
     96 none, beside consumers of 208 (2 x 128 x 208 + 4 x 32 x 96 = 65,536) that spill nothing either. (x gathered
     as B, 256-wide rows, spilled 160 bytes at 48 in 32-row steps and 56 at any split in 64-row ones: x is gathered
@@ -174,7 +174,7 @@ def wgrad_ws_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, counts_ptr, num_experts,
     PLANNED: the same deal's order in a fixed plan, a round's blocks side by side, a snake over the programs
     (``wgrad_planned.planned_block``): no counter, the consumers find their blocks themselves.
     ``skip_ptr`` (the static deal; int32 `[1]`, the plan's count of blocks: ``deal[1:]``): nothing to do where it is
-    not 0, the plan's launch beside this one deals them (``megamoe.ops.experts_bwd.WGRAD_PLAN_SKEW``).
+    not 0, the plan's launch beside this one deals them (``megamoe.ops.expert_wgrad.WGRAD_PLAN_SKEW``).
     SPLIT_STORE (256-wide blocks, not with DYNAMIC): each consumer stores its half in four 64-column quarters
     through two 64 x 64 buffers (``wgrad_blocks.store_half_split``), leaving the ring 32 KB more
     (``wgrad_ws_stages``)."""

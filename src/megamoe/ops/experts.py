@@ -331,7 +331,7 @@ def expert_forward_reference(
 #: x for +0.02-0.03 ms and save the 0.16 ms (qwen3-30b-a3b, 8192 tokens) / 0.39 ms (sonic-7b, 24576) copy: on by
 #: default. The backward's: the dact and the down wgrad read d_out by token, the gate/up wgrad x (gathered as its A,
 #: the blocks stored transposed), so the composed backward pulls neither; the gathering wgrads step K 64 rows
-#: (``experts_bwd.gathering_wgrad_tile``). d_out: the backward 0.34 ms faster at sonic-7b (3.53 against 3.87 ms,
+#: (``expert_wgrad.gathering_wgrad_tile``). d_out: the backward 0.34 ms faster at sonic-7b (3.53 against 3.87 ms,
 #: 24576 tokens), 0.17 ms at qwen3-30b-a3b (8192; one H100, benchmarks/results/2026-12-06-h100-wgrad-gather); x
 #: then: the step 4.31 -> 4.15 ms at sonic-7b, 4.66 -> 4.49 at qwen3-30b-a3b (one H200,
 #: benchmarks/results/2026-12-06-h200-keyed-pool-step). The same bits: on by default. ``MEGAMOE_GATHER_FORWARD`` /

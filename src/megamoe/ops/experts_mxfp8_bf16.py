@@ -46,8 +46,9 @@ from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops.expert_weights import RoundedWeights, rounded_weights
 from megamoe.ops.experts import (ExpertForward, check_operands, expert_forward, gathered_rows,
                                  warp_specialized_forward)
-from megamoe.ops.experts_bwd import (ExpertGrads, WgradCarry, check_grads, dact, dx, new_grads, nothing_to_launch,
-                                     wgrad)
+from megamoe.ops.expert_wgrad import wgrad
+from megamoe.ops.experts_bwd import (ExpertGrads, WgradCarry, check_grads, dact, dx, grid_in_epilogue, new_grads,
+                                     nothing_to_launch)
 from megamoe.ops.bf16_wgrads import TokenRows, bf16_wgrads_of, wants_bf16_wgrads
 from megamoe.ops.experts_fp8_bwd import TokenBlocks, token_blocks
 from megamoe.ops.quant import mx_round_activations
@@ -55,6 +56,12 @@ from megamoe.planner.tiles import mean_rows
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.precision import FP8_BLOCK, MX_BLOCK
 from megamoe.reference.formats import mxfp8_dequantize
+
+#: The Gluon dact (Hopper) stores dx's MXFP8-grid copy of d_h in its epilogue (``experts_bwd.dact``'s ``d_h_grid``;
+#: off: the rounding pass after it, 0.150 ms of qwen3-30b-a3b's mxfp8 step on one H100, benchmarks/results/
+#: 2026-12-07-mxfp8-step-cuts). Built for sm_90 without spills, the Triton epilogue's bits on the CPU; off until its
+#: GPU test (tests/test_experts_mxfp8_bf16.py, ``-m gpu``) has run. ``MEGAMOE_GLUON_D_H_GRID`` (0 or 1) sets it.
+GLUON_D_H_GRID = runtime.env_switch("MEGAMOE_GLUON_D_H_GRID", False)
 
 
 def dequantized_rows(rows: torch.Tensor | QuantRows) -> torch.Tensor:
@@ -178,10 +185,14 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
     if dy_index is not None and (bias is not None or not gluon_dact or not (bf16 and token_rows is not None)):
         dy_grid = dy_rows = gathered_rows(dy_grid, dy_index, rows)  # a reader here takes the rows in order
         dy_index = None
-    # dx's d_h on the grid along 2I, stored by the dact's epilogue beside d_h (which the wgrads and biases read)
-    d_h_grid = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device)
+    # dx's d_h on the grid along 2I: stored by the dact's epilogue beside d_h (which the wgrads and biases read)
+    # where its tile allows, else rounded in a pass after it
+    grid_stored = grid_in_epilogue(cfg["dact"], gluon_dact) and (GLUON_D_H_GRID or not gluon_dact)
+    d_h_grid = torch.empty(rows, 2 * i, dtype=torch.bfloat16, device=device) if grid_stored else None
     d_h, act_w = dact(dy_grid, row_weights, h, counts, offsets, wt.down_along_d, grads.d_router,
                       cfg["dact"], programs, activation, gluon_dact, dy_index, d_h_grid=d_h_grid)
+    if d_h_grid is None:
+        d_h_grid = mx_round_activations(d_h)
     if bias is not None:  # from the rows as pulled (E4M3: dequantised, as the MXFP8 backward sums them)
         dy_sums = mxfp8_dequantize(dy_rows.data, dy_rows.scale) if isinstance(dy_rows, QuantRows) else dy_rows
         bias_backward(bias, d_h, dy_sums, row_weights, counts, offsets, grads.d_router)

@@ -82,7 +82,8 @@ def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized, expert_gemm, expert_gemm_bwd, forward_warp_specialized
     from megamoe.kernels import wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
-    from megamoe.ops.experts_bwd import dact_ws_constexprs, gathering_wgrad_tile, wgrad_ws_constexprs
+    from megamoe.ops.expert_wgrad import gathering_wgrad_tile, wgrad_ws_constexprs
+    from megamoe.ops.experts_bwd import dact_ws_constexprs
     from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, carry_tile, plan_tiles
 
     gpu = torch.device("cuda")

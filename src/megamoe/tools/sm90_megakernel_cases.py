@@ -150,10 +150,10 @@ def window_table_case() -> Case:
 
 
 def wgrad_deal_case() -> Case:
-    """The Gluon wgrad's deal (``megamoe.ops.experts_bwd.wgrad_deal``, one launch a dealt wgrad): kimi-k2's 384
+    """The Gluon wgrad's deal (``megamoe.ops.expert_wgrad.wgrad_deal``, one launch a dealt wgrad): kimi-k2's 384
     experts of a rank at EP 1, a window's modes."""
     from megamoe.kernels.wgrad_deal import wgrad_deal_kernel
-    from megamoe.ops.experts_bwd import DEAL_CHUNK
+    from megamoe.ops.expert_wgrad import DEAL_CHUNK
 
     consts = dict(HAS_MODES=True, EXPERTS=512, CHUNK=DEAL_CHUNK)
     signature = {name: "*i32" for name in wgrad_deal_kernel.arg_names if name.endswith("_ptr")}
