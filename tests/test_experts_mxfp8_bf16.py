@@ -125,6 +125,25 @@ def test_forward_gives_the_mxfp8_twin_and_rounds_every_operand(load, activation)
     assert float((act == want_act).float().mean()) > 0.99 and rel(act, want_act) < TWIN
 
 
+def test_forward_from_bf16_tokens_gives_the_e4m3_rows_bits():
+    """One rank's forward (``x_scale`` None): its BF16 tokens rounded to the grid in one launch, read by index, give
+    the bits of the same tokens quantised to E4M3 rows first; a dtype that does not match ``x_scale`` is refused."""
+    p = _forward_problem(*LOADS["mixed"])
+    rows, d = p["x"].shape
+    g = torch.Generator().manual_seed(5)
+    tokens = (torch.randn(rows // 2 + 1, d, generator=g) * 3).bfloat16().to(DEVICE)
+    index = torch.randint(0, tokens.shape[0], (rows,), generator=g).to(torch.int32).to(DEVICE)
+    weights = rounded_weights(p["wgu"], p["wd"])
+    outs = [expert_forward_mxfp8_bf16(*x, p["counts"], p["offsets"], weights, num_programs=3, x_index=index)
+            for x in ((tokens, None), quantize_activations(tokens, "mxfp8"))]
+    inside = in_regions(p["counts"], p["offsets"], rows)
+    for name in ("h", "act", "y"):
+        assert torch.equal(getattr(outs[0], name)[inside], getattr(outs[1], name)[inside]), name
+    with pytest.raises(ValueError, match="x_q must be"):
+        expert_forward_mxfp8_bf16(tokens, quantize_activations(tokens, "mxfp8")[1], p["counts"], p["offsets"],
+                                  weights, x_index=index)
+
+
 def _backward_problem(counts, gap, d=64, i=64, seed=3):
     g = torch.Generator().manual_seed(seed)
     counts, offsets, rows = regions(counts, gap)

@@ -17,7 +17,8 @@ differ from the MXFP8 tiles' by the order of the FP32 sums only.
     act = SwiGLU(h)                      I                                 the gate/up epilogue (MX_ROUND)
     d_out rows (dact)                    D                                 pulled E4M3 rows dequantised, or rounded
                                                                            (one rank: its staged BF16 tokens)
-    d_h (dx)                             2I                                the dact epilogue (``d_h_grid``)
+    d_h (dx)                             2I                                the dact epilogue (``d_h_grid``), or a
+                                                                           pass (:data:`GLUON_D_H_GRID` off)
     d_out, act_w, d_h, x (wgrads)        tokens: 32-row blocks of each     here, into each expert's 128-row span
                                          expert's rows, zero-padded        (``token_blocks``), the wgrads' regions;
                                          (none with BF16 wgrads, the       BF16 wgrads: BF16 rows
