@@ -477,7 +477,8 @@ class MegaKernel:
         if self.quantized:
             x_index, token = token, token.long()
             q = experts_q  # never None here: forward quantises before the device work when the caller did not
-            if not self._rounds_staged_x:
+            rounds_x = self._rounds_staged_x
+            if not rounds_x:
                 torch.index_select(self.sym.local("x_q"), 0, token, out=b.ring_x.view(torch.uint8)[rows])
                 torch.index_select(self.sym.local("x_scale"), 0, token, out=b.ring_scale[rows])
             if runs_as_bf16(self.precision):  # the BF16 kernels on the tokens' E4M3 rows dequantised (the ring's
@@ -485,12 +486,12 @@ class MegaKernel:
                 if self._act_bf16 is None:
                     self._act_bf16 = torch.empty(self.config.ring_rows, self.shape.intermediate, dtype=torch.bfloat16,
                                                  device=self.world.device)
-                x_rows = ((self.sym.local("x")[:n], None) if self._rounds_staged_x else
+                x_rows = ((self.sym.local("x")[:n], None) if rounds_x else
                           (self.sym.local("x_q")[:n].view(torch.float8_e4m3fn), self.sym.local("x_scale")[:n]))
                 expert_forward_mxfp8_bf16(
                     *x_rows, counts, offsets, q.rounded_weights(w_gate_up, w_down), activation=activation,
-                    b_gate_up=b_gate_up,
-                    b_down=b_down, out=ExpertForward(b.h[rows], self._act_bf16[rows], self.y[rows]),
+                    b_gate_up=b_gate_up, b_down=b_down,
+                    out=ExpertForward(b.h[rows], self._act_bf16[rows], self.y[rows]),
                     rows_per_expert=self._rows_per_expert, x_index=x_index, tuning=self.tuning)
             else:
                 forward = expert_forward_fp8_block if self.precision == "fp8-block" else expert_forward_mxfp8
