@@ -144,6 +144,35 @@ def test_cpu_ranks_interpret_and_the_callers_environment_is_left_as_it_was(monke
     assert os.environ.get("TRITON_INTERPRET") == before
 
 
+def _rank_sees(world, name):
+    import sys
+
+    from megamoe.megakernel import replay  # a switch read when its module is imported
+
+    print(f"rank {world.rank} out")
+    print(f"rank {world.rank} err", file=sys.stderr)
+    return os.environ.get(name), replay.KEYED_POOL, os.getppid()
+
+
+def test_forked_cpu_ranks_take_the_launchers_environment_and_output_at_each_call(monkeypatch, capfd):
+    """CPU ranks fork from a server that imported torch once: each still takes the environment the launcher has at
+    that call (set, changed or removed since the server started; megamoe's import-time switches read it) and
+    writes where the launcher's stdout and stderr go then (here pytest's capture)."""
+    monkeypatch.setenv("MEGAMOE_PROBE", "first")
+    monkeypatch.setenv("MEGAMOE_KEYED_POOL", "0")
+    first = launch(_rank_sees, 2, "MEGAMOE_PROBE")
+    assert [r[:2] for r in first] == [("first", False)] * 2
+    monkeypatch.delenv("MEGAMOE_PROBE")
+    monkeypatch.setenv("MEGAMOE_KEYED_POOL", "1")
+    second = launch(_rank_sees, 2, "MEGAMOE_PROBE")
+    assert [r[:2] for r in second] == [(None, True)] * 2
+    parents = {r[2] for r in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents, "the ranks were not forked from one server"
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert out.count(f"rank {rank} out") == 2 and err.count(f"rank {rank} err") == 2, (out, err)
+
+
 def test_world_resources_keep_one_object_per_key_and_version_and_list_them_oldest_first():
     from megamoe.parallel.world import WorldResources
 

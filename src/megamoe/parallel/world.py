@@ -13,7 +13,10 @@ and :func:`init_world` joins a group started by torchrun.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.reduction
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -260,13 +263,20 @@ def init_world(device: str | None = None, group: Any = None) -> EPWorld:
                    ranks_per_device=per_device)
 
 
-def _rank_main(rank: int, size: int, device: str, result_dir: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, size: int, device: str, result_dir: str, call: bytes, environ: dict[str, str],
+               stdio: None = None) -> None:
+    """One rank: the launcher's environment first (a forked rank has its fork server's), then ``fn`` and its
+    arguments unpickled (``call``: importing fn's module, and with it megamoe's switches, reads that environment).
+    ``stdio``: a forked rank's :class:`_LaunchersStdio`, taken while its arguments were unpickled."""
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
                       MEGAMOE_INIT_FILE=os.path.join(result_dir, "rendezvous"))
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
+        fn, args = pickle.loads(call)
         world = init_world(device)
         # every rank connected before any runs: one done at once would close on a peer still connecting
         world.barrier("launch's start")
@@ -314,12 +324,48 @@ def _interpreter_for_ranks(device: str):
             os.environ["TRITON_INTERPRET"] = before
 
 
+#: What a CPU rank's fork server imports once, so that each rank forked from it starts without importing them
+#: (~3 s of a rank's start on the CPU, torch ~1.5 and torch._dynamo ~1.4 of it: a test suite spawns hundreds of
+#: ranks). None of them reads megamoe's switches: the ranks import megamoe's kernels themselves, after taking the
+#: launcher's environment (``_rank_main``).
+RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "triton", "megamoe.parallel.world"]
+
+
+class _LaunchersStdio:
+    """Pickled into a forked rank's arguments: the launcher's stdout and stderr as they are at the launch, which the
+    rank takes as its own (a spawned rank inherits them; a forked one has its fork server's, which belong to
+    whoever launched first: a CLI's progress lines, a test's captured output would go there)."""
+
+    def __reduce__(self):
+        return _take_stdio, tuple(multiprocessing.reduction.DupFd(fd) for fd in (1, 2))
+
+
+def _take_stdio(out, err) -> None:
+    for fd, dup in ((1, out), (2, err)):
+        got = dup.detach()
+        os.dup2(got, fd)
+        os.close(got)
+
+
+def _start_method(device: str, fn: Callable) -> str:
+    """``forkserver`` (preloaded with :data:`RANK_PRELOAD`) for CPU ranks; ``spawn`` on a GPU (a rank forked from a
+    process that touched CUDA would fail) and for a ``fn`` of the launching script's ``__main__`` (a forked rank
+    imports the script before it takes the launcher's environment)."""
+    if device != "cpu" or getattr(fn, "__module__", "__main__") == "__main__":
+        return "spawn"
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    return "forkserver"
+
+
 def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device: str = "cpu") -> list[Any]:
     """Run ``fn(world, *args)`` on ``nprocs`` local ranks; returns each rank's result, by rank.
 
     ``fn`` must be importable (a module-level function) and its result
-    picklable. CPU: ``nprocs`` processes over gloo. CUDA: ``nprocs`` defaults
-    to the number of visible GPUs. A rank that raises makes ``launch`` raise
+    picklable. CPU: ``nprocs`` processes over gloo, forked from a server that
+    imported torch and Triton once (:data:`RANK_PRELOAD`; a ``fn`` of the
+    script's ``__main__`` spawns them); each rank takes the launcher's
+    environment, stdout and stderr as they are at the call. CUDA: ``nprocs``
+    spawned processes, by default the number of visible GPUs. A rank that raises makes ``launch`` raise
     RuntimeError with the error of the rank that failed first (its traceback),
     then one line for each rank that failed after it (most often the peers that
     lost it).
@@ -335,9 +381,13 @@ def launch(fn: Callable[..., Any], nprocs: int | None = None, *args: Any, device
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="megamoe-launch-") as result_dir:
         with _interpreter_for_ranks(device):
+            method = _start_method(device, fn)
+            sys.stdout.flush()  # the ranks write to the same files
+            sys.stderr.flush()
             context = mp.start_processes(
-                _rank_main, args=(nprocs, device, result_dir, fn, args), nprocs=nprocs, join=False,
-                start_method="spawn")
+                _rank_main, args=(nprocs, device, result_dir, pickle.dumps((fn, args)), dict(os.environ),
+                                  _LaunchersStdio() if method == "forkserver" else None),
+                nprocs=nprocs, join=False, start_method=method)
         died = None
         try:
             while not context.join():
