@@ -10,6 +10,8 @@ gradients must be the same bits.
 import sys
 import time
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -291,6 +293,45 @@ def test_torch_compile_fullgraph_traces_a_moe_block(tmp_path, monkeypatch):
         assert results["aot_eager"] == (True, 0.0), results
         same_out, grad_error = results["inductor"]
         assert same_out and grad_error < 1e-5, results
+
+
+def _eager_and_op_paths(world):
+    from megamoe.ops.expert_weights import quantize_experts
+
+    cfg = MoEConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, shared=(32,), expert_bias=True)  # FP8: I % 128
+    p = _problem(world, cfg, (12, 9), "uniform", 0.0, 11, True)
+    results = {}
+    for precision in ("bf16", "fp8-block"):
+        runs = []
+        for compiling in (False, True):  # the op as torch.compile traces it, called here eagerly
+            leaves = {name: getattr(p, name).detach().clone().requires_grad_()
+                      for name in ("x", "router_weights", "w_gate_up", "b_gate_up", "b_down")}
+            w_down = p.w_down.detach().clone()  # no gradient asked: none given
+            shared = [(a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()) for a, b in p.shared]
+            pack = None if precision == "bf16" else quantize_experts(leaves["w_gate_up"], w_down, precision,
+                                                                       backward=True)
+            with mock.patch.object(torch.compiler, "is_compiling", return_value=compiling):
+                out = moe(world, leaves["x"], p.top_experts, leaves["router_weights"], leaves["w_gate_up"], w_down,
+                          shared, precision=precision, max_tokens=12, experts_q=pack, b_gate_up=leaves["b_gate_up"],
+                          b_down=leaves["b_down"], check=not compiling)
+            out.backward(p.d_out)
+            grads = [t.grad for t in leaves.values()] + [t.grad for pair in shared for t in pair]
+            runs.append((type(out.grad_fn).__name__, out.detach(), grads, w_down.grad))
+        (eager_fn, out, grads, none), (op_fn, op_out, op_grads, op_none) = runs
+        results[precision] = (eager_fn, op_fn, torch.equal(out, op_out),
+                              all(g is not None and torch.equal(g, h) for g, h in zip(grads, op_grads)),
+                              none is None and op_none is None, len(grads))
+    return results
+
+
+def test_eager_layer_gives_the_ops_bits_and_grads_only_where_asked():
+    """Outside torch.compile `moe` runs the ops' functions through one autograd.Function (`EagerLayer`, no
+    custom-op dispatch on the host's path); under it, the ops. Both give the same output and gradients, bit for
+    bit, with shared experts, expert biases and an FP8 pack, on two ranks; an input asking no gradient gets none."""
+    for per_rank in launch(_eager_and_op_paths, 2):
+        for precision, (eager_fn, op_fn, same_out, same_grads, none, count) in per_rank.items():
+            assert eager_fn == "EagerLayerBackward" and op_fn != eager_fn, (precision, eager_fn, op_fn)
+            assert same_out and same_grads and none and count == 7, (precision, per_rank[precision])
 
 
 def _backward_error_word(world):

@@ -100,9 +100,9 @@ def moe(
         max_tokens = world.largest(n)  # NOTE: host sync
     checks.check_max_tokens(max_tokens, n)
     i = inputs
-    return ops.layer_forward(
+    return ops.run_layer(ops.LayerInputs(
         x=i.x, top_experts=i.top_experts, router_weights=i.router_weights, w_gate_up=i.w_gate_up, w_down=i.w_down,
         b_gate_up=i.b_gate_up, b_down=i.b_down, shared_gate_up=[gu for gu, _ in i.shared],
         shared_down=[dn for _, dn in i.shared], activation=i.activation.spec, world=handle_of(world),
         max_tokens=max_tokens, precision=precision, config=ops.config_string(config), check=check,
-        fused_backward=bool(fused_backward), experts_q=[] if experts_q is None else experts_q.tensors())[0]
+        fused_backward=bool(fused_backward), experts_q=[] if experts_q is None else experts_q.tensors()))

@@ -6,7 +6,8 @@ x, the pull schedule): they are fresh tensors the autograd graph keeps, so each 
 and lives exactly as long as its graph. ``megamoe::layer_backward`` takes them back with the upstream
 gradient. Their fake implementations give every output's shape from the arguments alone (the kernel's config
 is the planner's, a pure function of the shape), so ``torch.compile(fullgraph=True)`` traces a model through
-them.
+them. Outside torch.compile ``megamoe.moe`` runs the same two functions through :class:`EagerLayer`
+(:func:`run_layer`), without the custom-op dispatch around each call.
 
 Arguments that are not tensors: ``world`` an int handle (:mod:`megamoe.autograd.worlds`), ``max_tokens`` the
 group's largest token count, ``precision``, ``config`` the KernelConfig as "num_sms,comm_sms,minibatch,
@@ -64,8 +65,7 @@ def _shape(world, x: Tensor, top_experts: Tensor, w_gate_up: Tensor, shared_down
                       sum(dn.shape[1] for dn in shared_down))
 
 
-@torch.library.custom_op("megamoe::layer_forward", mutates_args=())
-def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+def _layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                   b_gate_up: Tensor | None, b_down: Tensor | None, shared_gate_up: list[Tensor], shared_down: list[Tensor], activation: str, world: int,
                   max_tokens: int, precision: str, config: str, check: bool,
                   fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -94,6 +94,9 @@ def layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate
             s.tokens_per_expert.clone(), s.counts.clone(), s.offsets.clone(), s.num_rows.clone())
 
 
+layer_forward = torch.library.custom_op("megamoe::layer_forward", mutates_args=())(_layer_forward)
+
+
 @layer_forward.register_fake
 def _(x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down, shared_gate_up, shared_down, activation,
       world, max_tokens, precision, config, check, fused_backward, experts_q):
@@ -115,8 +118,7 @@ def _(x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down, shar
             x.new_empty(L, **i32), x.new_empty((), **i32))
 
 
-@torch.library.custom_op("megamoe::layer_backward", mutates_args=())
-def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor,
+def _layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gate_up: Tensor,
                    w_down: Tensor, b_gate_up: Tensor | None, b_down: Tensor | None, shared_gate_up: list[Tensor],
                    shared_down: list[Tensor], h: Tensor,
                    shared_h: Tensor, ring_x: Tensor, ring_scale: Tensor, src_rank: Tensor, src_index: Tensor,
@@ -144,6 +146,9 @@ def layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weights
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
     return (g.x, g.router_weights, g.w_gate_up, g.w_down, _or_empty(g.b_gate_up, x), _or_empty(g.b_down, x),
             d_gate_up, d_down)
+
+
+layer_backward = torch.library.custom_op("megamoe::layer_backward", mutates_args=())(_layer_backward)
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -245,6 +250,12 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, d_out, *unused):
+    return tuple(_gradients(ctx, d_out, layer_backward, LayerInputs(*ctx.needs_input_grad)).values())
+
+
+def _gradients(ctx, d_out, backward, need: LayerInputs) -> dict:
+    """The gradients of :class:`LayerInputs` by name from ``backward`` (the op, or its implementation), ``need``
+    saying which inputs asked for one."""
     saved = ctx.saved_tensors
     x, top_experts, router_weights, w_gate_up, w_down, b_gate_up, b_down = saved[:7]
     if d_out is None:  # the output did not reach the loss (grads are not materialised)
@@ -252,11 +263,10 @@ def _backward(ctx, d_out, *unused):
     s, q = ctx.counts
     shared_gate_up, shared_down = list(saved[7: 7 + s]), list(saved[7 + s: 7 + 2 * s])
     experts_q, state = list(saved[7 + 2 * s: 7 + 2 * s + q]), KeptState(*saved[7 + 2 * s + q:])
-    d_x, d_rw, d_gu, d_dn, d_bgu, d_bdn, d_sgu, d_sdn = layer_backward(
+    d_x, d_rw, d_gu, d_dn, d_bgu, d_bdn, d_sgu, d_sdn = backward(
         d_out=d_out.contiguous(), x=x, top_experts=top_experts, router_weights=router_weights, w_gate_up=w_gate_up,
         w_down=w_down, b_gate_up=b_gate_up, b_down=b_down, shared_gate_up=shared_gate_up, shared_down=shared_down,
         **state._asdict(), **ctx.options, experts_q=experts_q)
-    need = LayerInputs(*ctx.needs_input_grad)
     keep = lambda g, name: g if getattr(need, name) else None  # noqa: E731
     grads = dict.fromkeys(LayerInputs._fields)
     grads.update(x=keep(d_x, "x"), router_weights=keep(d_rw, "router_weights"), w_gate_up=keep(d_gu, "w_gate_up"),
@@ -264,7 +274,53 @@ def _backward(ctx, d_out, *unused):
                  b_down=keep(d_bdn, "b_down") if b_down is not None else None,
                  shared_gate_up=[g if n else None for g, n in zip(d_sgu, need.shared_gate_up)],
                  shared_down=[g if n else None for g, n in zip(d_sdn, need.shared_down)], experts_q=[None] * q)
-    return tuple(grads.values())
+    return grads
 
 
 layer_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerLayer(torch.autograd.Function):
+    """The layer's forward and backward outside ``torch.compile``: the ops' own implementations and autograd glue,
+    without the dispatcher's custom-op path around them (pytree, redispatch, the autograd wrapper), which took 434
+    against 68 us a call on a 2-core CPU for an op of this signature (`megamoe.moe` runs ``layer_forward``, its
+    backward ``layer_backward``; each call's host time is time the GPU waits at a pass's start). The same bits:
+    the same functions run. ``apply(LayerInputs)`` with the tensors flattened (autograd sees no tensor in a list)."""
+
+    @staticmethod
+    def forward(ctx, counts: tuple[int, int], options: dict, *tensors):
+        i = _unflatten(counts, options, tensors)
+        out = _layer_forward(*i)
+        _setup_context(ctx, i, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out, *unused):
+        s, q = ctx.counts
+        flat = ctx.needs_input_grad[2:]
+        need = LayerInputs(*flat[:7], list(flat[7: 7 + s]), list(flat[7 + s: 7 + 2 * s]), *[False] * 7,
+                           list(flat[7 + 2 * s:]))
+        g = _gradients(ctx, d_out, _layer_backward, need)
+        return (None, None, *_flatten(LayerInputs(**g))[2])
+
+
+def _flatten(i: LayerInputs) -> tuple[tuple[int, int], dict, list]:
+    """``EagerLayer.apply``'s arguments: (shared experts, pack tensors), the options, every tensor in order."""
+    tensors = [i.x, i.top_experts, i.router_weights, i.w_gate_up, i.w_down, i.b_gate_up, i.b_down,
+               *i.shared_gate_up, *i.shared_down, *i.experts_q]
+    return (len(i.shared_gate_up), len(i.experts_q)), {name: getattr(i, name) for name in _OPTIONS}, tensors
+
+
+def _unflatten(counts: tuple[int, int], options: dict, tensors) -> LayerInputs:
+    s, q = counts
+    return LayerInputs(*tensors[:7], list(tensors[7: 7 + s]), list(tensors[7 + s: 7 + 2 * s]), **options,
+                       experts_q=list(tensors[7 + 2 * s: 7 + 2 * s + q]))
+
+
+def run_layer(i: LayerInputs) -> Tensor:
+    """The layer's output, differentiable: ``layer_forward`` under ``torch.compile`` (which traces the op and its
+    fake), else :class:`EagerLayer` (the same functions, without the custom-op path's host time)."""
+    if torch.compiler.is_compiling():
+        return layer_forward(**i._asdict())[0]
+    counts, options, tensors = _flatten(i)
+    return EagerLayer.apply(counts, options, *tensors)[0]
