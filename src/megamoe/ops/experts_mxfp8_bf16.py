@@ -60,8 +60,9 @@ from megamoe.reference.formats import mxfp8_dequantize
 
 #: The Gluon dact (Hopper) stores dx's MXFP8-grid copy of d_h in its epilogue (``experts_bwd.dact``'s ``d_h_grid``;
 #: off: the rounding pass after it, 0.150 ms of qwen3-30b-a3b's mxfp8 step on one H100, benchmarks/results/
-#: 2026-12-07-mxfp8-step-cuts). Built for sm_90 without spills, the Triton epilogue's bits on the CPU; off until its
-#: GPU test (tests/test_experts_mxfp8_bf16.py, ``-m gpu``) has run. ``MEGAMOE_GLUON_D_H_GRID`` (0 or 1) sets it.
+#: 2026-12-07-mxfp8-step-cuts). Its GPU test passes (the rounding pass's bits), but on one H100 it made that dact
+#: 2.1x slower (1.389 against 0.659 ms) and the step 0.4-0.5 ms slower in three alternating runs
+#: (benchmarks/results/2026-12-07-eager-layer, calls 47-48): off. ``MEGAMOE_GLUON_D_H_GRID`` (0 or 1) sets it.
 GLUON_D_H_GRID = runtime.env_switch("MEGAMOE_GLUON_D_H_GRID", False)
 
 
