@@ -69,8 +69,8 @@ def _layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gat
                    b_gate_up: Tensor | None, b_down: Tensor | None, shared_gate_up: list[Tensor], shared_down: list[Tensor], activation: str, world: int,
                    max_tokens: int, precision: str, config: str, check: bool,
                    fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                          Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                          Tensor]:
+                                                                           Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                           Tensor]:
     """(out, h, shared_h, ring_x, ring_scale, src_rank, src_index, tokens_per_expert, counts, offsets, num_rows):
     the backward keeps the ring's pre-activation h; with an FP8 precision also the ring's E4M3 x and scales,
     which the gate/up wgrad re-quantises along the tokens (BF16 pulls x again: ring_x and ring_scale are
@@ -126,7 +126,7 @@ def _layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weight
                     activation: str, world: int,
                     max_tokens: int, precision: str, config: str, check: bool,
                     fused_backward: bool, experts_q: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                           Tensor, list[Tensor], list[Tensor]]:
+                                                                            Tensor, list[Tensor], list[Tensor]]:
     """(d_x, d_router_weights, d_w_gate_up, d_w_down, d_b_gate_up, d_b_down, [d shared gate_up], [d shared down]),
     a bias's gradient empty `[0]` without it; ``experts_q`` the forward's (its transposed weights, when the pack
     holds them, are the dgrads')."""

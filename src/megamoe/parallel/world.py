@@ -341,6 +341,7 @@ class _LaunchersStdio:
 
 
 def _take_stdio(out, err) -> None:
+    """In the forked rank, while its arguments are unpickled: the launcher's stdout and stderr onto fds 1 and 2."""
     for fd, dup in ((1, out), (2, err)):
         got = dup.detach()
         os.dup2(got, fd)
