@@ -14,7 +14,8 @@ if [ "$MEM" -gt 100000 ]; then
   grep -E "ms between|busy|expert GEMM|quantis|weighted|no kernel|wgrad|dx_|dact" $OUT/r/kimi_bwd_kernels.txt | head -20 >> $L
 fi
 run q16 130 $B --impl nccl-torch,megamoe --experts bf16 --preset qwen3-30b-a3b --tokens 16384
-run d8z 150 $B --impl megamoe --experts bf16 --preset deepseek-v3 --tokens 8192 --routing zipf
+run d8z 110 $B --impl megamoe --experts bf16 --preset deepseek-v3 --tokens 8192 --routing zipf
+run d8u 90 $B --impl megamoe --experts bf16 --preset deepseek-v3 --tokens 8192
 [ "$MEM" -gt 100000 ] && run glm5 170 $B --impl megamoe --experts bf16,fp8-block --preset glm-5 --tokens 8192
 (cd $OUT && tar czf r.tgz r && rm -rf r)
 grep -v "^\s*$" $L | tail -45
