@@ -15,6 +15,7 @@ kernel; every variant's output is compared with the first's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -39,6 +40,7 @@ FP8_128 = {"gate_up": TileConfig(128, 128, 128, 8, 3, 4), "down": TileConfig(128
 # one warpgroup: a 64x128 product per K step beside its 64x128 accumulator (64 + 64 registers a thread)
 FP8_64 = {"gate_up": TileConfig(64, 128, 128, 4, 4, 8), "down": TileConfig(64, 128, 128, 4, 4, 8)}
 MX_128 = {"gate_up": TileConfig(128, 64, 64, 8, 3, 4), "down": TileConfig(128, 128, 64, 8, 3, 8)}  # the planner's
+PING_PONG_STAGES = (4, 5, 6)  # ping-pong needs a ring deep enough to cover a hand-over (2026-12-04-forward-ping-pong)
 MX_64 = {"gate_up": TileConfig(64, 64, 64, 4, 4, 8), "down": TileConfig(64, 128, 64, 4, 4, 8)}
 
 
@@ -74,7 +76,8 @@ def quantized_call(fmt: str, x, counts, offsets, wgu, wd):
 def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, dict]:
     """{variant: fn} of ``precision``'s tile variants on one load, each called once, and {variant: its y}; on
     Hopper BF16 also "Gluon down": 128-row tiles with down in the warp-specialised Gluon kernel (gate/up's; the
-    library runs down in Triton: 2 % faster on kimi-k2's 341-row experts, not measured at small I)."""
+    library runs down in Triton: 2 % faster on kimi-k2's 341-row experts), and that kernel in ping-pong (whole
+    128 x 128 tiles a warpgroup, in turn) at PING_PONG_STAGES ring depths."""
     rows, i, d = x.shape[0], wd.shape[2], wd.shape[1]
     quantized = quantized_call(precision, x, counts, offsets, wgu, wd) if precision in FORWARD else None
     outs, calls = {}, {}
@@ -102,6 +105,18 @@ def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, di
         calls["Gluon down"] = gluon_down
         gluon_down()
         outs["Gluon down"] = out.y
+        for stages in PING_PONG_STAGES:  # whole 128 x 128 tiles a warpgroup, in turn
+            out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=x.device)
+                                  for n in (2 * i, i, d)))
+            pp_tile = dataclasses.replace(down_tile, block_n=128)
+
+            def ping_pong(out=out, stages=stages, pp_tile=pp_tile):
+                gate_up(x, counts, offsets, wgu, out.h, out.act, tuning=Tuning(gate_up=BF16_128["gate_up"]))
+                forward_ws(out.act, wd, out.y, counts, offsets, pp_tile, programs, stages=stages, ping_pong=True)
+            name = f"Gluon down ping-pong, {stages} stages"
+            calls[name] = ping_pong
+            ping_pong()
+            outs[name] = out.y
     return calls, outs
 
 

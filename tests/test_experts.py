@@ -718,6 +718,47 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
+@pytest.mark.parametrize("i, stages", [(320, 4), (320, 6), (96, 4), (256, 5)])
+@pytest.mark.parametrize("programs, with_bias", [(5, False), (3, True)])
+def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, with_bias):
+    """The Gluon down in ping-pong (each warpgroup whole 128 x 128 tiles in turn) against down_kernel at the
+    planner's tiles: the same bits (bias too) on a load with an empty expert, partial row tiles, partial n-tiles
+    (D 448), fewer and more K steps than ring slots (I 96: 2, I 320: 5 partial), tasks dealt unevenly over the
+    programs (a warpgroup left with no last task), NaN-poisoned outputs."""
+    import dataclasses
+    from megamoe.ops.experts import forward_ws
+
+    gpu = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(13)
+    counts = torch.tensor([70, 0, 33, 129, 5, 200, 131, 256], dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    rows, d = int(counts.sum()), 448
+    act = torch.randn(rows, i, generator=g, device="cuda").bfloat16()
+    wd = (torch.randn(len(counts), d, i, generator=g, device="cuda") / i**0.5).bfloat16()
+    bias = torch.randn(len(counts), d, generator=g, device="cuda").bfloat16() if with_bias else None
+    want = torch.full((rows, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = torch.full_like(want, float("nan"))
+    down(act, counts, offsets, wd, want, tuning=Tuning(down=plan_tiles("down", gpu)), num_programs=programs,
+         bias=bias)
+    tile = dataclasses.replace(plan_tiles("down", gpu), block_n=128)
+    forward_ws(act, wd, got, counts, offsets, tile, programs, stages=stages, bias=bias, ping_pong=True)
+    torch.cuda.synchronize()
+    ref = torch.cat([act[o:o + c].float() @ wd[e].float().T + (0 if bias is None else bias[e].float())
+                     for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist()))])
+    assert _rel(got, ref) < 2e-2
+    assert not got.isnan().any(), "rows left unwritten"
+    differ = (want != got).any(1).nonzero().flatten().tolist()[:20]
+    assert torch.equal(want, got), f"rows differing {differ}"
+    with pytest.raises(ValueError, match="down's tiles only"):
+        forward_ws(torch.zeros(rows, d, dtype=torch.bfloat16, device="cuda"),
+                   torch.zeros(len(counts), 2 * i, d, dtype=torch.bfloat16, device="cuda"),
+                   torch.zeros(rows, 2 * i, dtype=torch.bfloat16, device="cuda"), counts, offsets, tile, programs,
+                   act=torch.zeros(rows, i, dtype=torch.bfloat16, device="cuda"), ping_pong=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
 @pytest.mark.parametrize("activation", EVERY_KIND[1:], ids=lambda a: a.kind)
 def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation):
     """The Gluon BF16 dact and wgrads (``warp_specialized``, Hopper's default) against ``dact_swiglu_bwd_kernel``
@@ -761,7 +802,7 @@ def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
 
 def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     """Compiled on the CPU for Hopper: tensor-core wgmma and TMA bulk copies must be in the PTX (the Gluon wgrad's
-    too, without spills, also with the backward window's carry, dealt dynamically, by the plan and storing whole
+    and the ping-pong down's too, without spills, also with the backward window's carry, dealt dynamically, by the plan and storing whole
     halves, as the
     Triton wgrad's at its carry tile); the Gluon
     dact sums its rows' router-gradient
@@ -781,14 +822,14 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     whole = {"wgrad_ws_kernel (carry) (whole halves)", "wgrad_ws_kernel (carry) (x rows by token, whole halves)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
-                            "forward_ws_kernel (gate/up)", "dact_ws_kernel", *wgrads, *by_token, *dynamic, *whole,
-                            *planned}
+                            "forward_ws_kernel (gate/up)", "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel",
+                            *wgrads, *by_token, *dynamic, *whole, *planned}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
-                 "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
+                 "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
                  "dx_kernel (into the slots)", *by_token, *dynamic, *whole, *planned):  # the gathering producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in (*by_token, "wgrad_ws_kernel (carry) (x rows by token, planned)"):  # each gather is cp.async pieces
@@ -801,6 +842,8 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
         for name in whole:
             split = summary[name.replace(", whole halves)", ")").replace(" (whole halves)", "")]
             assert split["shared_bytes"] > summary[name]["shared_bytes"], (name, split, summary[name])
+    # ping-pong: a warpgroup's two 64-row halves, each an m64n128k16 wgmma a k16 (the cooperative tile's one each)
+    assert summary["forward_ws_kernel (down, ping-pong)"]["wgmma"] == 2 * summary["forward_ws_kernel (gate/up)"]["wgmma"]
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]
     assert len(triton_sums) == 1 and summary["dact_ws_kernel"]["reduce_layouts"] == triton_sums, summary
 

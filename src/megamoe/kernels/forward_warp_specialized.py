@@ -13,7 +13,13 @@ issue in 32 % of stall samples (benchmarks/results/2026-12-03-wgrad-ring-depth).
   region only: the rows past it belong to the next expert, which another program may be writing).
 
 gate/up's gate and up slices share a ring slot ([2 x BLOCK_N, BLOCK_K]), so one m64n256k16 wgmma computes both
-(two m64n128 wgmmas read the A half twice from shared memory). GPU only (Gluon has no interpreter);
+(two m64n128 wgmmas read the A half twice from shared memory).
+
+down may run in ping-pong instead (PING_PONG): each warpgroup takes whole 128-row tiles in turn (two 64-row
+accumulators of BLOCK_N columns), so one's stores run under the other's wgmmas. At kimi-k2's K = 2048 that tied
+(benchmarks/results/2026-12-04-forward-ping-pong); it is kept for short K (fine-grained experts: I = 256-768, 4-12
+K steps a tile), where a cooperative tile's epilogue is a large share of its time and the tensor cores idle through
+it. GPU only (Gluon has no interpreter);
 `megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.1 to -3.4 % on 341-row experts; down stays Triton,
 2 % faster there: benchmarks/results/2026-12-03-forward-warp-specialized), and a GPU test holds it to the Triton
 kernels' bits. Launch with a scratch allocator (the descriptors), 4 warps.
@@ -23,7 +29,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from megamoe.kernels.activation import activation
 from megamoe.kernels.gluon_gather import (GATHER_WARPS, REGS_GATHER, copy_rows_async, full_arrivals, land_on,
@@ -166,13 +173,66 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
 
 
 @gluon.jit
+def _ping_pong_down(out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
+                    num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn, WARPGROUP: gl.constexpr,
+                    NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """down in ping-pong: warpgroup WARPGROUP takes every other task of this program, from its WARPGROUP-th, all 128
+    rows (the ring's two 64-row A halves into two accumulators, each step's weight slot read by both wgmmas), one
+    step's wgmmas left in flight. Its slot releases count for both of the ring's arrivals.
+
+    The K loops take turns: ``turn.index(w)`` is arrived on by the other warpgroup once its K loop has waited for its
+    last slot, and warpgroup w waits for it before its next K loop. Without the turns a warpgroup would wait for a
+    slot a whole task of steps ahead of the loads, where a ``full`` wait by phase parity passes on a stale phase
+    (``gluon_ring``; 2026-12-04-forward-ping-pong: the GPU test hung)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    runs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
+    num_n = gl.cdiv(N, BLOCK_N)
+    num_tasks = gl.load(num_tiles_ptr) * num_n
+    steps = gl.cdiv(K, BLOCK_K)  # a task's K steps
+    g = WARPGROUP * steps  # as the producer counts
+    turns = WARPGROUP - 1  # the other warpgroup's K loops waited for (warpgroup 0's first K loop waits for none)
+    for task in range(gl.program_id(0) + WARPGROUP * NUM_PROGRAMS, num_tasks, 2 * NUM_PROGRAMS):
+        expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                             tile_run_ptr, GROUP_M)
+        if turns >= 0:
+            mbarrier.wait(turn.index(WARPGROUP), turns & 1)
+        turns += 1
+        top = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+        bottom = gl.zeros((HALF_M, BLOCK_N), gl.float32, mma)
+        for k in range(0, K, BLOCK_K):
+            s = g % STAGES
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            w = w_smem.index(s).permute((1, 0))
+            top = warpgroup_mma(a_smem.index(2 * s), w, top, is_async=True)
+            bottom = warpgroup_mma(a_smem.index(2 * s + 1), w, bottom, is_async=True)
+            top, bottom = warpgroup_mma_wait(num_outstanding=2, deps=(top, bottom))  # the previous step's are done
+            if k > 0:
+                mbarrier.arrive(empty.index((s + STAGES - 1) % STAGES), count=2)
+            g += 1
+        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
+        top, bottom = warpgroup_mma_wait(num_outstanding=0, deps=(top, bottom))
+        if K > 0:
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=2)
+        g += steps  # the other warpgroup's task
+        col0 = n * BLOCK_N
+        if HAS_BIAS:
+            top = add_bias_columns(top, b_ptr, expert * N, col0, N, False, BLOCK_N, mma)
+            bottom = add_bias_columns(bottom, b_ptr, expert * N, col0, N, False, BLOCK_N, mma)
+        store_half_tile(out_ptr, stride_out, top, row0, row_end - row0, col0, N - col0, runs)
+        store_half_tile(out_ptr, stride_out, bottom, row0 + HALF_M, row_end - row0 - HALF_M, col0, N - col0, runs)
+
+
+@gluon.jit
 def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_out, stride_act,
                       tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr,
                       rows, w_rows, N, K, limit, alpha, a_index_ptr,
                       GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       MMA_IN_FLIGHT: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
-                      A_GATHER: gl.constexpr = False, MX_ROUND: gl.constexpr = False):
+                      A_GATHER: gl.constexpr = False, MX_ROUND: gl.constexpr = False,
+                      PING_PONG: gl.constexpr = False):
     """One persistent launch of 128 x BLOCK_N tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): A = x_rows `[rows, K=D]`, w = w_gate_up `[w_rows = L*2N, K]`, out = h `[rows, 2N]`, act
@@ -181,29 +241,54 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
     HAS_BIAS: ``b_ptr`` the experts' bias (gate/up's `[L, 2N]`, down's `[L, N]`, bf16) is added before the stores
     (else it is never read). A_GATHER: A row r is row ``a_index[r]`` (int32) of ``a`` `[S, K]` (one rank's gate/up
     reads its tokens in place of routed copies; else a_index is never read). MX_ROUND (gate/up): act rounded to
-    the MXFP8 grid along N (32-blocks of each row; BLOCK_N a multiple of 32) before its store."""
+    the MXFP8 grid along N (32-blocks of each row; BLOCK_N a multiple of 32) before its store. PING_PONG (down, not
+    A_GATHER): the warpgroups take whole tiles in turn (``_ping_pong_down``)."""
+    gl.static_assert(not PING_PONG or not (GATE_UP or A_GATHER), "ping-pong runs down's tiles only")
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
-    gl.warp_specialize(
-        [(_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
-                      gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
-                      gl.constexpr(MX_ROUND))),
-         (_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
-                      gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS),
-                      gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
-                      gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
-                      gl.constexpr(MX_ROUND))),
-         (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                      tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
-                      gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                      gl.constexpr(GROUP_M), gl.constexpr(STAGES), a_index_ptr, gl.constexpr(A_GATHER)))],
-        [4, GATHER_WARPS if A_GATHER else 1], [232, REGS_GATHER if A_GATHER else REGS_PRODUCER])
+    if PING_PONG:
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a K loop's end, per waiter
+        for warpgroup in gl.static_range(2):
+            mbarrier.init(turn.index(warpgroup), count=1)
+        gl.warp_specialize(
+            [(_ping_pong_down, (out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn, gl.constexpr(0),
+                                gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                                gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(HAS_BIAS))),
+             (_ping_pong_down, (out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                                tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn, gl.constexpr(1),
+                                gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                                gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(HAS_BIAS))),
+             (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr,
+                                 tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
+                                 gl.constexpr(False), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                 gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES), a_index_ptr,
+                                 gl.constexpr(False)))],
+            [4, 1], [232, REGS_PRODUCER])
+        for warpgroup in gl.static_range(2):
+            mbarrier.invalidate(turn.index(warpgroup))
+    else:
+        gl.warp_specialize(
+            [(_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr,
+                          tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full,
+                          empty, gl.constexpr(0), gl.constexpr(GATE_UP), gl.constexpr(ACT),
+                          gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                          gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
+                          gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER), gl.constexpr(MX_ROUND))),
+             (_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr,
+                          tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full,
+                          empty, gl.constexpr(1), gl.constexpr(GATE_UP), gl.constexpr(ACT),
+                          gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
+                          gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
+                          gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER), gl.constexpr(MX_ROUND))),
+             (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr,
+                                 tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
+                                 gl.constexpr(GATE_UP), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                 gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES), a_index_ptr,
+                                 gl.constexpr(A_GATHER)))],
+            [4, GATHER_WARPS if A_GATHER else 1], [232, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

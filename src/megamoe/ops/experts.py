@@ -254,27 +254,35 @@ def warp_specialized_forward(device: torch.device, tile: TileConfig) -> bool:
 
 
 def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act: int,
-                          stages: int | None = None, mma_in_flight: bool = True) -> dict:
+                          stages: int | None = None, mma_in_flight: bool = True, ping_pong: bool = False) -> dict:
     """The Gluon forward's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs):
     the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3; at least ``gluon_ring.MIN_STAGES``),
     one wgmma in flight
-    (benchmarks/results/2026-12-03-forward-warp-specialized)."""
+    (benchmarks/results/2026-12-03-forward-warp-specialized); ``ping_pong``: down's warpgroups take whole tiles in
+    turn (``forward_warp_specialized._ping_pong_down``, one wgmma step always in flight)."""
+    if ping_pong and gate_up:
+        raise ValueError("ping-pong runs down's tiles only")
     return dict(GATE_UP=gate_up, ACT=act, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
                 BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                 STAGES=max(gluon_ring.MIN_STAGES, stages or tile.num_stages),
-                MMA_IN_FLIGHT=mma_in_flight)
+                MMA_IN_FLIGHT=mma_in_flight, PING_PONG=ping_pong)
 
 
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                tile: TileConfig, programs: int, *, act: torch.Tensor | None = None, activation: Activation = SWIGLU,
                minibatch: int | None = None, stages: int | None = None, mma_in_flight: bool = True,
-               bias: torch.Tensor | None = None, a_index: torch.Tensor | None = None, mx_act: bool = False) -> None:
+               bias: torch.Tensor | None = None, a_index: torch.Tensor | None = None, mx_act: bool = False,
+               ping_pong: bool = False) -> None:
     """A forward expert GEMM in the warp-specialised Gluon kernel (Hopper; 128-row tiles of ``tile``'s BLOCK_N,
     BLOCK_K, GROUP_M and, unless ``stages``, ring depth): gate/up + SwiGLU when ``act`` is given (w `[L, 2I, D]`, out
     h `[R, 2I]`), else down (w `[L, D, I]`, out y `[R, D]`). One wgmma is left in flight per K step unless
     ``mma_in_flight`` is False. ``bias``: the experts' optional bf16 bias (gate/up's `[L, 2I]`, down's `[L, D]`).
     ``a_index`` (int32 `[R]`): A row r is ``a[a_index[r]]``, gathered by the producer. ``mx_act`` (gate/up): act
-    rounded to the MXFP8 grid along I before its store. The same tasks and bits as the Triton kernels."""
+    rounded to the MXFP8 grid along I before its store. ``ping_pong`` (down, not ``a_index``): the two warpgroups
+    take whole tiles in turn, one's stores under the other's wgmmas. The same tasks and bits as the Triton
+    kernels."""
+    if ping_pong and a_index is not None:
+        raise ValueError("ping-pong down reads its A rows by TMA, not by a_index")
     gate_up = act is not None
     experts, w_n, k = w.shape
     n = w_n // 2 if gate_up else w_n
@@ -292,7 +300,7 @@ def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torc
             num_warps=4, HAS_BIAS=bias is not None, A_GATHER=a_index is not None,
             MX_ROUND=mx_act,
             **forward_ws_constexprs(tile, programs, gate_up=gate_up, act=activation.kernel_id, stages=stages,
-                                    mma_in_flight=mma_in_flight))
+                                    mma_in_flight=mma_in_flight, ping_pong=ping_pong))
 
 
 def expert_forward_reference(

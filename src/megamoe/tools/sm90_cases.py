@@ -103,6 +103,14 @@ def gemm_cases() -> dict[str, Case]:
             "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
             "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
             **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+    # down in ping-pong (fine-grained experts' short K): the warpgroups take whole 128 x 128 tiles in turn
+    pp = dataclasses.replace(plan_tiles("down", gpu), block_n=128, num_stages=5)
+    consts = forward_ws_constexprs(pp, SMS, gate_up=False, act=ACT_BUILT, ping_pong=True)
+    cases["forward_ws_kernel (down, ping-pong)"] = Case(forward_warp_specialized.forward_ws_kernel, {
+        "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
+        "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
+        "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
+        **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     t = plan_tiles("down", gpu)
     kinds, values = _row_task_consts(expert_gemm.down_kernel, t)
     cases["down_kernel"] = Case(expert_gemm.down_kernel, {
