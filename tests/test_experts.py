@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.tasks import row_tile_task
-from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, plan_tiles, wgrad_ws_stages
+from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, ping_pong_down_tile, plan_tiles, wgrad_ws_stages
 from megamoe.planner.tuning import Tuning
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
@@ -695,7 +695,8 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight, 
     h, act, y = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
     gate_up(x, counts, offsets, wgu, h, act, activation=activation, tuning=Tuning(gate_up=plan_tiles("gate_up", gpu)), num_programs=programs,
             warp_specialized=False)
-    down(act, counts, offsets, wd, y, tuning=Tuning(down=plan_tiles("down", gpu)), num_programs=programs)
+    down(act, counts, offsets, wd, y, tuning=Tuning(down=plan_tiles("down", gpu)), num_programs=programs,
+         warp_specialized=False)
     h_ws, act_ws, y_ws = nan(rows, 2 * i), nan(rows, i), nan(rows, d)
     for kind, args in (("gate_up", (x, wgu, h_ws)), ("down", (act, wd, y_ws))):
         tile = dataclasses.replace(plan_tiles(kind, gpu), block_k=block_k)
@@ -724,7 +725,8 @@ def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, wit
     """The Gluon down in ping-pong (each warpgroup whole 128 x 128 tiles in turn) against down_kernel at the
     planner's tiles: the same bits (bias too) on a load with an empty expert, partial row tiles, partial n-tiles
     (D 448), fewer and more K steps than ring slots (I 96: 2, I 320: 5 partial), tasks dealt unevenly over the
-    programs (a warpgroup left with no last task), NaN-poisoned outputs."""
+    programs (a warpgroup left with no last task), NaN-poisoned outputs; once through ``down`` itself (which runs
+    it at these K), row tiles also cut at minibatches of 96 rows."""
     import dataclasses
     from megamoe.ops.experts import forward_ws
 
@@ -739,16 +741,20 @@ def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, wit
     want = torch.full((rows, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = torch.full_like(want, float("nan"))
     down(act, counts, offsets, wd, want, tuning=Tuning(down=plan_tiles("down", gpu)), num_programs=programs,
-         bias=bias)
+         bias=bias, warp_specialized=False)
     tile = dataclasses.replace(plan_tiles("down", gpu), block_n=128)
     forward_ws(act, wd, got, counts, offsets, tile, programs, stages=stages, bias=bias, ping_pong=True)
+    library = torch.full_like(want, float("nan"))  # down's own path: ping-pong at these short K
+    assert ping_pong_down_tile(plan_tiles("down", gpu), i) is not None
+    down(act, counts, offsets, wd, library, num_programs=programs, bias=bias, minibatch=96)
     torch.cuda.synchronize()
     ref = torch.cat([act[o:o + c].float() @ wd[e].float().T + (0 if bias is None else bias[e].float())
                      for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist()))])
     assert _rel(got, ref) < 2e-2
     assert not got.isnan().any(), "rows left unwritten"
-    differ = (want != got).any(1).nonzero().flatten().tolist()[:20]
-    assert torch.equal(want, got), f"rows differing {differ}"
+    for name, y in (("forward_ws", got), ("down", library)):
+        differ = (want != y).any(1).nonzero().flatten().tolist()[:20]
+        assert torch.equal(want, y), f"{name}: rows differing {differ}"
     with pytest.raises(ValueError, match="down's tiles only"):
         forward_ws(torch.zeros(rows, d, dtype=torch.bfloat16, device="cuda"),
                    torch.zeros(len(counts), 2 * i, d, dtype=torch.bfloat16, device="cuda"),

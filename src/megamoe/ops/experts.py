@@ -21,7 +21,7 @@ from megamoe import checks
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import TileConfig, mean_rows
+from megamoe.planner.tiles import TileConfig, mean_rows, ping_pong_down_tile
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate, expert_ffn
 from megamoe.routing.row_tiles import build_row_tiles
@@ -229,16 +229,26 @@ def down(
     minibatch: int | None = None,
     rows_per_expert: float | None = None,
     bias: torch.Tensor | None = None,
+    warp_specialized: bool = True,
 ) -> None:
     """y = act · w_downᵀ (+ ``bias`` bf16 `[L, D]`, optional) on every expert region (one persistent launch); the
-    tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts)."""
+    tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128-row tiles
+    with K = I at most ``PING_PONG_DOWN_MAX_K`` run in the Gluon ping-pong (:func:`forward_ws`, ``ping_pong``;
+    ``MEGAMOE_PING_PONG_DOWN=0`` or ``warp_specialized=False`` keep ``down_kernel``): the same bits."""
     experts, d, i = w_down.shape
     rows = act.shape[0]
     if rows == 0 or experts == 0:
         return
     cfg = (tuning or DEFAULT_TUNING).tile("down", act.device, mean_rows(rows, experts, rows_per_expert))
+    programs = runtime.num_programs(act.device, num_programs)
+    ping_pong = (ping_pong_down_tile(cfg, i) if PING_PONG_DOWN and warp_specialized
+                 and warp_specialized_forward(act.device, cfg) else None)
+    if ping_pong is not None:
+        forward_ws(act, w_down, y, counts, offsets, ping_pong, programs, minibatch=minibatch, bias=bias,
+                   ping_pong=True)
+        return
     launch_row_tasks(
-        expert_gemm.down_kernel, cfg, runtime.num_programs(act.device, num_programs),
+        expert_gemm.down_kernel, cfg, programs,
         counts.to(torch.int32), offsets.to(torch.int32), rows,
         head=(descriptor(act, [cfg.block_m, cfg.block_k]),
               descriptor(w_down.view(experts * d, i), [cfg.block_n, cfg.block_k]), y, y.stride(0)),
@@ -346,6 +356,9 @@ def expert_forward_reference(
 #: ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set them for A/B runs.
 GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
 GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", True)
+#: Hopper's down in the Gluon ping-pong where its K is short (``planner.tiles.ping_pong_down_tile``); off: the
+#: Triton ``down_kernel`` everywhere (A/B runs; the same bits).
+PING_PONG_DOWN = runtime.env_switch("MEGAMOE_PING_PONG_DOWN", True)
 
 
 def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:

@@ -84,7 +84,8 @@ def gemm_cases() -> dict[str, Case]:
     from megamoe.ops.experts import forward_ws_constexprs
     from megamoe.ops.expert_wgrad import gathering_wgrad_tile, wgrad_ws_constexprs
     from megamoe.ops.experts_bwd import dact_ws_constexprs
-    from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, carry_tile, plan_tiles
+    from megamoe.planner.tiles import (FEW_ROWS_PER_EXPERT, PING_PONG_DOWN_MAX_K, carry_tile, ping_pong_down_tile,
+                                       plan_tiles)
 
     gpu = torch.device("cuda")
     cases = {}
@@ -104,7 +105,7 @@ def gemm_cases() -> dict[str, Case]:
             "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
             **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     # down in ping-pong (fine-grained experts' short K): the warpgroups take whole 128 x 128 tiles in turn
-    pp = dataclasses.replace(plan_tiles("down", gpu), block_n=128, num_stages=5)
+    pp = ping_pong_down_tile(plan_tiles("down", gpu), PING_PONG_DOWN_MAX_K)
     consts = forward_ws_constexprs(pp, SMS, gate_up=False, act=ACT_BUILT, ping_pong=True)
     cases["forward_ws_kernel (down, ping-pong)"] = Case(forward_warp_specialized.forward_ws_kernel, {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
