@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from megamoe.kernels.tasks import row_tile_task
-from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, ping_pong_down_tile, plan_tiles, wgrad_ws_stages
+from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, TileConfig, ping_pong_tile, plan_tiles, wgrad_ws_stages
 from megamoe.planner.tuning import Tuning
 from megamoe.routing.row_tiles import build_row_tiles
 from megamoe.ops.experts import down, expert_forward, expert_forward_reference, gate_up
@@ -745,7 +745,7 @@ def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, wit
     tile = dataclasses.replace(plan_tiles("down", gpu), block_n=128)
     forward_ws(act, wd, got, counts, offsets, tile, programs, stages=stages, bias=bias, ping_pong=True)
     library = torch.full_like(want, float("nan"))  # down's own path: ping-pong at these short K
-    assert ping_pong_down_tile(plan_tiles("down", gpu), i) is not None
+    assert ping_pong_tile("down", plan_tiles("down", gpu), i) is not None
     down(act, counts, offsets, wd, library, num_programs=programs, bias=bias, minibatch=96)
     torch.cuda.synchronize()
     ref = torch.cat([act[o:o + c].float() @ wd[e].float().T + (0 if bias is None else bias[e].float())
@@ -760,6 +760,51 @@ def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, wit
                    torch.zeros(len(counts), 2 * i, d, dtype=torch.bfloat16, device="cuda"),
                    torch.zeros(rows, 2 * i, dtype=torch.bfloat16, device="cuda"), counts, offsets, tile, programs,
                    act=torch.zeros(rows, i, dtype=torch.bfloat16, device="cuda"), ping_pong=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("i, programs", [(160, 5), (48, 3), (512, 4)])
+@pytest.mark.parametrize("scatter", [False, True])
+def test_gpu_ping_pong_dx_gives_the_triton_tiles_bits(i, programs, scatter):
+    """The Gluon dx in ping-pong (``dx`` on Hopper at short K) against ``dx_kernel``: the same bits on a load with an
+    empty expert, partial row tiles, partial n-tiles (D 448), K = 2I of 96 (2 steps, partial), 320 and 1024 against
+    6 ring slots, tasks dealt unevenly over the programs; rows in order or into their slots (SCATTER: a permutation
+    of the slots with routes dropped, index -1); NaN-poisoned outputs."""
+    import dataclasses
+    from megamoe.ops import experts_bwd
+
+    gpu = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(14)
+    counts = torch.tensor([70, 0, 33, 129, 5, 200, 131, 256], dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    rows, d = int(counts.sum()), 448
+    d_h = torch.randn(rows, 2 * i, generator=g, device="cuda").bfloat16()
+    wgu = (torch.randn(len(counts), 2 * i, d, generator=g, device="cuda") / (2 * i)**0.5).bfloat16()
+    tile = plan_tiles("dx", gpu)
+    assert ping_pong_tile("dx", tile, 2 * i) is not None
+    index = None
+    if scatter:
+        index = torch.randperm(rows + 17, generator=g, device="cuda")[:rows].to(torch.int32)
+        index[::11] = -1  # dropped routes: not stored
+    outs = {}
+    for gluon in (False, True):
+        grads = experts_bwd.new_grads(rows, wgu, torch.empty(len(counts), d, i, device="cuda"))
+        d_x = torch.full((rows + 17 if scatter else rows, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        grads = dataclasses.replace(grads, d_x=d_x, d_x_index=index)
+        experts_bwd.dx(d_h, wgu, grads, counts, offsets, tile, programs, gluon)
+        outs[gluon] = d_x
+    torch.cuda.synchronize()
+    ref = torch.cat([d_h[o:o + c].float() @ wgu[e].float()
+                     for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist()))])
+    got = outs[True][index.clamp_min(0).long()] if scatter else outs[True]
+    kept = (index >= 0) if scatter else torch.ones(rows, dtype=torch.bool, device="cuda")
+    assert _rel(got[kept], ref[kept]) < 2e-2
+    assert int(outs[True].isnan().any(1).sum()) == (rows + 17 - int(kept.sum()) if scatter else 0)
+    differ = (outs[False] != outs[True]).any(1) & ~outs[False].isnan().all(1)
+    assert torch.equal(outs[False].isnan(), outs[True].isnan()), "different rows written"
+    assert not differ.any(), f"rows differing {differ.nonzero().flatten().tolist()[:20]}"
 
 
 @pytest.mark.gpu
@@ -826,16 +871,17 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     planned = {"wgrad_ws_kernel (carry) (planned)", "wgrad_ws_kernel (carry) (x rows by token, planned)"}
     whole = {"wgrad_ws_kernel (carry) (whole halves)", "wgrad_ws_kernel (carry) (x rows by token, whole halves)"}
+    ping_pong_dx = {"dx_ws_kernel (ping-pong)", "dx_ws_kernel (ping-pong, into the slots)"}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
                             "forward_ws_kernel (gate/up)", "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel",
-                            *wgrads, *by_token, *dynamic, *whole, *planned}
+                            *ping_pong_dx, *wgrads, *by_token, *dynamic, *whole, *planned}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
-                 "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
+                 "forward_ws_kernel (down, ping-pong)", *ping_pong_dx, "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
                  "dx_kernel (into the slots)", *by_token, *dynamic, *whole, *planned):  # the gathering producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in (*by_token, "wgrad_ws_kernel (carry) (x rows by token, planned)"):  # each gather is cp.async pieces

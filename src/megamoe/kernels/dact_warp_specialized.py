@@ -159,39 +159,40 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
 
 
 @gluon.jit
-def _bf16_producer(dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                   tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
-                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, dy_index_ptr,
-                   A_GATHER: gl.constexpr):
-    """BF16: each task's K steps, dy's two 64-row halves [64 x BK] and w_down[l]'s rows k.. as stored ([BK x 128],
-    N-major; the descriptor spans every expert's rows as the Triton dact's does). A_GATHER: dy row r is row
-    ``dy_index[r]`` of dy (``megamoe.kernels.gluon_gather``)."""
+def kn_weights_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                        tile_run_ptr, num_tiles_ptr, K, N, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
+                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, a_index_ptr,
+                        A_GATHER: gl.constexpr):
+    """BF16 with weights stored K by N (w `[w_rows = L*K, N]`: w_down for the dact, w_gate_up for dx): each task's
+    K steps, A's two 64-row halves [64 x BK] and the expert's weight rows k.. as stored ([BK x 128], N-major; the
+    descriptor spans every expert's rows as the Triton kernels' do). A_GATHER: A row r is row ``a_index[r]`` of a
+    (``megamoe.kernels.gluon_gather``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
-    a_desc = tma.make_tensor_descriptor(dy_ptr, [rows, D], [stride_dy, 1], [HALF_M, BLOCK_K], a_layout)
-    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, I], [I, 1], [BLOCK_K, BLOCK], w_layout)
+    a_desc = tma.make_tensor_descriptor(a_ptr, [rows, K], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, N], [N, 1], [BLOCK_K, BLOCK], w_layout)
     A_TMA_ROWS: gl.constexpr = 0 if A_GATHER else 2 * HALF_M
     step_bytes: gl.constexpr = (A_TMA_ROWS + BLOCK) * BLOCK_K * 2
-    num_n = gl.cdiv(I, BLOCK)
+    num_n = gl.cdiv(N, BLOCK)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                                              tile_run_ptr, GROUP_M)
         if A_GATHER:  # the tile's rows, once for its K steps
-            top, top_ok = row_starts(dy_ptr, dy_index_ptr, row0, row_end, stride_dy, HALF_M, BLOCK_K)
-            bottom, bottom_ok = row_starts(dy_ptr, dy_index_ptr, row0 + HALF_M, row_end, stride_dy, HALF_M, BLOCK_K)
-        for k in range(0, D, BLOCK_K):
+            top, top_ok = row_starts(a_ptr, a_index_ptr, row0, row_end, stride_a, HALF_M, BLOCK_K)
+            bottom, bottom_ok = row_starts(a_ptr, a_index_ptr, row0 + HALF_M, row_end, stride_a, HALF_M, BLOCK_K)
+        for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # the first round finds every slot free
             mbarrier.expect(full.index(s), step_bytes)
             if not A_GATHER:
                 tma.async_copy_global_to_shared(a_desc, [row0, k], full.index(s), a_smem.index(2 * s))
                 tma.async_copy_global_to_shared(a_desc, [row0 + HALF_M, k], full.index(s), a_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(w_desc, [expert * D + k, n * BLOCK], full.index(s), w_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, [expert * K + k, n * BLOCK], full.index(s), w_smem.index(s))
             if A_GATHER:  # under the weights' TMA; each thread's landing one of the barrier's arrivals
-                copy_rows_async(top, top_ok, k, D, a_smem.index(2 * s), BLOCK_K)
-                copy_rows_async(bottom, bottom_ok, k, D, a_smem.index(2 * s + 1), BLOCK_K)
+                copy_rows_async(top, top_ok, k, K, a_smem.index(2 * s), BLOCK_K)
+                copy_rows_async(bottom, bottom_ok, k, K, a_smem.index(2 * s + 1), BLOCK_K)
                 land_on(full.index(s))
             g += 1
 
@@ -254,9 +255,9 @@ def dact_ws_kernel(dy_ptr, w_ptr, h_ptr, row_w_ptr, d_h_ptr, act_w_ptr, d_w_part
                            gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K),
                            gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(A_GATHER), d_h_grid_ptr,
                            gl.constexpr(D_H_GRID))),
-         (_bf16_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                           tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
-                           gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
-                           gl.constexpr(STAGES), dy_index_ptr, gl.constexpr(A_GATHER)))],
+         (kn_weights_producer, (dy_ptr, w_ptr, rows, w_rows, stride_dy, tile_expert_ptr, tile_row0_ptr,
+                                tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, D, I, a_smem, w_smem, full, empty,
+                                gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
+                                gl.constexpr(STAGES), dy_index_ptr, gl.constexpr(A_GATHER)))],
         [4, GATHER_WARPS if A_GATHER else 1], [REGS_CONSUMER, REGS_GATHER if A_GATHER else REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

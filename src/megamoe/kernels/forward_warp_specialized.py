@@ -173,13 +173,17 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
 
 
 @gluon.jit
-def _ping_pong_down(out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, tile_run_ptr,
-                    num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn, WARPGROUP: gl.constexpr,
-                    NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """down in ping-pong: warpgroup WARPGROUP takes every other task of this program, from its WARPGROUP-th, all 128
-    rows (the ring's two 64-row A halves into two accumulators, each step's weight slot read by both wgmmas), one
-    step's wgmmas left in flight. Its slot releases count for both of the ring's arrivals.
+def ping_pong_consumer(out_ptr, b_ptr, out_index_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                       tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn, WARPGROUP: gl.constexpr,
+                       NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, W_KN: gl.constexpr,
+                       SCATTER: gl.constexpr):
+    """A plain GEMM's tiles in ping-pong (down; dx, ``dx_warp_specialized``): warpgroup WARPGROUP takes every other
+    task of this program, from its WARPGROUP-th, all 128 rows (the ring's two 64-row A halves into two accumulators,
+    each step's weight slot read by both wgmmas: [BLOCK_N, BK] K-major, or with W_KN [BK, BLOCK_N] N-major), one
+    step's wgmmas left in flight, and stores them (HAS_BIAS: the expert's row of ``b`` `[L, N]` added first; SCATTER:
+    row r at ``out``'s row ``out_index[r]``, none where it is < 0). Its slot releases count for both of the ring's
+    arrivals.
 
     The K loops take turns: ``turn.index(w)`` is arrived on by the other warpgroup once its K loop has waited for its
     last slot, and warpgroup w waits for it before its next K loop. Without the turns a warpgroup would wait for a
@@ -204,7 +208,10 @@ def _ping_pong_down(out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, 
         for k in range(0, K, BLOCK_K):
             s = g % STAGES
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
-            w = w_smem.index(s).permute((1, 0))
+            if W_KN:
+                w = w_smem.index(s)
+            else:
+                w = w_smem.index(s).permute((1, 0))
             top = warpgroup_mma(a_smem.index(2 * s), w, top, is_async=True)
             bottom = warpgroup_mma(a_smem.index(2 * s + 1), w, bottom, is_async=True)
             top, bottom = warpgroup_mma_wait(num_outstanding=2, deps=(top, bottom))  # the previous step's are done
@@ -220,8 +227,30 @@ def _ping_pong_down(out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, 
         if HAS_BIAS:
             top = add_bias_columns(top, b_ptr, expert * N, col0, N, False, BLOCK_N, mma)
             bottom = add_bias_columns(bottom, b_ptr, expert * N, col0, N, False, BLOCK_N, mma)
-        store_half_tile(out_ptr, stride_out, top, row0, row_end - row0, col0, N - col0, runs)
-        store_half_tile(out_ptr, stride_out, bottom, row0 + HALF_M, row_end - row0 - HALF_M, col0, N - col0, runs)
+        if SCATTER:
+            store_half_tile_at(out_ptr, stride_out, top, out_index_ptr, row0, row_end - row0, col0, N - col0, runs)
+            store_half_tile_at(out_ptr, stride_out, bottom, out_index_ptr, row0 + HALF_M, row_end - row0 - HALF_M,
+                               col0, N - col0, runs)
+        else:
+            store_half_tile(out_ptr, stride_out, top, row0, row_end - row0, col0, N - col0, runs)
+            store_half_tile(out_ptr, stride_out, bottom, row0 + HALF_M, row_end - row0 - HALF_M, col0, N - col0,
+                            runs)
+
+
+@gluon.jit
+def ping_pong_turns():
+    """The two turn barriers of a ping-pong kernel (``ping_pong_consumer``), initialised: one arrival each."""
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for warpgroup in gl.static_range(2):
+        mbarrier.init(turn.index(warpgroup), count=1)
+    return turn
+
+
+@gluon.jit
+def invalidate_turns(turn):
+    """The turn barriers invalidated at the kernel's end, after every partition has joined."""
+    for warpgroup in gl.static_range(2):
+        mbarrier.invalidate(turn.index(warpgroup))
 
 
 @gluon.jit
@@ -242,7 +271,7 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
     (else it is never read). A_GATHER: A row r is row ``a_index[r]`` (int32) of ``a`` `[S, K]` (one rank's gate/up
     reads its tokens in place of routed copies; else a_index is never read). MX_ROUND (gate/up): act rounded to
     the MXFP8 grid along N (32-blocks of each row; BLOCK_N a multiple of 32) before its store. PING_PONG (down, not
-    A_GATHER): the warpgroups take whole tiles in turn (``_ping_pong_down``)."""
+    A_GATHER): the warpgroups take whole tiles in turn (``ping_pong_consumer``)."""
     gl.static_assert(not PING_PONG or not (GATE_UP or A_GATHER), "ping-pong runs down's tiles only")
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
@@ -251,26 +280,25 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, W_SLICES * BLOCK_N, BLOCK_K], w_layout)
     full, empty = ring_barriers(STAGES, full_arrivals(A_GATHER))
     if PING_PONG:
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a K loop's end, per waiter
-        for warpgroup in gl.static_range(2):
-            mbarrier.init(turn.index(warpgroup), count=1)
+        turn = ping_pong_turns()
         gl.warp_specialize(
-            [(_ping_pong_down, (out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn, gl.constexpr(0),
-                                gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                                gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(HAS_BIAS))),
-             (_ping_pong_down, (out_ptr, b_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                                tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn, gl.constexpr(1),
-                                gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                                gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(HAS_BIAS))),
+            [(ping_pong_consumer, (out_ptr, b_ptr, out_ptr, stride_out, tile_expert_ptr, tile_row0_ptr,
+                                   tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
+                                   turn, gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                   gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                   gl.constexpr(HAS_BIAS), gl.constexpr(False), gl.constexpr(False))),
+             (ping_pong_consumer, (out_ptr, b_ptr, out_ptr, stride_out, tile_expert_ptr, tile_row0_ptr,
+                                   tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
+                                   turn, gl.constexpr(1), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                   gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                   gl.constexpr(HAS_BIAS), gl.constexpr(False), gl.constexpr(False))),
              (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr,
                                  tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
                                  gl.constexpr(False), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
                                  gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES), a_index_ptr,
                                  gl.constexpr(False)))],
             [4, 1], [232, REGS_PRODUCER])
-        for warpgroup in gl.static_range(2):
-            mbarrier.invalidate(turn.index(warpgroup))
+        invalidate_turns(turn)
     else:
         gl.warp_specialize(
             [(_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr,

@@ -21,7 +21,7 @@ from megamoe import checks
 from megamoe.config import SWIGLU, Activation
 from megamoe.kernels import expert_gemm, forward_warp_specialized, gluon_ring
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import TileConfig, mean_rows, ping_pong_down_tile
+from megamoe.planner.tiles import TileConfig, mean_rows, ping_pong_tile
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.reference import activate, expert_ffn
 from megamoe.routing.row_tiles import build_row_tiles
@@ -233,7 +233,7 @@ def down(
 ) -> None:
     """y = act · w_downᵀ (+ ``bias`` bf16 `[L, D]`, optional) on every expert region (one persistent launch); the
     tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128-row tiles
-    with K = I at most ``PING_PONG_DOWN_MAX_K`` run in the Gluon ping-pong (:func:`forward_ws`, ``ping_pong``;
+    with K = I at most ``PING_PONG_MAX_K["down"]`` run in the Gluon ping-pong (:func:`forward_ws`, ``ping_pong``;
     ``MEGAMOE_PING_PONG_DOWN=0`` or ``warp_specialized=False`` keep ``down_kernel``): the same bits."""
     experts, d, i = w_down.shape
     rows = act.shape[0]
@@ -241,7 +241,7 @@ def down(
         return
     cfg = (tuning or DEFAULT_TUNING).tile("down", act.device, mean_rows(rows, experts, rows_per_expert))
     programs = runtime.num_programs(act.device, num_programs)
-    ping_pong = (ping_pong_down_tile(cfg, i) if PING_PONG_DOWN and warp_specialized
+    ping_pong = (ping_pong_tile("down", cfg, i) if PING_PONG_DOWN and warp_specialized
                  and warp_specialized_forward(act.device, cfg) else None)
     if ping_pong is not None:
         forward_ws(act, w_down, y, counts, offsets, ping_pong, programs, minibatch=minibatch, bias=bias,
@@ -269,7 +269,7 @@ def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act
     the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3; at least ``gluon_ring.MIN_STAGES``),
     one wgmma in flight
     (benchmarks/results/2026-12-03-forward-warp-specialized); ``ping_pong``: down's warpgroups take whole tiles in
-    turn (``forward_warp_specialized._ping_pong_down``, one wgmma step always in flight)."""
+    turn (``forward_warp_specialized.ping_pong_consumer``, one wgmma step always in flight)."""
     if ping_pong and gate_up:
         raise ValueError("ping-pong runs down's tiles only")
     return dict(GATE_UP=gate_up, ACT=act, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
@@ -356,9 +356,10 @@ def expert_forward_reference(
 #: ``MEGAMOE_GATHER_BACKWARD`` (0 or 1) set them for A/B runs.
 GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
 GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", True)
-#: Hopper's down in the Gluon ping-pong where its K is short (``planner.tiles.ping_pong_down_tile``); off: the
-#: Triton ``down_kernel`` everywhere (A/B runs; the same bits).
+#: Hopper's down and dx in the Gluon ping-pong where their K is short (``planner.tiles.ping_pong_tile``); off: the
+#: Triton ``down_kernel`` / ``dx_kernel`` (A/B runs; the same bits).
 PING_PONG_DOWN = runtime.env_switch("MEGAMOE_PING_PONG_DOWN", True)
+PING_PONG_DX = runtime.env_switch("MEGAMOE_PING_PONG_DX", True)
 
 
 def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:

@@ -14,13 +14,13 @@ import torch
 
 from megamoe import checks, runtime
 from megamoe.config import SWIGLU, Activation
-from megamoe.kernels import dact_warp_specialized, expert_gemm_bwd, gluon_ring
+from megamoe.kernels import dact_warp_specialized, dx_warp_specialized, expert_gemm_bwd, gluon_ring
 from megamoe.ops.expert_bias import BiasGrads, bias_backward
 from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.expert_wgrad import gathering_wgrad_tile, warp_specialized_wgrad, wgrad
 from megamoe.ops.experts import check_operands, gathered_rows, gathers_on_load, warp_specialized_forward
 from megamoe.ops.launch import descriptor, launch_row_tasks, scratch_allocator
-from megamoe.planner.tiles import TileConfig, mean_rows
+from megamoe.planner.tiles import TileConfig, mean_rows, ping_pong_tile
 from megamoe.planner.tuning import DEFAULT_TUNING, Tuning
 from megamoe.precision import MX_BLOCK
 from megamoe.reference import activate
@@ -140,7 +140,7 @@ def expert_backward(
     d_h, act_w = dact(dy_rows, row_weights, h, counts, offsets, w_down, grads.d_router, cfg["dact"], programs,
                       activation, gluon_dact, dy_index)
     bias_backward(bias, d_h, dy_rows, row_weights, counts, offsets, grads.d_router)
-    dx(d_h, w_gate_up, grads, counts, offsets, cfg["dx"], programs)
+    dx(d_h, w_gate_up, grads, counts, offsets, cfg["dx"], programs, warp_specialized)
     wgrads(dy_rows, act_w, d_h, x_rows, grads, offsets, counts, cfg["wgrad"], programs, warp_specialized, carry,
            dy_index, x_index, gathers)
     return grads
@@ -220,12 +220,27 @@ def grid_in_epilogue(tile: TileConfig, gluon: bool) -> bool:
 
 
 def dx(d_h: torch.Tensor, w_gate_up: torch.Tensor, grads: ExpertGrads, counts: torch.Tensor, offsets: torch.Tensor,
-       tile: TileConfig, programs: int) -> None:
+       tile: TileConfig, programs: int, gluon: bool = True) -> None:
     """The dx launch of :func:`expert_backward`: ``grads.d_x`` rows (or their slots, ``grads.d_x_index``) =
-    ``d_h · w_gate_up[l]`` (K = 2I) over ``d_h``'s rows (at least one); int32 counts and offsets."""
+    ``d_h · w_gate_up[l]`` (K = 2I) over ``d_h``'s rows (at least one); int32 counts and offsets. ``gluon``: on
+    Hopper 128-row tiles with K at most ``PING_PONG_MAX_K["dx"]`` run in the Gluon ping-pong
+    (``dx_warp_specialized``; ``MEGAMOE_PING_PONG_DX=0`` keeps ``dx_kernel``): the same bits."""
     experts, two_i, d = w_gate_up.shape
     c = tile
     scatter = grads.d_x_index is not None
+    ping_pong = (ping_pong_tile("dx", tile, two_i) if gluon and expert_ops.PING_PONG_DX
+                 and warp_specialized_forward(d_h.device, tile) else None)
+    if ping_pong is not None:
+        rows = d_h.shape[0]
+        tile_map = build_row_tiles(counts, offsets, rows, 128)
+        with scratch_allocator():
+            dx_warp_specialized.dx_ws_kernel[(programs,)](
+                d_h, w_gate_up.view(experts * two_i, d), grads.d_x,
+                grads.d_x_index if scatter else tile_map.tile_expert, d_h.stride(0), grads.d_x.stride(0),
+                tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end, tile_map.tile_run,
+                tile_map.num_tiles, rows, experts * two_i, two_i, d, num_warps=4, SCATTER=scatter,
+                **dx_ws_constexprs(ping_pong, programs))
+        return
     launch_row_tasks(
         expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, d_h.shape[0],
         head=(descriptor(d_h, [c.block_m, c.block_k]),
@@ -273,6 +288,13 @@ def nothing_to_launch(grads: ExpertGrads, experts: int, rows: int) -> bool:
         grads.d_w_gate_up.zero_()
         grads.d_w_down.zero_()
     return not experts or not rows
+
+
+def dx_ws_constexprs(tile: TileConfig, programs: int) -> dict:
+    """The Gluon ping-pong dx's constexprs at ``tile`` (``planner.tiles.ping_pong_tile``; shared with the sm_90 build
+    check): its BLOCK_K, task order and ring depth (at least ``gluon_ring.MIN_STAGES``)."""
+    return dict(NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
 
 
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:

@@ -199,7 +199,7 @@ def expert_backward_mxfp8_bf16(dy_rows: torch.Tensor | QuantRows, row_weights: t
         dy_sums = mxfp8_dequantize(dy_rows.data, dy_rows.scale) if isinstance(dy_rows, QuantRows) else dy_rows
         bias_backward(bias, d_h, dy_sums, row_weights, counts, offsets, grads.d_router)
     # dx: d_h on the grid along 2I, w_gate_up along 2I
-    dx(d_h_grid, wt.gate_up_along_2i, grads, counts, offsets, cfg["dx"], programs)
+    dx(d_h_grid, wt.gate_up_along_2i, grads, counts, offsets, cfg["dx"], programs, warp_specialized)
     if bf16:  # E4M3 dy's dequantised rows are the dact's (exact); BF16 rows as given
         bf16_wgrads_of(dy_grid if isinstance(dy_rows, QuantRows) else dy_rows, act_w, d_h, x_rows,
                        token_rows, grads, counts, offsets, tuning, programs, warp_specialized, carry, rows_per_expert)

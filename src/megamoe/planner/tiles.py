@@ -5,7 +5,7 @@ One rule per function, each with the measurement that settled it (benchmarks/res
 * :func:`plan_tiles`: BF16, forward and backward, by the load's mean rows per expert and the device;
 * :func:`plan_tiles_fp8` / :func:`plan_tiles_fp8_bwd` / :func:`plan_tiles_mxfp8`: the FP8 formats, whose K step is
   fixed by the scale block;
-* :func:`ping_pong_down_tile`: down's tile where its K (= I) is short enough for the Gluon ping-pong;
+* :func:`ping_pong_tile`: down's and dx's tiles where their K is short enough for the Gluon ping-pong;
 * :func:`carry_tile`: the Triton wgrad's block when it carries across backward windows;
 * :func:`tile_stages`: the megakernel's ring depth for a layer shape;
 * :func:`wgrad_ws_stages`, :data:`WGRAD_MMA_IN_FLIGHT_STAGES`, :data:`WGRAD_FP8_WS_STAGES`: the Gluon wgrads' rings.
@@ -112,20 +112,22 @@ def plan_tiles(kind: str, device: torch.device, rows_per_expert: float | None = 
     return TileConfig(128, 128, 64, num_warps=8, num_stages=4, group_m=8)
 
 
-#: down's K (= I) up to which Hopper runs it in the Gluon ping-pong (each warpgroup whole 128 x 128 tiles in turn,
-#: one's stores under the other's wgmmas). One H100, the BF16 expert forward (gate/up + down) in interleaved rounds
-#: (benchmarks/results/2026-12-07-ping-pong-down, tiles_ab.py): sonic-7b (I 256) 1.066 -> 1.024-1.037 ms, qwen3-30b-a3b
-#: (I 768) 1.244 -> 1.191-1.210 against the Triton down; at I 2048 a tie at 256-row experts (deepseek-v3
-#: 10.64 -> 10.50) and a loss at 2048-row ones (sonic-120b 10.20 -> 10.29-11.13), as on kimi-k2's
-#: (2026-12-04-forward-ping-pong).
-PING_PONG_DOWN_MAX_K = 1024
+#: K up to which Hopper runs down (K = I) and dx (K = 2I) in the Gluon ping-pong (each warpgroup whole 128 x 128
+#: tiles in turn, one's stores under the other's wgmmas). One H100, the BF16 expert forward (gate/up + down) in
+#: interleaved rounds (benchmarks/results/2026-12-07-ping-pong-down, tiles_ab.py): sonic-7b (I 256) 1.066 ->
+#: 1.024-1.037 ms, qwen3-30b-a3b (I 768) 1.244 -> 1.191-1.210 against the Triton down; at I 2048 a tie at 256-row
+#: experts (deepseek-v3 10.64 -> 10.50) and a loss at 2048-row ones (sonic-120b 10.20 -> 10.29-11.13), as on
+#: kimi-k2's (2026-12-04-forward-ping-pong). dx: its K is 2I, the same products as down's at twice the steps.
+PING_PONG_MAX_K = {"down": 1024, "dx": 2048}
 
 
-def ping_pong_down_tile(tile: TileConfig, k: int) -> TileConfig | None:
-    """The ping-pong down's tile in place of the planned 128-row down ``tile`` when K = ``k`` is at most
-    :data:`PING_PONG_DOWN_MAX_K`, else None: 128 columns (a warpgroup holds two 64 x 128 accumulators) and 6 ring
+def ping_pong_tile(kind: str, tile: TileConfig, k: int) -> TileConfig | None:
+    """The ping-pong tile of ``kind`` ("down" or "dx") in place of its planned 128-row ``tile`` when its K = ``k`` is
+    at most :data:`PING_PONG_MAX_K`, else None: 128 columns (a warpgroup holds two 64 x 128 accumulators) and 6 ring
     slots (a hand-over needs the next tile's first steps loaded: 4 slots ran 1-2 % slower than 5-6 at I 256-768)."""
-    if tile.block_m != 128 or k > PING_PONG_DOWN_MAX_K:
+    if kind not in PING_PONG_MAX_K:
+        raise ValueError(f"ping-pong tiles are for {tuple(PING_PONG_MAX_K)}, got {kind!r}")
+    if tile.block_m != 128 or k > PING_PONG_MAX_K[kind]:
         return None
     return dataclasses.replace(tile, block_n=128, num_stages=6)
 

@@ -80,12 +80,11 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
 
 def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized, expert_gemm, expert_gemm_bwd, forward_warp_specialized
-    from megamoe.kernels import wgrad_warp_specialized
+    from megamoe.kernels import dx_warp_specialized, wgrad_warp_specialized
     from megamoe.ops.experts import forward_ws_constexprs
     from megamoe.ops.expert_wgrad import gathering_wgrad_tile, wgrad_ws_constexprs
-    from megamoe.ops.experts_bwd import dact_ws_constexprs
-    from megamoe.planner.tiles import (FEW_ROWS_PER_EXPERT, PING_PONG_DOWN_MAX_K, carry_tile, ping_pong_down_tile,
-                                       plan_tiles)
+    from megamoe.ops.experts_bwd import dact_ws_constexprs, dx_ws_constexprs
+    from megamoe.planner.tiles import FEW_ROWS_PER_EXPERT, PING_PONG_MAX_K, carry_tile, ping_pong_tile, plan_tiles
 
     gpu = torch.device("cuda")
     cases = {}
@@ -105,7 +104,7 @@ def gemm_cases() -> dict[str, Case]:
             "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
             **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     # down in ping-pong (fine-grained experts' short K): the warpgroups take whole 128 x 128 tiles in turn
-    pp = ping_pong_down_tile(plan_tiles("down", gpu), PING_PONG_DOWN_MAX_K)
+    pp = ping_pong_tile("down", plan_tiles("down", gpu), PING_PONG_MAX_K["down"])
     consts = forward_ws_constexprs(pp, SMS, gate_up=False, act=ACT_BUILT, ping_pong=True)
     cases["forward_ws_kernel (down, ping-pong)"] = Case(forward_warp_specialized.forward_ws_kernel, {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
@@ -147,6 +146,14 @@ def gemm_cases() -> dict[str, Case]:
             "w_gate_up_desc": f"tensordesc<bf16[{t.block_k},{t.block_n}]>", "d_x_ptr": "*bf16", "stride_d_x": "i32",
             "d_x_index_ptr": "*i32", **_TILES, **kinds, "D": "i32", "I": "i32"}, values, t.num_warps,
             t.num_stages)
+    # what Hopper runs for dx at short K (2I <= PING_PONG_MAX_K["dx"]): the Gluon ping-pong, rows or slots
+    pp = ping_pong_tile("dx", plan_tiles("dx", gpu), PING_PONG_MAX_K["dx"])
+    for name, scatter in (("dx_ws_kernel (ping-pong)", False), ("dx_ws_kernel (ping-pong, into the slots)", True)):
+        consts = {**dx_ws_constexprs(pp, SMS), "SCATTER": scatter}
+        cases[name] = Case(dx_warp_specialized.dx_ws_kernel, {
+            "d_h_ptr": "*bf16", "w_ptr": "*bf16", "d_x_ptr": "*bf16", "d_x_index_ptr": "*i32", "stride_d_h": "i32",
+            "stride_d_x": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "K": "i32", "N": "i32",
+            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
     # each wgrad without and with the backward window's carry (the accumulator from and to FP32 blocks)
     wide, few = plan_tiles("wgrad", gpu), plan_tiles("wgrad", gpu, FEW_ROWS_PER_EXPERT)
     for name, t, carry in (("wgrad_kernel", wide, False), ("wgrad_kernel (few rows per expert)", few, False),
