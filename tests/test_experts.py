@@ -721,15 +721,17 @@ def test_gpu_forward_ws_gives_the_triton_tiles_bits(block_k, stages, in_flight, 
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("i, stages", [(320, 4), (320, 6), (96, 4), (256, 5)])
 @pytest.mark.parametrize("programs, with_bias", [(5, False), (3, True)])
-def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, with_bias):
+def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, with_bias, monkeypatch):
     """The Gluon down in ping-pong (each warpgroup whole 128 x 128 tiles in turn) against down_kernel at the
     planner's tiles: the same bits (bias too) on a load with an empty expert, partial row tiles, partial n-tiles
     (D 448), fewer and more K steps than ring slots (I 96: 2, I 320: 5 partial), tasks dealt unevenly over the
     programs (a warpgroup left with no last task), NaN-poisoned outputs; once through ``down`` itself (which runs
     it at these K), row tiles also cut at minibatches of 96 rows."""
     import dataclasses
+    from megamoe.ops import experts as expert_ops
     from megamoe.ops.experts import forward_ws
 
+    monkeypatch.setattr(expert_ops, "PING_PONG_DOWN", True)  # down's own path at any default
     gpu = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(13)
     counts = torch.tensor([70, 0, 33, 129, 5, 200, 131, 256], dtype=torch.int32, device="cuda")
@@ -767,14 +769,15 @@ def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, wit
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("i, programs", [(160, 5), (48, 3), (512, 4)])
 @pytest.mark.parametrize("scatter", [False, True])
-def test_gpu_ping_pong_dx_gives_the_triton_tiles_bits(i, programs, scatter):
+def test_gpu_ping_pong_dx_gives_the_triton_tiles_bits(i, programs, scatter, monkeypatch):
     """The Gluon dx in ping-pong (``dx`` on Hopper at short K) against ``dx_kernel``: the same bits on a load with an
     empty expert, partial row tiles, partial n-tiles (D 448), K = 2I of 96 (2 steps, partial), 320 and 1024 against
     6 ring slots, tasks dealt unevenly over the programs; rows in order or into their slots (SCATTER: a permutation
     of the slots with routes dropped, index -1); NaN-poisoned outputs."""
     import dataclasses
-    from megamoe.ops import experts_bwd
+    from megamoe.ops import experts as expert_ops, experts_bwd
 
+    monkeypatch.setattr(expert_ops, "PING_PONG_DX", True)  # dx's own path at any default
     gpu = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(14)
     counts = torch.tensor([70, 0, 33, 129, 5, 200, 131, 256], dtype=torch.int32, device="cuda")

@@ -234,7 +234,7 @@ def down(
     """y = act · w_downᵀ (+ ``bias`` bf16 `[L, D]`, optional) on every expert region (one persistent launch); the
     tiles are ``tuning``'s or planned for ``rows_per_expert`` (default: rows / experts). On Hopper 128-row tiles
     with K = I at most ``PING_PONG_MAX_K["down"]`` run in the Gluon ping-pong (:func:`forward_ws`, ``ping_pong``;
-    ``MEGAMOE_PING_PONG_DOWN=0`` or ``warp_specialized=False`` keep ``down_kernel``): the same bits."""
+    where ``MEGAMOE_PING_PONG_DOWN`` is 1, else ``down_kernel``): the same bits."""
     experts, d, i = w_down.shape
     rows = act.shape[0]
     if rows == 0 or experts == 0:
@@ -357,9 +357,11 @@ def expert_forward_reference(
 GATHER_FORWARD = runtime.env_switch("MEGAMOE_GATHER_FORWARD", True)
 GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", True)
 #: Hopper's down and dx in the Gluon ping-pong where their K is short (``planner.tiles.ping_pong_tile``); off: the
-#: Triton ``down_kernel`` / ``dx_kernel`` (A/B runs; the same bits).
-PING_PONG_DOWN = runtime.env_switch("MEGAMOE_PING_PONG_DOWN", True)
-PING_PONG_DX = runtime.env_switch("MEGAMOE_PING_PONG_DX", True)
+#: Triton ``down_kernel`` / ``dx_kernel`` (the same bits). Off by default until their library paths have run on a
+#: GPU in a training step (benchmarks/results/2026-12-07-ping-pong-down: the down kernel's bits and its A/B ran; the
+#: step's A/B, call 53, has not).
+PING_PONG_DOWN = runtime.env_switch("MEGAMOE_PING_PONG_DOWN", False)
+PING_PONG_DX = runtime.env_switch("MEGAMOE_PING_PONG_DX", False)
 
 
 def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:

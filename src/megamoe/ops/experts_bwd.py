@@ -224,7 +224,7 @@ def dx(d_h: torch.Tensor, w_gate_up: torch.Tensor, grads: ExpertGrads, counts: t
     """The dx launch of :func:`expert_backward`: ``grads.d_x`` rows (or their slots, ``grads.d_x_index``) =
     ``d_h · w_gate_up[l]`` (K = 2I) over ``d_h``'s rows (at least one); int32 counts and offsets. ``gluon``: on
     Hopper 128-row tiles with K at most ``PING_PONG_MAX_K["dx"]`` run in the Gluon ping-pong
-    (``dx_warp_specialized``; ``MEGAMOE_PING_PONG_DX=0`` keeps ``dx_kernel``): the same bits."""
+    (``dx_warp_specialized``) where ``MEGAMOE_PING_PONG_DX`` is 1, else ``dx_kernel``: the same bits."""
     experts, two_i, d = w_gate_up.shape
     c = tile
     scatter = grads.d_x_index is not None
