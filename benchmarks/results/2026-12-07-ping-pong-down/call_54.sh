@@ -1,0 +1,20 @@
+# call 54 (call 53 cut to its tests and sonic-7b's A/B: ~140 s of device time left) (.gpu/new = git archive HEAD src tests pyproject.toml benchmarks): the library's down (K = I <= 1024) and dx
+# (K = 2I <= 2048) in ping-pong (on by default): their GPU bits tests through `down` and `dx` themselves, then the
+# step A/B with MEGAMOE_PING_PONG_DOWN = MEGAMOE_PING_PONG_DX = 1 / 0 in alternating processes at sonic-7b (24576
+# tokens) and qwen3-30b-a3b (8192), then sonic-7b's step per kernel with them on (one round each: the device time
+# left this session allowed ~215 s).
+export MEGAMOE_COMMIT=$(cat $PWD/.gpu/COMMIT 2>/dev/null) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_DIR=$PWD/.tcache
+cd .gpu/new; mkdir -p $OUT/r; L=$OUT/log.txt; t0=$(date +%s)
+cap() { local l=$(( 140 - ($(date +%s)-t0) )); [ $l -lt $1 ] && echo $(( l > 5 ? l : 5 )) || echo $1; }
+say() { echo "== $1 rc=$2 t=$(( $(date +%s)-t0 ))" >> $L; }
+nvidia-smi --query-gpu=name,power.limit,clocks.sm,memory.total --format=csv >> $L
+timeout $(cap 150) python3 -m pytest -q -m gpu tests/test_experts.py -k "ping_pong" -p no:cacheprovider > $OUT/r/tests.txt 2>&1; say tests $?
+tail -3 $OUT/r/tests.txt >> $L
+B="python3 -m megamoe bench --ep 1 --passes fwd,bwd,step --iters 5 --steady 1 --impl megamoe --experts bf16"
+run() { local name=$1 c=$2 pp=$3; shift 3; MEGAMOE_PING_PONG_DOWN=$pp MEGAMOE_PING_PONG_DX=$pp timeout $(cap $c) $B "$@" --json $OUT/r/$name.json --md $OUT/r/$name.md > $OUT/r/$name.txt 2>&1; say "$name pp=$pp" $?; grep -E "^\| megamoe" $OUT/r/$name.md >> $L 2>/dev/null || tail -3 $OUT/r/$name.txt >> $L; }
+for i in 1; do
+  run s7_on_$i 60 1 --preset sonic-7b --tokens 24576
+  run s7_off_$i 60 0 --preset sonic-7b --tokens 24576
+done
+(cd $OUT && tar czf r.tgz r && rm -rf r)
+grep -v "^\s*$" $L | tail -60
