@@ -85,6 +85,25 @@ def test_gpu_few_row_tiles_give_the_same_bits():
         assert (b.float()[inside] - want[inside]).abs().max() <= 2e-2 * max(1.0, float(want[inside].abs().max()))
 
 
+def test_ping_pong_tiles_only_for_128_row_tiles_at_short_k():
+    """``ping_pong_tile``: the planned 128-row down / dx tile at K up to its bound becomes 128 x 128 with 6 slots
+    (its K step and task order kept); 64-row tiles, longer K and other kinds get none or an error."""
+    from megamoe.planner.tiles import PING_PONG_MAX_K
+
+    gpu = torch.device("cuda")
+    for kind in ("down", "dx"):
+        tile = plan_tiles(kind, gpu, compiled=True)
+        bound = PING_PONG_MAX_K[kind]
+        pp = ping_pong_tile(kind, tile, bound)
+        assert (pp.block_m, pp.block_n, pp.num_stages) == (128, 128, 6), pp
+        assert (pp.block_k, pp.group_m) == (tile.block_k, tile.group_m)
+        assert ping_pong_tile(kind, tile, bound + 8) is None
+        assert ping_pong_tile(kind, plan_tiles(kind, gpu, 170, compiled=True), 256) is None  # 64-row tiles
+    assert PING_PONG_MAX_K["dx"] >= PING_PONG_MAX_K["down"]  # the same products, twice the K steps
+    with pytest.raises(ValueError, match="ping-pong tiles are for"):
+        ping_pong_tile("gate_up", plan_tiles("gate_up", gpu, compiled=True), 256)
+
+
 def test_compiled_plan_by_rows_per_expert():
     """The GPU plan (``compiled``: on any device): at <= FEW_ROWS_PER_EXPERT rows per expert 64-row forward and dx
     tiles and BK 64 wgrad blocks; above it, or without a load, 128-row tiles and BK 32."""
