@@ -19,8 +19,9 @@ down may run in ping-pong instead (PING_PONG): each warpgroup takes whole 128-ro
 accumulators of BLOCK_N columns), so one's stores run under the other's wgmmas. At kimi-k2's K = 2048 that tied
 (benchmarks/results/2026-12-04-forward-ping-pong); it is kept for short K (fine-grained experts: I = 256-768, 4-12
 K steps a tile), where a cooperative tile's epilogue is a large share of its time and the tensor cores idle through
-it: ~4 % off the expert forward there on one H100 (benchmarks/results/2026-12-07-ping-pong-down). GPU only (Gluon has no interpreter);
-`megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.1 to -3.4 % on 341-row experts; down stays Triton,
+it: ~4 % off the expert forward there on one H100 (benchmarks/results/2026-12-07-ping-pong-down).
+
+GPU only (Gluon has no interpreter); `megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.1 to -3.4 % on 341-row experts; down stays Triton,
 2 % faster there: benchmarks/results/2026-12-03-forward-warp-specialized), and a GPU test holds it to the Triton
 kernels' bits. Launch with a scratch allocator (the descriptors), 4 warps.
 """
