@@ -21,9 +21,11 @@ accumulators of BLOCK_N columns), so one's stores run under the other's wgmmas. 
 K steps a tile), where a cooperative tile's epilogue is a large share of its time and the tensor cores idle through
 it: ~4 % off the expert forward there on one H100 (benchmarks/results/2026-12-07-ping-pong-down).
 
-GPU only (Gluon has no interpreter); `megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.1 to -3.4 % on 341-row experts; down stays Triton,
-2 % faster there: benchmarks/results/2026-12-03-forward-warp-specialized), and a GPU test holds it to the Triton
-kernels' bits. Launch with a scratch allocator (the descriptors), 4 warps.
+GPU only (Gluon has no interpreter); `megamoe.ops.experts.gate_up` runs it on Hopper for 128-row tiles (-3.1 to
+-3.4 % on 341-row experts; the cooperative down stays Triton, 2 % faster there:
+benchmarks/results/2026-12-03-forward-warp-specialized), `megamoe.ops.experts.down` the ping-pong down at short K
+behind ``MEGAMOE_PING_PONG_DOWN``, and GPU tests hold both to the Triton kernels' bits. Launch with a scratch
+allocator (the descriptors), 4 warps.
 """
 
 from __future__ import annotations
