@@ -285,7 +285,8 @@ class EagerLayer(torch.autograd.Function):
     without the dispatcher's custom-op path around them (pytree, redispatch, the autograd wrapper): on a 2-core CPU
     an op of this signature took 434 against 68 us a call, and ``megamoe.moe``'s call to its stage went 415 -> 251
     us, ``backward()`` to the backward's stage 494 -> 372 us (host time the GPU waits on at a pass's start when the
-    host is not ahead). The same bits: the same functions run. ``apply(LayerInputs)`` with the tensors flattened (autograd sees no tensor in a list)."""
+    host is not ahead). The same bits: the same functions run. ``apply(LayerInputs)`` with the tensors flattened
+    (autograd sees no tensor in a list)."""
 
     @staticmethod
     def forward(ctx, counts: tuple[int, int], options: dict, *tensors):

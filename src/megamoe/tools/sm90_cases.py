@@ -30,6 +30,10 @@ from megamoe.precision import FORMATS
 SMS = 132
 _TILES = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row_end_ptr": "*i32", "tile_run_ptr": "*i32",
           "num_tiles_ptr": "*i32"}
+#: ``forward_warp_specialized.forward_ws_kernel``'s runtime arguments (gate/up, down, ping-pong down alike).
+_FORWARD_WS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
+               "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
+               "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32"}
 #: The wgrads' window carry (``megamoe.kernels.wgrad_carry``): its runtime arguments, compiled with CARRY on and off.
 _CARRY = {"modes_ptr": "*i32", "carry_in_ptr": "*fp32", "carry_out_ptr": "*fp32", "CARRY": "constexpr"}
 
@@ -98,19 +102,14 @@ def gemm_cases() -> dict[str, Case]:
     # (one rank's gate/up reads its tokens by index: A_GATHER)
     for name, gather in (("forward_ws_kernel (gate/up)", False), ("forward_ws_kernel (gate/up, x rows by token)", True)):
         consts = {**forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), "A_GATHER": gather}
-        cases[name] = Case(forward_warp_specialized.forward_ws_kernel, {
-            "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
-            "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
-            "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
-            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+        cases[name] = Case(forward_warp_specialized.forward_ws_kernel,
+                           _FORWARD_WS | dict.fromkeys(consts, "constexpr"), consts, num_warps=4)
     # down in ping-pong (fine-grained experts' short K): the warpgroups take whole 128 x 128 tiles in turn
     pp = ping_pong_tile("down", plan_tiles("down", gpu), PING_PONG_MAX_K["down"])
     consts = forward_ws_constexprs(pp, SMS, gate_up=False, act=ACT_BUILT, ping_pong=True)
-    cases["forward_ws_kernel (down, ping-pong)"] = Case(forward_warp_specialized.forward_ws_kernel, {
-        "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
-        "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
-        "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
-        **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+    cases["forward_ws_kernel (down, ping-pong)"] = Case(forward_warp_specialized.forward_ws_kernel,
+                                                        _FORWARD_WS | dict.fromkeys(consts, "constexpr"), consts,
+                                                        num_warps=4)
     t = plan_tiles("down", gpu)
     kinds, values = _row_task_consts(expert_gemm.down_kernel, t)
     cases["down_kernel"] = Case(expert_gemm.down_kernel, {
@@ -329,11 +328,8 @@ def mxfp8_as_bf16_cases() -> dict[str, Case]:
     for name, gather in (("forward_ws_kernel (gate/up, act on the MX grid)", False),
                          ("forward_ws_kernel (gate/up, x rows by token, act on the MX grid)", True)):
         consts = {**forward_ws_constexprs(t, SMS, gate_up=True, act=ACT_BUILT), "A_GATHER": gather, "MX_ROUND": True}
-        cases[name] = Case(forward_warp_specialized.forward_ws_kernel, {
-            "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "act_ptr": "*bf16", "b_ptr": "*bf16",
-            "stride_a": "i32", "stride_out": "i32", "stride_act": "i32", **_TILES, "rows": "i32", "w_rows": "i32",
-            "N": "i32", "K": "i32", "limit": "fp32", "alpha": "fp32", "a_index_ptr": "*i32",
-            **dict.fromkeys(consts, "constexpr")}, consts, num_warps=4)
+        cases[name] = Case(forward_warp_specialized.forward_ws_kernel,
+                           _FORWARD_WS | dict.fromkeys(consts, "constexpr"), consts, num_warps=4)
     return cases
 
 
