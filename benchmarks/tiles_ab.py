@@ -40,8 +40,8 @@ FP8_128 = {"gate_up": TileConfig(128, 128, 128, 8, 3, 4), "down": TileConfig(128
 # one warpgroup: a 64x128 product per K step beside its 64x128 accumulator (64 + 64 registers a thread)
 FP8_64 = {"gate_up": TileConfig(64, 128, 128, 4, 4, 8), "down": TileConfig(64, 128, 128, 4, 4, 8)}
 MX_128 = {"gate_up": TileConfig(128, 64, 64, 8, 3, 4), "down": TileConfig(128, 128, 64, 8, 3, 8)}  # the planner's
-PING_PONG_STAGES = (4, 5, 6)  # ping-pong needs a ring deep enough to cover a hand-over (2026-12-04-forward-ping-pong)
 MX_64 = {"gate_up": TileConfig(64, 64, 64, 4, 4, 8), "down": TileConfig(64, 128, 64, 4, 4, 8)}
+PING_PONG_STAGES = (4, 5, 6)  # ping-pong needs a ring deep enough to cover a hand-over (2026-12-04-forward-ping-pong)
 
 
 def variants(big: dict, small: dict) -> dict[str, dict]:
