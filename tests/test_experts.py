@@ -860,6 +860,88 @@ def test_gpu_dact_ws_gives_the_triton_tiles_bits(activation):
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
 
 
+def test_the_empty_half_switch_reaches_every_gluon_row_tile(monkeypatch):
+    """``SKIP_EMPTY_HALF`` (read at each launch) is in every Gluon row-tile launch's constexprs, and each such kernel
+    takes it (a kernel that ignored it would run its tails in both warpgroups, silently)."""
+    from megamoe.kernels import (dact_warp_specialized, dx_warp_specialized, forward_fp8_warp_specialized,
+                                 forward_warp_specialized)
+    from megamoe.ops import experts as expert_ops
+    from megamoe.ops.experts import forward_ws_constexprs
+    from megamoe.ops.experts_bwd import dact_ws_constexprs, dx_ws_constexprs
+    from megamoe.ops.experts_fp8 import forward_fp8_ws_constexprs
+
+    tile = TileConfig(128, 128, 64)
+    for value in (True, False):
+        monkeypatch.setattr(expert_ops, "SKIP_EMPTY_HALF", value)
+        for consts in (forward_ws_constexprs(tile, 132, gate_up=True, act=0),
+                       forward_ws_constexprs(tile, 132, gate_up=False, act=0, ping_pong=True),
+                       dact_ws_constexprs(tile, 132), dx_ws_constexprs(tile, 132),
+                       forward_fp8_ws_constexprs(tile, 132, gate_up=True)):
+            assert consts["SKIP_EMPTY_HALF"] is value, consts
+    for kernel in (forward_warp_specialized.forward_ws_kernel, dact_warp_specialized.dact_ws_kernel,
+                   dact_warp_specialized.dact_fp8_ws_kernel, dx_warp_specialized.dx_ws_kernel,
+                   forward_fp8_warp_specialized.forward_fp8_ws_kernel):
+        assert "SKIP_EMPTY_HALF" in kernel.arg_names, kernel
+
+
+#: Expert loads whose 128-row tiles end in at most 64 rows (42, 64, 1, 170 = 128 + 42, 257, 33, 300 = 256 + 44) and
+#: in more (65, 128, 200 = 128 + 72), beside an empty expert: what ``SKIP_EMPTY_HALF`` passes and what it keeps.
+LONE_TAILS = [42, 0, 64, 65, 1, 170, 257, 128, 33, 300, 200]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("i", [256, 320])
+def test_gpu_skipped_empty_halves_give_the_same_bits(i, monkeypatch):
+    """``SKIP_EMPTY_HALF`` (a 128-row tile of at most 64 rows in one warpgroup) against the same Gluon kernels
+    without it, every output and gradient bit for bit: the gate/up reading routed copies (TMA) and tokens by index
+    (cp.async), the ping-pong down and dx, the dact over copies and by token; loads ending in 1-64 and 65-127 rows
+    (:data:`LONE_TAILS`), I 256 (the ping-pong's K) and 320 (partial n-tiles, K steps). The skipping run goes first
+    into NaN-poisoned outputs, so a row it failed to write cannot match by reusing the other run's memory."""
+    from megamoe.ops import experts as expert_ops
+    from megamoe.ops.experts import ExpertForward
+    from megamoe.ops.experts_bwd import ExpertGrads, expert_backward
+
+    monkeypatch.setattr(expert_ops, "GATHER_FORWARD", True)
+    monkeypatch.setattr(expert_ops, "GATHER_BACKWARD", True)
+    monkeypatch.setattr(expert_ops, "PING_PONG_DOWN", True)
+    monkeypatch.setattr(expert_ops, "PING_PONG_DX", True)
+    g = torch.Generator(device="cuda").manual_seed(15)
+    counts = torch.tensor(LONE_TAILS, dtype=torch.int32, device="cuda")
+    offsets = (counts.cumsum(0) - counts).to(torch.int32)
+    rows, tokens, d, experts = int(counts.sum()), 700, 448, len(LONE_TAILS)
+    x = torch.randn(tokens, d, generator=g, device="cuda").bfloat16()
+    d_out = torch.randn(tokens, d, generator=g, device="cuda").bfloat16()
+    index = torch.randint(0, tokens, (rows,), generator=g, device="cuda", dtype=torch.int32)
+    wgu = (torch.randn(experts, 2 * i, d, generator=g, device="cuda") / d**0.5).bfloat16()
+    wd = (torch.randn(experts, d, i, generator=g, device="cuda") / i**0.5).bfloat16()
+    w = torch.rand(rows, generator=g, device="cuda")
+    plan = dict(rows_per_expert=341.0)  # 128-row tiles: the Gluon kernels
+    nan = lambda *shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    runs = {}
+    for skip in (True, False):
+        monkeypatch.setattr(expert_ops, "SKIP_EMPTY_HALF", skip)
+        out = {}
+        for name, src, x_index in (("copies", x[index.long()], None), ("by token", x, index)):
+            fwd = expert_forward(src, counts, offsets, wgu, wd, x_index=x_index, **plan,
+                                 out=ExpertForward(nan(rows, 2 * i), nan(rows, i), nan(rows, d)))
+            dy, dy_index = (d_out[index.long()], None) if x_index is None else (d_out, index)
+            grads = expert_backward(dy, w, x[index.long()], fwd.h, counts, offsets, wgu, wd, dy_index=dy_index,
+                                    **plan, out=ExpertGrads(nan(rows, d), torch.zeros(rows, device="cuda"),
+                                                            nan(experts, 2 * i, d), nan(experts, d, i)))
+            out.update({f"{name} {k}": getattr(fwd, k) for k in ("h", "act", "y")})
+            out.update({f"{name} {k}": getattr(grads, k) for k in ("d_x", "d_router", "d_w_gate_up", "d_w_down")})
+        runs[skip] = out
+    torch.cuda.synchronize()
+    ref = expert_forward_reference(x[index.long()], counts, offsets, wgu, wd)
+    assert _rel(runs[True]["by token y"], ref.y) < 2e-2
+    for name, want in runs[False].items():
+        got = runs[True][name]
+        assert not want.isnan().any() and not got.isnan().any(), f"{name}: left unwritten"
+        assert torch.equal(want, got), f"{name}: {int((want != got).sum())} elements differ"
+
+
 def test_the_gluon_wgrads_partitions_fit_an_sms_registers():
     """The warp-specialised wgrad's register split (``gather_registers``: the second consumer's and the producer's;
     the first consumer gets what they leave, at least the second's) fits Hopper's 65,536 registers a CTA."""
@@ -894,10 +976,14 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     planned = {"wgrad_ws_kernel (carry) (planned)", "wgrad_ws_kernel (carry) (x rows by token, planned)"}
     whole = {"wgrad_ws_kernel (carry) (whole halves)", "wgrad_ws_kernel (carry) (x rows by token, whole halves)"}
     ping_pong_dx = {"dx_ws_kernel (ping-pong)", "dx_ws_kernel (ping-pong, into the slots)"}
+    skipping = {f"{name} (empty halves skipped)" for name in (
+        "forward_ws_kernel (gate/up)", "forward_ws_kernel (gate/up, x rows by token)",
+        "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel", "dact_ws_kernel (d_out rows by token)",
+        "dx_ws_kernel (ping-pong)")}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
                             "forward_ws_kernel (gate/up)", "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel",
-                            *ping_pong_dx, *wgrads, *by_token, *dynamic, *whole, *planned}
+                            *ping_pong_dx, *wgrads, *by_token, *dynamic, *whole, *planned, *skipping}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
@@ -918,6 +1004,16 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
             assert split["shared_bytes"] > summary[name]["shared_bytes"], (name, split, summary[name])
     # ping-pong: a warpgroup's two 64-row halves, each an m64n128k16 wgmma a k16 (the cooperative tile's one each)
     assert summary["forward_ws_kernel (down, ping-pong)"]["wgmma"] == 2 * summary["forward_ws_kernel (gate/up)"]["wgmma"]
+    # SKIP_EMPTY_HALF: the same kernels with one more K loop (the ping-pong's top half alone) or a passing one, and
+    # without spills but the gathering gate/up's: its worker holds 16 bytes of the epilogue's row addresses, which
+    # it reloads once a tile (its 232 registers are what two consumers and four gathering warps leave)
+    for name in skipping:
+        base = summary[name.removesuffix(" (empty halves skipped)")]
+        facts = summary[name]
+        assert facts["wgmma"] == base["wgmma"] * (1.5 if "ping-pong" in name else 1), (name, facts)
+        assert facts["shared_bytes"] == base["shared_bytes"] and facts["barriers"] > base["barriers"], (name, facts)
+        bound = 16 if "x rows by token" in name else 0
+        assert not facts["local_memory"] and (facts["stack_bytes"] or 0) <= bound, (name, facts)
     triton_sums = summary["dact_swiglu_bwd_kernel"]["reduce_layouts"]
     assert len(triton_sums) == 1 and summary["dact_ws_kernel"]["reduce_layouts"] == triton_sums, summary
 

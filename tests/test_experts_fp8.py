@@ -173,14 +173,18 @@ def test_warp_specialized_rings_have_two_slots_at_least():
 @pytest.mark.parametrize("d, i, activation, store_h", [(384, 384, EVERY_KIND[1], True), (512, 256, EVERY_KIND[0], False),
                                                        (384, 384, EVERY_KIND[2], True), (512, 256, EVERY_KIND[3], True)],
                          ids=lambda v: getattr(v, "kind", v))
-def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, activation, store_h):
+@pytest.mark.parametrize("skip_empty_half", [False, True], ids=["", "empty halves skipped"])
+def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, activation, store_h, skip_empty_half, monkeypatch):
     """The warp-specialised Gluon kernel (what gate_up_fp8 / down_fp8 run on Hopper at 128-row tiles) against
     ``gate_up_fp8_kernel`` and ``down_fp8_kernel``: the same bits on a load with an empty expert and partial row
-    tiles, more tasks than programs, an odd number of K steps (384: down's pairs and a single step), NaN-poisoned
-    outputs; and close to the torch twin."""
+    tiles (four of them of at most 64 rows: one warpgroup's with ``SKIP_EMPTY_HALF``), more tasks than programs, an
+    odd number of K steps (384: down's pairs and a single step), NaN-poisoned outputs; and close to the torch
+    twin."""
+    from megamoe.ops import experts as expert_ops
     from megamoe.ops.experts_fp8 import down_fp8, gate_up_fp8, warp_specialized_fp8
     from megamoe.planner.tiles import plan_tiles_fp8
 
+    monkeypatch.setattr(expert_ops, "SKIP_EMPTY_HALF", skip_empty_half)
     args = _problem([70, 0, 33, 129, 5, 200, 131], 3, d=d, i=i, seed=12)
     x_q, x_s, counts, offsets, gu_q, gu_s, dn_q, dn_s = args
     rows = x_q.shape[0]
@@ -268,12 +272,20 @@ def test_fp8_kernels_compile_to_fp8_wgmma_and_tma_for_sm90():
                             "forward_fp8_ws_kernel (down)", "wgrad_fp8_ws_kernel",
                             "wgrad_fp8_ws_kernel (4 stages)", "dact_fp8_ws_kernel", "wgrad_fp8_kernel (carry)",
                             "wgrad_fp8_ws_kernel (carry)", "down_fp8_kernel (rows into slots)",
-                            "forward_fp8_ws_kernel (down, rows into slots)"}
+                            "forward_fp8_ws_kernel (down, rows into slots)",
+                            *(f"{name} (empty halves skipped)" for name in (
+                                "forward_fp8_ws_kernel (gate/up)", "forward_fp8_ws_kernel (down)",
+                                "dact_fp8_ws_kernel"))}
     for name in ("forward_fp8_ws_kernel (down)", "forward_fp8_ws_kernel (down, rows into slots)",
                  "wgrad_fp8_ws_kernel", "wgrad_fp8_ws_kernel (4 stages)", "wgrad_fp8_ws_kernel (carry)",
                  "dact_fp8_ws_kernel"):
         assert summary[name]["stack_bytes"] in (0, None), summary[name]
     assert summary["forward_fp8_ws_kernel (gate/up)"]["stack_bytes"] <= 16, summary["forward_fp8_ws_kernel (gate/up)"]
+    # SKIP_EMPTY_HALF (a tile of at most 64 rows in one warpgroup): the same wgmmas and shared memory, no more stack
+    for name in ("forward_fp8_ws_kernel (gate/up)", "forward_fp8_ws_kernel (down)", "dact_fp8_ws_kernel"):
+        base, facts = summary[name], summary[f"{name} (empty halves skipped)"]
+        assert facts["wgmma"] == base["wgmma"] and facts["shared_bytes"] == base["shared_bytes"], (name, facts)
+        assert (facts["stack_bytes"] or 0) <= (base["stack_bytes"] or 0), (name, facts)
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_fp8"] and facts["tma"], (name, facts)
         assert not facts["local_memory"], (name, facts)

@@ -27,9 +27,11 @@ from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 @gluon.jit
 def dx_ws_kernel(d_h_ptr, w_ptr, d_x_ptr, d_x_index_ptr, stride_d_h, stride_d_x, tile_expert_ptr, tile_row0_ptr,
                  tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, rows, w_rows, K, N, NUM_PROGRAMS: gl.constexpr,
-                 BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCATTER: gl.constexpr = False):
+                 BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCATTER: gl.constexpr = False,
+                 SKIP_EMPTY_HALF: gl.constexpr = False):
     """One persistent launch of 128 x 128 dx tiles: d_h `[rows, K = 2I]`, w = w_gate_up `[w_rows = L*K, N = D]`, out
-    d_x `[rows, N]` (SCATTER: `[S, N]`, row r at ``d_x_index[r]``, int32; else d_x_index is never read), bf16."""
+    d_x `[rows, N]` (SCATTER: `[S, N]`, row r at ``d_x_index[r]``, int32; else d_x_index is never read), bf16.
+    SKIP_EMPTY_HALF: a tile of at most 64 rows runs its top half's wgmmas only (the same bits)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
@@ -41,16 +43,16 @@ def dx_ws_kernel(d_h_ptr, w_ptr, d_x_ptr, d_x_index_ptr, stride_d_h, stride_d_x,
                                tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn,
                                gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK), gl.constexpr(BLOCK_K),
                                gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(False), gl.constexpr(True),
-                               gl.constexpr(SCATTER))),
+                               gl.constexpr(SCATTER), gl.constexpr(SKIP_EMPTY_HALF))),
          (ping_pong_consumer, (d_x_ptr, d_x_ptr, d_x_index_ptr, stride_d_x, tile_expert_ptr, tile_row0_ptr,
                                tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn,
                                gl.constexpr(1), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK), gl.constexpr(BLOCK_K),
                                gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(False), gl.constexpr(True),
-                               gl.constexpr(SCATTER))),
+                               gl.constexpr(SCATTER), gl.constexpr(SKIP_EMPTY_HALF))),
          (kn_weights_producer, (d_h_ptr, w_ptr, rows, w_rows, stride_d_h, tile_expert_ptr, tile_row0_ptr,
                                 tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, K, N, a_smem, w_smem, full, empty,
                                 gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
-                                gl.constexpr(STAGES), d_h_ptr, gl.constexpr(False)))],
+                                gl.constexpr(STAGES), d_h_ptr, gl.constexpr(False), gl.constexpr(SKIP_EMPTY_HALF)))],
         [4, 1], [232, REGS_PRODUCER])
     invalidate_turns(turn)
     invalidate_ring(full, empty, STAGES)

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from megamoe.kernels.activation import activation
 from megamoe.kernels.forward_warp_specialized import (HALF_M, add_bias_columns, forward_producer, store_half_tile,
                                                       store_half_tile_at)
-from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
+from megamoe.kernels.gluon_ring import invalidate_ring, pass_steps, ring_barriers
 from megamoe.kernels.quant import fp8_block_quantize_tile
 from megamoe.kernels.tasks import tile_task
 
@@ -121,11 +121,12 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr
               tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, HALF: gl.constexpr,
               GATE_UP: gl.constexpr, ACT: gl.constexpr, STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr,
               NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-              SCATTER: gl.constexpr):
+              SCATTER: gl.constexpr, SKIP_EMPTY_HALF: gl.constexpr):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
     columns 0..N-1, up columns N..2N-1; written with STORE_H), act_q / act_scale the act quantised 1 x 128; down:
     out is y (with SCATTER row r at y row ``out_index[r]``). HAS_BIAS: b_ptr's expert row is added to the
-    accumulators first."""
+    accumulators first. SKIP_EMPTY_HALF: the bottom warpgroup passes the steps of a tile of at most 64 rows
+    (``gluon_ring.pass_steps``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 32])
     runs16: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 16-byte runs of bf16
     runs8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # and of e4m3
@@ -136,35 +137,38 @@ def _consumer(x_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, row0, row_end, n = tile_task(task, num_n, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                                              tile_run_ptr, GROUP_M)
-        first = row0 + HALF * HALF_M
-        rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
-        row_ok = rows < row_end
-        xs_rows = x_scale_ptr + rows.to(gl.int64) * stride_xs
-        ws_n = w_scale_ptr + (expert.to(gl.int64) * (W_SLICES * N // BLOCK) + n) * stride_ws_n  # gate's (down: y's)
-        col0 = n * BLOCK
-        if GATE_UP:
-            acc_gate, acc_up, g = _gate_up_steps(xs_rows, row_ok, ws_n, ws_n + (N // BLOCK) * stride_ws_n, K, g,
-                                                 a_smem, w_smem, full, empty, HALF, STAGES, mma)
-            if HAS_BIAS:
-                acc_gate = add_bias_columns(acc_gate, b_ptr, expert * 2 * N, col0, N, False, BLOCK, mma)
-                acc_up = add_bias_columns(acc_up, b_ptr, expert * 2 * N + N, col0, N, False, BLOCK, mma)
-            if STORE_H:
-                store_half_tile(out_ptr, stride_out, acc_gate, first, row_end - first, col0, N - col0, runs16)
-                store_half_tile(out_ptr, stride_out, acc_up, first, row_end - first, N + col0, N - col0, runs16)
-            act = activation(acc_gate, acc_up, limit, alpha, ACT)
-            act_q, act_s = fp8_block_quantize_tile(act, 1, BLOCK, SOFT_E4M3)  # [64, 128], [64, 1]
-            store_half_tile(act_q_ptr, stride_act, act_q.to(gl.uint8, bitcast=True), first, row_end - first, col0,
-                            N - col0, runs8)
-            gl.store(act_scale_ptr + rows.to(gl.int64)[:, None] * stride_as + n, act_s, mask=row_ok[:, None])
+        if SKIP_EMPTY_HALF and HALF == 1 and row_end - row0 <= HALF_M:
+            g = pass_steps(full, empty, g, K // BLOCK, STAGES)
         else:
-            acc, g = paired_k_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
-            if HAS_BIAS:
-                acc = add_bias_columns(acc, b_ptr, expert * N, col0, N, False, BLOCK, mma)
-            if SCATTER:
-                store_half_tile_at(out_ptr, stride_out, acc, out_index_ptr, first, row_end - first, col0, N - col0,
-                                   runs16)
+            first = row0 + HALF * HALF_M
+            rows = first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma))
+            row_ok = rows < row_end
+            xs_rows = x_scale_ptr + rows.to(gl.int64) * stride_xs
+            ws_n = w_scale_ptr + (expert.to(gl.int64) * (W_SLICES * N // BLOCK) + n) * stride_ws_n  # gate's (down: y's)
+            col0 = n * BLOCK
+            if GATE_UP:
+                acc_gate, acc_up, g = _gate_up_steps(xs_rows, row_ok, ws_n, ws_n + (N // BLOCK) * stride_ws_n, K, g,
+                                                     a_smem, w_smem, full, empty, HALF, STAGES, mma)
+                if HAS_BIAS:
+                    acc_gate = add_bias_columns(acc_gate, b_ptr, expert * 2 * N, col0, N, False, BLOCK, mma)
+                    acc_up = add_bias_columns(acc_up, b_ptr, expert * 2 * N + N, col0, N, False, BLOCK, mma)
+                if STORE_H:
+                    store_half_tile(out_ptr, stride_out, acc_gate, first, row_end - first, col0, N - col0, runs16)
+                    store_half_tile(out_ptr, stride_out, acc_up, first, row_end - first, N + col0, N - col0, runs16)
+                act = activation(acc_gate, acc_up, limit, alpha, ACT)
+                act_q, act_s = fp8_block_quantize_tile(act, 1, BLOCK, SOFT_E4M3)  # [64, 128], [64, 1]
+                store_half_tile(act_q_ptr, stride_act, act_q.to(gl.uint8, bitcast=True), first, row_end - first, col0,
+                                N - col0, runs8)
+                gl.store(act_scale_ptr + rows.to(gl.int64)[:, None] * stride_as + n, act_s, mask=row_ok[:, None])
             else:
-                store_half_tile(out_ptr, stride_out, acc, first, row_end - first, col0, N - col0, runs16)
+                acc, g = paired_k_steps(xs_rows, row_ok, ws_n, K, g, a_smem, w_smem, full, empty, HALF, STAGES, mma)
+                if HAS_BIAS:
+                    acc = add_bias_columns(acc, b_ptr, expert * N, col0, N, False, BLOCK, mma)
+                if SCATTER:
+                    store_half_tile_at(out_ptr, stride_out, acc, out_index_ptr, first, row_end - first, col0, N - col0,
+                                       runs16)
+                else:
+                    store_half_tile(out_ptr, stride_out, acc, first, row_end - first, col0, N - col0, runs16)
 
 
 @gluon.jit
@@ -174,7 +178,7 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
                           rows, w_rows, N, K, limit, alpha, GATE_UP: gl.constexpr, ACT: gl.constexpr,
                           STORE_H: gl.constexpr, SOFT_E4M3: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr = False,
-                          SCATTER: gl.constexpr = False):
+                          SCATTER: gl.constexpr = False, SKIP_EMPTY_HALF: gl.constexpr = False):
     """One persistent launch of 128 x 128 tiles over every (row tile, n-tile) task.
 
     gate/up (GATE_UP): a = x_q `[rows, K=D]` e4m3 with a_scale `[rows, D/128]`, w = w_gate_up_q `[w_rows = L*2N, K]`
@@ -183,7 +187,8 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
     `[w_rows = L*N, K]`, out = y `[rows, N=D]` bf16; the act pointers unused. N and K multiples of 128. HAS_BIAS:
     ``b_ptr`` the experts' bf16 bias (gate/up's `[L, 2N]`, down's `[L, N]`) is added before the epilogue (else never
     read). SCATTER (down): row r of y is stored at y row ``out_index_ptr[r]`` (int32; < 0: not stored; else never
-    read): the FP8 backward's dx into its rows' slots."""
+    read): the FP8 backward's dx into its rows' slots. SKIP_EMPTY_HALF: a tile of at most 64 rows runs one
+    warpgroup's wgmmas (its bottom A half neither loaded nor multiplied; the same bits)."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
@@ -196,16 +201,18 @@ def forward_fp8_ws_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, act_q
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(0),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
-                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER))),
+                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER),
+                      gl.constexpr(SKIP_EMPTY_HALF))),
          (_consumer, (a_scale_ptr, w_scale_ptr, out_ptr, act_q_ptr, act_scale_ptr, b_ptr, out_index_ptr, stride_as_in,
                       stride_ws_n, stride_out, stride_act, stride_as, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                       tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty, gl.constexpr(1),
                       gl.constexpr(GATE_UP), gl.constexpr(ACT), gl.constexpr(STORE_H),
                       gl.constexpr(SOFT_E4M3), gl.constexpr(NUM_PROGRAMS), gl.constexpr(GROUP_M),
-                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER))),
+                      gl.constexpr(STAGES), gl.constexpr(HAS_BIAS), gl.constexpr(SCATTER),
+                      gl.constexpr(SKIP_EMPTY_HALF))),
          (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                              tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, gl.constexpr(GATE_UP),
                              gl.constexpr(NUM_PROGRAMS), BLOCK, BLOCK, gl.constexpr(GROUP_M),
-                             gl.constexpr(STAGES), a_ptr, gl.constexpr(False)))],
+                             gl.constexpr(STAGES), a_ptr, gl.constexpr(False), gl.constexpr(SKIP_EMPTY_HALF)))],
         [4, 1], [REGS_CONSUMER, REGS_PRODUCER])
     invalidate_ring(full, empty, STAGES)

@@ -49,6 +49,20 @@ def drain_steps(acc, empty, g, any_step, STAGES: gl.constexpr, MMA_IN_FLIGHT: gl
 
 
 @gluon.jit
+def pass_steps(full, empty, g, steps, STAGES: gl.constexpr):
+    """A consumer whose rows of a task are all past its tile's end (``SKIP_EMPTY_HALF``: the bottom 64 rows of a tile
+    of at most 64): its ``steps`` steps from ring step ``g`` waited for and given back, no wgmma (the other warpgroup
+    then has the tensor cores to itself); returns the next step. Each wait keeps this consumer within a ring round
+    of the loads, so its arrivals count for the right round of each slot."""
+    for _ in range(steps):
+        s = g % STAGES
+        mbarrier.wait(full.index(s), (g // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+        g += 1
+    return g
+
+
+@gluon.jit
 def ring_barriers(STAGES: gl.constexpr, FULL_ARRIVALS: gl.constexpr = 1):
     """A ring's ``full`` barriers (FULL_ARRIVALS: the expect's arrival with the step's TMA bytes, and a gathering
     producer's threads', ``gluon_gather.full_arrivals``) and ``empty`` ones (an arrive per consumer warpgroup,

@@ -269,13 +269,14 @@ def forward_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool, act
     the planner's stages unless ``stages`` (4 measured 2-6 % slower than 3; at least ``gluon_ring.MIN_STAGES``),
     one wgmma in flight
     (benchmarks/results/2026-12-03-forward-warp-specialized); ``ping_pong``: down's warpgroups take whole tiles in
-    turn (``forward_warp_specialized.ping_pong_consumer``, one wgmma step always in flight)."""
+    turn (``forward_warp_specialized.ping_pong_consumer``, one wgmma step always in flight); a tile of at most 64
+    rows in one warpgroup where :data:`SKIP_EMPTY_HALF`."""
     if ping_pong and gate_up:
         raise ValueError("ping-pong runs down's tiles only")
     return dict(GATE_UP=gate_up, ACT=act, NUM_PROGRAMS=programs, BLOCK_N=tile.block_n,
                 BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                 STAGES=max(gluon_ring.MIN_STAGES, stages or tile.num_stages),
-                MMA_IN_FLIGHT=mma_in_flight, PING_PONG=ping_pong)
+                MMA_IN_FLIGHT=mma_in_flight, PING_PONG=ping_pong, SKIP_EMPTY_HALF=SKIP_EMPTY_HALF)
 
 
 def forward_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
@@ -362,6 +363,12 @@ GATHER_BACKWARD = runtime.env_switch("MEGAMOE_GATHER_BACKWARD", True)
 #: step's A/B, call 53, has not).
 PING_PONG_DOWN = runtime.env_switch("MEGAMOE_PING_PONG_DOWN", False)
 PING_PONG_DX = runtime.env_switch("MEGAMOE_PING_PONG_DX", False)
+#: Hopper's Gluon row tiles (gate/up, the dacts, the FP8 forward, the ping-pong down and dx) run a tile of at most 64
+#: rows (an expert's tail: 42 of kimi-k2's ~170-row experts, 1 of deepseek-v3's ~257) in one warpgroup: the other
+#: passes its steps without wgmmas and the producer loads no bottom A half (the same bits: those rows are never
+#: stored). At 128-row tiles the MMAs run 1.50x kimi-k2's rows and 1.26x deepseek-v3's, 1.14x / 1.13x with it
+#: (``bench/problem`` routing, 8192 tokens). Off by default until a GPU has run its bits and its A/B.
+SKIP_EMPTY_HALF = runtime.env_switch("MEGAMOE_SKIP_EMPTY_HALF", False)
 
 
 def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:

@@ -292,17 +292,18 @@ def nothing_to_launch(grads: ExpertGrads, experts: int, rows: int) -> bool:
 
 def dx_ws_constexprs(tile: TileConfig, programs: int) -> dict:
     """The Gluon ping-pong dx's constexprs at ``tile`` (``planner.tiles.ping_pong_tile``; shared with the sm_90 build
-    check): its BLOCK_K, task order and ring depth (at least ``gluon_ring.MIN_STAGES``)."""
+    check): its BLOCK_K, task order and ring depth (at least ``gluon_ring.MIN_STAGES``); ``SKIP_EMPTY_HALF``, the
+    switch's."""
     return dict(NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
+                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages), SKIP_EMPTY_HALF=expert_ops.SKIP_EMPTY_HALF)
 
 
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:
     """The Gluon dacts' constexprs at ``tile`` (BF16's and FP8-block's; shared with the sm_90 build check): the
     plan's BLOCK_K (FP8-block's is its scale block, 128), ring depth (at least ``gluon_ring.MIN_STAGES``: a wgmma
-    group, or FP8's second K step, stays in flight) and task order."""
+    group, or FP8's second K step, stays in flight) and task order; ``SKIP_EMPTY_HALF``, the switch's."""
     return dict(ACT=act, NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
+                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages), SKIP_EMPTY_HALF=expert_ops.SKIP_EMPTY_HALF)
 
 
 def expert_backward_reference(

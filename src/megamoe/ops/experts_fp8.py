@@ -19,6 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from megamoe import checks
 from megamoe import runtime
 from megamoe.config import SWIGLU, Activation
+from megamoe.ops import experts as expert_ops  # its switches, read at each call (tests set them)
 from megamoe.ops.experts import ExpertForwardQuantized, warp_specialized_forward
 from megamoe.ops.launch import flat_row_stride, launch_row_tasks, scratch_allocator
 from megamoe.planner.tiles import TileConfig, mean_rows
@@ -168,9 +169,10 @@ def forward_fp8_ws_constexprs(tile: TileConfig, programs: int, *, gate_up: bool,
                               store_h: bool = True) -> dict:
     """The Gluon kernel's constexprs at ``tile`` (shared with the sm_90 build check, so it compiles what runs): the
     plan's ring depth (gate/up 3, down 4: the fastest measured; at least ``gluon_ring.MIN_STAGES``: down holds two
-    steps' slots at once) and task order."""
+    steps' slots at once) and task order; ``SKIP_EMPTY_HALF``, the switch's (``megamoe.ops.experts``)."""
     return dict(GATE_UP=gate_up, ACT=act, STORE_H=store_h, SOFT_E4M3=soft_e4m3_default(),
-                NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages))
+                NUM_PROGRAMS=programs, GROUP_M=tile.group_m, STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages),
+                SKIP_EMPTY_HALF=expert_ops.SKIP_EMPTY_HALF)
 
 
 def forward_fp8_ws(a_q, a_scale, counts, offsets, w_q, w_scale, out, tile: TileConfig, programs: int, *,

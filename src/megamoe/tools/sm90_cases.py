@@ -82,6 +82,13 @@ def _row_task_consts(kernel, tile, **more) -> tuple[dict, dict]:
     return {name: "constexpr" for name in values}, values
 
 
+def _skipping_empty_halves(cases: dict, *names: str) -> dict[str, Case]:
+    """``names``' Gluon row tiles with a tile of at most 64 rows in one warpgroup (``SKIP_EMPTY_HALF``, the
+    ``megamoe.ops.experts`` switch: its own producer predicates and consumer branch)."""
+    return {f"{name} (empty halves skipped)": dataclasses.replace(
+        cases[name], constexprs={**cases[name].constexprs, "SKIP_EMPTY_HALF": True}) for name in names}
+
+
 def gemm_cases() -> dict[str, Case]:
     from megamoe.kernels import dact_warp_specialized, expert_gemm, expert_gemm_bwd, forward_warp_specialized
     from megamoe.kernels import dx_warp_specialized, wgrad_warp_specialized
@@ -188,7 +195,10 @@ def gemm_cases() -> dict[str, Case]:
                 "skip_ptr": "*i32" if static_deal else "constexpr"},
                 {**wgrad_ws_constexprs(t_ws, SMS, **choice), "CARRY": carry, "A_GATHER": a_gather,
                  "OUT_T": out_t, **({} if static_deal else {"skip_ptr": None})}, num_warps=4)
-    return cases
+    return {**cases, **_skipping_empty_halves(cases, "forward_ws_kernel (gate/up)",
+                                              "forward_ws_kernel (gate/up, x rows by token)",
+                                              "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel",
+                                              "dact_ws_kernel (d_out rows by token)", "dx_ws_kernel (ping-pong)")}
 
 
 def fp8_cases() -> dict[str, Case]:
@@ -235,7 +245,9 @@ def fp8_cases() -> dict[str, Case]:
     cases["forward_fp8_ws_kernel (down, rows into slots)"] = dataclasses.replace(
         ws_down, signature={**ws_down.signature, "out_index_ptr": "*i32", "SCATTER": "constexpr"},
         constexprs={**ws_down.constexprs, "SCATTER": True})
-    return {**cases, **fp8_backward_cases()}
+    cases.update(fp8_backward_cases())
+    return {**cases, **_skipping_empty_halves(cases, "forward_fp8_ws_kernel (gate/up)", "forward_fp8_ws_kernel (down)",
+                                              "dact_fp8_ws_kernel")}
 
 
 def fp8_backward_cases() -> dict[str, Case]:
