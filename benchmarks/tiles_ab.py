@@ -8,8 +8,10 @@ cap and its SM clock falls from 1980 to ~1400 MHz over the first second (benchma
 clock_probe), so later candidates run hotter. Here every round runs each variant for --seconds back to back,
 after a first round that only warms up, and the table gives each variant's median ms over the rounds. Variants:
 128-row tiles (8 warps) and 64-row tiles (one warpgroup) for gate/up and down, in BF16, FP8-block or MXFP8
-(operands quantised once, untimed), and on Hopper in BF16 128-row tiles with down in the warp-specialised Gluon
-kernel; every variant's output is compared with the first's.
+(operands quantised once, untimed), and on Hopper the 128-row tiles with ``SKIP_EMPTY_HALF`` (a tile of at most
+64 rows in one warpgroup) and in BF16 128-row tiles with down in the warp-specialised Gluon kernel (cooperative, in
+ping-pong, the deepest ping-pong with ``SKIP_EMPTY_HALF`` too); every variant's output is compared with the
+first's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megamoe import runtime
 from megamoe.bench.experts import make_load
 from megamoe.config import preset
 from megamoe.megakernel.buffers import scale_dtype
+from megamoe.ops import experts as expert_ops
 from megamoe.ops.experts import ExpertForward, expert_forward, forward_ws, gate_up, warp_specialized_forward
 from megamoe.ops.experts_fp8 import ExpertForwardQuantized, expert_forward_fp8_block
 from megamoe.ops.experts_mxfp8 import expert_forward_mxfp8
@@ -73,11 +76,25 @@ def quantized_call(fmt: str, x, counts, offsets, wgu, wd):
     return (lambda out, tiles: FORWARD[fmt](*operands, out=out, tuning=Tuning(**tiles))), make_out
 
 
+def skipping_empty_halves(call):
+    """``call`` run with ``megamoe.ops.experts.SKIP_EMPTY_HALF`` on (read at each launch), then off again."""
+    def run():
+        expert_ops.SKIP_EMPTY_HALF = True
+        try:
+            call()
+        finally:
+            expert_ops.SKIP_EMPTY_HALF = False
+    return run
+
+
 def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, dict]:
     """{variant: fn} of ``precision``'s tile variants on one load, each called once, and {variant: its y}; on
-    Hopper BF16 also "Gluon down": 128-row tiles with down in the warp-specialised Gluon kernel (gate/up's; the
-    library runs down in Triton: 2 % faster on kimi-k2's 341-row experts), and that kernel in ping-pong (whole
-    128 x 128 tiles a warpgroup, in turn) at PING_PONG_STAGES ring depths."""
+    Hopper the 128-row tiles also with ``SKIP_EMPTY_HALF`` (a tile of at most 64 rows in one warpgroup: the Gluon
+    gate/up, FP8's down too), and BF16's "Gluon down": 128-row tiles with down in the warp-specialised Gluon kernel
+    (gate/up's; the library runs down in Triton: 2 % faster on kimi-k2's 341-row experts), and that kernel in
+    ping-pong (whole 128 x 128 tiles a warpgroup, in turn) at PING_PONG_STAGES ring depths, with and without
+    ``SKIP_EMPTY_HALF``."""
+    expert_ops.SKIP_EMPTY_HALF = False  # the other variants' switch, whatever the environment's
     rows, i, d = x.shape[0], wd.shape[2], wd.shape[1]
     quantized = quantized_call(precision, x, counts, offsets, wgu, wd) if precision in FORWARD else None
     outs, calls = {}, {}
@@ -93,6 +110,15 @@ def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, di
         calls[name] = call
         call()
         outs[name] = out.y
+        if name == "128-row" and precision != "mxfp8" and warp_specialized_forward(x.device, BF16_128["gate_up"]):
+            out = make_out() if quantized is not None else ExpertForward(
+                *(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=x.device) for n in (2 * i, i, d)))
+            call = skipping_empty_halves((lambda out=out, tiles=tiles: expert_forward(
+                x, counts, offsets, wgu, wd, out=out, tuning=Tuning(**tiles))) if quantized is None else (
+                lambda out=out, tiles=tiles: quantized[0](out, tiles)))
+            calls["128-row, empty halves skipped"] = call
+            call()
+            outs["128-row, empty halves skipped"] = out.y
     down_tile = BF16_128["down"]
     if precision == "bf16" and warp_specialized_forward(x.device, down_tile):
         out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=x.device)
@@ -117,6 +143,14 @@ def variant_calls(precision: str, x, counts, offsets, wgu, wd) -> tuple[dict, di
             calls[name] = ping_pong
             ping_pong()
             outs[name] = out.y
+            if stages == PING_PONG_STAGES[-1]:
+                out = ExpertForward(*(torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=x.device)
+                                      for n in (2 * i, i, d)))
+                skipping = skipping_empty_halves(lambda out=out, stages=stages, pp_tile=pp_tile: ping_pong(
+                    out, stages, pp_tile))
+                calls[f"{name}, empty halves skipped"] = skipping
+                skipping()
+                outs[f"{name}, empty halves skipped"] = out.y
     return calls, outs
 
 
