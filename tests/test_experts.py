@@ -788,15 +788,21 @@ def test_gpu_ping_pong_down_gives_the_triton_tiles_bits(i, stages, programs, wit
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("i, programs", [(160, 5), (48, 3), (512, 4)])
 @pytest.mark.parametrize("scatter", [False, True])
-def test_gpu_ping_pong_dx_gives_the_triton_tiles_bits(i, programs, scatter, monkeypatch):
-    """The Gluon dx in ping-pong (``dx`` on Hopper at short K) against ``dx_kernel``: the same bits on a load with an
-    empty expert, partial row tiles, partial n-tiles (D 448), K = 2I of 96 (2 steps, partial), 320 and 1024 against
-    6 ring slots, tasks dealt unevenly over the programs; rows in order or into their slots (SCATTER: a permutation
-    of the slots with routes dropped, index -1); NaN-poisoned outputs."""
+@pytest.mark.parametrize("form", ["ping-pong", "cooperative", "cooperative, empty halves skipped"])
+def test_gpu_gluon_dx_gives_the_triton_tiles_bits(i, programs, scatter, form, monkeypatch):
+    """The Gluon dx (``dx`` on Hopper: in ping-pong at short K, ``MEGAMOE_PING_PONG_DX``; cooperative at the
+    planner's 128 x 256 tile, ``MEGAMOE_GLUON_DX``, also with ``SKIP_EMPTY_HALF``) against ``dx_kernel``: the same
+    bits on a load with an empty expert, partial row tiles (four of at most 64 rows), partial n-tiles (D 448), K =
+    2I of 96 (2 steps, partial), 320 and 1024 against the ring's slots, tasks dealt unevenly over the programs; rows
+    in order or into their slots (SCATTER: a permutation of the slots with routes dropped, index -1); NaN-poisoned
+    outputs."""
     import dataclasses
     from megamoe.ops import experts as expert_ops, experts_bwd
 
-    monkeypatch.setattr(expert_ops, "PING_PONG_DX", True)  # dx's own path at any default
+    # dx's own path at any default
+    monkeypatch.setattr(expert_ops, "PING_PONG_DX", form == "ping-pong")
+    monkeypatch.setattr(expert_ops, "GLUON_DX", form != "ping-pong")
+    monkeypatch.setattr(expert_ops, "SKIP_EMPTY_HALF", form.endswith("skipped"))
     gpu = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(14)
     counts = torch.tensor([70, 0, 33, 129, 5, 200, 131, 256], dtype=torch.int32, device="cuda")
@@ -975,21 +981,22 @@ def test_gemm_kernels_compile_to_wgmma_and_tma_for_sm90():
     dynamic = {"wgrad_ws_kernel (carry) (dynamic)", "wgrad_ws_kernel (carry) (x rows by token, dynamic)"}
     planned = {"wgrad_ws_kernel (carry) (planned)", "wgrad_ws_kernel (carry) (x rows by token, planned)"}
     whole = {"wgrad_ws_kernel (carry) (whole halves)", "wgrad_ws_kernel (carry) (x rows by token, whole halves)"}
-    ping_pong_dx = {"dx_ws_kernel (ping-pong)", "dx_ws_kernel (ping-pong, into the slots)"}
+    gluon_dx = {"dx_ws_kernel (ping-pong)", "dx_ws_kernel (ping-pong, into the slots)",
+                    "dx_ws_kernel (cooperative)", "dx_ws_kernel (cooperative, into the slots)"}
     skipping = {f"{name} (empty halves skipped)" for name in (
         "forward_ws_kernel (gate/up)", "forward_ws_kernel (gate/up, x rows by token)",
         "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel", "dact_ws_kernel (d_out rows by token)",
-        "dx_ws_kernel (ping-pong)")}
+        "dx_ws_kernel (ping-pong)", "dx_ws_kernel (cooperative)")}
     assert set(summary) == {"gate_up_kernel", "down_kernel", "dact_swiglu_bwd_kernel", "dx_kernel",
                             "dx_kernel (few rows per expert)", "dx_kernel (into the slots)",
                             "forward_ws_kernel (gate/up)", "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel",
-                            *ping_pong_dx, *wgrads, *by_token, *dynamic, *whole, *planned, *skipping}
+                            *gluon_dx, *wgrads, *by_token, *dynamic, *whole, *planned, *skipping}
     for name, facts in summary.items():
         assert facts["wgmma"] > 0 and facts["wgmma_bf16"] and facts["tma"], (name, facts)
         assert facts["shared_bytes"] <= 227 * 1024, (name, facts)
     for name in ("wgrad_ws_kernel", "wgrad_ws_kernel (few rows per expert)", "wgrad_ws_kernel (carry)",
                  "wgrad_ws_kernel (few rows per expert, carry)", "forward_ws_kernel (gate/up)",
-                 "forward_ws_kernel (down, ping-pong)", *ping_pong_dx, "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
+                 "forward_ws_kernel (down, ping-pong)", *gluon_dx, "dact_ws_kernel", "wgrad_kernel (carry)", "wgrad_kernel (few rows per expert, carry)",
                  "dx_kernel (into the slots)", *by_token, *dynamic, *whole, *planned):  # the gathering producers: 96 registers
         assert not summary[name]["local_memory"] and summary[name]["stack_bytes"] in (0, None), summary[name]
     for name in (*by_token, "wgrad_ws_kernel (carry) (x rows by token, planned)"):  # each gather is cp.async pieces

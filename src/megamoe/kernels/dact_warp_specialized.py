@@ -168,20 +168,21 @@ def dact_fp8_ws_kernel(dy_ptr, w_t_ptr, dy_scale_ptr, w_t_scale_ptr, h_ptr, row_
 def kn_weights_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                         tile_run_ptr, num_tiles_ptr, K, N, a_smem, w_smem, full, empty, NUM_PROGRAMS: gl.constexpr,
                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, a_index_ptr,
-                        A_GATHER: gl.constexpr, SKIP_EMPTY_HALF: gl.constexpr = False):
+                        A_GATHER: gl.constexpr, SKIP_EMPTY_HALF: gl.constexpr = False,
+                        BLOCK_N: gl.constexpr = BLOCK):
     """BF16 with weights stored K by N (w `[w_rows = L*K, N]`: w_down for the dact, w_gate_up for dx): each task's
-    K steps, A's two 64-row halves [64 x BK] and the expert's weight rows k.. as stored ([BK x 128], N-major; the
+    K steps, A's two 64-row halves [64 x BK] and the expert's weight rows k.. as stored ([BK x BLOCK_N], N-major; the
     descriptor spans every expert's rows as the Triton kernels' do). A_GATHER: A row r is row ``a_index[r]`` of a
     (``megamoe.kernels.gluon_gather``). SKIP_EMPTY_HALF: a tile's bottom A half not loaded where it has no rows
     (``forward_warp_specialized.expect_a_halves``)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     a_desc = tma.make_tensor_descriptor(a_ptr, [rows, K], [stride_a, 1], [HALF_M, BLOCK_K], a_layout)
-    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, N], [N, 1], [BLOCK_K, BLOCK], w_layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [w_rows, N], [N, 1], [BLOCK_K, BLOCK_N], w_layout)
     A_TMA_ROWS: gl.constexpr = 0 if A_GATHER else 2 * HALF_M
-    step_bytes: gl.constexpr = (A_TMA_ROWS + BLOCK) * BLOCK_K * 2
+    step_bytes: gl.constexpr = (A_TMA_ROWS + BLOCK_N) * BLOCK_K * 2
     a_half_bytes: gl.constexpr = HALF_M * BLOCK_K * 2
-    num_n = gl.cdiv(N, BLOCK)
+    num_n = gl.cdiv(N, BLOCK_N)
     num_tasks = gl.load(num_tiles_ptr) * num_n
     g = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -198,7 +199,7 @@ def kn_weights_producer(a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, t
             else:
                 expect_a_halves(a_desc, row0, row_end, k, full.index(s), a_smem, s, step_bytes, a_half_bytes,
                                 SKIP_EMPTY_HALF)
-            tma.async_copy_global_to_shared(w_desc, [expert * K + k, n * BLOCK], full.index(s), w_smem.index(s))
+            tma.async_copy_global_to_shared(w_desc, [expert * K + k, n * BLOCK_N], full.index(s), w_smem.index(s))
             if A_GATHER:  # under the weights' TMA; each thread's landing one of the barrier's arrivals
                 copy_rows_async(top, top_ok, k, K, a_smem.index(2 * s), BLOCK_K)
                 copy_rows_async(bottom, bottom_ok, k, K, a_smem.index(2 * s + 1), BLOCK_K)

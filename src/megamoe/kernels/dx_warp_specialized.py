@@ -19,8 +19,8 @@ from triton.experimental.gluon import language as gl
 
 from megamoe.kernels.dact_warp_specialized import kn_weights_producer
 from megamoe.kernels.forward_fp8_warp_specialized import BLOCK
-from megamoe.kernels.forward_warp_specialized import (HALF_M, REGS_PRODUCER, invalidate_turns, ping_pong_consumer,
-                                                      ping_pong_turns)
+from megamoe.kernels.forward_warp_specialized import (HALF_M, REGS_PRODUCER, cooperative_consumer,
+                                                      invalidate_turns, ping_pong_consumer, ping_pong_turns)
 from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 
 
@@ -28,31 +28,63 @@ from megamoe.kernels.gluon_ring import invalidate_ring, ring_barriers
 def dx_ws_kernel(d_h_ptr, w_ptr, d_x_ptr, d_x_index_ptr, stride_d_h, stride_d_x, tile_expert_ptr, tile_row0_ptr,
                  tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, rows, w_rows, K, N, NUM_PROGRAMS: gl.constexpr,
                  BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCATTER: gl.constexpr = False,
-                 SKIP_EMPTY_HALF: gl.constexpr = False):
-    """One persistent launch of 128 x 128 dx tiles: d_h `[rows, K = 2I]`, w = w_gate_up `[w_rows = L*K, N = D]`, out
-    d_x `[rows, N]` (SCATTER: `[S, N]`, row r at ``d_x_index[r]``, int32; else d_x_index is never read), bf16.
-    SKIP_EMPTY_HALF: a tile of at most 64 rows runs its top half's wgmmas only (the same bits)."""
+                 SKIP_EMPTY_HALF: gl.constexpr = False, PING_PONG: gl.constexpr = True,
+                 BLOCK_N: gl.constexpr = BLOCK):
+    """One persistent launch of 128 x BLOCK_N dx tiles: d_h `[rows, K = 2I]`, w = w_gate_up `[w_rows = L*K, N = D]`,
+    out d_x `[rows, N]` (SCATTER: `[S, N]`, row r at ``d_x_index[r]``, int32; else d_x_index is never read), bf16.
+    PING_PONG (BLOCK_N 128): each warpgroup whole tiles in turn; else cooperative, each warpgroup 64 rows of every
+    tile (``forward_warp_specialized.cooperative_consumer``, one wgmma group in flight). SKIP_EMPTY_HALF: a tile of at
+    most 64 rows runs one half's wgmmas only (the same bits)."""
+    gl.static_assert(not PING_PONG or BLOCK_N == BLOCK, "the ping-pong dx holds two 64 x 128 accumulators")
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK_K], gl.bfloat16)
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK], gl.bfloat16)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
-    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK], w_layout)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], w_layout)
     full, empty = ring_barriers(STAGES)
-    turn = ping_pong_turns()
-    gl.warp_specialize(
-        [(ping_pong_consumer, (d_x_ptr, d_x_ptr, d_x_index_ptr, stride_d_x, tile_expert_ptr, tile_row0_ptr,
-                               tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn,
-                               gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK), gl.constexpr(BLOCK_K),
-                               gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(False), gl.constexpr(True),
-                               gl.constexpr(SCATTER), gl.constexpr(SKIP_EMPTY_HALF))),
-         (ping_pong_consumer, (d_x_ptr, d_x_ptr, d_x_index_ptr, stride_d_x, tile_expert_ptr, tile_row0_ptr,
-                               tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty, turn,
-                               gl.constexpr(1), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK), gl.constexpr(BLOCK_K),
-                               gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(False), gl.constexpr(True),
-                               gl.constexpr(SCATTER), gl.constexpr(SKIP_EMPTY_HALF))),
-         (kn_weights_producer, (d_h_ptr, w_ptr, rows, w_rows, stride_d_h, tile_expert_ptr, tile_row0_ptr,
-                                tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, K, N, a_smem, w_smem, full, empty,
-                                gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
-                                gl.constexpr(STAGES), d_h_ptr, gl.constexpr(False), gl.constexpr(SKIP_EMPTY_HALF)))],
-        [4, 1], [232, REGS_PRODUCER])
-    invalidate_turns(turn)
+    if not PING_PONG:
+        gl.warp_specialize(
+            [(cooperative_consumer, (d_x_ptr, d_x_ptr, d_x_ptr, stride_d_x, stride_d_x, tile_expert_ptr,
+                                     tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, 0.0, 0.0,
+                                     a_smem, w_smem, full, empty, gl.constexpr(0), gl.constexpr(False),
+                                     gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                     gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                     gl.constexpr(True), gl.constexpr(False), gl.constexpr(False),
+                                     gl.constexpr(False), gl.constexpr(SKIP_EMPTY_HALF), d_x_index_ptr,
+                                     gl.constexpr(True), gl.constexpr(SCATTER))),
+             (cooperative_consumer, (d_x_ptr, d_x_ptr, d_x_ptr, stride_d_x, stride_d_x, tile_expert_ptr,
+                                     tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, 0.0, 0.0,
+                                     a_smem, w_smem, full, empty, gl.constexpr(1), gl.constexpr(False),
+                                     gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                     gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                     gl.constexpr(True), gl.constexpr(False), gl.constexpr(False),
+                                     gl.constexpr(False), gl.constexpr(SKIP_EMPTY_HALF), d_x_index_ptr,
+                                     gl.constexpr(True), gl.constexpr(SCATTER))),
+             (kn_weights_producer, (d_h_ptr, w_ptr, rows, w_rows, stride_d_h, tile_expert_ptr, tile_row0_ptr,
+                                    tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, K, N, a_smem, w_smem, full, empty,
+                                    gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
+                                    gl.constexpr(STAGES), d_h_ptr, gl.constexpr(False),
+                                    gl.constexpr(SKIP_EMPTY_HALF), gl.constexpr(BLOCK_N)))],
+            [4, 1], [232, REGS_PRODUCER])
+    else:
+        turn = ping_pong_turns()
+        gl.warp_specialize(
+            [(ping_pong_consumer, (d_x_ptr, d_x_ptr, d_x_index_ptr, stride_d_x, tile_expert_ptr, tile_row0_ptr,
+                                   tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
+                                   turn, gl.constexpr(0), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK),
+                                   gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                   gl.constexpr(False), gl.constexpr(True), gl.constexpr(SCATTER),
+                                   gl.constexpr(SKIP_EMPTY_HALF))),
+             (ping_pong_consumer, (d_x_ptr, d_x_ptr, d_x_index_ptr, stride_d_x, tile_expert_ptr, tile_row0_ptr,
+                                   tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
+                                   turn, gl.constexpr(1), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK),
+                                   gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                   gl.constexpr(False), gl.constexpr(True), gl.constexpr(SCATTER),
+                                   gl.constexpr(SKIP_EMPTY_HALF))),
+             (kn_weights_producer, (d_h_ptr, w_ptr, rows, w_rows, stride_d_h, tile_expert_ptr, tile_row0_ptr,
+                                    tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, K, N, a_smem, w_smem, full, empty,
+                                    gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M),
+                                    gl.constexpr(STAGES), d_h_ptr, gl.constexpr(False),
+                                    gl.constexpr(SKIP_EMPTY_HALF)))],
+            [4, 1], [232, REGS_PRODUCER])
+        invalidate_turns(turn)
     invalidate_ring(full, empty, STAGES)

@@ -157,16 +157,19 @@ def add_bias_columns(acc, b_ptr, offset, col0, N, SPLIT: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-              tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty,
-              HALF: gl.constexpr, GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, A_GATHER: gl.constexpr, MX_ROUND: gl.constexpr,
-              SKIP_EMPTY_HALF: gl.constexpr):
+def cooperative_consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr,
+                         tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full, empty,
+                         HALF: gl.constexpr, GATE_UP: gl.constexpr, ACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                         MMA_IN_FLIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, A_GATHER: gl.constexpr,
+                         MX_ROUND: gl.constexpr, SKIP_EMPTY_HALF: gl.constexpr, out_index_ptr=None,
+                         W_KN: gl.constexpr = False, SCATTER: gl.constexpr = False):
     """Rows HALF * 64 .. HALF * 64 + 63 of every tile of this program (one warpgroup). gate/up: out is h (gate
-    columns 0..N-1, up columns N..2N-1) and act_ptr act (MX_ROUND: rounded to the MXFP8 grid along N first); down:
-    out is y. HAS_BIAS: b_ptr's expert row is added to the accumulator first. SKIP_EMPTY_HALF: the bottom warpgroup
-    passes the steps of a tile of at most 64 rows (``gluon_ring.pass_steps``; none of its rows is stored)."""
+    columns 0..N-1, up columns N..2N-1) and act_ptr act (MX_ROUND: rounded to the MXFP8 grid along N first); down
+    (and dx, ``dx_warp_specialized``): out is y (SCATTER: row r at out's row ``out_index[r]``). HAS_BIAS: b_ptr's
+    expert row is added to the accumulator first. W_KN: the weight slots are [BK, BLOCK_N] N-major (dx's, as
+    stored), else [BLOCK_N, BK] K-major. SKIP_EMPTY_HALF: the bottom warpgroup passes the steps of a tile of at most
+    64 rows (``gluon_ring.pass_steps``; none of its rows is stored)."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, W_SLICES * BLOCK_N, 16])
@@ -189,25 +192,33 @@ def _consumer(out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, 
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
             if A_GATHER:  # cp.async's generic-proxy writes before the wgmma's async-proxy reads
                 fence_async_shared()
-            acc = warpgroup_mma(a_smem.index(2 * s + HALF), w_smem.index(s).permute((1, 0)), acc, is_async=True)
+            a = a_smem.index(2 * s + HALF)
+            if W_KN:
+                w = w_smem.index(s)
+            else:
+                w = w_smem.index(s).permute((1, 0))
+            acc = warpgroup_mma(a, w, acc, is_async=True)
             acc = release_step(acc, empty, s, k == 0, STAGES, MMA_IN_FLIGHT)
             g += 1
         acc = drain_steps(acc, empty, g, mma_k > 0, STAGES, MMA_IN_FLIGHT)
         if SKIP_EMPTY_HALF and HALF == 1:
             if mma_k > 0:  # a passed tile stores nothing
-                _forward_epilogue(acc, out_ptr, act_ptr, b_ptr, stride_out, stride_act, expert, row0 + HALF_M,
-                                  row_end, n, N, limit, alpha, GATE_UP, ACT, BLOCK_N, HAS_BIAS, MX_ROUND)
+                _forward_epilogue(acc, out_ptr, act_ptr, b_ptr, out_index_ptr, stride_out, stride_act, expert,
+                                  row0 + HALF_M, row_end, n, N, limit, alpha, GATE_UP, ACT, BLOCK_N, HAS_BIAS,
+                                  MX_ROUND, SCATTER)
         else:
-            _forward_epilogue(acc, out_ptr, act_ptr, b_ptr, stride_out, stride_act, expert, row0 + HALF * HALF_M,
-                              row_end, n, N, limit, alpha, GATE_UP, ACT, BLOCK_N, HAS_BIAS, MX_ROUND)
+            _forward_epilogue(acc, out_ptr, act_ptr, b_ptr, out_index_ptr, stride_out, stride_act, expert,
+                              row0 + HALF * HALF_M, row_end, n, N, limit, alpha, GATE_UP, ACT, BLOCK_N, HAS_BIAS,
+                              MX_ROUND, SCATTER)
 
 
 @gluon.jit
-def _forward_epilogue(acc, out_ptr, act_ptr, b_ptr, stride_out, stride_act, expert, first, row_end, n, N, limit,
-                      alpha, GATE_UP: gl.constexpr, ACT: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      MX_ROUND: gl.constexpr):
+def _forward_epilogue(acc, out_ptr, act_ptr, b_ptr, out_index_ptr, stride_out, stride_act, expert, first, row_end, n,
+                      N, limit, alpha, GATE_UP: gl.constexpr, ACT: gl.constexpr, BLOCK_N: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, MX_ROUND: gl.constexpr, SCATTER: gl.constexpr):
     """A cooperative consumer's stores of its rows first.. (those before row_end) at n-tile n: gate/up's h and act
-    (MX_ROUND: act on the MXFP8 grid), down's y; HAS_BIAS: the expert's bias row added first."""
+    (MX_ROUND: act on the MXFP8 grid), down's y (SCATTER: row r at y's row ``out_index[r]``); HAS_BIAS: the expert's
+    bias row added first."""
     W_SLICES: gl.constexpr = 2 if GATE_UP else 1
     mma: gl.constexpr = acc.type.layout
     runs: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [4, 1], [1, 0])
@@ -223,8 +234,11 @@ def _forward_epilogue(acc, out_ptr, act_ptr, b_ptr, stride_out, stride_act, expe
         if MX_ROUND:  # MXFP8 as BF16 operands (megamoe.ops.experts_mxfp8_bf16): 32-blocks along N
             act = mxfp8_round_tile(act, 1)
         store_half_tile(act_ptr, stride_act, act, first, rows_ok, col0, N - col0, runs)
+    elif SCATTER:
+        store_half_tile_at(out_ptr, stride_out, acc, out_index_ptr, first, rows_ok, col0, N - col0, runs)
     else:
         store_half_tile(out_ptr, stride_out, acc, first, rows_ok, col0, N - col0, runs)
+
 
 @gluon.jit
 def ping_pong_consumer(out_ptr, b_ptr, out_index_ptr, stride_out, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
@@ -380,20 +394,20 @@ def forward_ws_kernel(a_ptr, w_ptr, out_ptr, act_ptr, b_ptr, stride_a, stride_ou
         invalidate_turns(turn)
     else:
         gl.warp_specialize(
-            [(_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr,
-                          tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full,
-                          empty, gl.constexpr(0), gl.constexpr(GATE_UP), gl.constexpr(ACT),
-                          gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                          gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
-                          gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER), gl.constexpr(MX_ROUND),
-                          gl.constexpr(SKIP_EMPTY_HALF))),
-             (_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr, tile_row0_ptr,
-                          tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, limit, alpha, a_smem, w_smem, full,
-                          empty, gl.constexpr(1), gl.constexpr(GATE_UP), gl.constexpr(ACT),
-                          gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K),
-                          gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(MMA_IN_FLIGHT),
-                          gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER), gl.constexpr(MX_ROUND),
-                          gl.constexpr(SKIP_EMPTY_HALF))),
+            [(cooperative_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr,
+                                     tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, limit, alpha,
+                                     a_smem, w_smem, full, empty, gl.constexpr(0), gl.constexpr(GATE_UP),
+                                     gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                     gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                     gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
+                                     gl.constexpr(MX_ROUND), gl.constexpr(SKIP_EMPTY_HALF))),
+             (cooperative_consumer, (out_ptr, act_ptr, b_ptr, stride_out, stride_act, tile_expert_ptr,
+                                     tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, limit, alpha,
+                                     a_smem, w_smem, full, empty, gl.constexpr(1), gl.constexpr(GATE_UP),
+                                     gl.constexpr(ACT), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),
+                                     gl.constexpr(BLOCK_K), gl.constexpr(GROUP_M), gl.constexpr(STAGES),
+                                     gl.constexpr(MMA_IN_FLIGHT), gl.constexpr(HAS_BIAS), gl.constexpr(A_GATHER),
+                                     gl.constexpr(MX_ROUND), gl.constexpr(SKIP_EMPTY_HALF))),
              (forward_producer, (a_ptr, w_ptr, rows, w_rows, stride_a, tile_expert_ptr, tile_row0_ptr,
                                  tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, a_smem, w_smem, full, empty,
                                  gl.constexpr(GATE_UP), gl.constexpr(NUM_PROGRAMS), gl.constexpr(BLOCK_N),

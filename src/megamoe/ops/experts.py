@@ -369,6 +369,11 @@ PING_PONG_DX = runtime.env_switch("MEGAMOE_PING_PONG_DX", False)
 #: stored). At 128-row tiles the MMAs run 1.50x kimi-k2's rows and 1.26x deepseek-v3's, 1.14x / 1.13x with it
 #: (``bench/problem`` routing, 8192 tokens). Off by default until a GPU has run its bits and its A/B.
 SKIP_EMPTY_HALF = runtime.env_switch("MEGAMOE_SKIP_EMPTY_HALF", False)
+#: Hopper's dx at 128-row tiles that the ping-pong does not take (K = 2I past ``PING_PONG_MAX_K``, or the switch off)
+#: in the cooperative Gluon kernel (``dx_warp_specialized``, 128 x 256 tiles, the producer's ring; with
+#: :data:`SKIP_EMPTY_HALF` an expert's tail of at most 64 rows in one warpgroup), else the Triton ``dx_kernel`` (the
+#: same bits). Off by default until a GPU has run its bits and its A/B.
+GLUON_DX = runtime.env_switch("MEGAMOE_GLUON_DX", False)
 
 
 def gathers_on_load(gluon: bool, switch: bool, *sources: torch.Tensor) -> bool:

@@ -224,13 +224,14 @@ def dx(d_h: torch.Tensor, w_gate_up: torch.Tensor, grads: ExpertGrads, counts: t
     """The dx launch of :func:`expert_backward`: ``grads.d_x`` rows (or their slots, ``grads.d_x_index``) =
     ``d_h · w_gate_up[l]`` (K = 2I) over ``d_h``'s rows (at least one); int32 counts and offsets. ``gluon``: on
     Hopper 128-row tiles with K at most ``PING_PONG_MAX_K["dx"]`` run in the Gluon ping-pong
-    (``dx_warp_specialized``) where ``MEGAMOE_PING_PONG_DX`` is 1, else ``dx_kernel``: the same bits."""
+    (``dx_warp_specialized``) where ``MEGAMOE_PING_PONG_DX`` is 1, other 128-row tiles in its cooperative form where
+    ``MEGAMOE_GLUON_DX`` is 1, else ``dx_kernel``: the same bits."""
     experts, two_i, d = w_gate_up.shape
     c = tile
     scatter = grads.d_x_index is not None
-    ping_pong = (ping_pong_tile("dx", tile, two_i) if gluon and expert_ops.PING_PONG_DX
-                 and warp_specialized_forward(d_h.device, tile) else None)
-    if ping_pong is not None:
+    hopper = gluon and warp_specialized_forward(d_h.device, tile)
+    ping_pong = ping_pong_tile("dx", tile, two_i) if hopper and expert_ops.PING_PONG_DX else None
+    if ping_pong is not None or (hopper and expert_ops.GLUON_DX):
         rows = d_h.shape[0]
         tile_map = build_row_tiles(counts, offsets, rows, 128)
         with scratch_allocator():
@@ -239,7 +240,7 @@ def dx(d_h: torch.Tensor, w_gate_up: torch.Tensor, grads: ExpertGrads, counts: t
                 grads.d_x_index if scatter else tile_map.tile_expert, d_h.stride(0), grads.d_x.stride(0),
                 tile_map.tile_expert, tile_map.tile_row0, tile_map.tile_row_end, tile_map.tile_run,
                 tile_map.num_tiles, rows, experts * two_i, two_i, d, num_warps=4, SCATTER=scatter,
-                **dx_ws_constexprs(ping_pong, programs))
+                **dx_ws_constexprs(ping_pong or tile, programs, ping_pong=ping_pong is not None))
         return
     launch_row_tasks(
         expert_gemm_bwd.dx_kernel, c, programs, counts, offsets, d_h.shape[0],
@@ -290,12 +291,13 @@ def nothing_to_launch(grads: ExpertGrads, experts: int, rows: int) -> bool:
     return not experts or not rows
 
 
-def dx_ws_constexprs(tile: TileConfig, programs: int) -> dict:
-    """The Gluon ping-pong dx's constexprs at ``tile`` (``planner.tiles.ping_pong_tile``; shared with the sm_90 build
-    check): its BLOCK_K, task order and ring depth (at least ``gluon_ring.MIN_STAGES``); ``SKIP_EMPTY_HALF``, the
-    switch's."""
+def dx_ws_constexprs(tile: TileConfig, programs: int, *, ping_pong: bool = True) -> dict:
+    """The Gluon dx's constexprs at ``tile`` (shared with the sm_90 build check): in ping-pong (``ping_pong``, at
+    ``planner.tiles.ping_pong_tile``'s 128 columns) or cooperative (at the tile's BLOCK_N), its BLOCK_K, task order
+    and ring depth (at least ``gluon_ring.MIN_STAGES``); ``SKIP_EMPTY_HALF``, the switch's."""
     return dict(NUM_PROGRAMS=programs, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages), SKIP_EMPTY_HALF=expert_ops.SKIP_EMPTY_HALF)
+                STAGES=max(gluon_ring.MIN_STAGES, tile.num_stages), SKIP_EMPTY_HALF=expert_ops.SKIP_EMPTY_HALF,
+                PING_PONG=ping_pong, BLOCK_N=128 if ping_pong else tile.block_n)
 
 
 def dact_ws_constexprs(tile: TileConfig, programs: int, *, act: int = 0) -> dict:

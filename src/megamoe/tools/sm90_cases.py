@@ -154,8 +154,13 @@ def gemm_cases() -> dict[str, Case]:
             t.num_stages)
     # what Hopper runs for dx at short K (2I <= PING_PONG_MAX_K["dx"]): the Gluon ping-pong, rows or slots
     pp = ping_pong_tile("dx", plan_tiles("dx", gpu), PING_PONG_MAX_K["dx"])
-    for name, scatter in (("dx_ws_kernel (ping-pong)", False), ("dx_ws_kernel (ping-pong, into the slots)", True)):
-        consts = {**dx_ws_constexprs(pp, SMS), "SCATTER": scatter}
+    # and, behind MEGAMOE_GLUON_DX, its cooperative form at the planner's 128-row tile
+    dx_tile = plan_tiles("dx", gpu)
+    for name, scatter, tile, ping in (("dx_ws_kernel (ping-pong)", False, pp, True),
+                                      ("dx_ws_kernel (ping-pong, into the slots)", True, pp, True),
+                                      ("dx_ws_kernel (cooperative)", False, dx_tile, False),
+                                      ("dx_ws_kernel (cooperative, into the slots)", True, dx_tile, False)):
+        consts = {**dx_ws_constexprs(tile, SMS, ping_pong=ping), "SCATTER": scatter}
         cases[name] = Case(dx_warp_specialized.dx_ws_kernel, {
             "d_h_ptr": "*bf16", "w_ptr": "*bf16", "d_x_ptr": "*bf16", "d_x_index_ptr": "*i32", "stride_d_h": "i32",
             "stride_d_x": "i32", **_TILES, "rows": "i32", "w_rows": "i32", "K": "i32", "N": "i32",
@@ -198,7 +203,8 @@ def gemm_cases() -> dict[str, Case]:
     return {**cases, **_skipping_empty_halves(cases, "forward_ws_kernel (gate/up)",
                                               "forward_ws_kernel (gate/up, x rows by token)",
                                               "forward_ws_kernel (down, ping-pong)", "dact_ws_kernel",
-                                              "dact_ws_kernel (d_out rows by token)", "dx_ws_kernel (ping-pong)")}
+                                              "dact_ws_kernel (d_out rows by token)", "dx_ws_kernel (ping-pong)",
+                                              "dx_ws_kernel (cooperative)")}
 
 
 def fp8_cases() -> dict[str, Case]:
