@@ -44,7 +44,8 @@ CPU_TOOLS = {
 #: Scripts that need a GPU (CUDA events, torch.cuda timing, H200-sized shapes): import and --help, and a CPU
 #: smoke of the parts that run without one.
 GPU_TOOLS = {
-    "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_trace.py", "fp8_wgrad_ab.py",
+    "backward_kernels.py", "backward_memory.py", "backward_per_sm.py", "backward_tiles_ab.py", "backward_trace.py",
+    "fp8_wgrad_ab.py",
     "gemm_ceiling.py",
     "gemm_vs_dense.py", "megakernel_per_sm.py", "quant_bench.py", "schedule_bench.py", "tiles_ab.py",
     "weighted_sum_bench.py", "wgrad_gather_ab.py",
@@ -462,6 +463,32 @@ def test_tiles_ab_variants_give_the_same_bits(precision):
     assert list(calls) == list(tiles_ab.VARIANTS[precision])
     first = outs["128-row"]
     assert not first.isnan().any() and all(torch.equal(y, first) for y in outs.values())
+
+
+def test_backward_tiles_ab_variants_give_the_same_bits_and_leave_the_switches_off():
+    """The backward A/B's premise on a tiny load (the interpreter's tiles, which the switches do not touch): each
+    variant's call gives the planned gradients, under its switches, and turns every switch off after it."""
+    import backward_tiles_ab
+    from megamoe.bench.experts import backward_load
+    from megamoe.config import MoEConfig
+    from megamoe.ops import experts as expert_ops
+    from megamoe.ops.experts_bwd import expert_backward
+
+    load = backward_load(MoEConfig(hidden=128, intermediate=64, num_experts=3, top_k=2), 3, 40, DEVICE)
+    table = backward_tiles_ab.variants(DEVICE, 80 / 3)
+    assert "planned" in table and "128-row Gluon dx, empty halves skipped" in table
+    seen = {}
+    for name, (tuning, switches) in table.items():
+        def call(tuning=tuning, name=name):
+            seen[name] = {s: getattr(expert_ops, s) for s in backward_tiles_ab.SWITCHES}
+            return expert_backward(*load.args, tuning=tuning)
+        grads = backward_tiles_ab.under(switches, call)()
+        assert seen[name] == {s: switches.get(s, False) for s in backward_tiles_ab.SWITCHES}, name
+        assert not any(getattr(expert_ops, s) for s in backward_tiles_ab.SWITCHES), name
+        prints = backward_tiles_ab.fingerprint(grads)
+        if name == "planned":
+            first = prints
+        assert all(torch.equal(a, b) for a, b in zip(prints, first)), name
 
 
 def test_quant_bench_cases_are_bit_exact_on_a_small_input(monkeypatch):
