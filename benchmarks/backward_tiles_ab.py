@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 
@@ -34,7 +33,7 @@ from megamoe.ops.experts_bwd import expert_backward, new_grads
 from megamoe.planner.tiles import plan_tiles
 from megamoe.planner.tuning import Tuning
 
-from sustained import interleaved_rounds  # benchmarks/, beside this script
+from sustained import interleaved_rounds, rounds_table  # benchmarks/, beside this script
 
 SWITCHES = ("SKIP_EMPTY_HALF", "GLUON_DX", "PING_PONG_DX")
 
@@ -99,11 +98,7 @@ def main() -> None:
     flops = 12 * rows * cfg.hidden * cfg.intermediate  # dact, dx, two wgrads
     print(f"{a.preset} expert backward, {a.experts} experts x ~{per_expert:.0f} rows, {a.rounds} rounds of "
           f"{a.seconds} s each")
-    print("| variant | ms (median) | min-max | TFLOP/s | same bits as planned |")
-    print("|---|---|---|---|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med:.3f} | {min(ts):.3f}-{max(ts):.3f} | {flops / med / 1e9:.0f} | {same[name]} |")
+    print(rounds_table(times, flops, same, "planned"))
 
 
 if __name__ == "__main__":

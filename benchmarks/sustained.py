@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -31,3 +32,13 @@ def interleaved_rounds(calls: dict, rounds: int, seconds: float, group: int = 4)
             if r:
                 times[name].append(1e3 * (end - start) / n)
     return times
+
+
+def rounds_table(times: dict[str, list[float]], flops: float, same: dict[str, bool], baseline: str) -> str:
+    """:func:`interleaved_rounds`' result as a Markdown table: each variant's median ms, its range, TFLOP/s at
+    ``flops`` a call, and whether it gave ``baseline``'s bits (``same``)."""
+    lines = [f"| variant | ms (median) | min-max | TFLOP/s | same bits as {baseline} |", "|---|---|---|---|---|"]
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        lines.append(f"| {name} | {med:.3f} | {min(ts):.3f}-{max(ts):.3f} | {flops / med / 1e9:.0f} | {same[name]} |")
+    return "\n".join(lines)

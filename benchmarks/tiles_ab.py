@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 
@@ -35,7 +34,7 @@ from megamoe.planner.tiles import TileConfig
 from megamoe.planner.tuning import Tuning
 from megamoe.precision import SCALE_BLOCK
 
-from sustained import interleaved_rounds  # benchmarks/, beside this script
+from sustained import interleaved_rounds, rounds_table  # benchmarks/, beside this script
 
 BF16_128 = {"gate_up": TileConfig(128, 128, 64, 8, 3, 4), "down": TileConfig(128, 256, 64, 8, 3, 8, True)}
 BF16_64 = {"gate_up": TileConfig(64, 128, 64, 4, 4, 8), "down": TileConfig(64, 256, 64, 4, 4, 8, True)}
@@ -174,11 +173,7 @@ def main() -> None:
     flops = 6 * rows * d * i
     print(f"{a.preset} {a.precision}, {a.experts} experts x ~{rows // a.experts} rows, {a.rounds} rounds of "
           f"{a.seconds} s each")
-    print("| variant | ms (median) | min-max | TFLOP/s | same bits as 128-row |")
-    print("|---|---|---|---|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med:.3f} | {min(ts):.3f}-{max(ts):.3f} | {flops / med / 1e9:.0f} | {same[name]} |")
+    print(rounds_table(times, flops, same, "128-row"))
 
 
 if __name__ == "__main__":

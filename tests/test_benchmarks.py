@@ -190,6 +190,9 @@ def test_sustained_rounds_interleave_every_call(monkeypatch):
                                          seconds=0.01, group=2)
     assert set(times) == {"a", "b"} and all(len(t) == 2 and min(t) > 0 for t in times.values())
     assert calls[:2] == ["a", "a"] and "b" in calls  # groups of 2, one variant after the other
+    table = sustained.rounds_table({"a": [2.0, 1.0, 4.0], "b": [1.0]}, 3e9, {"a": True, "b": False}, "a")
+    assert table.splitlines()[0].endswith("same bits as a |") and "| a | 2.000 | 1.000-4.000 | 2 | True |" in table
+    assert "| b | 1.000 | 1.000-1.000 | 3 | False |" in table
 
 
 def test_ab_record_writes_the_result_and_prints_its_table(tmp_path, capsys):
