@@ -173,7 +173,7 @@ def test_warp_specialized_rings_have_two_slots_at_least():
 @pytest.mark.parametrize("d, i, activation, store_h", [(384, 384, EVERY_KIND[1], True), (512, 256, EVERY_KIND[0], False),
                                                        (384, 384, EVERY_KIND[2], True), (512, 256, EVERY_KIND[3], True)],
                          ids=lambda v: getattr(v, "kind", v))
-@pytest.mark.parametrize("skip_empty_half", [False, True], ids=["", "empty halves skipped"])
+@pytest.mark.parametrize("skip_empty_half", [False, True], ids=["whole halves", "empty halves skipped"])
 def test_gpu_fp8_ws_gives_the_triton_tiles_bits(d, i, activation, store_h, skip_empty_half, monkeypatch):
     """The warp-specialised Gluon kernel (what gate_up_fp8 / down_fp8 run on Hopper at 128-row tiles) against
     ``gate_up_fp8_kernel`` and ``down_fp8_kernel``: the same bits on a load with an empty expert and partial row

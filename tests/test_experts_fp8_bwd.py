@@ -169,7 +169,7 @@ def test_gpu_fp8_block_d_x_into_slots_gives_the_rows_bits():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("activation", EVERY_KIND[1:], ids=lambda a: a.kind)
-@pytest.mark.parametrize("skip_empty_half", [False, True], ids=["", "empty halves skipped"])
+@pytest.mark.parametrize("skip_empty_half", [False, True], ids=["whole halves", "empty halves skipped"])
 def test_gpu_fp8_block_backward_ws_gives_the_triton_tiles_bits(activation, skip_empty_half, monkeypatch):
     """On Hopper the dact, dx and wgrads run warp-specialised in Gluon
     (``dact_fp8_ws_kernel``, ``forward_fp8_ws_kernel``, ``wgrad_fp8_ws_kernel``):
