@@ -21,7 +21,7 @@ from megamoe.bench.problem import make_problem
 from megamoe.config import MoEConfig
 from megamoe.megakernel import megamoe_forward
 from megamoe.parallel.world import launch
-from megamoe.planner import KernelConfig
+from megamoe.planner import KernelConfig, LayerShape
 from megamoe.reference.ep import ep_reference_forward_backward
 
 from kinds import GEGLU, GPT_OSS, SWIGLU  # tests/kinds.py
@@ -332,6 +332,35 @@ def test_eager_layer_gives_the_ops_bits_and_grads_only_where_asked():
         for precision, (eager_fn, op_fn, same_out, same_grads, none, count) in per_rank.items():
             assert eager_fn == "EagerLayerBackward" and op_fn != eager_fn, (precision, eager_fn, op_fn)
             assert same_out and same_grads and none and count == 7, (precision, per_rank[precision])
+
+
+def _validations(world):
+    from megamoe.megakernel import MegaKernel, fuse_shared
+
+    p = _problem(world, CONFIG, (12,), "uniform", 0.0, 5, False)
+    leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.router_weights, p.w_gate_up, p.w_down)]
+    calls = []
+    check = MegaKernel.check_inputs
+    with mock.patch.object(MegaKernel, "check_inputs", lambda self, *a, **k: calls.append(1) or check(self, *a, **k)):
+        out = moe(world, leaves[0], p.top_experts, *leaves[1:], p.shared, max_tokens=12)
+        out.backward(p.d_out)
+        layer_calls = len(calls)
+        megamoe_forward(world, p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down, p.shared, max_tokens=12)
+        forward_calls = len(calls) - layer_calls
+        kernel = MegaKernel(world, LayerShape.of(CONFIG, world.size, 8), WRAPPING)  # 12 tokens do not fit
+        wrong = raised((lambda: kernel.forward(p.x, p.top_experts, p.router_weights, p.w_gate_up, p.w_down,
+                                               fuse_shared(p.shared)),), ValueError)
+    return layer_calls, forward_calls, len(calls) - layer_calls - forward_calls, wrong, all(
+        t.grad is not None for t in leaves)
+
+
+def test_the_layer_checks_its_inputs_once_and_a_kernel_called_alone_checks_them():
+    """``moe`` and ``megamoe_forward`` validate the pass's inputs and pick the kernel for their shape, so the kernel
+    does not check them again (``validated``: ~50 us of host time a pass saved); a MegaKernel called directly does,
+    and names the mismatch."""
+    layer_calls, forward_calls, direct_calls, wrong, grads = launch(_validations, 1)[0]
+    assert layer_calls == 0 and forward_calls == 0 and grads, (layer_calls, forward_calls, grads)
+    assert direct_calls == 1 and wrong is not None and "at most 8 tokens per rank" in wrong[0], (direct_calls, wrong)
 
 
 def _backward_error_word(world):

@@ -84,7 +84,8 @@ def _layer_forward(x: Tensor, top_experts: Tensor, router_weights: Tensor, w_gat
     out, ctx = kernel.forward(x.contiguous(), top_experts, router_weights, w_gate_up, w_down, fused,
                               Activation.parse(activation),
                               experts_q=QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down),
-                              buffers=kernel.training_buffers(), check=check, **contiguous_biases(b_gate_up, b_down))
+                              buffers=kernel.training_buffers(), check=check, validated=True,
+                              **contiguous_biases(b_gate_up, b_down))
     b, s = ctx.buffers, ctx.schedule
     shared_h = b.shared_h if b.shared_h is not None else x.new_empty(0, 0, dtype=torch.bfloat16)
     ring_x, ring_scale = (b.ring_x, b.ring_scale) if precision != "bf16" else (
@@ -141,7 +142,7 @@ def _layer_backward(d_out: Tensor, x: Tensor, top_experts: Tensor, router_weight
     q = QuantizedExperts.from_tensors(precision, experts_q, w_gate_up, w_down)
     g = kernel.backward(SavedForward(h, shared_h, schedule, *ring, q), d_out.to(torch.bfloat16), x.contiguous(),
                         top_experts, router_weights.contiguous(), w_gate_up, w_down, fused,
-                        Activation.parse(activation), check=check, fused=fused_backward,
+                        Activation.parse(activation), check=check, fused=fused_backward, validated=True,
                         **contiguous_biases(b_gate_up, b_down))
     d_gate_up, d_down = _unfuse_shared(g.shared_gate_up, g.shared_down, shared_gate_up, shared_down)
     return (g.x, g.router_weights, g.w_gate_up, g.w_down, _or_empty(g.b_gate_up, x), _or_empty(g.b_down, x),

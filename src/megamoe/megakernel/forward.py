@@ -112,7 +112,7 @@ def _forward(world, inputs: MoEInputs, config, precision, max_tokens, experts_q,
     weights = [w.detach() if experts_q is not None else w.detach().contiguous() for w in (i.w_gate_up, i.w_down)]
     out, _ = kernel.forward(i.x.detach().contiguous(), i.top_experts.detach(), i.router_weights.detach(), *weights,
                             fused, i.activation, experts_q=experts_q, buffers=kernel.scratch_buffers(), check=check,
-                            **contiguous_biases(i.b_gate_up, i.b_down))
+                            validated=True, **contiguous_biases(i.b_gate_up, i.b_down))
     return out
 
 

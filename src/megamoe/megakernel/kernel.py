@@ -266,11 +266,12 @@ class MegaKernel:
         return self._backward_ring
 
     def backward(self, saved, d_out, x, top_experts, router_weights, w_gate_up, w_down, shared, activation, *,
-                 check: bool = True, fused: bool = True, b_gate_up=None, b_down=None):
+                 check: bool = True, fused: bool = True, b_gate_up=None, b_down=None, validated: bool = False):
         """The backward of a forward pass of this kernel that left ``saved`` (collective): the backward
         megakernel (``megamoe.megakernel.backward``), or with ``fused=False`` (and on one rank, where the forward
         ran the expert kernels directly) the standalone kernels composed (``megamoe.megakernel.backward_composed``:
-        the same bits). ``b_gate_up``, ``b_down``: the forward's expert biases. Returns
+        the same bits). ``b_gate_up``, ``b_down``: the forward's expert biases; ``validated``: the forward's inputs
+        were checked by the caller (:meth:`forward`'s; ``d_out`` is checked here either way). Returns
         the :class:`~megamoe.megakernel.backward_composed.LayerGrads`."""
         from megamoe.megakernel.backward import fused_backward
         from megamoe.megakernel.backward_composed import composed_backward
@@ -278,7 +279,9 @@ class MegaKernel:
         if self.precision != "bf16" and fused and not self.direct:
             raise ValueError(f"the backward megakernel runs BF16 experts: the {self.precision} backward runs the "
                              f"standalone kernels composed (fused_backward=False, moe()'s default)")
-        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+        if not validated:
+            self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up,
+                              b_down)
         if not isinstance(d_out, torch.Tensor) or d_out.shape != x.shape or d_out.dtype != torch.bfloat16:
             raise ValueError(f"d_out must be bfloat16 of x's shape {tuple(x.shape)}, got {checks.describe(d_out)}")
         if fused and not self.direct:
@@ -334,16 +337,21 @@ class MegaKernel:
         check: bool = True,
         b_gate_up: torch.Tensor | None = None,
         b_down: torch.Tensor | None = None,
+        validated: bool = False,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """One forward pass (collective). Inputs as :func:`~megamoe.megakernel.forward.megamoe_forward`
         (validated there), ``shared`` one (gate_up, down) pair or None. ``buffers``: the layer's buffers to
         write (:meth:`new_buffers`; None allocates new ones); the returned context owns them until it is
         dropped, so pass only buffers no live context holds. ``check`` reads the error word after the pass (a
         host sync). ``b_gate_up`` bf16 `[L, 2I]`, ``b_down`` bf16 `[L, D]`: the routed experts' optional biases,
-        added in the gate/up and down epilogues (on the experts' rank)."""
+        added in the gate/up and down epilogues (on the experts' rank). ``validated``: the caller checked these
+        inputs against this kernel's shape (``moe``, ``megamoe_forward``: the kernel was chosen for their shape),
+        so :meth:`check_inputs` is not run again (~50 us of host time a pass on a 2-core CPU)."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
-        self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up, b_down)
+        if not validated:
+            self.check_inputs(x, top_experts, router_weights, w_gate_up, w_down, shared, activation, b_gate_up,
+                              b_down)
         if check:  # an earlier unchecked pass's error first
             self.check_errors()
         if experts_q is not None:
