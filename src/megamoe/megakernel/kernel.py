@@ -346,7 +346,7 @@ class MegaKernel:
         host sync). ``b_gate_up`` bf16 `[L, 2I]`, ``b_down`` bf16 `[L, D]`: the routed experts' optional biases,
         added in the gate/up and down epilogues (on the experts' rank). ``validated``: the caller checked these
         inputs against this kernel's shape (``moe``, ``megamoe_forward``: the kernel was chosen for their shape),
-        so :meth:`check_inputs` is not run again (~50 us of host time a pass on a 2-core CPU)."""
+        so :meth:`check_inputs` is not run again (25-50 us of host time a pass on a 2-core CPU)."""
         if self._broken is not None:
             raise RuntimeError(self._broken)
         if not validated:
