@@ -41,7 +41,7 @@ def dx_ws_kernel(d_h_ptr, w_ptr, d_x_ptr, d_x_index_ptr, stride_d_h, stride_d_x,
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF_M, BLOCK_K], a_layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_N], w_layout)
     full, empty = ring_barriers(STAGES)
-    if not PING_PONG:
+    if not PING_PONG:  # the cooperative consumer as down's: its act, bias and SwiGLU arguments (0.0) never read
         gl.warp_specialize(
             [(cooperative_consumer, (d_x_ptr, d_x_ptr, d_x_ptr, stride_d_x, stride_d_x, tile_expert_ptr,
                                      tile_row0_ptr, tile_row_end_ptr, tile_run_ptr, num_tiles_ptr, N, K, 0.0, 0.0,

@@ -229,7 +229,8 @@ def dx(d_h: torch.Tensor, w_gate_up: torch.Tensor, grads: ExpertGrads, counts: t
     experts, two_i, d = w_gate_up.shape
     c = tile
     scatter = grads.d_x_index is not None
-    hopper = gluon and warp_specialized_forward(d_h.device, tile)
+    # the switches first: warp_specialized_forward asks the device's capability, a host call on every dx
+    hopper = gluon and (expert_ops.PING_PONG_DX or expert_ops.GLUON_DX) and warp_specialized_forward(d_h.device, tile)
     ping_pong = ping_pong_tile("dx", tile, two_i) if hopper and expert_ops.PING_PONG_DX else None
     if ping_pong is not None or (hopper and expert_ops.GLUON_DX):
         rows = d_h.shape[0]
